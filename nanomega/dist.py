@@ -1,0 +1,227 @@
+"""The rank grid and the one layer every collective goes through.
+
+Idea: `world = dp * pp * tp` ranks laid out as `arange(world).view(dp, pp, tp)`: tensor parallel ranks are
+neighbours (inside a node, fastest links), pipeline stages next, data parallel outermost. Each axis gets its
+own process group, wrapped in an `Axis` whose collectives record (op, axis, dtype, bytes) in a `CommLog`, so
+lessons and tests can hold measured traffic against formulas. Device and backend are chosen here and
+nowhere else: nccl on CUDA, gloo on CPU.
+
+Bytes one rank sends for a collective over n ranks on a ring, for a tensor of B bytes:
+    all_reduce 2(n-1)/n * B      reduce_scatter (n-1)/n * B_in      all_gather (n-1)/n * B_out
+Lessons: lessons/02-data-parallel-and-zero.md (the formulas), lessons/09-3d-parallelism.md (the grid).
+"""
+import datetime
+import os
+import socket
+import traceback
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+        "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0 if n > 1 else 0.0,
+        "send": lambda n: 1.0, "recv": lambda n: 0.0}
+
+
+@dataclass
+class CommLog:
+    """Per-rank traffic: (op, axis, dtype) -> [calls, tensor bytes]. `wire_bytes` applies the ring factors."""
+    counts: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
+    sizes: dict = field(default_factory=dict)  # axis name -> ranks in it
+
+    def record(self, op, axis, n, tensor):
+        self.sizes[axis] = n
+        entry = self.counts[(op, axis, str(tensor.dtype).replace("torch.", ""))]
+        entry[0] += 1
+        entry[1] += tensor.numel() * tensor.element_size()
+
+    def bytes(self, op=None, axis=None) -> int:
+        return sum(b for (o, a, _), (_, b) in self.counts.items() if op in (None, o) and axis in (None, a))
+
+    def wire_bytes(self, axis=None) -> float:
+        return sum(RING[o](self.sizes[a]) * b for (o, a, _), (_, b) in self.counts.items() if axis in (None, a))
+
+    def reset(self):
+        self.counts.clear()
+
+    def table(self) -> str:
+        rows = [f"{op:>14} {axis:>3} {dt:>8} x{c:<5} {b / 2**20:10.3f} MiB"
+                for (op, axis, dt), (c, b) in sorted(self.counts.items())]
+        return "\n".join(rows)
+
+
+class Axis:
+    """One axis of the grid: its process group, this rank's place in it, and counted collectives."""
+
+    def __init__(self, name, group, ranks, rank, log):
+        self.name, self.group, self.ranks, self.log = name, group, list(ranks), log
+        self.size, self.rank = len(self.ranks), self.ranks.index(rank)
+
+    def _count(self, op, t):
+        if self.size > 1:
+            self.log.record(op, self.name, self.size, t)
+        return self.size > 1
+
+    def all_reduce(self, t, op=dist.ReduceOp.SUM):
+        if self._count("all_reduce", t):
+            dist.all_reduce(t, op=op, group=self.group)
+        return t
+
+    def all_gather(self, out, t):  # out: (size * t.shape[0], ...) contiguous
+        if self._count("all_gather", out):
+            dist.all_gather_single(out, t, group=self.group)
+        else:
+            out.copy_(t)
+        return out
+
+    def reduce_scatter(self, out, t):  # t: (size * out.shape[0], ...) contiguous, summed then split
+        if self._count("reduce_scatter", t):
+            dist.reduce_scatter_single(out, t, group=self.group)
+        else:
+            out.copy_(t)
+        return out
+
+    def broadcast(self, t, src_index=0):
+        if self._count("broadcast", t):
+            dist.broadcast(t, src=self.ranks[src_index], group=self.group)
+        return t
+
+    def p2p(self, sends=(), recvs=()):
+        """Batched point-to-point on this axis: sends/recvs are (tensor, index-in-axis) pairs; waits for all."""
+        ops = [dist.P2POp(dist.isend, t, self.ranks[i], self.group) for t, i in sends if self._count("send", t)]
+        ops += [dist.P2POp(dist.irecv, t, self.ranks[i], self.group) for t, i in recvs if self._count("recv", t)]
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+
+
+class Grid:
+    """The (dp, pp, tp) rank grid. Every rank builds every group, in the same order (a torch rule)."""
+
+    def __init__(self, dp=1, pp=1, tp=1):
+        world, rank = dist.get_world_size(), dist.get_rank()
+        for flag, v in (("--dp", dp), ("--pp", pp), ("--tp", tp)):
+            if v < 1:
+                raise ValueError(f"{flag} must be >= 1, got {v}")
+        if dp * pp * tp != world:
+            raise ValueError(f"world size {world} != dp {dp} x pp {pp} x tp {tp}; "
+                             f"launch dp*pp*tp processes or change the layout")
+        self.world, self.rank, self.log = world, rank, CommLog()
+        grid = torch.arange(world).view(dp, pp, tp)
+        self.dp_rank, self.pp_rank, self.tp_rank = [int(c) for c in (grid == rank).nonzero()[0]]
+        # slices along each axis: tp varies fastest, so (d, p, :) is one tp group
+        self.tp = self._axis("tp", [grid[d, p, :] for d in range(dp) for p in range(pp)])
+        self.pp = self._axis("pp", [grid[d, :, t] for d in range(dp) for t in range(tp)])
+        self.dp = self._axis("dp", [grid[:, p, t] for p in range(pp) for t in range(tp)])
+        # tied embedding: first and last pipeline stage sum the embedding gradients (Megatron's embedding group)
+        self.embed = self._axis("emb", [grid[d, [0, pp - 1], t].unique() for d in range(dp) for t in range(tp)])
+        self.device, self.backend = default_device(), dist.get_backend()
+
+    def _axis(self, name, slices):
+        mine = None
+        for ranks in slices:
+            ranks = ranks.tolist()
+            group = dist.new_group(ranks) if len(ranks) < self.world else dist.group.WORLD
+            if self.rank in ranks:
+                mine = Axis(name, group, ranks, self.rank, self.log)
+        return mine
+
+    def barrier(self):
+        dist.barrier()
+
+    @property
+    def first_stage(self):
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self):
+        return self.pp_rank == self.pp.size - 1
+
+    def __repr__(self):
+        return (f"Grid(rank {self.rank}/{self.world}: dp {self.dp_rank}/{self.dp.size}, "
+                f"pp {self.pp_rank}/{self.pp.size}, tp {self.tp_rank}/{self.tp.size}, {self.device})")
+
+
+def default_device(requested="auto") -> torch.device:
+    """The one place that decides the device: cuda:LOCAL_RANK when CUDA is there (or asked for), else cpu."""
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but CUDA is not available; use --device cpu")
+    if requested in ("auto", "cuda") and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init(device="auto", timeout_s=None):
+    """Start torch.distributed from torchrun's environment, or as a world of one, and pick the backend.
+
+    Under torchrun the group is built on torchrun's own store (is_master=False) behind a prefix keyed by
+    the restart count: after `--max-restarts` restarts a fresh store handshake is used each time (a plain
+    env:// init was seen to hang in gloo's connectFullMesh after restarts).
+    """
+    dev = default_device(device)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if dist.is_initialized():
+        return dev
+    timeout = datetime.timedelta(seconds=float(timeout_s or os.environ.get("NANOMEGA_TIMEOUT", 300)))
+    env = os.environ
+    if "WORLD_SIZE" not in env:  # a plain `python train.py`: a world of one
+        store, rank, world = dist.HashStore(), 0, 1
+    else:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+            store = dist.PrefixStore(f"nanomega/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
+        else:
+            store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, rank == 0, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return dev
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, fn, args, queue, threads):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(threads)  # ranks share the cores: oversubscription makes everything crawl
+    try:
+        init(device="cpu", timeout_s=120)
+        queue.put((rank, "ok", fn(*args)))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(fn, world, *args, timeout=300, threads=1):
+    """Run fn(*args) on `world` spawned CPU ranks (tests, lessons, bench); return the ranks' results.
+
+    spawn, not fork (fork hangs with OpenMP); a free port per world; the first error or the timeout kills all.
+    """
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue, threads), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        while len(results) < world:
+            rank, status, value = queue.get(timeout=timeout)
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]

@@ -1,0 +1,206 @@
+"""The dense GPT (GPT-2/GPT-3 family): the reference every parallel technique is checked against.
+
+Idea: a stack of pre-LayerNorm transformer blocks between an embedding and a tied LM head, built from
+small named pieces (Embedding, CausalSelfAttention, MLP, Block, Head) so that tp.py can swap in parallel
+linears, pp.py can keep only some pieces on a stage, recompute.py can wrap blocks and fused.py can swap in
+C++ kernels -- all without a second model file.
+
+Formulas:
+    parameters   N ~= 12 L h^2 + V h   (+ s h learned positions)
+    FLOPs/token  6 N' + 12 L h s        (N' = N without position embeddings; the 12 L h s term is
+                                         QK^T and AV: 2*2*s*h per layer forward, x3 for fwd+bwd)
+Lesson: lessons/01-dense-model.md
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 4096
+    block_size: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    alibi: bool = False  # BLOOM: linear attention biases instead of learned positions
+    embed_layernorm: bool = False  # BLOOM: a LayerNorm right after the embedding
+    make_vocab_size_divisible_by: int = 128  # Megatron pads V so each TP shard is a multiple of 128
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.make_vocab_size_divisible_by
+        return (self.vocab_size + m - 1) // m * m
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"--n-embd {self.n_embd} is not divisible by --n-head {self.n_head}; "
+                             f"pick n_embd as a multiple of n_head")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
+
+
+def bias_gelu(x, bias):
+    """GeLU(x + bias), tanh approximation as GPT-2. fused.py swaps in a one-pass kernel."""
+    return F.gelu(x + bias, approximate="tanh")
+
+
+def causal_softmax(scores, scale):
+    """softmax(scores * scale) over the last dim with future keys masked; fp32 inside, input dtype out."""
+    s_q, s_k = scores.shape[-2:]
+    future = torch.ones(s_q, s_k, dtype=torch.bool, device=scores.device).triu(s_k - s_q + 1)
+    probs = torch.softmax((scores.float() * scale).masked_fill(future, float("-inf")), dim=-1)
+    return probs.to(scores.dtype)
+
+
+def alibi_slopes(n_head: int) -> torch.Tensor:
+    """ALiBi head slopes 2^(-8i/n) (Press et al. 2022), with the paper's rule for n not a power of 2."""
+    def powers(n):
+        start = 2 ** (-8 / n)
+        return [start ** (i + 1) for i in range(n)]
+    p = 2 ** math.floor(math.log2(n_head))
+    slopes = powers(p) + powers(2 * p)[0::2][: n_head - p]
+    return torch.tensor(slopes)
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd)
+        self.wpe = None if cfg.alibi else nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.ln = nn.LayerNorm(cfg.n_embd) if cfg.embed_layernorm else None
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, idx):  # (b, s) -> (b, s, h)
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        if self.ln is not None:
+            x = self.ln(x)
+        return self.drop(x)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # output laid out as (3, n_head, head_dim)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.attn_drop = nn.Dropout(cfg.dropout)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+        # ALiBi slopes of the heads this module holds (tp.py keeps only its own heads' slopes)
+        self.register_buffer("slopes", alibi_slopes(cfg.n_head) if cfg.alibi else None, persistent=False)
+        self.scale_mask_softmax = causal_softmax
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = self.c_attn(x).view(b, s, 3, self.n_head, self.head_dim)  # n_head = heads held here
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (b, nh, s, hd)
+        y = self.core(q, k, v).transpose(1, 2).reshape(b, s, self.n_head * self.head_dim)
+        return self.resid_drop(self.c_proj(y))
+
+    def core(self, q, k, v):
+        """softmax(q k^T / sqrt(d) [+ alibi], causal) v -- the part selective recompute recomputes."""
+        scale = 1.0 / math.sqrt(self.head_dim)
+        scores = q @ k.transpose(-2, -1)  # (b, nh, s, s)
+        if self.slopes is not None:  # bias -slope*(i-j), divided by scale as the softmax rescales all
+            pos = torch.arange(q.shape[-2], device=q.device)
+            dist = (pos[None, :] - pos[:, None]).to(scores.dtype)  # (s, s): j - i <= 0 where unmasked
+            scores = scores + self.slopes.to(scores.dtype)[:, None, None] * dist / scale
+        probs = self.attn_drop(self.scale_mask_softmax(scores, scale))
+        return probs @ v  # (b, nh, s, hd)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
+        self.fc_bias = nn.Parameter(torch.zeros(4 * cfg.n_embd))  # kept apart so bias+GeLU can fuse
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.bias_gelu = bias_gelu
+
+    def forward(self, x):  # (b, s, h) -> (b, s, 4h) -> (b, s, h)
+        return self.drop(self.c_proj(self.bias_gelu(self.c_fc(x), self.fc_bias)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
+        self.loss_fn = cross_entropy
+
+    def forward(self, x, targets=None):
+        logits = self.lm_head(self.ln_f(x))  # (b, s, V)
+        return logits if targets is None else self.loss_fn(logits, targets)
+
+
+def cross_entropy(logits, targets):
+    """Mean token loss in fp32 (BLOOM: never the loss in half precision); -1 marks ignored targets."""
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=-1)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.embed = Embedding(cfg)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+        self.head = Head(cfg)
+        self.head.lm_head.weight = self.embed.wte.weight  # tied (pp.py unties across stages)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2: residual projections scaled by 1/sqrt(2L)
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, x, targets=None):
+        """x: token ids (b, s) on the first stage, hidden states (b, s, h) on later pipeline stages."""
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.head is None:
+            return x
+        return self.head(x, targets)
+
+
+def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> float:
+    """Training FLOPs per token: 6 N' + 12 L h s (PaLM appendix B; nanoGPT's estimate_mfu).
+
+    N' counts every parameter that takes part in a matmul: blocks, and the (tied) vocab matrix once, since
+    the LM head multiplies by it; position embeddings are a lookup and are left out. LayerNorm and bias
+    parameters are included, as in the 6N rule (they are a ~1e-3 correction).
+    """
+    L, h, s = cfg.n_layer, cfg.n_embd, seq_len or cfg.block_size
+    per_layer = 12 * h * h + 13 * h  # qkv 3h^2+3h, proj h^2+h, fc 4h^2+4h, proj 4h^2+h, 2 LN 4h
+    n = L * per_layer + cfg.padded_vocab_size * h + 2 * h + (2 * h if cfg.embed_layernorm else 0)
+    return 6 * n + 12 * L * h * s

@@ -1,0 +1,79 @@
+"""Generate text from a checkpoint: `python nanomega/sample.py --out-dir out --prompt "ROMEO:"`.
+
+Idea: autoregressive sampling -- run the model on the context (the last block_size tokens), take the last
+position's logits, divide by the temperature, keep the top k, sample, append, repeat.
+Works on the single-process checkpoints train.py writes (and on sharded ones after checkpoint gathering).
+Lesson: lessons/01-dense-model.md
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from nanomega import checkpoint, data
+from nanomega.model import GPT, GPTConfig
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+    """idx (b, t) -> (b, t + max_new_tokens). Padded vocabulary entries are never sampled."""
+    model.eval()
+    vocab = model.cfg.vocab_size
+    for _ in range(max_new_tokens):
+        logits = model(idx[:, -model.cfg.block_size:])[:, -1, :vocab].float()  # (b, V)
+        if temperature == 0:
+            nxt = logits.argmax(-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, vocab)).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx
+
+
+def load_model(out_dir):
+    folder = checkpoint.latest(out_dir)
+    if folder is None:
+        raise FileNotFoundError(f"--out-dir {out_dir} holds no checkpoint; train first (nanomega/train.py)")
+    import json
+    cfg = GPTConfig(**json.load(open(os.path.join(folder, "manifest.json")))["config"])
+    model = GPT(cfg)
+    model.load_state_dict(checkpoint.load_shard(folder, 0)["model"])
+    return model
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out-dir", default="out")
+    p.add_argument("--tokenizer", default="shakespeare-4k")
+    p.add_argument("--prompt", default="\n")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=100)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--num-samples", type=int, default=1)
+    args = p.parse_args(argv)
+    if args.temperature < 0 or args.max_new_tokens < 0 or args.top_k < 0:
+        raise ValueError("--temperature, --max-new-tokens and --top-k must be >= 0")
+    model = load_model(args.out_dir)
+    enc = data.get_tokenizer(args.tokenizer)
+    ids = enc.encode(args.prompt, allowed_special="all") or [enc.eot_token]
+    gen = torch.Generator().manual_seed(args.seed)
+    for _ in range(args.num_samples):
+        out = generate(model, torch.tensor([ids]), args.max_new_tokens, args.temperature, args.top_k, gen)
+        print(enc.decode(out[0].tolist()))
+        print("-" * 40)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
