@@ -126,8 +126,8 @@ def main(argv=None):
 
     cache = args.data_cache or os.path.join(args.out_dir, "data")
     meta = data.prepare(args.corpus, args.tokenizer, cache)
-    train_set = data.TokenDataset(meta["train"], meta["dtype"], args.block_size)
-    val_set = data.TokenDataset(meta["val"], meta["dtype"], args.block_size)
+    train_set = data.TokenDataset(meta["train_bin"], meta["dtype"], args.block_size)
+    val_set = data.TokenDataset(meta["val_bin"], meta["dtype"], args.block_size)
     cfg = model_config(args, meta["vocab_size"])
     global_batch = args.batch_size * args.grad_accum * grid.dp.size
     sampler = data.Sampler(len(train_set), global_batch, args.seed)

@@ -1,0 +1,394 @@
+// Fused CPU kernels (LayerNorm, causal softmax, bias + GeLU; forward and backward) and the Python bindings.
+//
+// These ops are memory-bound: a few FLOPs per byte, so their time is the bytes they move. Each kernel
+// reads its inputs once and writes its outputs once, where eager PyTorch runs one kernel per step and
+// writes every intermediate to memory. Rows are split across threads (at::parallel_for); inside a row
+// the columns go Vectorized<opmath_t>-wide (16 floats with AVX-512), the last partial chunk through a
+// masked load/store, and all arithmetic is in at::opmath_type (fp32 for bf16 inputs).
+// Lesson: lessons/08-fused-kernels.md
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "fused_ops.h"
+
+namespace nanomega {
+namespace cpu {
+namespace {
+
+using at::vec::Vectorized;
+template <typename T>
+using acc_t = at::opmath_type<T>;  // float for float and bf16, double for double
+template <typename T>
+using fVec = Vectorized<acc_t<T>>;
+template <typename T>
+constexpr bool kWide = std::is_same_v<T, acc_t<T>>;  // T is its own opmath type
+
+// n <= fVec::size() elements of T at p, widened to opmath; lanes past n read as 0
+template <typename T>
+inline fVec<T> load(const T* p, int64_t n) {
+  if constexpr (kWide<T>) {
+    return fVec<T>::loadu(p, n);
+  } else {
+    return std::get<0>(at::vec::convert_to_float<T>(Vectorized<T>::loadu(p, n)));
+  }
+}
+
+template <typename T>
+inline void store(T* p, const fVec<T>& v, int64_t n) {
+  if constexpr (kWide<T>) {
+    v.store(p, n);
+  } else {
+    at::vec::convert_from_float<T>(v, v).store(p, n);
+  }
+}
+
+// f(j, m) for each chunk [j, j + m) of [0, n): whole vectors (m a compile-time constant once
+// inlined), then at most one partial chunk, which load/store mask
+template <typename V, typename F>
+inline void for_chunks(int64_t n, const F& f) {
+  constexpr int64_t W = V::size();
+  int64_t j = 0;
+  for (; j + W <= n; j += W) f(j, W);
+  if (j < n) f(j, n - j);
+}
+
+template <typename V>
+inline typename V::value_type hsum(const V& v) {
+  return at::vec::vec_reduce_all<typename V::value_type>([](V a, V b) { return a + b; }, v);
+}
+
+template <typename V>
+inline typename V::value_type hmax(const V& v) {
+  return at::vec::vec_reduce_all<typename V::value_type>(
+      [](V a, V b) { return at::vec::maximum(a, b); }, v);
+}
+
+// rows per task so that one task touches ~32K elements (ATen's grain size): less is not worth a thread
+inline int64_t grain(int64_t width) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, width));
+}
+
+// where a softmax row keeps its exps: y itself when y holds opmath, else a scratch row
+template <typename T>
+inline acc_t<T>* exp_row(T* y, std::vector<acc_t<T>>& scratch) {
+  if constexpr (kWide<T>) {
+    return y;
+  } else {
+    return scratch.data();
+  }
+}
+
+// Splits rows into one chunk per thread; body(r0, r1, sums) adds its rows' column sums into its own
+// zeroed opmath buffer of `width`, so no two threads write the same memory; returns the buffers' sum.
+template <typename acc, typename F>
+at::Tensor rows_with_column_sums(int64_t rows, int64_t width, const F& body) {
+  const int64_t chunks = std::clamp<int64_t>(at::get_num_threads(), 1, std::max<int64_t>(rows, 1));
+  at::Tensor partial = at::zeros({chunks, width}, at::CppTypeToScalarType<acc>::value);
+  acc* buf = partial.data_ptr<acc>();
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) body(rows * c / chunks, rows * (c + 1) / chunks, buf + c * width);
+  });
+  return partial.sum(0);
+}
+
+// gelu_tanh(u) = 0.5 u (1 + tanh z) = u * sigmoid(2z), z = sqrt(2/pi) (u + 0.044715 u^3): one exp
+// instead of a tanh. dgelu/du = s + 2 u s (1 - s) z'(u), s = sigmoid(2z), 2 z' = a2 (1 + 3 b u^2).
+constexpr double kA2 = 2 * 0.7978845608028654;  // 2 sqrt(2/pi)
+constexpr double kB = 0.044715;
+
+template <typename V>
+inline V sigmoid_2z(const V& u) {
+  using A = typename V::value_type;
+  const V two_z = u * (V(A(kA2)) + V(A(kA2 * kB)) * u * u);
+  return V(A(1)) / (V(A(1)) + (-two_z).exp_u20());  // exp overflows to inf for u << 0: s = 0, fine
+}
+
+template <typename V>
+inline V gelu_grad(const V& u, const V& s) {
+  using A = typename V::value_type;
+  return s * (V(A(1)) + u * (V(A(1)) - s) * (V(A(kA2)) + V(A(3 * kA2 * kB)) * u * u));
+}
+
+}  // namespace
+
+void layer_norm_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps,
+                    at::Tensor& y, at::Tensor& mean, at::Tensor& rstd) {
+  const int64_t H = w.numel(), rows = x.numel() / H;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "layer_norm_fwd", [&] {
+    using V = fVec<scalar_t>;
+    using acc = acc_t<scalar_t>;
+    const scalar_t *X = x.data_ptr<scalar_t>(), *W = w.data_ptr<scalar_t>(), *B = b.data_ptr<scalar_t>();
+    scalar_t* Y = y.data_ptr<scalar_t>();
+    acc *M = mean.data_ptr<acc>(), *R = rstd.data_ptr<acc>();
+    at::parallel_for(0, rows, grain(H), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t* xr = X + r * H;
+        V s(0), q(0);
+        for_chunks<V>(H, [&](int64_t j, int64_t m) { s += load(xr + j, m); });
+        const acc mu = hsum(s) / H;
+        // two passes (mean, then squared deviations): no cancellation; the row is in L1 by now
+        for_chunks<V>(H, [&](int64_t j, int64_t m) {
+          const V d = V::set(V(0), load(xr + j, m) - V(mu), m);
+          q += d * d;
+        });
+        const acc rs = acc(1) / std::sqrt(hsum(q) / H + acc(eps));
+        for_chunks<V>(H, [&](int64_t j, int64_t m) {
+          store(Y + r * H + j, (load(xr + j, m) - V(mu)) * V(rs) * load(W + j, m) + load(B + j, m), m);
+        });
+        M[r] = mu;
+        R[r] = rs;
+      }
+    });
+  });
+}
+
+void layer_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
+                    const at::Tensor& mean, const at::Tensor& rstd, at::Tensor& dx, at::Tensor& dwdb) {
+  const int64_t H = w.numel(), rows = x.numel() / H;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "layer_norm_bwd", [&] {
+    using V = fVec<scalar_t>;
+    using acc = acc_t<scalar_t>;
+    const scalar_t *DY = dy.data_ptr<scalar_t>(), *X = x.data_ptr<scalar_t>(), *W = w.data_ptr<scalar_t>();
+    const acc *M = mean.data_ptr<acc>(), *R = rstd.data_ptr<acc>();
+    scalar_t* DX = dx.data_ptr<scalar_t>();
+    dwdb = rows_with_column_sums<acc>(rows, 2 * H, [&](int64_t r0, int64_t r1, acc* sums) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t *dyr = DY + r * H, *xr = X + r * H;
+        const V mu(M[r]), rs(R[r]);
+        // dx = rstd (g - mean(g) - xhat mean(g xhat)),  g = dy w,  xhat = (x - mean) rstd
+        V g_sum(0), gx_sum(0);
+        for_chunks<V>(H, [&](int64_t j, int64_t m) {
+          const V g = load(dyr + j, m) * load(W + j, m);  // 0 past m: masks both sums
+          g_sum += g;
+          gx_sum += g * (load(xr + j, m) - mu) * rs;
+        });
+        const V g_mean(hsum(g_sum) / H), gx_mean(hsum(gx_sum) / H);
+        for_chunks<V>(H, [&](int64_t j, int64_t m) {
+          const V d = load(dyr + j, m), xhat = (load(xr + j, m) - mu) * rs;
+          store(DX + r * H + j, rs * (d * load(W + j, m) - g_mean - xhat * gx_mean), m);
+          (V::loadu(sums + j, m) + d * xhat).store(sums + j, m);    // dweight
+          (V::loadu(sums + H + j, m) + d).store(sums + H + j, m);  // dbias
+        });
+      }
+    }).view({2, H});
+  });
+}
+
+void causal_softmax_fwd(const at::Tensor& x, double scale, at::Tensor& y) {
+  const int64_t sq = x.size(-2), sk = x.size(-1), rows = x.numel() / sk;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "causal_softmax_fwd", [&] {
+    using V = fVec<scalar_t>;
+    using acc = acc_t<scalar_t>;
+    const scalar_t* X = x.data_ptr<scalar_t>();
+    scalar_t* Y = y.data_ptr<scalar_t>();
+    const V vscale(static_cast<acc>(scale)), lowest(std::numeric_limits<acc>::lowest());
+    // task t takes row t/2 from the front or the back: rows i and s-1-i pair up, so every chunk
+    // of tasks holds the same number of visible keys whichever way the triangle is cut
+    at::parallel_for(0, rows, grain(sk / 2), [&](int64_t t0, int64_t t1) {
+      std::vector<acc> tmp(kWide<scalar_t> ? 0 : sk);  // exps in opmath when y is narrower
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t r = t % 2 ? rows - 1 - t / 2 : t / 2;
+        const int64_t n = std::min(r % sq + sk - sq + 1, sk);  // visible keys; the rest are skipped
+        const scalar_t* xr = X + r * sk;
+        scalar_t* yr = Y + r * sk;
+        acc* e = exp_row(yr, tmp);
+        V vmax = lowest, vsum(0);
+        for_chunks<V>(n, [&](int64_t j, int64_t m) {
+          vmax = at::vec::maximum(vmax, V::set(lowest, load(xr + j, m) * vscale, m));
+        });
+        const V mx(hmax(vmax));
+        for_chunks<V>(n, [&](int64_t j, int64_t m) {
+          const V ej = (load(xr + j, m) * vscale - mx).exp_u20();
+          ej.store(e + j, m);
+          vsum += V::set(V(0), ej, m);
+        });
+        const V inv(acc(1) / hsum(vsum));
+        for_chunks<V>(n, [&](int64_t j, int64_t m) { store(yr + j, V::loadu(e + j, m) * inv, m); });
+        std::fill(yr + n, yr + sk, scalar_t(0));
+      }
+    });
+  });
+}
+
+void causal_softmax_bwd(const at::Tensor& dy, const at::Tensor& y, double scale, at::Tensor& dx) {
+  const int64_t sq = y.size(-2), sk = y.size(-1), rows = y.numel() / sk;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, y.scalar_type(), "causal_softmax_bwd", [&] {
+    using V = fVec<scalar_t>;
+    using acc = acc_t<scalar_t>;
+    const scalar_t *DY = dy.data_ptr<scalar_t>(), *Y = y.data_ptr<scalar_t>();
+    scalar_t* DX = dx.data_ptr<scalar_t>();
+    const V vscale(static_cast<acc>(scale));
+    at::parallel_for(0, rows, grain(sk / 2), [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t r = t % 2 ? rows - 1 - t / 2 : t / 2;
+        const int64_t n = std::min(r % sq + sk - sq + 1, sk);
+        const scalar_t *dyr = DY + r * sk, *yr = Y + r * sk;
+        scalar_t* dxr = DX + r * sk;
+        V dot(0);
+        for_chunks<V>(n, [&](int64_t j, int64_t m) { dot += load(dyr + j, m) * load(yr + j, m); });
+        const V vdot(hsum(dot));
+        for_chunks<V>(n, [&](int64_t j, int64_t m) {
+          store(dxr + j, vscale * load(yr + j, m) * (load(dyr + j, m) - vdot), m);
+        });
+        std::fill(dxr + n, dxr + sk, scalar_t(0));
+      }
+    });
+  });
+}
+
+void bias_gelu_fwd(const at::Tensor& x, const at::Tensor& b, at::Tensor& y) {
+  const int64_t H = b.numel(), rows = x.numel() / H;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "bias_gelu_fwd", [&] {
+    using V = fVec<scalar_t>;
+    const scalar_t *X = x.data_ptr<scalar_t>(), *B = b.data_ptr<scalar_t>();
+    scalar_t* Y = y.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain(H), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        for_chunks<V>(H, [&](int64_t j, int64_t m) {
+          const V u = load(X + r * H + j, m) + load(B + j, m);
+          store(Y + r * H + j, u * sigmoid_2z(u), m);
+        });
+      }
+    });
+  });
+}
+
+void bias_gelu_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& b, at::Tensor& dx,
+                   at::Tensor& db) {
+  const int64_t H = b.numel(), rows = x.numel() / H;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "bias_gelu_bwd", [&] {
+    using V = fVec<scalar_t>;
+    using acc = acc_t<scalar_t>;
+    const scalar_t *DY = dy.data_ptr<scalar_t>(), *X = x.data_ptr<scalar_t>(), *B = b.data_ptr<scalar_t>();
+    scalar_t* DX = dx.data_ptr<scalar_t>();
+    // u = x + b is recomputed, not saved: one read of x instead of a write and a read of u
+    db = rows_with_column_sums<acc>(rows, H, [&](int64_t r0, int64_t r1, acc* sums) {
+      for (int64_t r = r0; r < r1; ++r) {
+        for_chunks<V>(H, [&](int64_t j, int64_t m) {
+          const V u = load(X + r * H + j, m) + load(B + j, m);
+          const V g = load(DY + r * H + j, m) * gelu_grad(u, sigmoid_2z(u));
+          store(DX + r * H + j, g, m);
+          (V::loadu(sums + j, m) + g).store(sums + j, m);
+        });
+      }
+    });
+  });
+}
+
+}  // namespace cpu
+
+// ---- the ops Python calls: check, make contiguous, allocate, run the kernel of the tensor's device ----
+namespace {
+
+#ifdef NANOMEGA_WITH_CUDA
+#define DEVICE_OP(t, op) ((t).is_cuda() ? cuda::op : cpu::op)
+#else
+#define DEVICE_OP(t, op) (check_cpu(t), cpu::op)
+inline void check_cpu(const at::Tensor& t) {
+  TORCH_CHECK(t.is_cpu(), "nanomega fused ops: this build has CPU kernels only, got a tensor on ", t.device());
+}
+#endif
+
+void check_like(const char* op, const at::Tensor& x, const at::Tensor& other, const char* name) {
+  TORCH_CHECK(other.scalar_type() == x.scalar_type() && other.device() == x.device(), op, ": ", name,
+              " is ", other.scalar_type(), " on ", other.device(), " but x is ", x.scalar_type(), " on ",
+              x.device(), "; cast them to one dtype and device");
+}
+
+void check_grad(const char* op, const at::Tensor& x, const at::Tensor& grad) {
+  check_like(op, x, grad, "grad");
+  TORCH_CHECK(grad.sizes() == x.sizes(), op, ": grad ", grad.sizes(), " must have the shape ", x.sizes());
+}
+
+void check_width(const char* op, const at::Tensor& x, const at::Tensor& param, const char* name) {
+  check_like(op, x, param, name);
+  TORCH_CHECK(param.dim() == 1 && param.numel() > 0 && x.dim() >= 1 && x.size(-1) == param.numel(), op,
+              ": x.shape[-1] must equal ", name, ".numel() (", name, " 1-D), got x ", x.sizes(), " and ",
+              name, " ", param.sizes());
+}
+
+void check_scores(const char* op, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 2 && x.size(-2) <= x.size(-1), op, ": scores must be (..., s_q, s_k) with ",
+              "s_q <= s_k (else some queries see no key), got ", x.sizes());
+}
+
+std::vector<at::Tensor> layer_norm_fwd(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& b,
+                                       double eps) {
+  check_width("layer_norm", x_, w, "weight");
+  check_width("layer_norm", x_, b, "bias");
+  const at::Tensor x = x_.contiguous();
+  at::Tensor y = at::empty_like(x);
+  at::Tensor mean = at::empty({x.numel() / w.numel()}, x.options().dtype(at::toOpMathType(x.scalar_type())));
+  at::Tensor rstd = at::empty_like(mean);
+  DEVICE_OP(x, layer_norm_fwd)(x, w.contiguous(), b.contiguous(), eps, y, mean, rstd);
+  return {y, mean, rstd};
+}
+
+std::vector<at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
+                                       const at::Tensor& mean, const at::Tensor& rstd) {
+  check_grad("layer_norm backward", x, dy);
+  at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous), dwdb;
+  DEVICE_OP(x, layer_norm_bwd)(dy.contiguous(), x.contiguous(), w.contiguous(), mean, rstd, dx, dwdb);
+  return {dx, dwdb[0].to(w.scalar_type()), dwdb[1].to(w.scalar_type())};
+}
+
+at::Tensor causal_softmax_fwd(const at::Tensor& x_, double scale) {
+  check_scores("causal_softmax", x_);
+  const at::Tensor x = x_.contiguous();
+  at::Tensor y = at::empty_like(x);
+  if (x.numel() > 0) DEVICE_OP(x, causal_softmax_fwd)(x, scale, y);
+  return y;
+}
+
+at::Tensor causal_softmax_bwd(const at::Tensor& dy, const at::Tensor& y, double scale) {
+  check_grad("causal_softmax backward", y, dy);
+  at::Tensor dx = at::empty_like(y, at::MemoryFormat::Contiguous);
+  if (y.numel() > 0) DEVICE_OP(y, causal_softmax_bwd)(dy.contiguous(), y.contiguous(), scale, dx);
+  return dx;
+}
+
+at::Tensor bias_gelu_fwd(const at::Tensor& x_, const at::Tensor& b) {
+  check_width("bias_gelu", x_, b, "bias");
+  const at::Tensor x = x_.contiguous();
+  at::Tensor y = at::empty_like(x);
+  DEVICE_OP(x, bias_gelu_fwd)(x, b.contiguous(), y);
+  return y;
+}
+
+std::vector<at::Tensor> bias_gelu_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& b) {
+  check_grad("bias_gelu backward", x, dy);
+  at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous), db;
+  DEVICE_OP(x, bias_gelu_bwd)(dy.contiguous(), x.contiguous(), b.contiguous(), dx, db);
+  return {dx, db.to(b.scalar_type())};
+}
+
+}  // namespace
+}  // namespace nanomega
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace nanomega;
+  m.attr("with_cuda") =
+#ifdef NANOMEGA_WITH_CUDA
+      true;
+#else
+      false;
+#endif
+  m.def("layer_norm_fwd", &layer_norm_fwd, "(x, weight, bias, eps) -> [y, mean, rstd]");
+  m.def("layer_norm_bwd", &layer_norm_bwd, "(dy, x, weight, mean, rstd) -> [dx, dweight, dbias]");
+  m.def("causal_softmax_fwd", &causal_softmax_fwd, "(scores, scale) -> probs");
+  m.def("causal_softmax_bwd", &causal_softmax_bwd, "(dprobs, probs, scale) -> dscores");
+  m.def("bias_gelu_fwd", &bias_gelu_fwd, "(x, bias) -> gelu_tanh(x + bias)");
+  m.def("bias_gelu_bwd", &bias_gelu_bwd, "(dy, x, bias) -> [dx, dbias]");
+}

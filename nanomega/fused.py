@@ -1,0 +1,169 @@
+"""Fused kernels: LayerNorm, scale + causal mask + softmax, bias + GeLU -- one pass over memory each.
+
+Idea: these ops do ~1-10 FLOPs per byte, far below a machine's balance (peak FLOP/s / bytes/s, ~10-100),
+so their time is bytes moved / bandwidth. Eager PyTorch runs one kernel per step and writes every
+intermediate to memory; a fused kernel reads its inputs once and writes its outputs once (Megatron-LM's
+fused bias-GeLU, scaled_upper_triang_masked_softmax, fused LayerNorm). The causal softmax also skips
+the masked half: row i reads keys j <= i only.
+
+Formula (elements moved, forward + backward; n = elements of the activation, bias/weights ~0):
+    bias + GeLU       eager 8n  (add 2n, gelu 2n | gelu_backward 3n, bias-sum n)   fused 5n
+    causal softmax    eager 13n (scale 2n, mask 2n, softmax 2n | 3n, 2n, 2n)       fused 1.5n + 2n
+    LayerNorm         eager 5n  (PyTorch's native_layer_norm is already fused)     fused 5n
+
+The C++ sources (nanomega/csrc) are built on first use by torch.utils.cpp_extension.load (ninja,
+pybind11) into ONE cache directory ($NANOMEGA_BUILD_DIR, default ~/.cache/nanomega/build); ninja
+rebuilds only when a source or flag changes. CUDA sources join the build when CUDA is available.
+If the build is impossible, a one-line notice and the PyTorch functions of model.py are used.
+Lesson: lessons/08-fused-kernels.md
+"""
+import functools
+import os
+import platform
+import sys
+
+import torch
+import torch.nn as nn
+from torch.utils import cpp_extension
+
+from nanomega import model
+
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+
+
+def build_dir() -> str:
+    """The one build cache shared by the library, tests, bench and lessons."""
+    return os.environ.get("NANOMEGA_BUILD_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanomega", "build")
+
+
+def cpu_flags() -> list[str]:
+    """-O3 -march=native -ffast-math, and the at::vec ISA that torch itself dispatches to on this CPU."""
+    cap = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", ...
+    flags = ["-O3", "-ffast-math", "-fopenmp", f"-DCPU_CAPABILITY={cap}"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags.append("-march=native")
+    if cap in ("AVX2", "AVX512"):  # selects Vectorized<float> = __m256 / __m512 in the ATen headers
+        flags.append(f"-DCPU_CAPABILITY_{cap}")
+    # -ffast-math assumes no inf/nan: the softmax never forms exp(-inf) (masked keys are skipped), and
+    # it is a compile flag only -- not linked, so no crtfastmath.o flushing denormals process-wide
+    return flags
+
+
+def load_extension(verbose: bool = False):
+    """Build (cold ~45 s) or load (cached ~0.1 s) the extension; raises if the build fails."""
+    with_cuda = torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
+    name = "nanomega_fused_cuda" if with_cuda else "nanomega_fused_cpu"
+    sources = ["fused_cpu.cpp"] + (["fused_cuda.cu", "fused_cuda_bind.cpp"] if with_cuda else [])
+    directory = os.path.join(build_dir(), name)  # one build.ninja per extension, all under build_dir()
+    os.makedirs(directory, exist_ok=True)
+    defines = ["-DNANOMEGA_WITH_CUDA"] if with_cuda else []
+    return cpp_extension.load(
+        name, [os.path.join(CSRC, s) for s in sources], extra_cflags=cpu_flags() + defines,
+        extra_cuda_cflags=["-O3", "--use_fast_math"] + defines, extra_ldflags=["-fopenmp"],
+        extra_include_paths=[CSRC], build_directory=directory, verbose=verbose)
+
+
+@functools.cache
+def _ext():
+    try:
+        return load_extension()
+    except Exception as e:  # no compiler, no ninja, a compile error: fall back, say so once
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+        print(f"nanomega.fused: cannot build the C++ kernels ({reason}); using the PyTorch path", file=sys.stderr)
+        return None
+
+
+def available() -> bool:
+    """True when the fused kernels are built (building them on first call)."""
+    return _ext() is not None
+
+
+class LayerNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        y, mean, rstd = _ext().layer_norm_fwd(x, weight, bias, eps)  # mean, rstd (rows,) fp32/fp64
+        ctx.save_for_backward(x, weight, mean, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        dx, dweight, dbias = _ext().layer_norm_bwd(dy, *ctx.saved_tensors)
+        return dx, dweight, dbias, None
+
+
+class CausalSoftmaxFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores, scale):
+        probs = _ext().causal_softmax_fwd(scores, scale)
+        ctx.save_for_backward(probs)  # backward needs only the output, as Megatron's kernel
+        ctx.scale = scale
+        return probs
+
+    @staticmethod
+    def backward(ctx, dprobs):
+        (probs,) = ctx.saved_tensors
+        return _ext().causal_softmax_bwd(dprobs, probs, ctx.scale), None
+
+
+class BiasGeluFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias):
+        ctx.save_for_backward(x, bias)  # x + bias is recomputed in backward, never stored
+        return _ext().bias_gelu_fwd(x, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return tuple(_ext().bias_gelu_bwd(dy, *ctx.saved_tensors))
+
+
+def layer_norm(x, weight, bias, eps=1e-5):
+    """F.layer_norm(x, (h,), weight, bias, eps) over the last dim, one pass per row."""
+    if _ext() is None:
+        return nn.functional.layer_norm(x, weight.shape, weight, bias, eps)
+    return LayerNormFn.apply(x, weight, bias, eps)
+
+
+def causal_softmax(scores, scale):
+    """model.causal_softmax in one pass: (..., s_q, s_k) -> probs, opmath inside, scores' dtype out."""
+    if _ext() is None:
+        return model.causal_softmax(scores, scale)
+    return CausalSoftmaxFn.apply(scores, float(scale))
+
+
+def bias_gelu(x, bias):
+    """model.bias_gelu = gelu_tanh(x + bias) in one pass; bias (h,) over the last dim of x."""
+    if _ext() is None:
+        return model.bias_gelu(x, bias)
+    return BiasGeluFn.apply(x, bias)
+
+
+class FusedLayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (affine, 1-D normalized_shape) whose forward is the fused kernel."""
+
+    def forward(self, x):
+        return layer_norm(x, self.weight, self.bias, self.eps)
+
+    @classmethod
+    def sharing(cls, ln: nn.LayerNorm) -> "FusedLayerNorm":
+        """A FusedLayerNorm holding ln's own Parameters: same state_dict names, same optimizer state."""
+        fused = cls(ln.normalized_shape, eps=ln.eps, device="meta")  # placeholders, replaced below
+        fused.weight, fused.bias = ln.weight, ln.bias
+        return fused
+
+
+def apply_fused(gpt: nn.Module) -> bool:
+    """Swap in the fused kernels in place: every affine 1-D nn.LayerNorm, each MLP's bias_gelu and each
+    attention's scale_mask_softmax. Call it before wrappers that capture these (recompute). Returns
+    False, leaving the PyTorch path, when the kernels cannot be built."""
+    if not available():
+        return False
+    for module in list(gpt.modules()):
+        for name, child in list(module.named_children()):
+            if (type(child) is nn.LayerNorm and len(child.normalized_shape) == 1
+                    and child.weight is not None and child.bias is not None):
+                setattr(module, name, FusedLayerNorm.sharing(child))
+        if hasattr(module, "bias_gelu"):  # model.MLP and any tensor-parallel MLP built like it
+            module.bias_gelu = bias_gelu
+        if hasattr(module, "scale_mask_softmax"):  # model.CausalSelfAttention
+            module.scale_mask_softmax = causal_softmax
+    return True

@@ -1,0 +1,101 @@
+"""The trainer end to end: exact resume, metrics, and one clear line for each kind of bad input."""
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanomega import checkpoint, train
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
+         "--grad-accum", "2", "--eval-every", "3", "--eval-iters", "2", "--warmup", "2", "--peak-flops", "1e11",
+         "--dropout", "0.1", "--log-every", "100"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The first 300 kB of the embedded corpus: enough windows, tokenized in a moment."""
+    folder = tmp_path_factory.mktemp("corpus")
+    text = gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(300_000)
+    path = folder / "small.txt"
+    path.write_text(text)
+    return path
+
+
+def run(corpus, out, *extra):
+    return train.main([*SMALL, "--corpus", str(corpus), "--data-cache", str(out.parent / "cache"),
+                       "--out-dir", str(out), *extra])
+
+
+def final_weights(out):
+    folder = checkpoint.latest(out)
+    return checkpoint.load_shard(folder, 0)["model"]
+
+
+def test_exact_resume(corpus, tmp_path):
+    """6 steps straight == 3 steps, save, resume, 3 more: bitwise (fp32, CPU, dropout on)."""
+    straight = tmp_path / "straight"
+    rec = run(corpus, straight, "--max-steps", "6", "--save-every", "3")
+    assert rec["step"] == 6 and "val_loss" in rec
+    resumed = tmp_path / "resumed"
+    (resumed / "ckpt").mkdir(parents=True)
+    shutil.copytree(straight / "ckpt" / "step_000003", resumed / "ckpt" / "step_000003")
+    (resumed / "ckpt" / "latest").write_text("step_000003")
+    run(corpus, resumed, "--max-steps", "6", "--save-every", "3", "--resume")
+    a, b = final_weights(straight), final_weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    losses = lambda out: [json.loads(l)["loss"] for l in open(out / "metrics.jsonl")]
+    assert losses(straight)[3:] == losses(resumed)
+    assert not torch.equal(a["embed.wte.weight"], checkpoint.load_shard(
+        straight / "ckpt" / "step_000003", 0)["model"]["embed.wte.weight"])  # it did train
+
+
+def test_resume_without_checkpoint_starts_fresh(corpus, tmp_path):
+    rec = run(corpus, tmp_path / "fresh", "--max-steps", "1", "--resume")
+    assert rec["step"] == 1
+
+
+def cli(*args, cwd=ROOT):
+    out = subprocess.run([sys.executable, "nanomega/train.py", *args], cwd=cwd, capture_output=True,
+                         text=True, timeout=120)
+    return out.returncode, out.stderr.strip().splitlines()
+
+
+def bad_inputs(tmp):
+    corrupt = tmp / "corrupt.txt.gz"
+    corrupt.write_bytes(b"\x1f\x8b\x08\x00garbage")
+    tiny = tmp / "tiny.txt"
+    tiny.write_text("To be, or not to be.\n" * 5)
+    return [
+        (["--n-layer", "0"], "--n-layer must be >= 1"),
+        (["--n-embd", "100", "--n-head", "3"], "--n-embd 100 is not divisible by --n-head 3"),
+        (["--lr", "-1"], "--lr > 0"),
+        (["--corpus", str(tmp / "missing.txt")], "does not exist"),
+        (["--corpus", str(corrupt)], str(corrupt)),
+        (["--corpus", str(tiny), "--block-size", "512"], "--block-size 512 is larger than"),
+        (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+        (["--tokenizer", "gpt5"], "--tokenizer"),
+    ]
+
+
+def test_bad_input_one_clear_line(tmp_path):
+    for args, message in bad_inputs(tmp_path):
+        rc, err = cli(*args, "--out-dir", str(tmp_path / "o"), "--data-cache", str(tmp_path / "c"))
+        assert rc == 2, (args, err)
+        assert len(err) == 1 and message in err[0], (args, err)
+
+
+def test_resume_refuses_other_shape_and_keeps_files(corpus, tmp_path):
+    out = tmp_path / "run"
+    run(corpus, out, "--max-steps", "1")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match="another model shape: n_layer=2 \\(now 3\\)"):
+        run(corpus, out, "--max-steps", "2", "--resume", "--n-layer", "3")
+    with pytest.raises(ValueError, match="already holds a checkpoint"):
+        run(corpus, out, "--max-steps", "2")
+    assert before == {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}  # nothing overwritten
