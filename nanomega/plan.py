@@ -213,8 +213,8 @@ def evaluate(model, gpu, gpus, tp, pp, zero, run):
     n_rank = max(stage_params(model, tp, pp))
     params, grads, optim = zero_state_bytes(n_rank, zero, dp, pb, gb, ob)
     act = activation_bytes_per_layer(s, b, h, a, tp, run.sp, run.recompute) * eb / 2  # paper counts 2-byte
-    acts = act * L // pp * inflight_microbatches(pp, m, run.schedule, v)
-    tp_b = m * L // pp * tp_comm_bytes_per_layer(b, s, h, tp, eb, run.sp, run.recompute)
+    acts = act * (L // pp) * inflight_microbatches(pp, m, run.schedule, v)
+    tp_b = m * (L // pp) * tp_comm_bytes_per_layer(b, s, h, tp, eb, run.sp, run.recompute)
     pp_b = pp_comm_bytes(b, s, h, tp, eb, m, v) if pp > 1 else 0
     dp_b = dp_comm_bytes(n_rank, zero, dp, gb, pb, m)
     per_node = min(gpu.per_node, gpus)
@@ -232,76 +232,66 @@ def evaluate(model, gpu, gpus, tp, pp, zero, run):
                     run.tokens / tokens * step / 86400, fits)
 
 
-def divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def layouts(model, gpus, per_node, run):
-    """(tp, pp, zero) choices: tp divides a node and the heads, pp divides the layers, dp*micro divides the
-    global batch; ZeRO-2/3 only without pipeline parallelism (DeepSpeed refuses the combination), ZeRO only
-    with dp > 1; interleaving needs L divisible by p*v and m by p (Megatron's rules)."""
-    for tp in divisors(min(per_node, gpus)):
-        for pp in divisors(model.n_layer):
-            if model.n_head % tp or gpus % (tp * pp) or run.global_batch % (gpus // (tp * pp) * run.micro_batch):
-                continue
-            dp, m = gpus // (tp * pp), run.global_batch // (gpus // (tp * pp) * run.micro_batch)
-            if run.schedule == "interleaved" and pp > 1 and (model.n_layer % (pp * run.chunks) or m % pp):
+def layouts(model, gpu, gpus, run):
+    """(tp, pp, zero) choices: tp divides the node and the heads, pp the layers, dp x micro-batch the global
+    batch; no ZeRO-2/3 with pipeline parallelism (DeepSpeed refuses it), no ZeRO at dp = 1 (it is ZeRO-0);
+    interleaving needs p*v | L and p | m (Megatron's rules)."""
+    for tp in (t for t in range(1, min(gpu.per_node, gpus) + 1) if gpus % t == 0 and model.n_head % t == 0):
+        for pp in (p for p in range(1, model.n_layer + 1) if model.n_layer % p == 0 and gpus % (tp * p) == 0):
+            dp = gpus // (tp * pp)
+            m, rest = divmod(run.global_batch, dp * run.micro_batch)
+            if rest or m == 0 or (run.schedule == "interleaved" and pp > 1 and
+                                  (model.n_layer % (pp * run.chunks) or m % pp)):
                 continue
             for zero in run.zero:
-                if (zero >= 2 and pp > 1) or (zero > 0 and dp == 1 and 0 in run.zero):
-                    continue
-                yield tp, pp, zero
+                if not ((zero >= 2 and pp > 1) or (zero > 0 and dp == 1 and 0 in run.zero)):
+                    yield tp, pp, zero
 
 
 def plan(model, gpu, gpus, run=Run()):
     """Every layout's Estimate: those that fit first, each group ranked by predicted step time."""
-    per_node = min(gpu.per_node, gpus)
-    ests = [evaluate(model, gpu, gpus, tp, pp, z, run) for tp, pp, z in layouts(model, gpus, per_node, run)]
+    ests = [evaluate(model, gpu, gpus, tp, pp, z, run) for tp, pp, z in layouts(model, gpu, gpus, run)]
     return sorted(ests, key=lambda e: (not e.fits, e.step_s))
 
 
 def smallest_cluster(model, gpu, run=Run(), limit=2**20):
-    """Fewest GPUs (1, 2, 4 .. one node, then whole nodes) with a layout that fits, and its best layout. Doubles
-    until one fits, then scans every node count below that, since divisibility makes fitting not monotone."""
-    sizes = lambda hi: [g for g in (1, 2, 4, 8, 16, 32, 64) if g < gpu.per_node] + \
-        list(range(gpu.per_node, hi + 1, gpu.per_node))
+    """Fewest GPUs (1, 2, 4 .. a node, then whole nodes) with a layout that fits, and its best layout. Doubles
+    until one fits, then scans every size below, since divisibility makes fitting not monotone in size."""
     hi = gpu.per_node
     while not any(e.fits for e in plan(model, gpu, hi, run)):
         hi *= 2
         if hi > limit:
             return None
-    for g in sizes(hi):
+    sizes = [2**k for k in range(gpu.per_node.bit_length()) if 2**k < gpu.per_node]
+    for g in sizes + list(range(gpu.per_node, hi + 1, gpu.per_node)):
         fit = [e for e in plan(model, gpu, g, run) if e.fits]
         if fit:
             return g, fit[0]
-    return None
 
 
 # ---- command line -----------------------------------------------------------------------------------------
-GB = 1e9
-
-
 def describe(e):
     return f"tp={e.tp} pp={e.pp} dp={e.dp} zero={e.zero}"
 
 
 def table(ests, run):
-    """The ranked layouts as text, one row each: sizes, GB per GPU, GB sent per GPU per step, time."""
-    rows = [f"{'tp':>3} {'pp':>3} {'dp':>4} {'zero':>4} {'mb':>3} {'m':>4} | {'GB/GPU':>6} {'param':>6} {'grad':>6} "
-            f"{'optim':>6} {'act':>6} | {'tp GB':>7} {'pp GB':>6} {'dp GB':>6} | {'step s':>7} {'MFU':>6} {'days':>7}"]
+    """One row per layout: sizes, bytes per GPU, bytes each GPU sends per step per axis, time."""
+    unit, u = next((n, x) for n, x in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("B", 1)) if ests[0].memory >= x)
+    rows = [f" tp  pp   dp zero  mb    m | {unit + '/GPU':>7} {'param':>6} {'grad':>6} {'optim':>6} {'act':>6} | "
+            f"{'tp ' + unit:>7} {'pp ' + unit:>6} {'dp ' + unit:>6} | {'step s':>8} {'MFU':>6} {'days':>8}"]
     for e in ests:
+        mem = " ".join(f"{x / u:>6.1f}" for x in (e.params, e.grads, e.optim, e.acts))
         rows.append(f"{e.tp:>3} {e.pp:>3} {e.dp:>4} {e.zero:>4} {run.micro_batch:>3} {e.micro_batches:>4} | "
-                    f"{e.memory / GB:>6.1f} {e.params / GB:>6.1f} {e.grads / GB:>6.1f} {e.optim / GB:>6.1f} "
-                    f"{e.acts / GB:>6.1f} | {e.tp_comm / GB:>7.1f} {e.pp_comm / GB:>6.2f} {e.dp_comm / GB:>6.1f} | "
-                    f"{e.step_s:>7.2f} {e.mfu:>6.1%} {e.days:>7.1f}")
+                    f"{e.memory / u:>7.1f} {mem} | {e.tp_comm / u:>7.1f} {e.pp_comm / u:>6.2f} {e.dp_comm / u:>6.1f}"
+                    f" | {e.step_s:>8.3g} {e.mfu:>6.1%} {e.days:>8.3g}")
     return "\n".join(rows)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m nanomega.plan", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help=f"preset: {', '.join(MODELS)}; or give --layers --hidden --heads --vocab")
+    ap.add_argument("--model", help=f"preset: {', '.join(MODELS)}; or give --layers --hidden --heads --vocab --seq")
     for flag in ("--layers", "--hidden", "--heads", "--vocab", "--seq"):
-        ap.add_argument(flag, type=int, help="overrides the preset's value")
+        ap.add_argument(flag, type=int, help="model shape (overrides the preset's value)")
     ap.add_argument("--gpus", type=int, required=True)
     ap.add_argument("--gpu", default="a100-80gb", choices=list(GPUS))
     ap.add_argument("--global-batch", type=int, default=Run.global_batch, help="sequences per step")
@@ -318,45 +308,44 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=10)
     args = ap.parse_args(argv)
 
+    flags = {"n_layer": "--layers", "n_embd": "--hidden", "n_head": "--heads", "vocab_size": "--vocab",
+             "seq_len": "--seq"}
+    given = {k: getattr(args, f[2:]) for k, f in flags.items() if getattr(args, f[2:]) is not None}
     if args.model is not None and args.model not in MODELS:
         raise SystemExit(f"plan: --model {args.model!r} is unknown: use one of {', '.join(MODELS)} "
                          f"or give --layers --hidden --heads --vocab --seq")
-    shape = dict(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=args.vocab,
-                 seq_len=args.seq)
-    given = {k: v for k, v in shape.items() if v is not None}
-    if args.model is None and len(given) < len(shape):
-        missing = [f for f, k in zip(("--layers", "--hidden", "--heads", "--vocab", "--seq"), shape) if k not in given]
-        raise SystemExit(f"plan: no --model, so {' '.join(missing)} must be given too")
+    if args.model is None and len(given) < len(flags):
+        raise SystemExit(f"plan: without --model give {' '.join(f for k, f in flags.items() if k not in given)}")
     model = replace(MODELS[args.model], **given) if args.model else Model(**given)
-    bad = [k for k, v in shape.items() if getattr(model, k) < 1]
-    if bad or model.n_embd % model.n_head:
-        raise SystemExit(f"plan: the model shape {model} is invalid: sizes must be >= 1 and --hidden a multiple "
-                         f"of --heads")
-    gpu = GPUS[args.gpu]
+    if min(given.values(), default=1) < 1 or model.n_embd % model.n_head:
+        raise SystemExit("plan: model sizes must be >= 1 and --hidden a multiple of --heads")
+    gpu, name = GPUS[args.gpu], args.model or "model"
     if args.gpus < 1 or (args.gpus > gpu.per_node and args.gpus % gpu.per_node):
-        raise SystemExit(f"plan: --gpus {args.gpus} must be at most {gpu.per_node} or a whole number of "
-                         f"{gpu.per_node}-GPU {args.gpu} nodes, e.g. {max(gpu.per_node, args.gpus // gpu.per_node * gpu.per_node)}")
-    if args.global_batch < 1 or args.micro_batch < 1 or args.global_batch % args.micro_batch:
-        raise SystemExit(f"plan: --global-batch {args.global_batch} must be a positive multiple of "
-                         f"--micro-batch {args.micro_batch}")
+        raise SystemExit(f"plan: --gpus {args.gpus} must be at most one node or whole {gpu.per_node}-GPU nodes")
+    if args.micro_batch < 1 or args.global_batch % args.micro_batch or args.global_batch < 1:
+        raise SystemExit(f"plan: --global-batch {args.global_batch} must be a multiple of --micro-batch")
     run = Run(args.global_batch, args.micro_batch, args.dtype, args.recompute, not args.no_sp, args.schedule,
               args.chunks, (0, 1, 2, 3) if args.zero == "all" else (int(args.zero),), args.efficiency,
               args.usable, args.tokens)
 
-    name = args.model or "model"
-    print(f"{name}: {n_params(model) / 1e9:.2f}B parameters, L={model.n_layer} h={model.n_embd} a={model.n_head} "
-          f"V={model.vocab_size} s={model.seq_len}; {args.gpus} x {args.gpu}, {run.usable:.0%} of "
-          f"{gpu.memory / GB:.1f} GB usable; batch {run.global_batch} x {model.seq_len} tokens, {run.dtype}, "
-          f"recompute {run.recompute}, {'SP, ' if run.sp else ''}{run.schedule}, efficiency {run.efficiency:.0%}")
-    fit = [e for e in plan(model, gpu, args.gpus, run) if e.fits]
-    if not fit:
+    print(f"{name}: {n_params(model):,} parameters, L={model.n_layer} h={model.n_embd} a={model.n_head} "
+          f"V={model.vocab_size} s={model.seq_len} | {args.gpus} x {args.gpu}, {run.usable:.0%} of "
+          f"{gpu.memory / 1e9:.1f} GB usable | batch {run.global_batch} x {model.seq_len}, {run.dtype}, "
+          f"recompute {run.recompute}{', SP' if run.sp else ''}, {run.schedule}, efficiency {run.efficiency:.0%}")
+    ests = plan(model, gpu, args.gpus, run)
+    if not ests or not ests[0].fits:
+        least = min(ests, key=lambda e: e.memory, default=None)
+        why = (f"{name} needs {least.memory / 1e9:.1f} GB/GPU at least ({describe(least)})" if ests else
+               f"{args.gpus} GPUs do not split as tp x pp x dp (tp | {min(gpu.per_node, args.gpus)} and "
+               f"{model.n_head} heads, pp | {model.n_layer} layers, dp x micro-batch | global batch)")
         found = smallest_cluster(model, gpu, run)
         hint = (f"the smallest cluster that fits is {found[0]} x {args.gpu} ({describe(found[1])}, "
-                f"{found[1].memory / GB:.1f} GB/GPU)" if found else
+                f"{found[1].memory / 1e9:.1f} GB/GPU)" if found else
                 "no cluster fits: lower --micro-batch or --seq, or use --recompute full")
-        raise SystemExit(f"plan: {name} fits no layout on {args.gpus} x {args.gpu}; {hint}")
+        raise SystemExit(f"plan: no layout fits: {why}; {hint}")
+    fit = [e for e in ests if e.fits]
     print(table(fit[:args.top], run))
-    print(f"recommended: {describe(fit[0])} ({len(fit)} layouts fit)")
+    print(f"recommended: {describe(fit[0])} ({len(fit)} of {len(ests)} layouts fit)")
 
 
 if __name__ == "__main__":

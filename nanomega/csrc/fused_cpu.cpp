@@ -112,7 +112,9 @@ template <typename V>
 inline V sigmoid_2z(const V& u) {
   using A = typename V::value_type;
   const V two_z = u * (V(A(kA2)) + V(A(kA2 * kB)) * u * u);
-  return V(A(1)) / (V(A(1)) + (-two_z).exp_u20());  // exp overflows to inf for u << 0: s = 0, fine
+  // exp(-2z) capped at e^80 (s ~ 2e-35, not 0): under -ffast-math a vector division is a reciprocal
+  // estimate plus a Newton step, which turns 1 / (1 + inf) into nan
+  return V(A(1)) / (V(A(1)) + at::vec::minimum(-two_z, V(A(80))).exp_u20());
 }
 
 template <typename V>

@@ -1,0 +1,233 @@
+"""Pipeline parallelism: consecutive layers on consecutive ranks, micro-batches streamed through them.
+
+Idea: stage k of p keeps only its share of the blocks (the embedding on the first stage, the final norm, head
+and loss on the last). A step runs m micro-batches through the stages in the order a schedule gives
+(schedules.py: GPipe, 1F1B, interleaved 1F1B); neighbours exchange activations (forward) and their gradients
+(backward) with batched isend/irecv of shapes known in advance. The tied embedding lives twice, on the first
+and the last stage, and the two copies' gradients are summed over grid.embed so they stay equal.
+
+Formulas (p stages, m micro-batches of activation memory A each, v chunks per rank):
+    bubble = (p - 1) / (v m + p - 1) of every rank's step time
+    activations held per stage: GPipe m A, 1F1B min(m, p - rank) A
+    a sent output (mb, s, h) is freed once sent (Megatron's deallocate trick): saves that much per in-flight mb
+Lesson: lessons/05-pipeline-parallel.md
+"""
+import contextlib
+import itertools
+
+import torch
+import torch.nn as nn
+
+from .schedules import SCHEDULES, Comm, comm_plan, flat, peer, recv_msg, send_msg
+
+
+def stage_layers(n_layer, pp, pp_rank) -> range:
+    """Layers of stage pp_rank: L // p each, and one more on the first L % p stages (numpy's array_split):
+    the extra layers go to the front, away from the last stage, which also runs the LM head and the loss."""
+    if pp > n_layer:
+        raise ValueError(f"--pp {pp} is larger than --n-layer {n_layer}: every pipeline stage needs at least "
+                         f"one layer; use --pp <= {n_layer}")
+    size, extra = divmod(n_layer, pp)
+    start = pp_rank * size + min(pp_rank, extra)
+    return range(start, start + size + (pp_rank < extra))
+
+
+def check_args(n_layer, pp, microbatches, schedule, virtual=1):
+    """One-line errors for a pipeline layout that cannot run; call it before any collective."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"--schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+    if microbatches < 1:
+        raise ValueError(f"--microbatches must be >= 1, got {microbatches}")
+    if virtual < 1:
+        raise ValueError(f"--virtual-stages must be >= 1, got {virtual}")
+    if schedule != "interleaved" and virtual > 1:
+        raise ValueError(f"--virtual-stages {virtual} needs --schedule interleaved")
+    if schedule == "interleaved":
+        if virtual < 2 or pp < 2:
+            raise ValueError(f"--schedule interleaved needs --pp >= 2 and --virtual-stages >= 2 (model chunks "
+                             f"per rank), got pp {pp}, virtual stages {virtual}")
+        if n_layer % (pp * virtual):
+            raise ValueError(f"--schedule interleaved: --n-layer {n_layer} is not divisible by --pp {pp} x "
+                             f"--virtual-stages {virtual} = {pp * virtual}; use a multiple of {pp * virtual}")
+        if microbatches % pp:
+            raise ValueError(f"--schedule interleaved: --microbatches {microbatches} is not a multiple of --pp "
+                             f"{pp} (micro-batches enter the chunks in groups of pp); use "
+                             f"{-(-microbatches // pp) * pp}")
+    stage_layers(n_layer, pp * virtual, 0)
+
+
+def chunk_layers(n_layer, pp, pp_rank, chunk, virtual=1) -> range:
+    """Layers of model chunk `chunk` on rank pp_rank: virtual stage chunk * pp + pp_rank of pp * virtual."""
+    return stage_layers(n_layer, pp * virtual, chunk * pp + pp_rank)
+
+
+def build_stage(model, grid, virtual=1):
+    """Keep only this rank's pieces of the dense GPT, in place; parameter names stay the dense model's.
+
+    With pp > 1 the last stage's LM head gets its own copy of the tied embedding (equal by construction, as
+    every rank built the same dense model), tagged `shared_embedding`; sync_tied_grads keeps it in sync.
+    """
+    p, rank, n_layer = grid.pp.size, grid.pp_rank, model.cfg.n_layer
+    keep = {str(i) for c in range(virtual) for i in chunk_layers(n_layer, p, rank, c, virtual)}
+    for key in [k for k in model.blocks if k not in keep]:
+        del model.blocks[key]
+    if p > 1 and grid.last_stage:
+        tied = model.head.lm_head.weight
+        copy = nn.Parameter(tied.detach().clone(), requires_grad=tied.requires_grad)
+        copy.__dict__.update(tied.__dict__)  # keeps tags such as tensor_parallel / tp_dim
+        copy.shared_embedding = True
+        model.head.lm_head.weight = copy
+    if not grid.first_stage:
+        model.embed = None
+    if not grid.last_stage:
+        model.head = None
+    return model
+
+
+def tied_embedding(model, grid):
+    """This stage's copy of the tied embedding/LM-head matrix, or None (middle stages, or pp == 1)."""
+    if grid.pp.size == 1:
+        return None
+    if grid.first_stage:
+        return model.embed.wte.weight
+    return model.head.lm_head.weight if grid.last_stage else None
+
+
+def sync_tied_grads(model, grid):
+    """Sum the embedding gradient of the first stage and the LM-head gradient of the last (Megatron's
+    embedding group), so both copies take the dense model's step. Call after backward, before the step."""
+    weight = tied_embedding(model, grid)
+    if weight is None:
+        return
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    grid.embed.all_reduce(weight.grad)
+
+
+def forward_chunk(model, x, targets, layers, first, last):
+    """One model chunk: (embedding) -> blocks in `layers` -> (head and loss). x: ids (b, s) or (b, s, h)."""
+    if first:
+        x = model.embed(x)
+    for i in layers:
+        x = model.blocks[str(i)](x)
+    return model.head(x, targets) if last else x
+
+
+def train_step(model, grid, micro_batches, schedule="1f1b", no_sync=contextlib.nullcontext, loss_scale=1.0,
+               virtual=1, act_shape=None, trace=None, deallocate=True):
+    """Forward and backward of all micro-batches [(x, y), ...] on this stage, in the schedule's order.
+
+    The loss is the mean over micro-batches (each backward starts from loss_i / m * loss_scale). Returns that
+    mean loss (unscaled) on every rank: the last stage computes it and broadcasts it over the pp axis.
+    Activations between stages have act_shape (default (mb, seq, n_embd); (mb, seq/tp, h) with sequence
+    parallelism) in the blocks' dtype. no_sync wraps every backward but the last one of each model chunk.
+    trace (a schedules.Trace) records wall-clock spans and the memory high-water marks.
+    """
+    p, rank, m = grid.pp.size, grid.pp_rank, len(micro_batches)
+    n_layer, last_vs = model.cfg.n_layer, p * virtual - 1
+    check_args(n_layer, p, m, schedule, virtual)
+    rounds = SCHEDULES[schedule](p, rank, m, virtual)
+    x0 = micro_batches[0][0]
+    shape = act_shape or (x0.shape[0], x0.shape[1], model.cfg.n_embd)
+    dtype = next(model.blocks.parameters()).dtype
+    last_backward = {op.chunk: op for op in flat(rounds) if op.kind == "B"}
+    sync = torch.accelerator.synchronize if grid.device.type != "cpu" else (lambda: None)
+    live, inbox, outbox, losses = {}, {}, {}, []  # live: (chunk, mb) -> (input, output) awaiting backward
+
+    for step in comm_plan(rounds, p, rank, virtual):
+        if isinstance(step, Comm):
+            inbox.update({msg: torch.empty(shape, dtype=dtype, device=grid.device) for msg in step.recvs})
+            grid.pp.p2p(sends=[(outbox[msg], peer(msg, p, rank)) for msg in step.sends],
+                        recvs=[(inbox[msg], peer(msg, p, rank)) for msg in step.recvs])
+            for msg in step.sends:
+                sent = outbox.pop(msg)
+                if deallocate and msg[0] == "F":  # the next stage has it; autograd needs only out.grad_fn
+                    sent.data = torch.empty(0, dtype=sent.dtype, device=sent.device)
+            if trace:
+                held = sum(out.untyped_storage().nbytes() for _, out in live.values() if out.dim())
+                trace.peak_output_bytes = max(trace.peak_output_bytes, held)
+            continue
+        vs = step.chunk * p + rank
+        with trace.span(step, sync) if trace else contextlib.nullcontext():
+            if step.kind == "F":
+                x, y = micro_batches[step.mb]
+                x = x if vs == 0 else inbox.pop(recv_msg(step, p, rank, virtual)).requires_grad_()
+                layers = chunk_layers(n_layer, p, rank, step.chunk, virtual)
+                out = forward_chunk(model, x, y if vs == last_vs else None, layers, vs == 0, vs == last_vs)
+                if vs == last_vs:
+                    losses.append(out.detach())
+                    out = out / m * loss_scale
+                live[(step.chunk, step.mb)] = (x, out)
+                if trace:
+                    trace.peak_inflight = max(trace.peak_inflight, len(live))
+            else:
+                x, out = live.pop((step.chunk, step.mb))
+                grad = torch.ones_like(out) if vs == last_vs else inbox.pop(recv_msg(step, p, rank, virtual))
+                with no_sync() if step != last_backward[step.chunk] else contextlib.nullcontext():
+                    _backward(out, grad)
+        msg = send_msg(step, p, rank, virtual)
+        if msg:
+            outbox[msg] = out if step.kind == "F" else x.grad
+
+    loss = torch.stack(losses).mean() if losses else torch.zeros((), device=grid.device)
+    return grid.pp.broadcast(loss, src_index=p - 1).item()
+
+
+def _backward(out, grad):
+    """Backward from out with gradient grad. Calls the autograd engine directly, as Megatron's custom_backward:
+    torch.autograd.backward would reject a grad whose shape differs from the deallocated out.data."""
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors=(out,), grad_tensors=(grad,), keep_graph=False, create_graph=False, inputs=(),
+        allow_unreachable=True, accumulate_grad=True)
+
+
+class ActivationMeter:
+    """Bytes of tensors autograd keeps for backward (parameters and buffers excluded; storages shared by
+    several saved tensors counted once), live and peak: the activation memory a schedule holds.
+
+        with ActivationMeter(model) as meter: train_step(...)      ->  meter.peak (bytes)
+    """
+
+    def __init__(self, model):
+        self.skip = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
+        self.storages, self.live, self.peak = {}, 0, 0  # data_ptr -> [saved tensors using it, bytes]
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr == 0 or ptr in self.skip:
+            return t
+        entry = self.storages.setdefault(ptr, [0, t.untyped_storage().nbytes()])
+        if entry[0] == 0:
+            self.live += entry[1]
+            self.peak = max(self.peak, self.live)
+        entry[0] += 1
+        return _Saved(self, ptr, t)
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def _release(self, ptr):
+        entry = self.storages[ptr]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self.storages[ptr]
+
+
+class _Saved:
+    """A saved tensor; when autograd frees it (after its backward) the meter forgets its bytes."""
+
+    def __init__(self, meter, ptr, tensor):
+        self.meter, self.ptr, self.tensor = meter, ptr, tensor
+
+    def __del__(self):
+        self.meter._release(self.ptr)

@@ -1,0 +1,74 @@
+"""Dropout random streams under tensor parallelism (the idea of Megatron's CUDA RNG tracker).
+
+Idea: a replicated activation (the residual stream when the sequence is not split) must get the SAME dropout
+mask on every tensor parallel rank, or the replicas drift apart; a sharded activation (the attention heads a
+rank holds, and under sequence parallelism its slice of the sequence) needs a DIFFERENT mask on each rank,
+or all shards would share one mask and their dropout would be correlated. So there are two streams:
+    default stream   torch's own generator, seeded seed + 100 * pp_rank: equal across the tp group
+    tp stream        inside RNGTracker.fork(): a generator seeded (u, tp_rank) with u drawn from the default
+                     stream -- so equal draws on the tp group give a different, reproducible seed per rank
+Unlike Megatron's tracker, the tp stream keeps no state of its own: it is a function of the default stream,
+so torch.utils.checkpoint (which saves and restores the default generator) recomputes the same masks, and a
+checkpoint that saves the default generator resumes it. As in Megatron, dp replicas share both streams.
+Lessons: lessons/03-tensor-parallel.md, lessons/04-sequence-parallel.md
+"""
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+MAX_TP = 4096  # seeds u * MAX_TP + tp_rank are distinct per (draw, rank)
+
+
+def _get_state(device):
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_state(state, device):
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class RNGTracker:
+    """Swaps a per-tp-rank generator in for the dropout of sharded activations (see the module docstring)."""
+
+    def __init__(self, tp_rank: int, device: torch.device):
+        if not 0 <= tp_rank < MAX_TP:
+            raise ValueError(f"tp rank {tp_rank} outside [0, {MAX_TP}); --tp is at most {MAX_TP}")
+        self.tp_rank, self.device = tp_rank, torch.device(device)
+
+    @contextmanager
+    def fork(self):
+        u = int(torch.randint(1 << 48, ()))  # CPU default stream: the same draw on every tp rank, no device sync
+        outer = _get_state(self.device)
+        _set_state(torch.Generator(self.device).manual_seed(u * MAX_TP + self.tp_rank).get_state(), self.device)
+        try:
+            yield
+        finally:
+            _set_state(outer, self.device)
+
+
+def model_parallel_seed(seed: int, grid) -> RNGTracker:
+    """Seed the default stream (the same on the tp group) and return this rank's tracker.
+
+    Call it after every rank has built the dense model from `seed` (the init must be the same everywhere),
+    and pass the tracker to tp.apply_tensor_parallel(..., rng=tracker).
+    """
+    torch.manual_seed(seed + 100 * grid.pp_rank)
+    return RNGTracker(grid.tp_rank, grid.device)
+
+
+class TrackedDropout(nn.Dropout):
+    """nn.Dropout whose mask comes from the per-tp-rank stream (for sharded activations)."""
+
+    def __init__(self, p: float, rng: RNGTracker):
+        super().__init__(p)
+        self.rng = rng
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        with self.rng.fork():
+            return super().forward(x)

@@ -1,0 +1,229 @@
+"""Pipeline schedules as pure op lists, the p2p plan they imply, and the timeline/bubble they produce.
+
+Idea: a schedule is just the order in which one pipeline rank runs forwards F(mb) and backwards B(mb) of its
+micro-batches. Everything else follows from that order: which activation/gradient each op must receive first
+and send after (`comm_plan`), whether the ranks can deadlock, and how long they sit idle (`simulate`).
+No torch, no processes: tests check every schedule for many (p, m) in milliseconds, and pp.py runs the very
+same plan with real tensors.
+
+Formulas (p stages, m micro-batches, v virtual stages per rank, forward t_f and backward t_b per stage):
+    GPipe, 1F1B:        step time (m + p - 1)(t_f + t_b),    bubble = (p - 1) / (m + p - 1)
+    interleaved 1F1B:   each chunk is 1/v of a stage,        bubble = (p - 1) / (v m + p - 1)
+    micro-batches alive on rank r: GPipe m, 1F1B min(m, p - r)  (activation memory ∝ m vs ∝ p)
+Lesson: lessons/05-pipeline-parallel.md
+"""
+import time
+from collections import namedtuple
+
+Op = namedtuple("Op", "kind mb chunk", defaults=(0,))  # kind "F" or "B"; chunk = model chunk on this rank
+Comm = namedtuple("Comm", "sends recvs")  # one batched isend/irecv: lists of messages
+# A message is ("F", mb, vs): the activation virtual stage vs sends to vs + 1, or ("B", mb, vs): the gradient
+# vs sends to vs - 1. Virtual stage vs = chunk * p + rank lives on rank vs % p.
+Event = namedtuple("Event", "op mb start end chunk")
+
+
+def gpipe(p, rank, m, v=1):
+    """GPipe (Huang et al. 2019): all forwards, then all backwards."""
+    return [[Op("F", i)] for i in range(m)] + [[Op("B", i)] for i in range(m)]
+
+
+def one_f_one_b(p, rank, m, v=1):
+    """1F1B (PipeDream-Flush, Narayanan et al. 2021): only p - rank - 1 forwards run ahead of the backwards."""
+    fwd, bwd = [Op("F", i) for i in range(m)], [Op("B", i) for i in range(m)]
+    return _warmup_steady_cooldown(fwd, bwd, warmup=min(p - rank - 1, m), pair=False)
+
+
+def interleaved_1f1b(p, rank, m, v):
+    """Interleaved 1F1B (Narayanan et al. 2021, sec. 2.2): v model chunks per rank; micro-batches go through
+    the chunks in groups of p (needs m % p == 0); backwards visit the chunks in reverse order."""
+    order = [(g + i, c) for g in range(0, m, p) for c in range(v) for i in range(p)]
+    fwd = [Op("F", mb, c) for mb, c in order]
+    bwd = [Op("B", mb, v - 1 - c) for mb, c in order]
+    return _warmup_steady_cooldown(fwd, bwd, warmup=min(2 * (p - rank - 1) + (v - 1) * p, m * v), pair=True)
+
+
+def _warmup_steady_cooldown(fwd, bwd, warmup, pair):
+    """Rounds of ops that run back to back; p2p happens only between rounds. In the interleaved steady state
+    a forward and a backward form one round (their four messages share one batched call, as Megatron's
+    send_forward_backward_recv_forward_backward): sending after each op deadlocks the ring of chunks."""
+    steady = [[f, b] for f, b in zip(fwd[warmup:], bwd)]
+    if not pair:
+        steady = [[op] for rnd in steady for op in rnd]
+    return ([[f] for f in fwd[:warmup]]                          # warm-up: fill the pipeline
+            + steady                                             # steady state: one forward, one backward
+            + [[b] for b in bwd[len(fwd) - warmup:]])            # cool-down: drain the remaining backwards
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b}
+
+
+def flat(rounds):
+    return [op for rnd in rounds for op in rnd]
+
+
+def recv_msg(op, p, rank, v):
+    """The message op needs before it can run: the input activation (F) or the output gradient (B)."""
+    vs = op.chunk * p + rank
+    if op.kind == "F":
+        return ("F", op.mb, vs - 1) if vs > 0 else None
+    return ("B", op.mb, vs + 1) if vs < p * v - 1 else None
+
+
+def send_msg(op, p, rank, v):
+    """The message op produces: its output activation (F) or its input gradient (B)."""
+    vs = op.chunk * p + rank
+    if op.kind == "F":
+        return ("F", op.mb, vs) if vs < p * v - 1 else None
+    return ("B", op.mb, vs) if vs > 0 else None
+
+
+def peer(msg, p, rank):
+    """The rank at the other end of msg, seen from rank."""
+    kind, _, vs = msg
+    src, dst = vs % p, (vs + (1 if kind == "F" else -1)) % p
+    return dst if src == rank else src
+
+
+def comm_plan(rounds, p, rank, v=1):
+    """Ops with one batched p2p call before each round: it sends what the previous round produced and
+    receives what this round needs (Megatron's send_forward_recv_backward pattern), so that two neighbours
+    never both wait on a message the other has not posted."""
+    steps, pending = [], []
+    for rnd in rounds:
+        needs = [msg for msg in (recv_msg(op, p, rank, v) for op in rnd) if msg]
+        if needs or pending:
+            steps.append(Comm(pending, needs))
+        steps += rnd
+        pending = [msg for msg in (send_msg(op, p, rank, v) for op in rnd) if msg]
+    return steps + ([Comm(pending, [])] if pending else [])
+
+
+def simulate(p, m, schedule, v=1, t_f=1, t_b=2):
+    """Run every rank's plan on a unit clock: F takes t_f, B takes t_b (a backward is ~2 forwards of FLOPs),
+    messages take no time. A batched call finishes only when every peer has posted the matching call (the
+    strictest, NCCL-like rendezvous), so a plan that finishes here cannot deadlock. Returns one Trace per rank."""
+    plans = [comm_plan(SCHEDULES[schedule](p, r, m, v), p, r, v) for r in range(p)]
+    _check_message_order(plans, p)
+    pos, clock, posted = [0] * p, [0] * p, {}
+    traces = [Trace(r) for r in range(p)]
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pos[r] < len(plans[r]):
+                step = plans[r][pos[r]]
+                if isinstance(step, Op):
+                    dur = t_f if step.kind == "F" else t_b
+                    traces[r].events.append(Event(step.kind, step.mb, clock[r], clock[r] + dur, step.chunk))
+                    clock[r] += dur
+                else:
+                    ends = [clock[r]]
+                    for msg, side in [(s, "send") for s in step.sends] + [(s, "recv") for s in step.recvs]:
+                        posted.setdefault((msg, side), clock[r])
+                        other = posted.get((msg, "recv" if side == "send" else "send"))
+                        ends.append(other)
+                    if None in ends:
+                        break  # blocked until the peer posts its side
+                    clock[r] = max(ends)
+                pos[r] += 1
+                progress = True
+    stuck = [r for r in range(p) if pos[r] < len(plans[r])]
+    if stuck:
+        raise RuntimeError(f"{schedule} p={p} m={m} v={v} deadlocks: ranks {stuck} wait at "
+                           f"{[plans[r][pos[r]] for r in stuck]}")
+    return traces
+
+
+def _check_message_order(plans, p):
+    """p2p matches messages between two ranks in posting order: each ordered pair must agree on it."""
+    sent, received = {}, {}
+    for r, plan in enumerate(plans):
+        for step in plan:
+            if isinstance(step, Comm):
+                for msg in step.sends:
+                    sent.setdefault((r, peer(msg, p, r)), []).append(msg)
+                for msg in step.recvs:
+                    received.setdefault((peer(msg, p, r), r), []).append(msg)
+    if sent != received:
+        bad = next(k for k in set(sent) | set(received) if sent.get(k) != received.get(k))
+        raise RuntimeError(f"ranks {bad} disagree on message order: {sent.get(bad)} vs {received.get(bad)}")
+
+
+class Trace:
+    """One rank's ops as (op, micro-batch, start, end, chunk), plus the memory high-water marks of a step."""
+
+    def __init__(self, rank):
+        self.rank, self.events = rank, []
+        self.peak_inflight = 0      # micro-batches whose forward ran and backward did not yet
+        self.peak_output_bytes = 0  # bytes of sent stage outputs still held for their backward
+
+    def span(self, op, sync=lambda: None):
+        """Context manager timing op (an Op) on the wall clock; sync waits for an accelerator first."""
+        return _Span(self, op, sync)
+
+
+class _Span:
+    def __init__(self, trace, op, sync):
+        self.trace, self.op, self.sync = trace, op, sync
+
+    def __enter__(self):
+        self.sync()
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.sync()
+        self.trace.events.append(Event(self.op.kind, self.op.mb, self.start, time.perf_counter(), self.op.chunk))
+
+
+def bubble_fraction(traces):
+    """Idle share of the ranks' time between the first op's start and the last op's end."""
+    events = [e for t in traces for e in t.events]
+    span = max(e.end for e in events) - min(e.start for e in events)
+    return 1.0 - sum(e.end - e.start for e in events) / (len(traces) * span)
+
+
+def draw_timeline(traces, path=None, width=None):
+    """ASCII timeline, one row per rank ('.' = idle; chunk letters a, b, ... when v > 1). With path, also a
+    PNG when matplotlib is importable (not a dependency); the returned text says when none was written."""
+    events = [e for t in traces for e in t.events]
+    t0, t1 = min(e.start for e in events), max(e.end for e in events)
+    chunked = any(e.chunk for e in events)
+    label = lambda e: f"{e.op}{e.mb}" + (chr(97 + e.chunk) if chunked else "")
+    unit_clock = all(float(e.start).is_integer() and float(e.end).is_integer() for e in events)
+    width = width or (int(t1 - t0) * (1 + max(len(label(e)) for e in events)) if unit_clock else 120)
+    scale = width / (t1 - t0)
+    rows = []
+    for t in traces:
+        row = ["."] * width
+        for e in t.events:
+            c0 = round((e.start - t0) * scale)
+            c1 = max(round((e.end - t0) * scale), c0 + 1)
+            row[c0:c1] = (label(e) + " " * (c1 - c0))[: c1 - c0]
+        rows.append(f"rank {t.rank} |{''.join(row)}|")
+    text = "\n".join(rows)
+    if path:
+        text += "\n" + _draw_png(traces, path, chunked)
+    return text
+
+
+def _draw_png(traces, path, chunked):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"(matplotlib is not installed: no PNG written to {path})"
+    t0 = min(e.start for t in traces for e in t.events)
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(traces) + 1))
+    for t in traces:
+        for e in t.events:
+            ax.broken_barh([(e.start - t0, e.end - e.start)], (t.rank - 0.4, 0.8),
+                           color="tab:blue" if e.op == "F" else "tab:orange", edgecolor="black", linewidth=0.3)
+            ax.text(e.start - t0 + (e.end - e.start) / 2, t.rank, f"{e.mb}" + (chr(97 + e.chunk) if chunked else ""),
+                    ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(len(traces)), [f"rank {t.rank}" for t in traces])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (blue F, orange B)")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return f"(timeline PNG written to {path})"

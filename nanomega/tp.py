@@ -1,0 +1,299 @@
+"""Tensor parallelism (Shoeybi et al. 2019) and sequence parallelism (Korthikanti et al. 2022).
+
+Idea: split Y = XA by the columns of A (each rank computes Y_i = X A_i, no communication) and the next
+matmul Z = YB by the rows of B (Z = sum_i Y_i B_i: one all-reduce). A transformer layer is two such pairs:
+attention (qkv by heads, then the output projection by rows) and the MLP (c_fc by columns, c_proj by rows).
+The conjugate operators f (identity forward, all-reduce backward) and g (all-reduce forward, identity
+backward) bracket each pair, so a layer costs 2 all-reduces forward and 2 backward of the (b, s, h) activation.
+Sequence parallelism also splits what lies between the pairs (LayerNorm, dropout, residual) along the
+sequence: g becomes a reduce-scatter and f an all-gather, the same wire bytes as the all-reduce they replace.
+
+Bytes per layer one rank puts on the wire, B = b*s*h*bytes_per_element, ring over t ranks:
+    TP:  forward 2 x all_reduce = 2 * 2(t-1)/t * B          backward the same
+    SP:  forward 2 x (all_gather + reduce_scatter) = 2 * 2(t-1)/t * B
+         backward the same + 2 all_gathers (t-1)/t * B that re-gather the stored 1/t of the linear inputs
+Activation bytes per layer (2-byte activations, 1-byte dropout masks, a heads, Korthikanti eq. 2-4):
+    TP: s*b*h*(10 + 24/t + 5*a*s/(h*t))            SP: s*b*h*(34/t + 5*a*s/(h*t))
+Layout: our activations are batch-first (b, s, h); the sequence shard is (b, s/t, h), contiguous. Each
+sequence collective costs one extra local copy of the (b, s, h) tensor to move the sequence dim in front.
+Lessons: lessons/03-tensor-parallel.md, lessons/04-sequence-parallel.md
+"""
+import functools
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanomega.rng import TrackedDropout
+
+
+# ---------------------------------------------------------------- collectives as functions of tensors
+def _all_reduce(x, tp):
+    return tp.all_reduce(x.clone(memory_format=torch.contiguous_format))  # never in place on autograd's grads
+
+
+def _gather_seq(x, tp):  # (b, s/t, ...) -> (b, s, ...)
+    out = x.new_empty((tp.size * x.shape[0],) + x.shape[1:])  # (t*b, s/t, ...): rank-major
+    tp.all_gather(out, x.contiguous())
+    return out.unflatten(0, (tp.size, -1)).transpose(0, 1).flatten(1, 2)  # (b, t, s/t, ...) -> one copy
+
+
+def _reduce_scatter_seq(x, tp):  # (b, s, ...) partial sums -> (b, s/t, ...) summed over tp
+    b, s = x.shape[:2]
+    if s % tp.size:
+        raise ValueError(f"--sequence-parallel needs the sequence length {s} divisible by --tp {tp.size}; "
+                         f"use a block size that is a multiple of {tp.size}")
+    chunks = x.unflatten(1, (tp.size, s // tp.size)).transpose(0, 1).contiguous()  # (t, b, s/t, ...): one copy
+    return tp.reduce_scatter(x.new_empty((b, s // tp.size) + x.shape[2:]), chunks.flatten(0, 1))
+
+
+class CopyToTensorParallel(torch.autograd.Function):
+    """f: the input of a column-parallel layer. Identity forward; backward sums the ranks' input gradients."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.tp), None
+
+
+class ReduceFromTensorParallel(torch.autograd.Function):
+    """g: the output of a row-parallel layer. Forward sums the partial products; backward is the identity."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        return _all_reduce(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class ReduceScatterToSequenceParallel(torch.autograd.Function):
+    """g under SP: forward reduce-scatters partial sums along the sequence; backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, x, tp):  # (b, s, h) partial -> (b, s/t, h)
+        ctx.tp = tp
+        return _reduce_scatter_seq(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):  # (b, s/t, h) -> (b, s, h)
+        return _gather_seq(grad, ctx.tp), None
+
+
+class LinearWithSequenceGather(torch.autograd.Function):
+    """f under SP, fused with the column-parallel matmul: all-gather the sequence forward, reduce-scatter the
+    input gradient backward. Only the 1/t input shard is stored; backward all-gathers it again for the
+    weight gradient (Korthikanti et al. sec. 4.2.2; Megatron overlaps that gather, we do not)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, tp):  # x (b, s/t, h) -> (b, s, out/t)
+        ctx.save_for_backward(x, weight)
+        ctx.tp, ctx.has_bias = tp, bias is not None
+        return F.linear(_gather_seq(x, tp), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad (b, s, out/t)
+        x, weight = ctx.saved_tensors
+        grad_x = _reduce_scatter_seq(grad @ weight, ctx.tp) if ctx.needs_input_grad[0] else None
+        grad_w = grad_b = None
+        if ctx.needs_input_grad[1]:
+            total = _gather_seq(x, ctx.tp)  # (b, s, h): the price of storing only the shard
+            grad_w = grad.flatten(0, -2).t() @ total.flatten(0, -2)  # (out/t, h)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.flatten(0, -2).sum(0)
+        return grad_x, grad_w, grad_b, None
+
+
+def _reduce_output(x, tp, sequence_parallel):
+    """Sum a row-parallel layer's partial outputs: all-reduce, or reduce-scatter along the sequence (SP)."""
+    return (ReduceScatterToSequenceParallel if sequence_parallel else ReduceFromTensorParallel).apply(x, tp)
+
+
+# ---------------------------------------------------------------- layers
+class ColumnParallelLinear(nn.Module):
+    """Y_i = X A_i: this rank's output features (rows of the torch weight); the output stays split over tp."""
+
+    def __init__(self, weight, bias, tp, sequence_parallel=False):
+        super().__init__()
+        self.weight = weight  # (out/t, in)
+        self.register_parameter("bias", bias)  # (out/t,) or None
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+
+    def forward(self, x):  # (b, s, in), or (b, s/t, in) under SP -> (b, s, out/t)
+        if self.sequence_parallel:
+            return LinearWithSequenceGather.apply(x, self.weight, self.bias, self.tp)
+        return F.linear(CopyToTensorParallel.apply(x, self.tp), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Z = sum_i Y_i B_i: this rank's input features (columns of the torch weight); the partial products are
+    summed over tp, then the replicated bias is added once."""
+
+    def __init__(self, weight, bias, tp, sequence_parallel=False):
+        super().__init__()
+        self.weight = weight  # (out, in/t)
+        self.register_parameter("bias", bias)  # (out,) replicated
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+
+    def forward(self, y):  # (b, s, in/t) -> (b, s, out), or (b, s/t, out) under SP
+        z = _reduce_output(F.linear(y, self.weight), self.tp, self.sequence_parallel)
+        return z if self.bias is None else z + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [r V/t, (r+1) V/t) of the token embedding. A token held elsewhere looks up zeros; the sum over
+    tp (all-reduce, or reduce-scatter along the sequence under SP) gives every rank its embeddings."""
+
+    def __init__(self, weight, tp, sequence_parallel=False):
+        super().__init__()
+        self.weight = weight  # (V/t, h), the same Parameter as the vocab-parallel LM head (tied)
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+
+    def forward(self, idx):  # (b, s) -> (b, s, h), or (b, s/t, h) under SP
+        local = idx - self.tp.rank * self.weight.shape[0]
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[..., None], 0.0)
+        return _reduce_output(x, self.tp, self.sequence_parallel)
+
+
+class SequenceParallelPositions(nn.Module):
+    """The learned position embedding under SP: given all s positions, return this rank's s/t rows."""
+
+    def __init__(self, weight, tp):
+        super().__init__()
+        self.weight, self.tp = weight, tp  # (block_size, h), replicated
+
+    def forward(self, pos):  # (s,) -> (s/t, h)
+        return F.embedding(pos.unflatten(0, (self.tp.size, -1))[self.tp.rank], self.weight)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, tp):  # logits (n, V/t) this rank's vocab slice; targets (n,) global ids
+        dtype, logits = logits.dtype, logits.float()
+        v = logits.shape[-1]
+        shifted = logits - tp.all_reduce(logits.max(dim=-1).values, op=dist.ReduceOp.MAX)[:, None]
+        local = targets - tp.rank * v
+        mine = (local >= 0) & (local < v)  # an ignored target (-1) is never mine
+        local = local.masked_fill(~mine, 0)
+        exp = shifted.exp()
+        target_logit = shifted.gather(1, local[:, None])[:, 0].masked_fill(~mine, 0.0)
+        stats = tp.all_reduce(torch.stack([exp.sum(-1), target_logit]))  # (2, n): one all-reduce for both
+        valid = targets != -1
+        count = valid.sum()
+        loss = (stats[0].log() - stats[1]).masked_fill(~valid, 0.0).sum() / count
+        ctx.save_for_backward(exp.div_(stats[0][:, None]), local, mine, valid, count)  # exp -> softmax
+        ctx.dtype = dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):  # d loss / d logit = (softmax - onehot(target)) / count, 0 on ignored rows
+        softmax, local, mine, valid, count = ctx.saved_tensors
+        g = softmax.scatter_add(1, local[:, None], -mine.to(softmax.dtype)[:, None])
+        return (g * (grad * valid / count)[:, None]).to(ctx.dtype), None, None
+
+
+def vocab_parallel_cross_entropy(logits, targets, tp):
+    """Mean cross-entropy (fp32, ignore_index=-1) of vocab-sharded logits (..., V/t). No rank holds the full
+    logits: the row max, the sum of exp and the target logit are reduced over tp (2 all-reduces of n floats
+    (the max) and 2n floats)."""
+    return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), tp)
+
+
+# ---------------------------------------------------------------- sharding rules and the model transform
+# parameter-name suffix -> (sharded dim, interleaved groups): c_attn's output is laid out (3, n_head, head_dim),
+# so a rank takes its heads from each of q, k and v. Every other parameter is replicated across tp.
+_SPLIT = {"wte.weight": (0, 1), "lm_head.weight": (0, 1), "c_attn.weight": (0, 3), "c_attn.bias": (0, 3),
+          "c_fc.weight": (0, 1), "fc_bias": (0, 1), "c_proj.weight": (1, 1)}
+
+
+def _rule(name):
+    return next((rule for suffix, rule in _SPLIT.items() if name == suffix or name.endswith("." + suffix)), None)
+
+
+def shard_param(name, full, tp_rank, tp_size):
+    """This tp rank's slice (a view) of the full GPT parameter `name`; replicated parameters come back whole."""
+    rule = _rule(name)
+    if rule is None:
+        return full
+    dim, groups = rule
+    return full.unflatten(dim, (groups, tp_size, -1)).select(dim + 1, tp_rank).flatten(dim, dim + 1)
+
+
+def unshard_param(name, shards):
+    """The full parameter from the tp ranks' slices, in rank order (inverse of shard_param)."""
+    rule = _rule(name)
+    if rule is None:
+        return shards[0]
+    dim, groups = rule
+    return torch.cat([s.unflatten(dim, (groups, -1)) for s in shards], dim + 1).flatten(dim, dim + 1)
+
+
+def _shard(p, name, tp):
+    q = nn.Parameter(shard_param(name, p.detach(), tp.rank, tp.size).clone(), requires_grad=p.requires_grad)
+    q.tensor_parallel, q.tp_dim = True, _rule(name)[0]
+    return q
+
+
+def check_tensor_parallel(cfg, tp_size, sequence_parallel=False):
+    """One-line errors for shapes tp cannot split (raised before any collective)."""
+    choices = ", ".join(str(d) for d in range(1, cfg.n_head + 1) if math.gcd(cfg.n_head, cfg.n_embd) % d == 0)
+    for flag, n in (("--n-head", cfg.n_head), ("--n-embd", cfg.n_embd)):
+        if n % tp_size:
+            raise ValueError(f"--tp {tp_size} does not divide {flag} {n}; choose --tp among {choices}")
+    if cfg.padded_vocab_size % tp_size:
+        raise ValueError(f"padded vocab size {cfg.padded_vocab_size} is not divisible by --tp {tp_size}; set "
+                         f"make_vocab_size_divisible_by = 128 * tp (train.py does)")
+    if sequence_parallel and cfg.block_size % tp_size:
+        raise ValueError(f"--sequence-parallel needs --block-size {cfg.block_size} divisible by --tp {tp_size}")
+
+
+def apply_tensor_parallel(model, tp, sequence_parallel=False, rng=None):
+    """Replace, in place, the pieces of a dense GPT by parallel ones holding this rank's slice of the same
+    weights (so a TP model built from seed S is the dense one from seed S, sliced). Called unchanged after:
+    model(idx, targets) -> loss; with targets=None it returns this rank's vocab slice of the logits.
+    Under SP every replicated parameter sees 1/t of the tokens: a hook all-reduces its gradient over tp as
+    it is computed (per backward, before accumulation into .grad), so no trainer call can be forgotten.
+    rng: the rng.RNGTracker from rng.model_parallel_seed, required when cfg.dropout > 0."""
+    cfg, sp = model.cfg, sequence_parallel
+    check_tensor_parallel(cfg, tp.size, sp)
+    if cfg.dropout > 0 and rng is None:
+        raise ValueError("dropout > 0 under tensor parallelism needs rng=rng.model_parallel_seed(seed, grid)")
+    drop = functools.partial(TrackedDropout, cfg.dropout, rng)  # for sharded activations
+    emb = model.embed
+    wte = _shard(emb.wte.weight, "wte.weight", tp)
+    emb.wte = VocabParallelEmbedding(wte, tp, sp)
+    if sp and emb.wpe is not None:
+        emb.wpe = SequenceParallelPositions(emb.wpe.weight, tp)
+    for block in model.blocks.values():
+        attn, mlp = block.attn, block.mlp
+        attn.c_attn = ColumnParallelLinear(_shard(attn.c_attn.weight, "c_attn.weight", tp),
+                                           _shard(attn.c_attn.bias, "c_attn.bias", tp), tp, sp)
+        attn.c_proj = RowParallelLinear(_shard(attn.c_proj.weight, "c_proj.weight", tp), attn.c_proj.bias, tp, sp)
+        attn.n_head //= tp.size  # (b, s, 3h/t) viewed as (b, s, 3, n_head/t, head_dim)
+        if attn.slopes is not None:
+            attn.slopes = attn.slopes.chunk(tp.size)[tp.rank].clone()  # ALiBi: this rank's heads' slopes
+        mlp.c_fc = ColumnParallelLinear(_shard(mlp.c_fc.weight, "c_fc.weight", tp), None, tp, sp)
+        mlp.fc_bias = _shard(mlp.fc_bias, "fc_bias", tp)
+        mlp.c_proj = RowParallelLinear(_shard(mlp.c_proj.weight, "c_proj.weight", tp), mlp.c_proj.bias, tp, sp)
+        if cfg.dropout > 0:
+            attn.attn_drop = drop()  # heads differ per rank
+            if sp:  # the residual stream is split along the sequence, so its masks must differ too
+                attn.resid_drop, mlp.drop = drop(), drop()
+    if sp and cfg.dropout > 0:
+        emb.drop = drop()
+    model.head.lm_head = ColumnParallelLinear(wte, None, tp, sp)  # tied: the same (V/t, h) Parameter
+    model.head.loss_fn = functools.partial(vocab_parallel_cross_entropy, tp=tp)
+    if sp:
+        for p in model.parameters():
+            if p.requires_grad and not getattr(p, "tensor_parallel", False):
+                p.sequence_parallel = True
+                p.register_hook(functools.partial(_all_reduce, tp=tp))
+    return model
