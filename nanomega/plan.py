@@ -1,25 +1,24 @@
-"""Plan a run before paying for it: memory per GPU, bytes per step and step time for every tp x pp x dp x ZeRO layout.
+"""Plan a run before paying for it: memory per GPU, bytes per step and step time of every tp x pp x dp x ZeRO layout.
 
-Idea: every quantity the parallel modules count (parameters held, bytes sent, activations kept) has a closed form.
-Put them together for a model shape and a cluster, keep the layouts that fit in memory, rank them by predicted
-step time. It is a model, not a measurement: no overlap of communication with compute, no latency, nominal link
-bandwidths, one compute efficiency for every layout (default 0.5 of peak).
-
-Formulas (Psi = parameters held by one tp x pp rank, d/t/p = dp/tp/pp sizes, m = micro-batches per step, B = bytes):
-    state      (B_param, B_grad, B_optim) * Psi; ZeRO stage 1 divides the optimizer term by d, 2 also the
-               gradients, 3 also the parameters (ZeRO paper: fp16 + Adam, 2 + 2 + 12; Megatron bf16 params with
-               fp32 grads: 18 -> 6 + 12/d with the distributed optimizer)
-    dp bytes   ring all-reduce 2(d-1)/d * Psi*B; reduce-scatter and all-gather (d-1)/d each; ZeRO-3 = 3(d-1)/d (1.5x)
-    tp bytes   4 all-reduces of b*s*h per layer and micro-batch (2 forward, 2 backward), 2(t-1)/t each in a ring
-    activation Korthikanti et al. 2022, per layer and micro-batch: sbh(34 + 5as/h); TP sbh(10 + 24/t + 5as/(ht));
-               TP+SP sbh(34 + 5as/h)/t; selective recompute drops the 5as/h term; full recompute keeps 2sbh
-    bubble     (p-1) / (v*m + p-1) of the step is idle (v = interleaved chunks per stage)
-    FLOPs      6N + 12*L*h*s per token (PaLM / nanoGPT: QK^T and AV counted without causal halving)
+Idea: put the closed forms of plan_formulas.py together for a model shape and a cluster, keep the layouts that fit
+in memory, rank them by predicted step time, recommend the first. It is a model, not a measurement:
+    memory     the largest pipeline stage's parameters, gradients, optimizer state, plus activations of the
+               micro-batches stage 0 holds at its peak; a layout fits if it needs <= usable (0.9) x GPU memory,
+               the rest left for the CUDA context, NCCL buffers, temporaries and fragmentation
+    step time  (compute + tp bytes / NVLink + pp bytes / link) x (1 + (p-1)/(v m)) + dp bytes / link, where
+               compute = tokens x FLOPs per token (recompute included) / (GPUs x peak x efficiency (0.5)), paced by
+               the slowest stage (the last: its layers and the LM head); a dp or pp group that leaves the node
+               talks at the GPU's own NIC bandwidth. No overlap of communication with compute, no latency.
+    MFU        tokens x (6N + 12Lhs) / (step time x GPUs x peak);  days = token budget / tokens per step x step time
+CLI: python -m nanomega.plan --model gpt3-175b --gpus 1024 --gpu a100-80gb --global-batch 1536 [--top 10]
 Lesson: lessons/11-planning-a-run.md
 """
 import argparse
-import math
 from dataclasses import dataclass, replace
+
+from nanomega.plan_formulas import (activation_bytes_per_layer, dp_comm_bytes, flops_per_token,
+                                    inflight_microbatches, layer_params, pipeline_bubble, pp_comm_bytes,
+                                    tp_comm_bytes_per_layer, zero_state_bytes)
 
 
 @dataclass(frozen=True)
@@ -76,13 +75,7 @@ class Run:
     tokens: float = 300e9  # training budget for the days column
 
 
-# ---- parameters -------------------------------------------------------------------------------------------
-def layer_params(h, t=1):
-    """One Block on one TP rank: qkv, fc weights and their biases split by t (column parallel); projection
-    weights split (row parallel), their biases and both LayerNorms replicated. t=1: 12h^2 + 13h."""
-    return (12 * h * h + 7 * h) // t + 6 * h
-
-
+# ---- model shapes -----------------------------------------------------------------------------------------
 def stage_params(model, tp=1, pp=1):
     """Parameters on one TP rank of each pipeline stage; the vocabulary is padded to a multiple of 128*tp and
     split by tp, positions are replicated; the last stage keeps its own copy of the tied LM head when pp > 1."""
@@ -97,83 +90,6 @@ def stage_params(model, tp=1, pp=1):
 
 def n_params(model):
     return stage_params(model)[0]
-
-
-# ---- memory -----------------------------------------------------------------------------------------------
-def zero_state_bytes(n_params, stage, dp, param_bytes=2, grad_bytes=2, optim_bytes=12):
-    """(parameter, gradient, optimizer) bytes on one DP rank. Stage 1 shards the optimizer state, 2 also the
-    gradients, 3 also the parameters; a shard is ceil(n/dp) elements (flat buffer padded to a multiple of dp)."""
-    shard = math.ceil(n_params / dp)
-    p, g, o = (shard if stage >= k else n_params for k in (3, 2, 1))
-    return p * param_bytes, g * grad_bytes, o * optim_bytes
-
-
-def activation_bytes_per_layer(s, b, h, a, t=1, sp=False, recompute="none"):
-    """Saved activations of one layer for one micro-batch (Korthikanti et al. 2022, Table 2): 2-byte tensors,
-    1-byte dropout masks. Of the 34 sbh, 10 (LayerNorm and block inputs, two dropout masks) are replicated by
-    TP unless SP shards them; 5as/h is the (b, a, s, s) softmax, its dropout mask and dropped output."""
-    sbh = s * b * h
-    if recompute == "full":
-        return 2 * sbh  # only the layer input (the paper's Table 2 counts it unsharded)
-    attn = 0 if recompute == "selective" else 5 * a * s / h
-    if sp:
-        return sbh * (34 + attn) / t
-    return sbh * (10 + 24 / t + attn / t)
-
-
-def inflight_microbatches(p, m, schedule="1f1b", v=1):
-    """Micro-batches whose activations stage 0 holds at its peak, in units of one stage's L/p layers: GPipe
-    all m, 1F1B p (its warm-up), interleaved p + (p-1)/v, i.e. Korthikanti's L(1 + (p-1)/(pv)) layers."""
-    if p == 1:
-        return 1  # plain gradient accumulation: one micro-batch at a time
-    return {"gpipe": m, "1f1b": min(p, m), "interleaved": p + (p - 1) / v}[schedule]
-
-
-# ---- communication (bytes one rank sends per step; a ring receives as much as it sends) ------------------
-def dp_comm_bytes(n_params, stage, dp, dtype_bytes, param_bytes=None, micro_batches=1):
-    """Stage 0: all-reduce the gradients once. 1: reduce-scatter them, all-gather the updated parameters.
-    2: as 1, but the reduce-scatter runs every micro-batch (no full gradient is kept to accumulate into).
-    3: also all-gather the parameters for forward and again for backward of every micro-batch.
-    dtype_bytes: gradient elements on the wire; param_bytes: parameter elements (default the same)."""
-    param_bytes = dtype_bytes if param_bytes is None else param_bytes
-    f = (dp - 1) / dp * n_params
-    if stage == 0:
-        return 2 * f * dtype_bytes
-    grads = f * dtype_bytes * (micro_batches if stage >= 2 else 1)
-    return grads + f * param_bytes * (2 * micro_batches if stage == 3 else 1)
-
-
-def tp_comm_bytes_per_layer(b, s, h, t, dtype_bytes=2, sequence_parallel=False, recompute="none"):
-    """Per layer and micro-batch: attention and MLP each end in an all-reduce of (b, s, h) in forward and
-    start with one in backward. SP replaces each by a reduce-scatter plus an all-gather: the same bytes, but
-    the activations between them are sharded. Full recompute reruns the 2 forward collectives."""
-    ring = (t - 1) / t + (t - 1) / t if sequence_parallel else 2 * (t - 1) / t
-    return (6 if recompute == "full" else 4) * ring * b * s * h * dtype_bytes
-
-
-def pp_comm_bytes(b, s, h, t, dtype_bytes, micro_batches, v=1):
-    """Activation forward, its gradient backward, per micro-batch and model chunk; each TP rank sends its 1/t
-    slice (SP shards it anyway; without SP, Megatron's scatter/gather optimisation, Narayanan et al. 2021)."""
-    return 2 * v * micro_batches * b * s * h * dtype_bytes / t
-
-
-# ---- time -------------------------------------------------------------------------------------------------
-def pipeline_bubble(p, m, v=1):
-    """Idle fraction of the step: each stage waits p-1 slots out of v*m + p-1 (a slot = one micro-batch's
-    forward + backward of one chunk; interleaving shrinks the slots by v). Time = ideal * (1 + (p-1)/(v m))."""
-    return (p - 1) / (v * m + p - 1)
-
-
-def flops_per_token(n_params, n_layer, h, s, recompute="none"):
-    """6N (forward 2N, backward 4N) + 12*L*h*s for QK^T and AV, counted without causal halving (PaLM, nanoGPT).
-    Recompute adds forward work that MFU does not credit: full one forward (2N + 4Lhs), selective QK^T, AV."""
-    extra = {"none": 0, "selective": 4 * n_layer * h * s, "full": 2 * n_params + 4 * n_layer * h * s}[recompute]
-    return 6 * n_params + 12 * n_layer * h * s + extra
-
-
-def implied_mfu(total_flops, days, gpus, peak_flops):
-    """Model FLOPs utilisation a reported run implies: useful FLOPs / (wall time * GPUs * peak)."""
-    return total_flops / (days * 86400 * gpus * peak_flops)
 
 
 # ---- the planner ------------------------------------------------------------------------------------------
@@ -324,6 +240,8 @@ def main(argv=None):
         raise SystemExit(f"plan: --gpus {args.gpus} must be at most one node or whole {gpu.per_node}-GPU nodes")
     if args.micro_batch < 1 or args.global_batch % args.micro_batch or args.global_batch < 1:
         raise SystemExit(f"plan: --global-batch {args.global_batch} must be a multiple of --micro-batch")
+    if min(args.chunks, args.efficiency, args.usable, args.tokens, args.top) <= 0:
+        raise SystemExit("plan: --chunks, --efficiency, --usable, --tokens and --top must be positive")
     run = Run(args.global_batch, args.micro_batch, args.dtype, args.recompute, not args.no_sp, args.schedule,
               args.chunks, (0, 1, 2, 3) if args.zero == "all" else (int(args.zero),), args.efficiency,
               args.usable, args.tokens)

@@ -1,7 +1,7 @@
 """The planner's formulas against published figures, the dense model, and hand counts; the CLI end to end."""
 import pytest
 
-from nanomega import plan as P
+from nanomega import plan as P, plan_formulas as F
 from nanomega.model import GPT, GPTConfig, flops_per_token as model_flops_per_token
 
 GPT3 = P.MODELS["gpt3-175b"]
@@ -9,7 +9,7 @@ GPT3 = P.MODELS["gpt3-175b"]
 
 def test_zero_paper_figure_1():
     # Rajbhandari et al. 2020, Fig. 1: 7.5B parameters, 64 GPUs, fp16 params and grads + K=12 Adam state
-    gb = [sum(P.zero_state_bytes(7.5e9, stage, 64, 2, 2, 12)) / 1e9 for stage in range(4)]
+    gb = [sum(F.zero_state_bytes(7.5e9, stage, 64, 2, 2, 12)) / 1e9 for stage in range(4)]
     assert [round(x, 1) for x in gb] == [120.0, 31.4, 16.6, 1.9]
     assert gb[1] == pytest.approx(4 * 7.5 + 12 * 7.5 / 64, abs=1e-9)  # 2Psi + 2Psi + K Psi/Nd
 
@@ -19,46 +19,46 @@ def test_megatron_distributed_optimizer_bytes_per_parameter(dtype, base, sharded
     # Megatron-LM docs: bf16 params + fp32 grads = 18 bytes -> 6 + 12/d; fp32 = 16 -> 8 + 8/d
     n = 2**20 * 3 * 5  # divisible by every d below: no padding
     for d in (1, 2, 3, 8, 64):
-        assert sum(P.zero_state_bytes(n, 1, d, *P.PRECISIONS[dtype])) / n == base + sharded / d
-    assert sum(P.zero_state_bytes(n, 0, 64, *P.PRECISIONS[dtype])) / n == base + sharded
+        assert sum(F.zero_state_bytes(n, 1, d, *P.PRECISIONS[dtype])) / n == base + sharded / d
+    assert sum(F.zero_state_bytes(n, 0, 64, *P.PRECISIONS[dtype])) / n == base + sharded
 
 
 def test_zero_shards_round_up_and_stages_only_shrink():
-    p, g, o = P.zero_state_bytes(10, 3, 4, 1, 1, 1)  # 10 elements over 4 ranks: the largest shard has 3
+    p, g, o = F.zero_state_bytes(10, 3, 4, 1, 1, 1)  # 10 elements over 4 ranks: the largest shard has 3
     assert (p, g, o) == (3, 3, 3)
-    totals = [sum(P.zero_state_bytes(1000, s, 8)) for s in range(4)]
+    totals = [sum(F.zero_state_bytes(1000, s, 8)) for s in range(4)]
     assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
 
 
 def test_dp_comm_bytes():
     n, d, B = 1000, 8, 2
-    ar = P.dp_comm_bytes(n, 0, d, B)
+    ar = F.dp_comm_bytes(n, 0, d, B)
     assert ar == 2 * (d - 1) / d * n * B  # ring all-reduce
-    assert P.dp_comm_bytes(n, 1, d, B) == P.dp_comm_bytes(n, 2, d, B) == ar  # reduce-scatter + all-gather
-    assert P.dp_comm_bytes(n, 3, d, B) == 1.5 * ar  # + a second all-gather in backward
-    assert P.dp_comm_bytes(n, 0, 1, B) == 0
+    assert F.dp_comm_bytes(n, 1, d, B) == F.dp_comm_bytes(n, 2, d, B) == ar  # reduce-scatter + all-gather
+    assert F.dp_comm_bytes(n, 3, d, B) == 1.5 * ar  # + a second all-gather in backward
+    assert F.dp_comm_bytes(n, 0, 1, B) == 0
     # grads reduced in fp32, params gathered in bf16; with 4 micro-batches stage 2 reduces each one, 3 also gathers
     f = (d - 1) / d * n
-    assert P.dp_comm_bytes(n, 1, d, 4, 2, micro_batches=4) == f * 4 + f * 2
-    assert P.dp_comm_bytes(n, 2, d, 4, 2, micro_batches=4) == 4 * f * 4 + f * 2
-    assert P.dp_comm_bytes(n, 3, d, 4, 2, micro_batches=4) == 4 * f * 4 + 8 * f * 2
+    assert F.dp_comm_bytes(n, 1, d, 4, 2, micro_batches=4) == f * 4 + f * 2
+    assert F.dp_comm_bytes(n, 2, d, 4, 2, micro_batches=4) == 4 * f * 4 + f * 2
+    assert F.dp_comm_bytes(n, 3, d, 4, 2, micro_batches=4) == 4 * f * 4 + 8 * f * 2
 
 
 def test_tp_and_pp_comm_bytes():
     b, s, h, t = 2, 16, 64, 4
     ar = 2 * (t - 1) / t * b * s * h * 2  # one ring all-reduce of (b, s, h) in 2-byte elements
-    assert P.tp_comm_bytes_per_layer(b, s, h, t, 2) == 4 * ar
-    assert P.tp_comm_bytes_per_layer(b, s, h, t, 2, sequence_parallel=True) == 4 * ar  # RS + AG = same bytes
-    assert P.tp_comm_bytes_per_layer(b, s, h, t, 2, recompute="full") == 6 * ar
-    assert P.tp_comm_bytes_per_layer(b, s, h, 1, 2) == 0
-    assert P.pp_comm_bytes(b, s, h, t, 2, micro_batches=8, v=2) == 2 * 2 * 8 * b * s * h * 2 / t
+    assert F.tp_comm_bytes_per_layer(b, s, h, t, 2) == 4 * ar
+    assert F.tp_comm_bytes_per_layer(b, s, h, t, 2, sequence_parallel=True) == 4 * ar  # RS + AG = same bytes
+    assert F.tp_comm_bytes_per_layer(b, s, h, t, 2, recompute="full") == 6 * ar
+    assert F.tp_comm_bytes_per_layer(b, s, h, 1, 2) == 0
+    assert F.pp_comm_bytes(b, s, h, t, 2, micro_batches=8, v=2) == 2 * 2 * 8 * b * s * h * 2 / t
 
 
 def test_korthikanti_activation_formulas_gpt3():
     s, b, h, a, t = 2048, 1, 12288, 96, 8  # GPT-3 175B as in Korthikanti et al. Table 3
     sbh = s * b * h
     assert 5 * a * s / h == 80  # the paper: the attention term dominates GPT-3's 34
-    coef = lambda **kw: P.activation_bytes_per_layer(s, b, h, a, **kw) / sbh
+    coef = lambda **kw: F.activation_bytes_per_layer(s, b, h, a, **kw) / sbh
     assert coef() == 34 + 80
     assert coef(t=t) == 10 + 24 / t + 80 / t == 23
     assert coef(t=t, sp=True) == (34 + 80) / t
@@ -71,23 +71,23 @@ def test_korthikanti_activation_formulas_gpt3():
     assert 1 - coef(sp=True, recompute="selective") / coef(sp=True) == pytest.approx(0.70, abs=0.005)
     assert 1 - 34 / (34 + 5 * 128 * 2048 / 20480) == pytest.approx(0.65, abs=0.005)
     m = P.MODELS["mt-nlg-530b"]
-    ratio = (P.activation_bytes_per_layer(s, b, m.n_embd, m.n_head, 8)
-             / P.activation_bytes_per_layer(s, b, m.n_embd, m.n_head, 8, True, "selective"))
+    ratio = (F.activation_bytes_per_layer(s, b, m.n_embd, m.n_head, 8)
+             / F.activation_bytes_per_layer(s, b, m.n_embd, m.n_head, 8, True, "selective"))
     assert ratio == pytest.approx(5, rel=0.02)
 
 
 def test_pipeline_bubble_and_inflight():
     # unit clock, forward = backward = 1 tick: 1F1B takes 2(m + p - 1) ticks, each stage idles 2(p - 1)
     p, m = 4, 8
-    assert P.pipeline_bubble(p, m) == 2 * (p - 1) / (2 * (m + p - 1)) == 3 / 11
-    assert P.pipeline_bubble(p, m, v=2) == (p - 1) / (2 * m + p - 1)
-    assert P.pipeline_bubble(1, m) == 0
-    assert 1 / (1 - P.pipeline_bubble(p, m, 2)) == pytest.approx(1 + (p - 1) / (2 * m))
-    assert P.inflight_microbatches(p, m, "gpipe") == m
-    assert P.inflight_microbatches(p, m, "1f1b") == p and P.inflight_microbatches(p, 2, "1f1b") == 2
+    assert F.pipeline_bubble(p, m) == 2 * (p - 1) / (2 * (m + p - 1)) == 3 / 11
+    assert F.pipeline_bubble(p, m, v=2) == (p - 1) / (2 * m + p - 1)
+    assert F.pipeline_bubble(1, m) == 0
+    assert 1 / (1 - F.pipeline_bubble(p, m, 2)) == pytest.approx(1 + (p - 1) / (2 * m))
+    assert F.inflight_microbatches(p, m, "gpipe") == m
+    assert F.inflight_microbatches(p, m, "1f1b") == p and F.inflight_microbatches(p, 2, "1f1b") == 2
     # interleaved: Korthikanti's L(1 + (p-1)/(p v)) layers = (p + (p-1)/v) stages' worth
-    assert P.inflight_microbatches(p, m, "interleaved", 3) * (96 / p) == pytest.approx(96 * (1 + (p - 1) / (p * 3)))
-    assert P.inflight_microbatches(1, m, "gpipe") == 1
+    assert F.inflight_microbatches(p, m, "interleaved", 3) * (96 / p) == pytest.approx(96 * (1 + (p - 1) / (p * 3)))
+    assert F.inflight_microbatches(1, m, "gpipe") == 1
 
 
 @pytest.mark.parametrize("kw", [dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64),
@@ -99,18 +99,18 @@ def test_parameter_and_flop_counts_match_the_dense_model(kw):
                     cfg.embed_layernorm)
     assert P.n_params(model) == sum(p.numel() for p in GPT(cfg).parameters())  # tied head counted once
     n = P.n_params(model) - (0 if cfg.alibi else cfg.block_size * cfg.n_embd)
-    assert P.flops_per_token(n, cfg.n_layer, cfg.n_embd, cfg.block_size) == model_flops_per_token(cfg)
+    assert F.flops_per_token(n, cfg.n_layer, cfg.n_embd, cfg.block_size) == model_flops_per_token(cfg)
 
 
 def test_tensor_and_pipeline_parameter_shards():
     h, t = 64, 4  # by hand: qkv (3h/t x h) + 3h/t, proj (h x h/t) + h, fc (4h/t x h) + 4h/t, proj (h x 4h/t) + h, 2 LN
-    assert P.layer_params(h, t) == 3 * h * h // t + 3 * h // t + h * h // t + h + 4 * h * h // t + 4 * h // t \
+    assert F.layer_params(h, t) == 3 * h * h // t + 3 * h // t + h * h // t + h + 4 * h * h // t + 4 * h // t \
         + h * 4 * h // t + h + 4 * h
     tiny = P.Model(4, 64, 4, 300, 32)
     wte = 512 // 2 * 64  # 300 padded to a multiple of 128 * tp = 256 -> 512, split over tp = 2
     first, last = P.stage_params(tiny, tp=2, pp=2)
-    assert first == 2 * P.layer_params(64, 2) + wte + 32 * 64
-    assert last == 2 * P.layer_params(64, 2) + 2 * 64 + wte  # ln_f and the head's own copy of wte
+    assert first == 2 * F.layer_params(64, 2) + wte + 32 * 64
+    assert last == 2 * F.layer_params(64, 2) + 2 * 64 + wte  # ln_f and the head's own copy of wte
     assert P.n_params(P.MODELS["gpt2-small"]) == 124_475_904  # nanoGPT's 123.69M + 786,432 positions
 
 
@@ -122,17 +122,17 @@ def test_gpt3_and_opt_compute():
     # OPT-175B: 992 A100s, ~33 days (model card); 300B tokens -> MFU ~36%; counting the recompute forward (8ND)
     # gives the hardware utilisation OPT reports, 147 TFLOP/s per GPU = 47% of 312
     opt = P.n_params(P.MODELS["opt-175b"]) - 2048 * 12288
-    mfu = P.implied_mfu(6 * opt * 300e9, 33, 992, 312e12)
+    mfu = F.implied_mfu(6 * opt * 300e9, 33, 992, 312e12)
     assert mfu == pytest.approx(0.356, abs=0.002)
     assert mfu * 8 / 6 == pytest.approx(147 / 312, rel=0.02)
 
 
 def test_flops_per_token_recompute():
     N, L, h, s = 1e9, 24, 2048, 2048
-    base = P.flops_per_token(N, L, h, s)
+    base = F.flops_per_token(N, L, h, s)
     assert base == 6 * N + 12 * L * h * s
-    assert P.flops_per_token(N, L, h, s, "full") == 8 * N + 16 * L * h * s  # one more forward
-    assert P.flops_per_token(N, L, h, s, "selective") - base == 4 * L * h * s  # QK^T and AV again
+    assert F.flops_per_token(N, L, h, s, "full") == 8 * N + 16 * L * h * s  # one more forward
+    assert F.flops_per_token(N, L, h, s, "selective") - base == 4 * L * h * s  # QK^T and AV again
 
 
 def test_plan_gpt3_on_1024_a100():
@@ -147,7 +147,7 @@ def test_plan_gpt3_on_1024_a100():
     best = fit[0]
     assert (best.tp, best.pp, best.dp, best.zero) == (8, 8, 16, 1)
     assert 0.3 < best.mfu < run.efficiency
-    assert best.tp_comm == 96 * (96 // 8) * P.tp_comm_bytes_per_layer(1, 2048, 12288, 8, 2, True, "selective")
+    assert best.tp_comm == 96 * (96 // 8) * F.tp_comm_bytes_per_layer(1, 2048, 12288, 8, 2, True, "selective")
     # same layout, ZeRO-0 vs ZeRO-1: only the optimizer term changes, by a factor dp
     z0 = next(e for e in ests if (e.tp, e.pp, e.zero) == (8, 8, 0))
     assert z0.optim == pytest.approx(best.optim * 16, rel=1e-6) and z0.params == best.params
