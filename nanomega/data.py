@@ -1,4 +1,4 @@
-"""Data: text -> token ids on disk (once) -> fixed windows -> a deterministic, resumable stream of global batches.
+"""Data: text -> token ids on disk (once) -> windows -> a deterministic, resumable stream of global batches.
 
 Idea: tokenize the corpus once into flat `train.bin` / `val.bin` arrays (uint16 while the vocabulary fits,
 else uint32) in a cache folder keyed by the corpus and tokenizer hashes; training reads them through a
@@ -58,7 +58,8 @@ def get_tokenizer(name: str = "shakespeare-4k") -> tiktoken.Encoding:
     """The tiktoken Encoding called `name` (one of TOKENIZERS)."""
     if name == "shakespeare-4k":
         if not RANK_FILE.is_file():
-            raise FileNotFoundError(f"tokenizer file {RANK_FILE} is missing; run `python -m nanomega.tokenizer`")
+            raise FileNotFoundError(f"tokenizer file {RANK_FILE} is missing; "
+                                    f"run `python -m nanomega.tokenizer` to train it")
         # expected_hash also keeps tiktoken from returning a stale copy from its path-keyed /tmp cache
         ranks = load_tiktoken_bpe(str(RANK_FILE), expected_hash=_sha256(RANK_FILE))
         return tiktoken.Encoding(name=name, pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
@@ -72,14 +73,17 @@ def read_corpus(path) -> str:
     """The corpus as text: UTF-8, gzip-compressed when the file name ends in .gz."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"--corpus {path}: no such file; pass a .txt or .txt.gz file (default {DEFAULT_CORPUS})")
+        raise FileNotFoundError(f"--corpus {path}: no such file; pass a .txt or .txt.gz file "
+                                f"(default {DEFAULT_CORPUS})")
     try:
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
         text = raw.decode("utf-8")
     except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError; EOFError = truncated
-        raise ValueError(f"--corpus {path} is not a valid gzip file ({e}); copy it again or pass the plain text") from None
+        raise ValueError(f"--corpus {path} is not a valid gzip file ({e}); "
+                         f"copy it again or pass the plain text") from None
     except UnicodeDecodeError as e:
-        raise ValueError(f"--corpus {path} is not UTF-8 text (bad byte at {e.start}); convert it to UTF-8") from None
+        raise ValueError(f"--corpus {path} is not UTF-8 text (bad byte at offset {e.start}); "
+                         f"convert it to UTF-8") from None
     if not text.strip():
         raise ValueError(f"--corpus {path} is empty; pass a file with text in it")
     return text
@@ -147,7 +151,8 @@ def prepare(corpus, tokenizer_name: str, cache_dir) -> dict:
     if not corpus.is_file():
         read_corpus(corpus)  # raises the --corpus error
     corpus_sha, tok_sha = _sha256(corpus), _tokenizer_sha256(enc)
-    folder = cache_dir / f"{corpus.name.split('.')[0]}-{corpus_sha[:12]}-{tokenizer_name}-{tok_sha[:8]}-v{FORMAT}"
+    name = f"{corpus.name.split('.')[0]}-{corpus_sha[:12]}-{tokenizer_name}-{tok_sha[:8]}-v{FORMAT}"
+    folder = cache_dir / name
     if folder.exists():
         return _load_cached(folder)
 
@@ -264,6 +269,6 @@ class Sampler:
         for key, flag in (("seed", "--seed"), ("global_batch", "--global-batch"),
                           ("n_windows", "--corpus/--tokenizer/--block-size")):
             if state[key] != getattr(self, key):
-                raise ValueError(f"the checkpoint's data stream has {key}={state[key]}, this run {getattr(self, key)}: "
-                                 f"resume with the same {flag}")
+                raise ValueError(f"the checkpoint's data stream has {key}={state[key]}, this run "
+                                 f"{getattr(self, key)}: resume with the same {flag}")
         self.samples_consumed = int(state["samples_consumed"])

@@ -74,7 +74,8 @@ def train_bpe(text: str, n_ranks: int) -> dict[bytes, int]:
         if pair_count.get((a, b), 0) != -neg_count:
             continue  # stale entry: the count changed after it was pushed (a fresher one is queued)
         merged = vocab[a] + vocab[b]
-        # Two different pairs can spell the same bytes ("a"+"bc", "ab"+"c"): reuse the existing id.
+        # tiktoken needs each byte string once: should a pair spell an existing token, reuse its id
+        # (HF tokenizers' trainer guards the same way; it never happens on this corpus).
         new = rank_of.setdefault(merged, len(vocab))
         if new == len(vocab):
             vocab.append(merged)
@@ -102,7 +103,8 @@ def train_bpe(text: str, n_ranks: int) -> dict[bytes, int]:
 
 def save_ranks(ranks: dict[bytes, int], path: Path) -> None:
     """Write `base64(token) rank` lines in rank order (tiktoken.load.load_tiktoken_bpe reads them)."""
-    lines = [f"{base64.b64encode(tok).decode()} {rank}\n" for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])]
+    by_rank = sorted(ranks.items(), key=lambda kv: kv[1])
+    lines = [f"{base64.b64encode(tok).decode()} {rank}\n" for tok, rank in by_rank]
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text("".join(lines))
     os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half of one
@@ -122,8 +124,8 @@ def main():
     ranks = train_bpe(train_text, args.vocab_size - 1)
     seconds = time.perf_counter() - t0
     save_ranks(ranks, Path(args.out))
-    print(f"trained {len(ranks)} ranks (+{ENDOFTEXT} = vocab {len(ranks) + 1}) on {len(train_text):,} characters "
-          f"in {seconds:.1f} s -> {args.out}")
+    print(f"trained {len(ranks)} ranks (+{ENDOFTEXT} = vocab {len(ranks) + 1}) on {len(train_text):,} "
+          f"characters in {seconds:.1f} s -> {args.out}")
 
 
 if __name__ == "__main__":

