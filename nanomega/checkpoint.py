@@ -5,15 +5,26 @@ Idea: a checkpoint is a folder `OUT/ckpt/step_000123/` holding one `rank_00007.p
 and renamed, so a crash mid-write leaves a `.tmp` file, never a wrong shard; the manifest is written only
 after every rank has finished (a barrier), and `OUT/ckpt/latest` points at the newest folder whose manifest
 exists. Loading reads `latest`, verifies the checksums and the model shape, and hands each rank its state.
+
+Resharding (DeepSpeed's universal checkpoint, done on load): besides its own state, each rank saves its
+*pieces by name* -- for every parameter slice it owns, the element range of its (tensor-parallel) local
+tensor, the fp32 master values and the optimizer state. Nothing is gathered to save. Loading under any
+layout (tp, pp, dp, ZeRO stage changed) rebuilds each full tensor from the pieces (un-sharding tp with
+tp.unshard_param), then each rank keeps its new slices (tp.shard_param, ZeroEngine.load_full). Every rank
+reads every shard here: simple and exact; a 175B run would read only the slices it needs.
 Failure law: a job of N ranks, each failing with probability p per hour, survives an hour with (1-p)^N.
 Lesson: lessons/10-checkpoints-and-failures.md
 """
 import dataclasses
 import hashlib
 import json
+import math
 import os
+from collections import defaultdict
 
 import torch
+
+from nanomega import tp
 
 SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "alibi", "embed_layernorm")
 
@@ -81,3 +92,90 @@ def read_manifest(folder, cfg):
 
 def load_shard(folder, rank):
     return torch.load(os.path.join(folder, f"rank_{rank:05d}.pt"), weights_only=False)
+
+
+def _elementwise(v):
+    return torch.is_tensor(v) and v.dim() > 0
+
+
+def universal_pieces(engine, grid):
+    """This rank's share of every parameter by name: (range, fp32 master, optimizer state) per owned slice.
+    Replicas write nothing (dp ranks > 0 at stage 0), nor does the last pipeline stage's copy of the tied
+    embedding (the first stage saves it)."""
+    pieces = []
+    if engine.stage == 0 and grid.dp_rank != 0:
+        return dict(tp_rank=grid.tp_rank, pieces=pieces)
+    for m, _, g, i, a, b in engine.pieces:
+        if g is None or g.params[i] is engine.shared and not grid.first_stage:
+            continue
+        o, state = g.offsets[i], engine.optimizer.state.get(m, {})
+        pieces.append(dict(name=g.names[i], shape=tuple(g.params[i].shape), start=a - o, end=b - o,
+                           master=g.master[a - g.lo:b - g.lo].detach().clone(),
+                           state={k: v.detach().reshape(-1).clone() if _elementwise(v) else v.clone()
+                                  for k, v in state.items()}))
+    for g in engine.sharded.frozen if engine.sharded else []:  # ZeRO-3 frozen parameters: their shards
+        for i, a, b in g.pieces():
+            o = g.offsets[i]
+            pieces.append(dict(name=g.names[i], shape=tuple(g.params[i].shape), start=a - o, end=b - o,
+                               master=g.shard[a - g.lo:b - g.lo].detach().float().clone(), state={}))
+    for name, p in engine.module.named_parameters():  # other frozen parameters: whole, from dp rank 0
+        if not p.requires_grad and grid.dp_rank == 0 and engine.stage < 3:
+            pieces.append(dict(name=name, shape=tuple(p.shape), start=0, end=p.numel(),
+                               master=p.detach().float().reshape(-1).clone(), state={}))
+    return dict(tp_rank=grid.tp_rank, pieces=pieces)
+
+
+def _assemble(shards):
+    """{name: (full master, {key: full state or scalar})} from every rank's pieces; errors if any gap."""
+    local = defaultdict(dict)  # name -> tp_rank -> [master, state, elements covered]
+    for shard in shards:
+        u = shard["universal"]
+        for p in u["pieces"]:
+            n = math.prod(p["shape"])
+            entry = local[p["name"]].setdefault(u["tp_rank"], [torch.empty(n), {}, 0, p["shape"]])
+            entry[0][p["start"]:p["end"]] = p["master"]
+            entry[2] += p["end"] - p["start"]
+            for k, v in p["state"].items():
+                if _elementwise(v):
+                    entry[1].setdefault(k, torch.empty(n, dtype=v.dtype))[p["start"]:p["end"]] = v
+                else:
+                    entry[1][k] = v
+    full = {}
+    for name, by_rank in local.items():
+        ranks = [by_rank[r] for r in sorted(by_rank)]
+        if any(e[2] != math.prod(e[3]) for e in ranks):
+            raise ValueError(f"--resume: the checkpoint holds only part of {name}; it is incomplete")
+        master = tp.unshard_param(name, [e[0].view(e[3]) for e in ranks])
+        keys = ranks[0][1]
+        state = {k: tp.unshard_param(name, [e[1][k].view(e[3]) for e in ranks]) if _elementwise(v) else v
+                 for k, v in keys.items()}
+        full[name] = (master, state)
+    return full
+
+
+def load(folder, cfg, engine, grid, layout):
+    """Load `folder` into this rank's engine under the current layout (resharding if it differs).
+    Returns this rank's saved state (its own shard when the layout is the same, else rank 0's), with
+    `same_layout` telling whether per-rank RNG streams can be continued."""
+    manifest = read_manifest(folder, cfg)
+    shards = [load_shard(folder, r) for r in range(manifest["world"])]
+    full = _assemble(shards)
+    params, optim = {}, {}
+    for name, p in engine.module.named_parameters():
+        source = "embed.wte.weight" if getattr(p, "shared_embedding", False) else name  # the tied copy
+        if source not in full:
+            raise ValueError(f"--resume: the checkpoint in {folder} has no parameter {source}")
+        master, state = full[source]
+        cut = (lambda t: tp.shard_param(name, t, grid.tp_rank, grid.tp.size)) if grid.tp.size > 1 else (lambda t: t)
+        params[name] = cut(master)
+        if p.requires_grad:
+            optim[name] = {k: cut(v) if _elementwise(v) else v for k, v in state.items()}
+    engine.load_full(params, optim)
+    same = manifest["layout"] == layout and manifest["world"] == grid.world
+    return dict(shards[grid.rank if same else 0], same_layout=same)
+
+
+def full_weights(folder):
+    """{name: full fp32 tensor} of a checkpoint saved under any layout (for sampling and tests)."""
+    world = json.load(open(os.path.join(folder, "manifest.json")))["world"]
+    return {name: master for name, (master, _) in _assemble([load_shard(folder, r) for r in range(world)]).items()}

@@ -84,6 +84,19 @@ class Axis:
             out.copy_(t)
         return out
 
+    def start(self, op, out, t=None):
+        """all_reduce(out), all_gather(out, t) or reduce_scatter(out, t) launched without waiting, counted as
+        the blocking ones: returns a Work to .wait() on, or None on a one-rank axis (out is already done).
+        ZeRO overlaps its gradient reduction with backward, and its parameter prefetch with compute, this way."""
+        if not self._count(op, t if op == "reduce_scatter" else out):
+            if t is not None:
+                out.copy_(t)
+            return None
+        if op == "all_reduce":
+            return dist.all_reduce(out, group=self.group, async_op=True)
+        collective = dist.all_gather_single if op == "all_gather" else dist.reduce_scatter_single
+        return collective(out, t, group=self.group, async_op=True)
+
     def broadcast(self, t, src_index=0):
         if self._count("broadcast", t):
             dist.broadcast(t, src=self.ranks[src_index], group=self.group)

@@ -1,15 +1,16 @@
 """Fused kernels: LayerNorm, scale + causal mask + softmax, bias + GeLU -- one pass over memory each.
 
-Idea: these ops do ~1-10 FLOPs per byte, far below a machine's balance (peak FLOP/s / bytes/s, ~10-100),
+Idea: these ops do ~1-3 FLOPs per byte, far below a machine's balance (peak FLOP/s / bytes/s, ~10-100),
 so their time is bytes moved / bandwidth. Eager PyTorch runs one kernel per step and writes every
 intermediate to memory; a fused kernel reads its inputs once and writes its outputs once (Megatron-LM's
 fused bias-GeLU, scaled_upper_triang_masked_softmax, fused LayerNorm). The causal softmax also skips
 the masked half: row i reads keys j <= i only.
 
-Formula (elements moved, forward + backward; n = elements of the activation, bias/weights ~0):
+Formula (elements moved, forward + backward, x4 bytes in fp32; n = elements of the activation):
     bias + GeLU       eager 8n  (add 2n, gelu 2n | gelu_backward 3n, bias-sum n)   fused 5n
-    causal softmax    eager 13n (scale 2n, mask 2n, softmax 2n | 3n, 2n, 2n)       fused 1.5n + 2n
-    LayerNorm         eager 5n  (PyTorch's native_layer_norm is already fused)     fused 5n
+    causal softmax    eager 13n (scale 2n, mask 2n, softmax 2n | 3n, 2n, 2n)       fused 3v + 2n
+                      (v = n (s+1) / 2s keys visible: the kernel never reads the masked ones)
+    LayerNorm         eager 5n  (PyTorch's native_layer_norm is one kernel already)  fused 5n
 
 The C++ sources (nanomega/csrc) are built on first use by torch.utils.cpp_extension.load (ninja,
 pybind11) into ONE cache directory ($NANOMEGA_BUILD_DIR, default ~/.cache/nanomega/build); ninja
@@ -24,6 +25,7 @@ import sys
 
 import torch
 import torch.nn as nn
+from torch.autograd.function import once_differentiable
 from torch.utils import cpp_extension
 
 from nanomega import model
@@ -50,8 +52,11 @@ def cpu_flags() -> list[str]:
 
 
 def load_extension(verbose: bool = False):
-    """Build (cold ~45 s) or load (cached ~0.1 s) the extension; raises if the build fails."""
+    """Build (cold ~45 s) or load (cached ~0.05 s) the extension; raises if the build fails."""
     with_cuda = torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
+    if torch.cuda.is_available() and not with_cuda:
+        print("nanomega.fused: CUDA but no CUDA toolkit (nvcc): CPU kernels only, CUDA tensors take the "
+              "PyTorch path", file=sys.stderr)
     name = "nanomega_fused_cuda" if with_cuda else "nanomega_fused_cpu"
     sources = ["fused_cpu.cpp"] + (["fused_cuda.cu", "fused_cuda_bind.cpp"] if with_cuda else [])
     directory = os.path.join(build_dir(), name)  # one build.ninja per extension, all under build_dir()
@@ -68,7 +73,8 @@ def _ext():
     try:
         return load_extension()
     except Exception as e:  # no compiler, no ninja, a compile error: fall back, say so once
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        reason = next((ln for ln in lines if "error:" in ln), lines[-1]).strip()[:200]  # the compiler's, if any
         print(f"nanomega.fused: cannot build the C++ kernels ({reason}); using the PyTorch path", file=sys.stderr)
         return None
 
@@ -76,6 +82,12 @@ def _ext():
 def available() -> bool:
     """True when the fused kernels are built (building them on first call)."""
     return _ext() is not None
+
+
+def _runs_on(t: torch.Tensor) -> bool:
+    """Whether the built extension has kernels for t's device (CPU always; CUDA in a CUDA build)."""
+    ext = _ext()
+    return ext is not None and (t.device.type == "cpu" or (t.device.type == "cuda" and ext.with_cuda))
 
 
 class LayerNormFn(torch.autograd.Function):
@@ -86,6 +98,7 @@ class LayerNormFn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         dx, dweight, dbias = _ext().layer_norm_bwd(dy, *ctx.saved_tensors)
         return dx, dweight, dbias, None
@@ -100,6 +113,7 @@ class CausalSoftmaxFn(torch.autograd.Function):
         return probs
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dprobs):
         (probs,) = ctx.saved_tensors
         return _ext().causal_softmax_bwd(dprobs, probs, ctx.scale), None
@@ -112,27 +126,28 @@ class BiasGeluFn(torch.autograd.Function):
         return _ext().bias_gelu_fwd(x, bias)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         return tuple(_ext().bias_gelu_bwd(dy, *ctx.saved_tensors))
 
 
 def layer_norm(x, weight, bias, eps=1e-5):
     """F.layer_norm(x, (h,), weight, bias, eps) over the last dim, one pass per row."""
-    if _ext() is None:
+    if not _runs_on(x):
         return nn.functional.layer_norm(x, weight.shape, weight, bias, eps)
     return LayerNormFn.apply(x, weight, bias, eps)
 
 
 def causal_softmax(scores, scale):
     """model.causal_softmax in one pass: (..., s_q, s_k) -> probs, opmath inside, scores' dtype out."""
-    if _ext() is None:
+    if not _runs_on(scores):
         return model.causal_softmax(scores, scale)
     return CausalSoftmaxFn.apply(scores, float(scale))
 
 
 def bias_gelu(x, bias):
     """model.bias_gelu = gelu_tanh(x + bias) in one pass; bias (h,) over the last dim of x."""
-    if _ext() is None:
+    if not _runs_on(x):
         return model.bias_gelu(x, bias)
     return BiasGeluFn.apply(x, bias)
 
@@ -153,7 +168,8 @@ class FusedLayerNorm(nn.LayerNorm):
 
 def apply_fused(gpt: nn.Module) -> bool:
     """Swap in the fused kernels in place: every affine 1-D nn.LayerNorm, each MLP's bias_gelu and each
-    attention's scale_mask_softmax. Call it before wrappers that capture these (recompute). Returns
+    attention's scale_mask_softmax (looked up at call time, so recompute's wrappers use them too).
+    Parameters are shared, not copied: names, tensor-parallel tags and gradient hooks stay. Returns
     False, leaving the PyTorch path, when the kernels cannot be built."""
     if not available():
         return False

@@ -100,9 +100,9 @@ class CausalSelfAttention(nn.Module):
         self.scale_mask_softmax = causal_softmax
 
     def forward(self, x):
-        b, s, _ = x.shape
-        qkv = self.c_attn(x).view(b, s, 3, self.n_head, self.head_dim)  # n_head = heads held here
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (b, nh, s, hd)
+        qkv = self.c_attn(x)  # (b, s, 3h); under sequence parallelism x is (b, s/tp, h), gathered inside
+        b, s = qkv.shape[:2]
+        q, k, v = qkv.view(b, s, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)  # (b, nh, s, hd) each
         y = self.core(q, k, v).transpose(1, 2).reshape(b, s, self.n_head * self.head_dim)
         return self.resid_drop(self.c_proj(y))
 

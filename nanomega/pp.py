@@ -18,6 +18,7 @@ import itertools
 import torch
 import torch.nn as nn
 
+from . import schedules
 from .schedules import SCHEDULES, Comm, comm_plan, flat, peer, recv_msg, send_msg
 
 
@@ -123,10 +124,22 @@ def train_step(model, grid, micro_batches, schedule="1f1b", no_sync=contextlib.n
     parallelism) in the blocks' dtype. no_sync wraps every backward but the last one of each model chunk.
     trace (a schedules.Trace) records wall-clock spans and the memory high-water marks.
     """
+    check_args(model.cfg.n_layer, grid.pp.size, len(micro_batches), schedule, virtual)
+    rounds = SCHEDULES[schedule](grid.pp.size, grid.pp_rank, len(micro_batches), virtual)
+    return _run(model, grid, rounds, micro_batches, virtual, act_shape, no_sync, loss_scale, trace, deallocate)
+
+
+@torch.no_grad()
+def forward_only(model, grid, micro_batches, act_shape=None, virtual=1):
+    """Mean loss over micro-batches without backward (evaluation), returned on every rank of the pp axis."""
+    rounds = schedules.forward_only(grid.pp.size, grid.pp_rank, len(micro_batches), virtual)
+    return _run(model, grid, rounds, micro_batches, virtual, act_shape)
+
+
+def _run(model, grid, rounds, micro_batches, virtual, act_shape, no_sync=contextlib.nullcontext, loss_scale=1.0,
+         trace=None, deallocate=True):
     p, rank, m = grid.pp.size, grid.pp_rank, len(micro_batches)
     n_layer, last_vs = model.cfg.n_layer, p * virtual - 1
-    check_args(n_layer, p, m, schedule, virtual)
-    rounds = SCHEDULES[schedule](p, rank, m, virtual)
     x0 = micro_batches[0][0]
     shape = act_shape or (x0.shape[0], x0.shape[1], model.cfg.n_embd)
     dtype = next(model.blocks.parameters()).dtype
@@ -141,7 +154,7 @@ def train_step(model, grid, micro_batches, schedule="1f1b", no_sync=contextlib.n
                         recvs=[(inbox[msg], peer(msg, p, rank)) for msg in step.recvs])
             for msg in step.sends:
                 sent = outbox.pop(msg)
-                if deallocate and msg[0] == "F":  # the next stage has it; autograd needs only out.grad_fn
+                if deallocate and msg[0] == "F" and sent._base is None:  # autograd needs only its grad_fn
                     sent.data = torch.empty(0, dtype=sent.dtype, device=sent.device)
             if trace:
                 held = sum(out.untyped_storage().nbytes() for _, out in live.values() if out.dim())
@@ -157,7 +170,8 @@ def train_step(model, grid, micro_batches, schedule="1f1b", no_sync=contextlib.n
                 if vs == last_vs:
                     losses.append(out.detach())
                     out = out / m * loss_scale
-                live[(step.chunk, step.mb)] = (x, out)
+                if torch.is_grad_enabled():
+                    live[(step.chunk, step.mb)] = (x, out)
                 if trace:
                     trace.peak_inflight = max(trace.peak_inflight, len(live))
             else:

@@ -70,9 +70,10 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 class LossScaler:
     """Loss scaling for fp16 training: dynamic (fp16) or static (scale 1.0: bf16/fp32, nothing to do).
 
-    Protocol per optimizer step: `scale_loss(loss).backward()` on every micro-batch; turn the gradients into
-    fp32 and `found = unscale_(fp32_grads)`; all-reduce `found` (MAX) over every group whose ranks hold
-    other gradients (dp, tp, pp) so all ranks agree; skip the optimizer step if found; then `update(found)`.
+    Protocol per optimizer step (zero.ZeroEngine.step does the middle part): `scale_loss(loss).backward()`
+    on every micro-batch; the engine multiplies its fp32 gradients by 1/scale (in fp32: g/S in fp16 would
+    underflow again) and takes the global gradient norm, all-reduced over dp, tp and pp, so every rank sees
+    the same inf/nan; on inf/nan it skips the optimizer step; then it calls `update(found_inf)`.
     """
 
     def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=1000,
@@ -93,19 +94,6 @@ class LossScaler:
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale if self.scale != 1.0 else loss
-
-    def unscale_(self, grads) -> torch.Tensor:
-        """Multiply fp32 grads by 1/scale in place; return a 0-dim fp32 tensor: 1.0 if any is inf/nan, else 0.0.
-
-        Unscale the fp32 copies, never the fp16 ones: g/S in fp16 would underflow again.
-        """
-        grads = [g for g in grads if g is not None]
-        found = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
-        for g in grads:
-            if self.scale != 1.0:
-                g.mul_(1.0 / self.scale)
-            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
-        return found
 
     def update(self, found_inf: bool) -> None:
         """After each step: back off on inf/nan (the step was skipped), grow after growth_interval clean steps."""

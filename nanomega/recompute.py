@@ -8,11 +8,17 @@ with 2-byte activations and 1-byte dropout masks (s sequence, b micro-batch, h h
     full       2 sbh     keep only the layer's input; rerun the whole layer at the start of its backward
 
 Compute price, in matmul FLOPs of one training step per layer (forward 24bsh^2 + 4bs^2h, backward twice
-that): full reruns the forward, +1/3; selective reruns only QK^T and AV (4bs^2h), + s / (18h + 3s).
+that): full reruns the forward, +1/3; selective reruns QK^T (2bs^2h), + s / (36h + 6s) -- the AV matmul is
+not rerun because torch's non-reentrant checkpoint stops as soon as the last saved tensor is rebuilt (its
+inputs are saved before it runs); Megatron's selective recompute reruns both (4bs^2h).
 Both rely on torch.utils.checkpoint (non-reentrant) with the RNG state saved at forward and restored for
 the rerun, so dropout draws the same masks and the gradients are bitwise those of no recompute.
+The 34 and 5 assume Megatron's kernels (1-byte dropout masks, 2-byte softmax output); `activation_bytes`
+takes the bytes per element as arguments, and `saved_bytes_per_layer` measures what autograd really keeps.
 Lesson: lessons/07-activation-recompute.md
 """
+import itertools
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -77,3 +83,46 @@ def recomputed_layers(model) -> dict:
         elif hasattr(block.attn.__dict__.get("core"), "recompute_prev"):
             out[key] = "selective"
     return out
+
+
+def activation_bytes(s, b, h, a, mode="none", act=2, mask=1, probs=2):
+    """Bytes one layer saves for backward (dropout > 0), by Korthikanti et al.'s count, per element:
+    act  activations (2 in bf16)                 11sbh + 19sbh + 4sbh -> (16 act + 2 mask) sbh
+    mask each of the 2 + 1 dropout masks (1 as a CUDA bool mask; CPU torch keeps the mask in `act` bytes)
+    probs the softmax output (2 with Megatron's fused softmax; model.causal_softmax keeps it in fp32: 4)
+    The attention core adds (probs + mask + act) a s^2 b: the softmax output, its mask, its dropped output.
+    """
+    if mode == "full":
+        return act * s * b * h
+    linear = (16 * act + 2 * mask) * s * b * h
+    return linear if mode == "selective" else linear + (probs + mask + act) * a * s * s * b
+
+
+def saved_bytes_per_layer(model, run) -> dict:
+    """Call run() (a forward) and return {block key: bytes autograd saved for backward while in that block}.
+
+    Measured with torch.autograd.graph.saved_tensors_hooks: every tensor packed for backward, parameters and
+    buffers excluded, each storage counted once at its full size (views of one tensor share a storage).
+    """
+    skip = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
+    storages, current = {}, [None]  # block key -> {storage pointer: bytes}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if current[0] is not None and ptr not in skip:
+            storages.setdefault(current[0], {})[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    def enter(key):
+        return lambda module, args: current.__setitem__(0, key)
+
+    hooks = [h for key, block in model.blocks.items()
+             for h in (block.register_forward_pre_hook(enter(key)),
+                       block.register_forward_hook(lambda *_: current.__setitem__(0, None)))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return {key: sum(storages.get(key, {}).values()) for key in model.blocks}

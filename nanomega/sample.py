@@ -2,10 +2,11 @@
 
 Idea: autoregressive sampling -- run the model on the context (the last block_size tokens), take the last
 position's logits, divide by the temperature, keep the top k, sample, append, repeat.
-Works on the single-process checkpoints train.py writes (and on sharded ones after checkpoint gathering).
+Works on checkpoints saved under any layout: checkpoint.full_weights rebuilds the full tensors.
 Lesson: lessons/01-dense-model.md
 """
 import argparse
+import json
 import os
 import sys
 
@@ -41,17 +42,17 @@ def load_model(out_dir):
     folder = checkpoint.latest(out_dir)
     if folder is None:
         raise FileNotFoundError(f"--out-dir {out_dir} holds no checkpoint; train first (nanomega/train.py)")
-    import json
-    cfg = GPTConfig(**json.load(open(os.path.join(folder, "manifest.json")))["config"])
-    model = GPT(cfg)
-    model.load_state_dict(checkpoint.load_shard(folder, 0)["model"])
-    return model
+    manifest = json.load(open(os.path.join(folder, "manifest.json")))
+    model = GPT(GPTConfig(**manifest["config"]))
+    weights = checkpoint.full_weights(folder)  # saved under any tp x pp x dp x ZeRO layout
+    weights["head.lm_head.weight"] = weights["embed.wte.weight"]  # tied
+    model.load_state_dict(weights)
+    return model, manifest["layout"].get("tokenizer", "shakespeare-4k")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out-dir", default="out")
-    p.add_argument("--tokenizer", default="shakespeare-4k")
     p.add_argument("--prompt", default="\n")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8)
@@ -61,8 +62,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.temperature < 0 or args.max_new_tokens < 0 or args.top_k < 0:
         raise ValueError("--temperature, --max-new-tokens and --top-k must be >= 0")
-    model = load_model(args.out_dir)
-    enc = data.get_tokenizer(args.tokenizer)
+    model, tokenizer = load_model(args.out_dir)
+    enc = data.get_tokenizer(tokenizer)
     ids = enc.encode(args.prompt, allowed_special="all") or [enc.eot_token]
     gen = torch.Generator().manual_seed(args.seed)
     for _ in range(args.num_samples):

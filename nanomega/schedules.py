@@ -1,8 +1,9 @@
 """Pipeline schedules as pure op lists, the p2p plan they imply, and the timeline/bubble they produce.
 
 Idea: a schedule is just the order in which one pipeline rank runs forwards F(mb) and backwards B(mb) of its
-micro-batches. Everything else follows from that order: which activation/gradient each op must receive first
-and send after (`comm_plan`), whether the ranks can deadlock, and how long they sit idle (`simulate`).
+micro-batches, cut into rounds (ops that run back to back; p2p happens between rounds). Everything else
+follows from it: which activation/gradient each op must receive first and send after (`comm_plan`), whether
+the ranks can deadlock, and how long they sit idle (`simulate`).
 No torch, no processes: tests check every schedule for many (p, m) in milliseconds, and pp.py runs the very
 same plan with real tensors.
 
@@ -12,6 +13,7 @@ Formulas (p stages, m micro-batches, v virtual stages per rank, forward t_f and 
     micro-batches alive on rank r: GPipe m, 1F1B min(m, p - r)  (activation memory ∝ m vs ∝ p)
 Lesson: lessons/05-pipeline-parallel.md
 """
+import contextlib
 import time
 from collections import namedtuple
 
@@ -36,7 +38,7 @@ def one_f_one_b(p, rank, m, v=1):
 def interleaved_1f1b(p, rank, m, v):
     """Interleaved 1F1B (Narayanan et al. 2021, sec. 2.2): v model chunks per rank; micro-batches go through
     the chunks in groups of p (needs m % p == 0); backwards visit the chunks in reverse order."""
-    order = [(g + i, c) for g in range(0, m, p) for c in range(v) for i in range(p)]
+    order = _chunk_order(p, m, v)
     fwd = [Op("F", mb, c) for mb, c in order]
     bwd = [Op("B", mb, v - 1 - c) for mb, c in order]
     return _warmup_steady_cooldown(fwd, bwd, warmup=min(2 * (p - rank - 1) + (v - 1) * p, m * v), pair=True)
@@ -52,6 +54,18 @@ def _warmup_steady_cooldown(fwd, bwd, warmup, pair):
     return ([[f] for f in fwd[:warmup]]                          # warm-up: fill the pipeline
             + steady                                             # steady state: one forward, one backward
             + [[b] for b in bwd[len(fwd) - warmup:]])            # cool-down: drain the remaining backwards
+
+
+def forward_only(p, rank, m, v=1):
+    """Evaluation: the forwards alone, in the interleaved order (any m: the last group takes the rest)."""
+    return [[Op("F", mb, c)] for mb, c in _chunk_order(p, m, v)]
+
+
+def _chunk_order(p, m, v):
+    """(micro-batch, chunk) pairs: groups of p micro-batches, each group through chunk 0, then 1, ..."""
+    n = max(m // p, 1)
+    groups = [range(g * p, m if g == n - 1 else (g + 1) * p) for g in range(n)]
+    return [(mb, c) for group in groups for c in range(v) for mb in group]
 
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b}
@@ -102,7 +116,8 @@ def simulate(p, m, schedule, v=1, t_f=1, t_b=2):
     """Run every rank's plan on a unit clock: F takes t_f, B takes t_b (a backward is ~2 forwards of FLOPs),
     messages take no time. A batched call finishes only when every peer has posted the matching call (the
     strictest, NCCL-like rendezvous), so a plan that finishes here cannot deadlock. Returns one Trace per rank."""
-    plans = [comm_plan(SCHEDULES[schedule](p, r, m, v), p, r, v) for r in range(p)]
+    make = SCHEDULES[schedule] if isinstance(schedule, str) else schedule  # a name, or a schedule function
+    plans = [comm_plan(make(p, r, m, v), p, r, v) for r in range(p)]
     _check_message_order(plans, p)
     pos, clock, posted = [0] * p, [0] * p, {}
     traces = [Trace(r) for r in range(p)]
@@ -157,22 +172,14 @@ class Trace:
         self.peak_inflight = 0      # micro-batches whose forward ran and backward did not yet
         self.peak_output_bytes = 0  # bytes of sent stage outputs still held for their backward
 
+    @contextlib.contextmanager
     def span(self, op, sync=lambda: None):
-        """Context manager timing op (an Op) on the wall clock; sync waits for an accelerator first."""
-        return _Span(self, op, sync)
-
-
-class _Span:
-    def __init__(self, trace, op, sync):
-        self.trace, self.op, self.sync = trace, op, sync
-
-    def __enter__(self):
-        self.sync()
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc):
-        self.sync()
-        self.trace.events.append(Event(self.op.kind, self.op.mb, self.start, time.perf_counter(), self.op.chunk))
+        """Time op (an Op) on the wall clock; sync waits for an accelerator's queued work first."""
+        sync()
+        start = time.perf_counter()
+        yield
+        sync()
+        self.events.append(Event(op.kind, op.mb, start, time.perf_counter(), op.chunk))
 
 
 def bubble_fraction(traces):
@@ -188,22 +195,23 @@ def draw_timeline(traces, path=None, width=None):
     events = [e for t in traces for e in t.events]
     t0, t1 = min(e.start for e in events), max(e.end for e in events)
     chunked = any(e.chunk for e in events)
-    label = lambda e: f"{e.op}{e.mb}" + (chr(97 + e.chunk) if chunked else "")
     unit_clock = all(float(e.start).is_integer() and float(e.end).is_integer() for e in events)
-    width = width or (int(t1 - t0) * (1 + max(len(label(e)) for e in events)) if unit_clock else 120)
+    width = width or (int(t1 - t0) * (1 + max(len(_label(e, chunked)) for e in events)) if unit_clock else 120)
     scale = width / (t1 - t0)
     rows = []
     for t in traces:
         row = ["."] * width
         for e in t.events:
-            c0 = round((e.start - t0) * scale)
-            c1 = max(round((e.end - t0) * scale), c0 + 1)
-            row[c0:c1] = (label(e) + " " * (c1 - c0))[: c1 - c0]
+            c0 = min(round((e.start - t0) * scale), width - 1)
+            c1 = min(max(round((e.end - t0) * scale), c0 + 1), width)
+            row[c0:c1] = (_label(e, chunked) + " " * (c1 - c0))[: c1 - c0]
         rows.append(f"rank {t.rank} |{''.join(row)}|")
     text = "\n".join(rows)
-    if path:
-        text += "\n" + _draw_png(traces, path, chunked)
-    return text
+    return text + "\n" + _draw_png(traces, path, chunked) if path else text
+
+
+def _label(e, chunked):
+    return f"{e.op}{e.mb}" + (chr(ord("a") + e.chunk) if chunked else "")
 
 
 def _draw_png(traces, path, chunked):
@@ -217,13 +225,13 @@ def _draw_png(traces, path, chunked):
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(traces) + 1))
     for t in traces:
         for e in t.events:
-            ax.broken_barh([(e.start - t0, e.end - e.start)], (t.rank - 0.4, 0.8),
-                           color="tab:blue" if e.op == "F" else "tab:orange", edgecolor="black", linewidth=0.3)
-            ax.text(e.start - t0 + (e.end - e.start) / 2, t.rank, f"{e.mb}" + (chr(97 + e.chunk) if chunked else ""),
-                    ha="center", va="center", fontsize=7)
+            ax.broken_barh([(e.start - t0, e.end - e.start)], (t.rank - 0.4, 0.8), edgecolor="black",
+                           color="tab:blue" if e.op == "F" else "tab:orange", linewidth=0.3)
+            ax.text(e.start - t0 + (e.end - e.start) / 2, t.rank, _label(e, chunked)[1:], ha="center",
+                    va="center", fontsize=7)
     ax.set_yticks(range(len(traces)), [f"rank {t.rank}" for t in traces])
     ax.invert_yaxis()
-    ax.set_xlabel("time (blue F, orange B)")
+    ax.set_xlabel("time (blue: forward, orange: backward)")
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return f"(timeline PNG written to {path})"

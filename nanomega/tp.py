@@ -12,7 +12,8 @@ Bytes per layer one rank puts on the wire, B = b*s*h*bytes_per_element, ring ove
     TP:  forward 2 x all_reduce = 2 * 2(t-1)/t * B          backward the same
     SP:  forward 2 x (all_gather + reduce_scatter) = 2 * 2(t-1)/t * B
          backward the same + 2 all_gathers (t-1)/t * B that re-gather the stored 1/t of the linear inputs
-Activation bytes per layer (2-byte activations, 1-byte dropout masks, a heads, Korthikanti eq. 2-4):
+         + the all-reduce of the replicated parameters' gradients (each rank saw 1/t of the tokens)
+Activation bytes per layer (2-byte activations, 1-byte dropout masks, a heads; Korthikanti et al. sec. 4):
     TP: s*b*h*(10 + 24/t + 5*a*s/(h*t))            SP: s*b*h*(34/t + 5*a*s/(h*t))
 Layout: our activations are batch-first (b, s, h); the sequence shard is (b, s/t, h), contiguous. Each
 sequence collective costs one extra local copy of the (b, s, h) tensor to move the sequence dim in front.

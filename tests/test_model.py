@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from nanomega.model import GPT, GPTConfig, alibi_slopes, flops_per_token
-from nanomega.train import get_args, lr_at
+from nanomega.args import get_args
+from nanomega.train import lr_at
 
 TINY = dict(vocab_size=200, block_size=16, n_layer=2, n_head=4, n_embd=32)
 

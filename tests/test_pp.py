@@ -1,5 +1,6 @@
-"""Pipeline parallelism: schedule op orders and bubbles (pure, no processes), then one gloo world per p that
-trains every schedule for several m against the dense model and checks the activation memory it held."""
+"""Pipeline parallelism: schedule op orders and bubbles (pure, no processes), then one 4-rank gloo world that
+trains every schedule for several m at pp 4 and at dp 2 x pp 2 against the dense model, and checks the
+activation memory each schedule held."""
 import contextlib
 import copy
 
@@ -69,18 +70,25 @@ def test_unit_clock_bubble_equals_formula(schedule, vs):
                 assert bubble_fraction(traces) == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12), (p, m, v)
 
 
-def test_simulator_catches_deadlock(monkeypatch):
+def test_forward_only_plans_never_deadlock():
+    for v in (1, 2, 3):
+        for p in range(2, 9):
+            for m in range(1, 3 * p + 2):  # any m, also m < p and m % p != 0
+                traces = simulate(p, m, schedules.forward_only, v)
+                assert sum(len(t.events) for t in traces) == p * v * m
+
+
+def test_simulator_catches_deadlock():
     # interleaved 1F1B with p2p after every op instead of after each forward+backward pair: the chunk ring
     # (last rank -> first rank) deadlocks; this is why interleaved_1f1b pairs its steady-state ops
     def unpaired(p, rank, m, v):
         return [[op] for op in flat(schedules.interleaved_1f1b(p, rank, m, v))]
-    monkeypatch.setitem(schedules.SCHEDULES, "unpaired", unpaired)
     with pytest.raises(RuntimeError, match="deadlocks"):
-        simulate(4, 8, "unpaired", 2)
+        simulate(4, 8, unpaired, 2)
 
 
-def test_timeline_drawing():
-    text = draw_timeline(simulate(4, 6, "1f1b"), path="/tmp/nanomega_pp_timeline.png")
+def test_timeline_drawing(tmp_path):
+    text = draw_timeline(simulate(4, 6, "1f1b"), path=tmp_path / "timeline.png")
     rows = text.splitlines()
     assert rows[0].startswith("rank 0 |F0 F1 F2 F3 ....") and rows[3].startswith("rank 3 |.........F0 B0    F1")
     assert len(rows) == 5 and ("PNG written" in rows[4] or "matplotlib is not installed" in rows[4])
@@ -171,38 +179,60 @@ def _memory(grid, n_layer, m):
     return dict(peaks=peaks, held_no_dealloc=trace.peak_output_bytes)
 
 
-def _world(p, cases, mem_layers, mem_m):
-    grid = dist.Grid(1, p, 1)
-    return [_case(grid, *c) for c in cases], _memory(grid, mem_layers, mem_m)
+def _evaluation(grid, v, n_layer):
+    """pp.forward_only against the dense model's mean loss, for m below, at and not a multiple of p."""
+    torch.manual_seed(0)
+    dense = GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=n_layer, n_head=2, n_embd=32))
+    stage = pp.build_stage(copy.deepcopy(dense), grid, v)
+    diffs = []
+    for m in (1, grid.pp.size + 1):
+        batches = _batches(m, 7)
+        with torch.no_grad():
+            expected = torch.stack([dense(x, y) for x, y in batches]).mean().item()
+        diffs.append(abs(pp.forward_only(stage, grid, batches, virtual=v) - expected))
+    return max(diffs)
 
 
-@pytest.mark.parametrize("p,cases,mem_layers", [
-    (2, [(s, 1, 5, m) for s in ("gpipe", "1f1b") for m in (1, 2, 5)]  # 5 layers: uneven stages 3 + 2
-     + [("interleaved", 2, 4, m) for m in (2, 4)], 5),
-    (4, [(s, 1, 6, m) for s in ("gpipe", "1f1b") for m in (1, 4, 9)]  # 6 layers: 2 + 2 + 1 + 1
+def _world(layouts):
+    """One 4-rank world for every layout: (1 x pp 4), then (dp 2 x pp 2), whose pp groups are not the world."""
+    out = []
+    for dp, p, cases, mem_layers in layouts:
+        grid = dist.Grid(dp, p, 1)
+        out.append((grid.pp_rank, [_case(grid, *c) for c in cases], _memory(grid, mem_layers, 2 * p + 1),
+                    [_evaluation(grid, v, 2 * p) for v in (1, 2)]))
+    return out
+
+
+LAYOUTS = [
+    (1, 4, [(s, 1, 6, m) for s in ("gpipe", "1f1b") for m in (1, 4, 9)]  # 6 layers: 2 + 2 + 1 + 1
      + [("interleaved", 2, 8, m) for m in (4, 8)], 6),
-])
-def test_pipeline_equals_dense(p, cases, mem_layers):
-    results = dist.launch(_world, p, p, cases, mem_layers, 2 * p + 1, timeout=240)
+    (2, 2, [(s, 1, 5, m) for s in ("gpipe", "1f1b") for m in (1, 2, 5)]  # 5 layers: uneven stages 3 + 2
+     + [("interleaved", 2, 4, m) for m in (2, 4)], 5),
+]
+
+
+def test_pipeline_equals_dense():
     act_bytes = MB * SEQ * 32 * 4
-    for rank, (case_results, mem) in enumerate(results):
-        for (schedule, v, _, m), r in zip(cases, case_results):
-            where = f"{schedule} p={p} m={m} rank={rank}"
-            d = r["diff"]
-            # same ops in the same order as the dense model: bitwise, except the tied embedding, whose two
-            # halves (embedding grad on the first stage, head grad on the last) are summed in another order;
-            # that rounding difference then reaches every weight in steps 2 and 3, hence 1e-6 afterwards
-            assert d["loss"] <= 1e-6 and d["grad_step1"] == 0.0, (where, d)
-            assert d["tied_grad"] <= 1e-7 and d["grad"] <= 1e-6 and d["weight"] <= 1e-6, (where, d)
-            assert r["no_sync"] == r["expected_no_sync"], where
-            assert r["held"] == 0, where  # sent outputs were freed (deallocate trick)
-            if schedule == "gpipe":
-                assert r["inflight"] == m, where
-            elif schedule == "1f1b":
-                assert r["inflight"] == min(m, p - rank), where
-            else:
-                assert r["inflight"] <= min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1), where
-        m, peaks = 2 * p + 1, mem["peaks"]
-        assert peaks[("gpipe", m)] == m * peaks[("gpipe", 1)] > 0  # GPipe: activations of all m micro-batches
-        assert peaks[("1f1b", m)] == min(m, p - rank) * peaks[("gpipe", 1)]  # 1F1B: at most p - rank
-        assert mem["held_no_dealloc"] == (0 if rank == p - 1 else (p - rank) * act_bytes)
+    for rank_results in dist.launch(_world, 4, LAYOUTS, timeout=300):
+        for (dp, p, cases, _), (rank, case_results, mem, evals) in zip(LAYOUTS, rank_results):
+            assert max(evals) == 0.0, (dp, p, evals)  # forward_only: the dense ops, in the same order
+            for (schedule, v, _, m), r in zip(cases, case_results):
+                where = f"{schedule} dp={dp} p={p} m={m} pp_rank={rank}"
+                d = r["diff"]
+                # same ops in the same order as the dense model: bitwise, except the tied embedding, whose two
+                # halves (embedding grad on the first stage, head grad on the last) are summed in another
+                # order; that rounding difference reaches every weight in steps 2 and 3, hence 1e-6 there
+                assert d["loss"] <= 1e-6 and d["grad_step1"] == 0.0, (where, d)
+                assert d["tied_grad"] <= 1e-7 and d["grad"] <= 1e-6 and d["weight"] <= 1e-6, (where, d)
+                assert r["no_sync"] == r["expected_no_sync"], where
+                assert r["held"] == 0, where  # sent outputs were freed (deallocate trick)
+                if schedule == "gpipe":
+                    assert r["inflight"] == m, where
+                elif schedule == "1f1b":
+                    assert r["inflight"] == min(m, p - rank), where
+                else:
+                    assert r["inflight"] == min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1), where
+            m, peaks = 2 * p + 1, mem["peaks"]
+            assert peaks[("gpipe", m)] == m * peaks[("gpipe", 1)] > 0  # GPipe: all m micro-batches' activations
+            assert peaks[("1f1b", m)] == min(m, p - rank) * peaks[("gpipe", 1)]  # 1F1B: at most p - rank
+            assert mem["held_no_dealloc"] == (0 if rank == p - 1 else (p - rank) * act_bytes)

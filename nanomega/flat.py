@@ -1,0 +1,99 @@
+"""Flat buffers and their shards: the bookkeeping under ZeRO (nanomega/zero.py, nanomega/zero3.py).
+
+Idea: ZeRO does not shard parameters one by one. It lays a group of parameters end to end in one flat 1-D
+buffer, pads it with zeros to a multiple of the data-parallel size N, and gives rank r the contiguous slice
+[r S, (r+1) S). One collective then moves a whole group (a gradient bucket, or a ZeRO-3 unit) whatever the
+parameter shapes. A parameter may straddle ranks: its *piece* on rank r is the intersection of its range
+with r's slice, a 1-D view that the optimizer steps like any tensor. That is exact for element-wise
+optimizers (SGD, Adam, AdamW, ...), which is why ZeRO-1/2/3 accept only those.
+
+    shard size   S = ceil(n / N)                 padded size N S  (padding < N elements per group)
+    owned by r   clamp(n - r S, 0, S) elements   the real, non-padding elements rank r updates
+
+Lesson: lessons/02-data-parallel-and-zero.md
+"""
+import torch
+
+
+class FlatGroup:
+    """Parameters of one dtype laid end to end, sharded over `n_shards` ranks.
+
+    The buffers (all 1-D; which exist depends on the ZeRO stage, see zero.py):
+      full    model dtype, N S elements; the parameters are views of it (ZeRO-3: only while gathered)
+      shard   model dtype, this rank's S elements (ZeRO-3: the persistent copy of the parameters)
+      master  fp32, this rank's S elements: what the optimizer updates (it IS full/shard when those are fp32)
+      grad    gradient in grad_dtype, full (stages 0, 1) or this rank's slice (stages 2, 3)
+      bucket  stages 2, 3: the full gradient of this backward, alive only until it is reduce-scattered
+    """
+
+    def __init__(self, named_params, n_shards, rank):
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.shapes = [p.shape for p in self.params]  # kept: ZeRO-3 swaps the parameters for empty tensors
+        self.sizes = [p.numel() for p in self.params]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        self.numel = sum(self.sizes)
+        self.shard_numel = -(-self.numel // n_shards)  # S = ceil(n / N)
+        self.padded = self.shard_numel * n_shards
+        self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        self.dtype, self.device = self.params[0].dtype, self.params[0].device
+        self.trainable = self.params[0].requires_grad
+        self.full = self.shard = self.master = self.grad = self.bucket = None
+        self.arrived, self.launched = set(), False  # this backward: gradients in, reduction started
+        self.reduced = False  # reduced at least once since the last step
+
+    def flatten(self, tensors, dtype=None):
+        """The tensors (shaped like the parameters) end to end in a new zero-padded buffer of N S elements."""
+        out = torch.zeros(self.padded, dtype=dtype or self.dtype, device=self.device)
+        for t, o in zip(tensors, self.offsets):
+            out[o:o + t.numel()].copy_(t.detach().reshape(-1))
+        return out
+
+    def views(self, flat):
+        """Views of a padded flat buffer shaped like the parameters (no copy)."""
+        return [flat[o:o + n].view(s) for o, n, s in zip(self.offsets, self.sizes, self.shapes)]
+
+    def bind(self, flat):
+        """Make the parameters views of `flat` (the nn.Parameter objects, their names and tags are kept)."""
+        for p, v in zip(self.params, self.views(flat)):
+            p.data = v
+
+    def pieces(self):
+        """(index, a, b): parameter `index` has elements [a, b) of the flat buffer in this rank's slice."""
+        for i, (o, n) in enumerate(zip(self.offsets, self.sizes)):
+            a, b = max(o, self.lo), min(o + n, self.hi)
+            if a < b:
+                yield i, a, b
+
+    def owned(self):
+        """Real (non-padding) elements in this rank's slice."""
+        return max(0, min(self.numel, self.hi) - self.lo)
+
+
+def storage_bytes(tensors, seen):
+    """Bytes of the storages behind `tensors`, each storage counted once across calls sharing `seen`."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        s = t.untyped_storage()
+        if s.nbytes() and s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    return total
+
+
+def split_by_size(named_params, cap_bytes, alone=()):
+    """Buckets of consecutive parameters with one dtype and at most cap_bytes (a larger parameter gets its
+    own); parameters in `alone` get a bucket each, so their shard layout is the same on every stage."""
+    buckets, current, size = [], [], 0
+    for name, p in named_params:
+        bytes_ = p.numel() * p.element_size()
+        solo = any(p is q for q in alone)
+        if current and (solo or size + bytes_ > cap_bytes or p.dtype != current[0][1].dtype
+                        or any(q is current[0][1] for q in alone)):
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, p))
+        size += bytes_
+    return buckets + ([current] if current else [])

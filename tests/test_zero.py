@@ -1,0 +1,351 @@
+"""ZeRO stages 0-3 (nanomega/zero.py, zero3.py, zero_state.py, flat.py) against single-process training.
+
+Two spawned gloo worlds. 2 ranks: every stage on a GPT (tied embedding) and on a toy module (a tied, a frozen
+and a root parameter, sizes not divisible by N), 3 AdamW steps of 2 micro-batches (no_sync), clipping and a
+x4 loss scale; save -> load -> continue, resharding by name, an inf/nan step, the ZeRO-3 prefetch peak, a
+bf16 ZeRO-3 run. 3 ranks (uneven shards): the same training, and the 2-rank ZeRO-3 checkpoint resumed at
+dp=3 ZeRO-1. All fp32 except the bf16 run.
+
+Bitwise at 2 ranks: the reference is one process running the same micro-batches and summing their gradients
+in the engine's order -- stages 0/1 sum each rank's micro-batches, then the ranks; stages 2/3 sum the ranks of
+each micro-batch (one reduce-scatter per micro-batch), then the micro-batches -- and a + b is exact in either
+operand order, so only that association must match (x4 and /4, /2 are exact too).
+Tolerance elsewhere: at 3 ranks gloo's ring adds three terms in an order of its own, and one forward over the
+whole global batch sums the batch inside its matmuls in yet another order. Gradients then agree to fp32
+rounding, but AdamW divides each element by its own RMS: an element whose gradient is a near-cancellation
+(or exactly 0 in exact arithmetic, like the attention key bias: softmax ignores a shift shared by all keys)
+has rounding noise for a sign, and its step can differ by up to 2 lr. Bounds on max |weight difference|
+after 3 steps: ABS = 1e-4 = 1% of one lr step against the same micro-batches (seen: 5e-6 at 3 ranks);
+WHOLE = 1e-3 against one forward over the whole batch (seen: 1e-5 at 2 ranks, 1.1e-4 at 3, an element of
+mlp.c_fc.weight). A wrong shard, offset or sum moves weights by ~lr = 1e-2 (and a missing 1/N, which AdamW
+does not see, shows in the reported grad norm, compared at 1e-12 / 1e-6 relative).
+"""
+import contextlib
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanomega import dist
+from nanomega.dist import RING
+from nanomega.model import GPT, GPTConfig
+from nanomega.precision import cast_model
+from nanomega.zero import ZeroEngine, weight_decay_groups
+
+STEPS, ACCUM, CLIP, ABS, WHOLE, SCALE = 3, 2, 0.5, 1e-4, 1e-3, 4.0
+OPTIM = dict(weight_decay=0.1, lr=1e-2, betas=(0.9, 0.95))
+CASES = [(kind, stage) for kind in ("gpt", "toy") for stage in range(4)]
+
+
+class Toy(nn.Module):
+    """Tied (emb.weight is out.weight), frozen (frozen.*), a parameter of the root (scale), odd sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(13, 7)
+        self.inner = nn.Sequential(nn.Linear(7, 11), nn.Tanh(), nn.Linear(11, 7))
+        self.frozen = nn.Linear(7, 7).requires_grad_(False)
+        self.out = nn.Linear(7, 13)
+        self.out.weight = self.emb.weight
+        self.scale = nn.Parameter(torch.ones(7))
+
+    def forward(self, idx, targets):
+        x = self.inner(self.emb(idx)) * self.scale
+        return F.cross_entropy(self.out(self.frozen(x) + x).flatten(0, 1), targets.flatten())
+
+
+def _gpt():
+    return GPT(GPTConfig(vocab_size=100, block_size=16, n_layer=2, n_head=2, n_embd=48))
+
+
+BUILD = {"gpt": (_gpt, 100, (2, 16)), "toy": (Toy, 13, (3, 5))}
+
+
+def _build(kind, seed=0):
+    torch.manual_seed(seed)
+    return BUILD[kind][0]()
+
+
+def _batch(kind, step, rank, micro):
+    _, vocab, shape = BUILD[kind]
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    return torch.randint(0, vocab, shape, generator=g), torch.randint(0, vocab, shape, generator=g)
+
+
+def _engine(grid, kind, stage, seed=0, bucket_mb=0.05, dtype=None, **kw):
+    model = _build(kind, seed) if dtype is None else cast_model(_build(kind, seed), dtype)
+    return ZeroEngine(model, torch.optim.AdamW, weight_decay_groups(**OPTIM), grid, stage, bucket_mb=bucket_mb, **kw)
+
+
+class _Scaler:
+    """precision.LossScaler's interface (scale, update(found_inf)), recording what it was told."""
+    scale, found = SCALE, []
+
+    def update(self, found_inf):
+        self.found.append(found_inf)
+
+
+def _train(engine, kind, first, steps, poison=False, synced=False):
+    """`steps` steps of ACCUM micro-batches (no_sync on all but the last, unless synced); per-step dp bytes
+    and the step results."""
+    grid, comm, outs = engine.grid, [], []
+    for step in range(first, first + steps):
+        grid.log.reset()
+        for m in range(ACCUM):
+            x, y = _batch(kind, step, grid.dp_rank, m)
+            with engine.no_sync() if m < ACCUM - 1 and not synced else contextlib.nullcontext():
+                loss = engine.module(x, y) / ACCUM * SCALE
+                if poison and grid.dp_rank == 1:
+                    loss = loss * float("inf")
+                loss.backward()
+        outs.append(engine.step(clip_norm=CLIP, scaler=_Scaler()))
+        comm.append({op: grid.log.bytes(op, "dp") for op in ("all_reduce", "reduce_scatter", "all_gather")})
+    return engine, comm, outs
+
+
+def _clip(grads):
+    """The engine's rule: the norm in fp64, the gradients times clip / (norm + 1e-6) when that is < 1."""
+    norm = sum(g.double().square().sum() for g in grads).sqrt().item()
+    for g in grads:
+        if CLIP / (norm + 1e-6) < 1:
+            g.mul_(CLIP / (norm + 1e-6))
+    return norm
+
+
+def _reference(kind, world, steps, order=None, start=None):
+    """One process, torch.optim.AdamW, the same global batches: order "ranks_last"/"mb_last" sums the
+    micro-batch gradients as stages 0-1/2-3 do; None runs one forward over the whole global batch.
+    start = (params by name, optimizer state by name, first step)."""
+    model, first = _build(kind), 0
+    named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+    by_name, params = dict(named), [p for _, p in named]
+    opt = torch.optim.AdamW([dict(s, params=[by_name[k] for k in s["params"]])
+                             for s in weight_decay_groups(**OPTIM)(named)])
+    if start is not None:
+        values, state, first = start
+        with torch.no_grad():
+            for k, p in model.named_parameters():
+                p.copy_(values[k])
+        for k, p in named:
+            opt.state[p] = {key: v.clone() for key, v in state[k].items()}
+    norms = []
+    for step in range(first, first + steps):
+        mbs = [[_batch(kind, step, r, m) for m in range(ACCUM)] for r in range(world)]
+        if order is None:
+            x, y = (torch.cat([mb[i] for rank in mbs for mb in rank]) for i in (0, 1))
+            total = torch.autograd.grad(model(x, y), params)
+        else:
+            g = [[torch.autograd.grad(model(x, y) / ACCUM, params) for x, y in rank] for rank in mbs]
+            if order == "mb_last":
+                g = list(zip(*g))  # [micro-batch][rank]
+            total = None
+            for outer in g:
+                part = outer[0]
+                for inner in outer[1:]:
+                    part = [u + v for u, v in zip(part, inner)]
+                total = part if total is None else [u + v for u, v in zip(total, part)]
+            total = [t / world for t in total]
+        for p, t in zip(params, total):
+            p.grad = t
+        norms.append(_clip([p.grad for p in params]))
+        opt.step()
+    return {k: p.detach().clone() for k, p in model.named_parameters()}, norms
+
+
+def _formulas(engine):
+    """Per-rank memory (bytes) and per-step dp traffic (tensor bytes) from the group sizes n_g alone:
+    S_g = ceil(n_g / N); fp32 everywhere, Adam: m and v per owned element and a 4-byte step per piece."""
+    n, r, stage = engine.axis.size, engine.axis.rank, engine.stage
+    frozen = engine.sharded.frozen if engine.sharded else []
+    if stage == 0:
+        n, r = 1, 0
+    shard = lambda g: -(-g.numel // n)  # noqa: E731
+    padded = sum(n * shard(g) for g in engine.groups)
+    shards = sum(shard(g) for g in engine.groups)
+    owned = sum(max(0, min(g.numel - r * shard(g), shard(g))) for g in engine.groups)
+    pieces = sum(o < (r + 1) * shard(g) and o + size > r * shard(g)
+                 for g in engine.groups for o, size in zip(g.offsets, g.sizes))
+    pieces += len(engine.optimizer.param_groups) - len({engine.group_of[k] for g in engine.groups
+                                                        for k, o, size in zip(g.names, g.offsets, g.sizes)
+                                                        if o < (r + 1) * shard(g) and o + size > r * shard(g)})
+    frozen_bytes = (sum(4 * shard(g) for g in frozen) if stage == 3 else
+                    sum(4 * p.numel() for p in engine.module.parameters() if not p.requires_grad))
+    memory = dict(params=4 * (shards if stage == 3 else padded) + frozen_bytes,
+                  grads=4 * (padded if stage < 2 else shards), optimizer=8 * owned + 4 * pieces)
+    every = sum(n * shard(g) for g in engine.groups + frozen)
+    comm = [dict(all_reduce=4 * padded, reduce_scatter=0, all_gather=0),  # the norm: one fp64 all-reduce
+            dict(all_reduce=8, reduce_scatter=4 * padded, all_gather=4 * padded),
+            dict(all_reduce=8, reduce_scatter=ACCUM * 4 * padded, all_gather=4 * padded),
+            dict(all_reduce=8, reduce_scatter=ACCUM * 4 * padded, all_gather=ACCUM * 2 * 4 * every)][stage]
+    return memory, comm, owned
+
+
+def _bitwise(a, b):
+    """Names whose tensors differ."""
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def _maxdiff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in b)
+
+
+def _world(world, checkpoint=None):
+    """Every distributed check of one world; returns plain numbers (and a checkpoint as bytes)."""
+    grid, res, params = dist.Grid(world, 1, 1), {}, {}
+    for kind, stage in CASES:
+        engine, comm, outs = _train(_engine(grid, kind, stage), kind, 0, STEPS - 1)
+        saved, by_name = engine.state_dict(), (engine.full_state_dict(), engine.optimizer_state_by_name())
+        outs += _train(engine, kind, STEPS - 1, 1)[2]
+        params[kind, stage] = engine.full_state_dict()
+        memory, formula, owned = _formulas(engine)
+        r = res[kind, stage] = dict(norms=[o["grad_norm"] for o in outs], comm=comm[0], comm_formula=formula,
+                                    owned=owned, memory=engine.memory_bytes(), memory_formula=memory)
+        if world == 2:
+            resumed = _engine(grid, kind, stage, seed=1)
+            resumed.load_state_dict(saved)
+            r["resumed"] = _bitwise(_train(resumed, kind, STEPS - 1, 1)[0].full_state_dict(), params[kind, stage])
+            other = {0: 1, 1: 0, 2: 3, 3: 2}[stage]  # the same arithmetic in another layout and bucket size
+            moved = _engine(grid, kind, other, seed=1, bucket_mb=0.03)
+            moved.load_full(*by_name)
+            r["resharded"] = _bitwise(_train(moved, kind, STEPS - 1, 1)[0].full_state_dict(), params[kind, stage])
+            synced = _train(_engine(grid, kind, stage), kind, 0, 1, synced=True)[0]  # DDP without no_sync
+            params[kind, stage, "synced"] = synced.full_state_dict()
+            out = _train(engine, kind, STEPS, 1, poison=True)[2][0]
+            r["poisoned"] = dict(out, found=_Scaler.found[-1],
+                                 changed=_bitwise(engine.full_state_dict(), params[kind, stage]))
+        if (kind, stage) == ("gpt", 3) and world == 2:
+            buf = io.BytesIO()
+            torch.save(by_name, buf)
+            res["checkpoint"] = buf.getvalue()
+    if world == 2:
+        res["prefetch"] = _zero3_peak(grid)
+        res["bf16"] = _bf16(grid)
+    if checkpoint is not None:  # a dp=2 ZeRO-3 checkpoint resumed at dp=3 ZeRO-1
+        checkpoint = torch.load(io.BytesIO(checkpoint))
+        engine = _engine(grid, "gpt", 1, seed=1)
+        engine.load_full(*checkpoint)
+        got = _train(engine, "gpt", STEPS - 1, 1)[0].full_state_dict()
+        if grid.rank == 0:
+            res["reshard"] = _maxdiff(got, _reference("gpt", world, 1, "ranks_last", (*checkpoint, STEPS - 1))[0])
+    if grid.rank == 0:  # the references, in the same single-threaded process
+        for kind in ("gpt", "toy"):
+            whole = _reference(kind, world, STEPS)[0]
+            for stage in range(4):
+                ref, norms = _reference(kind, world, STEPS, "ranks_last" if stage < 2 else "mb_last")
+                got, r = params[kind, stage], res[kind, stage]
+                if world == 2:
+                    r["synced"] = _maxdiff(params[kind, stage, "synced"], _reference(kind, world, 1, "ranks_last")[0])
+                r.update(bitwise=_bitwise(got, ref), diff=_maxdiff(got, ref), whole=_maxdiff(got, whole),
+                         frozen=_bitwise({k: v for k, v in got.items() if "frozen" in k}, _build(kind).state_dict()),
+                         norm_rel=max(abs(a - b) / b for a, b in zip(r["norms"], norms)))
+    return res
+
+
+def _zero3_peak(grid):
+    """Parameter bytes held during a ZeRO-3 forward, seen from each block: shards + gathered units."""
+    engine = _engine(grid, "gpt", 3)
+    peaks = []
+    for block in engine.module.blocks.values():
+        block.register_forward_hook(lambda *_: peaks.append(engine.memory_bytes()["params"]))
+    _train(engine, "gpt", 0, 2)
+    units = engine.sharded.unit_groups
+    return dict(peak=max(peaks[ACCUM:]), shards=sum(4 * g.shard_numel for g in engine.sharded.groups),
+                root=sum(4 * g.padded for g in units[0]), block=sum(4 * g.padded for g in units[2]),
+                after=engine.memory_bytes()["params"])
+
+
+def _bf16(grid):
+    """bf16 model, bf16 gradients, ZeRO-3: 2 + 2 + 12 bytes per parameter over N, masters fp32."""
+    engine = _train(_engine(grid, "gpt", 3, dtype=torch.bfloat16, grad_dtype=torch.bfloat16), "gpt", 0, 1)[0]
+    s = sum(g.shard_numel for g in engine.groups)
+    return dict(memory=engine.memory_bytes(), formula=dict(params=2 * s, grads=2 * s, optimizer=4 * s),
+                owned=sum(g.owned() for g in engine.groups), pieces=len(engine.pieces),
+                cast=all(torch.equal(g.shard, g.master.bfloat16()) and g.master.dtype == torch.float32
+                         for g in engine.groups))
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return dist.launch(_world, 2, 2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def world3(world2):
+    return dist.launch(_world, 3, 3, world2[0]["checkpoint"], timeout=300)
+
+
+@pytest.mark.parametrize("kind,stage", CASES)
+def test_two_ranks_equal_single_process_bitwise(world2, kind, stage):
+    r = world2[0][kind, stage]
+    assert r["bitwise"] == [], f"differ from the single-process run: {r['bitwise']} (max {r['diff']:.2e})"
+    assert r["frozen"] == [] and r["norm_rel"] < 1e-12
+    assert r["whole"] <= WHOLE  # one forward over the whole global batch
+    assert r["synced"] <= ABS  # every micro-batch reduced (no no_sync): a later reduction must not re-add
+
+
+@pytest.mark.parametrize("kind,stage", CASES)
+def test_three_ranks_uneven_shards_match_single_process(world3, kind, stage):
+    r = world3[0][kind, stage]
+    assert r["diff"] <= ABS and r["whole"] <= WHOLE and r["frozen"] == [] and r["norm_rel"] < 1e-6
+    psi = sum(p.numel() for p in _build(kind).parameters() if p.requires_grad)
+    owned = [rank[kind, stage]["owned"] for rank in world3]  # elements whose update each rank computes
+    assert owned == [psi] * 3 if stage == 0 else sum(owned) == psi and max(owned) - min(owned) <= 8
+
+
+@pytest.mark.parametrize("kind,stage", CASES)
+def test_memory_and_bytes_per_step_are_the_formulas(world2, world3, kind, stage):
+    for rank in world2 + world3:
+        r = rank[kind, stage]
+        assert r["memory"] == r["memory_formula"]
+        assert r["comm"] == r["comm_formula"]
+
+
+def test_zero3_moves_1_5x_dp_bytes(world2):
+    """Per micro-batch, ring bytes: ZeRO-3 (N-1)/N (2 gathers + 1 reduce-scatter) = 1.5 x 2(N-1)/N (all-reduce).
+    (The GPT's unit sizes are even: no padding at N = 2. DP all-reduces once per step: ACCUM = 1 here.)"""
+    dp, z3 = world2[0]["gpt", 0]["comm"], world2[0]["gpt", 3]["comm"]
+    zero3 = (RING["all_gather"](2) * z3["all_gather"] + RING["reduce_scatter"](2) * z3["reduce_scatter"]) / ACCUM
+    assert zero3 == 1.5 * RING["all_reduce"](2) * dp["all_reduce"]
+
+
+@pytest.mark.parametrize("kind,stage", CASES)
+def test_save_load_continue_and_reshard_by_name(world2, world3, kind, stage):
+    r = world2[0][kind, stage]
+    assert r["resumed"] == [] and r["resharded"] == []
+    assert world3[0]["reshard"] <= ABS
+
+
+@pytest.mark.parametrize("kind,stage", CASES)
+def test_inf_skips_the_step_on_every_rank(world2, kind, stage):
+    for rank in world2:
+        p = rank[kind, stage]["poisoned"]
+        assert not p["stepped"] and p["found"] and p["changed"] == []
+
+
+def test_zero3_gathers_one_unit_ahead(world2):
+    """Just after a block's forward (the block itself freed) the root (the tied embedding) and the next unit,
+    prefetched, are gathered: after block 0 that is block 1. Between steps only the shards remain."""
+    p = world2[0]["prefetch"]
+    assert p["after"] == p["shards"]
+    assert p["peak"] == p["shards"] + p["root"] + p["block"]
+
+
+def test_bf16_zero3_is_16_bytes_over_n(world2):
+    for rank in world2:
+        b = rank["bf16"]
+        assert b["cast"]
+        assert b["memory"]["params"] == b["formula"]["params"] and b["memory"]["grads"] == b["formula"]["grads"]
+        assert b["memory"]["optimizer"] == b["formula"]["optimizer"] + 8 * b["owned"] + 4 * b["pieces"]
+
+
+def test_bad_input_one_line_errors():
+    cases = [(5, torch.optim.AdamW, r"--zero must be 0, 1, 2 or 3, got 5"),
+             (2, torch.optim.Adafactor, r"--zero 2: optimizer Adafactor cannot be sharded"),
+             (0, torch.optim.LBFGS, r"LBFGS cannot run under ZeroEngine"),
+             (1, torch.optim.AdamW(Toy().parameters()), r"not a torch.optim.Optimizer class")]
+    for stage, cls, message in cases:
+        with pytest.raises(ValueError, match=message) as e:
+            ZeroEngine(Toy(), cls, {}, grid=None, stage=stage)  # refused before touching the grid
+        assert "\n" not in str(e.value)
