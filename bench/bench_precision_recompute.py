@@ -2,13 +2,15 @@
 
 One process, a world of one, zero.ZeroEngine (fp32 masters) + AdamW, as train.py composes them. Per config:
   step time     median wall time and minimum CPU time (time.process_time, one thread: the least disturbed
-                by other processes sharing the cores) over --steps optimizer steps, after a warm-up
+                by other processes sharing the cores) over --steps optimizer steps, after a warm-up; the
+                three modes' steps alternate
   peak memory   the rise of the kernel's peak RSS (VmHWM, reset through /proc/self/clear_refs) during one
                 step, the allocator returning every freed tensor to the kernel (MALLOC_MMAP_THRESHOLD_=65536,
                 set by re-executing this script); and the peak bytes autograd saved (pp.ActivationMeter:
                 it does not see the one layer a full recompute rebuilds inside backward)
   formula       per-layer saved bytes from recompute.activation_bytes with CPU bytes per element, x n_layer
-Usage: python bench/bench_precision_recompute.py [--steps 5] [--threads 1]
+                (printed for dropout > 0 only, the formula's assumption)
+Usage: python bench/bench_precision_recompute.py [--steps 5] [--threads 1] [--dropout 0.1]
 """
 import argparse
 import os
@@ -25,55 +27,71 @@ from nanomega.precision import DTYPES, cast_model
 from nanomega.recompute import activation_bytes, apply_recompute
 from nanomega.zero import ZeroEngine
 
-CFG = dict(vocab_size=256, block_size=512, n_layer=4, n_head=8, n_embd=256, dropout=0.1)
+CFG = dict(vocab_size=256, block_size=512, n_layer=4, n_head=8, n_embd=256)
 BATCH = 4
+MODES = ("none", "selective", "full")
 
 
-def run(dtype, mode, steps):
+def setup(dtype, mode, dropout):
+    """The model and its engine; returns (model, step), after one warm-up step (buffers and state exist)."""
     torch.manual_seed(0)
-    model = cast_model(apply_recompute(GPT(GPTConfig(**CFG)), mode), dtype)
+    model = cast_model(apply_recompute(GPT(GPTConfig(**CFG, dropout=dropout)), mode), dtype)
     engine = ZeroEngine(model, torch.optim.AdamW, dict(lr=1e-4), dist.Grid(1, 1, 1))
     x = torch.randint(0, CFG["vocab_size"], (BATCH, CFG["block_size"]))
 
     def step():
         model(x, x).backward()
         engine.step()
-    step()  # warm-up: gradient buffers and optimizer state exist from here on
-    wall, cpu = [], []
+    step()
+    return model, step
+
+
+def measure(dtype, steps, dropout):
+    """The three modes' steps alternate (none, selective, full, none, ...) so that a burst of load from
+    other processes hits all of them alike."""
+    runs = {mode: setup(dtype, mode, dropout) for mode in MODES}
+    wall, cpu = {m: [] for m in MODES}, {m: [] for m in MODES}
     for _ in range(steps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        step()
-        wall.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    rise = rss_peak_rise(step)
-    with pp.ActivationMeter(model) as meter:
-        model(x, x).backward()
-    engine.step()
-    s, h, a, e = CFG["block_size"], CFG["n_embd"], CFG["n_head"], dtype.itemsize
-    formula = CFG["n_layer"] * activation_bytes(s, BATCH, h, a, mode, act=e, mask=e, probs=4)
-    return dict(wall=statistics.median(wall), cpu=min(cpu), rss=rise, saved=meter.peak, formula=formula)
+        for mode, (_, step) in runs.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            step()
+            wall[mode].append(time.perf_counter() - t0)
+            cpu[mode].append(time.process_time() - c0)
+    out = {}
+    for mode, (model, step) in runs.items():
+        rise = rss_peak_rise(step)
+        with pp.ActivationMeter(model) as meter:
+            step()
+        s, h, a, e = CFG["block_size"], CFG["n_embd"], CFG["n_head"], dtype.itemsize
+        # the formula assumes dropout > 0 (the masks, and dropped probabilities apart from the softmax output)
+        formula = CFG["n_layer"] * activation_bytes(s, BATCH, h, a, mode, act=e, mask=e, probs=4) if dropout else 0
+        out[mode] = dict(wall=statistics.median(wall[mode]), cpu=min(cpu[mode]), rss=rise, saved=meter.peak,
+                         formula=formula)
+    return out
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dropout", type=float, default=0.1)
     args = p.parse_args()
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":  # the allocator reads it at start-up only
         os.execve(sys.executable, [sys.executable] + sys.argv, dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536"))
     torch.set_num_threads(args.threads)
     dist.init("cpu")
-    print(f"{CFG}, batch {BATCH}, {args.threads} thread(s), load average {os.getloadavg()[0]:.1f}")
+    print(f"{CFG}, dropout {args.dropout}, batch {BATCH}, {args.threads} thread(s), "
+          f"load average {os.getloadavg()[0]:.1f}")
     print(f"{'dtype':>5} {'recompute':>9} | {'wall ms':>8} {'CPU ms':>8} {'x none':>6} | {'RSS rise MB':>11} "
           f"{'saved MB':>8} {'formula MB':>10} {'x none':>6}")
     for name in ("fp32", "bf16"):
-        ref = None
-        for mode in ("none", "selective", "full"):
-            r = run(DTYPES[name], mode, args.steps)
-            ref = ref or r
+        results = measure(DTYPES[name], args.steps, args.dropout)
+        ref = results["none"]
+        for mode, r in results.items():
+            formula = f"{r['formula'] / 2**20:.1f}" if r["formula"] else "-"
             print(f"{name:>5} {mode:>9} | {r['wall'] * 1e3:8.0f} {r['cpu'] * 1e3:8.0f} "
                   f"{r['cpu'] / ref['cpu']:6.2f} | {r['rss'] / 2**20:11.1f} {r['saved'] / 2**20:8.1f} "
-                  f"{r['formula'] / 2**20:10.1f} {r['rss'] / ref['rss']:6.2f}", flush=True)
+                  f"{formula:>10} {r['rss'] / ref['rss']:6.2f}", flush=True)
     torch.distributed.destroy_process_group()
 
 

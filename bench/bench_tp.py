@@ -10,7 +10,7 @@ Measured per step (forward, backward, AdamW):
   peak memory   rise of the process's peak RSS during one step (bench_pp.rss_peak_rise, in a second world
                 started with MALLOC_MMAP_THRESHOLD_=65536 so freed tensors go back to the kernel), and the
                 bytes autograd saved for backward
-Ours with sequence parallelism is a third row (torch's SequenceParallel needs a different model layout).
+Ours with sequence parallelism is a third row (not compared: torch's SequenceParallel plan is not built here).
 Usage: python bench/bench_tp.py [--steps 10]
 """
 import argparse

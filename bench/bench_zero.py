@@ -5,9 +5,10 @@ gradients clipped at 1.0, one micro-batch per step. FSDP2 shards each block and 
 as our default wrap does. Measured per rank:
   step time    median over --steps steps, the seven implementations alternating step by step (max over ranks)
   peak memory  the process's peak RSS during one step (after a warm-up step, so Adam's state exists) above
-               its RSS just before the model was built; one implementation at a time, in a second world
-               started with MALLOC_MMAP_THRESHOLD_=65536 so freed tensors go back to the kernel
-               (bench_pp.rss_peak_rise's trick: /proc/self/clear_refs resets the peak)
+               its RSS just before the model was built; each implementation in a fresh world of its own
+               (in a shared one the later ones find gloo's buffers already allocated), started with
+               MALLOC_MMAP_THRESHOLD_=65536 so freed tensors go back to the kernel; /proc/self/clear_refs
+               resets the peak (bench_pp.rss_peak_rise's trick)
   model states ours only: engine.memory_bytes() (parameters + gradients + optimizer), exact
 Usage: python bench/bench_zero.py [--steps 5]
 """
@@ -98,19 +99,16 @@ def time_world(n):
     return {name: statistics.median(v) for name, v in times.items()}
 
 
-def memory_world():
-    grid, out = dist.Grid(2, 1, 1), {}
-    for name in NAMES:
-        gc.collect()
-        base = _rss()
-        engine, step = build(name, grid)
-        step()  # warm-up: gradients and optimizer state exist from here on
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := the current RSS
-        step()
-        out[name] = dict(peak=_rss("VmHWM") - base, states=sum(engine.memory_bytes().values()) if engine else None)
-        del engine, step
-    return out
+def memory_world(name):
+    grid = dist.Grid(2, 1, 1)
+    gc.collect()
+    base = _rss()
+    engine, step = build(name, grid)
+    step()  # warm-up: gradients and optimizer state exist from here on
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := the current RSS
+    step()
+    return dict(peak=_rss("VmHWM") - base, states=sum(engine.memory_bytes().values()) if engine else None)
 
 
 def main():
@@ -122,7 +120,8 @@ def main():
           f"fp32, 1 thread per rank, torch {torch.__version__}, load average before {os.getloadavg()[0]:.1f}")
     timing = dist.launch(time_world, 2, args.steps, timeout=3000)[0]
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by the spawned ranks' allocator at start-up
-    memory = dist.launch(memory_world, 2, timeout=1800)
+    per_name = {name: dist.launch(memory_world, 2, name, timeout=1800) for name in NAMES}
+    memory = [{name: ranks[r] for name, ranks in per_name.items()} for r in range(2)]
     print(f"load average after {os.getloadavg()[0]:.1f} (other processes on these 2 cores skew the times)")
     mib, ddp = 2 ** 20, "torch DDP"
     print(f"{'implementation':34s} {'step ms':>8s} {'vs DDP':>7s} {'peak MiB r0':>12s} {'r1':>7s} {'vs DDP':>7s} "

@@ -40,7 +40,7 @@ def run_stages(world):
 
 def report(world, res, psi):
     print(f"\n--- N = {world} data-parallel ranks, Psi = {psi:,} parameters (rank 0) ---")
-    print("stage   weights     grads  optimizer      total   bytes/param   loss after 2 steps")
+    print("stage   weights     grads  optimizer      total   bytes/param   loss (step 2)")
     for stage, r in res.items():
         m = r["memory"]
         total = m["params"] + m["grads"] + m["optimizer"]

@@ -93,7 +93,7 @@ def _runs_on(t: torch.Tensor) -> bool:
 class LayerNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        y, mean, rstd = _ext().layer_norm_fwd(x, weight, bias, eps)  # mean, rstd (rows,) fp32/fp64
+        y, mean, rstd = _ext().layer_norm_fwd(x, weight, bias, eps)  # mean, rstd: (rows,) in opmath
         ctx.save_for_backward(x, weight, mean, rstd)
         return y
 

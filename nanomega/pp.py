@@ -82,6 +82,7 @@ def build_stage(model, grid, virtual=1):
         model.embed = None
     if not grid.last_stage:
         model.head = None
+    model.pp_virtual = virtual  # forward_only's default: the chunks this stage was cut into
     return model
 
 
@@ -130,8 +131,10 @@ def train_step(model, grid, micro_batches, schedule="1f1b", no_sync=contextlib.n
 
 
 @torch.no_grad()
-def forward_only(model, grid, micro_batches, act_shape=None, virtual=1):
-    """Mean loss over micro-batches without backward (evaluation), returned on every rank of the pp axis."""
+def forward_only(model, grid, micro_batches, act_shape=None, virtual=None):
+    """Mean loss over micro-batches without backward (evaluation), returned on every rank of the pp axis.
+    virtual defaults to the number of chunks build_stage cut this stage into."""
+    virtual = virtual or getattr(model, "pp_virtual", 1)
     rounds = schedules.forward_only(grid.pp.size, grid.pp_rank, len(micro_batches), virtual)
     return _run(model, grid, rounds, micro_batches, virtual, act_shape)
 
@@ -140,6 +143,10 @@ def _run(model, grid, rounds, micro_batches, virtual, act_shape, no_sync=context
          trace=None, deallocate=True):
     p, rank, m = grid.pp.size, grid.pp_rank, len(micro_batches)
     n_layer, last_vs = model.cfg.n_layer, p * virtual - 1
+    expected = {str(i) for c in range(virtual) for i in chunk_layers(n_layer, p, rank, c, virtual)}
+    if expected != set(model.blocks):
+        raise ValueError(f"pipeline stage {rank} holds layers {sorted(map(int, model.blocks))} but {virtual} "
+                         f"chunk(s) per rank need {sorted(map(int, expected))}: pass the virtual given to build_stage")
     x0 = micro_batches[0][0]
     shape = act_shape or (x0.shape[0], x0.shape[1], model.cfg.n_embd)
     dtype = next(model.blocks.parameters()).dtype

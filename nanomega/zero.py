@@ -29,7 +29,8 @@ STAGES = (0, 1, 2, 3)
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adamax,
                torch.optim.Adadelta, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop,
                torch.optim.ASGD)
-MAX_IN_FLIGHT = 2  # reductions launched but unfinished: bounds the full-gradient buckets ZeRO-2/3 keep alive
+MAX_IN_FLIGHT = 2  # ZeRO-2/3: reductions launched but unfinished, each holding a full-gradient bucket alive
+NORM_CHUNK = 2**20  # elements per fp64 chunk of the norm (a whole fp64 copy would cost 2x the gradient)
 
 
 def check_config(stage, optimizer_cls):
@@ -194,7 +195,7 @@ class ZeroEngine(ShardedState):
 
     def _start(self, work, finish):
         self._pending.append((work, finish))
-        while len(self._pending) > MAX_IN_FLIGHT:
+        while self.stage >= 2 and len(self._pending) > MAX_IN_FLIGHT:  # stages 0-1: no transient buffers
             self._finish_one()
 
     def _finish_one(self):
@@ -204,12 +205,15 @@ class ZeroEngine(ShardedState):
         finish()
 
     def _end_backward(self):
-        """Autograd's last callback: reduce what unused parameters held back (in index order), reset."""
+        """Autograd's last callback: reduce what unused parameters held back (in index order), wait for every
+        reduction (the next backward adds into the same buffers), reset."""
         self._queued = False
         if self._syncing():
             for g in self.groups:
                 if not g.launched:
                     self._reduce(g)
+        while self._pending:
+            self._finish_one()
         for g in self.groups:
             g.arrived.clear()
             g.launched = False
@@ -262,7 +266,9 @@ class ZeroEngine(ShardedState):
             p = g.params[i] if g is not None else None
             if p is not None and (self.grid.tp_rank == 0 or getattr(p, "tensor_parallel", False)) \
                     and not getattr(p, "shared_embedding", False):
-                sq += m.grad.double().square().sum()
+                for chunk in m.grad.reshape(-1).split(NORM_CHUNK):
+                    chunk = chunk.double()
+                    sq += torch.dot(chunk, chunk)
         if self.stage:
             self.axis.all_reduce(sq)
         self.grid.tp.all_reduce(sq)

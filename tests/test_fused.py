@@ -1,4 +1,4 @@
-"""Fused C++ kernels vs the PyTorch reference: values, gradients, odd shapes, bf16, the whole GPT, and nvcc.
+"""Fused C++ kernels vs the PyTorch reference: values, gradients, odd shapes, bf16/fp16, the whole GPT, nvcc.
 
 The extension is built once into fused.build_dir() (cold ~45 s, then ~0.05 s for every later test,
 process, lesson and bench run); the CUDA sources are compiled, never run: there is no GPU here.
@@ -136,13 +136,14 @@ def test_gpt_with_fused_matches_gpt(ext, alibi):
 
     idx = torch.randint(0, cfg.vocab_size, (3, 32))
     targets = torch.randint(0, cfg.vocab_size, (3, 32))
-    # 2 blocks of fp32 math in another order (see FP32): logits agree to ~1e-5, gradients to ~1e-4 relative
-    torch.testing.assert_close(gpt(idx), ref(idx), rtol=1e-5, atol=1e-5)
+    # the same fp32 math in another order (see FP32) through 2 blocks: here logits and gradients differ
+    # by < 5e-7 absolute; the tolerances leave 2-4x for other CPUs' vector widths
+    torch.testing.assert_close(gpt(idx), ref(idx), rtol=1e-5, atol=2e-6)
     for m in (gpt, ref):
         m(idx, targets).backward()
     torch.testing.assert_close(gpt(idx, targets), ref(idx, targets), rtol=1e-6, atol=1e-6)
     for (name, p), q in zip(gpt.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-5, atol=1e-6, msg=name)
 
 
 def test_build_failure_falls_back_to_pytorch(monkeypatch, capsys):
@@ -166,42 +167,45 @@ def test_build_failure_falls_back_to_pytorch(monkeypatch, capsys):
 
 # ---- CUDA sources: compile only. There is no GPU, and CPU torch has no CUDA libraries to link. ----
 
-def cuda_checks(nvcc):
-    """(label, command) for every source of the CUDA build; nvcc for .cu, the host compiler for .cpp."""
-    cache = os.path.join(fused.build_dir(), "nvcc_check")
+def cuda_checks(nvcc, cache):
+    """(source, command) for every source of the CUDA build: nvcc for .cu, the host compiler for .cpp."""
     shim = os.path.join(cache, "shim")  # CPU torch lacks the header CMake writes for a CUDA build
     os.makedirs(os.path.join(shim, "c10", "cuda", "impl"), exist_ok=True)
     with open(os.path.join(shim, "c10", "cuda", "impl", "cuda_cmake_macros.h"), "w") as f:
         f.write("#define C10_CUDA_BUILD_SHARED_LIBS\n")
-    homes = [os.environ.get("CUDA_HOME", ""), os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "/usr/local/cuda"]
-    cuda_include = next((os.path.join(h, "include") for h in homes
-                         if os.path.exists(os.path.join(h, "include", "cuda_runtime_api.h"))), "")
-    includes = [f"-I{p}" for p in cpp_extension.include_paths() + [sysconfig.get_paths()["include"], shim,
-                                                                  fused.CSRC, cuda_include]]
-    defines = ["-DNANOMEGA_WITH_CUDA", "-DTORCH_EXTENSION_NAME=nanomega_fused_cuda"]
-    yield "fused_cuda.cu", [nvcc, "-c", "-std=c++20", "-arch=sm_80", "-O3", "--use_fast_math", "-Xcompiler",
-                            "-fPIC", *defines, *includes, "-o", os.path.join(cache, "fused_cuda.o")]
+    homes = [os.environ.get("CUDA_HOME", ""), os.path.dirname(os.path.dirname(os.path.realpath(nvcc))),
+             "/usr/local/cuda"]
+    cuda_home = next((h for h in homes if os.path.exists(os.path.join(h, "include", "cuda_runtime_api.h"))), None)
+    assert cuda_home, f"no include/cuda_runtime_api.h in {homes}: set CUDA_HOME to the toolkit of {nvcc}"
+    paths = cpp_extension.include_paths() + [sysconfig.get_paths()["include"], shim, fused.CSRC,
+                                             os.path.join(cuda_home, "include")]
+    common = ["-std=c++20", "-DNANOMEGA_WITH_CUDA", "-DTORCH_EXTENSION_NAME=nanomega_fused_cuda"]
+    common += [f"-I{p}" for p in paths]
+    yield "fused_cuda.cu", [nvcc, "-c", "-arch=sm_80", "-O3", "--use_fast_math", "-Xcompiler", "-fPIC",
+                            *common, "-o", os.path.join(cache, "fused_cuda.o")]
     cxx = os.environ.get("CXX", "c++")
-    for src, flags in [("fused_cuda_bind.cpp", []), ("fused_cpu.cpp", fused.cpu_flags())]:
-        yield src, [cxx, "-fsyntax-only", "-std=c++20", "-fPIC", *flags, *defines, *includes]
+    yield "fused_cuda_bind.cpp", [cxx, "-fsyntax-only", "-fPIC", *common]
+    yield "fused_cpu.cpp", [cxx, "-fsyntax-only", "-fPIC", *fused.cpu_flags(), *common]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH: the CUDA sources cannot be compiled")
 def test_cuda_sources_compile():
-    """Each source of the CUDA build compiles (cold: ~15 s of nvcc + ~20 s of c++ in parallel); a stamp
-    keyed by the command, the sources and torch's version makes reruns instant."""
-    sources = sorted(os.listdir(fused.CSRC))
-    digest = hashlib.sha256(torch.__version__.encode())
-    for name in sources:
+    """Each source of the CUDA build compiles against torch's headers (cold: ~35 s of compiler CPU, the
+    three jobs in parallel); a stamp keyed by the sources, torch's version and the command makes a rerun
+    instant. Linking and running need CUDA torch and a GPU: not done here."""
+    cache = os.path.join(fused.build_dir(), "nvcc_check")
+    sources = hashlib.sha256(torch.__version__.encode())
+    for name in sorted(os.listdir(fused.CSRC)):
         with open(os.path.join(fused.CSRC, name), "rb") as f:
-            digest.update(name.encode() + f.read())
+            sources.update(name.encode() + f.read())
     jobs = []
-    for src, cmd in cuda_checks(shutil.which("nvcc")):
+    for src, cmd in cuda_checks(shutil.which("nvcc"), cache):
         cmd = cmd + [os.path.join(fused.CSRC, src)]
-        stamp = os.path.join(fused.build_dir(), "nvcc_check",
-                             f"{src}.{hashlib.sha256(digest.hexdigest().encode() + ' '.join(cmd).encode()).hexdigest()[:16]}.ok")
+        key = hashlib.sha256((sources.hexdigest() + " ".join(cmd)).encode()).hexdigest()[:16]
+        stamp = os.path.join(cache, f"{src}.{key}.ok")
         if not os.path.exists(stamp):
-            jobs.append((src, stamp, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            jobs.append((src, stamp, proc))
     failed = []
     for src, stamp, proc in jobs:
         out, _ = proc.communicate(timeout=600)

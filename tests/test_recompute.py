@@ -1,5 +1,6 @@
 """Activation recompute (nanomega/recompute.py): bitwise equal to no recompute, the saved bytes and FLOPs
-its formulas give, on a dense model, a pipeline stage and a tensor-parallel model (spawned world of 2).
+its formulas give, on a dense model, a pipeline stage, a tensor-parallel model and under ZeRO 0-3 with a
+bf16 model (one spawned world of 2 holding the tp, pp and dp grids).
 
 Saved-bytes assumptions (CPU torch 2.13, dropout > 0, stated in recompute.activation_bytes): activations
 `act` bytes (4 fp32, 2 bf16); dropout masks kept by CPU dropout as a tensor of the activation dtype
@@ -7,6 +8,7 @@ Saved-bytes assumptions (CPU torch 2.13, dropout > 0, stated in recompute.activa
 model.causal_softmax (probs = 4). Small terms the formula leaves out: LayerNorm mean and rstd (2 x 2 sb
 floats) and the causal mask (s^2 bools) -- together < 1% here, the asserted band is 10%.
 """
+import contextlib
 import copy
 
 import pytest
@@ -18,6 +20,7 @@ from nanomega.model import GPT, GPTConfig
 from nanomega.precision import cast_model
 from nanomega.recompute import activation_bytes, apply_recompute, recomputed_layers, saved_bytes_per_layer
 from nanomega.rng import model_parallel_seed
+from nanomega.zero import ZeroEngine
 from test_precision import one_thread  # noqa: F401 -- the autouse one-thread fixture, shared
 
 CASES = [("none", None), ("full", None), ("selective", None), ("full", 2), ("selective", 1), ("full", 0)]
@@ -196,11 +199,40 @@ def _pp_case(grid, dtype):
     return out
 
 
+def _zero_case(grid):
+    """bf16 model, fp32 masters sharded by ZeRO over dp=2 (2 micro-batches per step, different data per
+    rank), every stage x recompute mode: {(stage, mode): (losses of 3 steps bitwise those of stage 0 without
+    recompute, masters + Adam state all fp32)}."""
+    cfg = GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
+    out, ref = {}, None
+    for stage in (0, 1, 2, 3):
+        for mode in ("none", "full", "selective"):
+            torch.manual_seed(0)
+            model = cast_model(apply_recompute(GPT(cfg), mode), torch.bfloat16)
+            engine = ZeroEngine(model, torch.optim.AdamW, dict(lr=1e-2), grid, stage)
+            gen, losses = torch.Generator().manual_seed(10 + grid.dp_rank), []
+            torch.manual_seed(20 + grid.dp_rank)
+            for _ in range(3):
+                for m in range(2):
+                    x = torch.randint(0, 96, (2, 16), generator=gen)
+                    with engine.no_sync() if m == 0 else contextlib.nullcontext():
+                        loss = model(x, x.roll(1, 1)) / 2
+                        loss.backward()
+                    losses.append(loss.detach())
+                engine.step(clip_norm=1.0)
+            ref = losses if ref is None else ref
+            state = [g.master for g in engine.groups] + [g.grad for g in engine.groups] + \
+                [v for st in engine.optimizer.state.values() for v in st.values()]
+            out[(stage, mode)] = (bitwise(losses, ref), {t.dtype for t in state} == {torch.float32})
+    return out
+
+
 def _world():
-    g_tp, g_pp = dist.Grid(1, 1, 2), dist.Grid(1, 2, 1)
-    return dict(tp={(sp, dt): _tp_case(g_tp, sp, dt) for sp in (False,)
+    g_tp, g_pp, g_dp = dist.Grid(1, 1, 2), dist.Grid(1, 2, 1), dist.Grid(2, 1, 1)
+    return dict(tp={(sp, dt): _tp_case(g_tp, sp, dt) for sp in (False, True)
                     for dt in (torch.float32, torch.bfloat16)},
-                pp={dt: _pp_case(g_pp, dt) for dt in (torch.float32, torch.bfloat16)})
+                pp={dt: _pp_case(g_pp, dt) for dt in (torch.float32, torch.bfloat16)},
+                zero=_zero_case(g_dp))
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +241,7 @@ def world():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("sp", [False])
+@pytest.mark.parametrize("sp", [False, True])
 def test_tensor_parallel_bitwise_and_full_recompute_repeats_forward_comm(world, sp, dtype):
     """Under TP (+SP) every mode gives the no-recompute loss and grads bitwise (also in bf16: the same ops
     in the same order). Full recompute reruns each recomputed layer's forward collectives in backward:
@@ -223,6 +255,14 @@ def test_tensor_parallel_bitwise_and_full_recompute_repeats_forward_comm(world, 
             assert same, (mode, k)
             n = 0 if mode != "full" else (2 if k is None else k)
             assert moved == ref_bytes + n * per_layer, (mode, k, moved, ref_bytes)
+
+
+def test_zero_stages_shard_fp32_masters_of_a_bf16_model_under_recompute(world):
+    """Mixed precision composes with ZeRO: the same bf16 losses for every stage and recompute mode, with
+    the fp32 masters, gradient buffers and Adam state sharded (all fp32)."""
+    for rank in world:
+        for case, (same, fp32) in rank["zero"].items():
+            assert same and fp32, case
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanomega import dist
+from nanomega import dist, pp
 from nanomega.dist import RING
 from nanomega.model import GPT, GPTConfig
 from nanomega.precision import cast_model
@@ -222,6 +222,7 @@ def _world(world, checkpoint=None):
     if world == 2:
         res["prefetch"] = _zero3_peak(grid)
         res["bf16"] = _bf16(grid)
+        res["pipeline"] = _pipeline()
     if checkpoint is not None:  # a dp=2 ZeRO-3 checkpoint resumed at dp=3 ZeRO-1
         checkpoint = torch.load(io.BytesIO(checkpoint))
         engine = _engine(grid, "gpt", 1, seed=1)
@@ -254,6 +255,23 @@ def _zero3_peak(grid):
     return dict(peak=max(peaks[ACCUM:]), shards=sum(4 * g.shard_numel for g in engine.sharded.groups),
                 root=sum(4 * g.padded for g in units[0]), block=sum(4 * g.padded for g in units[2]),
                 after=engine.memory_bytes()["params"])
+
+
+def _pipeline():
+    """dp=1 x pp=2 (pp.train_step, 1F1B): the tied embedding lives on both stages; the engine sums its two
+    gradients over grid.embed (shared=...) and counts it once in the norm. Each stage compares its own weights."""
+    grid = dist.Grid(1, 2, 1)
+    model = pp.build_stage(_build("gpt"), grid)
+    engine = ZeroEngine(model, torch.optim.AdamW, weight_decay_groups(**OPTIM), grid, 1,
+                        shared=pp.tied_embedding(model, grid))
+    norms = []
+    for step in range(STEPS):
+        pp.train_step(model, grid, [_batch("gpt", step, 0, m) for m in range(ACCUM)], "1f1b", no_sync=engine.no_sync)
+        norms.append(engine.step(clip_norm=CLIP)["grad_norm"])
+    ref, ref_norms = _reference("gpt", 1, STEPS, "ranks_last")
+    got = engine.full_state_dict()  # the last stage's copy of the embedding is head.lm_head.weight
+    ref = {k: ref[k if k in ref else "embed.wte.weight"] for k in got}
+    return dict(diff=_maxdiff(got, ref), norm_rel=max(abs(a - b) / b for a, b in zip(norms, ref_norms)))
 
 
 def _bf16(grid):
@@ -330,6 +348,11 @@ def test_zero3_gathers_one_unit_ahead(world2):
     p = world2[0]["prefetch"]
     assert p["after"] == p["shards"]
     assert p["peak"] == p["shards"] + p["root"] + p["block"]
+
+
+def test_pipeline_stages_share_the_tied_embedding(world2):
+    for rank in world2:  # first stage (embedding), last stage (its copy in the head)
+        assert rank["pipeline"]["diff"] <= ABS and rank["pipeline"]["norm_rel"] < 1e-6
 
 
 def test_bf16_zero3_is_16_bytes_over_n(world2):
