@@ -28,7 +28,7 @@ def get_args(argv=None):
     g.add_argument("--corpus", default=os.path.join(REPO, "data", "shakespeare.txt.gz"))
     g.add_argument("--data-cache", default=None, help="tokenized memmaps (default: OUT/data)")
     g.add_argument("--batch-size", type=int, default=16, help="micro-batch size")
-    g.add_argument("--grad-accum", type=int, default=1,
+    g.add_argument("--grad-accum", "--microbatches", dest="grad_accum", type=int, default=1,
                    help="micro-batches per step per data-parallel rank (the pipeline's m)")
     g = p.add_argument_group("optimisation")
     a("--lr", type=float, default=1e-3); a("--min-lr", type=float, default=1e-4)

@@ -109,14 +109,14 @@ def universal_pieces(engine, grid):
         if g is None or g.params[i] is engine.shared and not grid.first_stage:
             continue
         o, state = g.offsets[i], engine.optimizer.state.get(m, {})
-        pieces.append(dict(name=g.names[i], shape=tuple(g.params[i].shape), start=a - o, end=b - o,
+        pieces.append(dict(name=g.names[i], shape=tuple(g.shapes[i]), start=a - o, end=b - o,
                            master=g.master[a - g.lo:b - g.lo].detach().clone(),
                            state={k: v.detach().reshape(-1).clone() if _elementwise(v) else v.clone()
                                   for k, v in state.items()}))
     for g in engine.sharded.frozen if engine.sharded else []:  # ZeRO-3 frozen parameters: their shards
         for i, a, b in g.pieces():
             o = g.offsets[i]
-            pieces.append(dict(name=g.names[i], shape=tuple(g.params[i].shape), start=a - o, end=b - o,
+            pieces.append(dict(name=g.names[i], shape=tuple(g.shapes[i]), start=a - o, end=b - o,
                                master=g.shard[a - g.lo:b - g.lo].detach().float().clone(), state={}))
     for name, p in engine.module.named_parameters():  # other frozen parameters: whole, from dp rank 0
         if not p.requires_grad and grid.dp_rank == 0 and engine.stage < 3:

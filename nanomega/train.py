@@ -39,6 +39,7 @@ def build(args, cfg, grid):
     """The model pieces this rank holds, and the engine that owns their optimizer state."""
     torch.manual_seed(args.seed)
     model = GPT(cfg)  # the same dense init on every rank: each parallel form below slices it
+    n_params = sum(p.numel() for p in model.parameters())
     tracker = rng.model_parallel_seed(args.seed, grid)
     if grid.tp.size > 1:
         tp.apply_tensor_parallel(model, grid.tp, args.sequence_parallel, tracker)
@@ -53,7 +54,7 @@ def build(args, cfg, grid):
     model.to(grid.device)
     engine = zero.ZeroEngine(model, torch.optim.AdamW, zero.weight_decay_groups(args.weight_decay, betas=(0.9, 0.95)),
                              grid, args.zero, shared=shared)
-    return model, engine
+    return model, engine, n_params
 
 
 def forward_backward(model, engine, grid, batches, args, loss_scale):
@@ -115,7 +116,7 @@ def main(argv=None):
     val_set = data.TokenDataset(meta["val_bin"], meta["dtype"], args.block_size)
     global_batch = args.batch_size * args.grad_accum * dp
     sampler = data.Sampler(len(train_set), global_batch, args.seed)
-    model, engine = build(args, cfg, grid)
+    model, engine, n_params = build(args, cfg, grid)
     scaler = precision.LossScaler(dynamic=args.dtype == "fp16")
 
     layout = dict(dp=dp, tp=args.tp, pp=args.pp, zero=args.zero, dtype=args.dtype, tokenizer=args.tokenizer,
@@ -134,8 +135,6 @@ def main(argv=None):
     peak = args.peak_flops or train_peak(device)
     flops_tok = flops_per_token(cfg)
     if log:
-        n_params = sum(p.numel() for p in GPT(cfg).parameters()) if grid.world > 1 else \
-            sum(p.numel() for p in model.parameters())
         if args.tp > 1:
             print(f"vocab padded from {cfg.vocab_size} to {cfg.padded_vocab_size} (a multiple of 128 x tp)")
         print(f"{grid}\nmodel: {n_params / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOP/token; "

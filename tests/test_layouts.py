@@ -99,7 +99,10 @@ def test_four_rank_layouts_match_dense_and_reshard(corpus, dense, tmp_path):
     b = checkpoint.full_weights(checkpoint.latest(dense))
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=2e-6)  # same reason as the loss tolerance
+        # Adam normalises each step (lr g / sqrt(v)): where a gradient is near zero, 1e-7 relative rounding noise
+        # changes the step by a visible fraction of lr = 3e-3 (seen: up to 2.6e-5 on 1 of 4,096 elements).
+        # atol 1e-4 (3% of one step) still fails any real resharding error: weights start at std 0.02.
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-4)
 
 
 def test_eight_rank_layouts_match_dense(corpus, dense, tmp_path):

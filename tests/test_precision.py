@@ -16,13 +16,7 @@ from nanomega.precision import LossScaler, cast_model, check_dtype_supported, pa
 from nanomega.zero import ZeroEngine
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The 2 cores are shared with other test processes: 2 OpenMP threads spin-wait and run ~10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ from nanomega.precision import cast_model
 from nanomega.recompute import activation_bytes, apply_recompute, recomputed_layers, saved_bytes_per_layer
 from nanomega.rng import model_parallel_seed
 from nanomega.zero import ZeroEngine
-from test_precision import one_thread  # noqa: F401 -- the autouse one-thread fixture, shared
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 CASES = [("none", None), ("full", None), ("selective", None), ("full", 2), ("selective", 1), ("full", 0)]
 
 

@@ -1,0 +1,57 @@
+"""Bad configurations are refused on every rank before any collective: one clear line each, in < 10 s."""
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nanomega import args as flags
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (world size, flags, what the message must say)
+BAD = [
+    (4, ["--tp", "3"], "world size 4 is not divisible by --tp 3 x --pp 1"),
+    (4, ["--tp", "4", "--n-head", "6", "--n-embd", "96"], "--tp 4 does not divide --n-head 6"),
+    (1, ["--save-every", "-1"], "--save-every must be >= 0"),
+    (4, ["--pp", "4", "--n-layer", "2"], "--pp 4 is larger than --n-layer 2"),
+    (2, ["--pp", "2", "--zero", "2"], "--zero 2 with --pp 2"),
+    (1, ["--zero", "5"], "--zero 5"),
+    (2, ["--pp", "2", "--microbatches", "0"], "--grad-accum must be >= 1"),
+    (4, ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--n-layer", "6",
+         "--grad-accum", "4"], "--n-layer 6 is not divisible by --pp 2 x --virtual-stages 2"),
+    (2, ["--pp", "2", "--schedule", "zigzag"], "--schedule 'zigzag' is unknown"),
+    (2, ["--tp", "2", "--sequence-parallel", "--block-size", "33"], "--block-size 33 divisible by --tp 2"),
+    (1, ["--dtype", "fp8"], "--dtype 'fp8'"),
+    (1, ["--recompute", "some"], "--recompute 'some'"),
+    (1, ["--recompute", "full", "--recompute-layers", "9"], "--recompute-layers 9"),
+    (1, ["--corpus", "/no/such/file.txt"], "--corpus /no/such/file.txt does not exist"),
+    (1, ["--tokenizer", "gpt5"], "--tokenizer"),
+    (1, ["--n-embd", "100", "--n-head", "3"], "--n-embd 100 is not divisible by --n-head 3"),
+    (1, ["--lr", "0"], "--lr > 0"),
+    (1, ["--on-nan", "ignore"], "--on-nan 'ignore'"),
+    (1, ["--inject-fault", "boom"], "--inject-fault 'boom'"),
+    (1, ["--device", "cuda"], "--device cuda"),
+]
+
+
+@pytest.mark.parametrize("world,argv,message", BAD, ids=[" ".join(b[1]) for b in BAD])
+def test_bad_configuration(world, argv, message, monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    t0 = time.perf_counter()
+    with pytest.raises((ValueError, FileNotFoundError)) as err:
+        flags.check(flags.get_args([*argv, "--out-dir", str(tmp_path)]))
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert time.perf_counter() - t0 < 10
+
+
+def test_cli_reports_layout_error_in_one_line_without_starting(tmp_path):
+    """Under torchrun's environment (WORLD_SIZE=4) the check runs before the rendezvous: no store is needed."""
+    env = {"WORLD_SIZE": "4", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "PATH": "/usr/bin"}
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "nanomega/train.py", "--tp", "3", "--out-dir", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "error: world size 4 is not divisible by --tp 3 x --pp 1; launch a multiple of 3 processes"]
+    assert time.perf_counter() - t0 < 10 and not any(tmp_path.iterdir())

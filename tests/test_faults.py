@@ -1,0 +1,78 @@
+"""Faults: a raising rank, NaN steps, a crash mid-checkpoint.
+
+The SIGKILL-a-rank-under-torchrun-and-resume trial is lessons/10_faults.py's experiment, which
+tests/test_lessons.py runs and asserts (bitwise-equal final weights); bench/kill_resume.py runs it 20 times."""
+import gzip
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanomega import checkpoint, dist, train
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import kill_resume  # noqa: E402  (the harness bench/kill_resume.py runs 20 times)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("faults") / "small.txt"
+    path.write_text(gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(300_000))
+    return path
+
+
+def test_raising_rank_ends_the_job_promptly(corpus, tmp_path):
+    t0 = time.time()
+    job = kill_resume.torchrun(corpus, tmp_path / "raise", 2, 50, ["--inject-fault", "raise:1:3"], restarts=0)
+    log, _ = job.communicate(timeout=120)
+    assert job.returncode != 0 and time.time() - t0 < 60
+    assert "--inject-fault: rank 1 raises at step 3" in log and "rank      : 1" in log  # torchrun's root cause
+
+
+SMALL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
+         "--eval-every", "0", "--peak-flops", "1e11", "--save-every", "1", "--max-steps", "4"]
+
+
+def run(corpus, out, *extra):
+    return train.main([*SMALL, "--corpus", str(corpus), "--data-cache", str(out.parent / "cache"),
+                       "--out-dir", str(out), *extra])
+
+
+def test_nan_step_is_skipped_or_stops(corpus, tmp_path):
+    run(corpus, tmp_path / "skip", "--inject-fault", "nan:0:2")
+    recs = [json.loads(line) for line in open(tmp_path / "skip" / "metrics.jsonl")]
+    assert [r["skipped"] for r in recs] == [False, True, False, False]
+    w1 = checkpoint.full_weights(tmp_path / "skip" / "ckpt" / "step_000001")
+    w2 = checkpoint.full_weights(tmp_path / "skip" / "ckpt" / "step_000002")
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)  # the skipped step changed nothing, wrote no NaN
+    with pytest.raises(FloatingPointError, match="--on-nan stop"):
+        run(corpus, tmp_path / "stop", "--inject-fault", "nan:0:2", "--on-nan", "stop")
+    assert checkpoint.latest(tmp_path / "stop").endswith("step_000001")
+
+
+def test_crash_during_checkpoint_write_keeps_previous(corpus, tmp_path, monkeypatch):
+    out = tmp_path / "crash"
+    run(corpus, out, "--max-steps", "2")
+    grid = dist.Grid(1, 1, 1)
+    state = checkpoint.load_shard(checkpoint.latest(out), 0)
+    real = checkpoint._replace_atomically
+
+    def dies_before_manifest(path, write):  # the shard is written; the process dies before the manifest
+        if path.endswith("manifest.json"):
+            raise KeyboardInterrupt("killed")
+        real(path, write)
+
+    monkeypatch.setattr(checkpoint, "_replace_atomically", dies_before_manifest)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(str(out), 3, train.flags.model_config(train.flags.get_args(SMALL)), state, grid)
+    monkeypatch.undo()
+    assert (out / "ckpt" / "step_000003" / "rank_00000.pt").exists()
+    folder = checkpoint.latest(out)
+    assert folder.endswith("step_000002")  # the half-written step 3 is never picked
+    rec = run(corpus, out, "--max-steps", "3", "--resume")
+    assert rec["step"] == 3
