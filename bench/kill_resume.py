@@ -11,6 +11,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,7 +57,7 @@ def worker_pids(parent):
 def trial(corpus, root, nproc, steps, kill_step, kill_rank, extra=()):
     """One killed run; returns (weights equal to the reference's, restarts seen, seconds)."""
     t0 = time.time()
-    out = Path(root) / f"killed-{kill_rank}-{kill_step}"
+    out = Path(tempfile.mkdtemp(prefix=f"killed-{kill_rank}-{kill_step}-", dir=root)) / "out"  # a fresh run
     job = torchrun(corpus, out, nproc, steps, extra)
     while logged_step(out) < kill_step and job.poll() is None:
         time.sleep(0.05)
@@ -97,7 +98,6 @@ def main():
     p.add_argument("--extra", default="--zero 1", help="layout flags, e.g. '--tp 2' or '--pp 2'")
     args = p.parse_args()
     import gzip
-    import tempfile
     root = Path(tempfile.mkdtemp(prefix="kill_resume-"))
     corpus = root / "small.txt"
     corpus.write_text(gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(300_000))

@@ -1,7 +1,6 @@
 """Lesson 09 experiment: the rank grid, and the bytes each axis moves in one real training step."""
 import gzip
 import os
-import sys
 import tempfile
 
 import torch

@@ -32,7 +32,7 @@ def get_args(argv=None):
                    help="micro-batches per step per data-parallel rank (the pipeline's m)")
     g = p.add_argument_group("optimisation")
     a("--lr", type=float, default=1e-3); a("--min-lr", type=float, default=1e-4)
-    a("--warmup", type=int, default=20); a("--max-steps", type=int, default=300)
+    a("--warmup", type=int, default=20); a("--max-steps", type=int, default=600)
     a("--weight-decay", type=float, default=0.1); a("--grad-clip", type=float, default=1.0)
     a("--seed", type=int, default=1337)
     g = p.add_argument_group("parallelism and precision")

@@ -142,6 +142,11 @@ def main(argv=None):
         os.makedirs(args.out_dir, exist_ok=True)
     metrics = open(os.path.join(args.out_dir, "metrics.jsonl"), "a") if log else None
     last_save, avg_loss, rec = time.time(), None, {}
+    if args.eval_every and step == 0:  # the starting point of the validation curve (~ ln V)
+        val = evaluate(model, grid, val_set, args)
+        if log:
+            print(f"step     0 val {val:.4f}", flush=True)
+            metrics.write(json.dumps(dict(step=0, val_loss=val)) + "\n")
     while step < args.max_steps:
         t0 = time.perf_counter()
         lr = lr_at(step, args)

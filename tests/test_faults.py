@@ -4,7 +4,6 @@ The SIGKILL-a-rank-under-torchrun-and-resume trial is lessons/10_faults.py's exp
 tests/test_lessons.py runs and asserts (bitwise-equal final weights); bench/kill_resume.py runs it 20 times."""
 import gzip
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path

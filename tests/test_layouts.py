@@ -55,7 +55,7 @@ def flags(corpus, out, extra):
 def curve(out):
     """(losses per step, final val loss) from the metrics the last rank writes."""
     recs = [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
-    return [r["loss"] for r in recs], recs[-1]["val_loss"]
+    return [r["loss"] for r in recs if "loss" in r], recs[-1]["val_loss"]  # (step 0 has only a val loss)
 
 
 def run_layouts(corpus, root, layouts, resume_from=None):

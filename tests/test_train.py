@@ -48,7 +48,7 @@ def test_exact_resume(corpus, tmp_path):
     run(corpus, resumed, "--max-steps", "6", "--save-every", "3", "--resume")
     a, b = final_weights(straight), final_weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    losses = lambda out: [json.loads(l)["loss"] for l in open(out / "metrics.jsonl")]
+    losses = lambda out: [r["loss"] for r in map(json.loads, open(out / "metrics.jsonl")) if "loss" in r]
     assert losses(straight)[3:] == losses(resumed)
     assert not torch.equal(a["embed.wte.weight"], checkpoint.full_weights(
         straight / "ckpt" / "step_000003")["embed.wte.weight"])  # it did train
