@@ -76,11 +76,12 @@ def persistent_recv_buffers(stage):
     return sum(i.buffer.numel() * i.buffer.element_size() for i in infos if getattr(i, "buffer", None) is not None)
 
 
-def _timed(grid, fn):
-    grid.pp.all_reduce(torch.zeros(1))  # start together
+def timed(axis, fn):
+    """Seconds fn takes on the slowest rank of `axis` (the ranks start together)."""
+    axis.all_reduce(torch.zeros(1))
     t0 = time.perf_counter()
     fn()
-    return grid.pp.all_reduce(torch.tensor([time.perf_counter() - t0]), op=torch.distributed.ReduceOp.MAX).item()
+    return axis.all_reduce(torch.tensor([time.perf_counter() - t0]), op=torch.distributed.ReduceOp.MAX).item()
 
 
 def time_world(m, steps):
@@ -91,8 +92,8 @@ def time_world(m, steps):
         loss_ours, loss_theirs = step_ours(), step_theirs()  # warm-up (torch infers shapes here)
         times = {"ours": [], "torch": []}
         for _ in range(steps):
-            times["ours"].append(_timed(grid, step_ours))
-            times["torch"].append(_timed(grid, step_theirs))
+            times["ours"].append(timed(grid.pp, step_ours))
+            times["torch"].append(timed(grid.pp, step_theirs))
         trace = Trace(grid.pp_rank)
         step_ours(trace)
         out[schedule] = dict(loss_ours=loss_ours, loss_torch=loss_theirs, trace=trace, times=times)

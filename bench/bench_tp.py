@@ -16,14 +16,13 @@ Usage: python bench/bench_tp.py [--steps 10]
 import argparse
 import os
 import statistics
-import time
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
-from bench_pp import rss_peak_rise
+from bench_pp import rss_peak_rise, timed
 from nanomega import dist, tp
 from nanomega.model import GPT, GPTConfig
 
@@ -78,13 +77,6 @@ def _setup(grid):
     return steps
 
 
-def _timed(grid, fn):
-    grid.tp.all_reduce(torch.zeros(1))  # start together
-    t0 = time.perf_counter()
-    fn()
-    return grid.tp.all_reduce(torch.tensor([time.perf_counter() - t0]), op=torch.distributed.ReduceOp.MAX).item()
-
-
 def time_world(n):
     grid = dist.Grid(1, 1, 2)
     steps = _setup(grid)
@@ -92,7 +84,7 @@ def time_world(n):
     times = {name: [] for name in steps}
     for _ in range(n):
         for name, (_, fn) in steps.items():
-            times[name].append(_timed(grid, fn))
+            times[name].append(timed(grid.tp, fn))
     return dict(loss=first, **{name: statistics.median(v) for name, v in times.items()})
 
 

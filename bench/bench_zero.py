@@ -17,7 +17,6 @@ import gc
 import os
 import re
 import statistics
-import time
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -25,6 +24,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from bench_pp import timed
 from nanomega import dist
 from nanomega.model import GPT, GPTConfig
 from nanomega.zero import ZeroEngine, weight_decay_groups
@@ -80,13 +80,6 @@ def _rss(field="VmRSS"):
     return int(re.search(rf"{field}:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
 
 
-def _timed(grid, fn):
-    grid.dp.all_reduce(torch.zeros(1))  # start together
-    t0 = time.perf_counter()
-    fn()
-    return grid.dp.all_reduce(torch.tensor([time.perf_counter() - t0]), op=torch.distributed.ReduceOp.MAX).item()
-
-
 def time_world(n):
     grid = dist.Grid(2, 1, 1)
     steps = {name: build(name, grid)[1] for name in NAMES}
@@ -95,7 +88,7 @@ def time_world(n):
     times = {name: [] for name in NAMES}
     for _ in range(n):
         for name, fn in steps.items():
-            times[name].append(_timed(grid, fn))
+            times[name].append(timed(grid.dp, fn))
     return {name: statistics.median(v) for name, v in times.items()}
 
 
