@@ -132,7 +132,7 @@ def main(argv=None):
         if log:
             print(f"resumed from {folder} at step {step}" + ("" if state.get("same_layout") else " (resharded)"))
 
-    peak = args.peak_flops or train_peak(device)
+    peak = args.peak_flops or train_peak(device, precision.parse_dtype(args.dtype))
     flops_tok = flops_per_token(cfg)
     if log:
         if args.tp > 1:
@@ -204,19 +204,19 @@ def grid_agrees(grid, flag):
 _PEAK = {}
 
 
-def train_peak(device):
+def train_peak(device, dtype=torch.float32):
     """A matmul's FLOP/s in the training dtype: the practical peak for MFU, measured once per process."""
-    if device.type not in _PEAK:
+    if (device.type, dtype) not in _PEAK:
         n, reps = 2048, 3
-        a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+        a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
         a @ b
         t0 = time.perf_counter()
         for _ in range(reps):
             a @ b
         if device.type == "cuda":
             torch.cuda.synchronize()
-        _PEAK[device.type] = 2 * n ** 3 * reps / (time.perf_counter() - t0)
-    return _PEAK[device.type]
+        _PEAK[device.type, dtype] = 2 * n ** 3 * reps / (time.perf_counter() - t0)
+    return _PEAK[device.type, dtype]
 
 
 if __name__ == "__main__":
