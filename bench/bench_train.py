@@ -11,6 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanomega.model import GPT, GPTConfig, flops_per_token  # noqa: E402
+from nanomega.train import train_peak  # noqa: E402
 
 
 def main():
@@ -35,12 +36,7 @@ def main():
         times.append(time.perf_counter() - t0)
     step = sorted(times[3:])[len(times[3:]) // 2]  # median
     tok_s = args.batch_size * args.block_size / step
-    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
-    a @ b
-    t0 = time.perf_counter()
-    for _ in range(5):
-        a @ b
-    peak = 2 * 2048 ** 3 * 5 / (time.perf_counter() - t0)
+    peak = train_peak(torch.device("cpu"), dtype)  # the trainer's own measurement, in this dtype
     mfu = flops_per_token(cfg) * tok_s / peak
     print(f"{args.dtype} {torch.get_num_threads()} threads, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
           f"params: step {1e3 * step:.1f} ms (median of {args.steps}), {tok_s:,.0f} tokens/s, "
