@@ -50,9 +50,17 @@ def eager_bytes(fn, *shapes):
 
 
 def max_diff(fn_a, fn_b, *shapes):
+    """max |a - b| / max |b|: the two computations' difference relative to the output's size."""
     torch.manual_seed(0)
     inputs = [torch.randn(s) for s in shapes]
-    return (fn_a(*inputs) - fn_b(*inputs)).abs().max().item()
+    b = fn_b(*inputs)
+    return ((fn_a(*inputs) - b).abs().max() / b.abs().max()).item()
+
+
+def rounding_budget(n):
+    """How far two fp32 kernels of these ops may differ, relative: each errs by <= 64 u (at::vec's exp_u20,
+    20 ulp = 40 u, plus a dozen roundings) + 8 sqrt(n) u for a row sum of n terms (tests/tolerance.py)."""
+    return 2 * (64 + 8 * n ** 0.5) * 2.0 ** -24
 
 
 def machine():
@@ -94,11 +102,11 @@ def main():
     print(f"fused traffic (formula): bias+GeLU 5n -> {8 / 5:.2f}x less; causal softmax 3 visible + 2n "
           f"-> {4 * 13 * n_att / fused_bytes['causal_softmax']:.2f}x less; LayerNorm 5n -> 1.00x")
 
-    ok = max_diff(model.bias_gelu, fused.bias_gelu, (N, 4 * H), (4 * H,)) <= 1e-5
-    check("fused bias+GeLU == eager within 1e-5 (1 = yes)", int(ok), 1)
-    ok = max_diff(lambda s: model.causal_softmax(s, SCALE), lambda s: fused.causal_softmax(s, SCALE),
-                  (B, N_HEAD, S, S)) <= 1e-5
-    check("fused causal softmax == eager within 1e-5 (1 = yes)", int(ok), 1)
+    ok = max_diff(fused.bias_gelu, model.bias_gelu, (N, 4 * H), (4 * H,)) <= rounding_budget(1)
+    check("fused bias+GeLU == eager within the rounding budget (1 = yes)", int(ok), 1)
+    ok = max_diff(lambda s: fused.causal_softmax(s, SCALE), lambda s: model.causal_softmax(s, SCALE),
+                  (B, N_HEAD, S, S)) <= rounding_budget(S)
+    check("fused causal softmax == eager within the rounding budget (1 = yes)", int(ok), 1)
 
     bw, flops = machine()
     print(f"this CPU, 1 thread: copy {bw / 1e9:.1f} GB/s, matmul {flops / 1e9:.0f} GFLOP/s -> machine balance "

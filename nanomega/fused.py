@@ -13,12 +13,14 @@ Formula (elements moved, forward + backward, x4 bytes in fp32; n = elements of t
     LayerNorm         eager 5n  (PyTorch's native_layer_norm is one kernel already)  fused 5n
 
 The C++ sources (nanomega/csrc) are built on first use by torch.utils.cpp_extension.load (ninja,
-pybind11) into ONE cache directory ($NANOMEGA_BUILD_DIR, default ~/.cache/nanomega/build); ninja
-rebuilds only when a source or flag changes. CUDA sources join the build when CUDA is available.
+pybind11) under ONE cache root ($NANOMEGA_BUILD_DIR, default ~/.cache/nanomega/build), in a folder keyed
+by the sources, the flags and the CPU (build_key): a binary built for one CPU is never loaded on another.
+CUDA sources join the build when CUDA is available.
 If the build is impossible, a one-line notice and the PyTorch functions of model.py are used.
 Lesson: lessons/08-fused-kernels.md
 """
 import functools
+import hashlib
 import os
 import platform
 import sys
@@ -34,21 +36,71 @@ CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 
 
 def build_dir() -> str:
-    """The one build cache shared by the library, tests, bench and lessons."""
+    """The root of the one build cache shared by the library, tests, bench and lessons."""
     return os.environ.get("NANOMEGA_BUILD_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanomega", "build")
 
 
+def march() -> str:
+    """The -march target: "native" (this CPU's every instruction), or $NANOMEGA_MARCH, e.g. x86-64-v3 to
+    build what an AVX2-only CPU runs while sitting at an AVX-512 one."""
+    return os.environ.get("NANOMEGA_MARCH", "native")
+
+
 def cpu_flags() -> list[str]:
-    """-O3 -march=native -ffast-math, and the at::vec ISA that torch itself dispatches to on this CPU."""
-    cap = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", ...
+    """-O3 -march=... -ffast-math, and the at::vec ISA that torch itself dispatches to on this CPU."""
+    cap = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT" (ATEN_CPU_CAPABILITY picks)
     flags = ["-O3", "-ffast-math", "-fopenmp", f"-DCPU_CAPABILITY={cap}"]
     if platform.machine() in ("x86_64", "AMD64"):
-        flags.append("-march=native")
+        flags.append(f"-march={march()}")
     if cap in ("AVX2", "AVX512"):  # selects Vectorized<float> = __m256 / __m512 in the ATen headers
         flags.append(f"-DCPU_CAPABILITY_{cap}")
     # -ffast-math assumes no inf/nan: the softmax never forms exp(-inf) (masked keys are skipped), and
     # it is a compile flag only -- not linked, so no crtfastmath.o flushing denormals process-wide
     return flags
+
+
+def cpu_info() -> dict:
+    """The first CPU's /proc/cpuinfo fields ({} where there is none: not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            first_cpu = f.read().split("\n\n")[0].splitlines()
+    except OSError:
+        return {}
+    return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first_cpu if ":" in line)}
+
+
+def cpu_features() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags (avx2, avx512f, amx_tile, ...)."""
+    info = cpu_info()
+    if not info:  # not Linux: the platform's own description
+        return f"{platform.machine()} {platform.processor()}"
+    return f"{info.get('model name', '')} {info.get('flags', '')}"
+
+
+def cpu_summary() -> str:
+    """One line naming the CPU and the features that decide these kernels' and bf16's speed, e.g.
+    "AMD EPYC: avx2 fma, no avx512f avx512_bf16 amx_bf16; torch dispatches AVX2"."""
+    info = cpu_info()
+    flags = set(info.get("flags", "").split())
+    wanted = ["avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"]
+    have = " ".join(f for f in wanted if f in flags) or "none of these"
+    lack = " ".join(f for f in wanted if f not in flags)
+    name = info.get("model name") or platform.processor() or platform.machine()
+    return f"{name}: {have}{', no ' + lack if lack else ''}; torch dispatches {torch.backends.cpu.get_cpu_capability()}"
+
+
+def build_key(sources: list[str], cflags: list[str]) -> str:
+    """Hash of everything the binary depends on: the sources, torch, the flags and -- for -march=native --
+    the CPU. ninja alone rebuilds on a changed command line, and "-march=native" reads the same on every
+    CPU: a home directory shared by an AVX-512 and an AVX2 machine would hand the AVX-512 binary to the
+    AVX2 one (SIGILL). One directory per key: machines sharing a cache each find their own build."""
+    h = hashlib.sha256(f"{torch.__version__} {' '.join(cflags)}".encode())
+    if "-march=native" in cflags:
+        h.update(cpu_features().encode())
+    for path in sources:
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:12]
 
 
 def load_extension(verbose: bool = False):
@@ -59,12 +111,16 @@ def load_extension(verbose: bool = False):
               "PyTorch path", file=sys.stderr)
     name = "nanomega_fused_cuda" if with_cuda else "nanomega_fused_cpu"
     sources = ["fused_cpu.cpp"] + (["fused_cuda.cu", "fused_cuda_bind.cpp"] if with_cuda else [])
-    directory = os.path.join(build_dir(), name)  # one build.ninja per extension, all under build_dir()
-    os.makedirs(directory, exist_ok=True)
+    sources = [os.path.join(CSRC, s) for s in sources]
     defines = ["-DNANOMEGA_WITH_CUDA"] if with_cuda else []
+    cflags = cpu_flags() + defines
+    cuda_cflags = ["-O3", "--use_fast_math"] + defines
+    headers = sorted(os.path.join(CSRC, h) for h in os.listdir(CSRC) if h.endswith(".h"))
+    key = build_key(sources + headers, cflags + cuda_cflags)
+    directory = os.path.join(build_dir(), f"{name}-{key}")  # one build.ninja per extension and key
+    os.makedirs(directory, exist_ok=True)
     return cpp_extension.load(
-        name, [os.path.join(CSRC, s) for s in sources], extra_cflags=cpu_flags() + defines,
-        extra_cuda_cflags=["-O3", "--use_fast_math"] + defines, extra_ldflags=["-fopenmp"],
+        name, sources, extra_cflags=cflags, extra_cuda_cflags=cuda_cflags, extra_ldflags=["-fopenmp"],
         extra_include_paths=[CSRC], build_directory=directory, verbose=verbose)
 
 

@@ -2,14 +2,15 @@
 
 One spawned world of 4 CPU ranks (gloo) holds two grids, (dp 2, tp 2) and (dp 1, tp 4); every distributed
 check runs in it once and returns numbers that the tests below assert on. All fp32.
-Tolerance: a column-parallel output is the dense dot product itself, but a row-parallel output, the
-vocab-parallel loss and every input gradient behind an all-reduce sum the same terms in another order
-(per-rank partial sums, then across ranks), so they agree to fp32 rounding, not bitwise: relative error
-(max |a - b| / max |b|) below 1e-5. After AdamW steps we allow 1e-4: Adam divides each gradient by its own
-root mean square, which turns the rounding difference d of a gradient element near eps into a difference
-of its update up to lr * d / (4 eps) (eps = 1e-6 here to bound that). Measured: the dense model perturbed
-by 1e-7 (fp32 rounding) drifts from itself by up to 2e-5 over these steps; TP vs dense stays below 4e-5.
-Initial weights and slicing are compared bitwise.
+Tolerance (derived in tests/tolerance.py's terms; never bitwise between sharded and dense: a slice of a
+GEMM is not, on every BLAS kernel, bitwise the slice of the dense GEMM -- AVX2 and AVX-512 kernels block K
+differently): every compared number is the end of at most DEPTH = 8 reductions in sequence (2 blocks x
+qkv, proj, fc, proj), each of at most N = 160 terms (the vocab-parallel softmax at t = 4; the linears sum
+16-128), which sharded and dense sum in two orders: 2 likely(N) relative each, independent errors adding in
+quadrature over the chain: TOL = 2 likely(N) sqrt(DEPTH) = 3.4e-5, relative (max |a - b| / max |b|).
+After AdamW steps: Adam's update g / sqrt(v) is scale-free, so a relative gradient difference passes into
+the update unamplified while |g| >> eps (eps = 1e-6 here; the key bias, whose exact gradient is 0, is left
+out): TOL_STEPS = steps x TOL. Initial weights and slicing are compared bitwise (copies, no arithmetic).
 """
 import types
 
@@ -21,8 +22,11 @@ import torch.nn.functional as F
 from nanomega import dist, recompute, tp
 from nanomega.model import GPT, GPTConfig
 from nanomega.rng import TrackedDropout, model_parallel_seed
+from tolerance import likely
 
-TOL, TOL_STEPS = 1e-5, 1e-4
+STEPS = 3
+TOL = 2 * likely(160) * 8 ** 0.5
+TOL_STEPS = STEPS * TOL
 
 
 def _err(a, b):
@@ -112,7 +116,7 @@ def _bytes_per_layer(grid, sp):
     return fwd, both, b * s * h * 4
 
 
-def _gpt_vs_dense(grid, sp, steps=3, freeze=None, **kw):
+def _gpt_vs_dense(grid, sp, steps=STEPS, freeze=None, **kw):
     """The TP GPT and the dense GPT from one seed: loss, every gradient and every AdamW update, sliced."""
     axis = grid.tp
     cfg = _config(axis.size, **kw)
@@ -232,7 +236,6 @@ def test_layers_match_dense(world, t, sp):
         errs = res[("layers", t, sp)]
         bad = {k: v for k, v in errs.items() if v > TOL}
         assert not bad, f"rank {res['rank']}: {bad}"
-        assert errs["column out"] == 0.0 or not sp  # without SP a column output is the dense dot product
 
 
 @pytest.mark.parametrize("t", [2, 4])

@@ -112,23 +112,35 @@ at::Tensor rows_with_column_sums(int64_t rows, int64_t width, const F& body) {
 }
 
 // gelu_tanh(u) = 0.5 u (1 + tanh z) = u * sigmoid(2z), z = sqrt(2/pi) (u + 0.044715 u^3): one exp
-// instead of a tanh. dgelu/du = s + 2 u s (1 - s) z'(u), s = sigmoid(2z), 2 z' = a2 (1 + 3 b u^2).
+// instead of a tanh. With e = exp(-2z) and s = sigmoid(2z) = 1 / (1 + e):
+//   dgelu/du = s + 2 u s (1 - s) z'(u) = s (1 + u (e s) 2z'(u)),   2 z' = a2 (1 + 3 b u^2)
+// 1 - s is formed as e s, never as a difference: for u >~ 5, s rounds to within an ulp of 1 and 1 - s
+// would be that ulp's noise times u 2z' (~400 at u = 12). A reciprocal's last ulp depends on the ISA
+// (AVX2's rcp+Newton vs AVX-512's rcp14+Newton under -ffast-math), so the difference made the kernel
+// ~10x less accurate on AVX2; the product e s keeps the relative error of e and s (a few ulp) everywhere.
 constexpr double kA2 = 2 * 0.7978845608028654;  // 2 sqrt(2/pi)
 constexpr double kB = 0.044715;
 
+// e = exp(-2z) with -2z clamped to [-80, 80]: e^80 keeps s = 1/(1+e) ~ 2e-35, not 0 (under -ffast-math a
+// vector division is a reciprocal estimate plus a Newton step, which turns 1 / (1 + inf) into nan), and
+// e^-80 ~ 2e-35 is a normal float: past it, s is 1 to the last bit anyway
 template <typename V>
-inline V sigmoid_2z(const V& u) {
+inline V exp_neg_2z(const V& u) {
   using A = typename V::value_type;
   const V two_z = u * (V(A(kA2)) + V(A(kA2 * kB)) * u * u);
-  // exp(-2z) capped at e^80 (s ~ 2e-35, not 0): under -ffast-math a vector division is a reciprocal
-  // estimate plus a Newton step, which turns 1 / (1 + inf) into nan
-  return V(A(1)) / (V(A(1)) + at::vec::minimum(-two_z, V(A(80))).exp_u20());
+  return at::vec::clamp(-two_z, V(A(-80)), V(A(80))).exp_u20();
 }
 
 template <typename V>
-inline V gelu_grad(const V& u, const V& s) {
+inline V sigmoid_of(const V& e) {
   using A = typename V::value_type;
-  return s * (V(A(1)) + u * (V(A(1)) - s) * (V(A(kA2)) + V(A(3 * kA2 * kB)) * u * u));
+  return V(A(1)) / (V(A(1)) + e);
+}
+
+template <typename V>
+inline V gelu_grad(const V& u, const V& e, const V& s) {
+  using A = typename V::value_type;
+  return s * (V(A(1)) + u * (e * s) * (V(A(kA2)) + V(A(3 * kA2 * kB)) * u * u));
 }
 
 }  // namespace
@@ -277,7 +289,7 @@ void bias_gelu_fwd(const at::Tensor& x, const at::Tensor& b, at::Tensor& y) {
       for (int64_t r = r0; r < r1; ++r) {
         for_chunks<V>(H, [&](int64_t j, int64_t m) {
           const V u = load(X + r * H + j, m) + load(B + j, m);
-          store(Y + r * H + j, u * sigmoid_2z(u), m);
+          store(Y + r * H + j, u * sigmoid_of(exp_neg_2z(u)), m);
         });
       }
     });
@@ -300,7 +312,8 @@ void bias_gelu_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& 
         for (int64_t k = 0; k < nr; ++k) {
           const int64_t o = (r + k) * H + j;  // offset of (row, column j)
           const V u = load(X + o, m) + b;
-          const V g = load(DY + o, m) * gelu_grad(u, sigmoid_2z(u));
+          const V e = exp_neg_2z(u);
+          const V g = load(DY + o, m) * gelu_grad(u, e, sigmoid_of(e));
           store(DX + o, g, m);
           dbias += g;
         }
