@@ -6,6 +6,7 @@ process, lesson and bench run); the CUDA sources are compiled, never run: there 
 import copy
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sysconfig
@@ -215,6 +216,25 @@ def test_gpt_with_fused_matches_gpt(ext, alibi):
     assert_within(losses[0], losses[1], 2 * ops * per_op * want.abs().max(), "loss")
     for (name, p), q in zip(gpt.named_parameters(), ref.parameters()):
         assert_within(p.grad, q.grad, 2 * ops * per_op * q.grad.abs().max(), name)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-march is only set on x86-64")
+def test_build_cache_never_hands_one_cpus_binary_to_another(monkeypatch):
+    """-march=native reads the same on every CPU, so ninja alone would reuse an AVX-512 build on an AVX2
+    machine sharing the home directory (SIGILL). The folder's key includes the CPU for native builds, and
+    not for a portable target (NANOMEGA_MARCH=x86-64-v3), which any AVX2 CPU runs."""
+    sources = [os.path.join(fused.CSRC, "fused_cpu.cpp")]
+    native = fused.cpu_flags()
+    assert "-march=native" in native
+    here = fused.build_key(sources, native)
+    monkeypatch.setattr(fused, "cpu_features", lambda: "Intel Xeon Platinum 8480+ avx2 avx512f amx_tile amx_bf16")
+    assert fused.build_key(sources, native) != here
+    monkeypatch.setenv("NANOMEGA_MARCH", "x86-64-v3")
+    portable = fused.cpu_flags()
+    assert "-march=x86-64-v3" in portable and fused.build_key(sources, portable) != here
+    key = fused.build_key(sources, portable)
+    monkeypatch.setattr(fused, "cpu_features", lambda: "AMD EPYC avx2")
+    assert fused.build_key(sources, portable) == key  # the portable build is shared across CPUs
 
 
 def test_build_failure_falls_back_to_pytorch(monkeypatch, capsys):

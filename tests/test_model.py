@@ -7,6 +7,7 @@ import torch
 from nanomega.model import GPT, GPTConfig, alibi_slopes, flops_per_token
 from nanomega.args import get_args
 from nanomega.train import lr_at
+from tolerance import gamma
 
 TINY = dict(vocab_size=200, block_size=16, n_layer=2, n_head=4, n_embd=32)
 
@@ -55,7 +56,8 @@ def test_ignore_index_and_padded_vocab():
     y2[:, :8] = -1
     logits = model(x)
     ref = torch.nn.functional.cross_entropy(logits[:, 8:].reshape(-1, 256), y[:, 8:].reshape(-1))
-    assert torch.allclose(model(x, y2), ref, rtol=1e-6)
+    # the same 16 per-token losses (positive), summed in another order around 16 exact zeros: 2 gamma(16)
+    assert torch.allclose(model(x, y2), ref, rtol=2 * gamma(16), atol=0)
 
 
 def test_weights_tied_and_gpt2_init():

@@ -14,6 +14,7 @@ from nanomega import data, dist
 from nanomega.model import GPT, GPTConfig
 from nanomega.precision import LossScaler, cast_model, check_dtype_supported, parse_dtype
 from nanomega.zero import ZeroEngine
+from tolerance import unit_roundoff
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -171,11 +172,14 @@ def test_fp16_skips_an_overflowing_step_and_recovers(grid):
 def test_bf16_tracks_fp32_for_50_steps_with_fp32_masters(grid):
     """50 AdamW steps (2 micro-batches each) on the Shakespeare corpus, fp32 and bf16 compute from the same
     initial weights (rounded to bf16 for both) and batches. Tokens are the text's bytes (vocab 256), which
-    keeps the LM head small enough for the test budget. bf16 rounds every activation to 8 significant bits
-    (relative error 2^-9), so the curves differ by ~1e-3 nats per step (measured at lr 1e-3: at most
-    0.13% (0.0042 nats) apart; last 10 steps 0.0021 nats on average; at lr 2e-3 the two runs take different loss
-    spikes and the comparison measures chaos, not precision). Band asserted: every step within 1%, the last
-    10 steps within 0.02 nats on average -- and both must have learned (loss down by more than 1.5 nats).
+    keeps the LM head small enough for the test budget. Band, from the arithmetic (tests/tolerance.py):
+    bf16 rounds every activation to u = 2^-8 relative; on the path to the loss lie DEPTH = 10 such
+    roundings (2 blocks x qkv, attention, proj, MLP; embedding; head), whose independent errors add in
+    quadrature, and the mean over 512 tokens only shrinks them: every step's loss within BAND =
+    sqrt(DEPTH) u = 1.2% of fp32's, and the last 10 steps' mean difference within BAND of their mean (the
+    fp32 masters keep the trajectories from drifting apart; at lr 2e-3 the two runs take different loss
+    spikes and the comparison measures chaos, not precision, hence lr 1e-3). Measured here (AMD EPYC,
+    AVX2): at most 0.13% apart, last 10 steps 0.0021 nats. Both must have learned (loss down > 1.5 nats).
     Throughout, the model is bf16 and the masters, the gradient buffers and the Adam state are fp32."""
     ids = torch.tensor(list(data.read_corpus(data.DEFAULT_CORPUS)[:200_000].encode()))
     T, mb = 64, 4
@@ -195,5 +199,6 @@ def test_bf16_tracks_fp32_for_50_steps_with_fp32_masters(grid):
             == {torch.float32}
     fp32, bf16 = curves[torch.float32], curves[torch.bfloat16]
     assert fp32[0] - fp32[-10:].mean() > 1.5 and bf16[0] - bf16[-10:].mean() > 1.5
-    assert ((bf16 - fp32).abs() / fp32).max() < 0.01, (fp32, bf16)
-    assert (bf16 - fp32)[-10:].abs().mean() < 0.02, (fp32, bf16)
+    band = 10 ** 0.5 * unit_roundoff(torch.bfloat16)
+    assert ((bf16 - fp32).abs() / fp32).max() < band, (fp32, bf16)
+    assert (bf16 - fp32)[-10:].abs().mean() < band * fp32[-10:].mean(), (fp32, bf16)
