@@ -134,11 +134,13 @@ def layout_error(model, gpu, gpus, tp, pp, zero, run, global_batch=None):
     """Why (tp, pp, zero) cannot run, in one line naming the flag, or None."""
     batch = run.global_batch if global_batch is None else global_batch
     node = min(gpu.per_node, gpus)
-    if tp < 1 or pp < 1 or gpus % (tp * pp):
-        return f"--tp {tp} x --pp {pp} = {tp * pp} does not divide --gpus {gpus}"
+    if tp < 1 or pp < 1:
+        return f"--tp {tp} and --pp {pp} must be >= 1"
     if node % tp:
         return (f"--tp {tp} must divide the {node} GPUs of a node (a tensor-parallel group that spans nodes talks "
                 f"over the network, not NVLink): use one of {[t for t in range(1, node + 1) if node % t == 0]}")
+    if gpus % (tp * pp):
+        return f"--tp {tp} x --pp {pp} = {tp * pp} does not divide --gpus {gpus}"
     if model.n_head % tp:
         return f"--tp {tp} does not divide the {model.n_head} heads"
     if pp > model.n_layer:
@@ -388,7 +390,8 @@ def main(argv=None):
               tuple(args.rampup) if args.rampup else None)
     pinned = (args.tp, args.pp, args.dp)
     if args.tp and args.pp:  # a pinned layout that cannot run: say exactly why
-        why = next(filter(None, (layout_error(model, gpu, args.gpus, args.tp, args.pp, z, run) for z in run.zero)), None)
+        errors = [layout_error(model, gpu, args.gpus, args.tp, args.pp, z, run) for z in run.zero]
+        why = errors[0] if all(errors) else None
         if args.dp and args.dp * args.tp * args.pp != args.gpus:
             why = f"--dp {args.dp} x --tp {args.tp} x --pp {args.pp} != --gpus {args.gpus}"
         if why:
