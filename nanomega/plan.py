@@ -25,8 +25,8 @@ import json
 from dataclasses import asdict, dataclass, replace
 
 from nanomega.plan_formulas import (activation_bytes_per_layer, dp_comm_bytes, flops_per_token,
-                                    inflight_microbatches, layer_params, pp_comm_bytes, tp_comm_bytes_per_layer,
-                                    zero_state_bytes)
+                                    inflight_microbatches, layer_params, pipeline_bubble, pp_comm_bytes,
+                                    tp_comm_bytes_per_layer, zero_state_bytes)
 from nanomega.pp import chunk_layers
 from nanomega.presets import PRESETS
 
@@ -201,7 +201,7 @@ def step_seconds(model, gpu, gpus, tp, pp, zero, run, time=TIME, global_batch=No
     pipe = (m + (pp - 1) / v) * slot
     dp_b = dp_comm_bytes(max(stage_params(model, tp, pp, v)), zero, dp, PRECISIONS[run.dtype][1],
                          PRECISIONS[run.dtype][0], m)
-    return pipe + dp_b / dp_bw, (pp - 1) / v * slot / pipe
+    return pipe + dp_b / dp_bw, pipeline_bubble(pp, m, v)  # = (p-1)/v slots of the m + (p-1)/v
 
 
 def train_seconds(step_at, run, seq_len):
