@@ -3,6 +3,9 @@
 Each `check` prints the planner's value ("measured") next to the published figure ("formula"), with a
 tolerance for the paper's rounding. Run from the repository root: python lessons/11_plan.py
 """
+import itertools
+from dataclasses import replace
+
 from check import check
 
 from nanomega import plan as P, plan_formulas as F
@@ -58,6 +61,71 @@ print("== Plan: GPT-3 175B on 1024 A100-80GB, global batch 1536 x 2048, 300B tok
 P.main(["--model", "gpt3-175b", "--gpus", "1024", "--gpu", "a100-80gb", "--global-batch", "1536", "--top", "5"])
 h100 = P.plan(gpt3, P.GPUS["h100-80gb"], 1024, P.Run(global_batch=1536))[0]
 print(f"same on 1024 H100s: {P.describe(h100)}, step {h100.step_s:.1f} s, MFU {h100.mfu:.1%}, {h100.days:.1f} days")
+
+print("== The time model against published runs: TFLOP/s per GPU counting recompute (Megatron's eq. 3)")
+# Narayanan et al. 2021, Table 1 (fp16, full recompute, no SP; micro-batch and schedule not given per row:
+# micro-batch 1 and 1F1B assumed) and BLOOM (bf16, full recompute, micro-batch 2, ZeRO-1, Jean Zay: 4 x 100 Gb/s
+# Omni-Path per 8-GPU node = 6.25 GB/s per GPU; ~150 TFLOP/s per GPU reported by BigScience).
+# Calibration rows fixed the constants of P.TimeModel; the check rows were not used to choose them.
+MEGATRON = P.Run(micro_batch=1, dtype="fp16", recompute="full", sp=False, zero=(0,))
+BLOOM = P.Run(global_batch=2048, micro_batch=2, dtype="bf16", recompute="full", sp=False, zero=(1,))
+JEAN_ZAY = replace(P.GPUS["a100-80gb"], inter_bw=6.25e9)
+PUBLISHED = [  # preset, tp, pp, GPUs, global batch, TFLOP/s per GPU, run, cluster
+    ("megatron-1.7b", 1, 1, 32, 512, 137), ("megatron-3.6b", 2, 1, 64, 512, 138),
+    ("megatron-7.5b", 4, 1, 128, 512, 142), ("megatron-18.4b", 8, 1, 256, 1024, 135),
+    ("megatron-39.1b", 8, 2, 512, 1536, 138), ("megatron-76.1b", 8, 4, 1024, 1792, 140),
+    ("megatron-145.6b", 8, 8, 1536, 2304, 148), ("megatron-310.1b", 8, 16, 1920, 2160, 155),
+    ("megatron-529.6b", 8, 35, 2520, 2520, 163), ("megatron-1t", 8, 64, 3072, 3072, 163)]
+rows = [(*r, replace(MEGATRON, global_batch=r[4]), P.GPUS["a100-80gb"], ("calibration", "check")[i % 2])
+        for i, r in enumerate(PUBLISHED)] + [("bloom-176b", 4, 12, 384, 2048, 150, BLOOM, JEAN_ZAY, "calibration")]
+for name, tp, pp, gpus, batch, published, run, cluster, role in rows:
+    e = P.evaluate(P.MODELS[name], cluster, gpus, tp, pp, run.zero[0], run)
+    err = e.tflops / 1e12 / published - 1
+    check(f"{name:<15} t{tp} p{pp:<2} {gpus:>4} GPUs B {batch:>4} {role:<11} error {err:+6.1%}", e.tflops / 1e12,
+          published, rtol=0.10, unit=" TFLOP/s")
+
+print("== BLOOM-176B: 384 A100-80GB as TP4 x PP12 x DP8, ZeRO-1, global batch 2048 (ramp-up 192 + 16 over 9.77M samples)")
+bloom = P.MODELS["bloom-176b"]
+print(f"layers per pipeline rank (the trainer's split): {P.stage_layers(bloom, 12)}")
+params = P.stage_params(bloom, 4, 12)
+print(f"parameters per GPU, stage 0 / 5 / 11: {params[0] / 1e9:.2f}B / {params[5] / 1e9:.2f}B / {params[11] / 1e9:.2f}B "
+      f"(the 250,880 x 14336 / 4 embedding = {P.padded_vocab(bloom, 4) // 4 * 14336 / 1e9:.2f}B on the first and last)")
+run = replace(BLOOM, tokens=366e9)
+e = P.evaluate(bloom, JEAN_ZAY, 384, 4, 12, 1, run)
+ramp = P.evaluate(bloom, JEAN_ZAY, 384, 4, 12, 1, replace(run, rampup=(192, 16, 9_765_625)))
+print(f"memory {e.memory / 1e9:.1f} GB per GPU (params {e.params / 1e9:.1f}, grads {e.grads / 1e9:.1f}, optimizer "
+      f"{e.optim / 1e9:.1f}, activations {e.acts / 1e9:.1f}); step {e.step_s:.0f} s, bubble {e.bubble:.1%}, "
+      f"{e.tflops / 1e12:.0f} TFLOP/s per GPU, MFU {e.mfu:.1%}")
+print(f"366B tokens: {e.days:.1f} days at batch 2048 throughout, {ramp.days:.1f} days with the ramp-up")
+for batch, reported in ((192, 73), (512, 113.5), (1024, None)):  # reported: BigScience's tr11 log (secondary source)
+    step, bubble = P.step_seconds(bloom, JEAN_ZAY, 384, 4, 12, 1, run, global_batch=batch)
+    tf = e.tflops * e.step_s * batch / 2048 / step / 1e12  # the same FLOPs per sequence, a shorter step
+    print(f"  ramp batch {batch:>4}: m = {batch // 16:>3} micro-batches, bubble {bubble:.1%}, step {step:.1f} s, "
+          f"{tf:.0f} TFLOP/s per GPU" + (f" (reported during the run: {reported})" if reported else ""))
+for tp, pp in ((8, 6), (4, 12), (2, 24)):
+    alt = P.evaluate(bloom, JEAN_ZAY, 384, tp, pp, 1, run)
+    print(f"  tp {tp} pp {pp:>2} dp {alt.dp:>2}: {alt.memory / 1e9:5.1f} GB per GPU, step {alt.step_s:5.1f} s, "
+          f"{alt.tflops / 1e12:.0f} TFLOP/s per GPU")
+print("the same layout on DGX A100 networking (25 GB/s per GPU), the nanomega defaults (micro-batch 1, selective "
+      "recompute, SP):")
+P.main(["--model", "bloom-176b", "--gpus", "384", "--gpu", "a100-80gb", "--global-batch", "2048", "--tp", "4",
+        "--pp", "12", "--zero", "1"])
+
+print("== Rank order: the trainer's grid (dp, pp, tp), tp fastest; node 0 of TP4 x PP12 x DP8, and the dp link")
+for order, axes in (("trainer (dp, pp, tp)", ("dp", "pp", "tp")), ("Megatron (pp, dp, tp)", ("pp", "dp", "tp"))):
+    sizes = dict(tp=4, pp=12, dp=8)
+    coords = [dict(zip(axes, c)) for c in itertools.product(*(range(sizes[a]) for a in axes))][:8]
+    on_node = sorted({(c["dp"], c["pp"]) for c in coords})
+    k = len({c["dp"] for c in coords})  # members of one dp group... on this node: as many as replicas present
+    dp_s = e.dp_comm / (min(k, 8) * JEAN_ZAY.inter_bw)
+    print(f"{order:>22}: node 0 holds (dp, pp) = {on_node} x tp 0-3; a dp group has {k} member(s) per node: "
+          f"{e.dp_comm / 1e9:.1f} GB per GPU in {dp_s:.1f} s per step")
+print("== Bad input: layouts that cannot run, refused in one line")
+for argv in (["--tp", "7", "--pp", "12"], ["--tp", "4", "--pp", "12", "--global-batch", "2050"]):
+    try:
+        P.main(["--model", "bloom-176b", "--gpus", "384", "--global-batch", "2048", *argv])
+    except SystemExit as err:
+        print(err)
 
 print("== Bad input: GPT-3 175B on one node")
 try:

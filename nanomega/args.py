@@ -7,8 +7,9 @@ Lesson: lessons/09-3d-parallelism.md
 """
 import argparse
 import os
+import sys
 
-from nanomega import checkpoint, data, dist, pp, precision, recompute, tp
+from nanomega import checkpoint, data, dist, pp, precision, presets, recompute, tp
 from nanomega.model import GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,6 +19,8 @@ def get_args(argv=None):
     p = argparse.ArgumentParser(description="Train a GPT with any tp x pp x dp x ZeRO layout.")
     a = p.add_argument
     g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help="a preset shape from nanomega/presets.py (gpt2-124m, ...); "
+                   "shape flags given explicitly override it; the vocabulary stays the tokenizer's")
     g.add_argument("--n-layer", type=int, default=4); g.add_argument("--n-head", type=int, default=4)
     g.add_argument("--n-embd", type=int, default=128); g.add_argument("--block-size", type=int, default=128)
     g.add_argument("--dropout", type=float, default=0.0)
@@ -58,7 +61,20 @@ def get_args(argv=None):
     a("--collective-timeout", type=float, default=300.0, help="seconds before a stuck collective aborts the job")
     a("--inject-fault", default=None, metavar="KIND:RANK:STEP",
       help="testing fault handling: KIND raise (the rank raises) or nan (its loss becomes NaN) at STEP")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.model in presets.PRESETS:
+        apply_preset(args, p, sys.argv[1:] if argv is None else argv)
+    return args
+
+
+def apply_preset(args, parser, argv):
+    """--model NAME: the preset's shape for every shape flag not given on the command line (vocabulary excepted:
+    the tokenizer decides it)."""
+    given = {a.dest for a in parser._actions for opt in a.option_strings for tok in argv
+             if tok == opt or tok.startswith(opt + "=")}
+    for field, value in presets.PRESETS[args.model].items():
+        if field != "vocab_size" and field not in given:
+            setattr(args, field, value)
 
 
 def model_config(args, vocab_size=4096):
@@ -89,6 +105,8 @@ def check(args):
         args.inject_fault = (kind, int(where[0]), int(where[1]))
     if args.on_nan not in ("skip", "stop"):
         raise ValueError(f"--on-nan {args.on_nan!r}: choose skip or stop")
+    if args.model is not None and args.model not in presets.PRESETS:
+        raise ValueError(f"--model {args.model!r} is unknown; choose one of {', '.join(presets.PRESETS)}")
     world = world_size()
     if world % (args.tp * args.pp):
         raise ValueError(f"world size {world} is not divisible by --tp {args.tp} x --pp {args.pp}; "

@@ -8,10 +8,14 @@ Formulas (Psi = parameters one rank holds, d/t/p = dp/tp/pp sizes, m = micro-bat
                gradients, 3 also the parameters (ZeRO paper, fp16 + Adam: 2 + 2 + 12; Megatron, bf16 params and
                fp32 grads: 18 -> 6 + 12/d with the distributed optimizer)
     dp bytes   ring all-reduce 2(d-1)/d Psi B; reduce-scatter and all-gather (d-1)/d each; ZeRO-3 3(d-1)/d (1.5x)
-    tp bytes   4 all-reduces of b*s*h per layer and micro-batch (2 forward, 2 backward), 2(t-1)/t each
+    tp bytes   per layer and micro-batch, in units of (t-1)/t b*s*h elements: TP 8 (2 all-reduces forward, 2
+               backward); TP+SP 10 (2 all-gathers + 2 reduce-scatters forward, their conjugates backward, and the
+               2 all-gathers that re-gather the stored shards for the weight gradients: lesson 04 measures it);
+               full recompute adds the forward's 4 again
     activation per layer and micro-batch (Korthikanti et al. 2022): sbh(34 + 5as/h); TP sbh(10 + 24/t + 5as/(ht));
                TP+SP sbh(34 + 5as/h)/t; selective recompute drops the 5as/h term; full recompute keeps 2sbh
-    bubble     (p-1) / (v m + p-1) of the step is idle (v = interleaved model chunks per stage)
+    bubble     (p-1) / (v m + p-1) of the step is idle (v = interleaved model chunks per stage); Narayanan et al.
+               quote it against the ideal time instead: (p-1) / (v m), the step's extra time
     FLOPs      6N + 12 L h s per token (PaLM, nanoGPT: QK^T and AV counted without causal halving)
 Lesson: lessons/11-planning-a-run.md
 """
@@ -71,10 +75,14 @@ def dp_comm_bytes(n_params, stage, dp, dtype_bytes, param_bytes=None, micro_batc
 
 def tp_comm_bytes_per_layer(b, s, h, t, dtype_bytes=2, sequence_parallel=False, recompute="none"):
     """Per layer and micro-batch: attention and MLP each end in an all-reduce of (b, s, h) in forward and
-    start with one in backward. SP replaces each by a reduce-scatter plus an all-gather: the same bytes, but
-    the activations between them are sharded. Full recompute reruns the 2 forward collectives."""
-    ring = (t - 1) / t + (t - 1) / t if sequence_parallel else 2 * (t - 1) / t
-    return (6 if recompute == "full" else 4) * ring * b * s * h * dtype_bytes
+    start with one in backward: 8 (t-1)/t bsh. SP replaces each by a reduce-scatter plus an all-gather (the
+    same bytes) and re-gathers the 2 stored (b, s/t, h) shards in backward for the weight gradients: 10 (t-1)/t
+    bsh, as lesson 04 measures (the 6h replicated-gradient floats it also all-reduces are left out). Full
+    recompute reruns the forward's collectives: 4 (t-1)/t bsh more."""
+    ring = (t - 1) / t * b * s * h * dtype_bytes
+    forward = 4 * ring
+    backward = 4 * ring + (2 * ring if sequence_parallel else 0)
+    return forward + backward + (forward if recompute == "full" else 0)
 
 
 def pp_comm_bytes(b, s, h, t, dtype_bytes, micro_batches, v=1):
@@ -90,10 +98,12 @@ def pipeline_bubble(p, m, v=1):
     return (p - 1) / (v * m + p - 1)
 
 
-def flops_per_token(n_params, n_layer, h, s, recompute="none"):
+def flops_per_token(n_params, n_layer, h, s, recompute="none", head_params=0):
     """6N (forward 2N, backward 4N) + 12*L*h*s for QK^T and AV, counted without causal halving (PaLM, nanoGPT).
-    Recompute adds forward work that MFU does not credit: full one forward (2N + 4Lhs), selective QK^T, AV."""
-    extra = {"none": 0, "selective": 4 * n_layer * h * s, "full": 2 * n_params + 4 * n_layer * h * s}[recompute]
+    Recompute adds forward work that MFU does not credit: full one forward of the blocks (2(N - head) + 4Lhs:
+    the LM head is outside the recomputed blocks, as in Megatron's eq. 3), selective QK^T and AV (4Lhs)."""
+    extra = {"none": 0, "selective": 4 * n_layer * h * s,
+             "full": 2 * (n_params - head_params) + 4 * n_layer * h * s}[recompute]
     return 6 * n_params + 12 * n_layer * h * s + extra
 
 

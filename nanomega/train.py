@@ -109,6 +109,9 @@ def main(argv=None):
     device = dist.init(args.device, args.collective_timeout)
     grid = dist.Grid(dp, args.pp, args.tp)
     log = grid.rank == grid.world - 1  # the last rank: last pipeline stage, where the loss lives
+    if log and args.model:
+        print(f"--model {args.model}: n_layer {cfg.n_layer}, n_head {cfg.n_head}, n_embd {cfg.n_embd}, block_size "
+              f"{cfg.block_size} (nanomega/presets.py; explicit shape flags override it)")
 
     cache = args.data_cache or os.path.join(args.out_dir, "data")
     meta = data.prepare(args.corpus, args.tokenizer, cache)

@@ -33,6 +33,7 @@ BAD = [
     (1, ["--on-nan", "ignore"], "--on-nan 'ignore'"),
     (1, ["--inject-fault", "boom"], "--inject-fault 'boom'"),
     (1, ["--device", "cuda"], "--device cuda"),
+    (1, ["--model", "gpt5"], "--model 'gpt5' is unknown"),
 ]
 
 
@@ -55,3 +56,15 @@ def test_cli_reports_layout_error_in_one_line_without_starting(tmp_path):
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         "error: world size 4 is not divisible by --tp 3 x --pp 1; launch a multiple of 3 processes"]
     assert time.perf_counter() - t0 < 10 and not any(tmp_path.iterdir())
+
+
+def test_model_preset_sets_the_shape_and_explicit_flags_override():
+    from nanomega.presets import PRESETS
+    a = flags.get_args(["--model", "gpt2-124m"])
+    assert (a.n_layer, a.n_head, a.n_embd, a.block_size, a.alibi) == (12, 12, 768, 1024, False)
+    a = flags.get_args(["--model", "bloom-176b", "--n-layer", "2", "--n-embd=112", "--block-size", "64"])
+    assert (a.n_layer, a.n_head, a.n_embd, a.block_size) == (2, 112, 112, 64)  # heads from the preset
+    assert a.alibi and a.embed_layernorm
+    cfg = flags.model_config(flags.get_args(["--model", "gpt2-350m"]), vocab_size=4096)
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size) == (24, 16, 1024, 4096)  # the tokenizer's vocabulary
+    assert {"gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b", "bloom-176b", "gpt3-175b"} <= set(PRESETS)
