@@ -131,6 +131,15 @@ class Grid:
         # tied embedding: first and last pipeline stage sum the embedding gradients (Megatron's embedding group)
         self.embed = self._axis("emb", [grid[d, [0, pp - 1], t].unique() for d in range(dp) for t in range(tp)])
         self.device, self.backend = default_device(), dist.get_backend()
+        self.host = socket.gethostname()
+        # torchrun numbers ranks host by host (RANK = node rank x LOCAL_WORLD_SIZE + LOCAL_RANK), so the
+        # contiguous tp groups above stay inside a host exactly when LOCAL_WORLD_SIZE % tp == 0
+        spanning = split_groups([grid[d, p, :].tolist() for d in range(dp) for p in range(pp)],
+                                int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        if spanning and rank == 0:
+            print(f"warning: tensor-parallel group {spanning[0]} spans hosts (--tp {tp} with "
+                  f"{os.environ.get('LOCAL_WORLD_SIZE')} ranks per host): its per-layer all-reduces cross the "
+                  f"network; use --tp dividing the ranks per host", flush=True)
 
     def _axis(self, name, slices):
         mine = None
@@ -153,8 +162,13 @@ class Grid:
         return self.pp_rank == self.pp.size - 1
 
     def __repr__(self):
-        return (f"Grid(rank {self.rank}/{self.world}: dp {self.dp_rank}/{self.dp.size}, "
+        return (f"Grid(rank {self.rank}/{self.world} on {self.host}: dp {self.dp_rank}/{self.dp.size}, "
                 f"pp {self.pp_rank}/{self.pp.size}, tp {self.tp_rank}/{self.tp.size}, {self.device})")
+
+
+def split_groups(groups, per_host):
+    """The groups (lists of ranks) whose ranks sit on more than one host, with ranks numbered host by host."""
+    return [g for g in groups if len({r // per_host for r in g}) > 1]
 
 
 def default_device(requested="auto") -> torch.device:

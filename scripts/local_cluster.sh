@@ -116,13 +116,16 @@ for ((i = 0; i < NODES; i++)); do
   printf '127.0.0.1 localhost\n%s' "$HOSTS" >"/etc/netns/$ns/hosts"  # ip netns exec mounts it on /etc/hosts
 done
 
+# TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0's agent publishes a fresh MASTER_ADDR:PORT for the workers'
+# store in every rendezvous round. With the shared agent store (torch's default) it is published only in
+# the first round, so a host's agent started again after a loss waits for it forever (seen here, torch 2.13).
 # No --node-rank: the c10d rendezvous ignores it and ranks the agents by their --local-addr (sorted strings),
 # so host I gets node rank I and ranks I*NPROC..(I+1)*NPROC-1 -- TP groups stay inside a host.
 start_host() {  # start host $1's torchrun agent in its namespace, with its own hostname
   local i=$1 is_host=0
   [ "$i" = 0 ] && is_host=1  # host 0 serves the rendezvous store (torchrun cannot tell from the address here)
   ip netns exec "${ID}h$i" unshare --uts bash -c 'hostname "$0" && exec "$@"' "node$i" \
-    env GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-$ROOT}" \
+    env GLOO_SOCKET_IFNAME=eth0 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-$ROOT}" \
     python -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC" \
     --rdzv-backend c10d --rdzv-endpoint "$(addr 0):$PORT" --rdzv-id "$ID" --local-addr "$(addr $i)" \
     --rdzv-conf "is_host=$is_host,last_call_timeout=5,join_timeout=300" --max-restarts "$RESTARTS" \
