@@ -92,3 +92,16 @@ def test_bad_options_one_line():
                              capture_output=True, text=True, timeout=30)
         lines = job.stderr.strip().splitlines()
         assert job.returncode == 2 and len(lines) == 1 and message in lines[0], (options, lines)
+
+
+def test_global_batch_sets_grad_accum_from_the_world(monkeypatch, tmp_path):
+    """--global-batch is the invariant of an elastic job: 2 hosts x 2 ranks at tp 2 (dp 2) accumulate 2
+    micro-batches of 2; one host left (dp 1) accumulates 4; the same 8 sequences per step either way."""
+    for world, accum in ((4, 2), (2, 4)):
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        args = train.flags.get_args(["--tp", "2", "--batch-size", "2", "--global-batch", "8", "--out-dir", str(tmp_path)])
+        _, dp = train.flags.check(args)
+        assert args.grad_accum == accum and args.batch_size * args.grad_accum * dp == 8
+    with pytest.raises(ValueError, match="--global-batch 6 is not a positive multiple of --batch-size 4 x dp 1"):
+        train.flags.check(train.flags.get_args(["--tp", "2", "--batch-size", "4", "--global-batch", "6",
+                                                "--out-dir", str(tmp_path)]))
