@@ -174,10 +174,14 @@ def store():
     return dist.distributed_c10d._get_default_store()
 
 
-def world_timeout() -> datetime.timedelta:
-    """The default group's collective timeout (init's --collective-timeout)."""
+def world_timeout():
+    """The default group's collective timeout (init's --collective-timeout); None (torch's default) if the
+    backend does not expose it."""
     device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
-    return dist.group.WORLD._get_backend(device).options._timeout
+    try:
+        return dist.group.WORLD._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 COMM_ERRORS = ("gloo", "NCCL", "Timed out", "Connection", "timeout")

@@ -134,7 +134,9 @@ start_host() {  # start host $1's torchrun agent in its namespace, with its own 
 }
 
 step_reached() {  # the last step the job has logged (0 before the first)
-  tail -n 1 "$OUT/metrics.jsonl" 2>/dev/null | grep -o '"step": [0-9]*' | grep -o '[0-9]*$' || echo 0
+  local s
+  s=$(tail -n 1 "$OUT/metrics.jsonl" 2>/dev/null | sed -n 's/.*"step": \([0-9][0-9]*\).*/\1/p')
+  echo "${s:-0}"  # 0 also while a line is half written
 }
 
 say "$NODES hosts x $NPROC ranks: ${ID}h0..h$((NODES - 1)), addresses $(addr 0)..$(addr $((NODES - 1))), rendezvous $(addr 0):$PORT, nnodes $NNODES"
