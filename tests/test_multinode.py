@@ -105,3 +105,32 @@ def test_global_batch_sets_grad_accum_from_the_world(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="--global-batch 6 is not a positive multiple of --batch-size 4 x dp 1"):
         train.flags.check(train.flags.get_args(["--tp", "2", "--batch-size", "4", "--global-batch", "6",
                                                 "--out-dir", str(tmp_path)]))
+
+
+def _lost_rank_world():
+    """Rank 1 stays away from a collective (sleeps past its timeout); rank 0 must name it in one line."""
+    import datetime
+    import time
+
+    import torch
+    import torch.distributed as td
+    grid = dist.Grid(2, 1, 1)
+    sub_timeout = grid.dp.group._get_backend(torch.device("cpu")).options._timeout  # (dp spans the world)
+    solo = dist.Grid(1, 1, 2)  # its dp groups are new one-rank groups: they must inherit the world's timeout
+    inherited = solo.dp.group._get_backend(torch.device("cpu")).options._timeout
+    short = td.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
+    if td.get_rank() == 1:
+        time.sleep(8)  # gone past rank 0's 2 s timeout and its 2 s check-in wait, as a cut-off host would be
+        return sub_timeout, inherited, None
+    try:
+        td.all_reduce(torch.ones(1), group=short)
+        return sub_timeout, inherited, "no error"
+    except RuntimeError as e:
+        return sub_timeout, inherited, dist.lost_ranks(e, wait_s=2.0)
+
+
+def test_lost_rank_is_named_and_groups_inherit_the_timeout():
+    (t0, inherited, line), _ = dist.launch(_lost_rank_world, 2, timeout=60)
+    world = dist.datetime.timedelta(seconds=120)  # dist.launch's init timeout
+    assert t0 == world and inherited == world  # not new_group's default (30 min for gloo)
+    assert line.startswith("rank(s) 1 on ") and "unreachable" in line and "\n" not in line, line
