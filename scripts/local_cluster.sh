@@ -11,6 +11,7 @@
 #     --down-link I@STEP:S   when the job has logged STEP, take host I's cable down for S seconds
 #     --elastic MIN          torchrun --nnodes MIN:NODES: a host lost for good (--kill-node with --elastic)
 #                            leaves MIN..NODES-1 hosts that re-rendezvous and resume resharded
+#     --rejoin STEP          with --elastic: the lost host comes back when the job has logged STEP (scale up)
 #     --timeout S            kill the whole job after S seconds (default 900) and exit 124
 #
 # Exit code: the job's (0 when every agent still in the job exits 0); 77 with one line where namespaces
@@ -28,13 +29,14 @@ NODES=$1 NPROC=$2
 shift 2
 [[ $NODES =~ ^[1-9][0-9]?$ ]] || die "NODES must be 1..99, got '$NODES'"
 [[ $NPROC =~ ^[1-9][0-9]*$ ]] || die "NPROC_PER_NODE must be >= 1, got '$NPROC'"
-RESTARTS=0 KILL="" DOWN="" ELASTIC="" TIMEOUT=900
+RESTARTS=0 KILL="" DOWN="" ELASTIC="" REJOIN="" TIMEOUT=900
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do
   case $1 in
     --max-restarts) RESTARTS=${2:?}; shift 2 ;;
     --kill-node) KILL=${2:?}; shift 2 ;;
     --down-link) DOWN=${2:?}; shift 2 ;;
     --elastic) ELASTIC=${2:?}; shift 2 ;;
+    --rejoin) REJOIN=${2:?}; shift 2 ;;
     --timeout) TIMEOUT=${2:?}; shift 2 ;;
     *) die "unknown option '$1' (options go before --, train.py flags after it)" ;;
   esac
@@ -58,6 +60,10 @@ NNODES=$NODES
 if [ -n "$ELASTIC" ]; then
   [[ $ELASTIC =~ ^[0-9]+$ ]] && [ "$ELASTIC" -ge 1 ] && [ "$ELASTIC" -le "$NODES" ] || die "--elastic must be 1..NODES ($NODES), got '$ELASTIC'"
   NNODES="$ELASTIC:$NODES"
+fi
+if [ -n "$REJOIN" ]; then
+  [[ $REJOIN =~ ^[0-9]+$ ]] && [ -n "$ELASTIC" ] && [ -n "$KILL" ] && [ "$REJOIN" -gt "$KILL_STEP" ] \
+    || die "--rejoin STEP needs --elastic MIN, --kill-node I@STEP and a later STEP than the kill's"
 fi
 OUT=out  # the train.py --out-dir, whose metrics.jsonl tells which step the job has reached
 for ((k = 0; k < ${#TRAIN[@]}; k++)); do
@@ -167,6 +173,11 @@ while :; do  # bounded by --timeout; polls every 0.2 s
       start_host "$KILL_HOST"
       say "host $KILL_HOST: agent started again"
     fi
+  fi
+  if [ -n "$REJOIN" ] && [ -n "${GONE[$KILL_HOST]:-}" ] && [ "$(step_reached)" -ge "$REJOIN" ]; then
+    unset "GONE[$KILL_HOST]"
+    start_host "$KILL_HOST"
+    say "host $KILL_HOST is back at step $(step_reached) (--rejoin $REJOIN): taken in at the next rendezvous"
   fi
   if [ -n "$DOWN" ] && [ "$downed" = 0 ] && [ "$(step_reached)" -ge "$DOWN_STEP" ]; then
     downed=1
