@@ -87,7 +87,8 @@ def test_tp_groups_that_span_hosts_are_found():
 def test_bad_options_one_line():
     for options, message in ((["--kill-node", "0@3"], "host 0 holds the rendezvous store"),
                              (["--down-link", "1@x"], "expected HOST@STEP:SECONDS"),
-                             (["--elastic", "3"], "--elastic must be 1..NODES")):
+                             (["--elastic", "3"], "--elastic must be 1..NODES"),
+                             (["--rejoin", "5"], "--rejoin STEP needs --elastic MIN")):
         job = subprocess.run(["bash", str(ROOT / "scripts" / "local_cluster.sh"), "2", "1", *options, "--"],
                              capture_output=True, text=True, timeout=30)
         lines = job.stderr.strip().splitlines()
