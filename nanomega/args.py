@@ -33,6 +33,9 @@ def get_args(argv=None):
     g.add_argument("--batch-size", type=int, default=16, help="micro-batch size")
     g.add_argument("--grad-accum", "--microbatches", dest="grad_accum", type=int, default=1,
                    help="micro-batches per step per data-parallel rank (the pipeline's m)")
+    g.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per optimizer step; sets --grad-accum to global / (batch-size x dp), so a "
+                        "resume under another world size keeps the data order and the optimizer's view")
     g = p.add_argument_group("optimisation")
     a("--lr", type=float, default=1e-3); a("--min-lr", type=float, default=1e-4)
     a("--warmup", type=int, default=20); a("--max-steps", type=int, default=600)
@@ -112,6 +115,13 @@ def check(args):
         raise ValueError(f"world size {world} is not divisible by --tp {args.tp} x --pp {args.pp}; "
                          f"launch a multiple of {args.tp * args.pp} processes")
     dp = world // (args.tp * args.pp)
+    if args.global_batch is not None:  # the global batch is the invariant; accumulation follows the world
+        per_step = args.batch_size * dp
+        if args.global_batch < 1 or args.global_batch % per_step:
+            raise ValueError(f"--global-batch {args.global_batch} is not a positive multiple of --batch-size "
+                             f"{args.batch_size} x dp {dp} (world {world} / (tp {args.tp} x pp {args.pp})); "
+                             f"pick a global batch divisible by {per_step} or another --batch-size")
+        args.grad_accum = args.global_batch // per_step
     if args.zero not in (0, 1, 2, 3):
         raise ValueError(f"--zero {args.zero}: ZeRO stages are 0, 1, 2 and 3")
     if args.pp > 1 and args.zero >= 2:

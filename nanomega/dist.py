@@ -13,6 +13,7 @@ Lessons: lessons/02-data-parallel-and-zero.md (the formulas), lessons/09-3d-para
 import datetime
 import os
 import socket
+import time
 import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -121,7 +122,7 @@ class Grid:
         if dp * pp * tp != world:
             raise ValueError(f"world size {world} != dp {dp} x pp {pp} x tp {tp}; "
                              f"launch dp*pp*tp processes or change the layout")
-        self.world, self.rank, self.log = world, rank, CommLog()
+        self.world, self.rank, self.log, self.timeout = world, rank, CommLog(), world_timeout()
         grid = torch.arange(world).view(dp, pp, tp)
         self.dp_rank, self.pp_rank, self.tp_rank = [int(c) for c in (grid == rank).nonzero()[0]]
         # slices along each axis: tp varies fastest, so (d, p, :) is one tp group
@@ -131,12 +132,23 @@ class Grid:
         # tied embedding: first and last pipeline stage sum the embedding gradients (Megatron's embedding group)
         self.embed = self._axis("emb", [grid[d, [0, pp - 1], t].unique() for d in range(dp) for t in range(tp)])
         self.device, self.backend = default_device(), dist.get_backend()
+        self.host = socket.gethostname()
+        store().set(f"nanomega/host/{rank}", self.host)  # for lost_ranks: who was where
+        # torchrun numbers ranks host by host (RANK = node rank x LOCAL_WORLD_SIZE + LOCAL_RANK), so the
+        # contiguous tp groups above stay inside a host exactly when LOCAL_WORLD_SIZE % tp == 0
+        spanning = split_groups([grid[d, p, :].tolist() for d in range(dp) for p in range(pp)],
+                                int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        if spanning and rank == 0:
+            print(f"warning: tensor-parallel group {spanning[0]} spans hosts (--tp {tp} with "
+                  f"{os.environ.get('LOCAL_WORLD_SIZE')} ranks per host): its per-layer all-reduces cross the "
+                  f"network; use --tp dividing the ranks per host", flush=True)
 
     def _axis(self, name, slices):
         mine = None
         for ranks in slices:
             ranks = ranks.tolist()
-            group = dist.new_group(ranks) if len(ranks) < self.world else dist.group.WORLD
+            # the world's timeout, not new_group's default (30 min for gloo): --collective-timeout holds everywhere
+            group = dist.new_group(ranks, timeout=self.timeout) if len(ranks) < self.world else dist.group.WORLD
             if self.rank in ranks:
                 mine = Axis(name, group, ranks, self.rank, self.log)
         return mine
@@ -153,8 +165,67 @@ class Grid:
         return self.pp_rank == self.pp.size - 1
 
     def __repr__(self):
-        return (f"Grid(rank {self.rank}/{self.world}: dp {self.dp_rank}/{self.dp.size}, "
+        return (f"Grid(rank {self.rank}/{self.world} on {self.host}: dp {self.dp_rank}/{self.dp.size}, "
                 f"pp {self.pp_rank}/{self.pp.size}, tp {self.tp_rank}/{self.tp.size}, {self.device})")
+
+
+def store():
+    """The job's key-value store (torchrun's, on the rendezvous host): reachable when collectives are not."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def world_timeout():
+    """The default group's collective timeout (init's --collective-timeout); None (torch's default) if the
+    backend does not expose it."""
+    device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+    try:
+        return dist.group.WORLD._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+COMM_ERRORS = ("gloo", "NCCL", "Timed out", "Connection", "timeout")
+
+
+def lost_ranks(error, wait_s=5.0):
+    """After a collective failed: which ranks still answer through the store within wait_s seconds?
+
+    Returns None when `error` is not a communication error or nobody is missing (re-raise it), "" on every
+    rank but 0, and on rank 0 one line naming the ranks (and their hosts) that did not answer. A rank whose
+    host is cut off cannot reach the store either; it gives up after wait_s and stays silent: rank 0 names it.
+    """
+    if not dist.is_initialized() or not any(k in str(error) for k in COMM_ERRORS):
+        return None
+    rank, world, kv = dist.get_rank(), dist.get_world_size(), store()
+    kv.set_timeout(datetime.timedelta(seconds=wait_s))
+    try:
+        kv.set(f"nanomega/alive/{rank}", "1")
+    except Exception:  # cut off from the store as well: nothing more to learn here
+        return ""
+    if rank != 0:  # stay until rank 0 has spoken: its host's agent stops all its workers when one exits
+        try:
+            kv.wait(["nanomega/verdict"], datetime.timedelta(seconds=3 * wait_s))
+        except Exception:
+            pass
+        return ""
+    deadline = time.monotonic() + wait_s
+    missing = list(range(world))
+    while missing and time.monotonic() < deadline:  # bounded: wait_s seconds, polled every 0.1 s
+        missing = [r for r in missing if not kv.check([f"nanomega/alive/{r}"])]
+        time.sleep(0.1)
+    kv.set("nanomega/verdict", str(missing))
+    if not missing:  # every rank answers: not a lost host; the traceback says more than a line
+        return None
+    first = str(error).strip().splitlines()[0][:160]
+    hosts = sorted({kv.get(f"nanomega/host/{r}").decode() for r in missing if kv.check([f"nanomega/host/{r}"])})
+    return (f"rank(s) {', '.join(map(str, missing))} on {', '.join(hosts) or 'unknown hosts'} unreachable: a "
+            f"collective failed ({first}) and they did not answer through the store within {wait_s:.0f} s; "
+            f"the job stops here and resumes from its last checkpoint when restarted (torchrun --max-restarts)")
+
+
+def split_groups(groups, per_host):
+    """The groups (lists of ranks) whose ranks sit on more than one host, with ranks numbered host by host."""
+    return [g for g in groups if len({r // per_host for r in g}) > 1]
 
 
 def default_device(requested="auto") -> torch.device:

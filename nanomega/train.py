@@ -228,3 +228,10 @@ if __name__ == "__main__":
     except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except RuntimeError as e:  # a collective failed: rank 0 names the ranks that no longer answer, in one line
+        line = dist.lost_ranks(e)
+        if line is None:
+            raise
+        if line:
+            print(f"error: {line}", file=sys.stderr, flush=True)
+        sys.exit(1)

@@ -1,0 +1,137 @@
+"""Multi-node on one machine: 2 hosts (network namespaces, own address and hostname, gloo over a veth NIC,
+torchrun's c10d rendezvous on host 0) x 2 ranks each, launched by scripts/local_cluster.sh, give the dense
+loss curve. tp 2 inside each host with dp 2 across hosts; tp 2 inside each host with pp 2 across hosts.
+
+Tolerance: rel 1e-6, the layout tolerance of tests/test_layouts.py and for the same reason (a layout changes
+the order of floating-point sums; fp32 results differ in the last bits, carried into the weights by AdamW).
+Needs root and iproute2 (CI runs as root); elsewhere the tests skip with the script's own refusal line.
+The lost-node and elastic runs take minutes each: bench/multinode.py runs them (bench/RESULTS.md).
+"""
+import gzip
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from nanomega import dist, train
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 4
+COMMON = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--dropout", "0",
+          "--max-steps", str(STEPS), "--warmup", "1", "--lr", "3e-3", "--eval-every", str(STEPS),
+          "--eval-iters", "2", "--log-every", "1", "--peak-flops", "1e11"]
+# (name, flags) on 2 hosts x 2 ranks; global batch 8 = batch-size x grad-accum x dp everywhere
+LAYOUTS = [
+    ("tp2-in-host-dp2-across", ["--tp", "2", "--batch-size", "2", "--grad-accum", "2"]),
+    ("tp2-in-host-pp2-across", ["--tp", "2", "--pp", "2", "--batch-size", "2", "--grad-accum", "4"]),
+]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("multinode") / "small.txt"
+    path.write_text(gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(200_000))
+    return path
+
+
+def flags(corpus, out, extra):
+    return [*COMMON, "--corpus", str(corpus), "--data-cache", str(Path(out).parent / "cache"),
+            "--out-dir", str(out), *extra]
+
+
+def cluster(nodes, nproc, args, options=(), timeout=300):
+    """bash scripts/local_cluster.sh; skips the test with the script's one line where hosts cannot be made."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    job = subprocess.run(["bash", str(ROOT / "scripts" / "local_cluster.sh"), str(nodes), str(nproc),
+                          "--timeout", str(timeout - 20), *options, "--", *args],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if job.returncode == 77:
+        pytest.skip(job.stderr.strip().splitlines()[-1])
+    assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-4000:]
+    return job.stdout + job.stderr
+
+
+def curve(out):
+    recs = [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
+    return [r["loss"] for r in recs if "loss" in r], recs[-1]["val_loss"]
+
+
+@pytest.fixture(scope="module")
+def dense(corpus, tmp_path_factory, one_thread):
+    out = tmp_path_factory.mktemp("dense") / "dense"
+    train.main(flags(corpus, out, ["--batch-size", "2", "--grad-accum", "4"]))
+    return curve(out)
+
+
+@pytest.mark.parametrize("name,extra", LAYOUTS, ids=[n for n, _ in LAYOUTS])
+def test_two_hosts_match_dense(corpus, dense, tmp_path, name, extra):
+    out = tmp_path / name
+    log = cluster(2, 2, flags(corpus, out, extra))
+    # the last rank (3) runs on the second host, with LOCAL_RANK 1 != RANK 3; no TP group crosses hosts
+    assert "[node1] Grid(rank 3/4 on node1:" in log and "spans hosts" not in log, log[-3000:]
+    (losses, val), (ref, ref_val) = curve(out), dense
+    assert len(losses) == STEPS and ref[-1] < ref[0] - 0.05  # it trains, and the test can tell curves apart
+    assert losses == pytest.approx(ref, rel=1e-6), (losses, ref)
+    assert val == pytest.approx(ref_val, rel=1e-6)
+
+
+def test_tp_groups_that_span_hosts_are_found():
+    # ranks numbered host by host: with 2 ranks per host, tp 2 groups [0,1],[2,3] stay inside; tp 4 spans
+    assert dist.split_groups([[0, 1], [2, 3]], 2) == []
+    assert dist.split_groups([[0, 1, 2, 3]], 2) == [[0, 1, 2, 3]]
+    assert dist.split_groups([[0, 1], [2, 3], [4, 5]], 3) == [[2, 3]]  # 3 per host: one pair must cross
+
+
+def test_bad_options_one_line():
+    for options, message in ((["--kill-node", "0@3"], "host 0 holds the rendezvous store"),
+                             (["--down-link", "1@x"], "expected HOST@STEP:SECONDS"),
+                             (["--elastic", "3"], "--elastic must be 1..NODES"),
+                             (["--rejoin", "5"], "--rejoin STEP needs --elastic MIN")):
+        job = subprocess.run(["bash", str(ROOT / "scripts" / "local_cluster.sh"), "2", "1", *options, "--"],
+                             capture_output=True, text=True, timeout=30)
+        lines = job.stderr.strip().splitlines()
+        assert job.returncode == 2 and len(lines) == 1 and message in lines[0], (options, lines)
+
+
+def test_global_batch_sets_grad_accum_from_the_world(monkeypatch, tmp_path):
+    """--global-batch is the invariant of an elastic job: 2 hosts x 2 ranks at tp 2 (dp 2) accumulate 2
+    micro-batches of 2; one host left (dp 1) accumulates 4; the same 8 sequences per step either way."""
+    for world, accum in ((4, 2), (2, 4)):
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        args = train.flags.get_args(["--tp", "2", "--batch-size", "2", "--global-batch", "8", "--out-dir", str(tmp_path)])
+        _, dp = train.flags.check(args)
+        assert args.grad_accum == accum and args.batch_size * args.grad_accum * dp == 8
+    with pytest.raises(ValueError, match="--global-batch 6 is not a positive multiple of --batch-size 4 x dp 1"):
+        train.flags.check(train.flags.get_args(["--tp", "2", "--batch-size", "4", "--global-batch", "6",
+                                                "--out-dir", str(tmp_path)]))
+
+
+def _lost_rank_world():
+    """Rank 1 stays away from a collective (sleeps past its timeout); rank 0 must name it in one line."""
+    import datetime
+    import time
+
+    import torch
+    import torch.distributed as td
+    grid = dist.Grid(2, 1, 1)
+    sub_timeout = grid.dp.group._get_backend(torch.device("cpu")).options._timeout  # (dp spans the world)
+    solo = dist.Grid(1, 1, 2)  # its dp groups are new one-rank groups: they must inherit the world's timeout
+    inherited = solo.dp.group._get_backend(torch.device("cpu")).options._timeout
+    short = td.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
+    if td.get_rank() == 1:
+        time.sleep(8)  # gone past rank 0's 2 s timeout and its 2 s check-in wait, as a cut-off host would be
+        return sub_timeout, inherited, None
+    try:
+        td.all_reduce(torch.ones(1), group=short)
+        return sub_timeout, inherited, "no error"
+    except RuntimeError as e:
+        return sub_timeout, inherited, dist.lost_ranks(e, wait_s=2.0)
+
+
+def test_lost_rank_is_named_and_groups_inherit_the_timeout():
+    (t0, inherited, line), _ = dist.launch(_lost_rank_world, 2, timeout=60)
+    world = dist.datetime.timedelta(seconds=120)  # dist.launch's init timeout
+    assert t0 == world and inherited == world  # not new_group's default (30 min for gloo)
+    assert line.startswith("rank(s) 1 on ") and "unreachable" in line and "\n" not in line, line
