@@ -1,14 +1,10 @@
 """One train.py for any layout: the same global batch under 4- and 8-rank layouts gives the dense loss curve,
 and a checkpoint saved under one layout resumes under another (tp, pp, dp and ZeRO stage all changed).
 
-Tolerance (tests/tolerance.py's terms, never what one CPU gave): a layout changes the order of floating-point
-sums (a matmul split over tp ranks, gradients averaged over dp ranks, micro-batch means). At step 1 the loss
-differs by the cross-entropy's logsumexp over V = 4096 positive terms (2 likely(V) relative to the sum:
-absolute on the loss) plus the DEPTH = 17 reductions of <= 4h = 128 terms before it (2 likely(128)
-sqrt(DEPTH) relative to logits of size < 1; at most twice that on the loss). AdamW passes relative
-differences on unamplified (tests/test_tp.py), so by step k the difference is <= k times step 1's; the
-losses stay above 4: RTOL = STEPS (2 likely(V) + 4 likely(128) sqrt(DEPTH)) / 4 = 1.5e-4 -- while a real
-layout bug (a lost micro-batch, a wrong slice) moves the loss by > 1e-3 relative.
+Tolerance (derived, never what one CPU gave): a layout changes the order of floating-point sums (a matmul
+split over tp ranks, gradients averaged over dp ranks, micro-batch means): tolerance.layout_rtol with
+V = 4096, the 4h = 128-term sums of DEPTH = 17 reductions (4 layers x 4 + head) and 4 steps: 1.5e-4 --
+while a real layout bug (a lost micro-batch, a wrong slice) moves the loss by > 1e-3 relative.
 """
 import gzip
 import json
@@ -20,14 +16,14 @@ import torch
 import torch.distributed as td
 
 from nanomega import checkpoint, dist, train
-from tolerance import likely
+from tolerance import layout_rtol
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 4
 COMMON = ["--n-layer", "4", "--n-head", "4", "--n-embd", "32", "--block-size", "32", "--dropout", "0",
           "--max-steps", str(STEPS), "--warmup", "1", "--lr", "3e-3", "--eval-every", str(STEPS),
           "--eval-iters", "2", "--log-every", "100", "--peak-flops", "1e11", "--save-every", "2"]
-RTOL = STEPS * (2 * likely(4096) + 4 * likely(128) * 17 ** 0.5) / 4
+RTOL = layout_rtol(STEPS, vocab=4096, width=128, depth=17)
 GLOBAL_BATCH = 8  # sequences per step in every layout: batch-size x grad-accum x dp
 
 # (name, world, flags): dp = world / (tp * pp); per-rank micro-batches keep the global batch at 8

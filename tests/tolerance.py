@@ -41,6 +41,16 @@ def likely(n: int, dtype: torch.dtype = torch.float32) -> float:
     return LAMBDA * math.sqrt(n) * unit_roundoff(dtype)
 
 
+def layout_rtol(steps: int, vocab: int, width: int, depth: int, min_loss: float = 4.0) -> float:
+    """Relative loss difference allowed between two layouts (tp/pp/dp/ZeRO) of one fp32 training run.
+    A layout changes only the order of sums. At step 1: the cross-entropy's logsumexp over `vocab` positive
+    terms (2 likely(vocab) relative to the sum: absolute on the loss) plus `depth` reductions of <= `width`
+    terms before it (2 likely(width) sqrt(depth) relative to logits of size < 1; at most twice that on the
+    loss). AdamW passes relative differences on unamplified (tests/test_tp.py), so by step k the difference
+    is <= k times step 1's; relative to losses that stay above `min_loss`."""
+    return steps * (2 * likely(vocab) + 4 * likely(width) * depth ** 0.5) / min_loss
+
+
 def assert_within(got: torch.Tensor, want: torch.Tensor, bound, what: str = "") -> float:
     """|got - want| <= bound elementwise (bound: a number or a tensor broadcast to want, from the
     arithmetic); returns the largest ratio |got - want| / bound so callers can report the margin."""
