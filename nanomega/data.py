@@ -190,26 +190,33 @@ def prepare(corpus, tokenizer_name: str, cache_dir) -> dict:
 
 
 class TokenDataset:
-    """The windows of one split: window i = tokens[i*T : i*T+T+1], len() = (N-1) // T (see the top)."""
+    """The windows of one split: window i = tokens[i*T : i*T+T+1], len() = (N-1) // T (see the top).
+    Given several shards (corpus.py), windows never cross a shard: shard k holds (N_k - 1) // T of them and
+    the global window index runs over shard 0's, then shard 1's, ... (one Sampler spans them all)."""
 
     def __init__(self, path_bin, dtype, block_size: int):
-        path, dtype = Path(path_bin), np.dtype(dtype)
-        if not path.is_file():
-            raise FileNotFoundError(f"token file {path} is missing; run prepare() (train.py does) to create it")
-        size = path.stat().st_size
-        if size % dtype.itemsize:
-            raise ValueError(f"{path} has {size} bytes, not a whole number of {dtype.name} tokens: "
-                             f"truncated; delete its folder and prepare again")
-        n_tokens = size // dtype.itemsize
-        split = {"train": "training", "val": "validation"}.get(path.stem, path.name)
+        paths, dtype = [Path(p) for p in ([path_bin] if isinstance(path_bin, (str, Path)) else path_bin)], np.dtype(dtype)
         if block_size < 1:
             raise ValueError(f"--block-size {block_size} must be >= 1")
-        if n_tokens < block_size + 1:  # one window needs T inputs and their T targets
+        self.tokens, counts = [], []
+        for path in paths:
+            if not path.is_file():
+                raise FileNotFoundError(f"token file {path} is missing; prepare the data again")
+            size = path.stat().st_size
+            if size % dtype.itemsize:
+                raise ValueError(f"{path} has {size} bytes, not a whole number of {dtype.name} tokens: "
+                                 f"truncated; delete its folder and prepare again")
+            if size:
+                self.tokens.append(np.memmap(path, dtype=dtype, mode="r"))  # (N_k,), read lazily
+                counts.append((size // dtype.itemsize - 1) // block_size)
+        n_tokens = sum(len(t) for t in self.tokens)
+        split = {"train": "training", "val": "validation"}.get(paths[0].stem.split("_")[0], paths[0].name)
+        if sum(counts) < 1:  # one window needs T inputs and their T targets
             raise ValueError(f"--block-size {block_size} is larger than the {split} split ({n_tokens} tokens); "
                              f"use a smaller --block-size")
-        self.tokens = np.memmap(path, dtype=dtype, mode="r")  # (N,), read lazily from the page cache
         self.block_size = block_size
-        self.n_windows = (n_tokens - 1) // block_size
+        self.starts = np.cumsum([0] + counts)  # (shards + 1,): first global window of each shard
+        self.n_windows = int(self.starts[-1])
 
     def __len__(self) -> int:
         return self.n_windows
@@ -219,8 +226,10 @@ class TokenDataset:
         idx = np.asarray(indices, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= self.n_windows):
             raise IndexError(f"window index out of range [0, {self.n_windows})")
-        offsets = idx[:, None] * self.block_size + np.arange(self.block_size + 1)  # (b, T+1)
-        w = torch.from_numpy(self.tokens[offsets].astype(np.int64))  # (b, T+1)
+        shard = np.searchsorted(self.starts, idx, side="right") - 1  # (b,)
+        offsets = (idx - self.starts[shard])[:, None] * self.block_size + np.arange(self.block_size + 1)  # (b, T+1)
+        w = np.stack([self.tokens[k][o] for k, o in zip(shard, offsets)]) if idx.size else offsets
+        w = torch.from_numpy(w.astype(np.int64))  # (b, T+1)
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 
@@ -283,3 +292,12 @@ class Sampler:
                 raise ValueError(f"the checkpoint's data stream has {key}={state[key]}, this run "
                                  f"{getattr(self, key)}: resume with the same {flag}")
         self.samples_consumed = int(state["samples_consumed"])
+
+
+if __name__ == "__main__":  # `python -m nanomega.data --corpus ... --out DIR`: the preparation lives in corpus.py
+    from nanomega import corpus
+    try:
+        corpus.main()
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}")
+        raise SystemExit(2)

@@ -23,7 +23,7 @@ if __package__ in (None, ""):  # `python nanomega/train.py`: make the package im
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanomega import args as flags
-from nanomega import checkpoint, data, dist, fused, pp, precision, recompute, rng, tp, zero
+from nanomega import checkpoint, corpus, data, dist, fused, pp, precision, recompute, rng, tp, zero
 from nanomega.model import GPT, flops_per_token
 
 
@@ -33,6 +33,20 @@ def lr_at(step, args):
         return args.lr * (step + 1) / args.warmup
     progress = min(1.0, (step - args.warmup) / max(1, args.max_steps - args.warmup))
     return args.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
+
+
+def load_data(args, world, log):
+    """(train, val) windows: prepared shards (--data; or a many-file --corpus, prepared into the cache by
+    corpus.py), or the single-file cache of data.prepare (one .txt file: the embedded default)."""
+    cache = args.data_cache or os.path.join(args.out_dir, "data")
+    files = None if args.data else corpus.corpus_files(args.corpus)
+    if files and len(files) == 1 and files[0].name.endswith((".txt", ".txt.gz")):
+        meta = data.prepare(files[0], args.tokenizer, cache)
+        return [data.TokenDataset(meta[f"{s}_bin"], meta["dtype"], args.block_size) for s in ("train", "val")]
+    index = corpus.load_index(args.data) if args.data else corpus.cached(
+        args.corpus, args.tokenizer, cache, workers=max(1, (os.cpu_count() or 1) // world),
+        text_field=args.text_field, progress=log)
+    return [data.TokenDataset(corpus.split_paths(index, s), index["dtype"], args.block_size) for s in ("train", "val")]
 
 
 def build(args, cfg, grid):
@@ -110,10 +124,7 @@ def main(argv=None):
     grid = dist.Grid(dp, args.pp, args.tp)
     log = grid.rank == grid.world - 1  # the last rank: last pipeline stage, where the loss lives
 
-    cache = args.data_cache or os.path.join(args.out_dir, "data")
-    meta = data.prepare(args.corpus, args.tokenizer, cache)
-    train_set = data.TokenDataset(meta["train_bin"], meta["dtype"], args.block_size)
-    val_set = data.TokenDataset(meta["val_bin"], meta["dtype"], args.block_size)
+    train_set, val_set = load_data(args, grid.world, log)
     global_batch = args.batch_size * args.grad_accum * dp
     sampler = data.Sampler(len(train_set), global_batch, args.seed)
     model, engine, n_params = build(args, cfg, grid)

@@ -9,6 +9,8 @@ is only equal if they are masked out of the softmax.
 """
 import gzip
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -86,7 +88,6 @@ def test_import_finetune_tp2_sample_export(setup):
     for name in ("dense", "tp2"):
         out = root / name
         (out / "ckpt").mkdir(parents=True)
-        import shutil
         shutil.copytree(imported / "ckpt" / "step_000000", out / "ckpt" / "step_000000")
         (out / "ckpt" / "latest").write_text("step_000000")
         if name == "dense":
@@ -110,7 +111,7 @@ def test_import_finetune_tp2_sample_export(setup):
 
     out = subprocess.run([sys.executable, "-m", "nanomega.sample", "--out-dir", str(root / "tp2"),
                           "--max-new-tokens", "20", "--prompt", "ROMEO:"], cwd=ROOT, capture_output=True, text=True,
-                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0 and out.stdout.startswith("ROMEO:"), out.stderr[-2000:]
 
 
@@ -124,6 +125,6 @@ def test_not_gpt2_is_refused_in_one_line(setup, tmp_path):
     manifest.write_text(json.dumps(m))
     res = subprocess.run([sys.executable, "-m", "nanomega.hf", "export", "--out-dir", str(out), "--to",
                           str(tmp_path / "x")], cwd=ROOT, capture_output=True, text=True,
-                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "ALiBi" in res.stderr, res.stderr
     assert not (tmp_path / "x").exists()
