@@ -7,6 +7,8 @@ memmap. The validation split is held-out text: the last ~5% of the corpus, cut a
 next-token targets); the order in which windows are visited depends only on (seed, step), so a resumed
 run sees exactly the batches an uninterrupted one would have, and every data-parallel rank can compute
 its own share without communicating.
+Many-file corpora (directories, globs, jsonl) are prepared into shards by corpus.py; TokenDataset reads
+the shards as one sequence of windows (none crosses a shard), so the Sampler below spans them unchanged.
 
 Formulas (T = block_size, N tokens in a split, B = global batch, d = dp size, m = micro batch, a = grad accum):
     window i      = tokens[i*T : i*T + T + 1]  (stride T: windows share one token, so every token but
