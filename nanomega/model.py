@@ -11,6 +11,7 @@ Formulas:
                                          QK^T and AV: 2*2*s*h per layer forward, x3 for fwd+bwd)
 Lesson: lessons/01-dense-model.md
 """
+import functools
 import math
 from dataclasses import dataclass
 
@@ -149,16 +150,18 @@ class Head(nn.Module):
         super().__init__()
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
-        self.loss_fn = cross_entropy
+        self.loss_fn = functools.partial(cross_entropy, vocab_size=cfg.vocab_size)
 
     def forward(self, x, targets=None):
         logits = self.lm_head(self.ln_f(x))  # (b, s, V)
         return logits if targets is None else self.loss_fn(logits, targets)
 
 
-def cross_entropy(logits, targets):
-    """Mean token loss in fp32 (BLOOM: never the loss in half precision); -1 marks ignored targets."""
-    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=-1)
+def cross_entropy(logits, targets, vocab_size=None):
+    """Mean token loss in fp32 (BLOOM: never the loss in half precision); -1 marks ignored targets.
+    The padded vocabulary rows (ids >= vocab_size, there only so tp can split V) are left out of the softmax:
+    no token is ever one, so the loss is GPT-2's over its 50,257 tokens, not over 50,304."""
+    return F.cross_entropy(logits[..., :vocab_size].float().flatten(0, -2), targets.flatten(), ignore_index=-1)
 
 
 class GPT(nn.Module):

