@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from nanomega import checkpoint, data, dist, pp, precision, presets, recompute, tp
+from nanomega import data, dist, faults, pp, precision, presets, recompute, tp
 from nanomega.model import GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,7 +60,9 @@ def get_args(argv=None):
     a("--peak-flops", type=float, default=None, help="peak FLOP/s for MFU (default: measured once)")
     a("--collective-timeout", type=float, default=300.0, help="seconds before a stuck collective aborts the job")
     a("--inject-fault", default=None, metavar="KIND:RANK:STEP",
-      help="testing fault handling: KIND raise (the rank raises) or nan (its loss becomes NaN) at STEP")
+      help="testing fault handling: KIND raise (the rank raises), nan (its loss becomes NaN) or sigterm "
+           "(it is sent SIGTERM, a preemption) at STEP")
+    faults.add_flags(p)
     args = p.parse_args(argv)
     if args.model in presets.PRESETS:
         apply_preset(args, p, sys.argv[1:] if argv is None else argv)
@@ -100,8 +102,8 @@ def check(args):
         raise ValueError(f"need --lr > 0 and 0 <= --min-lr <= --lr, got --lr {args.lr} --min-lr {args.min_lr}")
     if args.inject_fault:
         kind, *where = args.inject_fault.split(":")
-        if kind not in ("raise", "nan") or len(where) != 2 or not all(w.isdigit() for w in where):
-            raise ValueError(f"--inject-fault {args.inject_fault!r}: expected raise:RANK:STEP or nan:RANK:STEP")
+        if kind not in ("raise", "nan", "sigterm") or len(where) != 2 or not all(w.isdigit() for w in where):
+            raise ValueError(f"--inject-fault {args.inject_fault!r}: expected KIND:RANK:STEP, KIND raise, nan or sigterm")
         args.inject_fault = (kind, int(where[0]), int(where[1]))
     if args.on_nan not in ("skip", "stop"):
         raise ValueError(f"--on-nan {args.on_nan!r}: choose skip or stop")
@@ -128,10 +130,6 @@ def check(args):
     precision.check_dtype_supported(precision.parse_dtype(args.dtype), dist.default_device(args.device))
     if not os.path.isfile(args.corpus):
         raise FileNotFoundError(f"--corpus {args.corpus} does not exist; pass a .txt or .txt.gz file")
-    folder = checkpoint.latest(args.out_dir)
-    if folder and not args.resume:
-        raise ValueError(f"--out-dir {args.out_dir} already holds a checkpoint ({folder}); "
-                         f"pass --resume to continue it or choose another --out-dir")
-    if folder:
-        checkpoint.read_manifest(folder, cfg)
+    faults.check_flags(args)
+    args.resume_folder = faults.discover(args, cfg)  # newest verified checkpoint (takes the out-dir lock)
     return cfg, dp

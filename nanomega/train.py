@@ -14,6 +14,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -23,7 +24,7 @@ if __package__ in (None, ""):  # `python nanomega/train.py`: make the package im
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanomega import args as flags
-from nanomega import checkpoint, data, dist, fused, pp, precision, recompute, rng, tp, zero
+from nanomega import checkpoint, data, dist, faults, fused, pp, precision, recompute, rng, tp, zero
 from nanomega.model import GPT, flops_per_token
 
 
@@ -105,6 +106,11 @@ def rank_state(engine, sampler, scaler, step, grid):
 
 def main(argv=None):
     args = flags.get_args(argv)
+    with faults.job(args):  # preemption signals, the out-dir lock, no orphans (nanomega/faults.py)
+        return train(args)
+
+
+def train(args):
     cfg, dp = flags.check(args)  # every check that needs no collective, before the first one
     device = dist.init(args.device, args.collective_timeout)
     grid = dist.Grid(dp, args.pp, args.tp)
@@ -124,7 +130,7 @@ def main(argv=None):
 
     layout = dict(dp=dp, tp=args.tp, pp=args.pp, zero=args.zero, dtype=args.dtype, tokenizer=args.tokenizer,
                   virtual_stages=args.virtual_stages, sequence_parallel=args.sequence_parallel)
-    step, folder = 0, checkpoint.latest(args.out_dir)
+    step, folder = 0, args.resume_folder  # verified by flags.check (faults.discover)
     if folder:
         state = checkpoint.load(folder, cfg, engine, grid, layout)
         sampler.load_state_dict(state["sampler"])
@@ -143,8 +149,9 @@ def main(argv=None):
         print(f"{grid}\nmodel: {n_params / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOP/token; "
               f"global batch {global_batch} x {args.block_size} tokens; peak {peak / 1e9:.0f} GFLOP/s per rank")
         os.makedirs(args.out_dir, exist_ok=True)
-    metrics = open(os.path.join(args.out_dir, "metrics.jsonl"), "a") if log else None
-    last_save, avg_loss, rec = time.time(), None, {}
+    metrics = faults.open_metrics(args.out_dir, step) if log else None  # rows after `step` are redone
+    skips = faults.Skips(args.max_skipped)
+    last_save, avg_loss, rec, pending_save = time.time(), None, {}, False
     if args.eval_every and step == 0:  # the starting point of the validation curve (~ ln V)
         val = evaluate(model, grid, val_set, args)
         if log:
@@ -159,12 +166,15 @@ def main(argv=None):
         fault = args.inject_fault and args.inject_fault[1:] == (grid.rank, step + 1) and args.inject_fault[0]
         if fault == "raise":
             raise RuntimeError(f"--inject-fault: rank {grid.rank} raises at step {step + 1}")
-        loss = forward_backward(model, engine, grid, batches, args, float("nan") if fault else scaler.scale)
+        if fault == "sigterm":  # a preemption notice arriving mid-step
+            os.kill(os.getpid(), signal.SIGTERM)
+        loss = forward_backward(model, engine, grid, batches, args, float("nan") if fault == "nan" else scaler.scale)
         info = engine.step(clip_norm=args.grad_clip or None, scaler=scaler)
         loss = grid.dp.all_reduce(torch.tensor([loss], device=device)).item() / dp
         sampler.advance()
         step += 1
         finite = info["stepped"] and math.isfinite(loss)
+        skips.update(info["stepped"], step)  # info["stepped"] is the same on every rank (a reduced norm)
         if not finite and args.on_nan == "stop":
             raise FloatingPointError(f"step {step}: loss {loss} / grad norm {info['grad_norm']} not finite; "
                                      f"stopping (--on-nan stop); the last checkpoint is untouched")
@@ -188,9 +198,17 @@ def main(argv=None):
         due = (args.save_every and step % args.save_every == 0) or step == args.max_steps
         if args.save_every_minutes:  # clocks differ: every rank must take the same decision, or the save hangs
             due = grid_agrees(grid, due or time.time() - last_save >= 60 * args.save_every_minutes)
-        if due:
+        preempted = grid_agrees(grid, faults.preempt_requested())  # every rank stops at the same step
+        if (due or preempted) and not skips.may_save():
+            faults.say(f"step {step}: checkpoint not written (the step was skipped); the next finite step saves")
+            pending_save = True
+        elif due or preempted or pending_save:
             checkpoint.save(args.out_dir, step, cfg, rank_state(engine, sampler, scaler, step, grid), grid, layout)
-            last_save = time.time()
+            faults.saved(args, folder, grid)
+            last_save, pending_save = time.time(), False
+        if preempted:
+            faults.say(f"step {step}: preempted (signal); exiting 0 after the last checkpoint; --resume continues")
+            break
     if metrics:
         metrics.close()
     return rec
@@ -223,8 +241,4 @@ def train_peak(device, dtype=torch.float32):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    faults.entrypoint(main)  # expected failures: one line, recorded for torchrun's summary

@@ -1,0 +1,236 @@
+"""Failures at scale: what a month-long run meets, and the policy for each (OPT-175B's and BLOOM's logbooks).
+
+Idea: a job of N ranks, each failing with probability p per hour, survives an hour with (1-p)^N; at scale
+failures are routine, so every one must cost at most one checkpoint interval and never a silent loss:
+    one job per out-dir    an flock on OUT/.lock held by rank 0; the kernel drops it when the holder dies
+    orphans                a worker asks the kernel for SIGKILL when its torchrun agent dies (PR_SET_PDEATHSIG)
+    preemption             SIGTERM/SIGUSR1 set a flag; all ranks agree at the next step boundary (an all-reduce),
+                           checkpoint and exit 0 (Slurm sends SIGUSR1 before the end of an allocation)
+    divergence             --max-skipped consecutive non-finite steps stop the run non-zero; a checkpoint is
+                           never written right after a skipped step (its state came from skipped steps)
+    resume                 checkpoint.find_resume: newest verified folder, naming what it skipped and why;
+                           metrics.jsonl rows after the resumed step are replaced, not duplicated
+    errors                 one line per expected failure; torchrun's error file records the message
+Lesson: lessons/10-checkpoints-and-failures.md
+"""
+import contextlib
+import ctypes
+import fcntl
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+
+from nanomega import checkpoint
+
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def add_flags(p):
+    g = p.add_argument_group("failures")
+    g.add_argument("--resume-from", default=None, metavar="STEP|PATH",
+                   help="resume from this step (OUT/ckpt/step_STEP) or checkpoint folder; implies --resume")
+    g.add_argument("--keep-last", type=int, default=0, help="keep only the K newest checkpoints (0: keep all); "
+                   "the one resumed from is never deleted")
+    g.add_argument("--max-skipped", type=int, default=20,
+                   help="stop (non-zero) after this many consecutive skipped (non-finite) steps")
+
+
+def rank():
+    return int(os.environ.get("RANK", 0))
+
+
+def say(message):
+    """One line on stderr from rank 0 only: the same line from every rank is noise."""
+    if rank() == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
+def check_flags(args):
+    """The failure flags, refused before any collective (called from args.check)."""
+    if not args.collective_timeout > 0:
+        raise ValueError(f"--collective-timeout must be > 0 seconds, got {args.collective_timeout}")
+    for name in ("keep_last", "max_skipped"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.resume_from is not None:
+        args.resume = True
+    check_out_dir(args.out_dir)
+
+
+def check_out_dir(out_dir):
+    """--out-dir must be (or be creatable as) a directory: no regular file on its path."""
+    path = os.path.abspath(out_dir)
+    while path != os.path.dirname(path):
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"--out-dir {out_dir}: {path} is a file, not a directory; choose another --out-dir")
+        path = os.path.dirname(path)
+
+
+_LOCKS = {}  # out-dir -> open lock file: per process, as the flock itself is
+
+
+def lock_out_dir(out_dir):
+    """Take OUT/.lock (exclusive, non-blocking); a second job is refused with one line. The kernel releases
+    the lock when this process dies, so a crash never leaves a stale lock. Re-entrant within a process."""
+    key = os.path.realpath(out_dir)
+    if key in _LOCKS:
+        return _LOCKS[key]
+    os.makedirs(out_dir, exist_ok=True)
+    f = open(os.path.join(out_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise ValueError(f"--out-dir {out_dir} is in use by another job ({holder} holds {out_dir}/.lock); "
+                         f"wait for it to end or choose another --out-dir") from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    _LOCKS[key] = f
+    return f
+
+
+def unlock_out_dir(out_dir):
+    f = _LOCKS.pop(os.path.realpath(out_dir), None)
+    if f:
+        f.close()  # closing the descriptor drops the flock
+
+
+def discover(args, cfg):
+    """The checkpoint to resume from (or None), chosen before any collective; rank 0 cleans up first.
+
+    Refuses a checkpoint at or past --max-steps (nothing to do is an error, not a silent no-op)."""
+    if rank() == 0:
+        lock_out_dir(args.out_dir)
+        for path in checkpoint.clean_tmp(args.out_dir):
+            say(f"resume: removed {path} (left by a save that did not finish)")
+    folder = checkpoint.latest(args.out_dir)
+    if folder and not args.resume:
+        raise ValueError(f"--out-dir {args.out_dir} already holds a checkpoint ({folder}); "
+                         f"pass --resume to continue it or choose another --out-dir")
+    if not args.resume:
+        return None
+    folder, skipped = checkpoint.find_resume(args.out_dir, cfg, args.resume_from)
+    for reason in skipped:
+        say(f"resume: skipped {reason}")
+    if folder is None:
+        return None
+    step = checkpoint.read_manifest(folder, cfg)["step"]
+    if step >= args.max_steps:
+        raise ValueError(f"--max-steps {args.max_steps} is at or below the checkpoint's step {step} ({folder}); "
+                         f"raise --max-steps to train on")
+    if args.resume_from is not None and rank() == 0:
+        for moved in checkpoint.set_aside_newer(args.out_dir, step):
+            say(f"resume: moved {moved} (newer than step {step}) to {args.out_dir}/ckpt/abandoned/")
+    return folder
+
+
+def open_metrics(out_dir, step):
+    """metrics.jsonl for appending, with the rows after `step` (written before a crash, to be redone) removed."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if os.path.isfile(path):
+        keep = []
+        for line in open(path).read().splitlines():
+            try:
+                if 0 < json.loads(line)["step"] <= step:
+                    keep.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                pass  # a row cut by the crash
+        checkpoint._replace_atomically(path, checkpoint._write_text("".join(keep)))
+    return open(path, "a")
+
+
+class Skips:
+    """Consecutive skipped (non-finite) steps: stop past --max-skipped; no checkpoint right after a skip."""
+
+    def __init__(self, limit):
+        self.limit, self.run = limit, 0
+
+    def update(self, stepped, step):
+        self.run = 0 if stepped else self.run + 1
+        if self.limit and self.run >= self.limit:
+            raise FloatingPointError(f"step {step}: {self.run} consecutive steps skipped (non-finite loss or "
+                                     f"gradients; --max-skipped {self.limit}); the run diverged: lower --lr or "
+                                     f"resume from an earlier checkpoint (--resume-from)")
+
+    def may_save(self):
+        return self.run == 0
+
+
+_PREEMPTED = []
+
+
+def _on_signal(signum, frame):
+    if _PREEMPTED:  # a second signal: stop now
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    _PREEMPTED.append(signum)
+
+
+def preempt_requested():
+    return bool(_PREEMPTED)
+
+
+def saved(args, resumed_from, grid):
+    """After a complete save: rank 0 applies --keep-last (never the folder this run resumed from)."""
+    if args.keep_last and grid.rank == 0:
+        for folder in checkpoint.retain(args.out_dir, args.keep_last, protect=[resumed_from]):
+            say(f"--keep-last {args.keep_last}: removed {folder}")
+
+
+def die_with_parent():
+    """Under torchrun, ask the kernel to SIGKILL this worker when its agent dies (no orphan trains on)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent or parent == 1:  # the agent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def job(args):
+    """Around train.main: preemption signals caught (restored after), orphan guard, out-dir lock released."""
+    _PREEMPTED.clear()
+    die_with_parent()
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = {s: signal.signal(s, _on_signal) for s in PREEMPT_SIGNALS} if main_thread else {}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        unlock_out_dir(args.out_dir)
+
+
+def _peer_failure(e):
+    """An error seen because ANOTHER rank died (a broken collective): that rank tells the story."""
+    import torch.distributed as tdist
+    text = str(e).lower()
+    return isinstance(e, tdist.DistError) or any(
+        m in text for m in ("connection closed by peer", "connection reset", "broken pipe", "gloo"))
+
+
+def entrypoint(main):
+    """Run main as a script: an expected failure is one line (from rank 0 when every rank fails the same way,
+    else from the rank that failed) and, under torchrun, recorded in the error file its summary shows."""
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+    handler = get_error_handler()
+    handler.initialize()
+    try:
+        main()
+    except (ValueError, FileNotFoundError, FloatingPointError) as e:  # the same on every rank: rank 0 says it
+        handler.record_exception(e)
+        say(f"error: {e}")
+        sys.exit(2 if not isinstance(e, FloatingPointError) else 3)
+    except (OSError, RuntimeError) as e:
+        if _peer_failure(e):
+            sys.exit(1)  # quiet: the rank that failed first prints, and torchrun names it as the root cause
+        handler.record_exception(e)
+        print(f"error: rank {rank()}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
