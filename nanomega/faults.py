@@ -15,6 +15,7 @@ Lesson: lessons/10-checkpoints-and-failures.md
 """
 import contextlib
 import ctypes
+import faulthandler
 import fcntl
 import json
 import os
@@ -22,6 +23,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 from nanomega import checkpoint
 
@@ -36,6 +38,9 @@ def add_flags(p):
                    "the one resumed from is never deleted")
     g.add_argument("--max-skipped", type=int, default=20,
                    help="stop (non-zero) after this many consecutive skipped (non-finite) steps")
+    g.add_argument("--hang-timeout", type=float, default=None, help="seconds without progress before every live "
+                   "rank dumps its stacks to OUT/hang/ and the job names the stuck ranks and exits (0: off; "
+                   "default: 180, or half --collective-timeout if that is less)")
 
 
 def rank():
@@ -55,6 +60,11 @@ def check_flags(args):
     for name in ("keep_last", "max_skipped"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.hang_timeout is None:
+        args.hang_timeout = min(180.0, args.collective_timeout / 2)
+    if args.hang_timeout < 0 or args.hang_timeout >= args.collective_timeout:
+        raise ValueError(f"--hang-timeout {args.hang_timeout} must be >= 0 and below --collective-timeout "
+                         f"{args.collective_timeout} (the watchdog must fire before the collective gives up)")
     if args.resume_from is not None:
         args.resume = True
     check_out_dir(args.out_dir)
@@ -193,6 +203,72 @@ def die_with_parent():
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Watchdog:
+    """Hang detection (the NCCL flight recorder's question, "who did not arrive?", answered on CPU).
+
+    Each rank records its progress (step, phase) in torchrun's store at every beat. A thread on each rank
+    wakes when no beat came for --hang-timeout seconds: it dumps this rank's Python stacks (faulthandler) to
+    OUT/hang/rank_K.txt and checks in under hang/alive/K; after a grace period the lowest live rank names the
+    ranks that never checked in (frozen or dead) and those behind the furthest progress, writes
+    OUT/hang/report.txt, and every live rank exits non-zero, so that --max-restarts restarts the job."""
+
+    PHASES = ("start", "backward done")
+    EXIT_CODE = 4
+
+    def __init__(self, args, grid):
+        import torch.distributed as tdist
+        self.timeout, self.grid, self.out_dir = args.hang_timeout, grid, args.out_dir
+        self.store = tdist.distributed_c10d._get_default_store()
+        self.last, self.where, self.stopped = time.monotonic(), (0, 0), threading.Event()
+        if self.timeout:
+            _WATCHDOGS.append(self)
+            threading.Thread(target=self._watch, name="nanomega-watchdog", daemon=True).start()
+
+    def beat(self, step, phase):
+        self.last, self.where = time.monotonic(), (step, self.PHASES.index(phase))
+        if self.timeout:
+            self.store.set(f"hang/progress/{self.grid.rank}", f"{step} {self.where[1]}")
+
+    def stop(self):
+        self.stopped.set()
+
+    def _watch(self):
+        while not self.stopped.wait(min(1.0, self.timeout / 10)):
+            if time.monotonic() - self.last > self.timeout:
+                self._report()
+
+    def _report(self):
+        rank, world = self.grid.rank, self.grid.world
+        folder = os.path.join(self.out_dir, "hang")
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"rank_{rank}.txt"), "w") as f:
+            f.write(f"rank {rank}: no progress for {self.timeout:g} s at step {self.where[0]} "
+                    f"({self.PHASES[self.where[1]]}); Python stacks:\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        self.store.set(f"hang/alive/{rank}", "1")
+        time.sleep(max(2.0, 0.25 * self.timeout))  # let the other live ranks' watchdogs check in
+        alive = [r for r in range(world) if self.store.check([f"hang/alive/{r}"])]
+        if rank == min(alive):
+            progress = {r: tuple(int(x) for x in self.store.get(f"hang/progress/{r}").split())
+                        if self.store.check([f"hang/progress/{r}"]) else (0, -1) for r in range(world)}
+            furthest = max(progress.values())
+            silent = [r for r in range(world) if r not in alive]
+            behind = [r for r in alive if progress[r] < furthest]
+            line = (f"hang: no progress for {self.timeout:g} s (--hang-timeout); furthest: step {furthest[0]} "
+                    f"({self.PHASES[furthest[1]]}); ranks {silent} did not answer (frozen or dead); ranks {behind} "
+                    f"did not reach that point; stacks of the live ranks in {folder}/")
+            if not silent and not behind:
+                line += "; every rank reached it: a collective itself stalled"
+            with open(os.path.join(folder, "report.txt"), "w") as f:
+                f.write(line + "\n")
+            print(line, file=sys.stderr, flush=True)
+        os._exit(self.EXIT_CODE)  # the main thread is stuck in a collective: leave without it
+
+
+_WATCHDOGS = []
+
+
 @contextlib.contextmanager
 def job(args):
     """Around train.main: preemption signals caught (restored after), orphan guard, out-dir lock released."""
@@ -203,6 +279,8 @@ def job(args):
     try:
         yield
     finally:
+        while _WATCHDOGS:
+            _WATCHDOGS.pop().stop()
         for s, handler in old.items():
             signal.signal(s, handler)
         unlock_out_dir(args.out_dir)

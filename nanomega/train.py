@@ -150,7 +150,7 @@ def train(args):
               f"global batch {global_batch} x {args.block_size} tokens; peak {peak / 1e9:.0f} GFLOP/s per rank")
         os.makedirs(args.out_dir, exist_ok=True)
     metrics = faults.open_metrics(args.out_dir, step) if log else None  # rows after `step` are redone
-    skips = faults.Skips(args.max_skipped)
+    skips, watchdog = faults.Skips(args.max_skipped), faults.Watchdog(args, grid)
     last_save, avg_loss, rec, pending_save = time.time(), None, {}, False
     if args.eval_every and step == 0:  # the starting point of the validation curve (~ ln V)
         val = evaluate(model, grid, val_set, args)
@@ -159,6 +159,7 @@ def train(args):
             metrics.write(json.dumps(dict(step=0, val_loss=val)) + "\n")
     while step < args.max_steps:
         t0 = time.perf_counter()
+        watchdog.beat(step + 1, "start")
         lr = lr_at(step, args)
         engine.set_lr(lr)
         micro = sampler.local_micro_batches(step, grid.dp_rank, dp, args.batch_size, args.grad_accum)
@@ -166,9 +167,10 @@ def train(args):
         fault = args.inject_fault and args.inject_fault[1:] == (grid.rank, step + 1) and args.inject_fault[0]
         if fault == "raise":
             raise RuntimeError(f"--inject-fault: rank {grid.rank} raises at step {step + 1}")
-        if fault == "sigterm":  # a preemption notice arriving mid-step
-            os.kill(os.getpid(), signal.SIGTERM)
+        if fault in ("sigterm", "hang"):  # a preemption notice arriving mid-step; a rank frozen (SIGSTOP)
+            os.kill(os.getpid(), signal.SIGTERM if fault == "sigterm" else signal.SIGSTOP)
         loss = forward_backward(model, engine, grid, batches, args, float("nan") if fault == "nan" else scaler.scale)
+        watchdog.beat(step + 1, "backward done")
         info = engine.step(clip_norm=args.grad_clip or None, scaler=scaler)
         loss = grid.dp.all_reduce(torch.tensor([loss], device=device)).item() / dp
         sampler.advance()

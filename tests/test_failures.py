@@ -187,3 +187,26 @@ def test_workers_die_with_their_agent_and_errors_are_one_line(corpus, tmp_path):
         for p in workers.values():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
+
+
+def test_frozen_rank_is_named_with_stack_dumps(corpus, tmp_path):
+    """Defect 4: a frozen rank (SIGSTOP) was detected after 331 s and the report blamed the healthy rank 0;
+    no watchdog, no stack dump. Here rank 1 stops itself at step 3; --hang-timeout 5."""
+    out = tmp_path / "hang"
+    job = kill_resume.torchrun(corpus, out, 2, 50, ["--inject-fault", "hang:1:3", "--hang-timeout", "5",
+                                                    "--collective-timeout", "120"], restarts=0)
+    workers = {}
+    try:
+        while not (out / "hang" / "report.txt").exists() and job.poll() is None:
+            workers = workers or kill_resume.worker_pids(job.pid)
+            time.sleep(0.2)
+        stalled_at = kill_resume.logged_step(out)
+        report = (out / "hang" / "report.txt").read_text()
+        assert "ranks [1] did not answer (frozen or dead)" in report and "ranks [] did not reach" in report
+        assert stalled_at == 2 and "File" in (out / "hang" / "rank_0.txt").read_text()  # rank 0's Python stack
+        os.kill(workers[1], signal.SIGKILL)  # else torchrun waits 30 s before it SIGKILLs the stopped rank
+        log, _ = job.communicate(timeout=60)
+        assert job.returncode != 0 and log.count("hang: no progress") == 1
+    finally:
+        job.kill()
+        job.wait()

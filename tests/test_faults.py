@@ -31,6 +31,9 @@ def test_raising_rank_ends_the_job_promptly(corpus, tmp_path):
     log, _ = job.communicate(timeout=120)
     assert job.returncode != 0 and time.time() - t0 < 60
     assert "--inject-fault: rank 1 raises at step 3" in log and "rank      : 1" in log  # torchrun's root cause
+    # issue 16, defect 6: one line from the failing rank, none from the others; the error file is recorded
+    assert log.count("error: rank 1: RuntimeError: --inject-fault") == 1 and "error: rank 0" not in log
+    assert "error_file: <N/A>" not in log.split("Root Cause")[1]
 
 
 SMALL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
