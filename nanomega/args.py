@@ -61,7 +61,7 @@ def get_args(argv=None):
     a("--collective-timeout", type=float, default=300.0, help="seconds before a stuck collective aborts the job")
     a("--inject-fault", default=None, metavar="KIND:RANK:STEP",
       help="testing fault handling: KIND raise (the rank raises), nan (its loss becomes NaN), sigterm "
-           "(it is sent SIGTERM, a preemption) or hang (it stops itself, SIGSTOP) at STEP")
+           "(it is sent SIGTERM, a preemption) hang (it stops itself, SIGSTOP) or spike (its loss x 10) at STEP")
     faults.add_flags(p)
     args = p.parse_args(argv)
     if args.model in presets.PRESETS:
@@ -102,8 +102,8 @@ def check(args):
         raise ValueError(f"need --lr > 0 and 0 <= --min-lr <= --lr, got --lr {args.lr} --min-lr {args.min_lr}")
     if args.inject_fault:
         kind, *where = args.inject_fault.split(":")
-        if kind not in ("raise", "nan", "sigterm", "hang") or len(where) != 2 or not all(w.isdigit() for w in where):
-            raise ValueError(f"--inject-fault {args.inject_fault!r}: expected KIND:RANK:STEP, KIND raise, nan, sigterm or hang")
+        if kind not in ("raise", "nan", "sigterm", "hang", "spike") or len(where) != 2 or not all(w.isdigit() for w in where):
+            raise ValueError(f"--inject-fault {args.inject_fault!r}: expected KIND:RANK:STEP, KIND raise, nan, sigterm, hang or spike")
         args.inject_fault = (kind, int(where[0]), int(where[1]))
     if args.on_nan not in ("skip", "stop"):
         raise ValueError(f"--on-nan {args.on_nan!r}: choose skip or stop")

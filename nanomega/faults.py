@@ -18,6 +18,7 @@ import ctypes
 import faulthandler
 import fcntl
 import json
+import math
 import os
 import signal
 import socket
@@ -38,6 +39,11 @@ def add_flags(p):
                    "the one resumed from is never deleted")
     g.add_argument("--max-skipped", type=int, default=20,
                    help="stop (non-zero) after this many consecutive skipped (non-finite) steps")
+    g.add_argument("--on-spike", default="warn", choices=["warn", "skip", "rollback"],
+                   help="a loss above --spike-threshold x its running mean: log it, drop that step's update, or "
+                   "reload the last verified checkpoint and skip the data since it")
+    g.add_argument("--spike-threshold", type=float, default=1.5)
+    g.add_argument("--rollback-lr-factor", type=float, default=1.0, help="scale the lr by this at each rollback")
     g.add_argument("--hang-timeout", type=float, default=None, help="seconds without progress before every live "
                    "rank dumps its stacks to OUT/hang/ and the job names the stuck ranks and exits (0: off; "
                    "default: 180, or half --collective-timeout if that is less)")
@@ -60,6 +66,9 @@ def check_flags(args):
     for name in ("keep_last", "max_skipped"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not (args.spike_threshold > 1 and 0 < args.rollback_lr_factor <= 1):
+        raise ValueError(f"need --spike-threshold > 1 and 0 < --rollback-lr-factor <= 1, got "
+                         f"{args.spike_threshold} and {args.rollback_lr_factor}")
     if args.hang_timeout is None:
         args.hang_timeout = min(180.0, args.collective_timeout / 2)
     if args.hang_timeout < 0 or args.hang_timeout >= args.collective_timeout:
@@ -170,6 +179,37 @@ class Skips:
 
     def may_save(self):
         return self.run == 0
+
+
+class Spikes:
+    """--on-spike. A spike: a finite loss above --spike-threshold x the running mean (an EMA of accepted losses).
+    warn logs it; skip drops that step's update (PaLM skipped the batches around its spikes); rollback reloads
+    the newest verified checkpoint, keeps the sampler where it is (so the data window since that checkpoint
+    is skipped) and scales the lr by --rollback-lr-factor (OPT-175B's logbook: ~35 such restarts, each with a
+    lower lr). The lr scale and the skipped windows travel in every checkpoint, so later resumes keep them."""
+
+    def __init__(self, args):
+        self.policy, self.threshold, self.factor = args.on_spike, args.spike_threshold, args.rollback_lr_factor
+        self.avg, self.lr_scale, self.windows = None, 1.0, []
+
+    def check(self, loss):
+        spike = self.avg is not None and math.isfinite(loss) and loss > self.threshold * self.avg
+        if math.isfinite(loss) and not spike:
+            self.avg = loss if self.avg is None else 0.9 * self.avg + 0.1 * loss
+        return spike
+
+    def rolled_back(self, to_step, spike_step):
+        self.windows.append((to_step + 1, spike_step))
+        self.lr_scale *= self.factor
+        say(f"step {spike_step}: loss spike; rolled back to step {to_step}, the data of steps {to_step + 1}-"
+            f"{spike_step} skipped, lr x {self.lr_scale:g}")
+
+    def state_dict(self):
+        return dict(lr_scale=self.lr_scale, windows=list(self.windows))
+
+    def load_state_dict(self, state):
+        if state:
+            self.lr_scale, self.windows = state["lr_scale"], list(state["windows"])
 
 
 _PREEMPTED = []

@@ -96,10 +96,10 @@ def evaluate(model, grid, val_set, args):
     return grid.dp.all_reduce(torch.tensor([loss], device=grid.device)).item() / grid.dp.size
 
 
-def rank_state(engine, sampler, scaler, step, grid):
+def rank_state(engine, sampler, scaler, step, grid, spikes=None):
     """What this rank writes: its pieces of every parameter by name (any layout can load them), data position,
-    loss scale, RNG."""
-    return dict(universal=checkpoint.universal_pieces(engine, grid),
+    loss scale, RNG, the lr scale and skipped data windows of rollbacks."""
+    return dict(universal=checkpoint.universal_pieces(engine, grid), spikes=spikes and spikes.state_dict(),
                 sampler=sampler.state_dict(), scaler=scaler.state_dict(), step=step,
                 rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
 
@@ -130,14 +130,10 @@ def train(args):
 
     layout = dict(dp=dp, tp=args.tp, pp=args.pp, zero=args.zero, dtype=args.dtype, tokenizer=args.tokenizer,
                   virtual_stages=args.virtual_stages, sequence_parallel=args.sequence_parallel)
-    step, folder = 0, args.resume_folder  # verified by flags.check (faults.discover)
+    step, folder, spikes = 0, args.resume_folder, faults.Spikes(args)  # folder: verified by flags.check
     if folder:
-        state = checkpoint.load(folder, cfg, engine, grid, layout)
-        sampler.load_state_dict(state["sampler"])
-        scaler.load_state_dict(state["scaler"])
+        state = restore(folder, cfg, engine, grid, layout, scaler, spikes, sampler)
         step = state["step"]
-        if state.get("same_layout"):  # the RNG streams continue exactly; a new layout reseeds them
-            torch.set_rng_state(state["rng"])
         if log:
             print(f"resumed from {folder} at step {step}" + ("" if state.get("same_layout") else " (resharded)"))
 
@@ -151,7 +147,7 @@ def train(args):
         os.makedirs(args.out_dir, exist_ok=True)
     metrics = faults.open_metrics(args.out_dir, step) if log else None  # rows after `step` are redone
     skips, watchdog = faults.Skips(args.max_skipped), faults.Watchdog(args, grid)
-    last_save, avg_loss, rec, pending_save = time.time(), None, {}, False
+    last_save, rec, pending_save = time.time(), {}, False
     if args.eval_every and step == 0:  # the starting point of the validation curve (~ ln V)
         val = evaluate(model, grid, val_set, args)
         if log:
@@ -160,19 +156,21 @@ def train(args):
     while step < args.max_steps:
         t0 = time.perf_counter()
         watchdog.beat(step + 1, "start")
-        lr = lr_at(step, args)
+        lr = lr_at(step, args) * spikes.lr_scale
         engine.set_lr(lr)
-        micro = sampler.local_micro_batches(step, grid.dp_rank, dp, args.batch_size, args.grad_accum)
+        micro = sampler.local_micro_batches(sampler.step, grid.dp_rank, dp, args.batch_size, args.grad_accum)
         batches = [tuple(t.to(device) for t in train_set.get(idx)) for idx in micro]
-        fault = args.inject_fault and args.inject_fault[1:] == (grid.rank, step + 1) and args.inject_fault[0]
+        fault = args.inject_fault and args.inject_fault[1:] == (grid.rank, sampler.step + 1) and args.inject_fault[0]
         if fault == "raise":
             raise RuntimeError(f"--inject-fault: rank {grid.rank} raises at step {step + 1}")
         if fault in ("sigterm", "hang"):  # a preemption notice arriving mid-step; a rank frozen (SIGSTOP)
             os.kill(os.getpid(), signal.SIGTERM if fault == "sigterm" else signal.SIGSTOP)
         loss = forward_backward(model, engine, grid, batches, args, float("nan") if fault == "nan" else scaler.scale)
         watchdog.beat(step + 1, "backward done")
-        info = engine.step(clip_norm=args.grad_clip or None, scaler=scaler)
-        loss = grid.dp.all_reduce(torch.tensor([loss], device=device)).item() / dp
+        loss = grid.dp.all_reduce(torch.tensor([loss * (10 if fault == "spike" else 1)], device=device)).item() / dp
+        spike = spikes.check(loss)  # the loss lives on the last pipeline stage: everyone takes its decision
+        spike = grid_agrees(grid, spike) if args.on_spike != "warn" else spike
+        info = engine.step(clip_norm=args.grad_clip or None, scaler=scaler, skip=spike and args.on_spike == "skip")
         sampler.advance()
         step += 1
         finite = info["stepped"] and math.isfinite(loss)
@@ -184,19 +182,23 @@ def train(args):
         tok_s = global_batch * args.block_size / dt
         rec = dict(step=step, loss=loss, lr=lr, grad_norm=info["grad_norm"], skipped=not info["stepped"],
                    tok_s=tok_s, mfu=flops_tok * tok_s / (grid.world * peak))
-        spike = avg_loss is not None and finite and loss > 1.5 * avg_loss
-        if finite:
-            avg_loss = loss if avg_loss is None else 0.9 * avg_loss + 0.1 * loss
         if args.eval_every and (step % args.eval_every == 0 or step == args.max_steps):
             rec["val_loss"] = evaluate(model, grid, val_set, args)
         if log:
             if step % args.log_every == 0 or "val_loss" in rec or spike or not finite:
                 val = f" val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
-                note = " SKIPPED (not finite)" if not finite else (" LOSS SPIKE" if spike else "")
+                note = " SKIPPED" + (" (loss spike)" if spike else " (not finite)") if not info["stepped"] else (
+                    " LOSS SPIKE" if spike else "")
                 print(f"step {step:5d} loss {loss:.4f}{val} lr {lr:.2e} norm {info['grad_norm']:.3f} "
                       f"{tok_s:,.0f} tok/s mfu {100 * rec['mfu']:.1f}%{note}", flush=True)
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
+        if spike and args.on_spike == "rollback":
+            step = roll_back(args, cfg, engine, grid, layout, scaler, spikes, step)
+            if log:  # the rows since that checkpoint are redone
+                metrics.close()
+                metrics = faults.open_metrics(args.out_dir, step)
+            continue
         due = (args.save_every and step % args.save_every == 0) or step == args.max_steps
         if args.save_every_minutes:  # clocks differ: every rank must take the same decision, or the save hangs
             due = grid_agrees(grid, due or time.time() - last_save >= 60 * args.save_every_minutes)
@@ -205,7 +207,8 @@ def train(args):
             faults.say(f"step {step}: checkpoint not written (the step was skipped); the next finite step saves")
             pending_save = True
         elif due or preempted or pending_save:
-            checkpoint.save(args.out_dir, step, cfg, rank_state(engine, sampler, scaler, step, grid), grid, layout)
+            checkpoint.save(args.out_dir, step, cfg, rank_state(engine, sampler, scaler, step, grid, spikes), grid,
+                            layout)
             faults.saved(args, folder, grid)
             last_save, pending_save = time.time(), False
         if preempted:
@@ -214,6 +217,29 @@ def train(args):
     if metrics:
         metrics.close()
     return rec
+
+
+def restore(folder, cfg, engine, grid, layout, scaler, spikes, sampler=None):
+    """Load a checkpoint into this rank's engine, loss scaler, RNG (same layout) and, if given, sampler."""
+    state = checkpoint.load(folder, cfg, engine, grid, layout)
+    if sampler is not None:
+        sampler.load_state_dict(state["sampler"])
+    scaler.load_state_dict(state["scaler"])
+    spikes.load_state_dict(state.get("spikes"))
+    if state.get("same_layout"):  # the RNG streams continue exactly; a new layout reseeds them
+        torch.set_rng_state(state["rng"])
+    return state
+
+
+def roll_back(args, cfg, engine, grid, layout, scaler, spikes, step):
+    """--on-spike rollback: reload the newest verified checkpoint, but not the sampler's position (the data
+    since that checkpoint is skipped); returns the step to continue from."""
+    folder, _ = checkpoint.find_resume(args.out_dir, cfg)
+    if folder is None:
+        raise FloatingPointError(f"step {step}: loss spike and no checkpoint to roll back to; use --save-every")
+    state = restore(folder, cfg, engine, grid, layout, scaler, spikes)
+    spikes.rolled_back(state["step"], step)
+    return state["step"]
 
 
 def grid_agrees(grid, flag):

@@ -210,3 +210,20 @@ def test_frozen_rank_is_named_with_stack_dumps(corpus, tmp_path):
     finally:
         job.kill()
         job.wait()
+
+
+def test_spike_skip_and_rollback(corpus, reference, tmp_path, capsys):
+    """--on-spike: skip drops the spiking step's update; rollback reloads the last checkpoint, skips the data
+    since it, scales the lr, and the checkpoint records both (later resumes keep them)."""
+    recs = lambda out: [json.loads(line) for line in open(out / "metrics.jsonl")]  # noqa: E731
+    run(corpus, tmp_path / "skip", "--inject-fault", "spike:0:3", "--on-spike", "skip", "--max-steps", "4")
+    assert [r["skipped"] for r in recs(tmp_path / "skip")] == [False, False, True, False]
+    out = tmp_path / "rollback"
+    rec = run(corpus, out, "--inject-fault", "spike:0:4", "--on-spike", "rollback", "--rollback-lr-factor", "0.5")
+    assert "step 4: loss spike; rolled back to step 2, the data of steps 3-4 skipped, lr x 0.5" in capsys.readouterr().err
+    assert rec["step"] == 6 and [r["step"] for r in recs(out)] == [1, 2, 3, 4, 5, 6]  # rows 3, 4 redone
+    assert recs(out)[2]["lr"] == 0.5 * train.lr_at(2, flags.get_args(SMALL))  # step 3 ran at half the lr
+    state = checkpoint.load_shard(out / "ckpt" / "step_000006", 0)
+    assert state["spikes"] == dict(lr_scale=0.5, windows=[(3, 4)]) and state["sampler"] != \
+        checkpoint.load_shard(reference / "ckpt" / "step_000006", 0)["sampler"]  # two batches further on
+    assert same_weights(out / "ckpt" / "step_000002", reference / "ckpt" / "step_000002")
