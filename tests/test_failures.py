@@ -168,7 +168,8 @@ def test_second_job_on_an_out_dir_is_refused(corpus, tmp_path):
 def test_workers_die_with_their_agent_and_errors_are_one_line(corpus, tmp_path):
     """Defects 6 and 7 under torchrun: SIGKILL of the agent left both workers training on as orphans; every
     rank printed the error and torchrun's summary lacked the message."""
-    job = kill_resume.torchrun(corpus, tmp_path / "orphans", 2, 400, ["--save-every", "0"], restarts=0)
+    job = kill_resume.torchrun(corpus, tmp_path / "orphans", 2, 400, ["--save-every", "0", "--hang-timeout", "0"],
+                               restarts=0)  # no watchdog: its store writes would end orphans too
     try:
         while kill_resume.logged_step(tmp_path / "orphans") < 1 and job.poll() is None:
             time.sleep(0.1)
