@@ -174,7 +174,6 @@ def train(args):
         sampler.advance()
         step += 1
         finite = info["stepped"] and math.isfinite(loss)
-        skips.update(info["stepped"], step)  # info["stepped"] is the same on every rank (a reduced norm)
         if not finite and args.on_nan == "stop":
             raise FloatingPointError(f"step {step}: loss {loss} / grad norm {info['grad_norm']} not finite; "
                                      f"stopping (--on-nan stop); the last checkpoint is untouched")
@@ -193,6 +192,7 @@ def train(args):
                       f"{tok_s:,.0f} tok/s mfu {100 * rec['mfu']:.1f}%{note}", flush=True)
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
+        skips.update(info["stepped"], step)  # info["stepped"] is the same on every rank (a reduced norm)
         if spike and args.on_spike == "rollback":
             step = roll_back(args, cfg, engine, grid, layout, scaler, spikes, step)
             if log:  # the rows since that checkpoint are redone
@@ -203,8 +203,9 @@ def train(args):
         if args.save_every_minutes:  # clocks differ: every rank must take the same decision, or the save hangs
             due = grid_agrees(grid, due or time.time() - last_save >= 60 * args.save_every_minutes)
         preempted = grid_agrees(grid, faults.preempt_requested())  # every rank stops at the same step
-        if (due or preempted) and not skips.may_save():
-            faults.say(f"step {step}: checkpoint not written (the step was skipped); the next finite step saves")
+        if (due or preempted or pending_save) and not skips.may_save():
+            if due or preempted:
+                faults.say(f"step {step}: checkpoint not written (the step was skipped); the next finite step saves")
             pending_save = True
         elif due or preempted or pending_save:
             checkpoint.save(args.out_dir, step, cfg, rank_state(engine, sampler, scaler, step, grid, spikes), grid,
