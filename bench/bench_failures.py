@@ -49,10 +49,42 @@ def diverge(corpus, root):
     return p.returncode, recs, p.stderr.strip().splitlines()[-1], ckpts
 
 
+def async_stall(root, reps=5):
+    """Seconds the training thread stops per save: synchronous save vs --async-save (state copy + thread start),
+    interleaved so that other jobs on the cores disturb both alike. Returns (params, sync, async) medians."""
+    import torch
+    from nanomega import args as flags
+    from nanomega import data, dist, faults, precision, train
+    a = flags.get_args(["--n-layer", "4", "--n-head", "4", "--n-embd", "256", "--block-size", "64", "--dropout", "0"])
+    cfg = flags.model_config(a)
+    dist.init("cpu")
+    grid = dist.Grid(1, 1, 1)
+    model, engine, n_params = train.build(a, cfg, grid)
+    x = torch.randint(0, cfg.vocab_size, (2, 64))
+    model(x, x).backward()
+    engine.step()  # Adam state exists: the shard holds master + m + v, 12 bytes per parameter
+    sampler, scaler, spikes = data.Sampler(1000, 16, 0), precision.LossScaler(dynamic=False), faults.Spikes(a)
+    out = str(root / "stall")
+    saver = checkpoint.AsyncSaver(out, cfg, grid, {})
+    sync, stall = [], []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        checkpoint.save(out, 2 * i + 1, cfg, train.rank_state(engine, sampler, scaler, 0, grid, spikes), grid)
+        sync.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        saver.start(2 * i + 2, train.rank_state(engine, sampler, scaler, 0, grid, spikes))
+        stall.append(time.perf_counter() - t0)
+        saver.wait()
+    return n_params, sorted(sync)[reps // 2], sorted(stall)[reps // 2]
+
+
 def main():
     root = Path(tempfile.mkdtemp(prefix="bench_failures-"))
     corpus = root / "small.txt"
     corpus.write_text(gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(300_000))
+    n, sync, stall = async_stall(root)
+    print(f"save of {n / 1e6:.1f}M parameters (12 B each): synchronous {1e3 * sync:.0f} ms, --async-save stall "
+          f"{1e3 * stall:.1f} ms = {100 * stall / sync:.1f}% (medians of 5, interleaved)")
     found, report, rc = hang(corpus, root)
     print(f"hang: rank 1 frozen at step 3 with --hang-timeout 10: reported after {found:.1f} s, exit {rc}\n  {report}")
     rc, recs, last, ckpts = diverge(corpus, root)

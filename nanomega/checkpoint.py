@@ -25,6 +25,7 @@ import math
 import os
 import re
 import shutil
+import threading
 from collections import defaultdict
 
 import torch
@@ -72,10 +73,21 @@ def _write_text(text):
 
 def save(out_dir, step, cfg, state, grid, layout=None):
     """Every rank calls this with its own `state`; returns the checkpoint folder once the manifest exists."""
+    folder = write_shard(out_dir, step, state, grid.rank)
+    write_manifest(out_dir, folder, step, cfg, grid, layout)
+    return folder
+
+
+def write_shard(out_dir, step, state, rank):
     folder = os.path.join(out_dir, "ckpt", f"step_{step:06d}")
     os.makedirs(folder, exist_ok=True)
-    shard = os.path.join(folder, f"rank_{grid.rank:05d}.pt")
+    shard = os.path.join(folder, f"rank_{rank:05d}.pt")
     _replace_atomically(shard, lambda tmp: torch.save(state, tmp))
+    return folder
+
+
+def write_manifest(out_dir, folder, step, cfg, grid, layout=None):
+    """Collective: once every rank's shard is on disk, rank 0 writes the manifest, then the pointer."""
     grid.barrier()  # every shard is on disk before the manifest claims the checkpoint is complete
     if grid.rank == 0:
         shards = sorted(f for f in os.listdir(folder) if f.startswith("rank_") and f.endswith(".pt"))
@@ -84,7 +96,57 @@ def save(out_dir, step, cfg, state, grid, layout=None):
         _replace_atomically(os.path.join(folder, "manifest.json"), _write_text(json.dumps(manifest, indent=1)))
         _replace_atomically(os.path.join(out_dir, "ckpt", "latest"), _write_text(os.path.basename(folder)))
     grid.barrier()
-    return folder
+
+
+class AsyncSaver:
+    """--async-save ("flash" checkpoints, as DLRover's and torch.distributed.checkpoint.async_save): at the
+    step boundary the state is only copied to CPU memory; a thread writes the shard while training goes on;
+    the manifest comes once every rank's write has finished (`poll` asks all ranks at each step boundary), so
+    a crash mid-write leaves the previous checkpoint the newest complete one. One write in flight at a time."""
+
+    def __init__(self, out_dir, cfg, grid, layout):
+        self.out_dir, self.cfg, self.grid, self.layout = out_dir, cfg, grid, layout
+        self.thread, self.error, self.step = None, None, None
+
+    def start(self, step, state):
+        self.wait()
+        state = _to_cpu(state)  # the training step may overwrite device memory next
+        self.step, self.error = step, None
+        self.thread = threading.Thread(target=self._write, args=(step, state), name="nanomega-ckpt", daemon=True)
+        self.thread.start()
+
+    def _write(self, step, state):
+        try:
+            write_shard(self.out_dir, step, state, self.grid.rank)
+        except BaseException as e:  # re-raised on the training thread by wait()
+            self.error = e
+
+    def poll(self, anyone_busy):
+        """At a step boundary (every rank): finish the checkpoint once no rank is still writing."""
+        if self.thread is not None and not anyone_busy(self.thread.is_alive()):
+            self.wait()
+
+    def wait(self):
+        """Collective: join this rank's writer and write the manifest. Returns the folder, or None."""
+        if self.thread is None:
+            return None
+        self.thread.join()
+        self.thread = None
+        if self.error:
+            raise self.error
+        folder = os.path.join(self.out_dir, "ckpt", f"step_{self.step:06d}")
+        write_manifest(self.out_dir, folder, self.step, self.cfg, self.grid, self.layout)
+        return folder
+
+
+def _to_cpu(obj):
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=obj.device.type != "cpu")
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
 
 
 def step_folders(out_dir):

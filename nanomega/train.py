@@ -147,6 +147,7 @@ def train(args):
         os.makedirs(args.out_dir, exist_ok=True)
     metrics = faults.open_metrics(args.out_dir, step) if log else None  # rows after `step` are redone
     skips, watchdog = faults.Skips(args.max_skipped), faults.Watchdog(args, grid)
+    saver = checkpoint.AsyncSaver(args.out_dir, cfg, grid, layout) if args.async_save else None
     last_save, rec, pending_save = time.time(), {}, False
     if args.eval_every and step == 0:  # the starting point of the validation curve (~ ln V)
         val = evaluate(model, grid, val_set, args)
@@ -203,18 +204,25 @@ def train(args):
         if args.save_every_minutes:  # clocks differ: every rank must take the same decision, or the save hangs
             due = grid_agrees(grid, due or time.time() - last_save >= 60 * args.save_every_minutes)
         preempted = grid_agrees(grid, faults.preempt_requested())  # every rank stops at the same step
+        if saver:  # the manifest of a background save, once every rank has written its shard
+            saver.poll(lambda busy: grid_agrees(grid, busy))
         if (due or preempted or pending_save) and not skips.may_save():
             if due or preempted:
                 faults.say(f"step {step}: checkpoint not written (the step was skipped); the next finite step saves")
             pending_save = True
         elif due or preempted or pending_save:
-            checkpoint.save(args.out_dir, step, cfg, rank_state(engine, sampler, scaler, step, grid, spikes), grid,
-                            layout)
+            state = rank_state(engine, sampler, scaler, step, grid, spikes)
+            if saver:
+                saver.start(step, state)
+            else:
+                checkpoint.save(args.out_dir, step, cfg, state, grid, layout)
             faults.saved(args, folder, grid)
             last_save, pending_save = time.time(), False
         if preempted:
             faults.say(f"step {step}: preempted (signal); exiting 0 after the last checkpoint; --resume continues")
             break
+    if saver:
+        saver.wait()
     if metrics:
         metrics.close()
     return rec

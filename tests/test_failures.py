@@ -228,3 +228,17 @@ def test_spike_skip_and_rollback(corpus, reference, tmp_path, capsys):
     assert state["spikes"] == dict(lr_scale=0.5, windows=[(3, 4)]) and state["sampler"] != \
         checkpoint.load_shard(reference / "ckpt" / "step_000006", 0)["sampler"]  # two batches further on
     assert same_weights(out / "ckpt" / "step_000002", reference / "ckpt" / "step_000002")
+
+
+def test_async_save_matches_and_a_failed_write_keeps_the_previous(corpus, reference, tmp_path, monkeypatch):
+    """--async-save: the same checkpoints as a synchronous save; the manifest only after the write finished."""
+    out = tmp_path / "async"
+    run(corpus, out, "--async-save")
+    for step in (2, 4, 6):
+        assert same_weights(out / "ckpt" / f"step_{step:06d}", reference / "ckpt" / f"step_{step:06d}")
+    saver = checkpoint.AsyncSaver(str(out), flags.model_config(flags.get_args(SMALL)), dist.Grid(1, 1, 1), {})
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    saver.start(8, {"step": 8})
+    with pytest.raises(OSError, match="disk full"):
+        saver.wait()
+    assert checkpoint.latest(out).endswith("step_000006") and not (out / "ckpt" / "step_000008" / "manifest.json").exists()
