@@ -242,3 +242,22 @@ def test_async_save_matches_and_a_failed_write_keeps_the_previous(corpus, refere
     with pytest.raises(OSError, match="disk full"):
         saver.wait()
     assert checkpoint.latest(out).endswith("step_000006") and not (out / "ckpt" / "step_000008" / "manifest.json").exists()
+
+
+def test_sigterm_to_torchrun_checkpoints_at_the_next_step(corpus, tmp_path):
+    """Defect 7 under torchrun: SIGTERM to the agent (a preemption) reaches the workers, which agree on one
+    step boundary, checkpoint there and exit, within seconds (torchrun grants 30 s before its SIGKILL)."""
+    out = tmp_path / "preempt"
+    job = kill_resume.torchrun(corpus, out, 2, 400, ["--save-every", "0"], restarts=0)
+    try:
+        while kill_resume.logged_step(out) < 3 and job.poll() is None:
+            time.sleep(0.05)
+        t0 = time.time()
+        job.send_signal(signal.SIGTERM)
+        log, _ = job.communicate(timeout=60)
+        assert time.time() - t0 < 20 and log.count(": preempted (signal)") == 1
+        step = checkpoint.read_manifest(checkpoint.latest(out), flags.model_config(flags.get_args(SMALL)))["step"]
+        assert step >= 3 and f"step {step}: preempted" in log
+    finally:
+        job.kill()
+        job.wait()
