@@ -39,6 +39,8 @@ def add_flags(p):
                    "the one resumed from is never deleted")
     g.add_argument("--max-skipped", type=int, default=20,
                    help="stop (non-zero) after this many consecutive skipped (non-finite) steps")
+    g.add_argument("--health-check", action="store_true", help="check every rank's compute and links first "
+                   "(nanomega/health.py); a bad rank stops the job with one line")
     g.add_argument("--async-save", action="store_true", help="write checkpoints from a background thread")
     g.add_argument("--on-spike", default="warn", choices=["warn", "skip", "rollback"],
                    help="a loss above --spike-threshold x its running mean: log it, drop that step's update, or "

@@ -24,7 +24,7 @@ if __package__ in (None, ""):  # `python nanomega/train.py`: make the package im
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanomega import args as flags
-from nanomega import checkpoint, data, dist, faults, fused, pp, precision, recompute, rng, tp, zero
+from nanomega import checkpoint, data, dist, faults, fused, health, pp, precision, recompute, rng, tp, zero
 from nanomega.model import GPT, flops_per_token
 
 
@@ -114,6 +114,8 @@ def train(args):
     cfg, dp = flags.check(args)  # every check that needs no collective, before the first one
     device = dist.init(args.device, args.collective_timeout)
     grid = dist.Grid(dp, args.pp, args.tp)
+    if args.health_check:
+        health.gate(grid)
     log = grid.rank == grid.world - 1  # the last rank: last pipeline stage, where the loss lives
     if log and args.model:
         print(f"--model {args.model}: n_layer {cfg.n_layer}, n_head {cfg.n_head}, n_embd {cfg.n_embd}, block_size "
