@@ -11,7 +11,7 @@ failures are routine, so every one must cost at most one checkpoint interval and
     resume                 checkpoint.find_resume: newest verified folder, naming what it skipped and why;
                            metrics.jsonl rows after the resumed step are replaced, not duplicated
     errors                 one line per expected failure; torchrun's error file records the message
-Lesson: lessons/10-checkpoints-and-failures.md
+Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
 """
 import contextlib
 import ctypes

@@ -12,7 +12,7 @@ A table on the last rank, and a non-zero exit naming the bad rank or host.
     torchrun --nproc_per_node=2 -m nanomega.health            # alone
     torchrun ... nanomega/train.py --health-check ...          # before training
 `--slow-rank K` (tests, lessons) makes rank K sleep 3x as long as its matmul takes: a quarter of the rate.
-Lesson: lessons/10-checkpoints-and-failures.md
+Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
 """
 import argparse
 import socket
