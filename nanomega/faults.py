@@ -215,7 +215,7 @@ class Spikes:
             self.lr_scale, self.windows = state["lr_scale"], list(state["windows"])
 
 
-_PREEMPTED = []
+_PREEMPTED, _OLD_HANDLERS = [], {}
 
 
 def _on_signal(signum, frame):
@@ -223,6 +223,14 @@ def _on_signal(signum, frame):
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
     _PREEMPTED.append(signum)
+
+
+def arm_preemption():
+    """From the first training step on, SIGTERM/SIGUSR1 mean: checkpoint at the next step boundary. Not
+    before: a Python handler cannot run while C++ blocks (a rendezvous), and the default action must end it."""
+    if threading.current_thread() is threading.main_thread():
+        for s in PREEMPT_SIGNALS:
+            _OLD_HANDLERS.setdefault(s, signal.signal(s, _on_signal))
 
 
 def preempt_requested():
@@ -314,18 +322,16 @@ _WATCHDOGS = []
 
 @contextlib.contextmanager
 def job(args):
-    """Around train.main: preemption signals caught (restored after), orphan guard, out-dir lock released."""
+    """Around train.main: no orphans; afterwards the signal handlers restored and the out-dir lock released."""
     _PREEMPTED.clear()
     die_with_parent()
-    main_thread = threading.current_thread() is threading.main_thread()
-    old = {s: signal.signal(s, _on_signal) for s in PREEMPT_SIGNALS} if main_thread else {}
     try:
         yield
     finally:
         while _WATCHDOGS:
             _WATCHDOGS.pop().stop()
-        for s, handler in old.items():
-            signal.signal(s, handler)
+        for s in list(_OLD_HANDLERS):
+            signal.signal(s, _OLD_HANDLERS.pop(s))
         unlock_out_dir(args.out_dir)
 
 

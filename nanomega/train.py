@@ -150,6 +150,7 @@ def train(args):
     metrics = faults.open_metrics(args.out_dir, step) if log else None  # rows after `step` are redone
     skips, watchdog = faults.Skips(args.max_skipped), faults.Watchdog(args, grid)
     saver = checkpoint.AsyncSaver(args.out_dir, cfg, grid, layout) if args.async_save else None
+    faults.arm_preemption()  # from here on SIGTERM/SIGUSR1 checkpoint at the next step boundary
     last_save, rec, pending_save = time.time(), {}, False
     if args.eval_every and step == 0:  # the starting point of the validation curve (~ ln V)
         val = evaluate(model, grid, val_set, args)

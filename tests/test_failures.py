@@ -159,6 +159,11 @@ def test_second_job_on_an_out_dir_is_refused(corpus, tmp_path):
         with pytest.raises(ValueError, match=f"--out-dir {out} is in use by another job .pid {holder.pid}"):
             run(corpus, out, "--max-steps", "1")
         assert time.time() - t0 < 10
+        t0 = time.time()  # under torchrun: rank 0 refuses; rank 1, waiting in the rendezvous, dies on SIGTERM
+        job = kill_resume.torchrun(corpus, out, 2, 4, restarts=0)
+        log, _ = job.communicate(timeout=120)
+        # < 30 s: torchrun's SIGTERM -> SIGKILL grace is 30 s, so a worker that sat out SIGTERM takes longer
+        assert job.returncode != 0 and log.count("error: --out-dir") == 1 and time.time() - t0 < 30, log[-3000:]
     finally:
         holder.kill()
         holder.wait()
