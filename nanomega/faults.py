@@ -283,6 +283,16 @@ class Watchdog:
     def stop(self):
         self.stopped.set()
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Around a save or an evaluation, which may take longer than a step (the collective timeout still
+        bounds them)."""
+        self.last = float("inf")
+        try:
+            yield
+        finally:
+            self.last = time.monotonic()
+
     def _watch(self):
         while not self.stopped.wait(min(1.0, self.timeout / 10)):
             if time.monotonic() - self.last > self.timeout:

@@ -186,7 +186,8 @@ def train(args):
         rec = dict(step=step, loss=loss, lr=lr, grad_norm=info["grad_norm"], skipped=not info["stepped"],
                    tok_s=tok_s, mfu=flops_tok * tok_s / (grid.world * peak))
         if args.eval_every and (step % args.eval_every == 0 or step == args.max_steps):
-            rec["val_loss"] = evaluate(model, grid, val_set, args)
+            with watchdog.paused():
+                rec["val_loss"] = evaluate(model, grid, val_set, args)
         if log:
             if step % args.log_every == 0 or "val_loss" in rec or spike or not finite:
                 val = f" val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
@@ -215,10 +216,11 @@ def train(args):
             pending_save = True
         elif due or preempted or pending_save:
             state = rank_state(engine, sampler, scaler, step, grid, spikes)
-            if saver:
-                saver.start(step, state)
-            else:
-                checkpoint.save(args.out_dir, step, cfg, state, grid, layout)
+            with watchdog.paused():
+                if saver:
+                    saver.start(step, state)
+                else:
+                    checkpoint.save(args.out_dir, step, cfg, state, grid, layout)
             faults.saved(args, folder, grid)
             last_save, pending_save = time.time(), False
         if preempted:
