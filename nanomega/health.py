@@ -6,7 +6,8 @@ Idea: one bad device slows (or silently corrupts) a whole synchronous job, so ch
                 integer < 2^53) must give the same checksum on every rank -- silent data corruption shows here
     links       an all-reduce per grid axis, bus bandwidth = 2(n-1)/n x bytes / seconds (the ring's traffic);
                 between hosts: pair the hosts, time each pair, then re-pair a slow pair's hosts with a fast
-                host to tell which of the two is bad (DLRover's node check)
+                host to tell which of the two is bad (DLRover's node check; find_bad_hosts). Only one host
+                exists here: the bisection is tested with a simulated link, the pair timing with ranks as hosts
 A table on the last rank, and a non-zero exit naming the bad rank or host.
 
     torchrun --nproc_per_node=2 -m nanomega.health            # alone
@@ -65,9 +66,53 @@ def bus_bandwidth(axis):
     return 2 * (axis.size - 1) / axis.size * BYTES / best
 
 
-def check(grid, slow_rank=None, slow_factor=0.5):
+def find_bad_hosts(hosts, pair_time, slow=2.0):
+    """DLRover's bisection. Round 1 pairs neighbours (an odd one out pairs with the first host) and times each
+    pair; a pair slower than `slow` x the median pair is suspect. Round 2 pairs each suspect with a host from a
+    fast pair: a suspect slow again is bad. Returns (bad hosts, pair times); with no fast pair, none can be
+    told apart and every suspect is returned. pair_time(a, b) must run in the same order on every rank."""
+    pairs = [(hosts[i], hosts[i + 1]) for i in range(0, len(hosts) - 1, 2)]
+    if len(hosts) % 2 and len(hosts) > 1:
+        pairs.append((hosts[-1], hosts[0]))
+    times = {p: pair_time(*p) for p in pairs}
+    if not times:
+        return [], times
+    median = statistics.median(times.values())
+    slow_pairs = [p for p, t in times.items() if t > slow * median]
+    suspects = sorted({h for p in slow_pairs for h in p})
+    fast = [h for p in pairs if p not in slow_pairs for h in p if h not in suspects]
+    if not fast:
+        return suspects, times
+    again = {h: pair_time(h, fast[i % len(fast)]) for i, h in enumerate(suspects)}
+    times.update({(h, fast[i % len(fast)]): t for i, (h, t) in enumerate(again.items())})
+    return [h for h, t in again.items() if t > slow * median], times
+
+
+def pair_timer(grid, leaders, slow_rank=None):
+    """pair_time(a, b) for find_bad_hosts: all-reduce seconds between two hosts' first ranks (best of REPS),
+    shared with every rank by a world all-reduce. Every rank calls it (new_group is collective)."""
+    def pair_time(a, b):
+        ranks = sorted({leaders[a], leaders[b]})
+        group = tdist.new_group(ranks)
+        t = torch.zeros(1)
+        if grid.rank in ranks:
+            buf, best = torch.ones(BYTES // 4), float("inf")
+            for _ in range(REPS):
+                t0 = time.perf_counter()
+                tdist.all_reduce(buf, group=group)
+                if slow_rank in ranks:  # testing: a slow link
+                    time.sleep(3 * (time.perf_counter() - t0))
+                best = min(best, time.perf_counter() - t0)
+            t[0] = best if grid.rank == ranks[0] else 0.0
+        tdist.all_reduce(t)
+        return float(t)
+    return pair_time
+
+
+def check(grid, slow_rank=None, slow_factor=0.5, ranks_as_hosts=False):
     """Every rank: measure, gather, judge. Returns (table lines, [problems]) -- the same on every rank."""
-    mine = dict(host=socket.gethostname(), rate=matmul_rate(grid.rank == slow_rank), sum=known_checksum())
+    host = f"rank{grid.rank}" if ranks_as_hosts else socket.gethostname()
+    mine = dict(host=host, rate=matmul_rate(grid.rank == slow_rank), sum=known_checksum())
     everyone = [None] * grid.world
     tdist.all_gather_object(everyone, mine)
     links = {a.name: bus_bandwidth(a) for a in (grid.tp, grid.pp, grid.dp)}
@@ -85,8 +130,14 @@ def check(grid, slow_rank=None, slow_factor=0.5):
     for name, bw in links.items():
         lines.append(f"all-reduce on {name}: " + (f"{bw / 1e9:.2f} GB/s bus bandwidth (this rank's group)"
                                                   if bw else "one rank, nothing to measure"))
-    hosts = sorted({e["host"] for e in everyone})
-    lines.append(f"hosts: {len(hosts)}; host-pair bandwidth is not measured yet (per-axis all-reduce only)")
+    leaders = {}
+    for r, e in enumerate(everyone):
+        leaders.setdefault(e["host"], r)
+    bad, times = find_bad_hosts(sorted(leaders), pair_timer(grid, leaders, slow_rank))
+    lines += [f"host pair {a} - {b}: {BYTES / t / 1e9:.2f} GB/s all-reduce" for (a, b), t in times.items()]
+    lines.append(f"hosts: {len(leaders)}" + ("; one pair: a slow link cannot be pinned on either host"
+                                             if len(leaders) == 2 else ""))
+    problems += [f"host {h} is slow in two host pairings" for h in bad]
     return lines, problems
 
 
@@ -103,10 +154,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Check every rank's compute, correctness and links.")
     p.add_argument("--slow-rank", type=int, default=None, help="testing: make this rank's matmul 4x slower")
     p.add_argument("--slow-factor", type=float, default=0.5, help="flag ranks below this x the median rate")
+    p.add_argument("--ranks-as-hosts", action="store_true", help="testing: treat every rank as its own host")
     args = p.parse_args(argv)
     dist.init("cpu")
     grid = dist.Grid(tdist.get_world_size(), 1, 1)
-    lines, problems = check(grid, args.slow_rank, args.slow_factor)
+    lines, problems = check(grid, args.slow_rank, args.slow_factor, args.ranks_as_hosts)
     if grid.rank == 0:
         print("\n".join(lines), flush=True)
         for line in problems:

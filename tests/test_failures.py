@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from nanomega import args as flags
-from nanomega import checkpoint, dist, faults, train
+from nanomega import checkpoint, dist, health, train
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -271,7 +271,21 @@ def test_sigterm_to_torchrun_checkpoints_at_the_next_step(corpus, tmp_path):
 def test_health_check_names_the_slow_rank(tmp_path):
     """Health check: rank 1 made 4x slower is named, the exit is non-zero; every rank agrees on the known sum."""
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        "-m", "nanomega.health", "--slow-rank", "1"], cwd=ROOT, capture_output=True, text=True,
+                        "-m", "nanomega.health", "--slow-rank", "1", "--ranks-as-hosts"], cwd=ROOT, capture_output=True, text=True,
                        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)), timeout=120)
     assert p.returncode != 0 and "health: rank 1 (" in p.stderr and "health: rank 0" not in p.stderr, p.stderr[-2000:]
-    assert "WRONG" not in p.stdout and "all-reduce on dp:" in p.stdout
+    assert "WRONG" not in p.stdout and "all-reduce on dp:" in p.stdout and "host pair rank0 - rank1:" in p.stdout
+
+
+def test_host_bisection_finds_the_slow_host():
+    """DLRover's pairing: with a simulated link where host c is 5x slower, round 1 flags (c, d), round 2
+    re-pairs c and d with fast hosts and only c stays slow. Every rank must call pair_time in the same order."""
+    calls = []
+
+    def pair_time(a, b):
+        calls.append((a, b))
+        return 5.0 if "c" in (a, b) else 1.0
+
+    bad, times = health.find_bad_hosts(["a", "b", "c", "d", "e"], pair_time)
+    assert bad == ["c"] and calls[:3] == [("a", "b"), ("c", "d"), ("e", "a")] and len(calls) == 5
+    assert health.find_bad_hosts(["a", "b"], pair_time)[0] == []  # one pair: nothing to compare with
