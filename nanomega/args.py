@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from nanomega import checkpoint, corpus, data, dist, pp, precision, presets, recompute, tp
+from nanomega import corpus, data, dist, faults, pp, precision, presets, recompute, tp
 from nanomega.model import GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,7 +67,9 @@ def get_args(argv=None):
     a("--peak-flops", type=float, default=None, help="peak FLOP/s for MFU (default: measured once)")
     a("--collective-timeout", type=float, default=300.0, help="seconds before a stuck collective aborts the job")
     a("--inject-fault", default=None, metavar="KIND:RANK:STEP",
-      help="testing fault handling: KIND raise (the rank raises) or nan (its loss becomes NaN) at STEP")
+      help="testing fault handling: KIND raise (the rank raises), nan (its loss becomes NaN), sigterm "
+           "(it is sent SIGTERM, a preemption) hang (it stops itself, SIGSTOP) or spike (its loss x 10) at STEP")
+    faults.add_flags(p)
     args = p.parse_args(argv)
     if args.model in presets.PRESETS:
         apply_preset(args, p, sys.argv[1:] if argv is None else argv)
@@ -107,8 +109,8 @@ def check(args):
         raise ValueError(f"need --lr > 0 and 0 <= --min-lr <= --lr, got --lr {args.lr} --min-lr {args.min_lr}")
     if args.inject_fault:
         kind, *where = args.inject_fault.split(":")
-        if kind not in ("raise", "nan") or len(where) != 2 or not all(w.isdigit() for w in where):
-            raise ValueError(f"--inject-fault {args.inject_fault!r}: expected raise:RANK:STEP or nan:RANK:STEP")
+        if kind not in ("raise", "nan", "sigterm", "hang", "spike") or len(where) != 2 or not all(w.isdigit() for w in where):
+            raise ValueError(f"--inject-fault {args.inject_fault!r}: expected KIND:RANK:STEP, KIND raise, nan, sigterm, hang or spike")
         args.inject_fault = (kind, int(where[0]), int(where[1]))
     if args.on_nan not in ("skip", "stop"):
         raise ValueError(f"--on-nan {args.on_nan!r}: choose skip or stop")
@@ -146,10 +148,6 @@ def check(args):
             raise ValueError(f"--data {args.data} was prepared with --tokenizer {index['tokenizer']}; pass that one")
     else:
         corpus.corpus_files(args.corpus)  # raises the --corpus line when it names no file
-    folder = checkpoint.latest(args.out_dir)
-    if folder and not args.resume:
-        raise ValueError(f"--out-dir {args.out_dir} already holds a checkpoint ({folder}); "
-                         f"pass --resume to continue it or choose another --out-dir")
-    if folder:
-        checkpoint.read_manifest(folder, cfg)
+    faults.check_flags(args)
+    args.resume_folder = faults.discover(args, cfg)  # newest verified checkpoint (takes the out-dir lock)
     return cfg, dp

@@ -4,7 +4,10 @@ Idea: a checkpoint is a folder `OUT/ckpt/step_000123/` holding one `rank_00007.p
 `manifest.json` (step, model config, layout, sha256 of every shard). A shard is written to a temporary name
 and renamed, so a crash mid-write leaves a `.tmp` file, never a wrong shard; the manifest is written only
 after every rank has finished (a barrier), and `OUT/ckpt/latest` points at the newest folder whose manifest
-exists. Loading reads `latest`, verifies the checksums and the model shape, and hands each rank its state.
+exists. Every file and its directory are fsynced, so a power loss never leaves an empty pointer or manifest.
+Discovery (`find_resume`) scans the step folders -- the pointer is only a hint -- verifies them newest first
+and falls back to the newest complete, verified one, naming what it skipped and why (OPT-175B's logbook:
+a bad shard must cost one checkpoint interval, not the run). `retain` keeps the last K.
 
 Resharding (DeepSpeed's universal checkpoint, done on load): besides its own state, each rank saves its
 *pieces by name* -- for every parameter slice it owns, the element range of its (tensor-parallel) local
@@ -20,6 +23,9 @@ import hashlib
 import json
 import math
 import os
+import re
+import shutil
+import threading
 from collections import defaultdict
 
 import torch
@@ -37,57 +43,222 @@ def _sha256(path):
     return h.hexdigest()
 
 
+class CorruptCheckpoint(ValueError):
+    """A checkpoint folder that is incomplete or damaged (discovery falls back past it)."""
+
+
+def _fsync(path):
+    fd = os.open(path, os.O_RDONLY)  # a directory too: its entries (a rename) reach the disk
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _replace_atomically(path, write):
+    """write(tmp), fsync it, rename it over `path`, fsync the directory: `path` is the old file or the new."""
     tmp = f"{path}.tmp"
     write(tmp)
+    _fsync(tmp)
     os.replace(tmp, path)
+    _fsync(os.path.dirname(os.path.abspath(path)))
+
+
+def _write_text(text):
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.write(text)
+    return write
 
 
 def save(out_dir, step, cfg, state, grid, layout=None):
     """Every rank calls this with its own `state`; returns the checkpoint folder once the manifest exists."""
+    folder = write_shard(out_dir, step, state, grid.rank)
+    write_manifest(out_dir, folder, step, cfg, grid, layout)
+    return folder
+
+
+def write_shard(out_dir, step, state, rank):
     folder = os.path.join(out_dir, "ckpt", f"step_{step:06d}")
     os.makedirs(folder, exist_ok=True)
-    shard = os.path.join(folder, f"rank_{grid.rank:05d}.pt")
+    shard = os.path.join(folder, f"rank_{rank:05d}.pt")
     _replace_atomically(shard, lambda tmp: torch.save(state, tmp))
+    return folder
+
+
+def write_manifest(out_dir, folder, step, cfg, grid, layout=None):
+    """Collective: once every rank's shard is on disk, rank 0 writes the manifest, then the pointer."""
     grid.barrier()  # every shard is on disk before the manifest claims the checkpoint is complete
     if grid.rank == 0:
         shards = sorted(f for f in os.listdir(folder) if f.startswith("rank_") and f.endswith(".pt"))
         manifest = dict(step=step, config=dataclasses.asdict(cfg), layout=layout or {}, world=grid.world,
                         shards={f: _sha256(os.path.join(folder, f)) for f in shards})
-        _replace_atomically(os.path.join(folder, "manifest.json"),
-                            lambda tmp: open(tmp, "w").write(json.dumps(manifest, indent=1)))
-        _replace_atomically(os.path.join(out_dir, "ckpt", "latest"),
-                            lambda tmp: open(tmp, "w").write(os.path.basename(folder)))
+        _replace_atomically(os.path.join(folder, "manifest.json"), _write_text(json.dumps(manifest, indent=1)))
+        _replace_atomically(os.path.join(out_dir, "ckpt", "latest"), _write_text(os.path.basename(folder)))
     grid.barrier()
-    return folder
+
+
+class AsyncSaver:
+    """--async-save ("flash" checkpoints, as DLRover's and torch.distributed.checkpoint.async_save): at the
+    step boundary the state is only copied to CPU memory; a thread writes the shard while training goes on;
+    the manifest comes once every rank's write has finished (`poll` asks all ranks at each step boundary), so
+    a crash mid-write leaves the previous checkpoint the newest complete one. One write in flight at a time."""
+
+    def __init__(self, out_dir, cfg, grid, layout):
+        self.out_dir, self.cfg, self.grid, self.layout = out_dir, cfg, grid, layout
+        self.thread, self.error, self.step = None, None, None
+
+    def start(self, step, state):
+        self.wait()
+        state = _to_cpu(state)  # the training step may overwrite device memory next
+        self.step, self.error = step, None
+        self.thread = threading.Thread(target=self._write, args=(step, state), name="nanomega-ckpt", daemon=True)
+        self.thread.start()
+
+    def _write(self, step, state):
+        try:
+            write_shard(self.out_dir, step, state, self.grid.rank)
+        except BaseException as e:  # re-raised on the training thread by wait()
+            self.error = e
+
+    def poll(self, anyone_busy):
+        """At a step boundary (every rank): finish the checkpoint once no rank is still writing."""
+        if self.thread is not None and not anyone_busy(self.thread.is_alive()):
+            self.wait()
+
+    def wait(self):
+        """Collective: join this rank's writer and write the manifest. Returns the folder, or None."""
+        if self.thread is None:
+            return None
+        self.thread.join()
+        self.thread = None
+        if self.error:
+            raise self.error
+        folder = os.path.join(self.out_dir, "ckpt", f"step_{self.step:06d}")
+        write_manifest(self.out_dir, folder, self.step, self.cfg, self.grid, self.layout)
+        return folder
+
+
+def _to_cpu(obj):
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=obj.device.type != "cpu")
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def step_folders(out_dir):
+    """[(step, folder)] of OUT/ckpt/step_* newest first -- complete or not."""
+    root = os.path.join(out_dir, "ckpt")
+    names = os.listdir(root) if os.path.isdir(root) else []
+    steps = [(int(m.group(1)), os.path.join(root, n)) for n in names if (m := re.fullmatch(r"step_(\d+)", n))]
+    return sorted(steps, reverse=True)
 
 
 def latest(out_dir):
-    """The newest complete checkpoint folder, or None. A folder without a manifest is ignored."""
-    pointer = os.path.join(out_dir, "ckpt", "latest")
-    if not os.path.isfile(pointer):
-        return None
-    folder = os.path.join(out_dir, "ckpt", open(pointer).read().strip())
-    if not os.path.isfile(os.path.join(folder, "manifest.json")):
-        raise ValueError(f"--resume: {pointer} names {folder}, which has no manifest.json; "
-                         f"remove the pointer to start fresh or restore the folder")
-    return folder
+    """The newest folder holding a manifest (not verified), or None. The `latest` pointer is not trusted:
+    a lost or stale pointer must never make a resume start from step 0."""
+    return next((f for _, f in step_folders(out_dir) if os.path.isfile(os.path.join(f, "manifest.json"))), None)
+
+
+def _manifest_json(folder):
+    path = os.path.join(folder, "manifest.json")
+    if not os.path.isfile(path):
+        raise CorruptCheckpoint(f"{folder} has no manifest.json (a save that did not finish)")
+    try:
+        manifest = json.loads(open(path).read())
+        manifest["step"], manifest["world"], manifest["shards"], manifest["config"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptCheckpoint(f"{path} is empty, truncated or not a manifest ({type(e).__name__}: {e})")
+    return manifest
 
 
 def read_manifest(folder, cfg):
     """Check shape and checksums; a mismatch is a clear error, never a silently wrong resume."""
-    manifest = json.load(open(os.path.join(folder, "manifest.json")))
+    manifest = _manifest_json(folder)
     saved, want = manifest["config"], dataclasses.asdict(cfg)
     diff = [f"{k}={saved.get(k)} (now {want[k]})" for k in SHAPE_KEYS if saved.get(k) != want[k]]
     if diff:
         raise ValueError(f"--resume: the checkpoint in {folder} is for another model shape: {', '.join(diff)}; "
                          f"use the same model flags or another --out-dir")
+    if len(manifest["shards"]) != manifest["world"]:
+        raise CorruptCheckpoint(f"{folder}: the manifest lists {len(manifest['shards'])} shards for a world of "
+                                f"{manifest['world']}")
     for name, digest in manifest["shards"].items():
         path = os.path.join(folder, name)
         if not os.path.isfile(path) or _sha256(path) != digest:
-            raise ValueError(f"--resume: shard {path} is missing or does not match its checksum; "
-                             f"restore it or resume from an older step folder")
+            raise CorruptCheckpoint(f"shard {path} is missing or does not match its checksum")
     return manifest
+
+
+def find_resume(out_dir, cfg, resume_from=None):
+    """(folder or None, [skipped folder: reason]): the checkpoint to resume from.
+
+    `resume_from` (a step number or a folder) is verified alone: an error if it fails. Otherwise every step
+    folder, newest first, until one verifies. No verified checkpoint: start fresh if no folder was ever
+    complete (a first save that crashed), else refuse -- starting at step 0 would overwrite the run.
+    """
+    if resume_from is not None:
+        folder = os.path.join(out_dir, "ckpt", f"step_{int(resume_from):06d}") if str(resume_from).isdigit() \
+            else str(resume_from)
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"--resume-from {resume_from}: {folder} is not a checkpoint folder")
+        try:
+            read_manifest(folder, cfg)
+        except CorruptCheckpoint as e:
+            raise ValueError(f"--resume-from {resume_from}: {e}; choose another step") from None
+        return folder, []
+    skipped = []
+    for _, folder in step_folders(out_dir):
+        try:
+            read_manifest(folder, cfg)
+            return folder, skipped
+        except CorruptCheckpoint as e:
+            skipped.append(f"{os.path.basename(folder)}: {e}")
+    if any(os.path.isfile(os.path.join(f, "manifest.json")) for _, f in step_folders(out_dir)):
+        raise ValueError(f"--resume: no checkpoint in {out_dir}/ckpt verifies ({'; '.join(skipped)}); restore a "
+                         f"shard, or move the folders away to start fresh")
+    return None, skipped
+
+
+def clean_tmp(out_dir):
+    """Remove `.tmp` files a crash left behind (only while this job holds the out-dir lock). Returns them."""
+    found = [os.path.join(d, f) for d, _, files in os.walk(os.path.join(out_dir, "ckpt")) for f in files
+             if f.endswith(".tmp")]
+    for path in found:
+        os.remove(path)
+    return found
+
+
+def set_aside_newer(out_dir, step):
+    """Resuming from an older step on purpose: newer step folders move to OUT/ckpt/abandoned/ (kept, never
+    deleted), so that a later --resume does not jump back onto the abandoned timeline."""
+    moved = []
+    for s, folder in step_folders(out_dir):
+        if s > step:
+            dest = os.path.join(out_dir, "ckpt", "abandoned", os.path.basename(folder))
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            os.replace(folder, dest if not os.path.exists(dest) else f"{dest}.{os.getpid()}")
+            moved.append(folder)
+    return moved
+
+
+def retain(out_dir, keep_last, protect=()):
+    """Delete complete checkpoints older than the newest `keep_last` ones, never one in `protect` (the one
+    this run resumed from); incomplete folders older than the newest complete one go too. Returns them."""
+    complete = [f for _, f in step_folders(out_dir) if os.path.isfile(os.path.join(f, "manifest.json"))]
+    if not complete:
+        return []
+    newest = int(os.path.basename(complete[0])[5:])
+    keep = set(complete[:keep_last]) | {os.path.abspath(p) for p in protect if p} | set(protect)
+    gone = [f for s, f in step_folders(out_dir) if s < newest and f not in keep and os.path.abspath(f) not in keep]
+    for folder in gone:
+        shutil.rmtree(folder)
+    if gone:
+        _fsync(os.path.join(out_dir, "ckpt"))
+    return gone
 
 
 def load_shard(folder, rank):
@@ -177,5 +348,5 @@ def load(folder, cfg, engine, grid, layout):
 
 def full_weights(folder):
     """{name: full fp32 tensor} of a checkpoint saved under any layout (for sampling and tests)."""
-    world = json.load(open(os.path.join(folder, "manifest.json")))["world"]
+    world = _manifest_json(folder)["world"]
     return {name: master for name, (master, _) in _assemble([load_shard(folder, r) for r in range(world)]).items()}

@@ -14,6 +14,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -23,7 +24,7 @@ if __package__ in (None, ""):  # `python nanomega/train.py`: make the package im
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanomega import args as flags
-from nanomega import checkpoint, corpus, data, dist, fused, pp, precision, recompute, rng, schedules, tp, zero
+from nanomega import checkpoint, corpus, data, dist, faults, fused, health, pp, precision, recompute, rng, schedules, tp, zero
 from nanomega.model import GPT, flops_per_token
 
 
@@ -109,19 +110,26 @@ def evaluate(model, grid, val_set, args):
     return grid.dp.all_reduce(torch.tensor([loss], device=grid.device)).item() / grid.dp.size
 
 
-def rank_state(engine, sampler, scaler, step, grid):
+def rank_state(engine, sampler, scaler, step, grid, spikes=None):
     """What this rank writes: its pieces of every parameter by name (any layout can load them), data position,
-    loss scale, RNG."""
-    return dict(universal=checkpoint.universal_pieces(engine, grid),
+    loss scale, RNG, the lr scale and skipped data windows of rollbacks."""
+    return dict(universal=checkpoint.universal_pieces(engine, grid), spikes=spikes and spikes.state_dict(),
                 sampler=sampler.state_dict(), scaler=scaler.state_dict(), step=step,
                 rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
 
 
 def main(argv=None):
     args = flags.get_args(argv)
+    with faults.job(args):  # preemption signals, the out-dir lock, no orphans (nanomega/faults.py)
+        return train(args)
+
+
+def train(args):
     cfg, dp = flags.check(args)  # every check that needs no collective, before the first one
     device = dist.init(args.device, args.collective_timeout)
     grid = dist.Grid(dp, args.pp, args.tp)
+    if args.health_check:
+        health.gate(grid)
     log = grid.rank == grid.world - 1  # the last rank: last pipeline stage, where the loss lives
     if log and args.model:
         print(f"--model {args.model}: n_layer {cfg.n_layer}, n_head {cfg.n_head}, n_embd {cfg.n_embd}, block_size "
@@ -135,15 +143,10 @@ def main(argv=None):
 
     layout = dict(dp=dp, tp=args.tp, pp=args.pp, zero=args.zero, dtype=args.dtype, tokenizer=args.tokenizer,
                   virtual_stages=args.virtual_stages, sequence_parallel=args.sequence_parallel)
-    step, folder = 0, checkpoint.latest(args.out_dir)
+    step, folder, spikes = 0, args.resume_folder, faults.Spikes(args)  # folder: verified by flags.check
     if folder:
-        state = checkpoint.load(folder, cfg, engine, grid, layout)
-        if state["sampler"] is not None:  # None: a step-0 import (nanomega.hf) starts data and scaler fresh
-            sampler.load_state_dict(state["sampler"])
-            scaler.load_state_dict(state["scaler"])
+        state = restore(folder, cfg, engine, grid, layout, scaler, spikes, sampler)
         step = state["step"]
-        if state.get("same_layout"):  # the RNG streams continue exactly; a new layout reseeds them
-            torch.set_rng_state(state["rng"])
         if log:
             print(f"resumed from {folder} at step {step}" + ("" if state.get("same_layout") else " (resharded)"))
 
@@ -155,8 +158,11 @@ def main(argv=None):
         print(f"{grid}\nmodel: {n_params / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOP/token; "
               f"global batch {global_batch} x {args.block_size} tokens; peak {peak / 1e9:.0f} GFLOP/s per rank")
         os.makedirs(args.out_dir, exist_ok=True)
-    metrics = open(os.path.join(args.out_dir, "metrics.jsonl"), "a") if log else None
-    last_save, avg_loss, rec = time.time(), None, {}
+    metrics = faults.open_metrics(args.out_dir, step) if log else None  # rows after `step` are redone
+    skips, watchdog = faults.Skips(args.max_skipped), faults.Watchdog(args, grid)
+    saver = checkpoint.AsyncSaver(args.out_dir, cfg, grid, layout) if args.async_save else None
+    faults.arm_preemption()  # from here on SIGTERM/SIGUSR1 checkpoint at the next step boundary
+    last_save, rec, pending_save = time.time(), {}, False
     if args.eval_every and step == 0:  # the starting point of the validation curve (~ ln V)
         val = evaluate(model, grid, val_set, args)
         if log:
@@ -164,19 +170,26 @@ def main(argv=None):
             metrics.write(json.dumps(dict(step=0, val_loss=val)) + "\n")
     while step < args.max_steps:
         t0 = time.perf_counter()
-        lr = lr_at(step, args)
+        watchdog.beat(step + 1, "start")
+        lr = lr_at(step, args) * spikes.lr_scale
         engine.set_lr(lr)
-        micro = sampler.local_micro_batches(step, grid.dp_rank, dp, args.batch_size, args.grad_accum)
+        micro = sampler.local_micro_batches(sampler.step, grid.dp_rank, dp, args.batch_size, args.grad_accum)
         batches = [tuple(t.to(device) for t in train_set.get(idx)) for idx in micro]
-        fault = args.inject_fault and args.inject_fault[1:] == (grid.rank, step + 1) and args.inject_fault[0]
+        fault = args.inject_fault and args.inject_fault[1:] == (grid.rank, sampler.step + 1) and args.inject_fault[0]
         if fault == "raise":
             raise RuntimeError(f"--inject-fault: rank {grid.rank} raises at step {step + 1}")
+        if fault in ("sigterm", "hang"):  # a preemption notice arriving mid-step; a rank frozen (SIGSTOP)
+            os.kill(os.getpid(), signal.SIGTERM if fault == "sigterm" else signal.SIGSTOP)
         trace = schedules.Trace(grid.pp_rank) if grid.pp.size > 1 and step == min(1, args.max_steps - 1) else None
-        loss = forward_backward(model, engine, grid, batches, args, float("nan") if fault else scaler.scale, trace)
+        loss_scale = float("nan") if fault == "nan" else scaler.scale  # an injected NaN poisons the gradients
+        loss = forward_backward(model, engine, grid, batches, args, loss_scale, trace)
         if trace and grid.dp_rank == 0 and grid.tp_rank == 0:  # step 1's pipeline timeline, for nanomega.plot
             save_trace(trace, args.out_dir)
-        info = engine.step(clip_norm=args.grad_clip or None, scaler=scaler)
-        loss = grid.dp.all_reduce(torch.tensor([loss], device=device)).item() / dp
+        watchdog.beat(step + 1, "backward done")
+        loss = grid.dp.all_reduce(torch.tensor([loss * (10 if fault == "spike" else 1)], device=device)).item() / dp
+        spike = spikes.check(loss)  # the loss lives on the last pipeline stage: everyone takes its decision
+        spike = grid_agrees(grid, spike) if args.on_spike != "warn" else spike
+        info = engine.step(clip_norm=args.grad_clip or None, scaler=scaler, skip=spike and args.on_spike == "skip")
         sampler.advance()
         step += 1
         finite = info["stepped"] and math.isfinite(loss)
@@ -188,25 +201,49 @@ def main(argv=None):
         rec = dict(step=step, loss=loss, lr=lr, grad_norm=info["grad_norm"], skipped=not info["stepped"],
                    tok_s=tok_s, mfu=flops_tok * tok_s / (grid.world * peak))
         rec["tokens"] = step * global_batch * args.block_size  # the x axis of nanomega.plot's loss-vs-tokens
-        spike = avg_loss is not None and finite and loss > 1.5 * avg_loss
-        if finite:
-            avg_loss = loss if avg_loss is None else 0.9 * avg_loss + 0.1 * loss
         if args.eval_every and (step % args.eval_every == 0 or step == args.max_steps):
-            rec["val_loss"] = evaluate(model, grid, val_set, args)
+            with watchdog.paused():
+                rec["val_loss"] = evaluate(model, grid, val_set, args)
         if log:
             if step % args.log_every == 0 or "val_loss" in rec or spike or not finite:
                 val = f" val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
-                note = " SKIPPED (not finite)" if not finite else (" LOSS SPIKE" if spike else "")
+                note = " SKIPPED" + (" (loss spike)" if spike else " (not finite)") if not info["stepped"] else (
+                    " LOSS SPIKE" if spike else "")
                 print(f"step {step:5d} loss {loss:.4f}{val} lr {lr:.2e} norm {info['grad_norm']:.3f} "
                       f"{tok_s:,.0f} tok/s mfu {100 * rec['mfu']:.1f}%{note}", flush=True)
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
+        skips.update(info["stepped"], step)  # info["stepped"] is the same on every rank (a reduced norm)
+        if spike and args.on_spike == "rollback":
+            step = roll_back(args, cfg, engine, grid, layout, scaler, spikes, step)
+            if log:  # the rows since that checkpoint are redone
+                metrics.close()
+                metrics = faults.open_metrics(args.out_dir, step)
+            continue
         due = (args.save_every and step % args.save_every == 0) or step == args.max_steps
         if args.save_every_minutes:  # clocks differ: every rank must take the same decision, or the save hangs
             due = grid_agrees(grid, due or time.time() - last_save >= 60 * args.save_every_minutes)
-        if due:
-            checkpoint.save(args.out_dir, step, cfg, rank_state(engine, sampler, scaler, step, grid), grid, layout)
-            last_save = time.time()
+        preempted = grid_agrees(grid, faults.preempt_requested())  # every rank stops at the same step
+        if saver:  # the manifest of a background save, once every rank has written its shard
+            saver.poll(lambda busy: grid_agrees(grid, busy))
+        if (due or preempted or pending_save) and not skips.may_save():
+            if due or preempted:
+                faults.say(f"step {step}: checkpoint not written (the step was skipped); the next finite step saves")
+            pending_save = True
+        elif due or preempted or pending_save:
+            state = rank_state(engine, sampler, scaler, step, grid, spikes)
+            with watchdog.paused():
+                if saver:
+                    saver.start(step, state)
+                else:
+                    checkpoint.save(args.out_dir, step, cfg, state, grid, layout)
+            faults.saved(args, folder, grid)
+            last_save, pending_save = time.time(), False
+        if preempted:
+            faults.say(f"step {step}: preempted (signal); exiting 0 after the last checkpoint; --resume continues")
+            break
+    if saver:
+        saver.wait()
     if metrics:
         metrics.close()
     return rec
@@ -218,6 +255,31 @@ def save_trace(trace, out_dir):
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, f"rank_{trace.rank:03d}.json"), "w") as f:
         json.dump(dict(rank=trace.rank, events=[e._asdict() for e in trace.events]), f)
+
+
+def restore(folder, cfg, engine, grid, layout, scaler, spikes, sampler=None):
+    """Load a checkpoint into this rank's engine, loss scaler, RNG (same layout) and, if given, sampler."""
+    state = checkpoint.load(folder, cfg, engine, grid, layout)
+    fresh = state["sampler"] is None  # a step-0 import (nanomega.hf): the data and the loss scale start fresh
+    if sampler is not None and not fresh:
+        sampler.load_state_dict(state["sampler"])
+    if not fresh:
+        scaler.load_state_dict(state["scaler"])
+    spikes.load_state_dict(state.get("spikes"))
+    if state.get("same_layout"):  # the RNG streams continue exactly; a new layout reseeds them
+        torch.set_rng_state(state["rng"])
+    return state
+
+
+def roll_back(args, cfg, engine, grid, layout, scaler, spikes, step):
+    """--on-spike rollback: reload the newest verified checkpoint, but not the sampler's position (the data
+    since that checkpoint is skipped); returns the step to continue from."""
+    folder, _ = checkpoint.find_resume(args.out_dir, cfg)
+    if folder is None:
+        raise FloatingPointError(f"step {step}: loss spike and no checkpoint to roll back to; use --save-every")
+    state = restore(folder, cfg, engine, grid, layout, scaler, spikes)
+    spikes.rolled_back(state["step"], step)
+    return state["step"]
 
 
 def grid_agrees(grid, flag):
@@ -247,15 +309,4 @@ def train_peak(device, dtype=torch.float32):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except RuntimeError as e:  # a collective failed: rank 0 names the ranks that no longer answer, in one line
-        line = dist.lost_ranks(e)
-        if line is None:
-            raise
-        if line:
-            print(f"error: {line}", file=sys.stderr, flush=True)
-        sys.exit(1)
+    faults.entrypoint(main)  # expected failures: one line, recorded for torchrun's summary

@@ -225,9 +225,10 @@ class ZeroEngine(ShardedState):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def step(self, clip_norm=None, scaler=None):
+    def step(self, clip_norm=None, scaler=None, skip=False):
         """Finish the reductions, average (and unscale), global norm, clip, step the owned pieces, write the
-        parameters back (all-gather for stages 1-2), zero the gradients. -> dict(grad_norm, stepped)."""
+        parameters back (all-gather for stages 1-2), zero the gradients. -> dict(grad_norm, stepped).
+        skip=True drops the update (a loss spike, faults.Spikes) like a non-finite one."""
         for g in self.groups:  # every micro-batch ran under no_sync (or none ran): reduce now
             if not g.reduced:
                 self._reduce(g)
@@ -246,6 +247,7 @@ class ZeroEngine(ShardedState):
         stepped = math.isfinite(norm) or scaler is None
         if scaler is not None:
             scaler.update(not stepped)
+        stepped = stepped and not skip
         if stepped:
             if clip_norm is not None and clip_norm / (norm + 1e-6) < 1.0:
                 for m, *_ in self.pieces:

@@ -1,0 +1,97 @@
+"""Failure handling figures for bench/RESULTS.md (issue 16): a frozen rank found by the hang watchdog, a
+diverging run stopped by --max-skipped, a preemption resumed bitwise.
+
+    python bench/bench_failures.py
+"""
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+import kill_resume  # noqa: E402
+from nanomega import checkpoint  # noqa: E402
+
+
+def hang(corpus, root, timeout=10):
+    """Rank 1 of 2 stops itself (SIGSTOP) at step 3: seconds from its last logged step to the report."""
+    out = root / "hang"
+    job = kill_resume.torchrun(corpus, out, 2, 50, ["--inject-fault", "hang:1:3", "--hang-timeout", str(timeout),
+                                                    "--collective-timeout", "120"], restarts=0)
+    workers, frozen_at = {}, None
+    while not (out / "hang" / "report.txt").exists() and job.poll() is None:
+        workers = workers or kill_resume.worker_pids(job.pid)
+        if frozen_at is None and kill_resume.logged_step(out) >= 2:
+            frozen_at = time.time()
+        time.sleep(0.05)
+    found = (out / "hang" / "report.txt").stat().st_mtime - frozen_at
+    report = (out / "hang" / "report.txt").read_text().strip()
+    os.kill(workers[1], signal.SIGKILL)
+    job.communicate(timeout=120)
+    return found, report, job.returncode
+
+
+def diverge(corpus, root):
+    """--lr 1e6 on the small model, default --max-skipped: the step it stops at and its exit code."""
+    out = root / "lr1e6"
+    cmd = [sys.executable, "nanomega/train.py", *kill_resume.MODEL, "--corpus", str(corpus), "--data-cache",
+           str(root / "cache"), "--out-dir", str(out), "--max-steps", "60", "--lr", "1e6", "--save-every", "5"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    ckpts = sorted(os.listdir(out / "ckpt")) if (out / "ckpt").is_dir() else []
+    return p.returncode, recs, p.stderr.strip().splitlines()[-1], ckpts
+
+
+def async_stall(root, reps=5):
+    """Seconds the training thread stops per save: synchronous save vs --async-save (state copy + thread start),
+    interleaved so that other jobs on the cores disturb both alike. Returns (params, sync, async) medians."""
+    import torch
+    from nanomega import args as flags
+    from nanomega import data, dist, faults, precision, train
+    a = flags.get_args(["--n-layer", "4", "--n-head", "4", "--n-embd", "256", "--block-size", "64", "--dropout", "0"])
+    cfg = flags.model_config(a)
+    dist.init("cpu")
+    grid = dist.Grid(1, 1, 1)
+    model, engine, n_params = train.build(a, cfg, grid)
+    x = torch.randint(0, cfg.vocab_size, (2, 64))
+    model(x, x).backward()
+    engine.step()  # Adam state exists: the shard holds master + m + v, 12 bytes per parameter
+    sampler, scaler, spikes = data.Sampler(1000, 16, 0), precision.LossScaler(dynamic=False), faults.Spikes(a)
+    out = str(root / "stall")
+    saver = checkpoint.AsyncSaver(out, cfg, grid, {})
+    sync, stall = [], []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        checkpoint.save(out, 2 * i + 1, cfg, train.rank_state(engine, sampler, scaler, 0, grid, spikes), grid)
+        sync.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        saver.start(2 * i + 2, train.rank_state(engine, sampler, scaler, 0, grid, spikes))
+        stall.append(time.perf_counter() - t0)
+        saver.wait()
+    return n_params, sorted(sync)[reps // 2], sorted(stall)[reps // 2]
+
+
+def main():
+    root = Path(tempfile.mkdtemp(prefix="bench_failures-"))
+    corpus = root / "small.txt"
+    corpus.write_text(gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(300_000))
+    n, sync, stall = async_stall(root)
+    print(f"save of {n / 1e6:.1f}M parameters (12 B each): synchronous {1e3 * sync:.0f} ms, --async-save stall "
+          f"{1e3 * stall:.1f} ms = {100 * stall / sync:.1f}% (medians of 5, interleaved)")
+    found, report, rc = hang(corpus, root)
+    print(f"hang: rank 1 frozen at step 3 with --hang-timeout 10: reported after {found:.1f} s, exit {rc}\n  {report}")
+    rc, recs, last, ckpts = diverge(corpus, root)
+    skipped = sum(r["skipped"] for r in recs)
+    print(f"--lr 1e6, --max-skipped 20 (default): exit {rc} at step {recs[-1]['step']} of 60, {skipped} steps skipped; "
+          f"checkpoints {ckpts}\n  {last}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Health check before a long run: find the slow or wrong rank before it costs a week (BLOOM, DLRover).
+
+Idea: one bad device slows (or silently corrupts) a whole synchronous job, so check every rank first:
+    compute     a timed fp32 matmul per rank; a rank below --slow-factor x the median rate is flagged
+    correctness a known computation (integer-valued fp64 matmul, exact in any BLAS: every partial sum is an
+                integer < 2^53) must give the same checksum on every rank -- silent data corruption shows here
+    links       an all-reduce per grid axis, bus bandwidth = 2(n-1)/n x bytes / seconds (the ring's traffic);
+                between hosts: pair the hosts, time each pair, then re-pair a slow pair's hosts with a fast
+                host to tell which of the two is bad (DLRover's node check; find_bad_hosts). Only one host
+                exists here: the bisection is tested with a simulated link, the pair timing with ranks as hosts
+A table on the last rank, and a non-zero exit naming the bad rank or host.
+
+    torchrun --nproc_per_node=2 -m nanomega.health            # alone
+    torchrun ... nanomega/train.py --health-check ...          # before training
+`--slow-rank K` (tests, lessons) makes rank K sleep 3x as long as its matmul takes: a quarter of the rate.
+Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
+"""
+import argparse
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as tdist
+
+from nanomega import dist
+
+N, REPS, BYTES = 256, 5, 1 << 20
+
+
+def matmul_rate(slow=False):
+    """FLOP/s of an N x N fp32 matmul (best of REPS)."""
+    a, b = torch.randn(N, N), torch.randn(N, N)
+    best = float("inf")
+    for _ in range(REPS):
+        t0 = time.perf_counter()
+        a @ b
+        dt = time.perf_counter() - t0
+        if slow:  # a rank at a quarter of the rate: well below --slow-factor 0.5 x the median
+            time.sleep(3 * dt)
+            dt *= 4
+        best = min(best, dt)
+    return 2 * N ** 3 / best
+
+
+def known_checksum():
+    """An exact result: integer entries in [-8, 8), so every product and partial sum is an exact float64."""
+    g = torch.Generator().manual_seed(1234)
+    a = torch.randint(-8, 8, (N, N), generator=g, dtype=torch.float64)
+    b = torch.randint(-8, 8, (N, N), generator=g, dtype=torch.float64)
+    return float((a @ b).sum())
+
+
+def bus_bandwidth(axis):
+    """Bytes/s of the ring all-reduce on one grid axis (best of REPS), or None on a one-rank axis."""
+    if axis.size < 2:
+        return None
+    t = torch.ones(BYTES // 4)
+    best = float("inf")
+    for _ in range(REPS):
+        tdist.barrier(group=axis.group)
+        t0 = time.perf_counter()
+        tdist.all_reduce(t, group=axis.group)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * (axis.size - 1) / axis.size * BYTES / best
+
+
+def find_bad_hosts(hosts, pair_time, slow=2.0):
+    """DLRover's bisection. Round 1 pairs neighbours (an odd one out pairs with the first host) and times each
+    pair; a pair slower than `slow` x the median pair is suspect. Round 2 pairs each suspect with a host from a
+    fast pair: a suspect slow again is bad. Returns (bad hosts, pair times); with no fast pair, none can be
+    told apart and every suspect is returned. pair_time(a, b) must run in the same order on every rank."""
+    pairs = [(hosts[i], hosts[i + 1]) for i in range(0, len(hosts) - 1, 2)]
+    if len(hosts) % 2 and len(hosts) > 1:
+        pairs.append((hosts[-1], hosts[0]))
+    times = {p: pair_time(*p) for p in pairs}
+    if not times:
+        return [], times
+    median = statistics.median(times.values())
+    slow_pairs = [p for p, t in times.items() if t > slow * median]
+    suspects = sorted({h for p in slow_pairs for h in p})
+    fast = [h for p in pairs if p not in slow_pairs for h in p if h not in suspects]
+    if not fast:
+        return suspects, times
+    again = {h: pair_time(h, fast[i % len(fast)]) for i, h in enumerate(suspects)}
+    times.update({(h, fast[i % len(fast)]): t for i, (h, t) in enumerate(again.items())})
+    return [h for h, t in again.items() if t > slow * median], times
+
+
+def pair_timer(grid, leaders, slow_rank=None):
+    """pair_time(a, b) for find_bad_hosts: all-reduce seconds between two hosts' first ranks (best of REPS),
+    shared with every rank by a world all-reduce. Every rank calls it (new_group is collective)."""
+    def pair_time(a, b):
+        ranks = sorted({leaders[a], leaders[b]})
+        group = tdist.new_group(ranks)
+        t = torch.zeros(1)
+        if grid.rank in ranks:
+            buf, best = torch.ones(BYTES // 4), float("inf")
+            for _ in range(REPS):
+                t0 = time.perf_counter()
+                tdist.all_reduce(buf, group=group)
+                if slow_rank in ranks:  # testing: a slow link
+                    time.sleep(3 * (time.perf_counter() - t0))
+                best = min(best, time.perf_counter() - t0)
+            t[0] = best if grid.rank == ranks[0] else 0.0
+        tdist.all_reduce(t)
+        return float(t)
+    return pair_time
+
+
+def check(grid, slow_rank=None, slow_factor=0.5, ranks_as_hosts=False):
+    """Every rank: measure, gather, judge. Returns (table lines, [problems]) -- the same on every rank."""
+    host = f"rank{grid.rank}" if ranks_as_hosts else socket.gethostname()
+    mine = dict(host=host, rate=matmul_rate(grid.rank == slow_rank), sum=known_checksum())
+    everyone = [None] * grid.world
+    tdist.all_gather_object(everyone, mine)
+    links = {a.name: bus_bandwidth(a) for a in (grid.tp, grid.pp, grid.dp)}
+    median = statistics.median(r["rate"] for r in everyone)
+    expect = statistics.mode(r["sum"] for r in everyone)
+    problems, lines = [], [f"{'rank':>4} {'host':<16} {'GFLOP/s':>8} {'vs median':>9} {'checksum':>9}"]
+    for r, e in enumerate(everyone):
+        slow, wrong = e["rate"] < slow_factor * median, e["sum"] != expect
+        lines.append(f"{r:>4} {e['host'][:16]:<16} {e['rate'] / 1e9:8.2f} {e['rate'] / median:9.2f} "
+                     f"{'ok' if not wrong else 'WRONG':>9}" + ("  SLOW" if slow else ""))
+        if slow:
+            problems.append(f"rank {r} ({e['host']}) computes at {e['rate'] / median:.2f}x the median")
+        if wrong:
+            problems.append(f"rank {r} ({e['host']}) got a wrong result for a known computation")
+    for name, bw in links.items():
+        lines.append(f"all-reduce on {name}: " + (f"{bw / 1e9:.2f} GB/s bus bandwidth (this rank's group)"
+                                                  if bw else "one rank, nothing to measure"))
+    leaders = {}
+    for r, e in enumerate(everyone):
+        leaders.setdefault(e["host"], r)
+    bad, times = find_bad_hosts(sorted(leaders), pair_timer(grid, leaders, slow_rank))
+    lines += [f"host pair {a} - {b}: {BYTES / t / 1e9:.2f} GB/s all-reduce" for (a, b), t in times.items()]
+    lines.append(f"hosts: {len(leaders)}" + ("; one pair: a slow link cannot be pinned on either host"
+                                             if len(leaders) == 2 else ""))
+    problems += [f"host {h} is slow in two host pairings" for h in bad]
+    return lines, problems
+
+
+def gate(grid, slow_rank=None):
+    """train.py --health-check: the table from the last rank; one line naming the bad ranks, else go on."""
+    lines, problems = check(grid, slow_rank)
+    if grid.rank == grid.world - 1:
+        print("\n".join(lines), flush=True)
+    if problems:
+        raise ValueError(f"--health-check: {'; '.join(problems)}; exclude that host or replace the device")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Check every rank's compute, correctness and links.")
+    p.add_argument("--slow-rank", type=int, default=None, help="testing: make this rank's matmul 4x slower")
+    p.add_argument("--slow-factor", type=float, default=0.5, help="flag ranks below this x the median rate")
+    p.add_argument("--ranks-as-hosts", action="store_true", help="testing: treat every rank as its own host")
+    args = p.parse_args(argv)
+    dist.init("cpu")
+    grid = dist.Grid(tdist.get_world_size(), 1, 1)
+    lines, problems = check(grid, args.slow_rank, args.slow_factor, args.ranks_as_hosts)
+    if grid.rank == 0:
+        print("\n".join(lines), flush=True)
+        for line in problems:
+            print(f"health: {line}", file=sys.stderr, flush=True)
+    tdist.destroy_process_group()
+    return 5 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

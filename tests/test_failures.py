@@ -1,0 +1,291 @@
+"""Failures at scale (issue 16): each test names the defect it guards against, and fails without its fix.
+
+One reference run (6 steps, a checkpoint every 2) is shared; each test damages a copy of its out-dir."""
+import contextlib
+import gzip
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanomega import args as flags
+from nanomega import checkpoint, dist, health, train
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import kill_resume  # noqa: E402  (the torchrun harness)
+
+SMALL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
+         "--eval-every", "0", "--peak-flops", "1e11", "--save-every", "2", "--max-steps", "6", "--warmup", "2"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("failures") / "small.txt"
+    path.write_text(gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(300_000))
+    return path
+
+
+def run(corpus, out, *extra):
+    return train.main([*SMALL, "--corpus", str(corpus), "--data-cache", str(Path(corpus).parent / "cache"),
+                       "--out-dir", str(out), *extra])
+
+
+@pytest.fixture(scope="module")
+def reference(corpus):
+    out = Path(corpus).parent / "reference"
+    run(corpus, out)  # checkpoints at steps 2, 4, 6
+    return out
+
+
+def copy(reference, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(reference, out, ignore=shutil.ignore_patterns(".lock"))
+    return out
+
+
+def same_weights(a, b):
+    wa, wb = checkpoint.full_weights(a), checkpoint.full_weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def steps_logged(out):
+    return [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
+
+
+def test_lost_pointer_resumes_from_the_step_folders(corpus, reference, tmp_path, capsys):
+    """Defects 1 and 8: `latest` deleted -> --resume started at step 0 and overwrote step 2; metrics rows
+    written after the checkpoint (steps 5, 6 here) were duplicated by the resumed run."""
+    out = copy(reference, tmp_path)
+    (out / "ckpt" / "latest").unlink()
+    shutil.rmtree(out / "ckpt" / "step_000006")  # the run "crashed" after logging steps 5 and 6
+    rec = run(corpus, out, "--resume")
+    assert "resumed from" in capsys.readouterr().out and rec["step"] == 6
+    assert steps_logged(out) == [1, 2, 3, 4, 5, 6]  # rows 5, 6 replaced, not duplicated
+    assert same_weights(out / "ckpt" / "step_000006", reference / "ckpt" / "step_000006")  # bitwise: same kernels
+
+
+def test_corrupt_checkpoint_falls_back_and_is_named(corpus, reference, tmp_path, capsys):
+    """Defects 2 and 5: a bad shard in the newest checkpoint -> fall back to the previous complete one,
+    naming what was skipped; an empty manifest is named; --resume-from picks a step."""
+    out = copy(reference, tmp_path)
+    shard = out / "ckpt" / "step_000006" / "rank_00000.pt"
+    shard.write_bytes(shard.read_bytes()[:-7] + b"garbage")
+    (out / "ckpt" / "step_000004" / "manifest.json").write_text("")  # a power loss before the data reached disk
+    args = flags.get_args([*SMALL, "--corpus", str(corpus), "--out-dir", str(out), "--resume", "--max-steps", "8"])
+    flags.check(args)
+    err = capsys.readouterr().err
+    assert args.resume_folder.endswith("step_000002")
+    assert f"skipped step_000006: shard {shard} is missing or does not match its checksum" in err
+    assert "step_000004/manifest.json is empty, truncated or not a manifest" in err
+    with pytest.raises(ValueError, match="--resume-from 4: .*manifest.json is empty"):
+        flags.check(flags.get_args([*SMALL, "--corpus", str(corpus), "--out-dir", str(out), "--resume-from", "4"]))
+    shutil.rmtree(out / "ckpt" / "step_000004")
+    rec = run(corpus, out, "--resume-from", "2")  # resumes, moves the damaged step 6 aside (kept)
+    assert rec["step"] == 6 and (out / "ckpt" / "abandoned" / "step_000006").is_dir()
+    assert same_weights(out / "ckpt" / "step_000006", reference / "ckpt" / "step_000006")
+
+
+def test_fsync_tmp_cleanup_retention_and_max_steps(corpus, reference, tmp_path, monkeypatch, capsys):
+    """Defect 8: no fsync, `.tmp` leftovers, checkpoints piling up, resume with --max-steps at or below the
+    checkpoint a silent no-op."""
+    out = copy(reference, tmp_path)
+    with pytest.raises(ValueError, match="--max-steps 6 is at or below the checkpoint's step 6"):
+        run(corpus, out, "--resume")
+    leftover = out / "ckpt" / "step_000006" / "rank_00000.pt.tmp"
+    leftover.write_bytes(b"half a shard")
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
+    run(corpus, out, "--resume", "--max-steps", "10", "--keep-last", "1", "--save-every", "2")
+    assert not leftover.exists() and "removed" in capsys.readouterr().err
+    left = sorted(os.listdir(out / "ckpt"))
+    assert left == ["latest", "step_000006", "step_000010"]  # the newest, and the one resumed from
+    ckpt = str((out / "ckpt").resolve())
+    for path in (f"{ckpt}/step_000010/rank_00000.pt.tmp", f"{ckpt}/step_000010/manifest.json.tmp",
+                 f"{ckpt}/latest.tmp", f"{ckpt}/step_000010", ckpt):
+        assert path in synced, f"{path} was not fsynced"
+
+
+def test_divergence_stops_within_max_skipped(corpus, tmp_path):
+    """Defect 3: --lr 1e6 skipped 28 of 30 steps and exited 0 with diverged checkpoints."""
+    out = tmp_path / "lr1e6"
+    with pytest.raises(FloatingPointError, match="4 consecutive steps skipped"):
+        run(corpus, out, "--lr", "1e6", "--max-steps", "30", "--save-every", "2", "--max-skipped", "4")
+    recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    skipped = {r["step"] for r in recs if r["skipped"]}
+    assert recs[-1]["skipped"] and all(r["skipped"] for r in recs[-4:]) and len(recs) < 30
+    assert all(int(f[5:]) not in skipped for f in os.listdir(out / "ckpt") if f.startswith("step_"))
+
+
+def test_preemption_checkpoints_and_resumes_bitwise(corpus, reference, tmp_path, capsys):
+    """Defect 7 (no SIGTERM handling): a preempted job lost up to --save-every steps."""
+    out = tmp_path / "preempted"
+    rec = run(corpus, out, "--inject-fault", "sigterm:0:3")
+    assert rec["step"] == 3 and (out / "ckpt" / "step_000003" / "manifest.json").exists()
+    assert "preempted" in capsys.readouterr().err
+    assert run(corpus, out, "--resume")["step"] == 6
+    assert same_weights(out / "ckpt" / "step_000006", reference / "ckpt" / "step_000006")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored after the job
+
+
+def test_bad_out_dir_and_timeout_refused_up_front(corpus, tmp_path):
+    """Defect 6: --out-dir under a regular file failed with a traceback after start-up; --collective-timeout
+    -1 gave a 99-line dump and 0 silently meant 300 s."""
+    (tmp_path / "file").write_text("x")
+    for extra, message in ((["--out-dir", str(tmp_path / "file" / "out")], "is a file, not a directory"),
+                           (["--collective-timeout", "0"], "--collective-timeout must be > 0"),
+                           (["--collective-timeout", "-1"], "--collective-timeout must be > 0")):
+        with pytest.raises(ValueError, match=message):
+            flags.check(flags.get_args([*SMALL, "--corpus", str(corpus), "--out-dir", str(tmp_path / "o"), *extra]))
+
+
+def test_second_job_on_an_out_dir_is_refused(corpus, tmp_path):
+    """Defect 7: nothing stopped two jobs writing the same out-dir. The lock dies with its holder."""
+    out = tmp_path / "locked"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from nanomega import faults; "
+                               "faults.lock_out_dir(sys.argv[1]); print('locked', flush=True); time.sleep(60)",
+                               str(out)], stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        t0 = time.time()
+        with pytest.raises(ValueError, match=f"--out-dir {out} is in use by another job .pid {holder.pid}"):
+            run(corpus, out, "--max-steps", "1")
+        assert time.time() - t0 < 10
+        t0 = time.time()  # under torchrun: rank 0 refuses; rank 1, waiting in the rendezvous, dies on SIGTERM
+        job = kill_resume.torchrun(corpus, out, 2, 4, restarts=0)
+        log, _ = job.communicate(timeout=120)
+        # < 30 s: torchrun's SIGTERM -> SIGKILL grace is 30 s, so a worker that sat out SIGTERM takes longer
+        assert job.returncode != 0 and log.count("error: --out-dir") == 1 and time.time() - t0 < 30, log[-3000:]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run(corpus, out, "--max-steps", "1")["step"] == 1  # the kernel released the dead holder's lock
+
+
+def test_workers_die_with_their_agent_and_errors_are_one_line(corpus, tmp_path):
+    """Defects 6 and 7 under torchrun: SIGKILL of the agent left both workers training on as orphans; every
+    rank printed the error and torchrun's summary lacked the message."""
+    job = kill_resume.torchrun(corpus, tmp_path / "orphans", 2, 400, ["--save-every", "0", "--hang-timeout", "0"],
+                               restarts=0)  # no watchdog: its store writes would end orphans too
+    try:
+        while kill_resume.logged_step(tmp_path / "orphans") < 1 and job.poll() is None:
+            time.sleep(0.1)
+        workers = kill_resume.worker_pids(job.pid)
+        assert len(workers) == 2
+        job.kill()  # SIGKILL: the agent cannot forward anything
+        deadline = time.time() + 10
+        while time.time() < deadline and any(Path(f"/proc/{p}").exists() for p in workers.values()):
+            time.sleep(0.1)
+        alive = [p for p in workers.values() if Path(f"/proc/{p}").exists()
+                 and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+        assert not alive, f"workers {alive} outlived their torchrun agent"
+    finally:
+        job.kill()
+        job.wait()
+        for p in workers.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+
+
+def test_frozen_rank_is_named_with_stack_dumps(corpus, tmp_path):
+    """Defect 4: a frozen rank (SIGSTOP) was detected after 331 s and the report blamed the healthy rank 0;
+    no watchdog, no stack dump. Here rank 1 stops itself at step 3; --hang-timeout 5."""
+    out = tmp_path / "hang"
+    job = kill_resume.torchrun(corpus, out, 2, 50, ["--inject-fault", "hang:1:3", "--hang-timeout", "5",
+                                                    "--collective-timeout", "120"], restarts=0)
+    workers = {}
+    try:
+        while not (out / "hang" / "report.txt").exists() and job.poll() is None:
+            workers = workers or kill_resume.worker_pids(job.pid)
+            time.sleep(0.2)
+        stalled_at = kill_resume.logged_step(out)
+        report = (out / "hang" / "report.txt").read_text()
+        assert "ranks [1] did not answer (frozen or dead)" in report and "ranks [] did not reach" in report
+        assert stalled_at == 2 and "File" in (out / "hang" / "rank_0.txt").read_text()  # rank 0's Python stack
+        os.kill(workers[1], signal.SIGKILL)  # else torchrun waits 30 s before it SIGKILLs the stopped rank
+        log, _ = job.communicate(timeout=60)
+        assert job.returncode != 0 and log.count("hang: no progress") == 1
+    finally:
+        job.kill()
+        job.wait()
+
+
+def test_spike_skip_and_rollback(corpus, reference, tmp_path, capsys):
+    """--on-spike: skip drops the spiking step's update; rollback reloads the last checkpoint, skips the data
+    since it, scales the lr, and the checkpoint records both (later resumes keep them)."""
+    recs = lambda out: [json.loads(line) for line in open(out / "metrics.jsonl")]  # noqa: E731
+    run(corpus, tmp_path / "skip", "--inject-fault", "spike:0:3", "--on-spike", "skip", "--max-steps", "4")
+    assert [r["skipped"] for r in recs(tmp_path / "skip")] == [False, False, True, False]
+    out = tmp_path / "rollback"
+    rec = run(corpus, out, "--inject-fault", "spike:0:4", "--on-spike", "rollback", "--rollback-lr-factor", "0.5")
+    assert "step 4: loss spike; rolled back to step 2, the data of steps 3-4 skipped, lr x 0.5" in capsys.readouterr().err
+    assert rec["step"] == 6 and [r["step"] for r in recs(out)] == [1, 2, 3, 4, 5, 6]  # rows 3, 4 redone
+    assert recs(out)[2]["lr"] == 0.5 * train.lr_at(2, flags.get_args(SMALL))  # step 3 ran at half the lr
+    state = checkpoint.load_shard(out / "ckpt" / "step_000006", 0)
+    assert state["spikes"] == dict(lr_scale=0.5, windows=[(3, 4)]) and state["sampler"] != \
+        checkpoint.load_shard(reference / "ckpt" / "step_000006", 0)["sampler"]  # two batches further on
+    assert same_weights(out / "ckpt" / "step_000002", reference / "ckpt" / "step_000002")
+
+
+def test_async_save_matches_and_a_failed_write_keeps_the_previous(corpus, reference, tmp_path, monkeypatch):
+    """--async-save: the same checkpoints as a synchronous save; the manifest only after the write finished."""
+    out = tmp_path / "async"
+    run(corpus, out, "--async-save")
+    for step in (2, 4, 6):
+        assert same_weights(out / "ckpt" / f"step_{step:06d}", reference / "ckpt" / f"step_{step:06d}")
+    saver = checkpoint.AsyncSaver(str(out), flags.model_config(flags.get_args(SMALL)), dist.Grid(1, 1, 1), {})
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    saver.start(8, {"step": 8})
+    with pytest.raises(OSError, match="disk full"):
+        saver.wait()
+    assert checkpoint.latest(out).endswith("step_000006") and not (out / "ckpt" / "step_000008" / "manifest.json").exists()
+
+
+def test_sigterm_to_torchrun_checkpoints_at_the_next_step(corpus, tmp_path):
+    """Defect 7 under torchrun: SIGTERM to the agent (a preemption) reaches the workers, which agree on one
+    step boundary, checkpoint there and exit, within seconds (torchrun grants 30 s before its SIGKILL)."""
+    out = tmp_path / "preempt"
+    job = kill_resume.torchrun(corpus, out, 2, 400, ["--save-every", "0"], restarts=0)
+    try:
+        while kill_resume.logged_step(out) < 3 and job.poll() is None:
+            time.sleep(0.05)
+        t0 = time.time()
+        job.send_signal(signal.SIGTERM)
+        log, _ = job.communicate(timeout=60)
+        assert time.time() - t0 < 20 and log.count(": preempted (signal)") == 1
+        step = checkpoint.read_manifest(checkpoint.latest(out), flags.model_config(flags.get_args(SMALL)))["step"]
+        assert step >= 3 and f"step {step}: preempted" in log
+    finally:
+        job.kill()
+        job.wait()
+
+
+def test_health_check_names_the_slow_rank(tmp_path):
+    """Health check: rank 1 made 4x slower is named, the exit is non-zero; every rank agrees on the known sum."""
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        "-m", "nanomega.health", "--slow-rank", "1", "--ranks-as-hosts"], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)), timeout=120)
+    assert p.returncode != 0 and "health: rank 1 (" in p.stderr and "health: rank 0" not in p.stderr, p.stderr[-2000:]
+    assert "WRONG" not in p.stdout and "all-reduce on dp:" in p.stdout and "host pair rank0 - rank1:" in p.stdout
+
+
+def test_host_bisection_finds_the_slow_host():
+    """DLRover's pairing: with a simulated link where host c is 5x slower, round 1 flags (c, d), round 2
+    re-pairs c and d with fast hosts and only c stays slow. Every rank must call pair_time in the same order."""
+    calls = []
+
+    def pair_time(a, b):
+        calls.append((a, b))
+        return 5.0 if "c" in (a, b) else 1.0
+
+    bad, times = health.find_bad_hosts(["a", "b", "c", "d", "e"], pair_time)
+    assert bad == ["c"] and calls[:3] == [("a", "b"), ("c", "d"), ("e", "a")] and len(calls) == 5
+    assert health.find_bad_hosts(["a", "b"], pair_time)[0] == []  # one pair: nothing to compare with
