@@ -45,6 +45,8 @@ def get_args(argv=None):
     g.add_argument("--recompute", default="none", help="none, selective or full")
     g.add_argument("--recompute-layers", type=int, default=None, help="recompute only the first k layers")
     g.add_argument("--fused", action="store_true", help="C++/CUDA fused LayerNorm, softmax, bias-GeLU")
+    g.add_argument("--attention", default="sdpa", help="sdpa (F.scaled_dot_product_attention: FlashAttention on "
+                   "CUDA), eager (explicit softmax, as the lessons teach) or fused (eager + our fused softmax)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g = p.add_argument_group("logging, checkpoints, faults")
     a("--eval-every", type=int, default=100); a("--eval-iters", type=int, default=10)
@@ -64,7 +66,8 @@ def get_args(argv=None):
 def model_config(args, vocab_size=4096):
     return GPTConfig(vocab_size=vocab_size, block_size=args.block_size, n_layer=args.n_layer,
                      n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, alibi=args.alibi,
-                     embed_layernorm=args.embed_layernorm, make_vocab_size_divisible_by=128 * args.tp)
+                     embed_layernorm=args.embed_layernorm, make_vocab_size_divisible_by=128 * args.tp,
+                     attention=args.attention)
 
 
 def world_size():

@@ -50,6 +50,10 @@ def build(args, cfg, grid):
     recompute.apply_recompute(model, args.recompute, args.recompute_layers)
     if args.fused:
         fused.apply_fused(model)
+    if args.attention == "fused":  # the eager core with our fused scale-mask-softmax kernel
+        for module in model.modules():
+            if hasattr(module, "scale_mask_softmax"):
+                module.scale_mask_softmax = fused.causal_softmax
     precision.cast_model(model, precision.parse_dtype(args.dtype))
     model.to(grid.device)
     engine = zero.ZeroEngine(model, torch.optim.AdamW, zero.weight_decay_groups(args.weight_decay, betas=(0.9, 0.95)),
@@ -62,13 +66,20 @@ def forward_backward(model, engine, grid, batches, args, loss_scale):
     if grid.pp.size > 1:
         return pp.train_step(model, grid, batches, args.schedule, engine.no_sync, loss_scale,
                              args.virtual_stages, activation_shape(args, grid))
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=grid.device)  # summed on the device: no sync per micro-batch
     for i, (x, y) in enumerate(batches):
         with engine.no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
             loss = model(x, y)
             (loss * (loss_scale / len(batches))).backward()
-        total += loss.item() / len(batches)
+        total += loss.detach().double() / len(batches)
     return total
+
+
+def to_device(tensors, device):
+    """A host batch on the device: on CUDA through pinned memory, non-blocking (the copy overlaps compute)."""
+    if device.type != "cuda":
+        return tuple(t.to(device) for t in tensors)
+    return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
 
 
 def activation_shape(args, grid):
@@ -85,22 +96,22 @@ def evaluate(model, grid, val_set, args):
     n = min(len(val_set), args.eval_iters * args.batch_size * args.grad_accum * grid.dp.size)
     idx = torch.randperm(len(val_set), generator=torch.Generator().manual_seed(args.seed))[:n].numpy()
     mine = idx[grid.dp_rank * n // grid.dp.size:(grid.dp_rank + 1) * n // grid.dp.size]
-    batches = [tuple(t.to(grid.device) for t in val_set.get(mine[i:i + args.batch_size]))
+    batches = [to_device(val_set.get(mine[i:i + args.batch_size]), grid.device)
                for i in range(0, len(mine), args.batch_size)]
     if grid.pp.size > 1:
         loss = pp.forward_only(model, grid, batches, activation_shape(args, grid))
     else:
-        loss = sum(model(x, y).item() for x, y in batches) / len(batches)
+        loss = sum(model(x, y).double() for x, y in batches) / len(batches)  # one sync, below
     model.train()
-    return grid.dp.all_reduce(torch.tensor([loss], device=grid.device)).item() / grid.dp.size
+    loss = torch.as_tensor(loss, dtype=torch.float64, device=grid.device).reshape(1)
+    return grid.dp.all_reduce(loss).item() / grid.dp.size
 
 
 def rank_state(engine, sampler, scaler, step, grid):
     """What this rank writes: its pieces of every parameter by name (any layout can load them), data position,
     loss scale, RNG."""
     return dict(universal=checkpoint.universal_pieces(engine, grid),
-                sampler=sampler.state_dict(), scaler=scaler.state_dict(), step=step,
-                rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+                sampler=sampler.state_dict(), scaler=scaler.state_dict(), step=step, **rng.save_state(grid.device))
 
 
 def main(argv=None):
@@ -127,8 +138,8 @@ def main(argv=None):
         sampler.load_state_dict(state["sampler"])
         scaler.load_state_dict(state["scaler"])
         step = state["step"]
-        if state.get("same_layout"):  # the RNG streams continue exactly; a new layout reseeds them
-            torch.set_rng_state(state["rng"])
+        if state.get("same_layout"):  # the RNG streams (CPU and CUDA) continue exactly; a new layout reseeds them
+            rng.restore_state(state, device)
         if log:
             print(f"resumed from {folder} at step {step}" + ("" if state.get("same_layout") else " (resharded)"))
 
@@ -152,13 +163,13 @@ def main(argv=None):
         lr = lr_at(step, args)
         engine.set_lr(lr)
         micro = sampler.local_micro_batches(step, grid.dp_rank, dp, args.batch_size, args.grad_accum)
-        batches = [tuple(t.to(device) for t in train_set.get(idx)) for idx in micro]
+        batches = [to_device(train_set.get(idx), device) for idx in micro]
         fault = args.inject_fault and args.inject_fault[1:] == (grid.rank, step + 1) and args.inject_fault[0]
         if fault == "raise":
             raise RuntimeError(f"--inject-fault: rank {grid.rank} raises at step {step + 1}")
         loss = forward_backward(model, engine, grid, batches, args, float("nan") if fault else scaler.scale)
         info = engine.step(clip_norm=args.grad_clip or None, scaler=scaler)
-        loss = grid.dp.all_reduce(torch.tensor([loss], device=device)).item() / dp
+        loss = grid.dp.all_reduce(torch.as_tensor(loss, dtype=torch.float64, device=device).reshape(1)).item() / dp
         sampler.advance()
         step += 1
         finite = info["stepped"] and math.isfinite(loss)
