@@ -48,6 +48,9 @@ def get_args(argv=None):
     g.add_argument("--attention", default="sdpa", help="sdpa (F.scaled_dot_product_attention: FlashAttention on "
                    "CUDA), eager (explicit softmax, as the lessons teach) or fused (eager + our fused softmax)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
+                   help="fp32 matmuls in TF32 on CUDA tensor cores (--no-tf32: full fp32)")
+    g.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     g = p.add_argument_group("logging, checkpoints, faults")
     a("--eval-every", type=int, default=100); a("--eval-iters", type=int, default=10)
     a("--log-every", type=int, default=10)
@@ -56,7 +59,8 @@ def get_args(argv=None):
     a("--save-every-minutes", type=float, default=0.0, help="also checkpoint every M minutes")
     a("--resume", action="store_true", help="continue from the last checkpoint in --out-dir; start fresh if none")
     a("--on-nan", default="skip", help="skip (drop the step) or stop, when the loss or grad norm is not finite")
-    a("--peak-flops", type=float, default=None, help="peak FLOP/s for MFU (default: measured once)")
+    a("--peak-flops", type=float, default=None,
+      help="peak FLOP/s per device for MFU (default: the datasheet of a known GPU, else measured)")
     a("--collective-timeout", type=float, default=300.0, help="seconds before a stuck collective aborts the job")
     a("--inject-fault", default=None, metavar="KIND:RANK:STEP",
       help="testing fault handling: KIND raise (the rank raises) or nan (its loss becomes NaN) at STEP")

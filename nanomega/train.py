@@ -7,7 +7,7 @@ Composition order (build): grid -> dense model (same seed everywhere) -> tensor 
 -> recompute -> fused kernels -> precision -> ZeRO/DP engine. One step: lr(step) -> this dp rank's
 micro-batches -> forward/backward (pipeline schedule, or a plain loop; no gradient sync until the last) ->
 engine.step (reduce, clip at 1.0, AdamW on owned shards, skip if not finite).
-MFU = flops_per_token x tokens/s / (world x peak FLOP/s per device).
+MFU = flops_per_token x tokens/s / (world x peak FLOP/s per device) (meter.py: the peak's source, memory).
 Lessons: lessons/01-dense-model.md (the loop), lessons/09-3d-parallelism.md (the composition).
 """
 import contextlib
@@ -23,7 +23,7 @@ if __package__ in (None, ""):  # `python nanomega/train.py`: make the package im
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanomega import args as flags
-from nanomega import checkpoint, data, dist, fused, pp, precision, recompute, rng, tp, zero
+from nanomega import checkpoint, data, dist, fused, meter, pp, precision, recompute, rng, tp, zero
 from nanomega.model import GPT, flops_per_token
 
 
@@ -118,6 +118,7 @@ def main(argv=None):
     args = flags.get_args(argv)
     cfg, dp = flags.check(args)  # every check that needs no collective, before the first one
     device = dist.init(args.device, args.collective_timeout)
+    precision.set_tf32(device, args.tf32)
     grid = dist.Grid(dp, args.pp, args.tp)
     log = grid.rank == grid.world - 1  # the last rank: last pipeline stage, where the loss lives
 
@@ -143,21 +144,29 @@ def main(argv=None):
         if log:
             print(f"resumed from {folder} at step {step}" + ("" if state.get("same_layout") else " (resharded)"))
 
-    peak = args.peak_flops or train_peak(device, precision.parse_dtype(args.dtype))
-    flops_tok = flops_per_token(cfg)
-    if log:
+    dtype = precision.parse_dtype(args.dtype)
+    peak, source, flops_tok = 1.0, "", flops_per_token(cfg)
+    if log:  # only the logging rank measures (the others would compete for the same cores)
+        peak, source = meter.peak_flops(device, dtype, args.tf32, args.peak_flops)
+        warning = meter.emulation_warning(device, dtype)
+        if warning:
+            print(warning, file=sys.stderr)
         if args.tp > 1:
             print(f"vocab padded from {cfg.vocab_size} to {cfg.padded_vocab_size} (a multiple of 128 x tp)")
         print(f"{grid}\nmodel: {n_params / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOP/token; "
-              f"global batch {global_batch} x {args.block_size} tokens; peak {peak / 1e9:.0f} GFLOP/s per rank")
+              f"global batch {global_batch} x {args.block_size} tokens; attention {args.attention}; "
+              f"peak {peak / 1e9:,.0f} GFLOP/s per rank ({source})")
         os.makedirs(args.out_dir, exist_ok=True)
+    meter.reset_peak_memory(device)
+    mfu_warned = False
     metrics = open(os.path.join(args.out_dir, "metrics.jsonl"), "a") if log else None
     last_save, avg_loss, rec = time.time(), None, {}
     if args.eval_every and step == 0:  # the starting point of the validation curve (~ ln V)
         val = evaluate(model, grid, val_set, args)
         if log:
             print(f"step     0 val {val:.4f}", flush=True)
-            metrics.write(json.dumps(dict(step=0, val_loss=val)) + "\n")
+            metrics.write(json.dumps(dict(step=0, val_loss=val, mfu=0.0, peak_flops=peak,
+                                          mem_gib=meter.peak_memory_gib(device))) + "\n")
     while step < args.max_steps:
         t0 = time.perf_counter()
         lr = lr_at(step, args)
@@ -179,18 +188,25 @@ def main(argv=None):
         dt = time.perf_counter() - t0
         tok_s = global_batch * args.block_size / dt
         rec = dict(step=step, loss=loss, lr=lr, grad_norm=info["grad_norm"], skipped=not info["stepped"],
-                   tok_s=tok_s, mfu=flops_tok * tok_s / (grid.world * peak))
+                   tok_s=tok_s, mfu=meter.mfu(flops_tok, tok_s, grid.world, peak), peak_flops=peak,
+                   mem_gib=meter.peak_memory_gib(device))
         spike = avg_loss is not None and finite and loss > 1.5 * avg_loss
         if finite:
             avg_loss = loss if avg_loss is None else 0.9 * avg_loss + 0.1 * loss
         if args.eval_every and (step % args.eval_every == 0 or step == args.max_steps):
             rec["val_loss"] = evaluate(model, grid, val_set, args)
         if log:
+            if rec["mfu"] > 1 and not mfu_warned:
+                mfu_warned = True
+                print(f"warning: MFU {rec['mfu']:.2f} > 1 is impossible: the peak {peak / 1e9:,.0f} GFLOP/s "
+                      f"({source}) is wrong; pass the device's real peak with --peak-flops", file=sys.stderr)
             if step % args.log_every == 0 or "val_loss" in rec or spike or not finite:
                 val = f" val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
                 note = " SKIPPED (not finite)" if not finite else (" LOSS SPIKE" if spike else "")
                 print(f"step {step:5d} loss {loss:.4f}{val} lr {lr:.2e} norm {info['grad_norm']:.3f} "
-                      f"{tok_s:,.0f} tok/s mfu {100 * rec['mfu']:.1f}%{note}", flush=True)
+                      f"{tok_s:,.0f} tok/s mfu {100 * rec['mfu']:.1f}% mem {rec['mem_gib']:.2f} GiB{note}",
+                      flush=True)
+                meter.reset_peak_memory(device)  # the next line reports its own interval's peak
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
         due = (args.save_every and step % args.save_every == 0) or step == args.max_steps
@@ -210,24 +226,6 @@ def grid_agrees(grid, flag):
     for axis in (grid.tp, grid.pp, grid.dp):
         axis.all_reduce(t)
     return bool(t.item() > 0)
-
-
-_PEAK = {}
-
-
-def train_peak(device, dtype=torch.float32):
-    """A matmul's FLOP/s in the training dtype: the practical peak for MFU, measured once per process."""
-    if (device.type, dtype) not in _PEAK:
-        n, reps = 2048, 3
-        a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-        a @ b
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        _PEAK[device.type, dtype] = 2 * n ** 3 * reps / (time.perf_counter() - t0)
-    return _PEAK[device.type, dtype]
 
 
 if __name__ == "__main__":
