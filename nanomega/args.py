@@ -110,6 +110,9 @@ def check(args):
     cfg.validate()
     tp.check_tensor_parallel(cfg, args.tp, args.sequence_parallel)
     pp.check_args(args.n_layer, args.pp, args.grad_accum, args.schedule, args.virtual_stages)
+    if args.compile and args.zero == 3:
+        raise ValueError("--compile with --zero 3: ZeRO-3's hooks free and re-gather parameter storage inside "
+                         "each block, which torch.compile cannot trace; use --zero 2 or leave out --compile")
     if args.recompute not in recompute.MODES:
         raise ValueError(f"--recompute {args.recompute!r} is not one of {', '.join(recompute.MODES)}")
     if args.recompute_layers is not None and not 0 <= args.recompute_layers <= args.n_layer:

@@ -56,6 +56,9 @@ def build(args, cfg, grid):
                 module.scale_mask_softmax = fused.causal_softmax
     precision.cast_model(model, precision.parse_dtype(args.dtype))
     model.to(grid.device)
+    if args.compile:  # per block, as torchtitan: small graphs compile fast; names and hooks of the module stay
+        for block in model.blocks.values():
+            block.compile()
     engine = zero.ZeroEngine(model, torch.optim.AdamW, zero.weight_decay_groups(args.weight_decay, betas=(0.9, 0.95)),
                              grid, args.zero, shared=shared)
     return model, engine, n_params
