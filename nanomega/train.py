@@ -106,7 +106,7 @@ def evaluate(model, grid, val_set, args):
     else:
         loss = sum(model(x, y).double() for x, y in batches) / len(batches)  # one sync, below
     model.train()
-    loss = torch.as_tensor(loss, dtype=torch.float64, device=grid.device).reshape(1)
+    loss = torch.as_tensor(loss, dtype=torch.float32, device=grid.device).reshape(1)
     return grid.dp.all_reduce(loss).item() / grid.dp.size
 
 
@@ -181,7 +181,7 @@ def main(argv=None):
             raise RuntimeError(f"--inject-fault: rank {grid.rank} raises at step {step + 1}")
         loss = forward_backward(model, engine, grid, batches, args, float("nan") if fault else scaler.scale)
         info = engine.step(clip_norm=args.grad_clip or None, scaler=scaler)
-        loss = grid.dp.all_reduce(torch.as_tensor(loss, dtype=torch.float64, device=device).reshape(1)).item() / dp
+        loss = grid.dp.all_reduce(torch.as_tensor(loss, dtype=torch.float32, device=device).reshape(1)).item() / dp
         sampler.advance()
         step += 1
         finite = info["stepped"] and math.isfinite(loss)
