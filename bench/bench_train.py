@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanomega.model import GPT, GPTConfig, flops_per_token  # noqa: E402
-from nanomega.train import train_peak  # noqa: E402
+from nanomega import meter  # noqa: E402
 
 
 def main():
@@ -36,7 +36,7 @@ def main():
         times.append(time.perf_counter() - t0)
     step = sorted(times[3:])[len(times[3:]) // 2]  # median
     tok_s = args.batch_size * args.block_size / step
-    peak = train_peak(torch.device("cpu"), dtype)  # the trainer's own measurement, in this dtype
+    peak, _ = meter.peak_flops("cpu", dtype)  # the trainer's own measurement, in this dtype
     mfu = flops_per_token(cfg) * tok_s / peak
     print(f"{args.dtype} {torch.get_num_threads()} threads, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
           f"params: step {1e3 * step:.1f} ms (median of {args.steps}), {tok_s:,.0f} tokens/s, "

@@ -7,7 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from check import check
 from nanomega.model import GPT, GPTConfig, flops_per_token
-from nanomega.train import train_peak
+from nanomega import meter
 
 torch.manual_seed(0)
 cfg = GPTConfig(vocab_size=4096, block_size=128, n_layer=4, n_head=4, n_embd=128)
@@ -32,7 +32,7 @@ check("FLOPs per token, counted vs flops_per_token()", counted, flops_per_token(
 check("loss at init vs ln(V)", model(x, y).item(), math.log(V), rtol=0.02)
 
 # 4. MFU of a few training steps on this machine (a timing: printed, never asserted)
-peak = train_peak(torch.device("cpu"))
+peak, _ = meter.peak_flops("cpu", torch.float32)  # best of many matmuls over >= 1 s
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 t0 = time.perf_counter()
 for _ in range(5):

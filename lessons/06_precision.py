@@ -48,11 +48,13 @@ attn = model.blocks["0"].attn
 q = k = v = torch.full((b, nh, s, d), 40.0)
 for dtype in (torch.float16, torch.bfloat16):
     scores = q.to(dtype) @ k.to(dtype).transpose(-2, -1)  # each entry 64 * 1600 = 102,400 > 65,504
-    out = attn.core(q.to(dtype), k.to(dtype), v.to(dtype))
+    late = torch.softmax(scores.float() / d ** 0.5, -1).to(dtype) @ v.to(dtype)  # scaled after the product
+    out = attn.core(q.to(dtype), k.to(dtype), v.to(dtype))  # the eager core scales q first in 16 bits
     check(f"{NAME[dtype]} QK^T entries that overflow", int((~scores.isfinite()).sum()),
           b * nh * s * s if dtype == torch.float16 else 0)
-    check(f"{NAME[dtype]} attention outputs that are nan", int(out.isnan().sum()),
+    check(f"{NAME[dtype]} attention outputs that are nan, scaled after q k^T", int(late.isnan().sum()),
           b * nh * s * d if dtype == torch.float16 else 0)
+    check(f"{NAME[dtype]} attention outputs that are nan, q scaled first (core)", int(out.isnan().sum()), 0)
 # the trick: n (A B) = (sqrt(n) A)(sqrt(n) B) with n = 1/sqrt(d): scale both factors before the matmul
 root = d ** -0.25
 scaled = (q.half() * root) @ (k.half() * root).transpose(-2, -1)

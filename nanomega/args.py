@@ -55,7 +55,12 @@ def get_args(argv=None):
     g.add_argument("--recompute", default="none", help="none, selective or full")
     g.add_argument("--recompute-layers", type=int, default=None, help="recompute only the first k layers")
     g.add_argument("--fused", action="store_true", help="C++/CUDA fused LayerNorm, softmax, bias-GeLU")
+    g.add_argument("--attention", default="sdpa", help="sdpa (F.scaled_dot_product_attention: FlashAttention on "
+                   "CUDA), eager (explicit softmax, as the lessons teach) or fused (eager + our fused softmax)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
+                   help="fp32 matmuls in TF32 on CUDA tensor cores (--no-tf32: full fp32)")
+    g.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     g = p.add_argument_group("logging, checkpoints, faults")
     a("--eval-every", type=int, default=100); a("--eval-iters", type=int, default=10)
     a("--log-every", type=int, default=10)
@@ -64,7 +69,8 @@ def get_args(argv=None):
     a("--save-every-minutes", type=float, default=0.0, help="also checkpoint every M minutes")
     a("--resume", action="store_true", help="continue from the last checkpoint in --out-dir; start fresh if none")
     a("--on-nan", default="skip", help="skip (drop the step) or stop, when the loss or grad norm is not finite")
-    a("--peak-flops", type=float, default=None, help="peak FLOP/s for MFU (default: measured once)")
+    a("--peak-flops", type=float, default=None,
+      help="peak FLOP/s per device for MFU (default: the datasheet of a known GPU, else measured)")
     a("--collective-timeout", type=float, default=300.0, help="seconds before a stuck collective aborts the job")
     a("--inject-fault", default=None, metavar="KIND:RANK:STEP",
       help="testing fault handling: KIND raise (the rank raises), nan (its loss becomes NaN), sigterm "
@@ -89,7 +95,8 @@ def apply_preset(args, parser, argv):
 def model_config(args, vocab_size=4096):
     return GPTConfig(vocab_size=vocab_size, block_size=args.block_size, n_layer=args.n_layer,
                      n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, alibi=args.alibi,
-                     embed_layernorm=args.embed_layernorm, make_vocab_size_divisible_by=128 * args.tp)
+                     embed_layernorm=args.embed_layernorm, make_vocab_size_divisible_by=128 * args.tp,
+                     attention=args.attention)
 
 
 def world_size():
@@ -137,6 +144,9 @@ def check(args):
     cfg.validate()
     tp.check_tensor_parallel(cfg, args.tp, args.sequence_parallel)
     pp.check_args(args.n_layer, args.pp, args.grad_accum, args.schedule, args.virtual_stages)
+    if args.compile and args.zero == 3:
+        raise ValueError("--compile with --zero 3: ZeRO-3's hooks free and re-gather parameter storage inside "
+                         "each block, which torch.compile cannot trace; use --zero 2 or leave out --compile")
     if args.recompute not in recompute.MODES:
         raise ValueError(f"--recompute {args.recompute!r} is not one of {', '.join(recompute.MODES)}")
     if args.recompute_layers is not None and not 0 <= args.recompute_layers <= args.n_layer:

@@ -13,8 +13,12 @@ Resharding (DeepSpeed's universal checkpoint, done on load): besides its own sta
 *pieces by name* -- for every parameter slice it owns, the element range of its (tensor-parallel) local
 tensor, the fp32 master values and the optimizer state. Nothing is gathered to save. Loading under any
 layout (tp, pp, dp, ZeRO stage changed) rebuilds each full tensor from the pieces (un-sharding tp with
-tp.unshard_param), then each rank keeps its new slices (tp.shard_param, ZeroEngine.load_full). Every rank
-reads every shard here: simple and exact; a 175B run would read only the slices it needs.
+tp.unshard_param), then each rank keeps its new slices (tp.shard_param, ZeroEngine.load_full). A rank reads
+only the shards it needs: the manifest indexes every shard's pieces (name, tp rank, element range), and a rank
+opens a shard only if one of its pieces overlaps what the rank will hold -- under the same layout that is its
+own shard (its dp-rank-0 peer's at ZeRO stage 0, where replicas save nothing). Shards are always read to the
+CPU (map_location="cpu", memory-mapped), then copied to the rank's device: a CUDA checkpoint loads on a
+machine with fewer GPUs, or none.
 Failure law: a job of N ranks, each failing with probability p per hour, survives an hour with (1-p)^N.
 Lesson: lessons/10-checkpoints-and-failures.md
 """
@@ -71,6 +75,12 @@ def _write_text(text):
     return write
 
 
+def _index(state):
+    """[name, tp_rank, start, end] of every piece a shard holds: the manifest's map from pieces to shards."""
+    u = state.get("universal", {})
+    return [[p["name"], u["tp_rank"], p["start"], p["end"]] for p in u.get("pieces", [])]
+
+
 def save(out_dir, step, cfg, state, grid, layout=None):
     """Every rank calls this with its own `state`; returns the checkpoint folder once the manifest exists."""
     folder = write_shard(out_dir, step, state, grid.rank)
@@ -81,8 +91,9 @@ def save(out_dir, step, cfg, state, grid, layout=None):
 def write_shard(out_dir, step, state, rank):
     folder = os.path.join(out_dir, "ckpt", f"step_{step:06d}")
     os.makedirs(folder, exist_ok=True)
-    shard = os.path.join(folder, f"rank_{rank:05d}.pt")
+    shard = os.path.join(folder, shard_name(rank))
     _replace_atomically(shard, lambda tmp: torch.save(state, tmp))
+    _replace_atomically(shard[:-3] + ".json", _write_text(json.dumps(_index(state))))  # its pieces, for the manifest
     return folder
 
 
@@ -92,7 +103,9 @@ def write_manifest(out_dir, folder, step, cfg, grid, layout=None):
     if grid.rank == 0:
         shards = sorted(f for f in os.listdir(folder) if f.startswith("rank_") and f.endswith(".pt"))
         manifest = dict(step=step, config=dataclasses.asdict(cfg), layout=layout or {}, world=grid.world,
-                        shards={f: _sha256(os.path.join(folder, f)) for f in shards})
+                        shards={f: _sha256(os.path.join(folder, f)) for f in shards},
+                        sizes={f: os.path.getsize(os.path.join(folder, f)) for f in shards},
+                        pieces={f: json.load(open(os.path.join(folder, f[:-3] + ".json"))) for f in shards})
         _replace_atomically(os.path.join(folder, "manifest.json"), _write_text(json.dumps(manifest, indent=1)))
         _replace_atomically(os.path.join(out_dir, "ckpt", "latest"), _write_text(os.path.basename(folder)))
     grid.barrier()
@@ -175,8 +188,9 @@ def _manifest_json(folder):
     return manifest
 
 
-def read_manifest(folder, cfg):
-    """Check shape and checksums; a mismatch is a clear error, never a silently wrong resume."""
+def read_manifest(folder, cfg, verify=None):
+    """Check shape and checksums (of the shards in `verify`, default all; the others' presence and size);
+    a mismatch is a clear error, never a silently wrong resume."""
     manifest = _manifest_json(folder)
     saved, want = manifest["config"], dataclasses.asdict(cfg)
     diff = [f"{k}={saved.get(k)} (now {want[k]})" for k in SHAPE_KEYS if saved.get(k) != want[k]]
@@ -186,11 +200,17 @@ def read_manifest(folder, cfg):
     if len(manifest["shards"]) != manifest["world"]:
         raise CorruptCheckpoint(f"{folder}: the manifest lists {len(manifest['shards'])} shards for a world of "
                                 f"{manifest['world']}")
+    sizes = manifest.get("sizes", {})
     for name, digest in manifest["shards"].items():
         path = os.path.join(folder, name)
-        if not os.path.isfile(path) or _sha256(path) != digest:
+        if not os.path.isfile(path) or (name in sizes and os.path.getsize(path) != sizes[name]) or \
+                ((verify is None or name in verify) and _sha256(path) != digest):
             raise CorruptCheckpoint(f"shard {path} is missing or does not match its checksum")
     return manifest
+
+
+def shard_name(rank):
+    return f"rank_{rank:05d}.pt"
 
 
 def find_resume(out_dir, cfg, resume_from=None):
@@ -262,7 +282,8 @@ def retain(out_dir, keep_last, protect=()):
 
 
 def load_shard(folder, rank):
-    return torch.load(os.path.join(folder, f"rank_{rank:05d}.pt"), weights_only=False)
+    """One rank's shard on the CPU, whatever device saved it; memory-mapped: only what is read is paged in."""
+    return torch.load(os.path.join(folder, shard_name(rank)), map_location="cpu", mmap=True, weights_only=False)
 
 
 def _elementwise(v):
@@ -296,57 +317,123 @@ def universal_pieces(engine, grid):
     return dict(tp_rank=grid.tp_rank, pieces=pieces)
 
 
-def _assemble(shards):
-    """{name: (full master, {key: full state or scalar})} from every rank's pieces; errors if any gap."""
-    local = defaultdict(dict)  # name -> tp_rank -> [master, state, elements covered]
+def _assemble(shards, need=None, tp_size=None):
+    """{name: (full master, {key: full state or scalar})} from the pieces in `shards`.
+
+    need: {(name, saved tp rank): [(a, b), ...]} -- the element ranges of the saved tp-local tensors that must
+    be covered (others may be missing: they are zeros). None: every parameter must be complete.
+    tp_size: the saved tensor-parallel size (default: the highest tp rank seen + 1)."""
+    local = defaultdict(dict)  # name -> tp_rank -> [master, state, covered mask, shape]
     for shard in shards:
         u = shard["universal"]
         for p in u["pieces"]:
             n = math.prod(p["shape"])
-            entry = local[p["name"]].setdefault(u["tp_rank"], [torch.empty(n), {}, 0, p["shape"]])
+            entry = local[p["name"]].setdefault(u["tp_rank"], [torch.zeros(n), {}, torch.zeros(n, dtype=torch.bool),
+                                                               p["shape"]])
             entry[0][p["start"]:p["end"]] = p["master"]
-            entry[2] += p["end"] - p["start"]
+            entry[2][p["start"]:p["end"]] = True
             for k, v in p["state"].items():
                 if _elementwise(v):
-                    entry[1].setdefault(k, torch.empty(n, dtype=v.dtype))[p["start"]:p["end"]] = v
+                    entry[1].setdefault(k, torch.zeros(n, dtype=v.dtype))[p["start"]:p["end"]] = v
                 else:
                     entry[1][k] = v
+    checks = need.items() if need is not None else \
+        [((name, r), [(0, None)]) for name, by_rank in local.items() for r in by_rank]
+    for (name, r), ranges in checks:
+        covered = local.get(name, {}).get(r, [None, None, torch.zeros(0, dtype=torch.bool)])[2]
+        if not all(len(covered[a:b]) and covered[a:b].all() for a, b in ranges):
+            raise ValueError(f"--resume: the checkpoint holds only part of {name}; it is incomplete")
     full = {}
     for name, by_rank in local.items():
-        ranks = [by_rank[r] for r in sorted(by_rank)]
-        if any(e[2] != math.prod(e[3]) for e in ranks):
+        t = 1 if tp._rule(name) is None else tp_size or max(by_rank) + 1  # replicated: any one copy
+        if need is None and t > 1 and sorted(by_rank) != list(range(t)):
             raise ValueError(f"--resume: the checkpoint holds only part of {name}; it is incomplete")
+        some = next(iter(by_rank.values()))
+        blank = [torch.zeros(math.prod(some[3])), {k: torch.zeros_like(v) if _elementwise(v) else v
+                                                   for k, v in some[1].items()}, None, some[3]]
+        ranks = [by_rank.get(r, blank) for r in range(t)] if t > 1 else [some]  # not read: zeros, never used
         master = tp.unshard_param(name, [e[0].view(e[3]) for e in ranks])
-        keys = ranks[0][1]
         state = {k: tp.unshard_param(name, [e[1][k].view(e[3]) for e in ranks]) if _elementwise(v) else v
-                 for k, v in keys.items()}
+                 for k, v in some[1].items()}
         full[name] = (master, state)
     return full
 
 
+def _needed(engine, grid, saved_tp):
+    """{(name, saved tp rank): [(a, b), ...]}: the saved element ranges this rank must read. Under the same tp
+    size, the ranges of the pieces it owns (stage 0: whole parameters); under another tp size, the whole
+    local tensors of the saved tp ranks whose slice overlaps this rank's (replicated parameters: tp rank 0)."""
+    held = defaultdict(list)  # name -> ranges of this rank's tp-local tensor
+    for _, _, g, i, a, b in engine.pieces:
+        if g is not None:
+            held[g.names[i]].append((a - g.offsets[i], b - g.offsets[i]))
+    for g in engine.sharded.frozen if engine.sharded else []:
+        for i, a, b in g.pieces():
+            held[g.names[i]].append((a - g.offsets[i], b - g.offsets[i]))
+    params = dict(engine.module.named_parameters())
+    for name, p in params.items():
+        if not p.requires_grad and engine.stage < 3:
+            held[name].append((0, p.numel()))
+    need = {}
+    t, r = grid.tp.size, grid.tp_rank
+    for name, ranges in held.items():
+        source = "embed.wte.weight" if getattr(params.get(name), "shared_embedding", False) else name
+        if t == saved_tp:
+            need.setdefault((source, r), []).extend(ranges)
+        elif tp._rule(source) is None:
+            need[(source, 0)] = [(0, None)]
+        else:  # saved slice q of saved_tp overlaps this rank's slice r of t
+            for q in range(saved_tp):
+                if q * t < (r + 1) * saved_tp and r * saved_tp < (q + 1) * t:
+                    need[(source, q)] = [(0, None)]
+    return need
+
+
+def _overlaps(pieces, need):
+    return any(b is None or (s < b and a < e) for name, q, s, e in pieces for a, b in need.get((name, q), ()))
+
+
+def _local_shapes(engine):
+    shapes = {name: p.shape for name, p in engine.module.named_parameters()}
+    for g in engine.groups + (engine.sharded.frozen if engine.sharded else []):
+        shapes.update(zip(g.names, g.shapes))  # ZeRO-3 parameters are empty tensors between uses
+    return shapes
+
+
 def load(folder, cfg, engine, grid, layout):
-    """Load `folder` into this rank's engine under the current layout (resharding if it differs).
-    Returns this rank's saved state (its own shard when the layout is the same, else rank 0's), with
-    `same_layout` telling whether per-rank RNG streams can be continued."""
-    manifest = read_manifest(folder, cfg)
-    shards = [load_shard(folder, r) for r in range(manifest["world"])]
-    full = _assemble(shards)
-    params, optim = {}, {}
+    """Load `folder` into this rank's engine under the current layout (resharding if it differs), reading
+    only the shards whose pieces overlap what this rank holds (all of them for a checkpoint without the
+    manifest's piece index). Returns this rank's saved state (its own shard when the layout is the same, else
+    rank 0's), with `same_layout` telling whether per-rank RNG streams can be continued."""
+    manifest = json.load(open(os.path.join(folder, "manifest.json")))
+    same = manifest["layout"] == layout and manifest["world"] == grid.world
+    need = _needed(engine, grid, manifest["layout"].get("tp", 1))
+    index = manifest.get("pieces")
+    files = [f for f in manifest["shards"] if index is None or _overlaps(index[f], need)]
+    own = shard_name(grid.rank if same else 0)
+    read_manifest(folder, cfg, verify=set(files) | {own})
+    shards = {f: torch.load(os.path.join(folder, f), map_location="cpu", mmap=True, weights_only=False)
+              for f in files}
+    full = _assemble(shards.values(), need, manifest["layout"].get("tp", 1))
+    params, optim, shapes = {}, {}, _local_shapes(engine)
     for name, p in engine.module.named_parameters():
         source = "embed.wte.weight" if getattr(p, "shared_embedding", False) else name  # the tied copy
-        if source not in full:
-            raise ValueError(f"--resume: the checkpoint in {folder} has no parameter {source}")
+        if source not in full:  # nothing of it is this rank's: a placeholder load_full never reads
+            if any(k == source for k, _ in need):
+                raise ValueError(f"--resume: the checkpoint in {folder} has no parameter {source}")
+            params[name], optim[name] = torch.zeros(shapes[name]), {}
+            continue
         master, state = full[source]
         cut = (lambda t: tp.shard_param(name, t, grid.tp_rank, grid.tp.size)) if grid.tp.size > 1 else (lambda t: t)
         params[name] = cut(master)
         if p.requires_grad:
             optim[name] = {k: cut(v) if _elementwise(v) else v for k, v in state.items()}
     engine.load_full(params, optim)
-    same = manifest["layout"] == layout and manifest["world"] == grid.world
-    return dict(shards[grid.rank if same else 0], same_layout=same)
+    mine = shards[own] if own in shards else load_shard(folder, int(own[5:10]))
+    return dict(mine, same_layout=same, shards_read=sorted(files))
 
 
 def full_weights(folder):
     """{name: full fp32 tensor} of a checkpoint saved under any layout (for sampling and tests)."""
-    world = _manifest_json(folder)["world"]
+    world = _manifest_json(folder)["world"]  # sampling needs every shard
     return {name: master for name, (master, _) in _assemble([load_shard(folder, r) for r in range(world)]).items()}

@@ -131,7 +131,8 @@ class Grid:
         self.dp = self._axis("dp", [grid[:, p, t] for p in range(pp) for t in range(tp)])
         # tied embedding: first and last pipeline stage sum the embedding gradients (Megatron's embedding group)
         self.embed = self._axis("emb", [grid[d, [0, pp - 1], t].unique() for d in range(dp) for t in range(tp)])
-        self.device, self.backend = default_device(), dist.get_backend()
+        self.backend = dist.get_backend()
+        self.device = default_device("cuda" if self.backend == "nccl" else "cpu")  # the device init chose
         self.host = socket.gethostname()
         store().set(f"nanomega/host/{rank}", self.host)  # for lost_ranks: who was where
         # torchrun numbers ranks host by host (RANK = node rank x LOCAL_WORLD_SIZE + LOCAL_RANK), so the
@@ -233,7 +234,12 @@ def default_device(requested="auto") -> torch.device:
     if requested == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but CUDA is not available; use --device cpu")
     if requested in ("auto", "cuda") and torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        local, count = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+        if local >= count:
+            raise ValueError(f"LOCAL_RANK {local} but this node sees {count} CUDA device(s): launch at most "
+                             f"{count} processes per node (torchrun --nproc-per-node {count}) or check "
+                             f"CUDA_VISIBLE_DEVICES")
+        return torch.device("cuda", local)
     return torch.device("cpu")
 
 
@@ -261,7 +267,10 @@ def init(device="auto", timeout_s=None):
             store = dist.PrefixStore(f"nanomega/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
         else:
             store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, rank == 0, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    # device_id (CUDA): NCCL communicators are created now and bound to this rank's GPU, so a collective
+    # (a barrier on WORLD) never has to guess the device
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                            device_id=dev if dev.type == "cuda" else None)
     return dev
 
 

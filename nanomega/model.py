@@ -11,6 +11,7 @@ Formulas:
                                          QK^T and AV: 2*2*s*h per layer forward, x3 for fwd+bwd)
 Lesson: lessons/01-dense-model.md
 """
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ class GPTConfig:
     alibi: bool = False  # BLOOM: linear attention biases instead of learned positions
     embed_layernorm: bool = False  # BLOOM: a LayerNorm right after the embedding
     make_vocab_size_divisible_by: int = 128  # Megatron pads V so each TP shard is a multiple of 128
+    # eager: the explicit softmax the lessons teach and count bytes of; train.py's --attention defaults to sdpa
+    attention: str = "eager"  # sdpa (F.scaled_dot_product_attention), eager, fused (eager + the fused softmax)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -46,6 +49,11 @@ class GPTConfig:
                              f"pick n_embd as a multiple of n_head")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"--attention {self.attention!r} is not one of {', '.join(ATTENTION)}")
+
+
+ATTENTION = ("sdpa", "eager", "fused")
 
 
 def bias_gelu(x, bias):
@@ -98,7 +106,8 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
         # ALiBi slopes of the heads this module holds (tp.py keeps only its own heads' slopes)
         self.register_buffer("slopes", alibi_slopes(cfg.n_head) if cfg.alibi else None, persistent=False)
-        self.scale_mask_softmax = causal_softmax
+        self.scale_mask_softmax = causal_softmax  # "fused" attention: train.py swaps in fused.causal_softmax
+        self.attention = cfg.attention
 
     def forward(self, x):
         qkv = self.c_attn(x)  # (b, s, 3h); under sequence parallelism x is (b, s/tp, h), gathered inside
@@ -108,15 +117,37 @@ class CausalSelfAttention(nn.Module):
         return self.resid_drop(self.c_proj(y))
 
     def core(self, q, k, v):
-        """softmax(q k^T / sqrt(d) [+ alibi], causal) v -- the part selective recompute recomputes."""
+        """softmax(q k^T / sqrt(d) [+ alibi], causal) v -- the part selective recompute recomputes.
+        sdpa: one F.scaled_dot_product_attention call (FlashAttention / memory-efficient kernels on CUDA, a
+        fused kernel on CPU): the (b, nh, s, s) scores are never stored. eager / fused: the explicit form."""
+        if self.attention == "sdpa":
+            return self.sdpa_core(q, k, v)
         scale = 1.0 / math.sqrt(self.head_dim)
+        if q.dtype != torch.float32:  # 16 bits: scale q first, or q.k (up to d * |q| |k|) overflows fp16
+            q, scale = q * scale, 1.0
         scores = q @ k.transpose(-2, -1)  # (b, nh, s, s)
         if self.slopes is not None:  # bias -slope*(i-j), divided by scale as the softmax rescales all
-            pos = torch.arange(q.shape[-2], device=q.device)
-            dist = (pos[None, :] - pos[:, None]).to(scores.dtype)  # (s, s): j - i <= 0 where unmasked
-            scores = scores + self.slopes.to(scores.dtype)[:, None, None] * dist / scale
+            scores = scores + self.alibi_bias(q.shape[-2], scores.dtype) / scale
         probs = self.attn_drop(self.scale_mask_softmax(scores, scale))
         return probs @ v  # (b, nh, s, hd)
+
+    def alibi_bias(self, s, dtype):
+        """(nh, s, s) ALiBi bias slope_h * (j - i): 0 on the diagonal, more negative for older keys."""
+        pos = torch.arange(s, device=self.slopes.device)
+        dist = (pos[None, :] - pos[:, None]).to(dtype)  # (s, s): j - i <= 0 where unmasked
+        return self.slopes.to(dtype)[:, None, None] * dist
+
+    def sdpa_core(self, q, k, v):
+        drop = self.attn_drop.p if self.training else 0.0
+        mask = None
+        if self.slopes is not None:  # ALiBi: an additive float mask, the causal -inf included
+            s = q.shape[-2]
+            future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)  # key j > query i
+            mask = self.alibi_bias(s, q.dtype).masked_fill(future, float("-inf"))
+        # tensor parallel dropout (rng.TrackedDropout): each rank's heads draw from its own stream
+        fork = getattr(self.attn_drop, "rng", None)
+        with fork.fork() if fork is not None and drop > 0 else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop, is_causal=mask is None)
 
 
 class MLP(nn.Module):

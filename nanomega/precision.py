@@ -52,6 +52,14 @@ def check_dtype_supported(dtype: torch.dtype, device) -> None:
         raise ValueError(f"--dtype {name} gave wrong results on device {device}; {fix}")
 
 
+def set_tf32(device, enabled: bool = True) -> None:
+    """fp32 matmuls on CUDA tensor cores in TF32 (10-bit mantissa inputs, fp32 accumulation): 156 instead of
+    19.5 TFLOP/s on an A100. On by default for fp32 training, as in Megatron; --no-tf32 turns it off."""
+    if torch.device(device).type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+
+
 def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """Cast every floating parameter and buffer to `dtype` in place (Megatron's Float16Module does the same).
 

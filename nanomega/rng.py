@@ -31,6 +31,20 @@ def _set_state(state, device):
         torch.set_rng_state(state)
 
 
+def save_state(device) -> dict:
+    """The generators a resume must continue: the CPU one and, on CUDA, this rank's device's (only its own:
+    touching every GPU would open a context on each)."""
+    return dict(rng=torch.get_rng_state(), cuda_rng=_get_state(device) if device.type == "cuda" else None)
+
+
+def restore_state(state: dict, device) -> None:
+    """Set back what save_state saved: a resume with dropout continues the same random streams, bitwise."""
+    torch.set_rng_state(state["rng"])
+    cuda = state.get("cuda_rng")
+    if device.type == "cuda" and cuda is not None:
+        _set_state(cuda[device.index or 0] if isinstance(cuda, (list, tuple)) else cuda, device)
+
+
 class RNGTracker:
     """Swaps a per-tp-rank generator in for the dropout of sharded activations (see the module docstring)."""
 

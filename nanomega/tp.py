@@ -35,6 +35,12 @@ def _all_reduce(x, tp):
     return tp.all_reduce(x.clone(memory_format=torch.contiguous_format))  # never in place on autograd's grads
 
 
+def _all_reduce_fp32(grad, tp):
+    """SP: a replicated parameter's gradient summed over tp in fp32, whatever the model dtype (a 16-bit sum of
+    t partial gradients would round at every add; Megatron sums them in its fp32 main_grad)."""
+    return _all_reduce(grad.float(), tp).to(grad.dtype)
+
+
 def _gather_seq(x, tp):  # (b, s/t, ...) -> (b, s, ...)
     out = x.new_empty((tp.size * x.shape[0],) + x.shape[1:])  # (t*b, s/t, ...): rank-major
     tp.all_gather(out, x.contiguous())
@@ -299,5 +305,5 @@ def apply_tensor_parallel(model, tp, sequence_parallel=False, rng=None):
         for p in model.parameters():
             if p.requires_grad and not getattr(p, "tensor_parallel", False):
                 p.sequence_parallel = True
-                p.register_hook(functools.partial(_all_reduce, tp=tp))
+                p.register_hook(functools.partial(_all_reduce_fp32, tp=tp))
     return model

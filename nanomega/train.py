@@ -7,7 +7,7 @@ Composition order (build): grid -> dense model (same seed everywhere) -> tensor 
 -> recompute -> fused kernels -> precision -> ZeRO/DP engine. One step: lr(step) -> this dp rank's
 micro-batches -> forward/backward (pipeline schedule, or a plain loop; no gradient sync until the last) ->
 engine.step (reduce, clip at 1.0, AdamW on owned shards, skip if not finite).
-MFU = flops_per_token x tokens/s / (world x peak FLOP/s per device).
+MFU = flops_per_token x tokens/s / (world x peak FLOP/s per device) (meter.py: the peak's source, memory).
 Lessons: lessons/01-dense-model.md (the loop), lessons/09-3d-parallelism.md (the composition).
 """
 import contextlib
@@ -24,7 +24,8 @@ if __package__ in (None, ""):  # `python nanomega/train.py`: make the package im
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanomega import args as flags
-from nanomega import checkpoint, corpus, data, dist, faults, fused, health, pp, precision, recompute, rng, schedules, tp, zero
+from nanomega import checkpoint, corpus, data, dist, faults, fused, health, meter, pp, precision, recompute, rng
+from nanomega import schedules, tp, zero
 from nanomega.model import GPT, flops_per_token
 
 
@@ -65,8 +66,15 @@ def build(args, cfg, grid):
     recompute.apply_recompute(model, args.recompute, args.recompute_layers)
     if args.fused:
         fused.apply_fused(model)
+    if args.attention == "fused":  # the eager core with our fused scale-mask-softmax kernel
+        for module in model.modules():
+            if hasattr(module, "scale_mask_softmax"):
+                module.scale_mask_softmax = fused.causal_softmax
     precision.cast_model(model, precision.parse_dtype(args.dtype))
     model.to(grid.device)
+    if args.compile:  # per block, as torchtitan: small graphs compile fast; names and hooks of the module stay
+        for block in model.blocks.values():
+            block.compile()
     engine = zero.ZeroEngine(model, torch.optim.AdamW, zero.weight_decay_groups(args.weight_decay, betas=(0.9, 0.95)),
                              grid, args.zero, shared=shared)
     return model, engine, n_params
@@ -77,13 +85,20 @@ def forward_backward(model, engine, grid, batches, args, loss_scale, trace=None)
     if grid.pp.size > 1:
         return pp.train_step(model, grid, batches, args.schedule, engine.no_sync, loss_scale,
                              args.virtual_stages, activation_shape(args, grid), trace=trace)
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=grid.device)  # summed on the device: no sync per micro-batch
     for i, (x, y) in enumerate(batches):
         with engine.no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
             loss = model(x, y)
             (loss * (loss_scale / len(batches))).backward()
-        total += loss.item() / len(batches)
+        total += loss.detach().double() / len(batches)
     return total
+
+
+def to_device(tensors, device):
+    """A host batch on the device: on CUDA through pinned memory, non-blocking (the copy overlaps compute)."""
+    if device.type != "cuda":
+        return tuple(t.to(device) for t in tensors)
+    return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
 
 
 def activation_shape(args, grid):
@@ -100,22 +115,22 @@ def evaluate(model, grid, val_set, args):
     n = min(len(val_set), args.eval_iters * args.batch_size * args.grad_accum * grid.dp.size)
     idx = torch.randperm(len(val_set), generator=torch.Generator().manual_seed(args.seed))[:n].numpy()
     mine = idx[grid.dp_rank * n // grid.dp.size:(grid.dp_rank + 1) * n // grid.dp.size]
-    batches = [tuple(t.to(grid.device) for t in val_set.get(mine[i:i + args.batch_size]))
+    batches = [to_device(val_set.get(mine[i:i + args.batch_size]), grid.device)
                for i in range(0, len(mine), args.batch_size)]
     if grid.pp.size > 1:
         loss = pp.forward_only(model, grid, batches, activation_shape(args, grid))
     else:
-        loss = sum(model(x, y).item() for x, y in batches) / len(batches)
+        loss = sum(model(x, y).double() for x, y in batches) / len(batches)  # one sync, below
     model.train()
-    return grid.dp.all_reduce(torch.tensor([loss], device=grid.device)).item() / grid.dp.size
+    loss = torch.as_tensor(loss, dtype=torch.float32, device=grid.device).reshape(1)
+    return grid.dp.all_reduce(loss).item() / grid.dp.size
 
 
 def rank_state(engine, sampler, scaler, step, grid, spikes=None):
     """What this rank writes: its pieces of every parameter by name (any layout can load them), data position,
-    loss scale, RNG, the lr scale and skipped data windows of rollbacks."""
+    loss scale, RNG (this device's), the lr scale and skipped data windows of rollbacks."""
     return dict(universal=checkpoint.universal_pieces(engine, grid), spikes=spikes and spikes.state_dict(),
-                sampler=sampler.state_dict(), scaler=scaler.state_dict(), step=step,
-                rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+                sampler=sampler.state_dict(), scaler=scaler.state_dict(), step=step, **rng.save_state(grid.device))
 
 
 def main(argv=None):
@@ -127,6 +142,7 @@ def main(argv=None):
 def train(args):
     cfg, dp = flags.check(args)  # every check that needs no collective, before the first one
     device = dist.init(args.device, args.collective_timeout)
+    precision.set_tf32(device, args.tf32)
     grid = dist.Grid(dp, args.pp, args.tp)
     if args.health_check:
         health.gate(grid)
@@ -150,14 +166,21 @@ def train(args):
         if log:
             print(f"resumed from {folder} at step {step}" + ("" if state.get("same_layout") else " (resharded)"))
 
-    peak = args.peak_flops or train_peak(device, precision.parse_dtype(args.dtype))
-    flops_tok = flops_per_token(cfg)
-    if log:
+    dtype = precision.parse_dtype(args.dtype)
+    peak, source, flops_tok = 1.0, "", flops_per_token(cfg)
+    if log:  # only the logging rank measures (the others would compete for the same cores)
+        peak, source = meter.peak_flops(device, dtype, args.tf32, args.peak_flops)
+        warning = meter.emulation_warning(device, dtype)
+        if warning:
+            print(warning, file=sys.stderr)
         if args.tp > 1:
             print(f"vocab padded from {cfg.vocab_size} to {cfg.padded_vocab_size} (a multiple of 128 x tp)")
         print(f"{grid}\nmodel: {n_params / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOP/token; "
-              f"global batch {global_batch} x {args.block_size} tokens; peak {peak / 1e9:.0f} GFLOP/s per rank")
+              f"global batch {global_batch} x {args.block_size} tokens; attention {args.attention}; "
+              f"peak {peak / 1e9:,.0f} GFLOP/s per rank ({source})")
         os.makedirs(args.out_dir, exist_ok=True)
+    meter.reset_peak_memory(device)
+    mfu_warned = False
     metrics = faults.open_metrics(args.out_dir, step) if log else None  # rows after `step` are redone
     skips, watchdog = faults.Skips(args.max_skipped), faults.Watchdog(args, grid)
     saver = checkpoint.AsyncSaver(args.out_dir, cfg, grid, layout) if args.async_save else None
@@ -167,14 +190,15 @@ def train(args):
         val = evaluate(model, grid, val_set, args)
         if log:
             print(f"step     0 val {val:.4f}", flush=True)
-            metrics.write(json.dumps(dict(step=0, val_loss=val)) + "\n")
+            metrics.write(json.dumps(dict(step=0, val_loss=val, mfu=0.0, peak_flops=peak,
+                                          mem_gib=meter.peak_memory_gib(device))) + "\n")
     while step < args.max_steps:
         t0 = time.perf_counter()
         watchdog.beat(step + 1, "start")
         lr = lr_at(step, args) * spikes.lr_scale
         engine.set_lr(lr)
         micro = sampler.local_micro_batches(sampler.step, grid.dp_rank, dp, args.batch_size, args.grad_accum)
-        batches = [tuple(t.to(device) for t in train_set.get(idx)) for idx in micro]
+        batches = [to_device(train_set.get(idx), device) for idx in micro]
         fault = args.inject_fault and args.inject_fault[1:] == (grid.rank, sampler.step + 1) and args.inject_fault[0]
         if fault == "raise":
             raise RuntimeError(f"--inject-fault: rank {grid.rank} raises at step {step + 1}")
@@ -186,7 +210,8 @@ def train(args):
         if trace and grid.dp_rank == 0 and grid.tp_rank == 0:  # step 1's pipeline timeline, for nanomega.plot
             save_trace(trace, args.out_dir)
         watchdog.beat(step + 1, "backward done")
-        loss = grid.dp.all_reduce(torch.tensor([loss * (10 if fault == "spike" else 1)], device=device)).item() / dp
+        loss = torch.as_tensor(loss, dtype=torch.float32, device=device).reshape(1) * (10 if fault == "spike" else 1)
+        loss = grid.dp.all_reduce(loss).item() / dp  # the step's one device sync
         spike = spikes.check(loss)  # the loss lives on the last pipeline stage: everyone takes its decision
         spike = grid_agrees(grid, spike) if args.on_spike != "warn" else spike
         info = engine.step(clip_norm=args.grad_clip or None, scaler=scaler, skip=spike and args.on_spike == "skip")
@@ -199,18 +224,25 @@ def train(args):
         dt = time.perf_counter() - t0
         tok_s = global_batch * args.block_size / dt
         rec = dict(step=step, loss=loss, lr=lr, grad_norm=info["grad_norm"], skipped=not info["stepped"],
-                   tok_s=tok_s, mfu=flops_tok * tok_s / (grid.world * peak))
+                   tok_s=tok_s, mfu=meter.mfu(flops_tok, tok_s, grid.world, peak), peak_flops=peak,
+                   mem_gib=meter.peak_memory_gib(device))
         rec["tokens"] = step * global_batch * args.block_size  # the x axis of nanomega.plot's loss-vs-tokens
         if args.eval_every and (step % args.eval_every == 0 or step == args.max_steps):
             with watchdog.paused():
                 rec["val_loss"] = evaluate(model, grid, val_set, args)
         if log:
+            if rec["mfu"] > 1 and not mfu_warned:
+                mfu_warned = True
+                print(f"warning: MFU {rec['mfu']:.2f} > 1 is impossible: the peak {peak / 1e9:,.0f} GFLOP/s "
+                      f"({source}) is wrong; pass the device's real peak with --peak-flops", file=sys.stderr)
             if step % args.log_every == 0 or "val_loss" in rec or spike or not finite:
                 val = f" val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
                 note = " SKIPPED" + (" (loss spike)" if spike else " (not finite)") if not info["stepped"] else (
                     " LOSS SPIKE" if spike else "")
                 print(f"step {step:5d} loss {loss:.4f}{val} lr {lr:.2e} norm {info['grad_norm']:.3f} "
-                      f"{tok_s:,.0f} tok/s mfu {100 * rec['mfu']:.1f}%{note}", flush=True)
+                      f"{tok_s:,.0f} tok/s mfu {100 * rec['mfu']:.1f}% mem {rec['mem_gib']:.2f} GiB{note}",
+                      flush=True)
+                meter.reset_peak_memory(device)  # the next line reports its own interval's peak
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
         skips.update(info["stepped"], step)  # info["stepped"] is the same on every rank (a reduced norm)
@@ -266,8 +298,8 @@ def restore(folder, cfg, engine, grid, layout, scaler, spikes, sampler=None):
     if not fresh:
         scaler.load_state_dict(state["scaler"])
     spikes.load_state_dict(state.get("spikes"))
-    if state.get("same_layout"):  # the RNG streams continue exactly; a new layout reseeds them
-        torch.set_rng_state(state["rng"])
+    if state.get("same_layout"):  # the RNG streams (CPU and CUDA) continue exactly; a new layout reseeds them
+        rng.restore_state(state, grid.device)
     return state
 
 
@@ -288,24 +320,6 @@ def grid_agrees(grid, flag):
     for axis in (grid.tp, grid.pp, grid.dp):
         axis.all_reduce(t)
     return bool(t.item() > 0)
-
-
-_PEAK = {}
-
-
-def train_peak(device, dtype=torch.float32):
-    """A matmul's FLOP/s in the training dtype: the practical peak for MFU, measured once per process."""
-    if (device.type, dtype) not in _PEAK:
-        n, reps = 2048, 3
-        a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-        a @ b
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        _PEAK[device.type, dtype] = 2 * n ** 3 * reps / (time.perf_counter() - t0)
-    return _PEAK[device.type, dtype]
 
 
 if __name__ == "__main__":

@@ -114,11 +114,14 @@ class ShardedState:
             for m, _, g, i, a, b in self.pieces:
                 if g is None:  # an empty piece takes the keys of any parameter of its group
                     j = next(j for j, group in enumerate(self.optimizer.param_groups) if group["params"][0] is m)
-                    st = next((optim_state_by_name[k] for k, jj in self.group_of.items() if jj == j), {})
-                    self.optimizer.state[m] = {k: v.new_zeros(0) if _elementwise(v) else _copy(v)
+                    st = next((optim_state_by_name[k] for k, jj in self.group_of.items()
+                               if jj == j and optim_state_by_name.get(k)), {})
+                    self.optimizer.state[m] = {k: m.new_zeros(0, dtype=v.dtype) if _elementwise(v) else _copy(v)
                                                for k, v in st.items()}
                     continue
                 o, st = g.offsets[i], optim_state_by_name[g.names[i]]
-                self.optimizer.state[m] = {k: (v.to(m.device).reshape(-1)[a - o:b - o].clone()
-                                               if _elementwise(v) and self.stage else _copy(v)) for k, v in st.items()}
+                # element-wise state goes to the parameter's device at every stage (a checkpoint is read to the
+                # CPU); scalars (Adam's step) stay where torch.optim keeps them, on the CPU
+                self.optimizer.state[m] = {k: (v.to(m.device).reshape(-1)[a - o:b - o].clone().view(m.shape)
+                                               if _elementwise(v) else _copy(v)) for k, v in st.items()}
         self._write_back()

@@ -1,0 +1,141 @@
+"""Model FLOPs utilisation and memory: how much of the hardware a training step uses.
+
+Idea (PaLM, appendix B): MFU = model FLOPs per token x tokens per second / (devices x peak FLOP/s). The
+numerator counts the model's own arithmetic (model.flops_per_token: 6N + 12 L h s), not what recompute
+adds; the denominator is the device's peak in the dtype the matmuls run in:
+    a GPU we know   its datasheet number (dense, no 2:4 sparsity), from the table below
+    --peak-flops    the user's number (another GPU, a known CPU)
+    anything else   measured: the best of many n x n matmuls over >= 1 s (a best, not a mean, so a busy
+                    machine lowers it as little as possible), labelled "measured"
+MFU above 1 is impossible: if it happens the peak is wrong, and the trainer says so once.
+Memory: this rank's peak, CUDA's max_memory_allocated or the CPU process's peak resident set (VmHWM),
+reset after each log line so every line reports its own interval.
+A CPU that only emulates a 16-bit dtype (AVX2: bf16 matmul ~14x slower than fp32, measured on an AMD EPYC)
+gets one warning line at start-up with the measured ratio.
+Lesson: lessons/01-dense-model.md
+"""
+import os
+import re
+import resource
+import time
+
+import torch
+
+# TFLOP/s per GPU, dense (NVIDIA datasheets print 2:4-sparse numbers for tensor cores: half of those here).
+# "tf32" is fp32 matmul on tensor cores (torch.backends.cuda.matmul.allow_tf32, train.py's --tf32).
+# Sources: NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf, table
+# "A100 80GB PCIe / A100 80GB SXM": the same peaks for SXM and PCIe); NVIDIA H100 Tensor Core GPU datasheet
+# (resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet: H100 SXM / H100 PCIe columns:
+# FP32 67 / 51, TF32 989 / 756 sparse, BF16 and FP16 1,979 / 1,513 sparse); NVIDIA H200 datasheet
+# (the H100 SXM's compute: FP32 67, TF32 989 sparse, BF16/FP16 1,979 sparse).
+PEAK_TFLOPS = {
+    "A100 SXM": dict(fp32=19.5, tf32=156.0, bf16=312.0, fp16=312.0),
+    "A100 PCIe": dict(fp32=19.5, tf32=156.0, bf16=312.0, fp16=312.0),
+    "H100 SXM": dict(fp32=67.0, tf32=494.5, bf16=989.5, fp16=989.5),
+    "H100 PCIe": dict(fp32=51.0, tf32=378.0, bf16=756.5, fp16=756.5),
+    "H200 SXM": dict(fp32=67.0, tf32=494.5, bf16=989.5, fp16=989.5),
+}
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+EMULATED = 0.5  # a 16-bit matmul slower than half fp32's rate: the CPU has no 16-bit units for it
+
+
+def gpu_model(name: str):
+    """The PEAK_TFLOPS row of a torch.cuda.get_device_name(), e.g. 'NVIDIA A100-SXM4-80GB', or None."""
+    n = name.lower()
+    if "h200" in n:
+        return "H200 SXM"
+    if "h100" in n and "nvl" not in n:
+        return "H100 PCIe" if "pcie" in n else "H100 SXM"
+    if "a100" in n:
+        return "A100 PCIe" if "pcie" in n else "A100 SXM"
+    return None
+
+
+def datasheet_peak(name: str, dtype: torch.dtype, tf32: bool = True):
+    """Peak FLOP/s of GPU `name` for matmuls in `dtype` (fp32 -> tf32 when tf32 is on), or None if unknown."""
+    row = gpu_model(name)
+    if row is None:
+        return None
+    key = DTYPE_NAMES[dtype]
+    return PEAK_TFLOPS[row]["tf32" if key == "fp32" and tf32 else key] * 1e12
+
+
+def measure_matmul(device, dtype, seconds=1.0, n=None):
+    """(best FLOP/s, repetitions) of n x n matmuls in `dtype`, repeated for at least `seconds`."""
+    device = torch.device(device)
+    n = n or (8192 if device.type == "cuda" else 1024)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a @ b  # warm-up: kernels chosen, caches filled
+    sync()
+    best, reps, start = float("inf"), 0, time.perf_counter()
+    while reps < 3 or time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - t0)
+        reps += 1
+    return 2 * n ** 3 / best, reps
+
+
+def peak_flops(device, dtype, tf32=True, override=None):
+    """(peak FLOP/s per device, where it comes from): --peak-flops, the datasheet, or a measurement."""
+    device = torch.device(device)
+    if override:
+        return float(override), "--peak-flops"
+    name = DTYPE_NAMES[dtype] + ("/tf32" if dtype == torch.float32 and tf32 and device.type == "cuda" else "")
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device)
+        peak = datasheet_peak(gpu, dtype, tf32)
+        if peak:
+            return peak, f"datasheet, {gpu_model(gpu)} {name}"
+    flops, reps = measure_matmul(device, dtype)
+    return flops, f"measured: best of {reps} {name} matmuls over >= 1 s"
+
+
+def emulation_warning(device, dtype, seconds=0.25):
+    """One line if this CPU runs `dtype` matmuls at less than EMULATED x fp32's rate, else None."""
+    device = torch.device(device)
+    if device.type != "cpu" or dtype == torch.float32:
+        return None
+    n = 512  # small: a clear ratio in 2 x `seconds`, even where 16 bits is 14x slower
+    slow, fast = measure_matmul(device, dtype, seconds, n)[0], measure_matmul(device, torch.float32, seconds, n)[0]
+    if slow >= EMULATED * fast:
+        return None
+    name = DTYPE_NAMES[dtype]
+    return (f"warning: --dtype {name} matmuls run at {slow / fast:.2f}x fp32's rate on this CPU "
+            f"({slow / 1e9:.0f} vs {fast / 1e9:.0f} GFLOP/s measured): it emulates {name}; use --dtype fp32 "
+            f"here, {name} on a GPU or an AMX CPU")
+
+
+def mfu(flops_per_token, tokens_per_s, devices, peak):
+    return flops_per_token * tokens_per_s / (devices * peak)
+
+
+def _vm_hwm_bytes():
+    try:
+        with open("/proc/self/status") as f:
+            return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
+    except (OSError, AttributeError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kB; never reset
+
+
+def peak_memory_gib(device) -> float:
+    """This rank's peak memory since the last reset: CUDA allocated by torch, or the CPU process's RSS."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return _vm_hwm_bytes() / 2**30
+
+
+def reset_peak_memory(device) -> None:
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # Linux >= 4.0: "5" resets VmHWM to the current RSS
+        with open(f"/proc/{os.getpid()}/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # elsewhere the peak is since start (documented in the log header)

@@ -1,0 +1,211 @@
+"""The GPU tier: `python -m pytest -m gpu` on a machine with CUDA (skipped, with the reason, where there is none).
+
+What the CPU suite cannot show: the CUDA kernels against eager PyTorch (fp32/bf16/fp16, the CPU tests'
+shapes); single-GPU training against the CPU run (fp32) and bf16 against fp32; save/resume bitwise on the GPU
+with dropout; a GPU checkpoint sampled and resumed on a CPU-only process; ZeroEngine stages 0-3 at world 1;
+sdpa/eager/fused and --compile on CUDA; with >= 2 GPUs, NCCL layouts against the dense run.
+Training runs are subprocesses (`python nanomega/train.py`): each gets a fresh CUDA context and process group.
+Not run in the session that wrote it (no GPU there): see bench/RESULTS.md for what has been run.
+"""
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanomega import checkpoint, dist, fused, zero
+from nanomega.model import GPT, GPTConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+CUDA = torch.cuda.is_available()
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not CUDA, reason="GPU tier: needs CUDA (torch.cuda.is_available() is False on "
+                                                  "this machine); run `python -m pytest -m gpu` where a GPU is")]
+TWO_GPUS = pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2, reason="needs >= 2 CUDA GPUs for NCCL layouts")
+SMALL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", "64", "--batch-size", "8",
+         "--warmup", "2", "--lr", "1e-3", "--eval-every", "0", "--log-every", "10", "--peak-flops", "1e12"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpu") / "small.txt"
+    path.write_text(gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(300_000))
+    return path
+
+
+def train(corpus, out, *extra, launcher=(sys.executable,), env=None):
+    cmd = [*launcher, "nanomega/train.py", *SMALL, "--corpus", str(corpus), "--data-cache",
+           str(Path(out).parent / "cache"), "--out-dir", str(out), *extra]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
+    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
+    return [json.loads(line) for line in open(Path(out) / "metrics.jsonl") if '"loss"' in line]
+
+
+def losses(rows):
+    return [r["loss"] for r in rows]
+
+
+# ---------------------------------------------------------------- kernels
+@pytest.fixture(scope="module")
+def cuda_ext():
+    ext = fused.load_extension()
+    if not getattr(ext, "with_cuda", False):
+        pytest.skip("the fused extension was built without CUDA kernels (no nvcc / CUDA_HOME on this machine)")
+    return ext
+
+
+def _kernel_cases():
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_fused import cases  # the CPU tests' shapes: one list for both tiers
+    return list(cases())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("op,ref,shapes", _kernel_cases())
+def test_cuda_kernels_match_eager(cuda_ext, op, ref, shapes, dtype):
+    """Forward and backward of the CUDA kernel vs eager PyTorch in fp32 on the same inputs. Tolerance: fp32
+    1e-5 (sums in another order, fast-math exp: a few ulp); 16 bits: one rounding of each output (2^-8 bf16,
+    2^-11 fp16 relative), x2, and parameter gradients (sums over rows) sqrt(rows) roundings."""
+    torch.manual_seed(0)
+    inputs = [(torch.randn(s) * 3).to("cuda", dtype) for s in shapes]
+    grad = torch.randn(ref(*inputs).shape).to("cuda", dtype)
+
+    def run(fn, xs, g):
+        xs = [t.detach().requires_grad_() for t in xs]
+        out = fn(*xs)
+        out.backward(g)
+        return [out] + [t.grad for t in xs]
+
+    got = run(op, inputs, grad)
+    want = run(ref, [t.float() for t in inputs], grad.float())
+    rtol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]
+    for g, w in zip(got, want):
+        assert g.is_cuda and g.dtype == dtype
+        torch.testing.assert_close(g.float(), w, rtol=rtol, atol=rtol * max(1, g.numel() ** 0.25))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_attention_cores_agree_on_cuda(cuda_ext, dtype):
+    """sdpa (FlashAttention / memory-efficient kernels), eager and fused on the GPU. fp32 with TF32 off:
+    rounding of sums of <= 64 terms, rtol 1e-5 (tests/test_attention.py); bf16: a few roundings of 2^-8, 5e-2."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    x = torch.randint(0, 256, (4, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    outs = {}
+    for kind in ("sdpa", "eager", "fused"):
+        torch.manual_seed(0)
+        gpt = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64, attention=kind))
+        if kind == "fused":
+            for m in gpt.modules():
+                if hasattr(m, "scale_mask_softmax"):
+                    m.scale_mask_softmax = fused.causal_softmax
+        gpt = gpt.to("cuda", dtype)
+        loss = gpt(x, x)
+        loss.backward()
+        outs[kind] = [loss.float()] + [p.grad.float() for p in gpt.parameters()]
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    for kind in ("sdpa", "fused"):
+        for a, b in zip(outs[kind], outs["eager"]):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol * 1e-2)
+
+
+# ---------------------------------------------------------------- training
+def test_thirty_steps_fp32_close_to_cpu_and_bf16_close_to_fp32(corpus, tmp_path):
+    """fp32 (TF32 off) on the GPU vs the CPU: other kernels, other sum orders (~1e-6 per op); 30 AdamW steps of
+    a model whose loss falls ~3 nats keep the curves within 1e-3 relative. bf16 vs fp32: bf16 rounds every
+    activation to 2^-8 relative; the mean loss over 4,096 tokens moves by far less, within 2e-2."""
+    steps = ["--max-steps", "30", "--dropout", "0"]
+    gpu = train(corpus, tmp_path / "gpu", *steps, "--no-tf32")
+    cpu = train(corpus, tmp_path / "cpu", *steps, "--device", "cpu")
+    bf16 = train(corpus, tmp_path / "bf16", *steps, "--dtype", "bf16")
+    assert losses(gpu)[-1] < losses(gpu)[0] - 0.5
+    assert losses(gpu) == pytest.approx(losses(cpu), rel=1e-3)
+    assert losses(bf16) == pytest.approx(losses(gpu), rel=2e-2)
+    assert all(r["mem_gib"] > 0 and r["mfu"] <= 1 for r in gpu)
+
+
+def test_save_resume_bitwise_and_sample_on_cpu(corpus, tmp_path):
+    """dropout 0.1 on the GPU: 6 steps == 3, save, resume, 3 (CUDA generator restored); then the GPU checkpoint
+    is sampled, and resumed, by processes that see no GPU (map_location="cpu")."""
+    common = ["--max-steps", "6", "--save-every", "3", "--dropout", "0.1"]
+    straight = train(corpus, tmp_path / "straight", *common)
+    resumed = tmp_path / "resumed"
+    (resumed / "ckpt").mkdir(parents=True)
+    shutil.copytree(tmp_path / "straight" / "ckpt" / "step_000003", resumed / "ckpt" / "step_000003")
+    (resumed / "ckpt" / "latest").write_text("step_000003")
+    again = train(corpus, resumed, *common, "--resume")
+    assert losses(straight)[3:] == losses(again)
+    a = checkpoint.full_weights(checkpoint.latest(tmp_path / "straight"))
+    b = checkpoint.full_weights(checkpoint.latest(resumed))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    no_gpu = dict(CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([sys.executable, "nanomega/sample.py", "--out-dir", str(resumed), "--max-new-tokens", "8"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT), **no_gpu))
+    assert res.returncode == 0 and res.stdout.strip(), res.stderr[-2000:]
+    train(corpus, resumed, "--max-steps", "8", "--save-every", "3", "--dropout", "0.1", "--resume", env=no_gpu)
+
+
+def test_zero_engine_stages_on_one_gpu():
+    """Stages 0-3 at world 1 on CUDA: the same flat buffers and AdamW, so the same weights after 3 steps
+    (bitwise up to the order of the norm's fp64 sum: compared at 1e-6); state stays on the GPU after load_full."""
+    started = not torch.distributed.is_initialized()
+    dist.init("cuda")
+    try:
+        grid = dist.Grid(1, 1, 1)
+        assert grid.device.type == "cuda"
+        x = torch.randint(0, 256, (4, 32), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+        result = {}
+        for stage in range(4):
+            torch.manual_seed(0)
+            gpt = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)).cuda()
+            engine = zero.ZeroEngine(gpt, torch.optim.AdamW, dict(lr=1e-3), grid, stage)
+            for _ in range(3):
+                gpt(x, x).backward()
+                engine.step()
+            result[stage] = engine.full_state_dict()
+            engine.load_full(result[stage], engine.optimizer_state_by_name())
+            assert all(v.is_cuda for s in engine.optimizer.state.values() for v in s.values() if v.dim())
+        for stage in (1, 2, 3):
+            for k, v in result[0].items():
+                torch.testing.assert_close(result[stage][k], v, rtol=1e-6, atol=1e-7)
+    finally:
+        if started:
+            torch.distributed.destroy_process_group()
+
+
+def test_compile_gives_the_same_losses(corpus, tmp_path):
+    """--compile (inductor, per block): fused element-wise kernels round differently (~1e-6 per op); 5 steps
+    at rtol 1e-4."""
+    steps = ["--max-steps", "5", "--dropout", "0", "--no-tf32"]
+    assert losses(train(corpus, tmp_path / "c", *steps, "--compile")) == pytest.approx(
+        losses(train(corpus, tmp_path / "e", *steps)), rel=1e-4)
+
+
+def test_pinned_batches_and_datasheet_peak(corpus, tmp_path):
+    from nanomega import train as trainer
+    x = trainer.to_device((torch.arange(8),), torch.device("cuda", 0))[0]
+    assert x.is_cuda and torch.equal(x.cpu(), torch.arange(8))
+    rows = train(corpus, tmp_path / "mfu", "--max-steps", "3", "--peak-flops", "0")
+    assert all(0 < r["mfu"] <= 1 and r["peak_flops"] > 1e12 for r in rows)
+
+
+# ---------------------------------------------------------------- NCCL
+@TWO_GPUS
+@pytest.mark.parametrize("layout", [["--tp", "2", "--sequence-parallel"], ["--zero", "1", "--batch-size", "4"],
+                                    ["--pp", "2", "--batch-size", "4", "--grad-accum", "2"]],
+                         ids=["tp2-sp", "dp2-zero1", "pp2"])
+def test_nccl_layouts_equal_dense(corpus, tmp_path, layout):
+    """2 GPUs over NCCL vs one GPU, the same global batch (8 sequences), fp32 without TF32: a layout changes
+    only the order of sums (tests/test_layouts.py: rel 1e-6 on CPU); NCCL's ring sums add as many roundings:
+    rel 1e-5."""
+    steps = ["--max-steps", "5", "--dropout", "0", "--no-tf32"]
+    dense = train(corpus, tmp_path / "dense", *steps)
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    sharded = train(corpus, tmp_path / "sharded", *steps, *layout, launcher=torchrun)
+    assert losses(sharded) == pytest.approx(losses(dense), rel=1e-5)

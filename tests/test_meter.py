@@ -1,0 +1,99 @@
+"""MFU and memory (nanomega/meter.py) as the trainer reports them, and one device sync per step."""
+import gzip
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanomega import dist, meter, train
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
+         "--eval-every", "0", "--warmup", "1", "--log-every", "2"]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("meter") / "small.txt"
+    path.write_text(gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(100_000))
+    return path
+
+
+def run(corpus, out, *extra):
+    train.main([*SMALL, "--corpus", str(corpus), "--data-cache", str(out.parent / "cache"), "--out-dir", str(out),
+                *extra])
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+def test_datasheet_peaks():
+    tera = 1e12
+    assert meter.datasheet_peak("NVIDIA A100-SXM4-80GB", torch.bfloat16) == 312 * tera
+    assert meter.datasheet_peak("NVIDIA A100-PCIE-40GB", torch.float32) == 156 * tera  # TF32 on
+    assert meter.datasheet_peak("NVIDIA A100 80GB PCIe", torch.float32, tf32=False) == 19.5 * tera
+    assert meter.datasheet_peak("NVIDIA H100 80GB HBM3", torch.float16) == 989.5 * tera
+    assert meter.datasheet_peak("NVIDIA H100 PCIe", torch.bfloat16) == 756.5 * tera
+    assert meter.datasheet_peak("NVIDIA H100 PCIe", torch.float32, tf32=False) == 51 * tera
+    assert meter.datasheet_peak("Tesla T4", torch.float16) is None  # unknown: measured instead
+
+
+def test_cpu_peak_is_measured_for_at_least_a_second():
+    t0 = time.perf_counter()
+    flops, source = meter.peak_flops("cpu", torch.float32)
+    assert time.perf_counter() - t0 >= 1.0 and source.startswith("measured") and flops > 0
+    assert meter.peak_flops("cpu", torch.float32, override=3e11) == (3e11, "--peak-flops")
+
+
+def test_metrics_rows_carry_mfu_peak_and_memory(corpus, tmp_path, capsys):
+    rows = run(corpus, tmp_path / "measured", "--max-steps", "2")
+    out = capsys.readouterr()
+    assert "measured: best of" in out.out and "mem " in out.out and "warning" not in out.err
+    for r in rows:
+        assert 0 < r["mfu"] <= 1 and r["peak_flops"] > 0 and r["mem_gib"] > 0  # MFU <= 1 with a real peak
+    rows = run(corpus, tmp_path / "wrong", "--max-steps", "3", "--peak-flops", "1e3")  # 1 kFLOP/s: wrong
+    err = capsys.readouterr().err.splitlines()
+    assert all(r["mfu"] > 1 and r["peak_flops"] == 1e3 for r in rows)
+    assert len([line for line in err if "is impossible" in line]) == 1 and "--peak-flops" in err[0]
+
+
+def test_cpu_peak_memory_resets():
+    meter.reset_peak_memory("cpu")
+    base = meter.peak_memory_gib("cpu")
+    x = torch.ones(2**27)  # 0.5 GiB, touched
+    del x
+    assert meter.peak_memory_gib("cpu") > base + 0.4
+    meter.reset_peak_memory("cpu")
+    assert meter.peak_memory_gib("cpu") < base + 0.2
+
+
+def test_emulated_16_bit_dtype_warns_once(monkeypatch):
+    """On this AMD EPYC (AVX2) bf16 really is ~14x slower than fp32; faked here so the test runs anywhere."""
+    rates = {torch.bfloat16: 30e9, torch.float32: 420e9}
+    monkeypatch.setattr(meter, "measure_matmul", lambda device, dtype, seconds, n: (rates[dtype], 10))
+    line = meter.emulation_warning("cpu", torch.bfloat16)
+    assert "0.07x fp32" in line and "use --dtype fp32 here, bf16 on a GPU or an AMX CPU" in line
+    assert "\n" not in line
+    rates[torch.bfloat16] = 800e9  # an AMX CPU: no warning
+    assert meter.emulation_warning("cpu", torch.bfloat16) is None
+    assert meter.emulation_warning("cpu", torch.float32) is None
+
+
+def test_one_device_sync_per_step(monkeypatch):
+    """forward_backward returns the loss on the device: no .item() per micro-batch."""
+    started = not torch.distributed.is_initialized()
+    dist.init("cpu")
+    try:
+        args = train.flags.get_args([*SMALL, "--grad-accum", "4"])
+        cfg = train.flags.model_config(args)
+        model, engine, _ = train.build(args, cfg, dist.Grid(1, 1, 1))
+        x = torch.randint(0, 100, (4, 32))
+        calls = []
+        real = torch.Tensor.item
+        monkeypatch.setattr(torch.Tensor, "item", lambda t: calls.append(1) or real(t))
+        loss = train.forward_backward(model, engine, engine.grid, [(x, x)] * 4, args, 1.0)
+        assert torch.is_tensor(loss) and calls == []
+    finally:
+        if started:
+            torch.distributed.destroy_process_group()
