@@ -8,7 +8,6 @@ Each measurement runs in a fresh process (peak RSS = ru_maxrss of the process an
 """
 import argparse
 import json
-import os
 import resource
 import subprocess
 import sys

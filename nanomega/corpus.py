@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nanomega import data
+from nanomega import data, faults
 
 FORMAT = 1
 VAL_EVERY = 20  # documents 0, 20, 40, ... are validation: 5%, and never fewer than one
@@ -292,8 +292,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    faults.entrypoint(main)  # bad input: one line, exit 2

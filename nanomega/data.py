@@ -298,9 +298,5 @@ class Sampler:
 
 
 if __name__ == "__main__":  # `python -m nanomega.data --corpus ... --out DIR`: the preparation lives in corpus.py
-    from nanomega import corpus
-    try:
-        corpus.main()
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}")
-        raise SystemExit(2)
+    from nanomega import corpus, faults
+    faults.entrypoint(corpus.main)  # bad input: one line, exit 2

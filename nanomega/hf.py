@@ -20,12 +20,11 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
 
-from nanomega import checkpoint, data
+from nanomega import checkpoint, data, faults
 from nanomega.model import GPTConfig
 from nanomega.tokenizer import ENDOFTEXT, GPT2_PATTERN, save_ranks
 
@@ -220,8 +219,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    faults.entrypoint(main)  # bad input: one line, exit 2

@@ -12,10 +12,9 @@ Lesson: lessons/01-dense-model.md
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
-from nanomega import schedules
+from nanomega import faults, schedules
 
 
 def read_run(out):
@@ -129,8 +128,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    faults.entrypoint(main)  # bad input: one line, exit 2

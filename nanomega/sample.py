@@ -15,7 +15,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nanomega import checkpoint, data
+from nanomega import checkpoint, data, faults
 from nanomega.model import GPT, GPTConfig
 
 
@@ -73,8 +73,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    faults.entrypoint(main)  # bad input: one line, exit 2

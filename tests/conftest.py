@@ -14,6 +14,17 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module")
+def grid():
+    """A world of one in this process (gloo on a HashStore); torn down if this module started it."""
+    from nanomega import dist
+    started = not torch.distributed.is_initialized()
+    dist.init("cpu")
+    yield dist.Grid(1, 1, 1)
+    if started:
+        torch.distributed.destroy_process_group()
+
+
 def pytest_sessionstart(session):
     """The CPU the suite runs on, printed first even under -q: tolerances are derived (tests/tolerance.py),
     but a failure report should still say which vector ISA and kernels produced it (ATEN_CPU_CAPABILITY

@@ -19,14 +19,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 CFG = dict(vocab_size=128, block_size=16, n_layer=1, n_head=2, n_embd=16)
 
 
-@pytest.fixture(scope="module")
-def grid():
-    started = not torch.distributed.is_initialized()
-    dist.init("cpu")
-    yield dist.Grid(1, 1, 1)
-    if started:
-        torch.distributed.destroy_process_group()
-
 
 def trained_engine(grid, stage, seed=0):
     torch.manual_seed(0)  # the same init on every rank; `seed` picks the batch

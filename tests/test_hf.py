@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("transformers", reason="the hf extra (transformers, safetensors) is not installed")
 import transformers  # noqa: E402
 
-from nanomega import checkpoint, data, dist, hf, sample, tokenizer, train  # noqa: E402
+from nanomega import data, dist, hf, sample, tokenizer, train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 V = 4001

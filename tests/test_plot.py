@@ -1,7 +1,6 @@
 """nanomega/plot.py: PNGs of real runs (a pp=2 run overlaid on the dense one) and the pipeline timeline that
 train.py records for step 1."""
 import gzip
-import json
 from pathlib import Path
 
 import pytest

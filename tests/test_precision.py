@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanomega import data, dist
+from nanomega import data
 from nanomega.model import GPT, GPTConfig
 from nanomega.precision import LossScaler, cast_model, check_dtype_supported, parse_dtype
 from nanomega.zero import ZeroEngine
@@ -19,15 +19,6 @@ from tolerance import unit_roundoff
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-
-@pytest.fixture(scope="module")
-def grid():
-    """A world of one in this process (gloo on a HashStore); torn down if this module started it."""
-    started = not torch.distributed.is_initialized()
-    dist.init("cpu")
-    yield dist.Grid(1, 1, 1)
-    if started:
-        torch.distributed.destroy_process_group()
 
 
 def small_gpt(**kw):
