@@ -47,6 +47,6 @@ if __name__ == "__main__":
         stage = r["coords"][1]
         print(f"rank {r['coords']} (dp, pp, tp):\n{r['table']}")
         check(f"stage {stage}: pp bytes sent = m b s h x 4", r["bytes"][("send", "pp", "float32")], M * B * S * H * 4)
-        check(f"stage {stage}: dp all-reduce = 4 x stage params + 4 (loss)", r["bytes"][("all_reduce", "dp", "float32")],
-              4 * stage_params[stage] + 4)
+        check(f"stage {stage}: dp all-reduce = 4 x stage params + 4 (loss) + 4 (stop vote)",
+              r["bytes"][("all_reduce", "dp", "float32")], 4 * stage_params[stage] + 4 + 4)
         check(f"stage {stage}: tied embedding all-reduce = 4 V h", r["bytes"][("all_reduce", "emb", "float32")], 4 * V * H)

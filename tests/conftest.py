@@ -1,7 +1,11 @@
+import gzip
 import os
+from pathlib import Path
 
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -12,6 +16,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def corpus(request, tmp_path_factory):
+    """A small.txt of the embedded corpus's first CORPUS_CHARS characters (a module may set CORPUS_CHARS;
+    300,000 by default: enough windows for a few steps, tokenized in a moment), one per test module."""
+    chars = getattr(request.module, "CORPUS_CHARS", 300_000)
+    path = tmp_path_factory.mktemp("corpus") / "small.txt"
+    path.write_text(gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(chars))
+    return path
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ are compared at rtol 1e-5 (5x that bound); losses over 5 AdamW steps at rtol 1e-
 keeps a relative error in g relative, so 5 steps add at most ~5 x 2e-6.
 Under tp2 + sequence parallelism the same holds (test_layouts: tp changes the order of sums at 1e-7).
 """
-import gzip
 import json
 from pathlib import Path
 
@@ -18,19 +17,13 @@ from nanomega import dist, fused, tp, train
 from nanomega.model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parent.parent
+CORPUS_CHARS = 200_000  # of the embedded corpus, for conftest's `corpus`
 RTOL = 1e-5  # see the module docstring
 pytestmark = pytest.mark.usefixtures("one_thread")
 KINDS = ("sdpa", "eager", "fused")
 COMMON = ["--n-layer", "2", "--n-head", "4", "--n-embd", "32", "--block-size", "32", "--dropout", "0",
           "--max-steps", "5", "--warmup", "1", "--lr", "3e-3", "--eval-every", "0", "--log-every", "100",
           "--peak-flops", "1e11"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("attention") / "small.txt"
-    path.write_text(gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(200_000))
-    return path
 
 
 def run(corpus, out, *extra):

@@ -2,7 +2,6 @@
 
 One reference run (6 steps, a checkpoint every 2) is shared; each test damages a copy of its out-dir."""
 import contextlib
-import gzip
 import json
 import os
 import shutil
@@ -24,13 +23,6 @@ import kill_resume  # noqa: E402  (the torchrun harness)
 
 SMALL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
          "--eval-every", "0", "--peak-flops", "1e11", "--save-every", "2", "--max-steps", "6", "--warmup", "2"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("failures") / "small.txt"
-    path.write_text(gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(300_000))
-    return path
 
 
 def run(corpus, out, *extra):

@@ -2,7 +2,6 @@
 
 The SIGKILL-a-rank-under-torchrun-and-resume trial is lessons/10_faults.py's experiment, which
 tests/test_lessons.py runs and asserts (bitwise-equal final weights); bench/kill_resume.py runs it 20 times."""
-import gzip
 import json
 import sys
 import time
@@ -15,13 +14,6 @@ from nanomega import checkpoint, dist, train
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 import kill_resume  # noqa: E402  (the harness bench/kill_resume.py runs 20 times)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("faults") / "small.txt"
-    path.write_text(gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(300_000))
-    return path
 
 
 def test_raising_rank_ends_the_job_promptly(corpus, tmp_path):

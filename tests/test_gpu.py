@@ -7,7 +7,6 @@ sdpa/eager/fused and --compile on CUDA; with >= 2 GPUs, NCCL layouts against the
 Training runs are subprocesses (`python nanomega/train.py`): each gets a fresh CUDA context and process group.
 Not run in the session that wrote it (no GPU there): see bench/RESULTS.md for what has been run.
 """
-import gzip
 import json
 import os
 import shutil
@@ -29,13 +28,6 @@ pytestmark = [pytest.mark.gpu,
 TWO_GPUS = pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2, reason="needs >= 2 CUDA GPUs for NCCL layouts")
 SMALL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", "64", "--batch-size", "8",
          "--warmup", "2", "--lr", "1e-3", "--eval-every", "0", "--log-every", "10", "--peak-flops", "1e12"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gpu") / "small.txt"
-    path.write_text(gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(300_000))
-    return path
 
 
 def train(corpus, out, *extra, launcher=(sys.executable,), env=None):

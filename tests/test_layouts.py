@@ -6,7 +6,6 @@ split over tp ranks, gradients averaged over dp ranks, micro-batch means): toler
 V = 4096, the 4h = 128-term sums of DEPTH = 17 reductions (4 layers x 4 + head) and 4 steps: 1.5e-4 --
 while a real layout bug (a lost micro-batch, a wrong slice) moves the loss by > 1e-3 relative.
 """
-import gzip
 import json
 import shutil
 from pathlib import Path
@@ -19,6 +18,7 @@ from nanomega import checkpoint, dist, train
 from tolerance import layout_rtol
 
 ROOT = Path(__file__).resolve().parent.parent
+CORPUS_CHARS = 200_000  # of the embedded corpus, for conftest's `corpus`
 STEPS = 4
 COMMON = ["--n-layer", "4", "--n-head", "4", "--n-embd", "32", "--block-size", "32", "--dropout", "0",
           "--max-steps", str(STEPS), "--warmup", "1", "--lr", "3e-3", "--eval-every", str(STEPS),
@@ -40,14 +40,6 @@ LAYOUTS_8 = [
     ("tp2-pp2-dp2-zero1", ["--tp", "2", "--pp", "2", "--zero", "1", "--batch-size", "2", "--grad-accum", "2"]),
     ("tp2-dp4-zero3", ["--tp", "2", "--zero", "3", "--batch-size", "1", "--grad-accum", "2"]),
 ]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("layouts")
-    path = folder / "small.txt"
-    path.write_text(gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(200_000))
-    return path
 
 
 def flags(corpus, out, extra):

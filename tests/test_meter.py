@@ -1,5 +1,4 @@
 """MFU and memory (nanomega/meter.py) as the trainer reports them, and one device sync per step."""
-import gzip
 import json
 import time
 from pathlib import Path
@@ -10,16 +9,10 @@ import torch
 from nanomega import dist, meter, train
 
 ROOT = Path(__file__).resolve().parent.parent
+CORPUS_CHARS = 100_000  # of the embedded corpus, for conftest's `corpus`
 SMALL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
          "--eval-every", "0", "--warmup", "1", "--log-every", "2"]
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("meter") / "small.txt"
-    path.write_text(gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(100_000))
-    return path
 
 
 def run(corpus, out, *extra):

@@ -7,7 +7,6 @@ layout changes the order of floating-point sums), for this model: V = 4096, 4h =
 Needs root and iproute2 (CI runs as root); elsewhere the tests skip with the script's own refusal line.
 The lost-node and elastic runs take minutes each: bench/multinode.py runs them (bench/RESULTS.md).
 """
-import gzip
 import json
 import os
 import subprocess
@@ -19,6 +18,7 @@ from nanomega import dist, train
 from tolerance import layout_rtol
 
 ROOT = Path(__file__).resolve().parent.parent
+CORPUS_CHARS = 200_000  # of the embedded corpus, for conftest's `corpus`
 STEPS = 4
 RTOL = layout_rtol(STEPS, vocab=4096, width=128, depth=9)
 COMMON = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--dropout", "0",
@@ -29,13 +29,6 @@ LAYOUTS = [
     ("tp2-in-host-dp2-across", ["--tp", "2", "--batch-size", "2", "--grad-accum", "2"]),
     ("tp2-in-host-pp2-across", ["--tp", "2", "--pp", "2", "--batch-size", "2", "--grad-accum", "4"]),
 ]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("multinode") / "small.txt"
-    path.write_text(gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(200_000))
-    return path
 
 
 def flags(corpus, out, extra):

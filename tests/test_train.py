@@ -1,5 +1,4 @@
 """The trainer end to end: exact resume, metrics, and one clear line for each kind of bad input."""
-import gzip
 import json
 import shutil
 import subprocess
@@ -15,16 +14,6 @@ ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
          "--grad-accum", "2", "--eval-every", "3", "--eval-iters", "2", "--warmup", "2", "--peak-flops", "1e11",
          "--dropout", "0.1", "--log-every", "100"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """The first 300 kB of the embedded corpus: enough windows, tokenized in a moment."""
-    folder = tmp_path_factory.mktemp("corpus")
-    text = gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(300_000)
-    path = folder / "small.txt"
-    path.write_text(text)
-    return path
 
 
 def run(corpus, out, *extra):
