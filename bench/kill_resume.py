@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from nanomega import checkpoint  # noqa: E402
+from nanomega import checkpoint, reshard  # noqa: E402
 
 MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
          "--dropout", "0.1", "--eval-every", "0", "--log-every", "1", "--peak-flops", "1e11", "--warmup", "2"]
@@ -68,7 +68,7 @@ def trial(corpus, root, nproc, steps, kill_step, kill_rank, extra=()):
     if job.returncode != 0:
         raise RuntimeError(f"killed run failed (rc {job.returncode}):\n{log[-3000:]}")
     ref = reference(corpus, root, nproc, steps, extra)
-    a, b = checkpoint.full_weights(checkpoint.latest(out)), checkpoint.full_weights(checkpoint.latest(ref))
+    a, b = reshard.full_weights(checkpoint.latest(out)), reshard.full_weights(checkpoint.latest(ref))
     same = a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     resumed = log.count("resumed from")
     return same, bool(killed), resumed, time.time() - t0

@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from nanomega import checkpoint  # noqa: E402
+from nanomega import checkpoint, reshard  # noqa: E402
 
 MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--dropout", "0",
          "--warmup", "1", "--lr", "3e-3", "--eval-every", "0", "--log-every", "1", "--peak-flops", "1e11",
@@ -51,7 +51,7 @@ def losses(out):
 
 
 def weights(out):
-    return checkpoint.full_weights(checkpoint.latest(out))
+    return reshard.full_weights(checkpoint.latest(out))
 
 
 def bitwise(a, b):

@@ -9,7 +9,7 @@ from check import check
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import kill_resume  # noqa: E402
-from nanomega import checkpoint  # noqa: E402
+from nanomega import checkpoint, reshard  # noqa: E402
 
 # 1. the failure law: N devices, each failing independently with probability p per day
 p, n = 1e-4, 1000
@@ -28,7 +28,7 @@ check("final weights after kill + restart equal the uninterrupted run (1 = bitwi
 
 # 3. what a checkpoint costs: fp32 master (4) + Adam m, v (8) = 12 bytes per parameter, split over ranks
 folder = checkpoint.latest(os.path.join(tmp, "reference-0"))
-n_params = sum(t.numel() for t in checkpoint.full_weights(folder).values())
+n_params = sum(t.numel() for t in reshard.full_weights(folder).values())
 size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".pt"))
 print(f"checkpoint {folder.split(os.sep)[-1]}: {n_params:,} parameters, {size:,} bytes in 2 shards")
 check("checkpoint bytes per parameter vs 4 + 8 (master + Adam)", size / n_params, 12.0, rtol=0.05)

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import kill_resume  # noqa: E402
-from nanomega import checkpoint, train  # noqa: E402
+from nanomega import checkpoint, reshard, train  # noqa: E402
 
 # 1. the failure law with BLOOM's reported rate, and the checkpoint interval that minimises lost work
 gpus, per_week = 384, 1.5  # BLOOM: 384 GPUs, "1-2 GPU failures a week" as reported; 1.5 assumed here
@@ -46,8 +46,8 @@ def run(name, *extra):
 
 
 def same(a, b):
-    wa = checkpoint.full_weights(os.path.join(tmp, a, "ckpt", "step_000006"))
-    wb = checkpoint.full_weights(os.path.join(tmp, b, "ckpt", "step_000006"))
+    wa = reshard.full_weights(os.path.join(tmp, a, "ckpt", "step_000006"))
+    wb = reshard.full_weights(os.path.join(tmp, b, "ckpt", "step_000006"))
     return int(all((wa[k] == wb[k]).all() for k in wa))
 
 

@@ -10,7 +10,7 @@ LayerNorm eps 1e-5, qkv laid out (3, n_head, head_dim)), so the exchange is a re
     the first V rows of the embedding, import appends zero rows; the padded rows are out of the loss
     (model.cross_entropy) and never sampled, so both directions are exact: logits[..., :V] are equal.
 Models that are not GPT-2 (ALiBi, an embedding LayerNorm: BLOOM's) are refused with one line.
-The checkpoint of any tp x pp x dp x ZeRO layout is read through checkpoint.full_weights (full tensors).
+The checkpoint of any tp x pp x dp x ZeRO layout is read through reshard.full_weights (full tensors).
 Tokenizer: a byte-level BPE with GPT-2's split pattern (shakespeare-4k, a .tiktoken file) becomes an HF
 tokenizer.json (transformers' TikTokenConverter); import turns GPT-2's vocab.json/tokenizer.json back into
 a .tiktoken file that `--tokenizer` reads.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from nanomega import checkpoint, data, faults
+from nanomega import checkpoint, data, faults, reshard
 from nanomega.model import GPTConfig
 from nanomega.tokenizer import ENDOFTEXT, GPT2_PATTERN, save_ranks
 
@@ -134,7 +134,7 @@ def export(out_dir, to):
     manifest = json.load(open(os.path.join(folder, "manifest.json")))
     cfg = GPTConfig(**manifest["config"])
     check_gpt2(cfg)  # before reading any shard
-    model = to_hf(checkpoint.full_weights(folder), cfg)
+    model = to_hf(reshard.full_weights(folder), cfg)
     model.save_pretrained(to)  # config.json + model.safetensors (safe serialization is the default)
     tok_name = manifest["layout"].get("tokenizer", "shakespeare-4k")
     tok = _hf_tokenizer(data.get_tokenizer(tok_name))
@@ -181,7 +181,7 @@ def import_(src, out_dir):
     if data.get_tokenizer(tokenizer).n_vocab != cfg.vocab_size:
         tokenizer = None  # the user must bring the tokenizer (--tokenizer) that has these cfg.vocab_size ids
     pieces = [dict(name=k, shape=tuple(t.shape), start=0, end=t.numel(), master=t.reshape(-1), state={})
-              for k, t in weights.items()]  # checkpoint.load's by-name format; empty state: a fresh AdamW
+              for k, t in weights.items()]  # reshard.load's by-name format; empty state: a fresh AdamW
     state = dict(universal=dict(tp_rank=0, pieces=pieces), sampler=None, scaler=None, step=0, rng=None)
     layout = dict(imported_from=os.path.abspath(src), **({"tokenizer": tokenizer} if tokenizer else {}))
     checkpoint.save(out_dir, 0, cfg, state, _OneRank(), layout)

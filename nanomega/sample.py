@@ -2,7 +2,7 @@
 
 Idea: autoregressive sampling -- run the model on the context (the last block_size tokens), take the last
 position's logits, divide by the temperature, keep the top k, sample, append, repeat.
-Works on checkpoints saved under any layout: checkpoint.full_weights rebuilds the full tensors.
+Works on checkpoints saved under any layout: reshard.full_weights rebuilds the full tensors.
 Lesson: lessons/01-dense-model.md
 """
 import argparse
@@ -15,7 +15,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nanomega import checkpoint, data, faults
+from nanomega import checkpoint, data, faults, reshard
 from nanomega.model import GPT, GPTConfig
 
 
@@ -44,7 +44,7 @@ def load_model(out_dir):
         raise FileNotFoundError(f"--out-dir {out_dir} holds no checkpoint; train first (nanomega/train.py)")
     manifest = json.load(open(os.path.join(folder, "manifest.json")))
     model = GPT(GPTConfig(**manifest["config"]))
-    weights = checkpoint.full_weights(folder)  # saved under any tp x pp x dp x ZeRO layout
+    weights = reshard.full_weights(folder)  # saved under any tp x pp x dp x ZeRO layout
     weights["head.lm_head.weight"] = weights["embed.wte.weight"]  # tied
     model.load_state_dict(weights)
     return model, manifest["layout"].get("tokenizer", "shakespeare-4k")

@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # `python nanomega/train.py`: make the package im
 
 from nanomega import args as flags
 from nanomega import checkpoint, corpus, data, dist, faults, fused, health, meter, pp, precision, recompute, rng
-from nanomega import schedules, tp, zero
+from nanomega import reshard, schedules, tp, zero
 from nanomega.model import GPT, flops_per_token
 
 
@@ -129,7 +129,7 @@ def evaluate(model, grid, val_set, args):
 def rank_state(engine, sampler, scaler, step, grid, spikes=None):
     """What this rank writes: its pieces of every parameter by name (any layout can load them), data position,
     loss scale, RNG (this device's), the lr scale and skipped data windows of rollbacks."""
-    return dict(universal=checkpoint.universal_pieces(engine, grid), spikes=spikes and spikes.state_dict(),
+    return dict(universal=reshard.universal_pieces(engine, grid), spikes=spikes and spikes.state_dict(),
                 sampler=sampler.state_dict(), scaler=scaler.state_dict(), step=step, **rng.save_state(grid.device))
 
 
@@ -291,7 +291,7 @@ def save_trace(trace, out_dir):
 
 def restore(folder, cfg, engine, grid, layout, scaler, spikes, sampler=None):
     """Load a checkpoint into this rank's engine, loss scaler, RNG (same layout) and, if given, sampler."""
-    state = checkpoint.load(folder, cfg, engine, grid, layout)
+    state = reshard.load(folder, cfg, engine, grid, layout)
     fresh = state["sampler"] is None  # a step-0 import (nanomega.hf): the data and the loss scale start fresh
     if sampler is not None and not fresh:
         sampler.load_state_dict(state["sampler"])

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from nanomega import checkpoint, dist, rng, zero
+from nanomega import checkpoint, dist, reshard, rng, zero
 from nanomega.model import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -50,12 +50,12 @@ def _save_and_reload(tmp):
         folder = os.path.join(tmp, f"s{saved}")
         engine = trained_engine(grid, saved, seed=grid.rank)  # ranks see different batches
         if loaded == 1 or saved == 0:  # save once per saved stage
-            state = dict(universal=checkpoint.universal_pieces(engine, grid), step=1)
+            state = dict(universal=reshard.universal_pieces(engine, grid), step=1)
             checkpoint.save(folder, 1, GPTConfig(**CFG), state, grid, dict(zero=saved, dp=2))
         reference = engine.full_state_dict()
         torch.manual_seed(123)
         target = zero.ZeroEngine(GPT(GPTConfig(**CFG)), torch.optim.AdamW, dict(lr=1e-3), grid, loaded)
-        got = checkpoint.load(checkpoint.latest(folder), GPTConfig(**CFG), target, grid, dict(zero=loaded, dp=2))
+        got = reshard.load(checkpoint.latest(folder), GPTConfig(**CFG), target, grid, dict(zero=loaded, dp=2))
         weights = target.full_state_dict()
         out[(saved, loaded)] = (got["shards_read"], got["same_layout"],
                                 all(torch.equal(weights[k], reference[k]) for k in reference))
@@ -77,13 +77,13 @@ def test_each_rank_reads_only_the_shards_it_needs(tmp_path):
 
 def test_shards_are_read_to_the_cpu_first(grid, tmp_path, monkeypatch):
     engine = trained_engine(grid, 0)
-    checkpoint.save(str(tmp_path), 1, GPTConfig(**CFG), dict(universal=checkpoint.universal_pieces(engine, grid)),
+    checkpoint.save(str(tmp_path), 1, GPTConfig(**CFG), dict(universal=reshard.universal_pieces(engine, grid)),
                     grid)
     seen = []
     real = torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **kw: seen.append(kw.get("map_location")) or real(*a, **kw))
-    checkpoint.load(checkpoint.latest(str(tmp_path)), GPTConfig(**CFG), engine, grid, {})
-    checkpoint.full_weights(checkpoint.latest(str(tmp_path)))
+    reshard.load(checkpoint.latest(str(tmp_path)), GPTConfig(**CFG), engine, grid, {})
+    reshard.full_weights(checkpoint.latest(str(tmp_path)))
     assert seen and set(seen) == {"cpu"}
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nanomega import args as flags
-from nanomega import checkpoint, dist, health, train
+from nanomega import checkpoint, dist, health, reshard, train
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -44,7 +44,7 @@ def copy(reference, tmp_path):
 
 
 def same_weights(a, b):
-    wa, wb = checkpoint.full_weights(a), checkpoint.full_weights(b)
+    wa, wb = reshard.full_weights(a), reshard.full_weights(b)
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega import checkpoint, dist, fused, zero
+from nanomega import checkpoint, dist, fused, reshard, zero
 from nanomega.model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,8 +132,8 @@ def test_save_resume_bitwise_and_sample_on_cpu(corpus, tmp_path):
     (resumed / "ckpt" / "latest").write_text("step_000003")
     again = train(corpus, resumed, *common, "--resume")
     assert losses(straight)[3:] == losses(again)
-    a = checkpoint.full_weights(checkpoint.latest(tmp_path / "straight"))
-    b = checkpoint.full_weights(checkpoint.latest(resumed))
+    a = reshard.full_weights(checkpoint.latest(tmp_path / "straight"))
+    b = reshard.full_weights(checkpoint.latest(resumed))
     assert all(torch.equal(a[k], b[k]) for k in a)
     no_gpu = dict(CUDA_VISIBLE_DEVICES="")
     res = subprocess.run([sys.executable, "nanomega/sample.py", "--out-dir", str(resumed), "--max-new-tokens", "8"],

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as td
 
-from nanomega import checkpoint, dist, train
+from nanomega import checkpoint, dist, reshard, train
 from tolerance import layout_rtol
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,8 +90,8 @@ def test_four_rank_layouts_match_dense_and_reshard(corpus, dense, tmp_path):
     losses, val = curve(tmp_path / "resumed")
     ref, ref_val = curve(dense)
     assert losses == pytest.approx(ref[2:], rel=RTOL) and val == pytest.approx(ref_val, rel=RTOL)
-    a = checkpoint.full_weights(checkpoint.latest(tmp_path / "resumed"))
-    b = checkpoint.full_weights(checkpoint.latest(dense))
+    a = reshard.full_weights(checkpoint.latest(tmp_path / "resumed"))
+    b = reshard.full_weights(checkpoint.latest(dense))
     assert a.keys() == b.keys()
     for k in a:
         # Adam normalises each step (lr g / sqrt(v)): where a gradient is near zero, 1e-7 relative rounding noise

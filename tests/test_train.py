@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega import checkpoint, train
+from nanomega import checkpoint, reshard, train
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
@@ -22,7 +22,7 @@ def run(corpus, out, *extra):
 
 
 def final_weights(out):
-    return checkpoint.full_weights(checkpoint.latest(out))
+    return reshard.full_weights(checkpoint.latest(out))
 
 
 def test_exact_resume(corpus, tmp_path):
@@ -39,7 +39,7 @@ def test_exact_resume(corpus, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     losses = lambda out: [r["loss"] for r in map(json.loads, open(out / "metrics.jsonl")) if "loss" in r]
     assert losses(straight)[3:] == losses(resumed)
-    assert not torch.equal(a["embed.wte.weight"], checkpoint.full_weights(
+    assert not torch.equal(a["embed.wte.weight"], reshard.full_weights(
         straight / "ckpt" / "step_000003")["embed.wte.weight"])  # it did train
 
 

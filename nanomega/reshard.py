@@ -1,0 +1,175 @@
+"""Resharding: a checkpoint saved under one layout loads under any other (DeepSpeed's universal checkpoint,
+done on load).
+
+Idea: besides its own state, each rank saves its *pieces by name* (universal_pieces) -- for every parameter
+slice it owns, the element range of its (tensor-parallel) local tensor, the fp32 master values and the
+optimizer state. Nothing is gathered to save. Loading under any layout (tp, pp, dp, ZeRO stage changed)
+rebuilds each full tensor from the pieces (un-sharding tp with tp.unshard_param), then each rank keeps its
+new slices (tp.shard_param, ZeroEngine.load_full). A rank reads only the shards it needs: the manifest
+indexes every shard's pieces (name, tp rank, element range), and a rank opens a shard only if one of its
+pieces overlaps what the rank will hold -- under the same layout that is its own shard (its dp-rank-0
+peer's at ZeRO stage 0, where replicas save nothing). Shards are always read to the CPU
+(checkpoint.load_shard: map_location="cpu", memory-mapped), then copied to the rank's device: a CUDA
+checkpoint loads on a machine with fewer GPUs, or none. The files themselves -- shards, manifest,
+checksums, discovery -- are nanomega/checkpoint.py.
+Lesson: lessons/10-checkpoints-and-failures.md
+"""
+import math
+from collections import defaultdict
+
+import torch
+
+from nanomega import checkpoint, tp
+
+
+def _elementwise(v):
+    return torch.is_tensor(v) and v.dim() > 0
+
+
+def universal_pieces(engine, grid):
+    """This rank's share of every parameter by name: (range, fp32 master, optimizer state) per owned slice.
+    Replicas write nothing (dp ranks > 0 at stage 0), nor does the last pipeline stage's copy of the tied
+    embedding (the first stage saves it)."""
+    pieces = []
+    if engine.stage == 0 and grid.dp_rank != 0:
+        return dict(tp_rank=grid.tp_rank, pieces=pieces)
+    for m, _, g, i, a, b in engine.pieces:
+        if g is None or g.params[i] is engine.shared and not grid.first_stage:
+            continue
+        o, state = g.offsets[i], engine.optimizer.state.get(m, {})
+        pieces.append(dict(name=g.names[i], shape=tuple(g.shapes[i]), start=a - o, end=b - o,
+                           master=g.master[a - g.lo:b - g.lo].detach().clone(),
+                           state={k: v.detach().reshape(-1).clone() if _elementwise(v) else v.clone()
+                                  for k, v in state.items()}))
+    for g in engine.sharded.frozen if engine.sharded else []:  # ZeRO-3 frozen parameters: their shards
+        for i, a, b in g.pieces():
+            o = g.offsets[i]
+            pieces.append(dict(name=g.names[i], shape=tuple(g.shapes[i]), start=a - o, end=b - o,
+                               master=g.shard[a - g.lo:b - g.lo].detach().float().clone(), state={}))
+    for name, p in engine.module.named_parameters():  # other frozen parameters: whole, from dp rank 0
+        if not p.requires_grad and grid.dp_rank == 0 and engine.stage < 3:
+            pieces.append(dict(name=name, shape=tuple(p.shape), start=0, end=p.numel(),
+                               master=p.detach().float().reshape(-1).clone(), state={}))
+    return dict(tp_rank=grid.tp_rank, pieces=pieces)
+
+
+def _assemble(shards, need=None, tp_size=None):
+    """{name: (full master, {key: full state or scalar})} from the pieces in `shards`.
+
+    need: {(name, saved tp rank): [(a, b), ...]} -- the element ranges of the saved tp-local tensors that must
+    be covered (others may be missing: they are zeros). None: every parameter must be complete.
+    tp_size: the saved tensor-parallel size (default: the highest tp rank seen + 1)."""
+    local = defaultdict(dict)  # name -> tp_rank -> [master, state, covered mask, shape]
+    for shard in shards:
+        u = shard["universal"]
+        for p in u["pieces"]:
+            n = math.prod(p["shape"])
+            entry = local[p["name"]].setdefault(u["tp_rank"], [torch.zeros(n), {}, torch.zeros(n, dtype=torch.bool),
+                                                               p["shape"]])
+            entry[0][p["start"]:p["end"]] = p["master"]
+            entry[2][p["start"]:p["end"]] = True
+            for k, v in p["state"].items():
+                if _elementwise(v):
+                    entry[1].setdefault(k, torch.zeros(n, dtype=v.dtype))[p["start"]:p["end"]] = v
+                else:
+                    entry[1][k] = v
+    checks = need.items() if need is not None else \
+        [((name, r), [(0, None)]) for name, by_rank in local.items() for r in by_rank]
+    for (name, r), ranges in checks:
+        covered = local.get(name, {}).get(r, [None, None, torch.zeros(0, dtype=torch.bool)])[2]
+        if not all(len(covered[a:b]) and covered[a:b].all() for a, b in ranges):
+            raise ValueError(f"--resume: the checkpoint holds only part of {name}; it is incomplete")
+    full = {}
+    for name, by_rank in local.items():
+        t = 1 if tp._rule(name) is None else tp_size or max(by_rank) + 1  # replicated: any one copy
+        if need is None and t > 1 and sorted(by_rank) != list(range(t)):
+            raise ValueError(f"--resume: the checkpoint holds only part of {name}; it is incomplete")
+        some = next(iter(by_rank.values()))
+        blank = [torch.zeros(math.prod(some[3])), {k: torch.zeros_like(v) if _elementwise(v) else v
+                                                   for k, v in some[1].items()}, None, some[3]]
+        ranks = [by_rank.get(r, blank) for r in range(t)] if t > 1 else [some]  # not read: zeros, never used
+        master = tp.unshard_param(name, [e[0].view(e[3]) for e in ranks])
+        state = {k: tp.unshard_param(name, [e[1][k].view(e[3]) for e in ranks]) if _elementwise(v) else v
+                 for k, v in some[1].items()}
+        full[name] = (master, state)
+    return full
+
+
+def _needed(engine, grid, saved_tp):
+    """{(name, saved tp rank): [(a, b), ...]}: the saved element ranges this rank must read. Under the same tp
+    size, the ranges of the pieces it owns (stage 0: whole parameters); under another tp size, the whole
+    local tensors of the saved tp ranks whose slice overlaps this rank's (replicated parameters: tp rank 0)."""
+    held = defaultdict(list)  # name -> ranges of this rank's tp-local tensor
+    for _, _, g, i, a, b in engine.pieces:
+        if g is not None:
+            held[g.names[i]].append((a - g.offsets[i], b - g.offsets[i]))
+    for g in engine.sharded.frozen if engine.sharded else []:
+        for i, a, b in g.pieces():
+            held[g.names[i]].append((a - g.offsets[i], b - g.offsets[i]))
+    params = dict(engine.module.named_parameters())
+    for name, p in params.items():
+        if not p.requires_grad and engine.stage < 3:
+            held[name].append((0, p.numel()))
+    need = {}
+    t, r = grid.tp.size, grid.tp_rank
+    for name, ranges in held.items():
+        source = "embed.wte.weight" if getattr(params.get(name), "shared_embedding", False) else name
+        if t == saved_tp:
+            need.setdefault((source, r), []).extend(ranges)
+        elif tp._rule(source) is None:
+            need[(source, 0)] = [(0, None)]
+        else:  # saved slice q of saved_tp overlaps this rank's slice r of t
+            for q in range(saved_tp):
+                if q * t < (r + 1) * saved_tp and r * saved_tp < (q + 1) * t:
+                    need[(source, q)] = [(0, None)]
+    return need
+
+
+def _overlaps(pieces, need):
+    return any(b is None or (s < b and a < e) for name, q, s, e in pieces for a, b in need.get((name, q), ()))
+
+
+def _local_shapes(engine):
+    shapes = {name: p.shape for name, p in engine.module.named_parameters()}
+    for g in engine.groups + (engine.sharded.frozen if engine.sharded else []):
+        shapes.update(zip(g.names, g.shapes))  # ZeRO-3 parameters are empty tensors between uses
+    return shapes
+
+
+def load(folder, cfg, engine, grid, layout):
+    """Load `folder` into this rank's engine under the current layout (resharding if it differs), reading
+    only the shards whose pieces overlap what this rank holds (all of them for a checkpoint without the
+    manifest's piece index). Returns this rank's saved state (its own shard when the layout is the same, else
+    rank 0's), with `same_layout` telling whether per-rank RNG streams can be continued."""
+    manifest = checkpoint.read_manifest_json(folder)
+    same = manifest["layout"] == layout and manifest["world"] == grid.world
+    need = _needed(engine, grid, manifest["layout"].get("tp", 1))
+    index = manifest.get("pieces")
+    files = [f for f in manifest["shards"] if index is None or _overlaps(index[f], need)]
+    own = checkpoint.shard_name(grid.rank if same else 0)
+    checkpoint.read_manifest(folder, cfg, verify=set(files) | {own})
+    shards = {f: checkpoint.load_shard(folder, int(f[5:10])) for f in files}
+    full = _assemble(shards.values(), need, manifest["layout"].get("tp", 1))
+    params, optim, shapes = {}, {}, _local_shapes(engine)
+    for name, p in engine.module.named_parameters():
+        source = "embed.wte.weight" if getattr(p, "shared_embedding", False) else name  # the tied copy
+        if source not in full:  # nothing of it is this rank's: a placeholder load_full never reads
+            if any(k == source for k, _ in need):
+                raise ValueError(f"--resume: the checkpoint in {folder} has no parameter {source}")
+            params[name], optim[name] = torch.zeros(shapes[name]), {}
+            continue
+        master, state = full[source]
+        cut = (lambda t: tp.shard_param(name, t, grid.tp_rank, grid.tp.size)) if grid.tp.size > 1 else (lambda t: t)
+        params[name] = cut(master)
+        if p.requires_grad:
+            optim[name] = {k: cut(v) if _elementwise(v) else v for k, v in state.items()}
+    engine.load_full(params, optim)
+    mine = shards[own] if own in shards else checkpoint.load_shard(folder, int(own[5:10]))
+    return dict(mine, same_layout=same, shards_read=sorted(files))
+
+
+def full_weights(folder):
+    """{name: full fp32 tensor} of a checkpoint saved under any layout (for sampling and tests)."""
+    world = checkpoint.read_manifest_json(folder)["world"]  # sampling needs every shard
+    shards = [checkpoint.load_shard(folder, r) for r in range(world)]
+    return {name: master for name, (master, _) in _assemble(shards).items()}
