@@ -1,7 +1,8 @@
 """Lesson 02 experiment: ZeRO stages 0-3 at 2 and 4 CPU ranks -- bytes held and bytes sent, next to the formulas.
 
 A bf16 GPT with bf16 gradients and fp32 AdamW (the 2 + 2 + 12 = 16 bytes of the table), every parameter size a
-multiple of 4 so no shard needs padding. Memory: the tensors the engine holds after a step (engine.memory_bytes).
+multiple of 4 so no shard needs padding. Memory: the tensors the engine holds at the step -- after backward, before
+the update (engine.memory_bytes) -- and, for ZeRO-3, between steps, when it has freed its gradient shard too.
 Traffic: the bytes one rank sends in one step, from dist.py's counted collectives and the ring factors.
 """
 import torch
@@ -32,9 +33,10 @@ def run_stages(world):
             grid.log.reset()
             loss = model(x, y)
             loss.backward()
+            memory = engine.memory_bytes()  # at the step: the gradients are reduced, Adam's state exists
             engine.step(clip_norm=1.0)
-        out[stage] = dict(memory=engine.memory_bytes(), pieces=len(engine.pieces), loss=loss.item(),
-                          bytes={op: grid.log.bytes(op, "dp") for op in RING})
+        out[stage] = dict(memory=memory, pieces=len(engine.pieces), loss=loss.item(),
+                          between=engine.memory_bytes()["grads"], bytes={op: grid.log.bytes(op, "dp") for op in RING})
     return out
 
 
@@ -51,6 +53,8 @@ def report(world, res, psi):
         # + 4 bytes per optimizer tensor: AdamW's step counter (one per parameter piece this rank updates)
         check(f"N={world} ZeRO-{stage} bytes held by rank 0 = ({w:g} + {gr:g} + {opt:g}) Psi + 4 x {r['pieces']} steps",
               m["params"] + m["grads"] + m["optimizer"], (w + gr + opt) * psi + 4 * r["pieces"], unit=" B")
+    check(f"N={world} ZeRO-3 gradient bytes held between steps (the shard is freed after the update)",
+          res[3]["between"], 0, unit=" B")
     ring = lambda op, r: RING[op](world) * r["bytes"][op]  # noqa: E731  bytes this rank sends
     dp = ring("all_reduce", res[0])
     check(f"N={world} DP all-reduce sends 2(N-1)/N x 2 Psi", dp, 2 * (world - 1) / world * 2 * psi, unit=" B")

@@ -12,21 +12,32 @@ optimizers (SGD, Adam, AdamW, ...), which is why ZeRO-1/2/3 accept only those.
 
 Lesson: lessons/02-data-parallel-and-zero.md
 """
+import dataclasses
+
 import torch
 
 
 class FlatGroup:
-    """Parameters of one dtype laid end to end, sharded over `n_shards` ranks.
+    """Parameters of one dtype laid end to end, sharded over `n_shards` ranks (n_shards = 1: kept whole, as
+    at ZeRO stage 0 and for ZeRO-3's replicated parameters: `replicated`).
 
-    The buffers (all 1-D; which exist depends on the ZeRO stage, see zero.py):
+    A closed record (__slots__): every buffer an engine may attach is declared here, none is added elsewhere.
+    The buffers (all 1-D; which exist depends on the ZeRO stage, see the table in zero.py):
       full    model dtype, N S elements; the parameters are views of it (ZeRO-3: only while gathered)
       shard   model dtype, this rank's S elements (ZeRO-3: the persistent copy of the parameters)
-      master  fp32, this rank's S elements: what the optimizer updates (it IS full/shard when those are fp32)
-      grad    gradient in grad_dtype, full (stages 0, 1) or this rank's slice (stages 2, 3)
+      own     this rank's slice of the parameters: full[lo:hi], or shard under ZeRO-3
+      master  fp32, this rank's S elements: what the optimizer updates (it IS `own` when the model is fp32)
+      grad    gradient in grad_dtype, full (stages 0, 1) or this rank's slice (stages 2, 3; ZeRO-3 frees it
+              between steps)
+      grad_own  the reduced gradient of the owned slice: grad[lo:hi] (stages 0, 1) or grad itself
       bucket  stages 2, 3: the full gradient of this backward, alive only until it is reduce-scattered
     """
 
-    def __init__(self, named_params, n_shards, rank):
+    __slots__ = ("names", "params", "shapes", "sizes", "offsets", "numel", "shard_numel", "padded", "lo", "hi",
+                 "dtype", "device", "trainable", "replicated", "full", "shard", "own", "master", "grad", "grad_own", "bucket",
+                 "arrived", "launched", "reduced", "state", "work")
+
+    def __init__(self, named_params, n_shards, rank, replicated=False):
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.shapes = [p.shape for p in self.params]  # kept: ZeRO-3 swaps the parameters for empty tensors
@@ -35,12 +46,24 @@ class FlatGroup:
         self.numel = sum(self.sizes)
         self.shard_numel = -(-self.numel // n_shards)  # S = ceil(n / N)
         self.padded = self.shard_numel * n_shards
-        self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
-        self.dtype, self.device = self.params[0].dtype, self.params[0].device
+        self.lo = rank * self.shard_numel
+        self.hi = (rank + 1) * self.shard_numel
+        self.dtype = self.params[0].dtype
+        self.device = self.params[0].device
         self.trainable = self.params[0].requires_grad
-        self.full = self.shard = self.master = self.grad = self.bucket = None
-        self.arrived, self.launched = set(), False  # this backward: gradients in, reduction started
+        self.replicated = replicated  # whole on every rank of an engine that shards (n_shards is then 1)
+        self.full = None
+        self.shard = None
+        self.own = None
+        self.master = None
+        self.grad = None
+        self.grad_own = None
+        self.bucket = None
+        self.arrived = set()  # this backward: indices of the parameters whose gradient is in
+        self.launched = False  # this backward: the reduction has started
         self.reduced = False  # reduced at least once since the last step
+        self.state = None  # ZeRO-3: free, inflight or live (zero3.py)
+        self.work = None  # ZeRO-3: the all-gather in flight
 
     def flatten(self, tensors, dtype=None):
         """The tensors (shaped like the parameters) end to end in a new zero-padded buffer of N S elements."""
@@ -68,6 +91,25 @@ class FlatGroup:
     def owned(self):
         """Real (non-padding) elements in this rank's slice."""
         return max(0, min(self.numel, self.hi) - self.lo)
+
+
+@dataclasses.dataclass
+class Piece:
+    """This rank's slice of one parameter: elements [start, end) of the flattened (tensor-parallel local)
+    parameter `name` -- the one record for it. The optimizer steps `master`, the engine finds its gradient at
+    group.grad_own[at:at + end - start], checkpoints save and reshard it by (name, start, end).
+      master   fp32 values, a view into group.master; frozen parameters: their values, in the model's dtype
+      replica  every data-parallel rank holds this same slice (stage 0, replicated or frozen whole parameters)
+      group, index, at  where it lives (group None: a frozen parameter held whole, or an empty placeholder)"""
+    name: str
+    shape: tuple
+    start: int
+    end: int
+    master: torch.Tensor
+    replica: bool
+    group: FlatGroup | None = None
+    index: int | None = None
+    at: int = 0
 
 
 def storage_bytes(tensors, seen):

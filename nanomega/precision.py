@@ -2,8 +2,13 @@
 
 Idea (Micikevicius et al. 2018; BLOOM's lesson): matmuls and activations run in bf16 (or fp16), while the
 fp32 master weights, the Adam moments, the gradient accumulation/reduction, the softmax and the loss stay in
-fp32. This module casts the model, checks the device, and scales the loss for fp16; the fp32 master copy
-(and its sharding) belongs to zero.ZeroEngine, so mixed precision composes with ZeRO, TP and PP unchanged.
+fp32. This module casts the model, checks the device, scales the loss for fp16, and holds the arithmetic of
+the mixed-precision step: the fp32 master of each 16-bit weight (fp32_master), the unscaling of the fp32
+gradients (unscale_) and the write-back of the updated masters (write_back). zero.ZeroEngine applies them to
+its (sharded) flat buffers, so mixed precision composes with ZeRO, TP and PP unchanged:
+    backward    16-bit grad -> added into the fp32 gradient buffer, then dropped     (ddp.py, _on_grad)
+    step        fp32 grad x 1/S -> norm, clip -> optimizer on the fp32 master      (unscale_, zero.py)
+                -> master cast back into the 16-bit weight                         (write_back)
 
     dtype  exponent  mantissa  max        smallest normal   eps (1 ulp at 1)
     fp32   8 bits    23 bits   3.4e38     1.2e-38           1.2e-7
@@ -73,6 +78,23 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     if not dtype.is_floating_point:
         raise ValueError(f"cast_model needs a floating dtype, got {dtype}")
     return model.to(dtype=dtype)
+
+
+def fp32_master(weights: torch.Tensor) -> torch.Tensor:
+    """The fp32 master copy of (a slice of) 16-bit weights; fp32 weights are their own master (no copy)."""
+    return weights.float()
+
+
+def unscale_(grad: torch.Tensor, scaler) -> None:
+    """fp32 gradients of a scaled loss -> the true gradients, in place (in fp32: g/S in fp16 would underflow)."""
+    if scaler is not None and scaler.scale != 1.0:
+        grad.mul_(1.0 / scaler.scale)
+
+
+def write_back(master: torch.Tensor, weights: torch.Tensor) -> None:
+    """The updated fp32 master -> the weights the model computes with, rounded to their dtype."""
+    if master is not weights:
+        weights.copy_(master)
 
 
 class LossScaler:

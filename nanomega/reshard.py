@@ -1,11 +1,11 @@
 """Resharding: a checkpoint saved under one layout loads under any other (DeepSpeed's universal checkpoint,
 done on load).
 
-Idea: besides its own state, each rank saves its *pieces by name* (universal_pieces) -- for every parameter
-slice it owns, the element range of its (tensor-parallel) local tensor, the fp32 master values and the
+Idea: besides its own state, each rank saves its *pieces by name* (ZeroEngine.export_by_name) -- for every
+parameter slice it owns, the element range of its (tensor-parallel) local tensor, the fp32 master values and the
 optimizer state. Nothing is gathered to save. Loading under any layout (tp, pp, dp, ZeRO stage changed)
 rebuilds each full tensor from the pieces (un-sharding tp with tp.unshard_param), then each rank keeps its
-new slices (tp.shard_param, ZeroEngine.load_full). A rank reads only the shards it needs: the manifest
+new slices (tp.shard_param, ZeroEngine.import_by_name). A rank reads only the shards it needs: the manifest
 indexes every shard's pieces (name, tp rank, element range), and a rank opens a shard only if one of its
 pieces overlaps what the rank will hold -- under the same layout that is its own shard (its dp-rank-0
 peer's at ZeRO stage 0, where replicas save nothing). Shards are always read to the CPU
@@ -26,31 +26,24 @@ def _elementwise(v):
     return torch.is_tensor(v) and v.dim() > 0
 
 
-def universal_pieces(engine, grid):
-    """This rank's share of every parameter by name: (range, fp32 master, optimizer state) per owned slice.
-    Replicas write nothing (dp ranks > 0 at stage 0), nor does the last pipeline stage's copy of the tied
-    embedding (the first stage saves it)."""
-    pieces = []
-    if engine.stage == 0 and grid.dp_rank != 0:
-        return dict(tp_rank=grid.tp_rank, pieces=pieces)
-    for m, _, g, i, a, b in engine.pieces:
-        if g is None or g.params[i] is engine.shared and not grid.first_stage:
-            continue
-        o, state = g.offsets[i], engine.optimizer.state.get(m, {})
-        pieces.append(dict(name=g.names[i], shape=tuple(g.shapes[i]), start=a - o, end=b - o,
-                           master=g.master[a - g.lo:b - g.lo].detach().clone(),
-                           state={k: v.detach().reshape(-1).clone() if _elementwise(v) else v.clone()
-                                  for k, v in state.items()}))
-    for g in engine.sharded.frozen if engine.sharded else []:  # ZeRO-3 frozen parameters: their shards
-        for i, a, b in g.pieces():
-            o = g.offsets[i]
-            pieces.append(dict(name=g.names[i], shape=tuple(g.shapes[i]), start=a - o, end=b - o,
-                               master=g.shard[a - g.lo:b - g.lo].detach().float().clone(), state={}))
-    for name, p in engine.module.named_parameters():  # other frozen parameters: whole, from dp rank 0
-        if not p.requires_grad and grid.dp_rank == 0 and engine.stage < 3:
-            pieces.append(dict(name=name, shape=tuple(p.shape), start=0, end=p.numel(),
-                               master=p.detach().float().reshape(-1).clone(), state={}))
-    return dict(tp_rank=grid.tp_rank, pieces=pieces)
+def pieces(engine, grid, copy=True):
+    """What this rank saves: its share of every parameter by name (ZeroEngine.export_by_name), with its tp rank
+    (the pieces of tensor-parallel parameters are slices of the tp-local tensor)."""
+    return dict(tp_rank=grid.tp_rank, pieces=engine.export_by_name(copy=copy))
+
+
+def full_state(engine):
+    """({name: full fp32 tensor}, {name: optimizer state by name}) of a live engine, gathered over its dp axis:
+    the same by-name state a checkpoint holds (tp-local tensors: tensor-parallel slices are not joined)."""
+    mine = engine.export_by_name(copies=True)
+    every = [mine]
+    if engine.axis.size > 1:
+        every = [None] * engine.axis.size
+        torch.distributed.all_gather_object(every, mine, group=engine.axis.group)
+    full = _assemble([dict(universal=dict(tp_rank=0, pieces=p)) for p in every], tp_size=1)
+    trainable = {k for k, p in engine.module.named_parameters() if p.requires_grad}
+    return ({k: master for k, (master, _) in full.items()},
+            {k: state for k, (_, state) in full.items() if k in trainable})
 
 
 def _assemble(shards, need=None, tp_size=None):
@@ -100,16 +93,9 @@ def _needed(engine, grid, saved_tp):
     size, the ranges of the pieces it owns (stage 0: whole parameters); under another tp size, the whole
     local tensors of the saved tp ranks whose slice overlaps this rank's (replicated parameters: tp rank 0)."""
     held = defaultdict(list)  # name -> ranges of this rank's tp-local tensor
-    for _, _, g, i, a, b in engine.pieces:
-        if g is not None:
-            held[g.names[i]].append((a - g.offsets[i], b - g.offsets[i]))
-    for g in engine.sharded.frozen if engine.sharded else []:
-        for i, a, b in g.pieces():
-            held[g.names[i]].append((a - g.offsets[i], b - g.offsets[i]))
+    for piece in engine.held():
+        held[piece.name].append((piece.start, piece.end))
     params = dict(engine.module.named_parameters())
-    for name, p in params.items():
-        if not p.requires_grad and engine.stage < 3:
-            held[name].append((0, p.numel()))
     need = {}
     t, r = grid.tp.size, grid.tp_rank
     for name, ranges in held.items():
@@ -129,13 +115,6 @@ def _overlaps(pieces, need):
     return any(b is None or (s < b and a < e) for name, q, s, e in pieces for a, b in need.get((name, q), ()))
 
 
-def _local_shapes(engine):
-    shapes = {name: p.shape for name, p in engine.module.named_parameters()}
-    for g in engine.groups + (engine.sharded.frozen if engine.sharded else []):
-        shapes.update(zip(g.names, g.shapes))  # ZeRO-3 parameters are empty tensors between uses
-    return shapes
-
-
 def load(folder, cfg, engine, grid, layout):
     """Load `folder` into this rank's engine under the current layout (resharding if it differs), reading
     only the shards whose pieces overlap what this rank holds (all of them for a checkpoint without the
@@ -150,20 +129,20 @@ def load(folder, cfg, engine, grid, layout):
     checkpoint.read_manifest(folder, cfg, verify=set(files) | {own})
     shards = {f: checkpoint.load_shard(folder, int(f[5:10])) for f in files}
     full = _assemble(shards.values(), need, manifest["layout"].get("tp", 1))
-    params, optim, shapes = {}, {}, _local_shapes(engine)
+    params, optim = {}, {}
     for name, p in engine.module.named_parameters():
         source = "embed.wte.weight" if getattr(p, "shared_embedding", False) else name  # the tied copy
-        if source not in full:  # nothing of it is this rank's: a placeholder load_full never reads
+        if source not in full:  # nothing of it is this rank's: an empty placeholder import_by_name never reads
             if any(k == source for k, _ in need):
                 raise ValueError(f"--resume: the checkpoint in {folder} has no parameter {source}")
-            params[name], optim[name] = torch.zeros(shapes[name]), {}
+            params[name], optim[name] = torch.zeros(0), {}
             continue
         master, state = full[source]
         cut = (lambda t: tp.shard_param(name, t, grid.tp_rank, grid.tp.size)) if grid.tp.size > 1 else (lambda t: t)
         params[name] = cut(master)
         if p.requires_grad:
             optim[name] = {k: cut(v) if _elementwise(v) else v for k, v in state.items()}
-    engine.load_full(params, optim)
+    engine.import_by_name(params, optim)
     mine = shards[own] if own in shards else checkpoint.load_shard(folder, int(own[5:10]))
     return dict(mine, same_layout=same, shards_read=sorted(files))
 

@@ -129,7 +129,7 @@ def evaluate(model, grid, val_set, args):
 def rank_state(engine, sampler, scaler, step, grid, spikes=None):
     """What this rank writes: its pieces of every parameter by name (any layout can load them), data position,
     loss scale, RNG (this device's), the lr scale and skipped data windows of rollbacks."""
-    return dict(universal=reshard.universal_pieces(engine, grid), spikes=spikes and spikes.state_dict(),
+    return dict(universal=reshard.pieces(engine, grid), spikes=spikes and spikes.state_dict(),
                 sampler=sampler.state_dict(), scaler=scaler.state_dict(), step=step, **rng.save_state(grid.device))
 
 

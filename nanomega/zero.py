@@ -1,42 +1,52 @@
-"""Data parallelism and ZeRO stages 0-3: one engine for any nn.Module and any element-wise torch.optim class.
+"""ZeRO stages 1-3 on top of data parallelism: one engine for any nn.Module and any element-wise optimizer.
 
-Idea (Rajbhandari et al. 2020): N data-parallel ranks each run a replica on 1/N of the batch and average
-their gradients. With Adam in mixed precision every rank then holds, per parameter, 2 (16-bit weight)
-+ 2 (16-bit gradient) + 12 (fp32 master weight, Adam m and v) = 16 bytes. ZeRO stops replicating them:
-    stage 0  DP: gradients all-reduced in buckets while backward runs          16        bytes/param/rank
-    stage 1  optimizer state sharded: rank r updates 1/N, then all-gather       4 + 12/N
-    stage 2  + gradients reduce-scattered to their owner, never kept whole      2 + 14/N
-    stage 3  + parameters sharded, gathered per unit for forward and backward   16/N       (zero3.py)
+Data parallelism (ddp.py) averages gradients in flat buckets while backward runs. With Adam in mixed
+precision every rank then holds, per parameter, 2 (16-bit weight) + 2 (16-bit gradient) + 12 (fp32 master
+weight, Adam m and v) = 16 bytes.
+
+ZeRO (Rajbhandari et al. 2020) stops replicating them. Each stage changes a few entries of the recipe
+(STAGE below); rank r owns the slice [r S, (r+1) S) of every flat buffer, S = ceil(n / N):
+    stage  keeps between micro-batches   reduce           write-back               bytes/param/rank
+    0      the full gradient             all-reduce       none: all stepped whole  16
+    1      the full gradient             reduce-scatter   all-gather the slices    4 + 12/N
+    2      only its gradient slice       reduce-scatter   all-gather the slices    2 + 14/N
+    3      only its gradient slice       reduce-scatter   none: each unit gathered 16/N   (zero3.py)
+                                                          for forward and backward
 Bytes one rank sends per step, Psi = gradient bytes (ring, dist.py): all-reduce 2(N-1)/N Psi for DP;
 reduce-scatter (N-1)/N Psi + all-gather (N-1)/N Psi for stages 1-2, the same; stage 3 gathers the
 parameters twice (forward and backward): 3(N-1)/N Psi, 1.5x DP.
 Here gradients are accumulated and reduced in grad_dtype (fp32 by default: 2+4+12 = 18 bytes in bf16) and
-the fp32 master copy IS the model's storage when the model is fp32 (4 + 4 + 8 = 16 bytes).
+the fp32 master copy IS the model's storage when the model is fp32 (4 + 4 + 8 = 16 bytes). The mixed-precision
+arithmetic of the step (fp32 masters, unscale, write-back) is precision.py's; this engine shards its buffers.
 Lesson: lessons/02-data-parallel-and-zero.md
 """
-import contextlib
-import functools
+import copy
 import math
-from collections import deque
 
 import torch
 
-from .flat import FlatGroup, split_by_size, storage_bytes
+from . import precision
+from .ddp import DistributedDataParallel, Plan
+from .flat import Piece, storage_bytes
 from .zero3 import ShardedParameters
-from .zero_state import ShardedState
 
-STAGES = (0, 1, 2, 3)
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adamax,
                torch.optim.Adadelta, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop,
                torch.optim.ASGD)
-MAX_IN_FLIGHT = 2  # ZeRO-2/3: reductions launched but unfinished, each holding a full-gradient bucket alive
 NORM_CHUNK = 2**20  # elements per fp64 chunk of the norm (a whole fp64 copy would cost 2x the gradient)
+STAGE = {0: Plan(sharded=False, grad="full", reduce="all_reduce", write_back="none"),  # = ddp.DP
+         1: Plan(sharded=True, grad="full", reduce="reduce_scatter", write_back="all_gather"),
+         2: Plan(sharded=True, grad="shard", reduce="reduce_scatter", write_back="all_gather"),
+         3: Plan(sharded=True, grad="shard", reduce="reduce_scatter", write_back="none")}  # units: zero3.py
 
 
-def check_config(stage, optimizer_cls):
-    """One-line errors for a stage or an optimizer ZeRO cannot run, raised before any collective."""
-    if stage not in STAGES:
+def check_config(stage, optimizer_cls, pp=1):
+    """One-line errors for a stage, an optimizer or a pipeline ZeRO cannot run, raised before any collective."""
+    if stage not in STAGE:
         raise ValueError(f"--zero must be 0, 1, 2 or 3, got {stage!r}")
+    if pp > 1 and stage >= 2:
+        raise ValueError(f"--zero {stage} with --pp {pp}: ZeRO-2/3 shard gradients/parameters that every "
+                         f"micro-batch of the pipeline needs again (DeepSpeed forbids it too); use --zero 0 or 1")
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise ValueError(f"optimizer: a {type(optimizer_cls).__name__} is not a torch.optim.Optimizer class; pass "
                          f"e.g. torch.optim.AdamW (the class, not an instance)")
@@ -59,47 +69,37 @@ def weight_decay_groups(weight_decay, **options):
     return groups
 
 
-class ZeroEngine(ShardedState):
-    """Owns the fp32 master weights, the gradient buffers and the optimizer of `model` over grid.dp.
+class ZeroEngine(DistributedDataParallel):
+    """Owns the gradient buffers, the fp32 master weights and the optimizer of `model` over grid.dp.
 
     optim: optimizer kwargs (one group), or param_groups_fn(named trainable params) -> [dict(params=[names],
-    **options)]. wrap (stage 3): the modules gathered as units (default zero3.default_wrap). shared: this
-    pipeline stage's copy of the tied embedding (pp.tied_embedding): its gradient is summed over grid.embed.
+    **options)]. wrap (stage 3): the modules gathered as units (default zero3.default_wrap). replicate
+    (stage 3): names of parameters kept whole on every rank, their gradients all-reduced (Megatron's replicated
+    LayerNorms, FSDP's ignored parameters). shared, init, bucket_mb, grad_dtype: as DistributedDataParallel.
     Use: forward/backward as usual (`with engine.no_sync():` on all but the last micro-batch), then step().
+    For gradient synchronisation alone (your own optimizer and clipping), use ddp.DistributedDataParallel.
     """
 
     def __init__(self, model, optimizer_cls, optim, grid, stage=0, bucket_mb=25, grad_dtype=torch.float32,
-                 wrap=None, shared=None):
-        check_config(stage, optimizer_cls)
-        if stage == 3 and grid.pp.size > 1:
-            raise ValueError("--zero 3 with --pp > 1 would gather every parameter twice per micro-batch; use "
-                             "--zero 1 or 2 with pipeline parallelism")
+                 wrap=None, shared=None, replicate=(), init="verify"):
+        check_config(stage, optimizer_cls, grid.pp.size if grid is not None else 1)
         named = list(model.named_parameters())  # tied parameters once, under their first name
+        unknown = sorted(set(replicate) - {k for k, _ in named})
+        if unknown or (replicate and stage != 3):
+            raise ValueError(f"ZeroEngine(replicate=...): {unknown[:3] or list(replicate)[:3]} "
+                             f"{'are not parameters of the model' if unknown else 'only mean something at stage 3'}")
+        self.stage = stage
         trainable = [(k, p) for k, p in named if p.requires_grad]
-        if not trainable:
-            raise ValueError("ZeroEngine: the model has no trainable parameters (all requires_grad=False)")
-        self.module, self.grid, self.stage, self.axis = model, grid, stage, grid.dp
-        self.grad_dtype, self.shared = grad_dtype, shared
         specs = self._param_groups(optim, trainable)  # before ZeRO-3 swaps the parameters for empty tensors
-        self._no_sync, self._queued, self._pending = False, False, deque()
-        n, rank = (grid.dp.size, grid.dp_rank) if stage else (1, 0)
+        units = None
         if stage == 3:
-            self.sharded = ShardedParameters(model, named, grid.dp, wrap, self._queue_end_backward)
-            self.groups = [g for g in self.sharded.groups if g.trainable]
-        else:
-            self.sharded = None
-            buckets = split_by_size(trainable[::-1], bucket_mb * 2**20, [shared] if shared is not None else [])
-            self.groups = [FlatGroup(b[::-1], n, rank) for b in buckets]  # in the order backward fills them
-            for g in self.groups:
-                g.full = g.flatten(g.params)  # the parameters become views of one padded buffer
-                g.bind(g.full)
-                g.own = g.full[g.lo:g.hi]
-        for g in self.groups:
-            g.master = g.own.float()  # fp32 model: the same tensor (no copy); 16-bit model: the fp32 master
-            g.grad = torch.zeros(g.padded if stage < 2 else g.shard_numel, dtype=grad_dtype, device=g.device)
-            g.grad_own = g.grad[g.lo:g.hi] if stage < 2 else g.grad  # the reduced gradient of the owned slice
-            for i, p in enumerate(g.params):
-                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, g, i))
+            def units(engine):
+                sharded = [(k, p) for k, p in named if k not in replicate]
+                return ShardedParameters(model, sharded, grid.dp, wrap, engine._queue_end_backward)
+        whole = [(k, p) for k, p in trainable if stage < 3 or k in replicate]  # flat buckets, not units
+        super().__init__(model, grid, bucket_mb, grad_dtype, shared, init, STAGE[stage], units, whole)
+        for g in self.groups:  # fp32 model: the same tensor (no copy); 16-bit model: the fp32 master
+            g.master = precision.fp32_master(g.own)
         self.optimizer = self._build_optimizer(optimizer_cls, specs)
 
     def _param_groups(self, optim, trainable):
@@ -116,109 +116,28 @@ class ZeroEngine(ShardedState):
         return specs
 
     def _build_optimizer(self, optimizer_cls, specs):
-        """The optimizer steps this rank's pieces (views of the fp32 masters); stage 0: whole parameters."""
+        """The optimizer steps this rank's pieces (views of the fp32 masters); whole groups: shaped parameters."""
         groups = [dict(spec, params=[]) for spec in specs]
-        self.pieces = []  # (tensor the optimizer steps, its gradient in grad_dtype, group, index, a, b)
+        self.pieces = []  # the Piece of every parameter slice this rank steps
         for g in self.groups:
             for i, a, b in g.pieces():
-                m, grad = g.master[a - g.lo:b - g.lo], g.grad_own[a - g.lo:b - g.lo]
-                if self.stage == 0:  # whole parameters, shaped: shape-aware optimizers work too
-                    m, grad = m.view(g.shapes[i]), grad.view(g.shapes[i])
+                m = g.master[a - g.lo:b - g.lo]
+                if g.replicated or not self.plan.sharded:  # held whole: shaped, so shape-aware optimizers work too
+                    m = m.view(g.shapes[i])
                 groups[self.group_of[g.names[i]]]["params"].append(m)
-                self.pieces.append((m, grad, g, i, a, b))
+                self.pieces.append(Piece(g.names[i], tuple(g.shapes[i]), a - g.offsets[i], b - g.offsets[i], m,
+                                         replica=g.replicated or not self.plan.sharded, group=g, index=i,
+                                         at=a - g.lo))
         for group in groups:  # a rank owning nothing of a group steps an empty piece: same state keys on all
             if not group["params"]:
                 empty = self.groups[0].master[:0]
                 group["params"].append(empty)
-                self.pieces.append((empty, self.groups[0].grad_own[:0], None, None, 0, 0))
+                self.pieces.append(Piece("", (0,), 0, 0, empty, replica=False))
         return optimizer_cls(groups)
 
-    # ---- backward: gradients into grad_dtype buffers, reduced bucket by bucket while backward runs ----
-    def _syncing(self):
-        return self.stage >= 2 or not self._no_sync
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backward without communication, gradients accumulate locally: stages 0 and 1. Stages 2 and 3 keep
-        only a 1/N slice of the gradient, so they reduce-scatter every micro-batch anyway (into that slice)."""
-        previous, self._no_sync = self._no_sync, True
-        try:
-            yield
-        finally:
-            self._no_sync = previous
-
-    def _queue_end_backward(self):
-        if not self._queued:  # once per backward: finish what is left when autograd is done
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-
-    def _on_grad(self, g, i, p):
-        self._queue_end_backward()
-        if self.stage >= 2 and g.bucket is None:
-            g.bucket = torch.zeros(g.padded, dtype=self.grad_dtype, device=g.device)
-        buf = g.bucket if self.stage >= 2 else g.grad
-        buf[g.offsets[i]:g.offsets[i] + g.sizes[i]].view_as(p.grad).add_(p.grad)  # accumulate in grad_dtype
-        p.grad = None  # the model-dtype gradient is dropped
-        if self._syncing():
-            g.arrived.add(i)
-            self._launch_ready(g)
-
-    def _launch_ready(self, g):
-        """Stage 3 reduces a unit as soon as it is complete; stages 0-2 launch buckets in their index order,
-        the same on every rank (collectives must match across ranks)."""
-        if self.stage == 3:
-            if len(g.arrived) == len(g.params) and not g.launched:
-                self._reduce(g)
-            return
-        for h in self.groups:
-            if not h.launched:
-                if len(h.arrived) < len(h.params):
-                    return
-                self._reduce(h)
-
-    def _reduce(self, g):
-        g.launched = g.reduced = True
-        n = self.axis.size
-        if self.stage == 0:  # the sum, then the mean, on every rank (a later synced backward adds to it)
-            self._start(self.axis.start("all_reduce", g.grad), lambda: g.grad.div_(n))
-            return
-        out = torch.empty(g.shard_numel, dtype=self.grad_dtype, device=g.device)
-        if self.stage == 1:  # owned slice := the sum over ranks; the rest (others' business) := 0
-            self._start(self.axis.start("reduce_scatter", out, g.grad),
-                        lambda: (g.grad.zero_(), g.grad_own.copy_(out)))
-            return
-        bucket = g.bucket if g.bucket is not None else torch.zeros(g.padded, dtype=self.grad_dtype, device=g.device)
-        g.bucket = None  # alive only until its reduce-scatter finishes (the closure holds it)
-        self._start(self.axis.start("reduce_scatter", out, bucket), lambda: (g.grad.add_(out), bucket))
-        if self.sharded is not None:  # ZeRO-3: backward is done with this unit's parameters
-            self.sharded.release(g)
-
-    def _start(self, work, finish):
-        self._pending.append((work, finish))
-        while self.stage >= 2 and len(self._pending) > MAX_IN_FLIGHT:  # stages 0-1: no transient buffers
-            self._finish_one()
-
-    def _finish_one(self):
-        work, finish = self._pending.popleft()
-        if work is not None:
-            work.wait()
-        finish()
-
-    def _end_backward(self):
-        """Autograd's last callback: reduce what unused parameters held back (in index order), wait for every
-        reduction (the next backward adds into the same buffers), reset."""
-        self._queued = False
-        if self._syncing():
-            for g in self.groups:
-                if not g.launched:
-                    self._reduce(g)
-        while self._pending:
-            self._finish_one()
-        for g in self.groups:
-            g.arrived.clear()
-            g.launched = False
-        if self.sharded is not None:
-            self.sharded.end_backward()
+    def _grad(self, piece):
+        g = piece.group
+        return g.grad_own[piece.at:piece.at + piece.end - piece.start].view_as(piece.master)
 
     # ---- the step ----
     def set_lr(self, lr):
@@ -235,14 +154,13 @@ class ZeroEngine(ShardedState):
         while self._pending:
             self._finish_one()
         for g in self.groups:
-            if self.stage:  # stage 0 averaged already; the shards hold sums
+            if self.plan.sharded and not g.replicated:  # whole groups averaged already; the shards hold sums
                 g.grad_own.div_(self.axis.size)
-            if scaler is not None and scaler.scale != 1.0:
-                g.grad_own.mul_(1.0 / scaler.scale)
+            precision.unscale_(g.grad_own, scaler)
             if self.shared is not None and g.params[0] is self.shared:
                 self.grid.embed.all_reduce(g.grad_own)  # both pipeline copies take the summed gradient
-        for m, grad, *_ in self.pieces:
-            m.grad = grad.float()  # the gradient itself when grad_dtype is fp32
+        for piece in self.pieces:
+            piece.master.grad = self._grad(piece).float() if piece.group else piece.master.new_zeros(0)
         norm = self._global_grad_norm()
         stepped = math.isfinite(norm) or scaler is None
         if scaler is not None:
@@ -250,40 +168,44 @@ class ZeroEngine(ShardedState):
         stepped = stepped and not skip
         if stepped:
             if clip_norm is not None and clip_norm / (norm + 1e-6) < 1.0:
-                for m, *_ in self.pieces:
-                    m.grad.mul_(clip_norm / (norm + 1e-6))
+                for piece in self.pieces:
+                    piece.master.grad.mul_(clip_norm / (norm + 1e-6))
             self.optimizer.step()
-            self._write_back()
+            self.write_back()
         for g in self.groups:
-            g.grad.zero_()
             g.reduced = False
+            if self.stage == 3 and not g.replicated:  # between steps ZeRO-3 holds no gradient at all
+                g.grad = g.grad_own = None
+            else:
+                g.grad.zero_()
         return dict(grad_norm=norm, stepped=stepped)
 
     def _global_grad_norm(self):
         """sqrt(sum g^2) over every unique parameter of the model: tp duplicates (not p.tensor_parallel)
-        counted on tp rank 0 only, the last stage's shared_embedding copy not at all; summed over dp (sharded
-        stages), tp and pp. In fp64, so the sum's order does not matter at fp32 precision."""
+        counted on tp rank 0 only, dp replicas on dp rank 0 only, the last stage's shared_embedding copy not
+        at all; summed over dp (sharded stages), tp and pp. In fp64, so the sum's order does not matter."""
         sq = torch.zeros(1, dtype=torch.float64, device=self.groups[0].device)
-        for m, _, g, i, _, _ in self.pieces:
-            p = g.params[i] if g is not None else None
+        for piece in self.pieces:
+            p = piece.group.params[piece.index] if piece.group else None
             if p is not None and (self.grid.tp_rank == 0 or getattr(p, "tensor_parallel", False)) \
-                    and not getattr(p, "shared_embedding", False):
-                for chunk in m.grad.reshape(-1).split(NORM_CHUNK):
+                    and not getattr(p, "shared_embedding", False) \
+                    and not (piece.replica and self.plan.sharded and self.grid.dp_rank):
+                for chunk in piece.master.grad.reshape(-1).split(NORM_CHUNK):
                     chunk = chunk.double()
                     sq += torch.dot(chunk, chunk)
-        if self.stage:
+        if self.plan.sharded:
             self.axis.all_reduce(sq)
         self.grid.tp.all_reduce(sq)
         self.grid.pp.all_reduce(sq)
         return sq.sqrt().item()
 
-    def _write_back(self):
-        """Updated fp32 masters -> the model's parameters in their dtype; stages 1-2 all-gather the slices."""
+    def write_back(self):
+        """The fp32 masters -> the model's parameters in their dtype; stages 1-2 all-gather the slices. Call it
+        after changing the masters yourself (the optimizer's step calls it)."""
         works = []
         for g in self.groups:
-            if g.master is not g.own:
-                g.own.copy_(g.master)
-            if self.stage in (1, 2):
+            precision.write_back(g.master, g.own)
+            if self.plan.write_back == "all_gather":
                 works.append(self.axis.start("all_gather", g.full, g.own))  # in place: own is full's slice
         for w in works:
             if w is not None:
@@ -292,9 +214,85 @@ class ZeroEngine(ShardedState):
     def memory_bytes(self):
         """Bytes this rank holds now, from the tensors allocated (each storage counted once)."""
         seen, groups = set(), self.groups + (self.sharded.frozen if self.sharded else [])
-        frozen = [p for p in self.module.parameters() if not p.requires_grad] if self.stage < 3 else []
-        params = storage_bytes([g.full for g in groups] + [getattr(g, "shard", None) for g in groups] + frozen, seen)
+        frozen = [p for p in self.module.parameters() if not p.requires_grad]
+        params = storage_bytes([g.full for g in groups] + [g.shard for g in groups] + frozen, seen)
         grads = storage_bytes([g.grad for g in self.groups] + [g.bucket for g in self.groups], seen)
         state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         optimizer = storage_bytes([g.master for g in self.groups] + state, seen)
         return dict(params=params, grads=grads, optimizer=optimizer)
+
+    # ---- state by name: what checkpoints save and load, in any layout (reshard.py) ----
+    def held(self):
+        """A Piece for every parameter slice this rank holds: the stepped pieces, then frozen parameters
+        (ZeRO-3: their shards; otherwise whole)."""
+        held = [piece for piece in self.pieces if piece.group is not None]
+        for g in self.sharded.frozen if self.sharded else []:
+            held += [Piece(g.names[i], tuple(g.shapes[i]), a - g.offsets[i], b - g.offsets[i],
+                           g.shard[a - g.lo:b - g.lo], replica=False, group=g, index=i, at=a - g.lo)
+                     for i, a, b in g.pieces()]
+        in_units = {id(p) for g in (self.sharded.frozen if self.sharded else []) for p in g.params}
+        held += [Piece(k, tuple(p.shape), 0, p.numel(), p.detach().reshape(-1), replica=True)
+                 for k, p in self.module.named_parameters() if not p.requires_grad and id(p) not in in_units]
+        return held
+
+    def export_by_name(self, copies=False, copy=True):
+        """This rank's share of every parameter by name: [dict(name, shape, start, end, master (fp32), state
+        {key: 1-D slice, or the scalar})]. Over the job each parameter is exported once: dp replicas (dp rank
+        > 0) and the last pipeline stage's copy of the tied embedding export nothing, unless copies=True.
+        copy=False: the tensors are views of live buffers (fp32 models), to be copied before the next step."""
+        out = []
+        for piece in self.held():
+            if not copies and piece.replica and self.grid.dp_rank != 0:
+                continue
+            p = piece.group.params[piece.index] if piece.group else None
+            if not copies and p is not None and p is self.shared and not self.grid.first_stage:
+                continue
+            state = self.optimizer.state.get(piece.master, {})
+            take = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())
+            out.append(dict(name=piece.name, shape=piece.shape, start=piece.start, end=piece.end,
+                            master=take(piece.master.reshape(-1).float()),
+                            state={k: take(v.reshape(-1)) if _elementwise(v) else _copy(v) for k, v in state.items()}))
+        return out
+
+    @torch.no_grad()
+    def import_by_name(self, params_by_name, optim_state_by_name=None):
+        """Keep this rank's slices of full tensors given by name (saved in any layout): the fp32 masters, the
+        model's parameters (frozen ones too) and, when given, the optimizer state."""
+        missing = [k for k, _ in self.module.named_parameters() if k not in params_by_name]
+        if missing:
+            raise ValueError(f"import_by_name: no tensor for parameters {missing[:3]} (of {len(missing)} missing)")
+        for g in self.groups:
+            flat = g.flatten([params_by_name[k] for k in g.names], torch.float32)[g.lo:g.hi]
+            g.master.copy_(flat)
+        for g in self.sharded.frozen if self.sharded else []:
+            g.shard.copy_(g.flatten([params_by_name[k] for k in g.names])[g.lo:g.hi])
+        for piece in self.held():
+            if piece.group is None:  # a frozen parameter held whole
+                piece.master.copy_(params_by_name[piece.name].reshape(-1))
+        if optim_state_by_name is not None:
+            self.optimizer.state.clear()
+            for piece in self.pieces:
+                m = piece.master
+                if piece.group is None:  # an empty piece takes the keys of any parameter of its group
+                    j = next(j for j, group in enumerate(self.optimizer.param_groups) if group["params"][0] is m)
+                    st = next((optim_state_by_name[k] for k, jj in self.group_of.items()
+                               if jj == j and optim_state_by_name.get(k)), {})
+                    self.optimizer.state[m] = {k: m.new_zeros(0, dtype=v.dtype) if _elementwise(v) else _copy(v)
+                                               for k, v in st.items()}
+                    continue
+                st = optim_state_by_name[piece.name]
+                # element-wise state goes to the parameter's device at every stage (a checkpoint is read to the
+                # CPU); scalars (Adam's step) stay where torch.optim keeps them, on the CPU
+                self.optimizer.state[m] = {k: (v.to(m.device).reshape(-1)[piece.start:piece.end].clone()
+                                               .view(m.shape) if _elementwise(v) else _copy(v))
+                                           for k, v in st.items()}
+        self.write_back()
+
+
+def _elementwise(v):
+    """An optimizer state entry shaped like its parameter (Adam's m, v), as opposed to a scalar (its step)."""
+    return torch.is_tensor(v) and v.dim() > 0
+
+
+def _copy(v):
+    return v.clone() if torch.is_tensor(v) else copy.deepcopy(v)

@@ -1,6 +1,6 @@
-"""Checkpoints on the device path (nanomega/checkpoint.py, zero_state.py, rng.py, dist.py), checked on CPU.
+"""Checkpoints on the device path (nanomega/checkpoint.py, reshard.py, zero.py, rng.py, dist.py), checked on CPU.
 
-- load_full puts every optimizer state tensor on its parameter's device, at every ZeRO stage: the engine is
+- import_by_name puts every optimizer state tensor on its parameter's device, at every ZeRO stage: the engine is
   built on the `meta` device while the state comes from a CPU checkpoint (stage 0 used to keep it on the CPU).
 - A rank reads only the shards it needs (the manifest's piece index), always to the CPU first.
 - The CUDA generator is restored on resume; init_process_group gets device_id; LOCAL_RANK beyond the GPUs
@@ -33,11 +33,11 @@ def trained_engine(grid, stage, seed=0):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_loaded_optimizer_state_lives_on_the_parameters_device(grid, stage):
     source = trained_engine(grid, 0)
-    params, optim = source.full_state_dict(), source.optimizer_state_by_name()  # CPU tensors, as read from disk
+    params, optim = reshard.full_state(source)  # CPU tensors, as read from disk
     with torch.device("meta"):  # a second device type: any tensor left on the CPU is caught
         model = GPT(GPTConfig(**CFG))
     engine = zero.ZeroEngine(model, torch.optim.AdamW, dict(lr=1e-3), grid, stage)
-    engine.load_full(params, optim)
+    engine.import_by_name(params, optim)
     placed = {(k, v.device.type) for s in engine.optimizer.state.values() for k, v in s.items() if v.dim() > 0}
     assert placed and {d for _, d in placed} == {"meta"}, placed
 
@@ -50,13 +50,13 @@ def _save_and_reload(tmp):
         folder = os.path.join(tmp, f"s{saved}")
         engine = trained_engine(grid, saved, seed=grid.rank)  # ranks see different batches
         if loaded == 1 or saved == 0:  # save once per saved stage
-            state = dict(universal=reshard.universal_pieces(engine, grid), step=1)
+            state = dict(universal=reshard.pieces(engine, grid), step=1)
             checkpoint.save(folder, 1, GPTConfig(**CFG), state, grid, dict(zero=saved, dp=2))
-        reference = engine.full_state_dict()
+        reference = reshard.full_state(engine)[0]
         torch.manual_seed(123)
         target = zero.ZeroEngine(GPT(GPTConfig(**CFG)), torch.optim.AdamW, dict(lr=1e-3), grid, loaded)
         got = reshard.load(checkpoint.latest(folder), GPTConfig(**CFG), target, grid, dict(zero=loaded, dp=2))
-        weights = target.full_state_dict()
+        weights = reshard.full_state(target)[0]
         out[(saved, loaded)] = (got["shards_read"], got["same_layout"],
                                 all(torch.equal(weights[k], reference[k]) for k in reference))
     return out
@@ -77,7 +77,7 @@ def test_each_rank_reads_only_the_shards_it_needs(tmp_path):
 
 def test_shards_are_read_to_the_cpu_first(grid, tmp_path, monkeypatch):
     engine = trained_engine(grid, 0)
-    checkpoint.save(str(tmp_path), 1, GPTConfig(**CFG), dict(universal=reshard.universal_pieces(engine, grid)),
+    checkpoint.save(str(tmp_path), 1, GPTConfig(**CFG), dict(universal=reshard.pieces(engine, grid)),
                     grid)
     seen = []
     real = torch.load

@@ -145,7 +145,7 @@ def test_save_resume_bitwise_and_sample_on_cpu(corpus, tmp_path):
 
 def test_zero_engine_stages_on_one_gpu():
     """Stages 0-3 at world 1 on CUDA: the same flat buffers and AdamW, so the same weights after 3 steps
-    (bitwise up to the order of the norm's fp64 sum: compared at 1e-6); state stays on the GPU after load_full."""
+    (bitwise up to the order of the norm's fp64 sum: compared at 1e-6); state stays on the GPU after import_by_name."""
     started = not torch.distributed.is_initialized()
     dist.init("cuda")
     try:
@@ -160,8 +160,8 @@ def test_zero_engine_stages_on_one_gpu():
             for _ in range(3):
                 gpt(x, x).backward()
                 engine.step()
-            result[stage] = engine.full_state_dict()
-            engine.load_full(result[stage], engine.optimizer_state_by_name())
+            result[stage], optim = reshard.full_state(engine)
+            engine.import_by_name(result[stage], optim)
             assert all(v.is_cuda for s in engine.optimizer.state.values() for v in s.values() if v.dim())
         for stage in (1, 2, 3):
             for k, v in result[0].items():

@@ -221,7 +221,7 @@ def _zero_case(grid):
                     losses.append(loss.detach())
                 engine.step(clip_norm=1.0)
             ref = losses if ref is None else ref
-            state = [g.master for g in engine.groups] + [g.grad for g in engine.groups] + \
+            state = [g.master for g in engine.groups] + [g.grad for g in engine.groups if g.grad is not None] + \
                 [v for st in engine.optimizer.state.values() for v in st.values()]
             out[(stage, mode)] = (bitwise(losses, ref), {t.dtype for t in state} == {torch.float32})
     return out

@@ -1,4 +1,4 @@
-"""ZeRO stages 0-3 (nanomega/zero.py, zero3.py, zero_state.py, flat.py) against single-process training.
+"""Data parallelism and ZeRO stages 0-3 (nanomega/ddp.py, zero.py, zero3.py, flat.py) against single-process training.
 
 Two spawned gloo worlds. 2 ranks: every stage on a GPT (tied embedding) and on a toy module (a tied, a frozen
 and a root parameter, sizes not divisible by N), 3 AdamW steps of 2 micro-batches (no_sync), clipping and a
@@ -22,16 +22,18 @@ does not see, shows in the reported grad norm, compared at 1e-12 / 1e-6 relative
 """
 import contextlib
 import io
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanomega import dist, pp
+from nanomega import dist, pp, reshard
 from nanomega.dist import RING
 from nanomega.model import GPT, GPTConfig
 from nanomega.precision import cast_model
+from nanomega.ddp import DistributedDataParallel
 from nanomega.zero import ZeroEngine, weight_decay_groups
 
 STEPS, ACCUM, CLIP, ABS, WHOLE, SCALE = 3, 2, 0.5, 1e-4, 1e-3, 4.0
@@ -137,16 +139,7 @@ def _reference(kind, world, steps, order=None, start=None):
             x, y = (torch.cat([mb[i] for rank in mbs for mb in rank]) for i in (0, 1))
             total = torch.autograd.grad(model(x, y), params)
         else:
-            g = [[torch.autograd.grad(model(x, y) / ACCUM, params) for x, y in rank] for rank in mbs]
-            if order == "mb_last":
-                g = list(zip(*g))  # [micro-batch][rank]
-            total = None
-            for outer in g:
-                part = outer[0]
-                for inner in outer[1:]:
-                    part = [u + v for u, v in zip(part, inner)]
-                total = part if total is None else [u + v for u, v in zip(total, part)]
-            total = [t / world for t in total]
+            total = _mean_grads(model, params, mbs, order)
         for p, t in zip(params, total):
             p.grad = t
         norms.append(_clip([p.grad for p in params]))
@@ -154,9 +147,25 @@ def _reference(kind, world, steps, order=None, start=None):
     return {k: p.detach().clone() for k, p in model.named_parameters()}, norms
 
 
+def _mean_grads(model, params, mbs, order):
+    """The mean gradient of mbs[rank][micro-batch], summed as the engine does: "ranks_last" sums each rank's
+    micro-batches, then the ranks; "mb_last" the ranks of each micro-batch, then the micro-batches."""
+    g = [[torch.autograd.grad(model(x, y) / ACCUM, params) for x, y in rank] for rank in mbs]
+    if order == "mb_last":
+        g = list(zip(*g))  # [micro-batch][rank]
+    total = None
+    for outer in g:
+        part = outer[0]
+        for inner in outer[1:]:
+            part = [u + v for u, v in zip(part, inner)]
+        total = part if total is None else [u + v for u, v in zip(total, part)]
+    return [t / len(mbs) for t in total]
+
+
 def _formulas(engine):
     """Per-rank memory (bytes) and per-step dp traffic (tensor bytes) from the group sizes n_g alone:
-    S_g = ceil(n_g / N); fp32 everywhere, Adam: m and v per owned element and a 4-byte step per piece."""
+    S_g = ceil(n_g / N); fp32 everywhere, Adam: m and v per owned element and a 4-byte step per piece.
+    Measured after a step: ZeRO-3 has freed its gradient shard (between steps it holds no gradient)."""
     n, r, stage = engine.axis.size, engine.axis.rank, engine.stage
     frozen = engine.sharded.frozen if engine.sharded else []
     if stage == 0:
@@ -173,13 +182,18 @@ def _formulas(engine):
     frozen_bytes = (sum(4 * shard(g) for g in frozen) if stage == 3 else
                     sum(4 * p.numel() for p in engine.module.parameters() if not p.requires_grad))
     memory = dict(params=4 * (shards if stage == 3 else padded) + frozen_bytes,
-                  grads=4 * (padded if stage < 2 else shards), optimizer=8 * owned + 4 * pieces)
+                  grads=4 * [padded, padded, shards, 0][stage], optimizer=8 * owned + 4 * pieces)
     every = sum(n * shard(g) for g in engine.groups + frozen)
     comm = [dict(all_reduce=4 * padded, reduce_scatter=0, all_gather=0),  # the norm: one fp64 all-reduce
             dict(all_reduce=8, reduce_scatter=4 * padded, all_gather=4 * padded),
             dict(all_reduce=8, reduce_scatter=ACCUM * 4 * padded, all_gather=4 * padded),
             dict(all_reduce=8, reduce_scatter=ACCUM * 4 * padded, all_gather=ACCUM * 2 * 4 * every)][stage]
     return memory, comm, owned
+
+
+def _weights(engine):
+    """{name: full fp32 tensor} of a live engine (gathered over dp)."""
+    return reshard.full_state(engine)[0]
 
 
 def _bitwise(a, b):
@@ -196,38 +210,41 @@ def _world(world, checkpoint=None):
     grid, res, params = dist.Grid(world, 1, 1), {}, {}
     for kind, stage in CASES:
         engine, comm, outs = _train(_engine(grid, kind, stage), kind, 0, STEPS - 1)
-        saved, by_name = engine.state_dict(), (engine.full_state_dict(), engine.optimizer_state_by_name())
+        by_name = reshard.full_state(engine)  # what a checkpoint holds: full tensors and optimizer state by name
         outs += _train(engine, kind, STEPS - 1, 1)[2]
-        params[kind, stage] = engine.full_state_dict()
+        params[kind, stage] = _weights(engine)
         memory, formula, owned = _formulas(engine)
         r = res[kind, stage] = dict(norms=[o["grad_norm"] for o in outs], comm=comm[0], comm_formula=formula,
                                     owned=owned, memory=engine.memory_bytes(), memory_formula=memory)
         if world == 2:
             resumed = _engine(grid, kind, stage, seed=1)
-            resumed.load_state_dict(saved)
-            r["resumed"] = _bitwise(_train(resumed, kind, STEPS - 1, 1)[0].full_state_dict(), params[kind, stage])
+            resumed.import_by_name(*by_name)  # the same layout
+            r["resumed"] = _bitwise(_weights(_train(resumed, kind, STEPS - 1, 1)[0]), params[kind, stage])
             other = {0: 1, 1: 0, 2: 3, 3: 2}[stage]  # the same arithmetic in another layout and bucket size
             moved = _engine(grid, kind, other, seed=1, bucket_mb=0.03)
-            moved.load_full(*by_name)
-            r["resharded"] = _bitwise(_train(moved, kind, STEPS - 1, 1)[0].full_state_dict(), params[kind, stage])
+            moved.import_by_name(*by_name)
+            r["resharded"] = _bitwise(_weights(_train(moved, kind, STEPS - 1, 1)[0]), params[kind, stage])
             synced = _train(_engine(grid, kind, stage), kind, 0, 1, synced=True)[0]  # DDP without no_sync
-            params[kind, stage, "synced"] = synced.full_state_dict()
+            params[kind, stage, "synced"] = _weights(synced)
             out = _train(engine, kind, STEPS, 1, poison=True)[2][0]
             r["poisoned"] = dict(out, found=_Scaler.found[-1],
-                                 changed=_bitwise(engine.full_state_dict(), params[kind, stage]))
+                                 changed=_bitwise(_weights(engine), params[kind, stage]))
         if (kind, stage) == ("gpt", 3) and world == 2:
             buf = io.BytesIO()
             torch.save(by_name, buf)
             res["checkpoint"] = buf.getvalue()
     if world == 2:
+        res["ddp"] = _ddp(grid)
+        res["init"] = _initial_weights(grid)
+        res["replicated"] = _replicated(grid)
         res["prefetch"] = _zero3_peak(grid)
         res["bf16"] = _bf16(grid)
         res["pipeline"] = _pipeline()
     if checkpoint is not None:  # a dp=2 ZeRO-3 checkpoint resumed at dp=3 ZeRO-1
         checkpoint = torch.load(io.BytesIO(checkpoint))
         engine = _engine(grid, "gpt", 1, seed=1)
-        engine.load_full(*checkpoint)
-        got = _train(engine, "gpt", STEPS - 1, 1)[0].full_state_dict()
+        engine.import_by_name(*checkpoint)
+        got = _weights(_train(engine, "gpt", STEPS - 1, 1)[0])
         if grid.rank == 0:
             res["reshard"] = _maxdiff(got, _reference("gpt", world, 1, "ranks_last", (*checkpoint, STEPS - 1))[0])
     if grid.rank == 0:  # the references, in the same single-threaded process
@@ -242,6 +259,57 @@ def _world(world, checkpoint=None):
                          frozen=_bitwise({k: v for k, v in got.items() if "frozen" in k}, _build(kind).state_dict()),
                          norm_rel=max(abs(a - b) / b for a, b in zip(r["norms"], norms)))
     return res
+
+
+def _ddp(grid):
+    """DistributedDataParallel alone, the caller's own optimizer (SGD): after the synced micro-batch p.grad is
+    the mean gradient, bitwise the single-process one summed in the same order (ranks_last); two steps, the
+    second starting from zeroed buffers."""
+    model, ref = _build("gpt"), _build("gpt")
+    ddp = DistributedDataParallel(model, grid, bucket_mb=0.05)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    differ = []
+    for step in range(2):
+        for m in range(ACCUM):
+            x, y = _batch("gpt", step, grid.dp_rank, m)
+            with ddp.no_sync() if m < ACCUM - 1 else contextlib.nullcontext():
+                (model(x, y) / ACCUM).backward()
+        mbs = [[_batch("gpt", step, r, m) for m in range(ACCUM)] for r in range(grid.dp.size)]
+        for p, t in zip(ref.parameters(), _mean_grads(ref, list(ref.parameters()), mbs, "ranks_last")):
+            p.grad = t
+        differ += [k for (k, p), q in zip(model.named_parameters(), ref.parameters()) if not torch.equal(p.grad, q.grad)]
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    return dict(grads_differ=differ, weights_differ=_bitwise(dict(model.named_parameters()),
+                                                             dict(ref.named_parameters())))
+
+
+def _initial_weights(grid):
+    """Ranks seeded differently: init='verify' (the default) refuses in one line naming the ranks;
+    init='broadcast' (ZeRO-3 here: before the parameters are sharded) gives every rank dp rank 0's weights."""
+    try:
+        _engine(grid, "toy", 1, seed=grid.dp_rank)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    engine = _engine(grid, "toy", 3, seed=grid.dp_rank, init="broadcast")
+    return dict(error=error, differ=_bitwise(_weights(engine), _build("toy", 0).state_dict()))
+
+
+def _replicated(grid):
+    """ZeRO-3 keeping the LayerNorm parameters whole on every rank (all-reduced, not sharded): the same
+    training as the single-process run within ABS (their all-reduce per micro-batch re-adds the averaged
+    first micro-batch: fp32 rounding, as the synced run above), they stay whole between steps, and the
+    norm counts them once."""
+    names = [k for k, _ in _build("gpt").named_parameters() if ".ln" in k or k.startswith("ln")]
+    engine = _engine(grid, "gpt", 3, replicate=names)
+    params = dict(engine.module.named_parameters())
+    outs = _train(engine, "gpt", 0, STEPS)[2]
+    ref, norms = _reference("gpt", grid.dp.size, STEPS, "mb_last")
+    return dict(names=len(names), whole=all(params[k].numel() == ref[k].numel() for k in names),
+                diff=_maxdiff(_weights(engine), ref),
+                norm_rel=max(abs(o["grad_norm"] - n) / n for o, n in zip(outs, norms)))
 
 
 def _zero3_peak(grid):
@@ -269,16 +337,17 @@ def _pipeline():
         pp.train_step(model, grid, [_batch("gpt", step, 0, m) for m in range(ACCUM)], "1f1b", no_sync=engine.no_sync)
         norms.append(engine.step(clip_norm=CLIP)["grad_norm"])
     ref, ref_norms = _reference("gpt", 1, STEPS, "ranks_last")
-    got = engine.full_state_dict()  # the last stage's copy of the embedding is head.lm_head.weight
+    got = _weights(engine)  # the last stage's copy of the embedding is head.lm_head.weight
     ref = {k: ref[k if k in ref else "embed.wte.weight"] for k in got}
     return dict(diff=_maxdiff(got, ref), norm_rel=max(abs(a - b) / b for a, b in zip(norms, ref_norms)))
 
 
 def _bf16(grid):
-    """bf16 model, bf16 gradients, ZeRO-3: 2 + 2 + 12 bytes per parameter over N, masters fp32."""
+    """bf16 model, bf16 gradients, ZeRO-3: 2 + 2 + 12 bytes per parameter over N during a step, masters fp32;
+    after it (measured here) the 2-byte gradient shard is freed."""
     engine = _train(_engine(grid, "gpt", 3, dtype=torch.bfloat16, grad_dtype=torch.bfloat16), "gpt", 0, 1)[0]
     s = sum(g.shard_numel for g in engine.groups)
-    return dict(memory=engine.memory_bytes(), formula=dict(params=2 * s, grads=2 * s, optimizer=4 * s),
+    return dict(memory=engine.memory_bytes(), formula=dict(params=2 * s, grads=0, optimizer=4 * s),
                 owned=sum(g.owned() for g in engine.groups), pieces=len(engine.pieces),
                 cast=all(torch.equal(g.shard, g.master.bfloat16()) and g.master.dtype == torch.float32
                          for g in engine.groups))
@@ -363,12 +432,33 @@ def test_bf16_zero3_is_16_bytes_over_n(world2):
         assert b["memory"]["optimizer"] == b["formula"]["optimizer"] + 8 * b["owned"] + 4 * b["pieces"]
 
 
+def test_ddp_leaves_the_mean_gradient_in_p_grad(world2):
+    for rank in world2:
+        assert rank["ddp"] == dict(grads_differ=[], weights_differ=[])
+
+
+def test_replicas_start_equal_verified_or_broadcast(world2):
+    for rank in world2:
+        error = rank["init"]["error"]
+        assert error and "ranks [1] start from other weights than dp rank 0" in error and "\n" not in error
+        assert rank["init"]["differ"] == []
+
+
+def test_zero3_keeps_replicated_parameters_whole(world2):
+    for rank in world2:
+        r = rank["replicated"]
+        assert r["names"] >= 4 and r["whole"]  # 2 blocks x 2 LayerNorms x (weight, bias) + the final one
+        assert r["diff"] <= ABS and r["norm_rel"] < 1e-6
+
+
 def test_bad_input_one_line_errors():
+    pipeline = SimpleNamespace(pp=SimpleNamespace(size=2))
     cases = [(5, torch.optim.AdamW, r"--zero must be 0, 1, 2 or 3, got 5"),
              (2, torch.optim.Adafactor, r"--zero 2: optimizer Adafactor cannot be sharded"),
              (0, torch.optim.LBFGS, r"LBFGS cannot run under ZeroEngine"),
-             (1, torch.optim.AdamW(Toy().parameters()), r"not a torch.optim.Optimizer class")]
+             (1, torch.optim.AdamW(Toy().parameters()), r"not a torch.optim.Optimizer class"),
+             (2, torch.optim.AdamW, r"--zero 2 with --pp 2: ZeRO-2/3 shard")]
     for stage, cls, message in cases:
         with pytest.raises(ValueError, match=message) as e:
-            ZeroEngine(Toy(), cls, {}, grid=None, stage=stage)  # refused before touching the grid
+            ZeroEngine(Toy(), cls, {}, grid=pipeline if "--pp" in message else None, stage=stage)  # no collective
         assert "\n" not in str(e.value)
