@@ -9,8 +9,13 @@ as our default wrap does. Measured per rank:
                (in a shared one the later ones find gloo's buffers already allocated), started with
                MALLOC_MMAP_THRESHOLD_=65536 so freed tensors go back to the kernel; /proc/self/clear_refs
                resets the peak (bench_pp.rss_peak_rise's trick)
-  model states ours only: engine.memory_bytes() (parameters + gradients + optimizer), exact
-Usage: python bench/bench_zero.py [--steps 5]
+  between steps the bytes of the live tensors reachable from the model and the optimizer after a step (each
+               storage once; a DTensor's local shard): parameters, gradients, optimizer state -- what a
+               rank keeps from one step to the next (torch DDP's internal gradient buckets are not reachable
+               this way and not counted)
+  model states ours only: engine.memory_bytes() during the step (after backward: parameters + gradients +
+               optimizer), exact
+Usage: python bench/bench_zero.py [--steps 5] [--memory-only]
 """
 import argparse
 import gc
@@ -26,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bench_pp import timed
 from nanomega import dist
+from nanomega.flat import storage_bytes
 from nanomega.model import GPT, GPTConfig
 from nanomega.zero import ZeroEngine, weight_decay_groups
 
@@ -52,6 +58,7 @@ def build(name, grid):
 
         def step():
             model(idx, targets).backward()
+            engine.states = sum(engine.memory_bytes().values())  # at the step: gradients reduced
             engine.step(clip_norm=1.0)
         return engine, step
     if name == "torch FSDP2":
@@ -73,7 +80,18 @@ def build(name, grid):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+    step.model, step.optimizer = model, opt
     return None, step
+
+
+def live_bytes(model, optimizer):
+    """Bytes of the tensors reachable from model and optimizer (each storage once; DTensors: the local shard)."""
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps the local AdamW
+    state = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
+    tensors = [local(p) for p in model.parameters()] + [local(p.grad) for p in model.parameters()
+                                                         if p.grad is not None] + [local(t) for t in state]
+    return storage_bytes(tensors, set())
 
 
 def _rss(field="VmRSS"):
@@ -101,29 +119,34 @@ def memory_world(name):
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := the current RSS
     step()
-    return dict(peak=_rss("VmHWM") - base, states=sum(engine.memory_bytes().values()) if engine else None)
+    between = sum(engine.memory_bytes().values()) if engine else live_bytes(step.model, step.optimizer)
+    return dict(peak=_rss("VmHWM") - base, states=engine.states if engine else None, between=between)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--memory-only", action="store_true", help="skip the step times (memory does not depend on load)")
     args = ap.parse_args()
     n_params = sum(p.numel() for p in GPT(GPTConfig(**CFG)).parameters())
     print(f"model {CFG} ({n_params / 1e6:.1f}M parameters), micro-batch {MB}x{CFG['block_size']} per rank, dp=2, "
           f"fp32, 1 thread per rank, torch {torch.__version__}, load average before {os.getloadavg()[0]:.1f}")
-    timing = dist.launch(time_world, 2, args.steps, timeout=3000)[0]
+    timing = {name: float("nan") for name in NAMES} if args.memory_only else \
+        dist.launch(time_world, 2, args.steps, timeout=3000)[0]
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by the spawned ranks' allocator at start-up
     per_name = {name: dist.launch(memory_world, 2, name, timeout=1800) for name in NAMES}
     memory = [{name: ranks[r] for name, ranks in per_name.items()} for r in range(2)]
     print(f"load average after {os.getloadavg()[0]:.1f} (other processes on these 2 cores skew the times)")
     mib, ddp = 2 ** 20, "torch DDP"
     print(f"{'implementation':34s} {'step ms':>8s} {'vs DDP':>7s} {'peak MiB r0':>12s} {'r1':>7s} {'vs DDP':>7s} "
-          f"{'states MiB':>11s}")
+          f"{'between MiB':>12s} {'vs FSDP2':>8s} {'states MiB':>11s}")
     for name in NAMES:
         peaks = [m[name]["peak"] for m in memory]
         states = memory[0][name]["states"]
+        between = memory[0][name]["between"]
         print(f"{name:34s} {timing[name] * 1e3:8.0f} {timing[name] / timing[ddp]:7.2f} {peaks[0] / mib:12.1f} "
               f"{peaks[1] / mib:7.1f} {max(peaks) / max(m[ddp]['peak'] for m in memory):7.2f} "
+              f"{between / mib:12.1f} {between / memory[0]['torch FSDP2']['between']:8.2f} "
               f"{states / mib if states else float('nan'):11.1f}")
 
 

@@ -20,10 +20,7 @@ from collections import defaultdict
 import torch
 
 from nanomega import checkpoint, tp
-
-
-def _elementwise(v):
-    return torch.is_tensor(v) and v.dim() > 0
+from nanomega.zero import is_elementwise
 
 
 def pieces(engine, grid, copy=True):
@@ -62,7 +59,7 @@ def _assemble(shards, need=None, tp_size=None):
             entry[0][p["start"]:p["end"]] = p["master"]
             entry[2][p["start"]:p["end"]] = True
             for k, v in p["state"].items():
-                if _elementwise(v):
+                if is_elementwise(v):
                     entry[1].setdefault(k, torch.zeros(n, dtype=v.dtype))[p["start"]:p["end"]] = v
                 else:
                     entry[1][k] = v
@@ -78,11 +75,11 @@ def _assemble(shards, need=None, tp_size=None):
         if need is None and t > 1 and sorted(by_rank) != list(range(t)):
             raise ValueError(f"--resume: the checkpoint holds only part of {name}; it is incomplete")
         some = next(iter(by_rank.values()))
-        blank = [torch.zeros(math.prod(some[3])), {k: torch.zeros_like(v) if _elementwise(v) else v
+        blank = [torch.zeros(math.prod(some[3])), {k: torch.zeros_like(v) if is_elementwise(v) else v
                                                    for k, v in some[1].items()}, None, some[3]]
         ranks = [by_rank.get(r, blank) for r in range(t)] if t > 1 else [some]  # not read: zeros, never used
         master = tp.unshard_param(name, [e[0].view(e[3]) for e in ranks])
-        state = {k: tp.unshard_param(name, [e[1][k].view(e[3]) for e in ranks]) if _elementwise(v) else v
+        state = {k: tp.unshard_param(name, [e[1][k].view(e[3]) for e in ranks]) if is_elementwise(v) else v
                  for k, v in some[1].items()}
         full[name] = (master, state)
     return full
@@ -141,7 +138,7 @@ def load(folder, cfg, engine, grid, layout):
         cut = (lambda t: tp.shard_param(name, t, grid.tp_rank, grid.tp.size)) if grid.tp.size > 1 else (lambda t: t)
         params[name] = cut(master)
         if p.requires_grad:
-            optim[name] = {k: cut(v) if _elementwise(v) else v for k, v in state.items()}
+            optim[name] = {k: cut(v) if is_elementwise(v) else v for k, v in state.items()}
     engine.import_by_name(params, optim)
     mine = shards[own] if own in shards else checkpoint.load_shard(folder, int(own[5:10]))
     return dict(mine, same_layout=same, shards_read=sorted(files))

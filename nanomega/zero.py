@@ -251,7 +251,7 @@ class ZeroEngine(DistributedDataParallel):
             take = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())
             out.append(dict(name=piece.name, shape=piece.shape, start=piece.start, end=piece.end,
                             master=take(piece.master.reshape(-1).float()),
-                            state={k: take(v.reshape(-1)) if _elementwise(v) else _copy(v) for k, v in state.items()}))
+                            state={k: take(v.reshape(-1)) if is_elementwise(v) else _copy(v) for k, v in state.items()}))
         return out
 
     @torch.no_grad()
@@ -277,19 +277,19 @@ class ZeroEngine(DistributedDataParallel):
                     j = next(j for j, group in enumerate(self.optimizer.param_groups) if group["params"][0] is m)
                     st = next((optim_state_by_name[k] for k, jj in self.group_of.items()
                                if jj == j and optim_state_by_name.get(k)), {})
-                    self.optimizer.state[m] = {k: m.new_zeros(0, dtype=v.dtype) if _elementwise(v) else _copy(v)
+                    self.optimizer.state[m] = {k: m.new_zeros(0, dtype=v.dtype) if is_elementwise(v) else _copy(v)
                                                for k, v in st.items()}
                     continue
                 st = optim_state_by_name[piece.name]
                 # element-wise state goes to the parameter's device at every stage (a checkpoint is read to the
                 # CPU); scalars (Adam's step) stay where torch.optim keeps them, on the CPU
                 self.optimizer.state[m] = {k: (v.to(m.device).reshape(-1)[piece.start:piece.end].clone()
-                                               .view(m.shape) if _elementwise(v) else _copy(v))
+                                               .view(m.shape) if is_elementwise(v) else _copy(v))
                                            for k, v in st.items()}
         self.write_back()
 
 
-def _elementwise(v):
+def is_elementwise(v):
     """An optimizer state entry shaped like its parameter (Adam's m, v), as opposed to a scalar (its step)."""
     return torch.is_tensor(v) and v.dim() > 0
 
