@@ -55,7 +55,7 @@ class DistributedDataParallel:
         named = list(model.named_parameters())  # tied parameters once, under their first name
         trainable = [(k, p) for k, p in named if p.requires_grad]
         if not trainable:
-            raise ValueError("ZeroEngine: the model has no trainable parameters (all requires_grad=False)")
+            raise ValueError("the model has no trainable parameters (all requires_grad=False): nothing to synchronise")
         self.module, self.grid, self.axis, self.plan = model, grid, grid.dp, plan
         self.grad_dtype, self.shared = grad_dtype, shared
         self.optimizer = None  # ZeroEngine: the optimizer of this rank's pieces; None: hand p.grad back
