@@ -237,6 +237,7 @@ def _world(world, checkpoint=None):
         res["ddp"] = _ddp(grid)
         res["init"] = _initial_weights(grid)
         res["replicated"] = _replicated(grid)
+        res["write_back"] = _write_back(grid)
         res["prefetch"] = _zero3_peak(grid)
         res["bf16"] = _bf16(grid)
         res["pipeline"] = _pipeline()
@@ -310,6 +311,16 @@ def _replicated(grid):
     return dict(names=len(names), whole=all(params[k].numel() == ref[k].numel() for k in names),
                 diff=_maxdiff(_weights(engine), ref),
                 norm_rel=max(abs(o["grad_norm"] - n) / n for o, n in zip(outs, norms)))
+
+
+def _write_back(grid):
+    """The public write-back: masters changed by hand (here: every owned element := 0.5) reach every rank's
+    16-bit parameters, all-gathered at ZeRO-1 (bf16 model: 0.5 is exact in bf16)."""
+    engine = _engine(grid, "toy", 1, dtype=torch.bfloat16)
+    for g in engine.groups:
+        g.master.fill_(0.5)
+    engine.write_back()
+    return all(bool((p == 0.5).all()) for p in engine.module.parameters() if p.requires_grad)
 
 
 def _zero3_peak(grid):
@@ -449,6 +460,10 @@ def test_zero3_keeps_replicated_parameters_whole(world2):
         r = rank["replicated"]
         assert r["names"] >= 4 and r["whole"]  # 2 blocks x 2 LayerNorms x (weight, bias) + the final one
         assert r["diff"] <= ABS and r["norm_rel"] < 1e-6
+
+
+def test_write_back_reaches_every_rank(world2):
+    assert all(rank["write_back"] for rank in world2)
 
 
 def test_bad_input_one_line_errors():
