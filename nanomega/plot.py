@@ -7,6 +7,7 @@
                     backward spans per stage (schedules.Trace) in OUT/pipeline_trace/; drawn by
                     schedules.draw_timeline, so a picture of a run reads like the lesson's simulated ones
 Needs the `plot` extra (matplotlib). Fields a run did not log are left out, never invented.
+The lessons' figures are made this way from real runs by `python scripts/figures.py`.
 Lesson: lessons/01-dense-model.md
 """
 import argparse
@@ -59,13 +60,14 @@ def _series(ax, runs, key, x="step", val=False, suffix="", **kw):
     return drawn
 
 
-def plot(outs, to):
+def plot(outs, to, names=None, dpi=110):
+    """Write the PNGs of runs `outs` to folder `to`; `names` labels the runs (default: their folders' names)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     os.makedirs(to, exist_ok=True)
-    runs = dict(zip(_names(outs), (read_run(o) for o in outs)))
+    runs = dict(zip(names or _names(outs), (read_run(o) for o in outs)))
     for train, vals in runs.values():  # step 0 has only a val loss: give it 0 tokens, for the tokens axis
         for r in vals:
             r.setdefault("tokens", 0 if r["step"] == 0 else next((t["tokens"] for t in train if t["step"] == r["step"]
@@ -83,7 +85,7 @@ def plot(outs, to):
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    written.append(_save(fig, plt, to, "loss.png"))
+    written.append(_save(fig, plt, to, "loss.png", dpi))
 
     panels = [("tok_s", "tokens/s"), ("mfu", "MFU"), ("mem_gib", "memory (GiB)"), ("lr", "learning rate")]
     fig, axes = plt.subplots(2, 2, figsize=(12, 7))
@@ -96,7 +98,7 @@ def plot(outs, to):
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    written.append(_save(fig, plt, to, "throughput.png"))
+    written.append(_save(fig, plt, to, "throughput.png", dpi))
 
     for name, out in zip(runs, outs):
         traces = read_traces(out)
@@ -107,9 +109,9 @@ def plot(outs, to):
     return written
 
 
-def _save(fig, plt, to, name):
+def _save(fig, plt, to, name, dpi):
     path = os.path.join(to, name)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
 

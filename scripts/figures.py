@@ -1,0 +1,138 @@
+"""Every figure the lessons and the README show, from real runs: `python scripts/figures.py` trains the small runs
+below on this machine's CPU, draws them with nanomega.plot and writes lessons/figures/*.png (the ones committed).
+
+    python scripts/figures.py            # all runs, then all figures (~3.5 min on 2 shared cores)
+    python scripts/figures.py --keep DIR # keep the runs' out-dirs in DIR (default: a temporary folder, removed)
+    python scripts/figures.py 07_memory_recompute.png   # only these figures (and only the runs they draw)
+
+RUNS are train.py command lines; FIGURES say which runs each picture overlays and which of nanomega.plot's files
+(loss.png, throughput.png, timeline_<run>.png) it keeps, under which name. tests/test_figures.py checks that the
+lessons and the README reference exactly these files and that every run's flags pass train.py's checks.
+Timings in the throughput panels are this CPU's (the script prints which one): read them next to it.
+Needs the `plot` extra (matplotlib).
+"""
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from nanomega import dist, fused  # noqa: E402
+
+FOLDER = ROOT / "lessons" / "figures"
+DPI = 72  # a few tens of KB per PNG, still readable on GitHub
+
+# The README's run: its default model (L=4, h=128, s=128), global batch 16 = 4 x 4 micro-batches, 100 steps.
+README = ["--batch-size", "4", "--grad-accum", "4", "--max-steps", "100", "--eval-every", "20",
+          "--peak-flops", "1.6e11"]
+# A tiny model for curves that must coincide (layouts, precisions): 60 steps in seconds.
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64", "--batch-size", "2",
+        "--grad-accum", "4", "--max-steps", "40", "--warmup", "8", "--eval-every", "8", "--eval-iters", "4",
+        "--peak-flops", "1.6e11"]
+# Large activations (s = 512, b = 8; eager attention keeps its (b, a, s, s) scores, which selective recompute
+# drops) so recompute's saving shows in the process's peak RSS; a few steps.
+ACTIVATIONS = ["--block-size", "512", "--batch-size", "8", "--attention", "eager", "--max-steps", "5",
+               "--log-every", "1", "--eval-every", "0", "--peak-flops", "1.6e11"]
+
+# name: (world size, flags, fresh) -- fresh: a process of its own, so the peak RSS it logs is its own alone
+RUNS = {
+    "readme-dense": (1, README, False),
+    "readme-pp2-1f1b": (2, [*README, "--pp", "2"], False),
+    "pp2-gpipe": (2, [*README, "--pp", "2", "--schedule", "gpipe", "--max-steps", "2", "--eval-every", "0"], False),
+    "tiny-fp32": (1, TINY, False),
+    "tiny-bf16": (1, [*TINY, "--dtype", "bf16"], False),
+    "tiny-fp16": (1, [*TINY, "--dtype", "fp16"], False),
+    "tiny-dp2-zero1": (2, [*TINY, "--zero", "1", "--batch-size", "1"], False),
+    "tiny-tp2-sp": (2, [*TINY, "--tp", "2", "--sequence-parallel"], False),
+    "tiny-pp2-1f1b": (2, [*TINY, "--pp", "2"], False),
+    "recompute-none": (1, ACTIVATIONS, True),
+    "recompute-selective": (1, [*ACTIVATIONS, "--recompute", "selective"], True),
+    "recompute-full": (1, [*ACTIVATIONS, "--recompute", "full"], True),
+}
+
+# figure file: (runs overlaid, their labels, the nanomega.plot file kept)
+FIGURES = {
+    "readme_loss.png": (["readme-dense", "readme-pp2-1f1b"], ["dense", "pp2-1f1b"], "loss.png"),
+    "readme_throughput.png": (["readme-dense", "readme-pp2-1f1b"], ["dense", "pp2-1f1b"], "throughput.png"),
+    "05_timeline_pp2-1f1b.png": (["readme-pp2-1f1b"], ["pp2-1f1b"], "timeline_pp2-1f1b.png"),
+    "05_timeline_pp2-gpipe.png": (["pp2-gpipe"], ["pp2-gpipe"], "timeline_pp2-gpipe.png"),
+    "06_loss_precision.png": (["tiny-fp32", "tiny-bf16", "tiny-fp16"], ["fp32", "bf16", "fp16"], "loss.png"),
+    "06_throughput_precision.png": (["tiny-fp32", "tiny-bf16", "tiny-fp16"], ["fp32", "bf16", "fp16"],
+                                    "throughput.png"),
+    "07_memory_recompute.png": (["recompute-none", "recompute-selective", "recompute-full"],
+                                ["none", "selective", "full"], "throughput.png"),
+    "09_loss_layouts.png": (["tiny-fp32", "tiny-dp2-zero1", "tiny-tp2-sp", "tiny-pp2-1f1b"],
+                            ["dense", "dp2-zero1", "tp2-sp", "pp2-1f1b"], "loss.png"),
+}
+
+
+def flags(name, root):
+    """train.py's command line of run `name`, its out-dir under root; one token cache shared by all runs."""
+    return [*RUNS[name][1], "--out-dir", str(Path(root) / name), "--data-cache", str(Path(root) / "cache")]
+
+
+def _train(root, names):
+    from nanomega import train
+    for name in names:
+        train.main(flags(name, root))
+    return True
+
+
+def train_all(root, names):
+    """The runs `names`, one spawned world per world size (one torch start-up each), fresh runs in worlds of
+    their own."""
+    shared = {}
+    for name in names:
+        world, _, fresh = RUNS[name]
+        if fresh:
+            dist.launch(_train, world, root, [name], timeout=600)
+        else:
+            shared.setdefault(world, []).append(name)
+    for world, names in sorted(shared.items()):
+        dist.launch(_train, world, root, names, timeout=1200)
+
+
+def draw(root, figures, folder=FOLDER):
+    from nanomega import plot
+    folder.mkdir(parents=True, exist_ok=True)
+    for figure in figures:
+        runs, labels, kept = FIGURES[figure]
+        scratch = Path(root) / "plots" / figure
+        plot.plot([Path(root) / r for r in runs], scratch, names=labels, dpi=DPI)
+        shutil.copyfile(scratch / kept, folder / figure)
+        print(f"{folder / figure}  ({(folder / figure).stat().st_size / 1024:.0f} KiB)")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("figures", nargs="*", help=f"only these (default: all): {', '.join(FIGURES)}")
+    p.add_argument("--keep", default=None, help="keep the runs' out-dirs here (default: a temporary folder)")
+    args = p.parse_args(argv)
+    unknown = sorted(set(args.figures) - set(FIGURES))
+    if unknown:
+        sys.exit(f"scripts/figures.py: no figure {', '.join(unknown)}; choose from {', '.join(FIGURES)}")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        sys.exit("scripts/figures.py needs matplotlib: pip install 'nanomega[plot]'")
+    root = Path(args.keep or tempfile.mkdtemp(prefix="figures-"))
+    figures = args.figures or list(FIGURES)
+    runs = [name for name in RUNS if any(name in FIGURES[f][0] for f in figures)]
+    t0 = time.time()
+    try:
+        train_all(root, runs)
+        draw(root, figures)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    print(f"{len(figures)} figures ({len(runs)} runs) in {time.time() - t0:.0f} s on {fused.cpu_summary()}, "
+          f"{os.cpu_count()} cores")
+
+
+if __name__ == "__main__":
+    main()
