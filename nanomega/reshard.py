@@ -26,10 +26,12 @@ def _elementwise(v):
     return torch.is_tensor(v) and v.dim() > 0
 
 
-def universal_pieces(engine, grid):
+def universal_pieces(engine, grid, copy=True):
     """This rank's share of every parameter by name: (range, fp32 master, optimizer state) per owned slice.
     Replicas write nothing (dp ranks > 0 at stage 0), nor does the last pipeline stage's copy of the tied
-    embedding (the first stage saves it)."""
+    embedding (the first stage saves it). copy=False: the tensors are views of the engine's live buffers,
+    which the caller must copy before the next step (checkpoint.AsyncSaver copies them into reused buffers)."""
+    own = torch.clone if copy else (lambda t: t)
     pieces = []
     if engine.stage == 0 and grid.dp_rank != 0:
         return dict(tp_rank=grid.tp_rank, pieces=pieces)
@@ -38,18 +40,18 @@ def universal_pieces(engine, grid):
             continue
         o, state = g.offsets[i], engine.optimizer.state.get(m, {})
         pieces.append(dict(name=g.names[i], shape=tuple(g.shapes[i]), start=a - o, end=b - o,
-                           master=g.master[a - g.lo:b - g.lo].detach().clone(),
-                           state={k: v.detach().reshape(-1).clone() if _elementwise(v) else v.clone()
+                           master=own(g.master[a - g.lo:b - g.lo].detach()),
+                           state={k: own(v.detach().reshape(-1) if _elementwise(v) else v)
                                   for k, v in state.items()}))
     for g in engine.sharded.frozen if engine.sharded else []:  # ZeRO-3 frozen parameters: their shards
         for i, a, b in g.pieces():
             o = g.offsets[i]
             pieces.append(dict(name=g.names[i], shape=tuple(g.shapes[i]), start=a - o, end=b - o,
-                               master=g.shard[a - g.lo:b - g.lo].detach().float().clone(), state={}))
+                               master=own(g.shard[a - g.lo:b - g.lo].detach().float()), state={}))
     for name, p in engine.module.named_parameters():  # other frozen parameters: whole, from dp rank 0
         if not p.requires_grad and grid.dp_rank == 0 and engine.stage < 3:
             pieces.append(dict(name=name, shape=tuple(p.shape), start=0, end=p.numel(),
-                               master=p.detach().float().reshape(-1).clone(), state={}))
+                               master=own(p.detach().float().reshape(-1)), state={}))
     return dict(tp_rank=grid.tp_rank, pieces=pieces)
 
 
