@@ -291,3 +291,5 @@ def test_host_bisection_finds_the_slow_host():
     bad, times = health.find_bad_hosts(["a", "b", "c", "d", "e"], pair_time)
     assert bad == ["c"] and calls[:3] == [("a", "b"), ("c", "d"), ("e", "a")] and len(calls) == 5
     assert health.find_bad_hosts(["a", "b"], pair_time)[0] == []  # one pair: nothing to compare with
+    # two pairs (a, b), (c, a): judged against the faster one (lower median); their mean could never be doubled
+    assert health.find_bad_hosts(["a", "b", "c"], pair_time)[0] == ["c"]
