@@ -80,7 +80,7 @@ def async_stall(root, reps=7):
         t0 = time.perf_counter()
         saver.start(2 * i + 2, train.rank_state(engine, sampler, scaler, 0, grid, spikes, copy=False))
         stall.append(time.perf_counter() - t0)
-        saver.thread.join()  # training goes on meanwhile; then a step boundary's poll() hands the manifest over
+        saver.shard.result()  # training goes on meanwhile; then a step boundary's poll() hands the manifest over
         t0 = time.perf_counter()
         saver.poll(lambda busy: busy)  # (the vote of every rank, here a world of one)
         manifest.append(time.perf_counter() - t0)

@@ -21,8 +21,7 @@ import json
 import os
 import re
 import shutil
-import threading
-import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -113,9 +112,10 @@ def _manifest(out_dir, folder, step, cfg, world, layout):
 
 class AsyncSaver:
     """--async-save ("flash" checkpoints, as DLRover's and torch.distributed.checkpoint.async_save): at the
-    step boundary the state is only copied to CPU memory; a thread writes the shard while training goes on;
-    the manifest comes once every rank's write has finished (`poll` asks all ranks at each step boundary), so
-    a crash mid-write leaves the previous checkpoint the newest complete one. One write in flight at a time.
+    step boundary the state is only copied to CPU memory; a writer thread (one, kept) writes the shard while
+    training goes on; the manifest comes once every rank's write has finished (`poll` asks all ranks at each
+    step boundary), so a crash mid-write leaves the previous checkpoint the newest complete one. One write in
+    flight at a time.
 
     The state may hold views of live engine buffers (reshard.universal_pieces(copy=False)): `start` copies
     each tensor, once, into a CPU buffer kept for its place in the state and reused by every later save
@@ -125,7 +125,9 @@ class AsyncSaver:
 
     def __init__(self, out_dir, cfg, grid, layout):
         self.out_dir, self.cfg, self.grid, self.layout = out_dir, cfg, grid, layout
-        self.thread, self.manifest, self.error, self.step = None, None, None, None
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="nanomega-ckpt")
+        self.writer.submit(int)  # its one thread started now and kept: start() never waits for a new thread
+        self.shard, self.manifest, self.step = None, None, None  # the writer's jobs (futures) in flight
         self.buffers = {}  # place in the state (a path of keys) -> its CPU buffer
 
     def start(self, step, state):
@@ -137,7 +139,7 @@ class AsyncSaver:
             copied = torch.cuda.Event()
             copied.record()  # after the device-to-host copies, on the stream that queued them
         self.step = step
-        self.thread = self._background(self._write, step, state, copied)
+        self.shard = self.writer.submit(self._write, step, state, copied)
 
     def _snapshot(self, obj, path, old):
         """`obj` with every tensor copied into its buffer (the one from the last save if shape and dtype match)."""
@@ -158,23 +160,11 @@ class AsyncSaver:
             copied.synchronize()
         write_shard(self.out_dir, step, state, self.grid.rank)
 
-    def _background(self, work, *args):
-        def run():
-            time.sleep(0)  # hand the GIL back at once, not after 5 ms (sys.getswitchinterval): training goes on
-            try:
-                work(*args)
-            except BaseException as e:  # re-raised on the training thread by wait()
-                self.error = e
-        self.error = None
-        thread = threading.Thread(target=run, name="nanomega-ckpt", daemon=True)
-        thread.start()
-        return thread
-
     def poll(self, anyone_busy):
         """At a step boundary (every rank): once no rank is still writing its shard -- the vote shows every
         shard on disk, as write_manifest's barrier would -- rank 0 writes the manifest in the background
         (no barrier, and its fsyncs off the training thread)."""
-        if self.thread is not None and not anyone_busy(self.thread.is_alive()):
+        if self.shard is not None and not anyone_busy(not self.shard.done()):
             self._finish(background=True)
 
     def wait(self):
@@ -182,20 +172,18 @@ class AsyncSaver:
         return self._finish(background=False)
 
     def _finish(self, background):
-        for thread in (self.manifest, self.thread):
-            if thread is not None:
-                thread.join()
-        shard_written, self.thread, self.manifest = self.thread is not None, None, None
-        if self.error:
-            raise self.error
-        if not shard_written:
+        shard, manifest, self.shard, self.manifest = self.shard, self.manifest, None, None
+        for job in (manifest, shard):
+            if job is not None:
+                job.result()  # waits; re-raises the writer's error (OSError: disk full ...) on this thread
+        if shard is None:
             return None
         folder = os.path.join(self.out_dir, "ckpt", f"step_{self.step:06d}")
         if not background:
             write_manifest(self.out_dir, folder, self.step, self.cfg, self.grid, self.layout)
         elif self.grid.rank == 0:
-            self.manifest = self._background(_manifest, self.out_dir, folder, self.step, self.cfg, self.grid.world,
-                                             self.layout)
+            self.manifest = self.writer.submit(_manifest, self.out_dir, folder, self.step, self.cfg,
+                                               self.grid.world, self.layout)
         return folder
 
 
