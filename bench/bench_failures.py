@@ -1,7 +1,7 @@
 """Failure handling figures for bench/RESULTS.md (issue 16): a frozen rank found by the hang watchdog, a
 diverging run stopped by --max-skipped, a preemption resumed bitwise.
 
-    python bench/bench_failures.py
+    python bench/bench_failures.py [--stall-only]
 """
 import gzip
 import json
@@ -49,12 +49,14 @@ def diverge(corpus, root):
     return p.returncode, recs, p.stderr.strip().splitlines()[-1], ckpts
 
 
-def async_stall(root, reps=5):
-    """Seconds the training thread stops per save: synchronous save vs --async-save (state copy + thread start),
-    interleaved so that other jobs on the cores disturb both alike. Returns (params, sync, async) medians."""
+def async_stall(root, reps=7):
+    """Seconds the training thread stops per save: synchronous save vs --async-save (the copy into the saver's
+    reused buffers + thread start, and the step boundary that hands the manifest to a thread), interleaved so that other jobs on the cores disturb both alike; and the
+    floor: one copy of the same bytes between two warm buffers (memory bandwidth). Returns a dict of medians."""
     import torch
     from nanomega import args as flags
     from nanomega import data, dist, faults, precision, train
+    torch.set_num_threads(1)  # as each rank under torchrun; 2 threads on 2 shared cores: see bench/RESULTS.md
     a = flags.get_args(["--n-layer", "4", "--n-head", "4", "--n-embd", "256", "--block-size", "64", "--dropout", "0"])
     cfg = flags.model_config(a)
     dist.init("cpu")
@@ -66,25 +68,49 @@ def async_stall(root, reps=5):
     sampler, scaler, spikes = data.Sampler(1000, 16, 0), precision.LossScaler(dynamic=False), faults.Spikes(a)
     out = str(root / "stall")
     saver = checkpoint.AsyncSaver(out, cfg, grid, {})
-    sync, stall = [], []
+    nbytes = sum(t.numel() * t.element_size() for p in train.rank_state(engine, sampler, scaler, 0, grid, spikes,
+                                                                         copy=False)["universal"]["pieces"]
+                 for t in [p["master"], *p["state"].values()])
+    src, dst = torch.ones(nbytes // 4), torch.zeros(nbytes // 4)
+    sync, stall, manifest, floor = [], [], [], []
     for i in range(reps):
         t0 = time.perf_counter()
         checkpoint.save(out, 2 * i + 1, cfg, train.rank_state(engine, sampler, scaler, 0, grid, spikes), grid)
         sync.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        saver.start(2 * i + 2, train.rank_state(engine, sampler, scaler, 0, grid, spikes))
+        saver.start(2 * i + 2, train.rank_state(engine, sampler, scaler, 0, grid, spikes, copy=False))
         stall.append(time.perf_counter() - t0)
-        saver.wait()
-    return n_params, sorted(sync)[reps // 2], sorted(stall)[reps // 2]
+        saver.shard.result()  # training goes on meanwhile; then a step boundary's poll() hands the manifest over
+        t0 = time.perf_counter()
+        saver.poll(lambda busy: busy)  # (the vote of every rank, here a world of one)
+        manifest.append(time.perf_counter() - t0)
+        stall[-1] += manifest[-1]
+        saver.wait()  # the manifest written (in the background) before the next synchronous save
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        floor.append(time.perf_counter() - t0)
+    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    return dict(params=n_params, bytes=nbytes, sync=med(sync), stall=med(stall), first=stall[0], floor=med(floor),
+                manifest=med(manifest),
+                worst=max(s / y for s, y in zip(stall[1:], sync[1:])), reps=reps)
+
+
+def print_stall(r):
+    print(f"save of {r['params'] / 1e6:.1f}M parameters ({r['bytes'] / 1e6:.0f} MB of tensors): synchronous "
+          f"{1e3 * r['sync']:.0f} ms, --async-save stall {1e3 * r['stall']:.1f} ms = {100 * r['stall'] / r['sync']:.1f}% "
+          f"(of which poll {1e3 * r['manifest']:.2f} ms; medians of {r['reps']}, interleaved; worst "
+          f"reused-buffer save {100 * r['worst']:.1f}%); first save "
+          f"(buffers allocated) {1e3 * r['first']:.1f} ms; floor, one copy of those bytes between warm buffers "
+          f"{1e3 * r['floor']:.1f} ms = {r['bytes'] / r['floor'] / 1e9:.1f} GB/s")
 
 
 def main():
     root = Path(tempfile.mkdtemp(prefix="bench_failures-"))
     corpus = root / "small.txt"
     corpus.write_text(gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(300_000))
-    n, sync, stall = async_stall(root)
-    print(f"save of {n / 1e6:.1f}M parameters (12 B each): synchronous {1e3 * sync:.0f} ms, --async-save stall "
-          f"{1e3 * stall:.1f} ms = {100 * stall / sync:.1f}% (medians of 5, interleaved)")
+    print_stall(async_stall(root))
+    if sys.argv[1:] == ["--stall-only"]:
+        return
     found, report, rc = hang(corpus, root)
     print(f"hang: rank 1 frozen at step 3 with --hang-timeout 10: reported after {found:.1f} s, exit {rc}\n  {report}")
     rc, recs, last, ckpts = diverge(corpus, root)

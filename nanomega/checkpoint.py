@@ -4,7 +4,9 @@ Idea: a checkpoint is a folder `OUT/ckpt/step_000123/` holding one `rank_00007.p
 `manifest.json` (step, model config, layout, sha256 of every shard). A shard is written to a temporary name
 and renamed, so a crash mid-write leaves a `.tmp` file, never a wrong shard; the manifest is written only
 after every rank has finished (a barrier), and `OUT/ckpt/latest` points at the newest folder whose manifest
-exists. Every file and its directory are fsynced, so a power loss never leaves an empty pointer or manifest.
+exists. Each rank hashes its own shard into `rank_00007.json` (sha256, size, the pieces it holds), which the
+manifest gathers: no rank reads every shard. Every file and its directory are fsynced, so a power loss never
+leaves an empty pointer or manifest.
 Discovery (`find_resume`) scans the step folders -- the pointer is only a hint -- verifies them newest first
 and falls back to the newest complete, verified one, naming what it skipped and why (OPT-175B's logbook:
 a bad shard must cost one checkpoint interval, not the run). `retain` keeps the last K.
@@ -19,7 +21,7 @@ import json
 import os
 import re
 import shutil
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -79,8 +81,14 @@ def write_shard(out_dir, step, state, rank):
     folder = os.path.join(out_dir, "ckpt", f"step_{step:06d}")
     os.makedirs(folder, exist_ok=True)
     shard = os.path.join(folder, shard_name(rank))
-    _replace_atomically(shard, lambda tmp: torch.save(state, tmp))
-    _replace_atomically(shard[:-3] + ".json", _write_text(json.dumps(_index(state))))  # its pieces, for the manifest
+    made = {}
+
+    def write(tmp):  # each rank hashes its own shard (the writer thread, under --async-save), not rank 0 all
+        torch.save(state, tmp)
+        made.update(sha256=_sha256(tmp), size=os.path.getsize(tmp))
+    _replace_atomically(shard, write)
+    made["pieces"] = _index(state)
+    _replace_atomically(shard[:-3] + ".json", _write_text(json.dumps(made)))  # for the manifest
     return folder
 
 
@@ -88,65 +96,95 @@ def write_manifest(out_dir, folder, step, cfg, grid, layout=None):
     """Collective: once every rank's shard is on disk, rank 0 writes the manifest, then the pointer."""
     grid.barrier()  # every shard is on disk before the manifest claims the checkpoint is complete
     if grid.rank == 0:
-        shards = sorted(f for f in os.listdir(folder) if f.startswith("rank_") and f.endswith(".pt"))
-        manifest = dict(step=step, config=dataclasses.asdict(cfg), layout=layout or {}, world=grid.world,
-                        shards={f: _sha256(os.path.join(folder, f)) for f in shards},
-                        sizes={f: os.path.getsize(os.path.join(folder, f)) for f in shards},
-                        pieces={f: json.load(open(os.path.join(folder, f[:-3] + ".json"))) for f in shards})
-        _replace_atomically(os.path.join(folder, "manifest.json"), _write_text(json.dumps(manifest, indent=1)))
-        _replace_atomically(os.path.join(out_dir, "ckpt", "latest"), _write_text(os.path.basename(folder)))
+        _manifest(out_dir, folder, step, cfg, grid.world, layout)
     grid.barrier()
+
+
+def _manifest(out_dir, folder, step, cfg, world, layout):
+    shards = sorted(f for f in os.listdir(folder) if f.startswith("rank_") and f.endswith(".pt"))
+    made = {f: json.load(open(os.path.join(folder, f[:-3] + ".json"))) for f in shards}  # write_shard's
+    manifest = dict(step=step, config=dataclasses.asdict(cfg), layout=layout or {}, world=world,
+                    shards={f: m["sha256"] for f, m in made.items()}, sizes={f: m["size"] for f, m in made.items()},
+                    pieces={f: m["pieces"] for f, m in made.items()})
+    _replace_atomically(os.path.join(folder, "manifest.json"), _write_text(json.dumps(manifest, indent=1)))
+    _replace_atomically(os.path.join(out_dir, "ckpt", "latest"), _write_text(os.path.basename(folder)))
 
 
 class AsyncSaver:
     """--async-save ("flash" checkpoints, as DLRover's and torch.distributed.checkpoint.async_save): at the
-    step boundary the state is only copied to CPU memory; a thread writes the shard while training goes on;
-    the manifest comes once every rank's write has finished (`poll` asks all ranks at each step boundary), so
-    a crash mid-write leaves the previous checkpoint the newest complete one. One write in flight at a time."""
+    step boundary the state is only copied to CPU memory; a writer thread (one, kept) writes the shard while
+    training goes on; the manifest comes once every rank's write has finished (`poll` asks all ranks at each
+    step boundary), so a crash mid-write leaves the previous checkpoint the newest complete one. One write in
+    flight at a time.
+
+    The state may hold views of live engine buffers (reshard.pieces(copy=False), i.e. ZeroEngine.export_by_name(copy=False)): `start` copies
+    each tensor, once, into a CPU buffer kept for its place in the state and reused by every later save
+    (fresh memory costs a page fault per 4 KiB page, several times the copy itself: bench/RESULTS.md). So the
+    training thread stalls for one memory copy of the shard, and the saver holds one shard of CPU memory.
+    From a GPU the buffers are pinned and the copies asynchronous: the writer waits for them, not training."""
 
     def __init__(self, out_dir, cfg, grid, layout):
         self.out_dir, self.cfg, self.grid, self.layout = out_dir, cfg, grid, layout
-        self.thread, self.error, self.step = None, None, None
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="nanomega-ckpt")
+        self.writer.submit(int)  # its one thread started now and kept: start() never waits for a new thread
+        self.shard, self.manifest, self.step = None, None, None  # the writer's jobs (futures) in flight
+        self.buffers = {}  # place in the state (a path of keys) -> its CPU buffer
 
     def start(self, step, state):
-        self.wait()
-        state = _to_cpu(state)  # the training step may overwrite device memory next
-        self.step, self.error = step, None
-        self.thread = threading.Thread(target=self._write, args=(step, state), name="nanomega-ckpt", daemon=True)
-        self.thread.start()
+        self.wait()  # the previous save is complete: its writer has finished with the buffers
+        old, self.buffers = self.buffers, {}
+        state = self._snapshot(state, (), old)  # the training step may overwrite the live buffers next
+        copied = None
+        if any(b.is_pinned() for b in self.buffers.values()):  # a GPU source (pinned buffers only then)
+            copied = torch.cuda.Event()
+            copied.record()  # after the device-to-host copies, on the stream that queued them
+        self.step = step
+        self.shard = self.writer.submit(self._write, step, state, copied)
 
-    def _write(self, step, state):
-        try:
-            write_shard(self.out_dir, step, state, self.grid.rank)
-        except BaseException as e:  # re-raised on the training thread by wait()
-            self.error = e
+    def _snapshot(self, obj, path, old):
+        """`obj` with every tensor copied into its buffer (the one from the last save if shape and dtype match)."""
+        if torch.is_tensor(obj):
+            buf = old.get(path)
+            if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
+                buf = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=obj.is_cuda)
+            self.buffers[path] = buf
+            return buf.copy_(obj.detach(), non_blocking=obj.is_cuda)
+        if isinstance(obj, dict):
+            return {k: self._snapshot(v, path + (k,), old) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._snapshot(v, path + (i,), old) for i, v in enumerate(obj))
+        return obj
+
+    def _write(self, step, state, copied):
+        if copied is not None:
+            copied.synchronize()
+        write_shard(self.out_dir, step, state, self.grid.rank)
 
     def poll(self, anyone_busy):
-        """At a step boundary (every rank): finish the checkpoint once no rank is still writing."""
-        if self.thread is not None and not anyone_busy(self.thread.is_alive()):
-            self.wait()
+        """At a step boundary (every rank): once no rank is still writing its shard -- the vote shows every
+        shard on disk, as write_manifest's barrier would -- rank 0 writes the manifest in the background
+        (no barrier, and its fsyncs off the training thread)."""
+        if self.shard is not None and not anyone_busy(not self.shard.done()):
+            self._finish(background=True)
 
     def wait(self):
-        """Collective: join this rank's writer and write the manifest. Returns the folder, or None."""
-        if self.thread is None:
+        """Collective: finish the save in flight (writer joined, manifest written). Returns the folder, or None."""
+        return self._finish(background=False)
+
+    def _finish(self, background):
+        shard, manifest, self.shard, self.manifest = self.shard, self.manifest, None, None
+        for job in (manifest, shard):
+            if job is not None:
+                job.result()  # waits; re-raises the writer's error (OSError: disk full ...) on this thread
+        if shard is None:
             return None
-        self.thread.join()
-        self.thread = None
-        if self.error:
-            raise self.error
         folder = os.path.join(self.out_dir, "ckpt", f"step_{self.step:06d}")
-        write_manifest(self.out_dir, folder, self.step, self.cfg, self.grid, self.layout)
+        if not background:
+            write_manifest(self.out_dir, folder, self.step, self.cfg, self.grid, self.layout)
+        elif self.grid.rank == 0:
+            self.manifest = self.writer.submit(_manifest, self.out_dir, folder, self.step, self.cfg,
+                                               self.grid.world, self.layout)
         return folder
-
-
-def _to_cpu(obj):
-    if torch.is_tensor(obj):
-        return obj.detach().to("cpu", copy=obj.device.type != "cpu")
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
 
 
 def step_folders(out_dir):

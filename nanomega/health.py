@@ -6,8 +6,8 @@ Idea: one bad device slows (or silently corrupts) a whole synchronous job, so ch
                 integer < 2^53) must give the same checksum on every rank -- silent data corruption shows here
     links       an all-reduce per grid axis, bus bandwidth = 2(n-1)/n x bytes / seconds (the ring's traffic);
                 between hosts: pair the hosts, time each pair, then re-pair a slow pair's hosts with a fast
-                host to tell which of the two is bad (DLRover's node check; find_bad_hosts). Only one host
-                exists here: the bisection is tested with a simulated link, the pair timing with ranks as hosts
+                host to tell which of the two is bad (DLRover's node check; find_bad_hosts). Run for real on
+                hosts made of network namespaces, one cable rate-limited (scripts/local_cluster.sh --slow-link)
 A table on the last rank, and a non-zero exit naming the bad rank or host.
 
     torchrun --nproc_per_node=2 -m nanomega.health            # alone
@@ -68,7 +68,8 @@ def bus_bandwidth(axis):
 
 def find_bad_hosts(hosts, pair_time, slow=2.0):
     """DLRover's bisection. Round 1 pairs neighbours (an odd one out pairs with the first host) and times each
-    pair; a pair slower than `slow` x the median pair is suspect. Round 2 pairs each suspect with a host from a
+    pair; a pair slower than `slow` x the median pair (the lower median: of two pairs the faster, as one of two
+    can never be 2x their mean) is suspect. Round 2 pairs each suspect with a host from a
     fast pair: a suspect slow again is bad. Returns (bad hosts, pair times); with no fast pair, none can be
     told apart and every suspect is returned. pair_time(a, b) must run in the same order on every rank."""
     pairs = [(hosts[i], hosts[i + 1]) for i in range(0, len(hosts) - 1, 2)]
@@ -77,7 +78,7 @@ def find_bad_hosts(hosts, pair_time, slow=2.0):
     times = {p: pair_time(*p) for p in pairs}
     if not times:
         return [], times
-    median = statistics.median(times.values())
+    median = statistics.median_low(times.values())
     slow_pairs = [p for p, t in times.items() if t > slow * median]
     suspects = sorted({h for p in slow_pairs for h in p})
     fast = [h for p in pairs if p not in slow_pairs for h in p if h not in suspects]

@@ -25,7 +25,9 @@ from nanomega.zero import is_elementwise
 
 def pieces(engine, grid, copy=True):
     """What this rank saves: its share of every parameter by name (ZeroEngine.export_by_name), with its tp rank
-    (the pieces of tensor-parallel parameters are slices of the tp-local tensor)."""
+    (the pieces of tensor-parallel parameters are slices of the tp-local tensor). copy=False: views of the
+    engine's live buffers, to be copied before the next step (checkpoint.AsyncSaver copies them into reused
+    buffers)."""
     return dict(tp_rank=grid.tp_rank, pieces=engine.export_by_name(copy=copy))
 
 

@@ -126,10 +126,11 @@ def evaluate(model, grid, val_set, args):
     return grid.dp.all_reduce(loss).item() / grid.dp.size
 
 
-def rank_state(engine, sampler, scaler, step, grid, spikes=None):
+def rank_state(engine, sampler, scaler, step, grid, spikes=None, copy=True):
     """What this rank writes: its pieces of every parameter by name (any layout can load them), data position,
-    loss scale, RNG (this device's), the lr scale and skipped data windows of rollbacks."""
-    return dict(universal=reshard.pieces(engine, grid), spikes=spikes and spikes.state_dict(),
+    loss scale, RNG (this device's), the lr scale and skipped data windows of rollbacks. copy=False: views of
+    the live tensors, for AsyncSaver, which copies them once into its reused buffers."""
+    return dict(universal=reshard.pieces(engine, grid, copy), spikes=spikes and spikes.state_dict(),
                 sampler=sampler.state_dict(), scaler=scaler.state_dict(), step=step, **rng.save_state(grid.device))
 
 
@@ -263,7 +264,7 @@ def train(args):
                 faults.say(f"step {step}: checkpoint not written (the step was skipped); the next finite step saves")
             pending_save = True
         elif due or preempted or pending_save:
-            state = rank_state(engine, sampler, scaler, step, grid, spikes)
+            state = rank_state(engine, sampler, scaler, step, grid, spikes, copy=saver is None)
             with watchdog.paused():
                 if saver:
                     saver.start(step, state)

@@ -9,6 +9,7 @@
 #     --kill-node I@STEP     when the job has logged STEP, kill every process of host I (agent and workers);
 #                            its agent is started again (as a cluster scheduler would), unless --elastic
 #     --down-link I@STEP:S   when the job has logged STEP, take host I's cable down for S seconds
+#     --slow-link I:RATE     host I's cable runs at RATE (tc's token bucket both ways, e.g. 50mbit) from the start
 #     --elastic MIN          torchrun --nnodes MIN:NODES: a host lost for good (--kill-node with --elastic)
 #                            leaves MIN..NODES-1 hosts that re-rendezvous and resume resharded
 #     --rejoin STEP          with --elastic: the lost host comes back when the job has logged STEP (scale up)
@@ -29,12 +30,13 @@ NODES=$1 NPROC=$2
 shift 2
 [[ $NODES =~ ^[1-9][0-9]?$ ]] || die "NODES must be 1..99, got '$NODES'"
 [[ $NPROC =~ ^[1-9][0-9]*$ ]] || die "NPROC_PER_NODE must be >= 1, got '$NPROC'"
-RESTARTS=0 KILL="" DOWN="" ELASTIC="" REJOIN="" TIMEOUT=900
+RESTARTS=0 KILL="" DOWN="" SLOW="" ELASTIC="" REJOIN="" TIMEOUT=900
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do
   case $1 in
     --max-restarts) RESTARTS=${2:?}; shift 2 ;;
     --kill-node) KILL=${2:?}; shift 2 ;;
     --down-link) DOWN=${2:?}; shift 2 ;;
+    --slow-link) SLOW=${2:?}; shift 2 ;;
     --elastic) ELASTIC=${2:?}; shift 2 ;;
     --rejoin) REJOIN=${2:?}; shift 2 ;;
     --timeout) TIMEOUT=${2:?}; shift 2 ;;
@@ -55,6 +57,11 @@ if [ -n "$DOWN" ]; then
   [[ $DOWN =~ ^([0-9]+)@([0-9]+):([0-9]+)$ ]] || die "--down-link '$DOWN': expected HOST@STEP:SECONDS, e.g. 1@3:20"
   DOWN_HOST=${BASH_REMATCH[1]} DOWN_STEP=${BASH_REMATCH[2]} DOWN_S=${BASH_REMATCH[3]}
   [ "$DOWN_HOST" -ge 1 ] && [ "$DOWN_HOST" -lt "$NODES" ] || die "--down-link $DOWN: host must be 1..$((NODES - 1))"
+fi
+if [ -n "$SLOW" ]; then
+  [[ $SLOW =~ ^([0-9]+):([0-9]+[kmg]?bit)$ ]] || die "--slow-link '$SLOW': expected HOST:RATE, e.g. 2:50mbit"
+  SLOW_HOST=${BASH_REMATCH[1]} SLOW_RATE=${BASH_REMATCH[2]}
+  [ "$SLOW_HOST" -lt "$NODES" ] || die "--slow-link $SLOW: host must be 0..$((NODES - 1))"
 fi
 NNODES=$NODES
 if [ -n "$ELASTIC" ]; then
@@ -121,6 +128,14 @@ for ((i = 0; i < NODES; i++)); do
   mkdir -p "/etc/netns/$ns"
   printf '127.0.0.1 localhost\n%s' "$HOSTS" >"/etc/netns/$ns/hosts"  # ip netns exec mounts it on /etc/hosts
 done
+limit() {  # namespace, device: a token bucket on its way out
+  err=$(ip netns exec "$1" tc qdisc add dev "$2" root tbf rate "$SLOW_RATE" burst 64kb latency 2s 2>&1) \
+    || refuse "--slow-link: tc's token bucket (tbf) is not available here: $err"
+}
+if [ -n "$SLOW" ]; then  # both ends of the cable: host I sends and receives at RATE
+  limit "$SW" "p$SLOW_HOST"
+  limit "${ID}h$SLOW_HOST" eth0
+fi
 
 # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0's agent publishes a fresh MASTER_ADDR:PORT for the workers'
 # store in every rendezvous round. With the shared agent store (torch's default) it is published only in
@@ -146,6 +161,7 @@ step_reached() {  # the last step the job has logged (0 before the first)
 }
 
 say "$NODES hosts x $NPROC ranks: ${ID}h0..h$((NODES - 1)), addresses $(addr 0)..$(addr $((NODES - 1))), rendezvous $(addr 0):$PORT, nnodes $NNODES"
+[ -n "$SLOW" ] && say "host $SLOW_HOST: its cable runs at $SLOW_RATE (tc tbf)"
 for ((i = 0; i < NODES; i++)); do start_host "$i"; done
 
 declare -A GONE=()  # hosts whose agent was killed on purpose (its exit code is not the job's)

@@ -228,12 +228,22 @@ def test_spike_skip_and_rollback(corpus, reference, tmp_path, capsys):
 
 
 def test_async_save_matches_and_a_failed_write_keeps_the_previous(corpus, reference, tmp_path, monkeypatch):
-    """--async-save: the same checkpoints as a synchronous save; the manifest only after the write finished."""
+    """--async-save: the same checkpoints as a synchronous save (training went on from views of the live state);
+    each tensor copied once at start() into a buffer reused by the next save; the manifest only after the write."""
     out = tmp_path / "async"
     run(corpus, out, "--async-save")
     for step in (2, 4, 6):
         assert same_weights(out / "ckpt" / f"step_{step:06d}", reference / "ckpt" / f"step_{step:06d}")
-    saver = checkpoint.AsyncSaver(str(out), flags.model_config(flags.get_args(SMALL)), dist.Grid(1, 1, 1), {})
+    cfg, grid = flags.model_config(flags.get_args(SMALL)), dist.Grid(1, 1, 1)
+    views, live, kept = checkpoint.AsyncSaver(str(tmp_path / "views"), cfg, grid, {}), torch.arange(4.0), []
+    for step in (1, 2):
+        views.start(step, {"w": live[1:]})  # a view of live memory, as rank_state(copy=False) gives
+        live += 1  # the next training step, while the writer may still be writing
+        views.wait()
+        kept.append(views.buffers[("w",)].data_ptr())
+    assert [checkpoint.load_shard(tmp_path / "views" / "ckpt" / f"step_{s:06d}", 0)["w"].tolist() for s in (1, 2)] \
+        == [[1, 2, 3], [2, 3, 4]] and kept[0] == kept[1]  # copied at start(), into the same buffer each save
+    saver = checkpoint.AsyncSaver(str(out), cfg, grid, {})
     monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
     saver.start(8, {"step": 8})
     with pytest.raises(OSError, match="disk full"):
@@ -281,3 +291,5 @@ def test_host_bisection_finds_the_slow_host():
     bad, times = health.find_bad_hosts(["a", "b", "c", "d", "e"], pair_time)
     assert bad == ["c"] and calls[:3] == [("a", "b"), ("c", "d"), ("e", "a")] and len(calls) == 5
     assert health.find_bad_hosts(["a", "b"], pair_time)[0] == []  # one pair: nothing to compare with
+    # two pairs (a, b), (c, a): judged against the faster one (lower median); their mean could never be doubled
+    assert health.find_bad_hosts(["a", "b", "c"], pair_time)[0] == ["c"]

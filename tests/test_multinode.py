@@ -36,15 +36,16 @@ def flags(corpus, out, extra):
             "--out-dir", str(out), *extra]
 
 
-def cluster(nodes, nproc, args, options=(), timeout=300):
-    """bash scripts/local_cluster.sh; skips the test with the script's one line where hosts cannot be made."""
+def cluster(nodes, nproc, args, options=(), timeout=300, ok=True):
+    """bash scripts/local_cluster.sh; skips the test with the script's one line where hosts cannot be made
+    (no root, no iproute2, no tc token bucket for --slow-link). ok=False: the job must fail."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     job = subprocess.run(["bash", str(ROOT / "scripts" / "local_cluster.sh"), str(nodes), str(nproc),
                           "--timeout", str(timeout - 20), *options, "--", *args],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if job.returncode == 77:
         pytest.skip(job.stderr.strip().splitlines()[-1])
-    assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-4000:]
+    assert (job.returncode == 0) == ok, job.stdout[-4000:] + job.stderr[-4000:]
     return job.stdout + job.stderr
 
 
@@ -72,6 +73,22 @@ def test_two_hosts_match_dense(corpus, dense, tmp_path, name, extra):
     assert val == pytest.approx(ref_val, rel=RTOL)
 
 
+def test_health_check_names_the_host_behind_a_slow_cable(corpus, tmp_path):
+    """--health-check across 3 real hosts, host 2's cable rate-limited to 50 Mbit/s (tc tbf, both ways): the
+    host-pair bisection (health.find_bad_hosts) names node2, once, and the job stops before training.
+    Why it cannot pass by luck: a 1 MiB 2-rank all-reduce sends 1 MiB each way, 0.17 s at 50 Mbit/s, against
+    ~1-3 ms on a healthy veth cable (0.4-0.6 GB/s measured, bench/RESULTS.md): ~60x, where 2x is flagged; the
+    healthy pair node0 - node1 must not be, nor must either healthy host (round 2 re-pairs them with node1)."""
+    out = tmp_path / "health"
+    log = cluster(3, 1, flags(corpus, out, ["--batch-size", "2", "--health-check"]),
+                  options=["--slow-link", "2:50mbit"], ok=False)
+    errors = [line for line in log.splitlines() if "error: --health-check:" in line]
+    assert len(errors) == 1 and "host node2 is slow in two host pairings" in errors[0], log[-3000:]
+    assert "node0 is slow" not in errors[0] and "node1 is slow" not in errors[0]
+    assert "host pair node0 - node1:" in log and "host pair node2 - node1:" in log  # round 2 ran
+    assert not (out / "metrics.jsonl").exists()  # stopped before the first step
+
+
 def test_tp_groups_that_span_hosts_are_found():
     # ranks numbered host by host: with 2 ranks per host, tp 2 groups [0,1],[2,3] stay inside; tp 4 spans
     assert dist.split_groups([[0, 1], [2, 3]], 2) == []
@@ -82,6 +99,7 @@ def test_tp_groups_that_span_hosts_are_found():
 def test_bad_options_one_line():
     for options, message in ((["--kill-node", "0@3"], "host 0 holds the rendezvous store"),
                              (["--down-link", "1@x"], "expected HOST@STEP:SECONDS"),
+                             (["--slow-link", "1"], "expected HOST:RATE"),
                              (["--elastic", "3"], "--elastic must be 1..NODES"),
                              (["--rejoin", "5"], "--rejoin STEP needs --elastic MIN")):
         job = subprocess.run(["bash", str(ROOT / "scripts" / "local_cluster.sh"), "2", "1", *options, "--"],
