@@ -31,27 +31,6 @@ from nanomega import checkpoint, dist
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
-def add_flags(p):
-    g = p.add_argument_group("failures")
-    g.add_argument("--resume-from", default=None, metavar="STEP|PATH",
-                   help="resume from this step (OUT/ckpt/step_STEP) or checkpoint folder; implies --resume")
-    g.add_argument("--keep-last", type=int, default=0, help="keep only the K newest checkpoints (0: keep all); "
-                   "the one resumed from is never deleted")
-    g.add_argument("--max-skipped", type=int, default=20,
-                   help="stop (non-zero) after this many consecutive skipped (non-finite) steps")
-    g.add_argument("--health-check", action="store_true", help="check every rank's compute and links first "
-                   "(nanomega/health.py); a bad rank stops the job with one line")
-    g.add_argument("--async-save", action="store_true", help="write checkpoints from a background thread")
-    g.add_argument("--on-spike", default="warn", choices=["warn", "skip", "rollback"],
-                   help="a loss above --spike-threshold x its running mean: log it, drop that step's update, or "
-                   "reload the last verified checkpoint and skip the data since it")
-    g.add_argument("--spike-threshold", type=float, default=1.5)
-    g.add_argument("--rollback-lr-factor", type=float, default=1.0, help="scale the lr by this at each rollback")
-    g.add_argument("--hang-timeout", type=float, default=None, help="seconds without progress before every live "
-                   "rank dumps its stacks to OUT/hang/ and the job names the stuck ranks and exits (0: off; "
-                   "default: 180, or half --collective-timeout if that is less)")
-
-
 def rank():
     return int(os.environ.get("RANK", 0))
 
@@ -60,26 +39,6 @@ def say(message):
     """One line on stderr from rank 0 only: the same line from every rank is noise."""
     if rank() == 0:
         print(message, file=sys.stderr, flush=True)
-
-
-def check_flags(args):
-    """The failure flags, refused before any collective (called from args.check)."""
-    if not args.collective_timeout > 0:
-        raise ValueError(f"--collective-timeout must be > 0 seconds, got {args.collective_timeout}")
-    for name in ("keep_last", "max_skipped"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if not (args.spike_threshold > 1 and 0 < args.rollback_lr_factor <= 1):
-        raise ValueError(f"need --spike-threshold > 1 and 0 < --rollback-lr-factor <= 1, got "
-                         f"{args.spike_threshold} and {args.rollback_lr_factor}")
-    if args.hang_timeout is None:
-        args.hang_timeout = min(180.0, args.collective_timeout / 2)
-    if args.hang_timeout < 0 or args.hang_timeout >= args.collective_timeout:
-        raise ValueError(f"--hang-timeout {args.hang_timeout} must be >= 0 and below --collective-timeout "
-                         f"{args.collective_timeout} (the watchdog must fire before the collective gives up)")
-    if args.resume_from is not None:
-        args.resume = True
-    check_out_dir(args.out_dir)
 
 
 def check_out_dir(out_dir):
