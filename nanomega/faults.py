@@ -11,13 +11,14 @@ failures are routine, so every one must cost at most one checkpoint interval and
     resume                 checkpoint.find_resume: newest verified folder, naming what it skipped and why;
                            metrics.jsonl rows after the resumed step are replaced, not duplicated
     errors                 one line per expected failure; torchrun's error file records the message
+    tests of all this      --inject-fault KIND:RANK:STEP: a rank raises, is preempted, freezes, or its loss goes
+                           NaN (a forward hook) or spikes, at a chosen step
 Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
 """
 import contextlib
 import ctypes
 import faulthandler
 import fcntl
-import json
 import math
 import os
 import signal
@@ -111,21 +112,6 @@ def discover(args, cfg):
     return folder
 
 
-def open_metrics(out_dir, step):
-    """metrics.jsonl for appending, with the rows after `step` (written before a crash, to be redone) removed."""
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if os.path.isfile(path):
-        keep = []
-        for line in open(path).read().splitlines():
-            try:
-                if 0 < json.loads(line)["step"] <= step:
-                    keep.append(line + "\n")
-            except (ValueError, KeyError, TypeError):
-                pass  # a row cut by the crash
-        checkpoint._replace_atomically(path, checkpoint._write_text("".join(keep)))
-    return open(path, "a")
-
-
 class Skips:
     """Consecutive skipped (non-finite) steps: stop past --max-skipped; no checkpoint right after a skip."""
 
@@ -172,6 +158,32 @@ class Spikes:
     def load_state_dict(self, state):
         if state:
             self.lr_scale, self.windows = state["lr_scale"], list(state["windows"])
+
+
+def inject_fault(fault, *, rank, data_step, step):
+    """--inject-fault KIND:RANK:STEP (testing the policies above): on that rank at that data step, raise, or send
+    itself SIGTERM (a preemption notice mid-step) or SIGSTOP (a frozen rank). Returns KIND there, else None:
+    nan and spike are the caller's to apply (see poisoned, and the logged loss x 10)."""
+    if not fault or fault[1:] != (rank, data_step):
+        return None
+    kind = fault[0]
+    if kind == "raise":
+        raise RuntimeError(f"--inject-fault: rank {rank} raises at step {step}")
+    if kind in ("sigterm", "hang"):
+        os.kill(os.getpid(), signal.SIGTERM if kind == "sigterm" else signal.SIGSTOP)
+    return kind
+
+
+@contextlib.contextmanager
+def poisoned(model):
+    """--inject-fault nan: inside, the output of this rank's first block is NaN, so its loss and every gradient
+    are (the engine skips the step; --on-nan stop ends the run). Under a pipeline the NaN flows to the last stage."""
+    block = next(iter(model.blocks.values()))
+    handle = block.register_forward_hook(lambda module, inputs, output: output * float("nan"))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 _PREEMPTED, _OLD_HANDLERS = [], {}
