@@ -300,6 +300,7 @@ class Saves:
         return preempted
 
     def save(self, step, state, *, watchdog):
+        """Write (or start writing, --async-save) this rank's shard; then --keep-last (faults.saved)."""
         with watchdog.paused():
             if self.saver:
                 self.saver.start(step, state)
@@ -312,7 +313,6 @@ class Saves:
         """Wait for a background save (collective: its manifest)."""
         if self.saver:
             self.saver.wait()
-
 
 
 def save_trace(trace, out_dir):
