@@ -35,7 +35,7 @@ def run(attention, compile_, batch, steps, grid):
     x = torch.randint(0, VOCAB, (batch, cfg.block_size), device=grid.device)
 
     def step():
-        loss = train.forward_backward(model, engine, grid, [(x, x)], args, 1.0)
+        loss = train.forward_backward(model, engine, grid, [(x, x)], args, loss_scale=1.0)
         engine.step(clip_norm=1.0)
         return loss
 

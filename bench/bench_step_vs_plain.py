@@ -82,7 +82,7 @@ def main():
     x = torch.randint(0, 4096, (8, 128), generator=torch.Generator().manual_seed(0))
 
     def nano_step():
-        train.forward_backward(model, engine, grid, [(x, x)], args, 1.0).item()
+        train.forward_backward(model, engine, grid, [(x, x)], args, loss_scale=1.0).item()
         engine.step(clip_norm=1.0)
 
     def plain_step():

@@ -9,23 +9,29 @@ import argparse
 import os
 import sys
 
-from nanomega import corpus, data, dist, faults, pp, precision, presets, recompute, tp
+import torch
+
+from nanomega import corpus, data, dist, faults, pp, precision, presets, recompute, tp, zero
 from nanomega.model import GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAULTS = ("raise", "nan", "sigterm", "hang", "spike")  # --inject-fault KIND (faults.inject_fault)
 
 
 def get_args(argv=None):
+    """The flags, in the groups `--help` shows (one flag per line); --model fills the shape flags not given."""
     p = argparse.ArgumentParser(description="Train a GPT with any tp x pp x dp x ZeRO layout.")
-    a = p.add_argument
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="a preset shape from nanomega/presets.py (gpt2-124m, ...); "
                    "shape flags given explicitly override it; the vocabulary stays the tokenizer's")
-    g.add_argument("--n-layer", type=int, default=4); g.add_argument("--n-head", type=int, default=4)
-    g.add_argument("--n-embd", type=int, default=128); g.add_argument("--block-size", type=int, default=128)
-    g.add_argument("--dropout", type=float, default=0.0)
+    g.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
+    g.add_argument("--n-head", type=int, default=4, help="attention heads")
+    g.add_argument("--n-embd", type=int, default=128, help="hidden size h")
+    g.add_argument("--block-size", type=int, default=128, help="sequence length s (tokens per window)")
+    g.add_argument("--dropout", type=float, default=0.0, help="dropout probability (0: off)")
     g.add_argument("--alibi", action="store_true", help="ALiBi attention biases instead of learned positions")
     g.add_argument("--embed-layernorm", action="store_true", help="LayerNorm after the embedding (BLOOM)")
+
     g = p.add_argument_group("data")
     g.add_argument("--tokenizer", default="shakespeare-4k",
                    help="shakespeare-4k (ours), a tiktoken encoding available offline, or a .tiktoken file")
@@ -40,42 +46,76 @@ def get_args(argv=None):
     g.add_argument("--global-batch", type=int, default=None,
                    help="sequences per optimizer step; sets --grad-accum to global / (batch-size x dp), so a "
                         "resume under another world size keeps the data order and the optimizer's view")
-    g = p.add_argument_group("optimisation")
-    a("--lr", type=float, default=1e-3); a("--min-lr", type=float, default=1e-4)
-    a("--warmup", type=int, default=20); a("--max-steps", type=int, default=600)
-    a("--weight-decay", type=float, default=0.1); a("--grad-clip", type=float, default=1.0)
-    a("--seed", type=int, default=1337)
-    g = p.add_argument_group("parallelism and precision")
-    g.add_argument("--tp", type=int, default=1); g.add_argument("--pp", type=int, default=1)
-    g.add_argument("--sequence-parallel", action="store_true")
+
+    g = p.add_argument_group("optimizer and schedule")
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, betas 0.9, 0.95)")
+    g.add_argument("--min-lr", type=float, default=1e-4, help="learning rate at the end of the cosine decay")
+    g.add_argument("--warmup", type=int, default=20, help="steps of linear warm-up to --lr")
+    g.add_argument("--max-steps", type=int, default=600, help="optimizer steps; the cosine decay ends here")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (not on biases, norms)")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    g.add_argument("--seed", type=int, default=1337, help="the model's init and the data order")
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (dp = world / (tp x pp))")
+    g.add_argument("--sequence-parallel", action="store_true", help="shard LayerNorm/dropout activations over tp")
     g.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved")
     g.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
     g.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3 (0: plain data parallelism)")
+
+    g = p.add_argument_group("precision, memory and kernels")
     g.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (with dynamic loss scaling)")
     g.add_argument("--recompute", default="none", help="none, selective or full")
     g.add_argument("--recompute-layers", type=int, default=None, help="recompute only the first k layers")
     g.add_argument("--fused", action="store_true", help="C++/CUDA fused LayerNorm, softmax, bias-GeLU")
     g.add_argument("--attention", default="sdpa", help="sdpa (F.scaled_dot_product_attention: FlashAttention on "
                    "CUDA), eager (explicit softmax, as the lessons teach) or fused (eager + our fused softmax)")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when present")
     g.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
                    help="fp32 matmuls in TF32 on CUDA tensor cores (--no-tf32: full fp32)")
     g.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
-    g = p.add_argument_group("logging, checkpoints, faults")
-    a("--eval-every", type=int, default=100); a("--eval-iters", type=int, default=10)
-    a("--log-every", type=int, default=10)
-    a("--out-dir", default="out")
-    a("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
-    a("--save-every-minutes", type=float, default=0.0, help="also checkpoint every M minutes")
-    a("--resume", action="store_true", help="continue from the last checkpoint in --out-dir; start fresh if none")
-    a("--on-nan", default="skip", help="skip (drop the step) or stop, when the loss or grad norm is not finite")
-    a("--peak-flops", type=float, default=None,
-      help="peak FLOP/s per device for MFU (default: the datasheet of a known GPU, else measured)")
-    a("--collective-timeout", type=float, default=300.0, help="seconds before a stuck collective aborts the job")
-    a("--inject-fault", default=None, metavar="KIND:RANK:STEP",
-      help="testing fault handling: KIND raise (the rank raises), nan (its loss becomes NaN), sigterm "
-           "(it is sent SIGTERM, a preemption) hang (it stops itself, SIGSTOP) or spike (its loss x 10) at STEP")
-    faults.add_flags(p)
+
+    g = p.add_argument_group("logging and evaluation")
+    g.add_argument("--out-dir", default="out", help="checkpoints, metrics.jsonl, traces (one job at a time)")
+    g.add_argument("--log-every", type=int, default=10, help="print a line every N steps")
+    g.add_argument("--eval-every", type=int, default=100, help="validation loss every N steps (0: never)")
+    g.add_argument("--eval-iters", type=int, default=10, help="global batches per validation")
+    g.add_argument("--peak-flops", type=float, default=None,
+                   help="peak FLOP/s per device for MFU (default: the datasheet of a known GPU, else measured)")
+
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    g.add_argument("--save-every-minutes", type=float, default=0.0, help="also checkpoint every M minutes")
+    g.add_argument("--async-save", action="store_true", help="write checkpoints from a background thread")
+    g.add_argument("--keep-last", type=int, default=0, help="keep only the K newest checkpoints (0: keep all); "
+                   "the one resumed from is never deleted")
+    g.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out-dir; "
+                   "start fresh if none")
+    g.add_argument("--resume-from", default=None, metavar="STEP|PATH",
+                   help="resume from this step (OUT/ckpt/step_STEP) or checkpoint folder; implies --resume")
+
+    g = p.add_argument_group("failures")
+    g.add_argument("--on-nan", default="skip",
+                   help="skip (drop the step) or stop, when the loss or grad norm is not finite")
+    g.add_argument("--max-skipped", type=int, default=20,
+                   help="stop (non-zero) after this many consecutive skipped (non-finite) steps")
+    g.add_argument("--on-spike", default="warn", choices=["warn", "skip", "rollback"],
+                   help="a loss above --spike-threshold x its running mean: log it, drop that step's update, or "
+                   "reload the last verified checkpoint and skip the data since it")
+    g.add_argument("--spike-threshold", type=float, default=1.5, help="a spike: loss > this x its running mean")
+    g.add_argument("--rollback-lr-factor", type=float, default=1.0, help="scale the lr by this at each rollback")
+    g.add_argument("--collective-timeout", type=float, default=300.0,
+                   help="seconds before a stuck collective aborts the job")
+    g.add_argument("--hang-timeout", type=float, default=None, help="seconds without progress before every live "
+                   "rank dumps its stacks to OUT/hang/ and the job names the stuck ranks and exits (0: off; "
+                   "default: 180, or half --collective-timeout if that is less)")
+    g.add_argument("--health-check", action="store_true", help="check every rank's compute and links first "
+                   "(nanomega/health.py); a bad rank stops the job with one line")
+    g.add_argument("--inject-fault", default=None, metavar="KIND:RANK:STEP",
+                   help="testing fault handling: KIND raise (the rank raises), nan (its loss becomes NaN), sigterm "
+                   "(it is sent SIGTERM, a preemption) hang (it stops itself, SIGSTOP) or spike (its loss x 10) "
+                   "at STEP")
     args = p.parse_args(argv)
     if args.model in presets.PRESETS:
         apply_preset(args, p, sys.argv[1:] if argv is None else argv)
@@ -116,8 +156,9 @@ def check(args):
         raise ValueError(f"need --lr > 0 and 0 <= --min-lr <= --lr, got --lr {args.lr} --min-lr {args.min_lr}")
     if args.inject_fault:
         kind, *where = args.inject_fault.split(":")
-        if kind not in ("raise", "nan", "sigterm", "hang", "spike") or len(where) != 2 or not all(w.isdigit() for w in where):
-            raise ValueError(f"--inject-fault {args.inject_fault!r}: expected KIND:RANK:STEP, KIND raise, nan, sigterm, hang or spike")
+        if kind not in FAULTS or len(where) != 2 or not all(w.isdigit() for w in where):
+            raise ValueError(f"--inject-fault {args.inject_fault!r}: expected KIND:RANK:STEP, KIND one of "
+                             f"{', '.join(FAULTS)}")
         args.inject_fault = (kind, int(where[0]), int(where[1]))
     if args.on_nan not in ("skip", "stop"):
         raise ValueError(f"--on-nan {args.on_nan!r}: choose skip or stop")
@@ -135,11 +176,7 @@ def check(args):
                              f"{args.batch_size} x dp {dp} (world {world} / (tp {args.tp} x pp {args.pp})); "
                              f"pick a global batch divisible by {per_step} or another --batch-size")
         args.grad_accum = args.global_batch // per_step
-    if args.zero not in (0, 1, 2, 3):
-        raise ValueError(f"--zero {args.zero}: ZeRO stages are 0, 1, 2 and 3")
-    if args.pp > 1 and args.zero >= 2:
-        raise ValueError(f"--zero {args.zero} with --pp {args.pp}: ZeRO-2/3 shard gradients/parameters that every "
-                         f"micro-batch of the pipeline needs again (DeepSpeed forbids it too); use --zero 0 or 1")
+    zero.check_config(args.zero, torch.optim.AdamW, args.pp)  # the engine's own rules (stage, ZeRO with PP)
     cfg = model_config(args, data.get_tokenizer(args.tokenizer).n_vocab)
     cfg.validate()
     tp.check_tensor_parallel(cfg, args.tp, args.sequence_parallel)
@@ -158,6 +195,26 @@ def check(args):
             raise ValueError(f"--data {args.data} was prepared with --tokenizer {index['tokenizer']}; pass that one")
     else:
         corpus.corpus_files(args.corpus)  # raises the --corpus line when it names no file
-    faults.check_flags(args)
+    check_failure_flags(args)
     args.resume_folder = faults.discover(args, cfg)  # newest verified checkpoint (takes the out-dir lock)
     return cfg, dp
+
+
+def check_failure_flags(args):
+    """The failure flags, refused before any collective (called from args.check)."""
+    if not args.collective_timeout > 0:
+        raise ValueError(f"--collective-timeout must be > 0 seconds, got {args.collective_timeout}")
+    for name in ("keep_last", "max_skipped"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not (args.spike_threshold > 1 and 0 < args.rollback_lr_factor <= 1):
+        raise ValueError(f"need --spike-threshold > 1 and 0 < --rollback-lr-factor <= 1, got "
+                         f"{args.spike_threshold} and {args.rollback_lr_factor}")
+    if args.hang_timeout is None:
+        args.hang_timeout = min(180.0, args.collective_timeout / 2)
+    if args.hang_timeout < 0 or args.hang_timeout >= args.collective_timeout:
+        raise ValueError(f"--hang-timeout {args.hang_timeout} must be >= 0 and below --collective-timeout "
+                         f"{args.collective_timeout} (the watchdog must fire before the collective gives up)")
+    if args.resume_from is not None:
+        args.resume = True
+    faults.check_out_dir(args.out_dir)

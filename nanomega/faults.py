@@ -11,13 +11,14 @@ failures are routine, so every one must cost at most one checkpoint interval and
     resume                 checkpoint.find_resume: newest verified folder, naming what it skipped and why;
                            metrics.jsonl rows after the resumed step are replaced, not duplicated
     errors                 one line per expected failure; torchrun's error file records the message
+    tests of all this      --inject-fault KIND:RANK:STEP: a rank raises, is preempted, freezes, or its loss goes
+                           NaN (a forward hook) or spikes, at a chosen step
 Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
 """
 import contextlib
 import ctypes
 import faulthandler
 import fcntl
-import json
 import math
 import os
 import signal
@@ -31,27 +32,6 @@ from nanomega import checkpoint, dist
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
-def add_flags(p):
-    g = p.add_argument_group("failures")
-    g.add_argument("--resume-from", default=None, metavar="STEP|PATH",
-                   help="resume from this step (OUT/ckpt/step_STEP) or checkpoint folder; implies --resume")
-    g.add_argument("--keep-last", type=int, default=0, help="keep only the K newest checkpoints (0: keep all); "
-                   "the one resumed from is never deleted")
-    g.add_argument("--max-skipped", type=int, default=20,
-                   help="stop (non-zero) after this many consecutive skipped (non-finite) steps")
-    g.add_argument("--health-check", action="store_true", help="check every rank's compute and links first "
-                   "(nanomega/health.py); a bad rank stops the job with one line")
-    g.add_argument("--async-save", action="store_true", help="write checkpoints from a background thread")
-    g.add_argument("--on-spike", default="warn", choices=["warn", "skip", "rollback"],
-                   help="a loss above --spike-threshold x its running mean: log it, drop that step's update, or "
-                   "reload the last verified checkpoint and skip the data since it")
-    g.add_argument("--spike-threshold", type=float, default=1.5)
-    g.add_argument("--rollback-lr-factor", type=float, default=1.0, help="scale the lr by this at each rollback")
-    g.add_argument("--hang-timeout", type=float, default=None, help="seconds without progress before every live "
-                   "rank dumps its stacks to OUT/hang/ and the job names the stuck ranks and exits (0: off; "
-                   "default: 180, or half --collective-timeout if that is less)")
-
-
 def rank():
     return int(os.environ.get("RANK", 0))
 
@@ -60,26 +40,6 @@ def say(message):
     """One line on stderr from rank 0 only: the same line from every rank is noise."""
     if rank() == 0:
         print(message, file=sys.stderr, flush=True)
-
-
-def check_flags(args):
-    """The failure flags, refused before any collective (called from args.check)."""
-    if not args.collective_timeout > 0:
-        raise ValueError(f"--collective-timeout must be > 0 seconds, got {args.collective_timeout}")
-    for name in ("keep_last", "max_skipped"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if not (args.spike_threshold > 1 and 0 < args.rollback_lr_factor <= 1):
-        raise ValueError(f"need --spike-threshold > 1 and 0 < --rollback-lr-factor <= 1, got "
-                         f"{args.spike_threshold} and {args.rollback_lr_factor}")
-    if args.hang_timeout is None:
-        args.hang_timeout = min(180.0, args.collective_timeout / 2)
-    if args.hang_timeout < 0 or args.hang_timeout >= args.collective_timeout:
-        raise ValueError(f"--hang-timeout {args.hang_timeout} must be >= 0 and below --collective-timeout "
-                         f"{args.collective_timeout} (the watchdog must fire before the collective gives up)")
-    if args.resume_from is not None:
-        args.resume = True
-    check_out_dir(args.out_dir)
 
 
 def check_out_dir(out_dir):
@@ -152,21 +112,6 @@ def discover(args, cfg):
     return folder
 
 
-def open_metrics(out_dir, step):
-    """metrics.jsonl for appending, with the rows after `step` (written before a crash, to be redone) removed."""
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if os.path.isfile(path):
-        keep = []
-        for line in open(path).read().splitlines():
-            try:
-                if 0 < json.loads(line)["step"] <= step:
-                    keep.append(line + "\n")
-            except (ValueError, KeyError, TypeError):
-                pass  # a row cut by the crash
-        checkpoint._replace_atomically(path, checkpoint._write_text("".join(keep)))
-    return open(path, "a")
-
-
 class Skips:
     """Consecutive skipped (non-finite) steps: stop past --max-skipped; no checkpoint right after a skip."""
 
@@ -213,6 +158,32 @@ class Spikes:
     def load_state_dict(self, state):
         if state:
             self.lr_scale, self.windows = state["lr_scale"], list(state["windows"])
+
+
+def inject_fault(fault, *, rank, data_step, step):
+    """--inject-fault KIND:RANK:STEP (testing the policies above): on that rank at that data step, raise, or send
+    itself SIGTERM (a preemption notice mid-step) or SIGSTOP (a frozen rank). Returns KIND there, else None:
+    nan and spike are the caller's to apply (see poisoned, and the logged loss x 10)."""
+    if not fault or fault[1:] != (rank, data_step):
+        return None
+    kind = fault[0]
+    if kind == "raise":
+        raise RuntimeError(f"--inject-fault: rank {rank} raises at step {step}")
+    if kind in ("sigterm", "hang"):
+        os.kill(os.getpid(), signal.SIGTERM if kind == "sigterm" else signal.SIGSTOP)
+    return kind
+
+
+@contextlib.contextmanager
+def poisoned(model):
+    """--inject-fault nan: inside, the output of this rank's first block is NaN, so its loss and every gradient
+    are (the engine skips the step; --on-nan stop ends the run). Under a pipeline the NaN flows to the last stage."""
+    block = next(iter(model.blocks.values()))
+    handle = block.register_forward_hook(lambda module, inputs, output: output * float("nan"))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 _PREEMPTED, _OLD_HANDLERS = [], {}

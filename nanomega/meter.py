@@ -9,17 +9,23 @@ adds; the denominator is the device's peak in the dtype the matmuls run in:
                     machine lowers it as little as possible), labelled "measured"
 MFU above 1 is impossible: if it happens the peak is wrong, and the trainer says so once.
 Memory: this rank's peak, CUDA's max_memory_allocated or the CPU process's peak resident set (VmHWM),
-reset after each log line so every line reports its own interval.
+reset after each log line so every line reports its own interval. MetricsLog: the trainer's log lines and
+OUT/metrics.jsonl rows (a resumed run redoes the rows after its step instead of doubling them).
 A CPU that only emulates a 16-bit dtype (AVX2: bf16 matmul ~14x slower than fp32, measured on an AMD EPYC)
 gets one warning line at start-up with the measured ratio.
 Lesson: lessons/01-dense-model.md
 """
+import json
+import math
 import os
 import re
 import resource
+import sys
 import time
 
 import torch
+
+from nanomega import checkpoint
 
 # TFLOP/s per GPU, dense (NVIDIA datasheets print 2:4-sparse numbers for tensor cores: half of those here).
 # "tf32" is fp32 matmul on tensor cores (torch.backends.cuda.matmul.allow_tf32, train.py's --tf32).
@@ -139,3 +145,74 @@ def reset_peak_memory(device) -> None:
             f.write("5")
     except OSError:
         pass  # elsewhere the peak is since start (documented in the log header)
+
+
+class MetricsLog:
+    """What the logging rank reports (the others hold no file): a line every log_every steps, and at every
+    validation, spike or skipped step; every row in OUT/metrics.jsonl, where the rows after the step a run
+    starts from (written before a crash, or before a rollback) are removed so that they are redone, not doubled."""
+
+    def __init__(self, out_dir, step, *, enabled, device, flops_per_token, tokens_per_step, world, peak, source,
+                 log_every):
+        self.out_dir, self.enabled, self.device, self.log_every = out_dir, enabled, device, log_every
+        self.flops_per_token, self.tokens_per_step, self.world = flops_per_token, tokens_per_step, world
+        self.peak, self.source, self.mfu_warned, self.file = peak, source, False, None
+        reset_peak_memory(device)
+        self.reopen(step)
+
+    def reopen(self, step):
+        """metrics.jsonl for appending, with the rows after `step` removed."""
+        if not self.enabled:
+            return
+        if self.file:
+            self.file.close()
+        path = os.path.join(self.out_dir, "metrics.jsonl")
+        if os.path.isfile(path):
+            keep = []
+            for line in open(path).read().splitlines():
+                try:
+                    if 0 < json.loads(line)["step"] <= step:
+                        keep.append(line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    pass  # a row cut by the crash
+            checkpoint._replace_atomically(path, checkpoint._write_text("".join(keep)))
+        self.file = open(path, "a")
+
+    def row(self, *, step, loss, lr, grad_norm, skipped, seconds):
+        """A training step's row: throughput, MFU, this interval's peak memory, tokens seen (plot's x axis)."""
+        tok_s = self.tokens_per_step / seconds
+        return dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm, skipped=skipped, tok_s=tok_s,
+                    mfu=mfu(self.flops_per_token, tok_s, self.world, self.peak), peak_flops=self.peak,
+                    mem_gib=peak_memory_gib(self.device), tokens=step * self.tokens_per_step)
+
+    def log_validation(self, val):
+        """Step 0's validation loss: where the curve starts (~ ln V)."""
+        if self.enabled:
+            print(f"step     0 val {val:.4f}", flush=True)
+            self.write(dict(step=0, val_loss=val, mfu=0.0, peak_flops=self.peak, mem_gib=peak_memory_gib(self.device)))
+
+    def log_step(self, rec, *, spike):
+        if not self.enabled:
+            return
+        if rec["mfu"] > 1 and not self.mfu_warned:
+            self.mfu_warned = True
+            print(f"warning: MFU {rec['mfu']:.2f} > 1 is impossible: the peak {self.peak / 1e9:,.0f} GFLOP/s "
+                  f"({self.source}) is wrong; pass the device's real peak with --peak-flops", file=sys.stderr)
+        finite = not rec["skipped"] and math.isfinite(rec["loss"])
+        if rec["step"] % self.log_every == 0 or "val_loss" in rec or spike or not finite:
+            val = f" val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
+            note = " SKIPPED" + (" (loss spike)" if spike else " (not finite)") if rec["skipped"] else (
+                " LOSS SPIKE" if spike else "")
+            print(f"step {rec['step']:5d} loss {rec['loss']:.4f}{val} lr {rec['lr']:.2e} norm {rec['grad_norm']:.3f} "
+                  f"{rec['tok_s']:,.0f} tok/s mfu {100 * rec['mfu']:.1f}% mem {rec['mem_gib']:.2f} GiB{note}",
+                  flush=True)
+            reset_peak_memory(self.device)  # the next line reports its own interval's peak
+        self.write(rec)
+
+    def write(self, rec):
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+
+    def close(self):
+        if self.file:
+            self.file.close()

@@ -8,13 +8,16 @@ Composition order (build): grid -> dense model (same seed everywhere) -> tensor 
 micro-batches -> forward/backward (pipeline schedule, or a plain loop; no gradient sync until the last) ->
 engine.step (reduce, clip at 1.0, AdamW on owned shards, skip if not finite).
 MFU = flops_per_token x tokens/s / (world x peak FLOP/s per device) (meter.py: the peak's source, memory).
+Read `train` first, the recipe: start -> data -> build -> resume -> loop of train_step; the policies at the
+step boundary are named: spike_vote (--on-spike), Saves (when to checkpoint; the preemption vote), roll_back,
+meter.MetricsLog (lines and metrics.jsonl), faults.Skips (--max-skipped) and faults.inject_fault (tests).
 Lessons: lessons/01-dense-model.md (the loop), lessons/09-3d-parallelism.md (the composition).
 """
 import contextlib
+import functools
 import json
 import math
 import os
-import signal
 import sys
 import time
 
@@ -80,11 +83,12 @@ def build(args, cfg, grid):
     return model, engine, n_params
 
 
-def forward_backward(model, engine, grid, batches, args, loss_scale, trace=None):
-    """Mean loss over this rank's micro-batches; gradients left in the engine's buffers."""
+def forward_backward(model, engine, grid, batches, args, *, loss_scale=1.0, trace=None):
+    """Mean loss over this rank's micro-batches; gradients (x loss_scale) left in the engine's buffers."""
     if grid.pp.size > 1:
-        return pp.train_step(model, grid, batches, args.schedule, engine.no_sync, loss_scale,
-                             args.virtual_stages, activation_shape(args, grid), trace=trace)
+        return pp.train_step(model, grid, batches, schedule=args.schedule, no_sync=engine.no_sync,
+                             loss_scale=loss_scale, virtual=args.virtual_stages,
+                             act_shape=activation_shape(args, grid), trace=trace)
     total = torch.zeros((), dtype=torch.float64, device=grid.device)  # summed on the device: no sync per micro-batch
     for i, (x, y) in enumerate(batches):
         with engine.no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
@@ -141,145 +145,175 @@ def main(argv=None):
 
 
 def train(args):
+    """The recipe: check the flags, set up (grid, data, model, engine), resume, loop. Returns the last row."""
     cfg, dp = flags.check(args)  # every check that needs no collective, before the first one
-    device = dist.init(args.device, args.collective_timeout)
-    precision.set_tf32(device, args.tf32)
-    grid = dist.Grid(dp, args.pp, args.tp)
-    if args.health_check:
-        health.gate(grid)
+    grid = start(args, cfg, dp)
     log = grid.rank == grid.world - 1  # the last rank: last pipeline stage, where the loss lives
-    if log and args.model:
-        print(f"--model {args.model}: n_layer {cfg.n_layer}, n_head {cfg.n_head}, n_embd {cfg.n_embd}, block_size "
-              f"{cfg.block_size} (nanomega/presets.py; explicit shape flags override it)")
-
     train_set, val_set = load_data(args, grid.world, log)
     global_batch = args.batch_size * args.grad_accum * dp
     sampler = data.Sampler(len(train_set), global_batch, args.seed)
     model, engine, n_params = build(args, cfg, grid)
     scaler = precision.LossScaler(dynamic=args.dtype == "fp16")
-
+    spikes = faults.Spikes(args)
     layout = dict(dp=dp, tp=args.tp, pp=args.pp, zero=args.zero, dtype=args.dtype, tokenizer=args.tokenizer,
                   virtual_stages=args.virtual_stages, sequence_parallel=args.sequence_parallel)
-    step, folder, spikes = 0, args.resume_folder, faults.Spikes(args)  # folder: verified by flags.check
-    if folder:
-        state = restore(folder, cfg, engine, grid, layout, scaler, spikes, sampler)
-        step = state["step"]
-        if log:
-            print(f"resumed from {folder} at step {step}" + ("" if state.get("same_layout") else " (resharded)"))
+    step = resume(args, cfg, grid, layout, engine=engine, scaler=scaler, spikes=spikes, sampler=sampler, log=log)
 
-    dtype = precision.parse_dtype(args.dtype)
-    peak, source, flops_tok = 1.0, "", flops_per_token(cfg)
-    if log:  # only the logging rank measures (the others would compete for the same cores)
-        peak, source = meter.peak_flops(device, dtype, args.tf32, args.peak_flops)
-        warning = meter.emulation_warning(device, dtype)
-        if warning:
-            print(warning, file=sys.stderr)
-        if args.tp > 1:
-            print(f"vocab padded from {cfg.vocab_size} to {cfg.padded_vocab_size} (a multiple of 128 x tp)")
-        print(f"{grid}\nmodel: {n_params / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOP/token; "
-              f"global batch {global_batch} x {args.block_size} tokens; attention {args.attention}; "
-              f"peak {peak / 1e9:,.0f} GFLOP/s per rank ({source})")
-        os.makedirs(args.out_dir, exist_ok=True)
-    meter.reset_peak_memory(device)
-    mfu_warned = False
-    metrics = faults.open_metrics(args.out_dir, step) if log else None  # rows after `step` are redone
+    peak, source = announce(args, cfg, grid, n_params=n_params, global_batch=global_batch, log=log)
+    metrics = meter.MetricsLog(args.out_dir, step, enabled=log, device=grid.device, world=grid.world,
+                               flops_per_token=flops_per_token(cfg), peak=peak, source=source,
+                               tokens_per_step=global_batch * args.block_size,
+                               log_every=args.log_every)
     skips, watchdog = faults.Skips(args.max_skipped), faults.Watchdog(args, grid)
-    saver = checkpoint.AsyncSaver(args.out_dir, cfg, grid, layout) if args.async_save else None
+    saves = Saves(args, cfg, grid, layout)
     faults.arm_preemption()  # from here on SIGTERM/SIGUSR1 checkpoint at the next step boundary
-    last_save, rec, pending_save = time.time(), {}, False
     if args.eval_every and step == 0:  # the starting point of the validation curve (~ ln V)
-        val = evaluate(model, grid, val_set, args)
-        if log:
-            print(f"step     0 val {val:.4f}", flush=True)
-            metrics.write(json.dumps(dict(step=0, val_loss=val, mfu=0.0, peak_flops=peak,
-                                          mem_gib=meter.peak_memory_gib(device))) + "\n")
+        metrics.log_validation(evaluate(model, grid, val_set, args))
+    rec = {}
     while step < args.max_steps:
-        t0 = time.perf_counter()
-        watchdog.beat(step + 1, "start")
-        lr = lr_at(step, args) * spikes.lr_scale
-        engine.set_lr(lr)
-        micro = sampler.local_micro_batches(sampler.step, grid.dp_rank, dp, args.batch_size, args.grad_accum)
-        batches = [to_device(train_set.get(idx), device) for idx in micro]
-        fault = args.inject_fault and args.inject_fault[1:] == (grid.rank, sampler.step + 1) and args.inject_fault[0]
-        if fault == "raise":
-            raise RuntimeError(f"--inject-fault: rank {grid.rank} raises at step {step + 1}")
-        if fault in ("sigterm", "hang"):  # a preemption notice arriving mid-step; a rank frozen (SIGSTOP)
-            os.kill(os.getpid(), signal.SIGTERM if fault == "sigterm" else signal.SIGSTOP)
-        trace = schedules.Trace(grid.pp_rank) if grid.pp.size > 1 and step == min(1, args.max_steps - 1) else None
-        loss_scale = float("nan") if fault == "nan" else scaler.scale  # an injected NaN poisons the gradients
-        loss = forward_backward(model, engine, grid, batches, args, loss_scale, trace)
-        if trace and grid.dp_rank == 0 and grid.tp_rank == 0:  # step 1's pipeline timeline, for nanomega.plot
-            save_trace(trace, args.out_dir)
-        watchdog.beat(step + 1, "backward done")
-        loss = torch.as_tensor(loss, dtype=torch.float32, device=device).reshape(1) * (10 if fault == "spike" else 1)
-        loss = grid.dp.all_reduce(loss).item() / dp  # the step's one device sync
-        spike = spikes.check(loss)  # the loss lives on the last pipeline stage: everyone takes its decision
-        spike = grid_agrees(grid, spike) if args.on_spike != "warn" else spike
-        info = engine.step(clip_norm=args.grad_clip or None, scaler=scaler, skip=spike and args.on_spike == "skip")
-        sampler.advance()
-        step += 1
-        finite = info["stepped"] and math.isfinite(loss)
-        if not finite and args.on_nan == "stop":
-            raise FloatingPointError(f"step {step}: loss {loss} / grad norm {info['grad_norm']} not finite; "
-                                     f"stopping (--on-nan stop); the last checkpoint is untouched")
-        dt = time.perf_counter() - t0
-        tok_s = global_batch * args.block_size / dt
-        rec = dict(step=step, loss=loss, lr=lr, grad_norm=info["grad_norm"], skipped=not info["stepped"],
-                   tok_s=tok_s, mfu=meter.mfu(flops_tok, tok_s, grid.world, peak), peak_flops=peak,
-                   mem_gib=meter.peak_memory_gib(device))
-        rec["tokens"] = step * global_batch * args.block_size  # the x axis of nanomega.plot's loss-vs-tokens
+        rec, spike = train_step(step, args=args, model=model, engine=engine, grid=grid, sampler=sampler,
+                                train_set=train_set, scaler=scaler, spikes=spikes, watchdog=watchdog, metrics=metrics)
+        step = rec["step"]
         if args.eval_every and (step % args.eval_every == 0 or step == args.max_steps):
             with watchdog.paused():
                 rec["val_loss"] = evaluate(model, grid, val_set, args)
-        if log:
-            if rec["mfu"] > 1 and not mfu_warned:
-                mfu_warned = True
-                print(f"warning: MFU {rec['mfu']:.2f} > 1 is impossible: the peak {peak / 1e9:,.0f} GFLOP/s "
-                      f"({source}) is wrong; pass the device's real peak with --peak-flops", file=sys.stderr)
-            if step % args.log_every == 0 or "val_loss" in rec or spike or not finite:
-                val = f" val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
-                note = " SKIPPED" + (" (loss spike)" if spike else " (not finite)") if not info["stepped"] else (
-                    " LOSS SPIKE" if spike else "")
-                print(f"step {step:5d} loss {loss:.4f}{val} lr {lr:.2e} norm {info['grad_norm']:.3f} "
-                      f"{tok_s:,.0f} tok/s mfu {100 * rec['mfu']:.1f}% mem {rec['mem_gib']:.2f} GiB{note}",
-                      flush=True)
-                meter.reset_peak_memory(device)  # the next line reports its own interval's peak
-            metrics.write(json.dumps(rec) + "\n")
-            metrics.flush()
-        skips.update(info["stepped"], step)  # info["stepped"] is the same on every rank (a reduced norm)
+        metrics.log_step(rec, spike=spike)
+        skips.update(not rec["skipped"], step)  # "skipped" is the same on every rank (a reduced norm)
         if spike and args.on_spike == "rollback":
-            step = roll_back(args, cfg, engine, grid, layout, scaler, spikes, step)
-            if log:  # the rows since that checkpoint are redone
-                metrics.close()
-                metrics = faults.open_metrics(args.out_dir, step)
+            step = roll_back(args, cfg, grid, layout, engine=engine, scaler=scaler, spikes=spikes, step=step)
+            metrics.reopen(step)  # the rows since that checkpoint are redone
             continue
+        state = functools.partial(rank_state, engine, sampler, scaler, step, grid, spikes)  # built only to save
+        if saves.at_step_end(step, state=state, may_save=skips.may_save(), watchdog=watchdog):
+            break  # preempted: checkpointed at this step boundary on every rank
+    saves.close()
+    metrics.close()
+    return rec
+
+
+def start(args, cfg, dp):
+    """torch.distributed, the device's matmul mode, the rank grid, and --health-check before anything else."""
+    device = dist.init(args.device, args.collective_timeout)
+    precision.set_tf32(device, args.tf32)
+    grid = dist.Grid(dp, args.pp, args.tp)
+    if args.health_check:
+        health.gate(grid)
+    if grid.rank == grid.world - 1 and args.model:
+        print(f"--model {args.model}: n_layer {cfg.n_layer}, n_head {cfg.n_head}, n_embd {cfg.n_embd}, block_size "
+              f"{cfg.block_size} (nanomega/presets.py; explicit shape flags override it)")
+    return grid
+
+
+def resume(args, cfg, grid, layout, *, engine, scaler, spikes, sampler, log):
+    """The step to start from: 0, or that of the checkpoint flags.check chose (--resume), loaded into this rank."""
+    if not args.resume_folder:
+        return 0
+    state = restore(args.resume_folder, cfg, grid, layout, engine=engine, scaler=scaler, spikes=spikes, sampler=sampler)
+    if log:
+        print(f"resumed from {args.resume_folder} at step {state['step']}"
+              + ("" if state.get("same_layout") else " (resharded)"))
+    return state["step"]
+
+
+def announce(args, cfg, grid, *, n_params, global_batch, log):
+    """The MFU peak (meter.py) and the start-up lines: the logging rank measures (the others would compete for
+    the same cores); the others report a peak of 1."""
+    if not log:
+        return 1.0, ""
+    dtype = precision.parse_dtype(args.dtype)
+    peak, source = meter.peak_flops(grid.device, dtype, args.tf32, args.peak_flops)
+    warning = meter.emulation_warning(grid.device, dtype)
+    if warning:
+        print(warning, file=sys.stderr)
+    if args.tp > 1:
+        print(f"vocab padded from {cfg.vocab_size} to {cfg.padded_vocab_size} (a multiple of 128 x tp)")
+    print(f"{grid}\nmodel: {n_params / 1e6:.2f}M parameters, {flops_per_token(cfg) / 1e6:.1f} MFLOP/token; "
+          f"global batch {global_batch} x {args.block_size} tokens; attention {args.attention}; "
+          f"peak {peak / 1e9:,.0f} GFLOP/s per rank ({source})")
+    os.makedirs(args.out_dir, exist_ok=True)
+    return peak, source
+
+
+def train_step(step, *, args, model, engine, grid, sampler, train_set, scaler, spikes, watchdog, metrics):
+    """One optimizer step: lr(step) -> this dp rank's micro-batches -> forward/backward -> the loss agreed over
+    dp (the step's one device sync) -> the spike decision -> engine.step. Returns (metrics row, spike)."""
+    t0 = time.perf_counter()
+    watchdog.beat(step + 1, "start")
+    lr = lr_at(step, args) * spikes.lr_scale
+    engine.set_lr(lr)
+    micro = sampler.local_micro_batches(sampler.step, grid.dp_rank, grid.dp.size, args.batch_size, args.grad_accum)
+    batches = [to_device(train_set.get(idx), grid.device) for idx in micro]
+    fault = faults.inject_fault(args.inject_fault, rank=grid.rank, data_step=sampler.step + 1, step=step + 1)
+    trace = schedules.Trace(grid.pp_rank) if grid.pp.size > 1 and step == min(1, args.max_steps - 1) else None
+    with faults.poisoned(model) if fault == "nan" else contextlib.nullcontext():  # this rank's loss becomes NaN
+        loss = forward_backward(model, engine, grid, batches, args, loss_scale=scaler.scale, trace=trace)
+    if trace and grid.dp_rank == 0 and grid.tp_rank == 0:  # step 1's pipeline timeline, for nanomega.plot
+        save_trace(trace, args.out_dir)
+    watchdog.beat(step + 1, "backward done")
+    loss = torch.as_tensor(loss, dtype=torch.float32, device=grid.device).reshape(1)
+    if fault == "spike":  # the logged loss x 10 (the gradients are the step's own)
+        loss = loss * 10
+    loss = grid.dp.all_reduce(loss).item() / grid.dp.size  # the step's one device sync
+    spike = spike_vote(grid, spikes.check(loss), policy=args.on_spike)
+    info = engine.step(clip_norm=args.grad_clip or None, scaler=scaler, skip=spike and args.on_spike == "skip")
+    sampler.advance()
+    step += 1
+    if args.on_nan == "stop" and not (info["stepped"] and math.isfinite(loss)):
+        raise FloatingPointError(f"step {step}: loss {loss} / grad norm {info['grad_norm']} not finite; "
+                                 f"stopping (--on-nan stop); the last checkpoint is untouched")
+    rec = metrics.row(step=step, loss=loss, lr=lr, grad_norm=info["grad_norm"], skipped=not info["stepped"],
+                      seconds=time.perf_counter() - t0)
+    return rec, spike
+
+
+def spike_vote(grid, spike, *, policy):
+    """The loss lives on the last pipeline stage: unless --on-spike warn, every rank takes its decision."""
+    return grid_agrees(grid, spike) if policy != "warn" else spike
+
+
+class Saves:
+    """When to checkpoint, decided alike on every rank: every --save-every steps and at the last; after
+    --save-every-minutes (a vote: clocks differ, and a save that only some ranks start hangs); when preempted
+    (a vote: every rank stops at the same step); never right after a skipped step (the next finite step saves)."""
+
+    def __init__(self, args, cfg, grid, layout):
+        self.args, self.cfg, self.grid, self.layout = args, cfg, grid, layout
+        self.saver = checkpoint.AsyncSaver(args.out_dir, cfg, grid, layout) if args.async_save else None
+        self.last, self.pending = time.time(), False
+
+    def at_step_end(self, step, *, state, may_save, watchdog):
+        """Save if due (state() builds this rank's checkpoint state); True when preempted: the loop ends."""
+        args, grid = self.args, self.grid
         due = (args.save_every and step % args.save_every == 0) or step == args.max_steps
         if args.save_every_minutes:  # clocks differ: every rank must take the same decision, or the save hangs
-            due = grid_agrees(grid, due or time.time() - last_save >= 60 * args.save_every_minutes)
+            due = grid_agrees(grid, due or time.time() - self.last >= 60 * args.save_every_minutes)
         preempted = grid_agrees(grid, faults.preempt_requested())  # every rank stops at the same step
-        if saver:  # the manifest of a background save, once every rank has written its shard
-            saver.poll(lambda busy: grid_agrees(grid, busy))
-        if (due or preempted or pending_save) and not skips.may_save():
+        if self.saver:  # the manifest of a background save, once every rank has written its shard
+            self.saver.poll(lambda busy: grid_agrees(grid, busy))
+        if (due or preempted or self.pending) and not may_save:
             if due or preempted:
                 faults.say(f"step {step}: checkpoint not written (the step was skipped); the next finite step saves")
-            pending_save = True
-        elif due or preempted or pending_save:
-            state = rank_state(engine, sampler, scaler, step, grid, spikes, copy=saver is None)
-            with watchdog.paused():
-                if saver:
-                    saver.start(step, state)
-                else:
-                    checkpoint.save(args.out_dir, step, cfg, state, grid, layout)
-            faults.saved(args, folder, grid)
-            last_save, pending_save = time.time(), False
+            self.pending = True
+        elif due or preempted or self.pending:
+            self.save(step, state(copy=self.saver is None), watchdog=watchdog)  # async: views, copied once
         if preempted:
             faults.say(f"step {step}: preempted (signal); exiting 0 after the last checkpoint; --resume continues")
-            break
-    if saver:
-        saver.wait()
-    if metrics:
-        metrics.close()
-    return rec
+        return preempted
+
+    def save(self, step, state, *, watchdog):
+        """Write (or start writing, --async-save) this rank's shard; then --keep-last (faults.saved)."""
+        with watchdog.paused():
+            if self.saver:
+                self.saver.start(step, state)
+            else:
+                checkpoint.save(self.args.out_dir, step, self.cfg, state, self.grid, self.layout)
+        faults.saved(self.args, self.args.resume_folder, self.grid)
+        self.last, self.pending = time.time(), False
+
+    def close(self):
+        """Wait for a background save (collective: its manifest)."""
+        if self.saver:
+            self.saver.wait()
 
 
 def save_trace(trace, out_dir):
@@ -290,7 +324,7 @@ def save_trace(trace, out_dir):
         json.dump(dict(rank=trace.rank, events=[e._asdict() for e in trace.events]), f)
 
 
-def restore(folder, cfg, engine, grid, layout, scaler, spikes, sampler=None):
+def restore(folder, cfg, grid, layout, *, engine, scaler, spikes, sampler=None):
     """Load a checkpoint into this rank's engine, loss scaler, RNG (same layout) and, if given, sampler."""
     state = reshard.load(folder, cfg, engine, grid, layout)
     fresh = state["sampler"] is None  # a step-0 import (nanomega.hf): the data and the loss scale start fresh
@@ -304,13 +338,13 @@ def restore(folder, cfg, engine, grid, layout, scaler, spikes, sampler=None):
     return state
 
 
-def roll_back(args, cfg, engine, grid, layout, scaler, spikes, step):
+def roll_back(args, cfg, grid, layout, *, engine, scaler, spikes, step):
     """--on-spike rollback: reload the newest verified checkpoint, but not the sampler's position (the data
     since that checkpoint is skipped); returns the step to continue from."""
     folder, _ = checkpoint.find_resume(args.out_dir, cfg)
     if folder is None:
         raise FloatingPointError(f"step {step}: loss spike and no checkpoint to roll back to; use --save-every")
-    state = restore(folder, cfg, engine, grid, layout, scaler, spikes)
+    state = restore(folder, cfg, grid, layout, engine=engine, scaler=scaler, spikes=spikes)
     spikes.rolled_back(state["step"], step)
     return state["step"]
 

@@ -43,7 +43,7 @@ STAGE = {0: Plan(sharded=False, grad="full", reduce="all_reduce", write_back="no
 def check_config(stage, optimizer_cls, pp=1):
     """One-line errors for a stage, an optimizer or a pipeline ZeRO cannot run, raised before any collective."""
     if stage not in STAGE:
-        raise ValueError(f"--zero must be 0, 1, 2 or 3, got {stage!r}")
+        raise ValueError(f"--zero {stage!r}: ZeRO stages are 0, 1, 2 and 3")
     if pp > 1 and stage >= 2:
         raise ValueError(f"--zero {stage} with --pp {pp}: ZeRO-2/3 shard gradients/parameters that every "
                          f"micro-batch of the pipeline needs again (DeepSpeed forbids it too); use --zero 0 or 1")

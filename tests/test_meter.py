@@ -85,7 +85,7 @@ def test_one_device_sync_per_step(monkeypatch):
         calls = []
         real = torch.Tensor.item
         monkeypatch.setattr(torch.Tensor, "item", lambda t: calls.append(1) or real(t))
-        loss = train.forward_backward(model, engine, engine.grid, [(x, x)] * 4, args, 1.0)
+        loss = train.forward_backward(model, engine, engine.grid, [(x, x)] * 4, args, loss_scale=1.0)
         assert torch.is_tensor(loss) and calls == []
     finally:
         if started:

@@ -468,7 +468,7 @@ def test_write_back_reaches_every_rank(world2):
 
 def test_bad_input_one_line_errors():
     pipeline = SimpleNamespace(pp=SimpleNamespace(size=2))
-    cases = [(5, torch.optim.AdamW, r"--zero must be 0, 1, 2 or 3, got 5"),
+    cases = [(5, torch.optim.AdamW, r"--zero 5: ZeRO stages are 0, 1, 2 and 3"),
              (2, torch.optim.Adafactor, r"--zero 2: optimizer Adafactor cannot be sharded"),
              (0, torch.optim.LBFGS, r"LBFGS cannot run under ZeroEngine"),
              (1, torch.optim.AdamW(Toy().parameters()), r"not a torch.optim.Optimizer class"),
