@@ -43,6 +43,7 @@ if __name__ == "__main__":
     V, L = 4096, 4
     layer = 12 * H * H + 13 * H
     stage_params = [V * H + S * H + L // 2 * layer, L // 2 * layer + 2 * H + V * H]  # embed+2 | 2+LN+head copy
+    stage_tensors = [2 + L // 2 * 12, L // 2 * 12 + 2 + 1]  # wte, wpe | final LN, head copy; 12 per block
     for r in results[:2]:  # dp rank 0: pipeline stages 0 and 1
         stage = r["coords"][1]
         print(f"rank {r['coords']} (dp, pp, tp):\n{r['table']}")
@@ -50,3 +51,5 @@ if __name__ == "__main__":
         check(f"stage {stage}: dp all-reduce = 4 x stage params + 4 (loss) + 4 (stop vote)",
               r["bytes"][("all_reduce", "dp", "float32")], 4 * stage_params[stage] + 4 + 4)
         check(f"stage {stage}: tied embedding all-reduce = 4 V h", r["bytes"][("all_reduce", "emb", "float32")], 4 * V * H)
+        check(f"stage {stage}: start-up check of the replicas' weights = dp x 2 fp64 x tensors",
+              r["bytes"][("all_gather", "dp", "float64")], 2 * 2 * 8 * stage_tensors[stage])
