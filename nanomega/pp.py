@@ -13,7 +13,6 @@ Formulas (p stages, m micro-batches of activation memory A each, v chunks per ra
 Lesson: lessons/05-pipeline-parallel.md
 """
 import contextlib
-import itertools
 
 import torch
 import torch.nn as nn
@@ -198,55 +197,3 @@ def _backward(out, grad):
     torch.autograd.Variable._execution_engine.run_backward(
         tensors=(out,), grad_tensors=(grad,), keep_graph=False, create_graph=False, inputs=(),
         allow_unreachable=True, accumulate_grad=True)
-
-
-class ActivationMeter:
-    """Bytes of tensors autograd keeps for backward (parameters and buffers excluded; storages shared by
-    several saved tensors counted once), live and peak: the activation memory a schedule holds.
-
-        with ActivationMeter(model) as meter: train_step(...)      ->  meter.peak (bytes)
-    """
-
-    def __init__(self, model):
-        self.skip = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
-        self.storages, self.live, self.peak = {}, 0, 0  # data_ptr -> [saved tensors using it, bytes]
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def __enter__(self):
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-
-    def _pack(self, t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr == 0 or ptr in self.skip:
-            return t
-        entry = self.storages.setdefault(ptr, [0, t.untyped_storage().nbytes()])
-        if entry[0] == 0:
-            self.live += entry[1]
-            self.peak = max(self.peak, self.live)
-        entry[0] += 1
-        return _Saved(self, ptr, t)
-
-    @staticmethod
-    def _unpack(saved):
-        return saved.tensor if isinstance(saved, _Saved) else saved
-
-    def _release(self, ptr):
-        entry = self.storages[ptr]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live -= entry[1]
-            del self.storages[ptr]
-
-
-class _Saved:
-    """A saved tensor; when autograd frees it (after its backward) the meter forgets its bytes."""
-
-    def __init__(self, meter, ptr, tensor):
-        self.meter, self.ptr, self.tensor = meter, ptr, tensor
-
-    def __del__(self):
-        self.meter._release(self.ptr)

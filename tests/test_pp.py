@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from nanomega import dist, pp, schedules
+from nanomega import dist, pp, recompute, schedules
 from nanomega.model import GPT, GPTConfig
 from nanomega.schedules import Op, Trace, bubble_fraction, draw_timeline, ops_in_order, simulate
 
@@ -174,7 +174,7 @@ def _memory(grid, n_layer, m):
                            grid)
     peaks = {}
     for schedule, mm in (("gpipe", 1), ("gpipe", m), ("1f1b", m)):
-        with pp.ActivationMeter(stage) as meter:
+        with recompute.ActivationMeter(stage) as meter:
             pp.train_step(stage, grid, _batches(mm, 0), schedule)
         peaks[(schedule, mm)] = meter.peak
     trace = Trace(grid.pp_rank)
