@@ -75,17 +75,6 @@ def _unwrap(module, name):
         setattr(module, name, current.recompute_prev)
 
 
-def recomputed_layers(model) -> dict:
-    """{layer name: "full" | "selective"} for the blocks currently wrapped (for logs and tests)."""
-    out = {}
-    for key, block in model.blocks.items():
-        if hasattr(block.__dict__.get("forward"), "recompute_prev"):
-            out[key] = "full"
-        elif hasattr(block.attn.__dict__.get("core"), "recompute_prev"):
-            out[key] = "selective"
-    return out
-
-
 class ActivationMeter:
     """Bytes of tensors autograd keeps for backward (parameters and buffers excluded; storages shared by
     several saved tensors counted once), live and peak: the activation memory a schedule holds.

@@ -19,12 +19,24 @@ from nanomega import dist, pp, recompute, tp
 from nanomega.model import GPT, GPTConfig
 from nanomega.precision import cast_model
 from nanomega.plan_formulas import activation_bytes_per_layer
-from nanomega.recompute import apply_recompute, recomputed_layers, saved_bytes_per_layer
+from nanomega.recompute import apply_recompute, saved_bytes_per_layer
 from nanomega.rng import model_parallel_seed
 from nanomega.zero import ZeroEngine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CASES = [("none", None), ("full", None), ("selective", None), ("full", 2), ("selective", 1), ("full", 0)]
+
+
+def recomputed_layers(model) -> dict:
+    """{layer name: "full" | "selective"} for the blocks apply_recompute wrapped (its _wrap marks each
+    checkpointed call with recompute_prev)."""
+    out = {}
+    for key, block in model.blocks.items():
+        if hasattr(block.__dict__.get("forward"), "recompute_prev"):
+            out[key] = "full"
+        elif hasattr(block.attn.__dict__.get("core"), "recompute_prev"):
+            out[key] = "selective"
+    return out
 
 
 def gpt(**kw):
