@@ -8,7 +8,7 @@ the ranks would share 2 cores and the timings would lie). Measured per schedule:
                 during one step, in a second world started with MALLOC_MMAP_THRESHOLD_=65536 so that every
                 freed tensor goes back to the kernel, plus what lives between steps: torch keeps one receive
                 buffer per micro-batch and direction, nanomega none; and the peak bytes autograd saved
-                (pp.ActivationMeter)
+                (recompute.ActivationMeter)
   bubble        ours, from the wall-clock trace, next to (p - 1) / (m + p - 1)
 Usage: python bench/bench_pp.py [--microbatches 8] [--steps 5]
 """
@@ -22,7 +22,7 @@ import time
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from nanomega import dist, pp
+from nanomega import dist, pp, recompute
 from nanomega.model import GPT, GPTConfig, cross_entropy
 from nanomega.schedules import Trace, bubble_fraction
 
@@ -109,7 +109,7 @@ def memory_world(m):
         out[schedule] = {"rss_ours": rss_peak_rise(step_ours),
                          "rss_torch": rss_peak_rise(step_theirs) + persistent_recv_buffers(stage)}
         for name, model, fn in (("saved_ours", ours, step_ours), ("saved_torch", theirs, step_theirs)):
-            with pp.ActivationMeter(model) as meter:
+            with recompute.ActivationMeter(model) as meter:
                 fn()
             out[schedule][name] = meter.peak
     return out

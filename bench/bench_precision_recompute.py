@@ -6,9 +6,10 @@ One process, a world of one, zero.ZeroEngine (fp32 masters) + AdamW, as train.py
                 three modes' steps alternate
   peak memory   the rise of the kernel's peak RSS (VmHWM, reset through /proc/self/clear_refs) during one
                 step, the allocator returning every freed tensor to the kernel (MALLOC_MMAP_THRESHOLD_=65536,
-                set by re-executing this script); and the peak bytes autograd saved (pp.ActivationMeter:
+                set by re-executing this script); and the peak bytes autograd saved (recompute.ActivationMeter:
                 it does not see the one layer a full recompute rebuilds inside backward)
-  formula       per-layer saved bytes from recompute.activation_bytes with CPU bytes per element, x n_layer
+  formula       per-layer saved bytes from plan_formulas.activation_bytes_per_layer with CPU bytes per
+                element, x n_layer
                 (printed for dropout > 0 only, the formula's assumption)
 Usage: python bench/bench_precision_recompute.py [--steps 5] [--threads 1] [--dropout 0.1]
 """
@@ -24,7 +25,8 @@ from bench_pp import rss_peak_rise
 from nanomega import dist, pp
 from nanomega.model import GPT, GPTConfig
 from nanomega.precision import DTYPES, cast_model
-from nanomega.recompute import activation_bytes, apply_recompute
+from nanomega.plan_formulas import activation_bytes_per_layer
+from nanomega.recompute import ActivationMeter, apply_recompute
 from nanomega.zero import ZeroEngine
 
 CFG = dict(vocab_size=256, block_size=512, n_layer=4, n_head=8, n_embd=256)
@@ -60,11 +62,12 @@ def measure(dtype, steps, dropout):
     out = {}
     for mode, (model, step) in runs.items():
         rise = rss_peak_rise(step)
-        with pp.ActivationMeter(model) as meter:
+        with ActivationMeter(model) as meter:
             step()
         s, h, a, e = CFG["block_size"], CFG["n_embd"], CFG["n_head"], dtype.itemsize
         # the formula assumes dropout > 0 (the masks, and dropped probabilities apart from the softmax output)
-        formula = CFG["n_layer"] * activation_bytes(s, BATCH, h, a, mode, act=e, mask=e, probs=4) if dropout else 0
+        layer = activation_bytes_per_layer(s, BATCH, h, a, recompute=mode, act=e, mask=e, probs=4)
+        formula = CFG["n_layer"] * layer if dropout else 0
         out[mode] = dict(wall=statistics.median(wall[mode]), cpu=min(cpu[mode]), rss=rise, saved=meter.peak,
                          formula=formula)
     return out

@@ -3,7 +3,7 @@ wall-clock timelines of GPipe and 1F1B, and the activation memory each schedule 
 import torch
 
 from check import check
-from nanomega import dist, pp
+from nanomega import dist, pp, recompute
 from nanomega.model import GPT, GPTConfig
 from nanomega.schedules import Trace, bubble_fraction, draw_timeline, simulate
 
@@ -24,7 +24,7 @@ def stage_run(m):
     out = {}
     for schedule, mm, deallocate in (("gpipe", m, True), ("1f1b", m, True), ("gpipe", 1, True), ("1f1b", m, False)):
         trace = Trace(grid.pp_rank)
-        with pp.ActivationMeter(model) as meter:
+        with recompute.ActivationMeter(model) as meter:
             loss = pp.train_step(model, grid, batches[:mm], schedule, trace=trace, deallocate=deallocate)
         out[(schedule, mm, deallocate)] = dict(trace=trace, saved=meter.peak, loss=loss)
     return out

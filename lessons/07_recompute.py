@@ -9,7 +9,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from check import check
 from nanomega.model import GPT, GPTConfig
 from nanomega.precision import cast_model
-from nanomega.recompute import activation_bytes, apply_recompute, saved_bytes_per_layer
+from nanomega.plan_formulas import activation_bytes_per_layer
+from nanomega.recompute import apply_recompute, saved_bytes_per_layer
 
 s, b, h, a, L, V = 256, 2, 64, 4, 2, 256
 torch.manual_seed(0)
@@ -21,8 +22,8 @@ MODES = ("none", "selective", "full")
 sbh = s * b * h
 print(f"s={s} b={b} h={h} a={a}: sbh = {sbh:,}, 5as/h = {5 * a * s / h:g}")
 for mode in MODES:
-    print(f"paper, {mode:>9}: {activation_bytes(s, b, h, a, mode):>10,.0f} bytes per layer"
-          f" = {activation_bytes(s, b, h, a, mode) / sbh:g} sbh")
+    paper = activation_bytes_per_layer(s, b, h, a, recompute=mode)
+    print(f"paper, {mode:>9}: {paper:>10,.0f} bytes per layer = {paper / sbh:g} sbh")
 
 # 2. measured per layer, bf16 model on CPU: masks are kept in bf16 (2 B), the softmax output in fp32 (4 B)
 model = cast_model(copy.deepcopy(base), torch.bfloat16)
@@ -30,7 +31,7 @@ for mode in MODES:
     apply_recompute(model, mode)
     measured = saved_bytes_per_layer(model, lambda: model(x, x))["0"]
     check(f"bf16 saved bytes per layer, {mode}", measured,
-          activation_bytes(s, b, h, a, mode, act=2, mask=2, probs=4), rtol=0.1)
+          activation_bytes_per_layer(s, b, h, a, recompute=mode, act=2, mask=2, probs=4), rtol=0.1)
 apply_recompute(model, "full", 1)  # only the first layer
 print("full recompute of the first 1 layer, per layer:", saved_bytes_per_layer(model, lambda: model(x, x)))
 

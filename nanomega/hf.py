@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 from nanomega import checkpoint, data, faults, reshard
+from nanomega.data import ENDOFTEXT, GPT2_PATTERN
 from nanomega.model import GPTConfig
-from nanomega.tokenizer import ENDOFTEXT, GPT2_PATTERN, save_ranks
+from nanomega.tokenizer import save_ranks
 
 # nanomega name -> transformers GPT2LMHeadModel name, per block ({i}); Conv1D weights are transposed
 _BLOCK = {"ln_1.weight": "ln_1.weight", "ln_1.bias": "ln_1.bias", "ln_2.weight": "ln_2.weight",

@@ -96,7 +96,7 @@ def padded_vocab(model, tp=1):
     return -(-model.vocab_size // (128 * tp)) * 128 * tp
 
 
-def stage_layers(model, pp, v=1):
+def layers_per_stage(model, pp, v=1):
     """Layers each pipeline rank holds: the trainer's split (pp.chunk_layers), summed over its v chunks."""
     return [sum(len(chunk_layers(model.n_layer, pp, k, c, v)) for c in range(v)) for k in range(pp)]
 
@@ -108,7 +108,7 @@ def stage_params(model, tp=1, pp=1, v=1):
     h = model.n_embd
     wte = padded_vocab(model, tp) // tp * h
     first = wte + (0 if model.alibi else model.seq_len * h) + (2 * h if model.embed_layernorm else 0)
-    counts = [n * layer_params(h, tp) for n in stage_layers(model, pp, v)]
+    counts = [n * layer_params(h, tp) for n in layers_per_stage(model, pp, v)]
     counts[0] += first
     counts[-1] += 2 * h + (wte if pp > 1 else 0)
     return counts
@@ -193,7 +193,7 @@ def step_seconds(model, gpu, gpus, tp, pp, zero, run, time=TIME, global_batch=No
     eb = 4 if run.dtype == "fp32" else 2
     layer = layer_seconds(model, gpu, run, tp, time)
     head = 6 * run.micro_batch * model.seq_len * padded_vocab(model, tp) * model.n_embd / tp
-    stages = [n * layer for n in stage_layers(model, pp, v)]
+    stages = [n * layer for n in layers_per_stage(model, pp, v)]
     stages[-1] += head / (gpu.peak_flops * time.matmul)  # logits forward + 2 backward GEMMs, never recomputed
     pp_bw, dp_bw = links(gpu, gpus, tp, pp)
     sends = pp_comm_bytes(run.micro_batch, model.seq_len, model.n_embd, tp, eb, 1, v) if pp > 1 else 0
@@ -254,7 +254,7 @@ def evaluate(model, gpu, gpus, tp, pp, zero, run, time=TIME):
     v = run.chunks if run.schedule == "interleaved" and pp > 1 else 1
     pb, gb, ob = PRECISIONS[run.dtype]
     eb = 4 if run.dtype == "fp32" else 2
-    layers = stage_layers(model, pp, v)
+    layers = layers_per_stage(model, pp, v)
     act = activation_bytes_per_layer(s, b, h, a, tp, run.sp, run.recompute) * eb / 2  # paper counts 2-byte
     # full recompute rebuilds one layer's whole activations in backward: the working set on top of the inputs
     work = activation_bytes_per_layer(s, b, h, a, tp, run.sp) * eb / 2 if run.recompute == "full" else 0

@@ -17,6 +17,7 @@ Formulas (Psi = parameters one rank holds, d/t/p = dp/tp/pp sizes, m = micro-bat
     bubble     (p-1) / (v m + p-1) of the step is idle (v = interleaved model chunks per stage); Narayanan et al.
                quote it against the ideal time instead: (p-1) / (v m), the step's extra time
     FLOPs      6N + 12 L h s per token (PaLM, nanoGPT: QK^T and AV counted without causal halving)
+These are the single home of each formula: model.flops_per_token and the recompute lesson call them too.
 Lesson: lessons/11-planning-a-run.md
 """
 import math
@@ -38,17 +39,26 @@ def zero_state_bytes(n_params, stage, dp, param_bytes=2, grad_bytes=2, optim_byt
     return p * param_bytes, g * grad_bytes, o * optim_bytes
 
 
-def activation_bytes_per_layer(s, b, h, a, t=1, sp=False, recompute="none"):
-    """Saved activations of one layer for one micro-batch (Korthikanti et al. 2022, Table 2): 2-byte tensors,
-    1-byte dropout masks. Of the 34 sbh, 10 (LayerNorm and block inputs, two dropout masks) are replicated by
-    TP unless SP shards them; 5as/h is the (b, a, s, s) softmax, its dropout mask and dropped output."""
+def activation_bytes_per_layer(s, b, h, a, t=1, sp=False, recompute="none", act=2, mask=1, probs=2):
+    """Bytes one layer saves for backward for one micro-batch (dropout > 0), by Korthikanti et al.'s count
+    (2022, Table 2), with the bytes per element as arguments:
+    act   activations (2 in bf16): 16 tensors' worth of sbh -- 4 replicated by TP unless SP shards them
+          (the 2 LayerNorm inputs, the inputs of qkv and fc), 12 split by TP (q, k, v, the projection's input,
+          the 4h GeLU input and fc2 input)
+    mask  each of the 2 + 1 dropout masks (1 as a CUDA bool mask; CPU torch keeps a mask in `act` bytes);
+          the 2 sbh ones are replicated like the block inputs
+    probs the softmax output (2 with Megatron's fused softmax; model.causal_softmax keeps it in fp32: 4)
+    The attention core adds (probs + mask + act) a s^2 b, split by TP: the softmax output, its mask, its
+    dropped output. With the paper's (2, 1, 2): sbh(10 + 24/t + 5as/(ht)), SP sbh(34 + 5as/h)/t."""
     sbh = s * b * h
     if recompute == "full":
-        return 2 * sbh  # only the layer input (the paper's Table 2 counts it unsharded)
-    attn = 0 if recompute == "selective" else 5 * a * s / h
+        return act * sbh  # only the layer input (the paper's Table 2 counts it unsharded)
+    replicated = 4 * act + 2 * mask  # in units of sbh: 10 with the paper's bytes
+    split = 12 * act  # 24
+    attn = 0 if recompute == "selective" else (probs + mask + act) * a * s / h  # 5as/h
     if sp:
-        return sbh * (34 + attn) / t
-    return sbh * (10 + 24 / t + attn / t)
+        return sbh * (replicated + split + attn) / t
+    return sbh * (replicated + split / t + attn / t)
 
 
 def inflight_microbatches(p, m, schedule="1f1b", v=1):

@@ -13,13 +13,12 @@ Formulas (p stages, m micro-batches of activation memory A each, v chunks per ra
 Lesson: lessons/05-pipeline-parallel.md
 """
 import contextlib
-import itertools
 
 import torch
 import torch.nn as nn
 
 from . import schedules
-from .schedules import SCHEDULES, Comm, comm_plan, flat, peer, recv_msg, send_msg
+from .schedules import SCHEDULES, Comm, comm_plan, ops_in_order, peer, recv_msg, send_msg
 
 
 def stage_layers(n_layer, pp, pp_rank) -> range:
@@ -75,14 +74,13 @@ def build_stage(model, grid, virtual=1):
     if p > 1 and grid.last_stage:
         tied = model.head.lm_head.weight
         copy = nn.Parameter(tied.detach().clone(), requires_grad=tied.requires_grad)
-        copy.__dict__.update(tied.__dict__)  # keeps tags such as tensor_parallel / tp_dim
+        copy.__dict__.update(tied.__dict__)  # keeps tags such as tensor_parallel
         copy.shared_embedding = True
         model.head.lm_head.weight = copy
     if not grid.first_stage:
         model.embed = None
     if not grid.last_stage:
         model.head = None
-    model.pp_virtual = virtual  # forward_only's default: the chunks this stage was cut into
     return model
 
 
@@ -131,10 +129,9 @@ def train_step(model, grid, micro_batches, schedule="1f1b", no_sync=contextlib.n
 
 
 @torch.no_grad()
-def forward_only(model, grid, micro_batches, act_shape=None, virtual=None):
+def forward_only(model, grid, micro_batches, act_shape=None, virtual=1):
     """Mean loss over micro-batches without backward (evaluation), returned on every rank of the pp axis.
-    virtual defaults to the number of chunks build_stage cut this stage into."""
-    virtual = virtual or getattr(model, "pp_virtual", 1)
+    virtual: the number of chunks build_stage cut this stage into (_run checks the layers match it)."""
     rounds = schedules.forward_only(grid.pp.size, grid.pp_rank, len(micro_batches), virtual)
     return _run(model, grid, rounds, micro_batches, virtual, act_shape)
 
@@ -150,7 +147,7 @@ def _run(model, grid, rounds, micro_batches, virtual, act_shape, no_sync=context
     x0 = micro_batches[0][0]
     shape = act_shape or (x0.shape[0], x0.shape[1], model.cfg.n_embd)
     dtype = next(model.blocks.parameters()).dtype
-    last_backward = {op.chunk: op for op in flat(rounds) if op.kind == "B"}
+    last_backward = {op.chunk: op for op in ops_in_order(rounds) if op.kind == "B"}
     sync = torch.accelerator.synchronize if grid.device.type != "cpu" else (lambda: None)
     live, inbox, outbox, losses = {}, {}, {}, []  # live: (chunk, mb) -> (input, output) awaiting backward
 
@@ -200,55 +197,3 @@ def _backward(out, grad):
     torch.autograd.Variable._execution_engine.run_backward(
         tensors=(out,), grad_tensors=(grad,), keep_graph=False, create_graph=False, inputs=(),
         allow_unreachable=True, accumulate_grad=True)
-
-
-class ActivationMeter:
-    """Bytes of tensors autograd keeps for backward (parameters and buffers excluded; storages shared by
-    several saved tensors counted once), live and peak: the activation memory a schedule holds.
-
-        with ActivationMeter(model) as meter: train_step(...)      ->  meter.peak (bytes)
-    """
-
-    def __init__(self, model):
-        self.skip = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
-        self.storages, self.live, self.peak = {}, 0, 0  # data_ptr -> [saved tensors using it, bytes]
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def __enter__(self):
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-
-    def _pack(self, t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr == 0 or ptr in self.skip:
-            return t
-        entry = self.storages.setdefault(ptr, [0, t.untyped_storage().nbytes()])
-        if entry[0] == 0:
-            self.live += entry[1]
-            self.peak = max(self.peak, self.live)
-        entry[0] += 1
-        return _Saved(self, ptr, t)
-
-    @staticmethod
-    def _unpack(saved):
-        return saved.tensor if isinstance(saved, _Saved) else saved
-
-    def _release(self, ptr):
-        entry = self.storages[ptr]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live -= entry[1]
-            del self.storages[ptr]
-
-
-class _Saved:
-    """A saved tensor; when autograd frees it (after its backward) the meter forgets its bytes."""
-
-    def __init__(self, meter, ptr, tensor):
-        self.meter, self.ptr, self.tensor = meter, ptr, tensor
-
-    def __del__(self):
-        self.meter._release(self.ptr)

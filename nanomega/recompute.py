@@ -13,8 +13,9 @@ not rerun because torch's non-reentrant checkpoint stops as soon as the last sav
 inputs are saved before it runs); Megatron's selective recompute reruns both (4bs^2h).
 Both rely on torch.utils.checkpoint (non-reentrant) with the RNG state saved at forward and restored for
 the rerun, so dropout draws the same masks and the gradients are bitwise those of no recompute.
-The 34 and 5 assume Megatron's kernels (1-byte dropout masks, 2-byte softmax output); `activation_bytes`
-takes the bytes per element as arguments, and `saved_bytes_per_layer` measures what autograd really keeps.
+The 34 and 5 assume Megatron's kernels (1-byte dropout masks, 2-byte softmax output); the formula's one home,
+plan_formulas.activation_bytes_per_layer, takes the bytes per element as arguments, and `ActivationMeter`
+(pp.py's schedules are measured with it too) counts what autograd really keeps.
 Lesson: lessons/07-activation-recompute.md
 """
 import itertools
@@ -74,55 +75,82 @@ def _unwrap(module, name):
         setattr(module, name, current.recompute_prev)
 
 
-def recomputed_layers(model) -> dict:
-    """{layer name: "full" | "selective"} for the blocks currently wrapped (for logs and tests)."""
-    out = {}
-    for key, block in model.blocks.items():
-        if hasattr(block.__dict__.get("forward"), "recompute_prev"):
-            out[key] = "full"
-        elif hasattr(block.attn.__dict__.get("core"), "recompute_prev"):
-            out[key] = "selective"
-    return out
+class ActivationMeter:
+    """Bytes of tensors autograd keeps for backward (parameters and buffers excluded; storages shared by
+    several saved tensors counted once), live and peak: the activation memory a schedule holds.
 
+        with ActivationMeter(model) as meter: train_step(...)      ->  meter.peak (bytes)
 
-def activation_bytes(s, b, h, a, mode="none", act=2, mask=1, probs=2):
-    """Bytes one layer saves for backward (dropout > 0), by Korthikanti et al.'s count, per element:
-    act  activations (2 in bf16)                 11sbh + 19sbh + 4sbh -> (16 act + 2 mask) sbh
-    mask each of the 2 + 1 dropout masks (1 as a CUDA bool mask; CPU torch keeps the mask in `act` bytes)
-    probs the softmax output (2 with Megatron's fused softmax; model.causal_softmax keeps it in fp32: 4)
-    The attention core adds (probs + mask + act) a s^2 b: the softmax output, its mask, its dropped output.
+    blocks ({key: module}, e.g. model.blocks): also attribute every storage packed while inside a block's
+    forward to that block, at its full size, in meter.per_block[key] = {storage pointer: bytes}.
     """
-    if mode == "full":
-        return act * s * b * h
-    linear = (16 * act + 2 * mask) * s * b * h
-    return linear if mode == "selective" else linear + (probs + mask + act) * a * s * s * b
+
+    def __init__(self, model, blocks=None):
+        self.skip = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
+        self.storages, self.live, self.peak = {}, 0, 0  # data_ptr -> [saved tensors using it, bytes]
+        self.blocks = blocks or {}
+        self.per_block = {key: {} for key in self.blocks}
+        self.current = None  # the block whose forward is running
+        self._module_hooks = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def __enter__(self):
+        for key, block in self.blocks.items():
+            self._module_hooks.append(block.register_forward_pre_hook(self._enter(key)))
+            self._module_hooks.append(block.register_forward_hook(self._leave))
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks = []
+
+    def _enter(self, key):
+        return lambda module, args: setattr(self, "current", key)
+
+    def _leave(self, module, args, output):
+        self.current = None
+
+    def _pack(self, t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr == 0 or ptr in self.skip:
+            return t
+        if self.current is not None:
+            self.per_block[self.current][ptr] = t.untyped_storage().nbytes()
+        entry = self.storages.setdefault(ptr, [0, t.untyped_storage().nbytes()])
+        if entry[0] == 0:
+            self.live += entry[1]
+            self.peak = max(self.peak, self.live)
+        entry[0] += 1
+        return _Saved(self, ptr, t)
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def _release(self, ptr):
+        entry = self.storages[ptr]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self.storages[ptr]
+
+
+class _Saved:
+    """A saved tensor; when autograd frees it (after its backward) the meter forgets its bytes."""
+
+    def __init__(self, meter, ptr, tensor):
+        self.meter, self.ptr, self.tensor = meter, ptr, tensor
+
+    def __del__(self):
+        self.meter._release(self.ptr)
 
 
 def saved_bytes_per_layer(model, run) -> dict:
-    """Call run() (a forward) and return {block key: bytes autograd saved for backward while in that block}.
-
-    Measured with torch.autograd.graph.saved_tensors_hooks: every tensor packed for backward, parameters and
-    buffers excluded, each storage counted once at its full size (views of one tensor share a storage).
-    """
-    skip = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
-    storages, current = {}, [None]  # block key -> {storage pointer: bytes}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if current[0] is not None and ptr not in skip:
-            storages.setdefault(current[0], {})[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    def enter(key):
-        return lambda module, args: current.__setitem__(0, key)
-
-    hooks = [h for key, block in model.blocks.items()
-             for h in (block.register_forward_pre_hook(enter(key)),
-                       block.register_forward_hook(lambda *_: current.__setitem__(0, None)))]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            run()
-    finally:
-        for h in hooks:
-            h.remove()
-    return {key: sum(storages.get(key, {}).values()) for key in model.blocks}
+    """Call run() (a forward) and return {block key: bytes autograd saved for backward while in that block},
+    as ActivationMeter attributes them (each storage once per block, at its full size)."""
+    with ActivationMeter(model, model.blocks) as meter:
+        run()
+    return {key: sum(storages.values()) for key, storages in meter.per_block.items()}

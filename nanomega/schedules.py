@@ -71,7 +71,8 @@ def _chunk_order(p, m, v):
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b}
 
 
-def flat(rounds):
+def ops_in_order(rounds):
+    """Every op of a schedule in the order the rank runs it, the rounds' boundaries dropped."""
     return [op for rnd in rounds for op in rnd]
 
 

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import regex  # tiktoken's own dependency; the stdlib re has no \p{L}
 
-# GPT-2's split pattern, exactly as tiktoken writes it for gpt2/r50k_base.
-GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
-ENDOFTEXT = "<|endoftext|>"
+# The encoding's pattern, special token and rank file are data.py's (get_tokenizer loads them); this module
+# only learns the ranks, from data.py's training split.
+from nanomega.data import DEFAULT_CORPUS, ENDOFTEXT, GPT2_PATTERN, RANK_FILE, read_corpus, split_train_val
+
 VOCAB_SIZE = 4096  # mergeable ranks + the one special token
-RANK_FILE = Path(__file__).resolve().parent / "assets" / "shakespeare-4k.tiktoken"
 
 
 def _merge(word, a, b, new):
@@ -111,9 +111,6 @@ def save_ranks(ranks: dict[bytes, int], path: Path) -> None:
 
 
 def main():
-    # Imported here, not at the top: data.py imports this module for the pattern and the rank file.
-    from nanomega.data import DEFAULT_CORPUS, read_corpus, split_train_val
-
     parser = argparse.ArgumentParser(description="Train the byte-level BPE on the training split.")
     parser.add_argument("--corpus", default=str(DEFAULT_CORPUS))
     parser.add_argument("--vocab-size", type=int, default=VOCAB_SIZE, help="ranks + <|endoftext|>")

@@ -248,7 +248,7 @@ def unshard_param(name, shards):
 
 def _shard(p, name, tp):
     q = nn.Parameter(shard_param(name, p.detach(), tp.rank, tp.size).clone(), requires_grad=p.requires_grad)
-    q.tensor_parallel, q.tp_dim = True, _rule(name)[0]
+    q.tensor_parallel = True  # zero.py's gradient norm counts a slice on every tp rank, a replica on one
     return q
 
 
@@ -304,6 +304,5 @@ def apply_tensor_parallel(model, tp, sequence_parallel=False, rng=None):
     if sp:
         for p in model.parameters():
             if p.requires_grad and not getattr(p, "tensor_parallel", False):
-                p.sequence_parallel = True
                 p.register_hook(functools.partial(_all_reduce_fp32, tp=tp))
     return model

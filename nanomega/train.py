@@ -122,7 +122,7 @@ def evaluate(model, grid, val_set, args):
     batches = [to_device(val_set.get(mine[i:i + args.batch_size]), grid.device)
                for i in range(0, len(mine), args.batch_size)]
     if grid.pp.size > 1:
-        loss = pp.forward_only(model, grid, batches, activation_shape(args, grid))
+        loss = pp.forward_only(model, grid, batches, activation_shape(args, grid), virtual=args.virtual_stages)
     else:
         loss = sum(model(x, y).double() for x, y in batches) / len(batches)  # one sync, below
     model.train()

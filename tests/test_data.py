@@ -28,8 +28,8 @@ def small_corpus(tmp_path_factory):
 
 def test_rank_file_loads_with_plain_tiktoken():
     # expected_hash: tiktoken caches files by path in /tmp, a stale copy must not pass for this one
-    sha = hashlib.sha256(tokenizer.RANK_FILE.read_bytes()).hexdigest()
-    ranks = load_tiktoken_bpe(str(tokenizer.RANK_FILE), expected_hash=sha)
+    sha = hashlib.sha256(data.RANK_FILE.read_bytes()).hexdigest()
+    ranks = load_tiktoken_bpe(str(data.RANK_FILE), expected_hash=sha)
     assert sorted(ranks.values()) == list(range(4095))
     assert all(ranks[bytes([i])] == i for i in range(256))
     enc = data.get_tokenizer("shakespeare-4k")
@@ -55,7 +55,7 @@ def test_round_trip_corpus_unicode_and_bytes():
 
 def _naive_bpe(text, n_ranks):
     """Reference: recount every pair of every word after each merge; same tie-break (smallest ids)."""
-    words = Counter(tuple(p.encode()) for p in regex.findall(tokenizer.GPT2_PATTERN, text))
+    words = Counter(tuple(p.encode()) for p in regex.findall(data.GPT2_PATTERN, text))
     vocab = [bytes([i]) for i in range(256)]
     rank_of = {t: i for i, t in enumerate(vocab)}
     while len(vocab) < n_ranks:
@@ -85,7 +85,7 @@ def test_retraining_reproduces_the_rank_file(tmp_path):
     train_text, _ = data.split_train_val(TEXT)
     out = tmp_path / "ranks.tiktoken"
     tokenizer.save_ranks(tokenizer.train_bpe(train_text, 4095), out)
-    assert out.read_bytes() == tokenizer.RANK_FILE.read_bytes()
+    assert out.read_bytes() == data.RANK_FILE.read_bytes()
 
 
 @pytest.mark.parametrize("name", data.TOKENIZERS)

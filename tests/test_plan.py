@@ -209,13 +209,13 @@ def test_smallest_cluster_is_smallest():
 def test_stages_are_the_trainers_split_with_embedding_first_and_head_last():
     from nanomega import pp
     bloom = P.MODELS["bloom-176b"]
-    layers = P.stage_layers(bloom, 12)
+    layers = P.layers_per_stage(bloom, 12)
     assert layers == [len(pp.stage_layers(70, 12, r)) for r in range(12)] == [6] * 10 + [5] * 2
     counts = P.stage_params(bloom, 4, 12)
     wte = 250880 // 4 * 14336  # 250,880 is already a multiple of 128 x 4
     assert counts[0] == 6 * F.layer_params(14336, 4) + wte + 2 * 14336  # + embedding LayerNorm, no positions
     assert counts[11] == 5 * F.layer_params(14336, 4) + wte + 2 * 14336  # + ln_f and the head's copy
-    assert P.stage_layers(bloom, 5, v=2) == [14] * 5  # interleaved: the rank's two chunks of 7
+    assert P.layers_per_stage(bloom, 5, v=2) == [14] * 5  # interleaved: the rank's two chunks of 7
 
 
 def test_links_follow_the_trainers_rank_order():

@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
-from nanomega import dist, pp, schedules
+from nanomega import dist, pp, recompute, schedules
 from nanomega.model import GPT, GPTConfig
-from nanomega.schedules import Op, Trace, bubble_fraction, draw_timeline, flat, simulate
+from nanomega.schedules import Op, Trace, bubble_fraction, draw_timeline, ops_in_order, simulate
 
 
 # ---------------------------------------------------------------- op orders, checked without communication
@@ -39,12 +39,12 @@ def expected_interleaved(p, rank, m, v):
 
 def test_op_orders_literal():
     # p = 4, m = 6: Narayanan et al. 2021 fig. 4 (top), the stage that waits longest for its first backward
-    assert "".join(f"{o.kind}{o.mb}" for o in flat(schedules.one_f_one_b(4, 0, 6))) == \
+    assert "".join(f"{o.kind}{o.mb}" for o in ops_in_order(schedules.one_f_one_b(4, 0, 6))) == \
         "F0F1F2F3B0F4B1F5B2B3B4B5"
-    assert "".join(f"{o.kind}{o.mb}" for o in flat(schedules.one_f_one_b(4, 3, 6))) == \
+    assert "".join(f"{o.kind}{o.mb}" for o in ops_in_order(schedules.one_f_one_b(4, 3, 6))) == \
         "F0B0F1B1F2B2F3B3F4B4F5B5"
-    assert "".join(f"{o.kind}{o.mb}" for o in flat(schedules.gpipe(4, 2, 3))) == "F0F1F2B0B1B2"
-    assert "".join(f"{o.kind}{o.mb}{'ab'[o.chunk]}" for o in flat(schedules.interleaved_1f1b(2, 1, 4, 2))) == \
+    assert "".join(f"{o.kind}{o.mb}" for o in ops_in_order(schedules.gpipe(4, 2, 3))) == "F0F1F2B0B1B2"
+    assert "".join(f"{o.kind}{o.mb}{'ab'[o.chunk]}" for o in ops_in_order(schedules.interleaved_1f1b(2, 1, 4, 2))) == \
         "F0aF1aF0bB0bF1bB1bF2aB0aF3aB1aF2bB2bF3bB3bB2aB3a"
 
 
@@ -52,11 +52,13 @@ def test_op_orders_literal():
 def test_op_orders_many(p):
     for m in range(1, 3 * p + 2):
         for rank in range(p):
-            assert flat(schedules.gpipe(p, rank, m)) == [Op("F", i) for i in range(m)] + [Op("B", i) for i in range(m)]
-            assert flat(schedules.one_f_one_b(p, rank, m)) == expected_1f1b(p, rank, m)
+            gpipe = [Op("F", i) for i in range(m)] + [Op("B", i) for i in range(m)]
+            assert ops_in_order(schedules.gpipe(p, rank, m)) == gpipe
+            assert ops_in_order(schedules.one_f_one_b(p, rank, m)) == expected_1f1b(p, rank, m)
             for v in (2, 3):
                 if p > 1 and m % p == 0:
-                    assert flat(schedules.interleaved_1f1b(p, rank, m, v)) == expected_interleaved(p, rank, m, v)
+                    ops = ops_in_order(schedules.interleaved_1f1b(p, rank, m, v))
+                    assert ops == expected_interleaved(p, rank, m, v)
 
 
 @pytest.mark.parametrize("schedule,vs", [("gpipe", [1]), ("1f1b", [1]), ("interleaved", [2, 3, 4])])
@@ -82,7 +84,7 @@ def test_simulator_catches_deadlock():
     # interleaved 1F1B with p2p after every op instead of after each forward+backward pair: the chunk ring
     # (last rank -> first rank) deadlocks; this is why interleaved_1f1b pairs its steady-state ops
     def unpaired(p, rank, m, v):
-        return [[op] for op in flat(schedules.interleaved_1f1b(p, rank, m, v))]
+        return [[op] for op in ops_in_order(schedules.interleaved_1f1b(p, rank, m, v))]
     with pytest.raises(RuntimeError, match="deadlocks"):
         simulate(4, 8, unpaired, 2)
 
@@ -159,7 +161,8 @@ def _case(grid, schedule, v, n_layer, m):
             opt.zero_grad(set_to_none=True)
     for name, p in stage.named_parameters():
         diff["weight"] = max(diff["weight"], (p - dense_params[_dense_name(name)]).abs().max().item())
-    backwards = sum(op.kind == "B" for op in flat(schedules.SCHEDULES[schedule](grid.pp.size, grid.pp_rank, m, v)))
+    rounds = schedules.SCHEDULES[schedule](grid.pp.size, grid.pp_rank, m, v)
+    backwards = sum(op.kind == "B" for op in ops_in_order(rounds))
     return dict(diff=diff, inflight=trace.peak_inflight, held=trace.peak_output_bytes,
                 no_sync=len(no_sync_entries), expected_no_sync=STEPS * (backwards - v))
 
@@ -171,7 +174,7 @@ def _memory(grid, n_layer, m):
                            grid)
     peaks = {}
     for schedule, mm in (("gpipe", 1), ("gpipe", m), ("1f1b", m)):
-        with pp.ActivationMeter(stage) as meter:
+        with recompute.ActivationMeter(stage) as meter:
             pp.train_step(stage, grid, _batches(mm, 0), schedule)
         peaks[(schedule, mm)] = meter.peak
     trace = Trace(grid.pp_rank)
@@ -189,7 +192,7 @@ def _evaluation(grid, v, n_layer):
         batches = _batches(m, 7)
         with torch.no_grad():
             expected = torch.stack([dense(x, y) for x, y in batches]).mean().item()
-        diffs.append(abs(pp.forward_only(stage, grid, batches) - expected))  # v from build_stage
+        diffs.append(abs(pp.forward_only(stage, grid, batches, virtual=v) - expected))
     return max(diffs)
 
 

@@ -2,7 +2,7 @@
 its formulas give, on a dense model, a pipeline stage, a tensor-parallel model and under ZeRO 0-3 with a
 bf16 model (one spawned world of 2 holding the tp, pp and dp grids).
 
-Saved-bytes assumptions (CPU torch 2.13, dropout > 0, stated in recompute.activation_bytes): activations
+Saved-bytes assumptions (CPU torch 2.13, dropout > 0, stated in plan_formulas.activation_bytes_per_layer): activations
 `act` bytes (4 fp32, 2 bf16); dropout masks kept by CPU dropout as a tensor of the activation dtype
 (mask = act; a CUDA bool mask would be 1 byte, as in the paper); softmax output saved in fp32 by
 model.causal_softmax (probs = 4). Small terms the formula leaves out: LayerNorm mean and rstd (2 x 2 sb
@@ -18,12 +18,25 @@ from torch.utils.flop_counter import FlopCounterMode
 from nanomega import dist, pp, recompute, tp
 from nanomega.model import GPT, GPTConfig
 from nanomega.precision import cast_model
-from nanomega.recompute import activation_bytes, apply_recompute, recomputed_layers, saved_bytes_per_layer
+from nanomega.plan_formulas import activation_bytes_per_layer
+from nanomega.recompute import apply_recompute, saved_bytes_per_layer
 from nanomega.rng import model_parallel_seed
 from nanomega.zero import ZeroEngine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CASES = [("none", None), ("full", None), ("selective", None), ("full", 2), ("selective", 1), ("full", 0)]
+
+
+def recomputed_layers(model) -> dict:
+    """{layer name: "full" | "selective"} for the blocks apply_recompute wrapped (its _wrap marks each
+    checkpointed call with recompute_prev)."""
+    out = {}
+    for key, block in model.blocks.items():
+        if hasattr(block.__dict__.get("forward"), "recompute_prev"):
+            out[key] = "full"
+        elif hasattr(block.attn.__dict__.get("core"), "recompute_prev"):
+            out[key] = "selective"
+    return out
 
 
 def gpt(**kw):
@@ -133,10 +146,10 @@ def test_saved_bytes_per_layer_match_the_formula(dtype):
         measured = saved_bytes_per_layer(model, lambda: model(x, x))
         for i, got in enumerate(measured.values()):
             layer_mode = mode if k is None or i < k else "none"
-            want = activation_bytes(s, b, h, a, layer_mode, act=act, mask=act, probs=4)
+            want = activation_bytes_per_layer(s, b, h, a, recompute=layer_mode, act=act, mask=act, probs=4)
             assert abs(got - want) <= 0.10 * want, (dtype, mode, k, i, got, want)
     # the ratios the formulas promise, with the paper's bytes (2, 1, 2): sbh(34 + 5as/h) -> 34 sbh -> 2 sbh
-    paper = {m: activation_bytes(s, b, h, a, m) for m in ("none", "selective", "full")}
+    paper = {m: activation_bytes_per_layer(s, b, h, a, recompute=m) for m in ("none", "selective", "full")}
     assert paper == {"none": s * b * h * (34 + 5 * a * s / h), "selective": 34 * s * b * h, "full": 2 * s * b * h}
 
 
