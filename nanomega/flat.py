@@ -88,10 +88,6 @@ class FlatGroup:
             if a < b:
                 yield i, a, b
 
-    def owned(self):
-        """Real (non-padding) elements in this rank's slice."""
-        return max(0, min(self.numel, self.hi) - self.lo)
-
 
 @dataclasses.dataclass
 class Piece:

@@ -29,6 +29,7 @@ from nanomega.plan_formulas import (activation_bytes_per_layer, dp_comm_bytes, f
                                     tp_comm_bytes_per_layer, zero_state_bytes)
 from nanomega.pp import chunk_layers
 from nanomega.presets import PRESETS
+from nanomega.zero import pipeline_error
 
 
 @dataclass(frozen=True)
@@ -152,8 +153,8 @@ def layout_error(model, gpu, gpus, tp, pp, zero, run, global_batch=None):
         near = f"{lo} or {hi}" if lo else f"{hi}"
         return (f"--global-batch {batch} is not a multiple of dp {dp} x --micro-batch {run.micro_batch} = {unit} "
                 f"(Megatron refuses it too): use {near}")
-    if zero >= 2 and pp > 1:
-        return f"--zero {zero} with --pp {pp}: ZeRO-2/3 are not combined with pipeline parallelism (DeepSpeed refuses)"
+    if pipeline_error(zero, pp):
+        return pipeline_error(zero, pp)
     if run.schedule == "interleaved" and pp > 1 and (model.n_layer % (pp * run.chunks) or (batch // unit) % pp):
         return f"interleaved needs --pp x --chunks | {model.n_layer} layers and --pp | {batch // unit} micro-batches"
     return None

@@ -93,15 +93,21 @@ def tied_embedding(model, grid):
     return model.head.lm_head.weight if grid.last_stage else None
 
 
-def sync_tied_grads(model, grid):
+def sum_tied_grad(grad, grid):
     """Sum the embedding gradient of the first stage and the LM-head gradient of the last (Megatron's
-    embedding group), so both copies take the dense model's step. Call after backward, before the step."""
+    embedding group), so both copies take the dense model's step. The one home of this rule: p.grad here
+    (sync_tied_grads), the engine's fp32 gradient slice under ZeroEngine (its `shared` parameter)."""
+    grid.embed.all_reduce(grad)
+
+
+def sync_tied_grads(model, grid):
+    """sum_tied_grad on this stage's copy's p.grad. Call after backward, before the step."""
     weight = tied_embedding(model, grid)
     if weight is None:
         return
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
-    grid.embed.all_reduce(weight.grad)
+    sum_tied_grad(weight.grad, grid)
 
 
 def forward_chunk(model, x, targets, layers, first, last):

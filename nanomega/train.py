@@ -153,7 +153,7 @@ def train(args):
     global_batch = args.batch_size * args.grad_accum * dp
     sampler = data.Sampler(len(train_set), global_batch, args.seed)
     model, engine, n_params = build(args, cfg, grid)
-    scaler = precision.LossScaler(dynamic=args.dtype == "fp16")
+    scaler = precision.LossScaler.for_dtype(precision.parse_dtype(args.dtype))
     spikes = faults.Spikes(args)
     layout = dict(dp=dp, tp=args.tp, pp=args.pp, zero=args.zero, dtype=args.dtype, tokenizer=args.tokenizer,
                   virtual_stages=args.virtual_stages, sequence_parallel=args.sequence_parallel)

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from . import precision
+from . import pp, precision
 from .ddp import DistributedDataParallel, Plan
 from .flat import Piece, storage_bytes
 from .zero3 import ShardedParameters
@@ -40,13 +40,20 @@ STAGE = {0: Plan(sharded=False, grad="full", reduce="all_reduce", write_back="no
          3: Plan(sharded=True, grad="shard", reduce="reduce_scatter", write_back="none")}  # units: zero3.py
 
 
+def pipeline_error(stage, pp):
+    """Why ZeRO `stage` cannot run beside pp pipeline stages, or None: the one rule train.py and the planner use."""
+    if pp > 1 and stage >= 2:
+        return (f"--zero {stage} with --pp {pp}: ZeRO-2/3 shard gradients/parameters that every micro-batch of "
+                f"the pipeline needs again (DeepSpeed forbids it too); use --zero 0 or 1")
+    return None
+
+
 def check_config(stage, optimizer_cls, pp=1):
     """One-line errors for a stage, an optimizer or a pipeline ZeRO cannot run, raised before any collective."""
     if stage not in STAGE:
         raise ValueError(f"--zero {stage!r}: ZeRO stages are 0, 1, 2 and 3")
-    if pp > 1 and stage >= 2:
-        raise ValueError(f"--zero {stage} with --pp {pp}: ZeRO-2/3 shard gradients/parameters that every "
-                         f"micro-batch of the pipeline needs again (DeepSpeed forbids it too); use --zero 0 or 1")
+    if pipeline_error(stage, pp):
+        raise ValueError(pipeline_error(stage, pp))
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise ValueError(f"optimizer: a {type(optimizer_cls).__name__} is not a torch.optim.Optimizer class; pass "
                          f"e.g. torch.optim.AdamW (the class, not an instance)")
@@ -158,7 +165,7 @@ class ZeroEngine(DistributedDataParallel):
                 g.grad_own.div_(self.axis.size)
             precision.unscale_(g.grad_own, scaler)
             if self.shared is not None and g.params[0] is self.shared:
-                self.grid.embed.all_reduce(g.grad_own)  # both pipeline copies take the summed gradient
+                pp.sum_tied_grad(g.grad_own, self.grid)  # both pipeline copies take the summed gradient
         for piece in self.pieces:
             piece.master.grad = self._grad(piece).float() if piece.group else piece.master.new_zeros(0)
         norm = self._global_grad_norm()

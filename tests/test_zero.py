@@ -359,7 +359,7 @@ def _bf16(grid):
     engine = _train(_engine(grid, "gpt", 3, dtype=torch.bfloat16, grad_dtype=torch.bfloat16), "gpt", 0, 1)[0]
     s = sum(g.shard_numel for g in engine.groups)
     return dict(memory=engine.memory_bytes(), formula=dict(params=2 * s, grads=0, optimizer=4 * s),
-                owned=sum(g.owned() for g in engine.groups), pieces=len(engine.pieces),
+                owned=sum(max(0, min(g.numel, g.hi) - g.lo) for g in engine.groups), pieces=len(engine.pieces),
                 cast=all(torch.equal(g.shard, g.master.bfloat16()) and g.master.dtype == torch.float32
                          for g in engine.groups))
 
