@@ -41,7 +41,7 @@ def _fsync(path):
         os.close(fd)
 
 
-def _replace_atomically(path, write):
+def replace_atomically(path, write):
     """write(tmp), fsync it, rename it over `path`, fsync the directory: `path` is the old file or the new."""
     tmp = f"{path}.tmp"
     write(tmp)
@@ -50,7 +50,7 @@ def _replace_atomically(path, write):
     _fsync(os.path.dirname(os.path.abspath(path)))
 
 
-def _write_text(text):
+def write_text(text):
     def write(tmp):
         with open(tmp, "w") as f:
             f.write(text)
@@ -79,9 +79,9 @@ def write_shard(out_dir, step, state, rank):
     def write(tmp):  # each rank hashes its own shard (the writer thread, under --async-save), not rank 0 all
         torch.save(state, tmp)
         made.update(sha256=_sha256(tmp), size=os.path.getsize(tmp))
-    _replace_atomically(shard, write)
+    replace_atomically(shard, write)
     made["pieces"] = _index(state)
-    _replace_atomically(shard[:-3] + ".json", _write_text(json.dumps(made)))  # for the manifest
+    replace_atomically(shard[:-3] + ".json", write_text(json.dumps(made)))  # for the manifest
     return folder
 
 
@@ -99,8 +99,8 @@ def _manifest(out_dir, folder, step, cfg, world, layout):
     manifest = dict(step=step, config=dataclasses.asdict(cfg), layout=layout or {}, world=world,
                     shards={f: m["sha256"] for f, m in made.items()}, sizes={f: m["size"] for f, m in made.items()},
                     pieces={f: m["pieces"] for f, m in made.items()})
-    _replace_atomically(os.path.join(folder, "manifest.json"), _write_text(json.dumps(manifest, indent=1)))
-    _replace_atomically(os.path.join(out_dir, "ckpt", "latest"), _write_text(os.path.basename(folder)))
+    replace_atomically(os.path.join(folder, "manifest.json"), write_text(json.dumps(manifest, indent=1)))
+    replace_atomically(os.path.join(out_dir, "ckpt", "latest"), write_text(os.path.basename(folder)))
 
 
 class AsyncSaver:

@@ -26,6 +26,7 @@ import time
 import torch
 
 from nanomega import checkpoint
+from nanomega.precision import dtype_name
 
 # TFLOP/s per GPU, dense (NVIDIA datasheets print 2:4-sparse numbers for tensor cores: half of those here).
 # "tf32" is fp32 matmul on tensor cores (torch.backends.cuda.matmul.allow_tf32, train.py's --tf32).
@@ -41,7 +42,6 @@ PEAK_TFLOPS = {
     "H100 PCIe": dict(fp32=51.0, tf32=378.0, bf16=756.5, fp16=756.5),
     "H200 SXM": dict(fp32=67.0, tf32=494.5, bf16=989.5, fp16=989.5),
 }
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 EMULATED = 0.5  # a 16-bit matmul slower than half fp32's rate: the CPU has no 16-bit units for it
 
 
@@ -62,7 +62,7 @@ def datasheet_peak(name: str, dtype: torch.dtype, tf32: bool = True):
     row = gpu_model(name)
     if row is None:
         return None
-    key = DTYPE_NAMES[dtype]
+    key = dtype_name(dtype)
     return PEAK_TFLOPS[row]["tf32" if key == "fp32" and tf32 else key] * 1e12
 
 
@@ -90,7 +90,7 @@ def peak_flops(device, dtype, tf32=True, override=None):
     device = torch.device(device)
     if override:
         return float(override), "--peak-flops"
-    name = DTYPE_NAMES[dtype] + ("/tf32" if dtype == torch.float32 and tf32 and device.type == "cuda" else "")
+    name = dtype_name(dtype) + ("/tf32" if dtype == torch.float32 and tf32 and device.type == "cuda" else "")
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device)
         peak = datasheet_peak(gpu, dtype, tf32)
@@ -109,7 +109,7 @@ def emulation_warning(device, dtype, seconds=0.25):
     slow, fast = measure_matmul(device, dtype, seconds, n)[0], measure_matmul(device, torch.float32, seconds, n)[0]
     if slow >= EMULATED * fast:
         return None
-    name = DTYPE_NAMES[dtype]
+    name = dtype_name(dtype)
     return (f"warning: --dtype {name} matmuls run at {slow / fast:.2f}x fp32's rate on this CPU "
             f"({slow / 1e9:.0f} vs {fast / 1e9:.0f} GFLOP/s measured): it emulates {name}; use --dtype fp32 "
             f"here, {name} on a GPU or an AMX CPU")
@@ -175,7 +175,7 @@ class MetricsLog:
                         keep.append(line + "\n")
                 except (ValueError, KeyError, TypeError):
                     pass  # a row cut by the crash
-            checkpoint._replace_atomically(path, checkpoint._write_text("".join(keep)))
+            checkpoint.replace_atomically(path, checkpoint.write_text("".join(keep)))
         self.file = open(path, "a")
 
     def row(self, *, step, loss, lr, grad_norm, skipped, seconds):

@@ -26,6 +26,11 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The --dtype name of a torch dtype: torch.bfloat16 -> "bf16"."""
+    return {v: k for k, v in DTYPES.items()}[dtype]
+
+
 def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"--dtype {name!r} is not one of {sorted(DTYPES)}")
@@ -43,7 +48,7 @@ def check_dtype_supported(dtype: torch.dtype, device) -> None:
     device = torch.device(device)
     if dtype == torch.float32:
         return
-    name = {v: k for k, v in DTYPES.items()}[dtype]
+    name = dtype_name(dtype)
     fix = "use --dtype bf16 or --dtype fp32" if dtype == torch.float16 else "use --dtype fp32 (or fp16 with loss scaling)"
     if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise ValueError(f"--dtype bf16: {torch.cuda.get_device_name(device)} has no bf16 support (needs sm_80+); {fix}")

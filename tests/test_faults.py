@@ -52,14 +52,14 @@ def test_crash_during_checkpoint_write_keeps_previous(corpus, tmp_path, monkeypa
     run(corpus, out, "--max-steps", "2")
     grid = dist.Grid(1, 1, 1)
     state = checkpoint.load_shard(checkpoint.latest(out), 0)
-    real = checkpoint._replace_atomically
+    real = checkpoint.replace_atomically
 
     def dies_before_manifest(path, write):  # the shard is written; the process dies before the manifest
         if path.endswith("manifest.json"):
             raise KeyboardInterrupt("killed")
         real(path, write)
 
-    monkeypatch.setattr(checkpoint, "_replace_atomically", dies_before_manifest)
+    monkeypatch.setattr(checkpoint, "replace_atomically", dies_before_manifest)
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save(str(out), 3, train.flags.model_config(train.flags.get_args(SMALL)), state, grid)
     monkeypatch.undo()
