@@ -27,7 +27,8 @@ def hang(corpus, root, timeout=10):
                                                     "--collective-timeout", "120"], restarts=0)
     workers, frozen_at = {}, None
     while not (out / "hang" / "report.txt").exists() and job.poll() is None:
-        workers = workers or kill_resume.worker_pids(job.pid)
+        if len(workers) < 2:  # both ranks: the first read may come before torchrun started the second
+            workers = kill_resume.worker_pids(job.pid)
         if frozen_at is None and kill_resume.logged_step(out) >= 2:
             frozen_at = time.time()
         time.sleep(0.05)

@@ -196,7 +196,8 @@ def test_frozen_rank_is_named_with_stack_dumps(corpus, tmp_path):
     workers = {}
     try:
         while not (out / "hang" / "report.txt").exists() and job.poll() is None:
-            workers = workers or kill_resume.worker_pids(job.pid)
+            if len(workers) < 2:  # both ranks: the first read may come before torchrun started the second
+                workers = kill_resume.worker_pids(job.pid)
             time.sleep(0.2)
         stalled_at = kill_resume.logged_step(out)
         report = (out / "hang" / "report.txt").read_text()
