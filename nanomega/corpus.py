@@ -230,11 +230,7 @@ def prepare(corpus, tokenizer, out, workers=1, text_field="text", shard_tokens=1
         index = dict(key, tokenizer=tokenizer, vocab_size=enc.n_vocab, eot=enc.eot_token,
                      dtype=np.dtype(dtype).name, splits=split, shards=shards)
         (tmp / "index.json").write_text(json.dumps(index, indent=1) + "\n")
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not (out / "index.json").is_file():  # not just "another rank finished first"
-                raise
+        data.publish(tmp, out, "index.json")
     finally:
         bar.close()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -135,6 +135,16 @@ def _write_tokens(enc: tiktoken.Encoding, text: str, path: Path, dtype) -> int:
     return n
 
 
+def publish(tmp: Path, folder: Path, marker: str) -> None:
+    """Rename a finished temporary folder into place, atomically; when another rank got there first (its
+    `marker` file exists), theirs stays and ours is dropped by the caller."""
+    try:
+        os.rename(tmp, folder)
+    except OSError:
+        if not (folder / marker).exists():  # not just "another rank finished first"
+            raise
+
+
 def _load_cached(folder: Path) -> dict:
     """meta.json of a finished cache folder, after checking each .bin has the size it promises."""
     fix = f"delete {folder} and run again to re-tokenize"
@@ -186,11 +196,7 @@ def prepare(corpus, tokenizer_name: str, cache_dir) -> dict:
         for split, text in (("train", train_text), ("val", val_text)):
             meta[f"{split}_tokens"] = _write_tokens(enc, text, tmp / f"{split}.bin", dtype)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-        try:
-            os.rename(tmp, folder)
-        except OSError:
-            if not (folder / "meta.json").exists():  # not just "another rank finished first"
-                raise
+        publish(tmp, folder, "meta.json")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return _load_cached(folder)

@@ -98,13 +98,12 @@ class ZeroEngine(DistributedDataParallel):
         self.stage = stage
         trainable = [(k, p) for k, p in named if p.requires_grad]
         specs = self._param_groups(optim, trainable)  # before ZeRO-3 swaps the parameters for empty tensors
-        units = None
-        if stage == 3:
-            def units(engine):
-                sharded = [(k, p) for k, p in named if k not in replicate]
-                return ShardedParameters(model, sharded, grid.dp, wrap, engine._queue_end_backward)
+        def units(engine):  # ZeRO-3's, built once the initial weights are checked (ddp.py)
+            sharded = [(k, p) for k, p in named if k not in replicate]
+            return ShardedParameters(model, sharded, grid.dp, wrap, engine._queue_end_backward)
         whole = [(k, p) for k, p in trainable if stage < 3 or k in replicate]  # flat buckets, not units
-        super().__init__(model, grid, bucket_mb, grad_dtype, shared, init, STAGE[stage], units, whole)
+        super().__init__(model, grid, bucket_mb, grad_dtype, shared, init, STAGE[stage],
+                         units if stage == 3 else None, whole)
         for g in self.groups:  # fp32 model: the same tensor (no copy); 16-bit model: the fp32 master
             g.master = precision.fp32_master(g.own)
         self.optimizer = self._build_optimizer(optimizer_cls, specs)
