@@ -127,8 +127,15 @@ class DistributedDataParallel:
         if g.grad is None:  # ZeRO-3 frees its gradient shard between steps
             self._allocate_grad(g)
         buf = g.bucket if sliced else g.grad
-        buf[g.offsets[i]:g.offsets[i] + g.sizes[i]].view_as(p.grad).add_(p.grad)  # accumulate in grad_dtype
-        p.grad = None  # the model-dtype gradient is dropped
+        if p.grad._base is not buf:  # autograd's own new tensor: accumulate it into the buffer, in grad_dtype
+            slot = buf[g.offsets[i]:g.offsets[i] + g.sizes[i]].view_as(p.grad)
+            slot.add_(p.grad)
+            # The engine zeroes the buffer after each step, so the slot can stay p.grad: autograd then adds
+            # later gradients straight into the buffer (PyTorch DDP's gradient_as_bucket_view), one pass over
+            # the gradient fewer. Not for bf16 weights with fp32 sums, nor ZeRO-2/3's per-step buckets, nor
+            # without an optimizer (p.grad is then the caller's); there the new tensor is dropped.
+            keep = self.optimizer is not None and not sliced and p.dtype == self.grad_dtype
+            p.grad = slot if keep else None
         if self._syncing():
             g.arrived.add(i)
             self._launch_ready(g)
@@ -152,7 +159,8 @@ class DistributedDataParallel:
         if g.grad is None:
             self._allocate_grad(g)
         if not self.plan.sharded or g.replicated:  # the sum, then the mean, on every rank (a later synced
-            self._start(self.axis.start("all_reduce", g.grad), lambda: g.grad.div_(n))  # backward adds to it)
+            if n > 1:  # backward adds to it); a world of one holds the mean already (x / 1: a pass for nothing)
+                self._start(self.axis.start("all_reduce", g.grad), lambda: g.grad.div_(n))
             return
         out = torch.empty(g.shard_numel, dtype=self.grad_dtype, device=g.device)
         if self.plan.grad == "full":  # ZeRO-1: owned slice := the sum over ranks; the rest (others') := 0

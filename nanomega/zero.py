@@ -160,7 +160,7 @@ class ZeroEngine(DistributedDataParallel):
         while self._pending:
             self._finish_one()
         for g in self.groups:
-            if self.plan.sharded and not g.replicated:  # whole groups averaged already; the shards hold sums
+            if self.plan.sharded and not g.replicated and self.axis.size > 1:  # whole groups: averaged; shards: sums
                 g.grad_own.div_(self.axis.size)
             precision.unscale_(g.grad_own, scaler)
             if self.shared is not None and g.params[0] is self.shared:

@@ -89,12 +89,14 @@ class _Scaler:
         self.found.append(found_inf)
 
 
-def _train(engine, kind, first, steps, poison=False, synced=False):
+def _train(engine, kind, first, steps, poison=False, synced=False, zero_grad=False):
     """`steps` steps of ACCUM micro-batches (no_sync on all but the last, unless synced); per-step dp bytes
-    and the step results."""
+    and the step results. zero_grad: the caller's model.zero_grad() (p.grad = None) before each step."""
     grid, comm, outs = engine.grid, [], []
     for step in range(first, first + steps):
         grid.log.reset()
+        if zero_grad:
+            engine.module.zero_grad()
         for m in range(ACCUM):
             x, y = _batch(kind, step, grid.dp_rank, m)
             with engine.no_sync() if m < ACCUM - 1 and not synced else contextlib.nullcontext():
@@ -211,11 +213,14 @@ def _world(world, checkpoint=None):
     for kind, stage in CASES:
         engine, comm, outs = _train(_engine(grid, kind, stage), kind, 0, STEPS - 1)
         by_name = reshard.full_state(engine)  # what a checkpoint holds: full tensors and optimizer state by name
-        outs += _train(engine, kind, STEPS - 1, 1)[2]
+        slots = sum(p.grad is not None and any(p.grad._base is g.grad for g in engine.groups)
+                    for p in engine.module.parameters())
+        outs += _train(engine, kind, STEPS - 1, 1, zero_grad=True)[2]  # the slots dropped: the hook puts them back
         params[kind, stage] = _weights(engine)
         memory, formula, owned = _formulas(engine)
         r = res[kind, stage] = dict(norms=[o["grad_norm"] for o in outs], comm=comm[0], comm_formula=formula,
-                                    owned=owned, memory=engine.memory_bytes(), memory_formula=memory)
+                                    owned=owned, memory=engine.memory_bytes(), memory_formula=memory, slots=slots,
+                                    trainable=sum(p.requires_grad for p in engine.module.parameters()))
         if world == 2:
             resumed = _engine(grid, kind, stage, seed=1)
             resumed.import_by_name(*by_name)  # the same layout
@@ -381,6 +386,15 @@ def test_two_ranks_equal_single_process_bitwise(world2, kind, stage):
     assert r["frozen"] == [] and r["norm_rel"] < 1e-12
     assert r["whole"] <= WHOLE  # one forward over the whole global batch
     assert r["synced"] <= ABS  # every micro-batch reduced (no no_sync): a later reduction must not re-add
+
+
+@pytest.mark.parametrize("kind,stage", CASES)
+def test_fp32_gradients_accumulate_in_the_buffer(world2, kind, stage):
+    """fp32 weights, stages 0-1: after a step p.grad is its slot of the flat gradient buffer, so autograd adds
+    later gradients there itself (DDP's gradient_as_bucket_view); stages 2-3 keep only per-step buckets, p.grad
+    None. A caller's model.zero_grad() before the last step dropped the slots: still bitwise (test above)."""
+    r = world2[0][kind, stage]
+    assert r["slots"] == (r["trainable"] if stage < 2 else 0), r
 
 
 @pytest.mark.parametrize("kind,stage", CASES)
