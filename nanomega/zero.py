@@ -76,6 +76,13 @@ def weight_decay_groups(weight_decay, **options):
     return groups
 
 
+def fp64_norms(t):
+    """The 2-norms of t's chunks of NORM_CHUNK elements, each summed in fp64 (the cast copies a chunk: a whole
+    fp64 copy of a large gradient would cost twice its memory)."""
+    chunks = t.reshape(-1).split(NORM_CHUNK) if t.numel() > NORM_CHUNK else (t,)
+    return [torch.linalg.vector_norm(c, dtype=torch.float64) for c in chunks]
+
+
 class ZeroEngine(DistributedDataParallel):
     """Owns the gradient buffers, the fp32 master weights and the optimizer of `model` over grid.dp.
 
@@ -107,6 +114,7 @@ class ZeroEngine(DistributedDataParallel):
         for g in self.groups:  # fp32 model: the same tensor (no copy); 16-bit model: the fp32 master
             g.master = precision.fp32_master(g.own)
         self.optimizer = self._build_optimizer(optimizer_cls, specs)
+        self.norm_pieces = None  # the pieces this rank adds to the global gradient norm (_counts_in_norm)
 
     def _param_groups(self, optim, trainable):
         specs = optim(trainable) if callable(optim) else [dict(params=[k for k, _ in trainable], **optim)]
@@ -186,19 +194,24 @@ class ZeroEngine(DistributedDataParallel):
                 g.grad.zero_()
         return dict(grad_norm=norm, stepped=stepped)
 
+    def _counts_in_norm(self, piece):
+        """Whether piece's gradient is this rank's part of the global norm: every unique parameter once --
+        tp duplicates (not p.tensor_parallel) on tp rank 0 only, dp replicas on dp rank 0 only (sharded
+        stages), the last stage's shared_embedding copy not at all."""
+        p = piece.group.params[piece.index] if piece.group else None
+        return p is not None and (self.grid.tp_rank == 0 or getattr(p, "tensor_parallel", False)) \
+            and not getattr(p, "shared_embedding", False) \
+            and not (piece.replica and self.plan.sharded and self.grid.dp_rank)
+
     def _global_grad_norm(self):
-        """sqrt(sum g^2) over every unique parameter of the model: tp duplicates (not p.tensor_parallel)
-        counted on tp rank 0 only, dp replicas on dp rank 0 only, the last stage's shared_embedding copy not
-        at all; summed over dp (sharded stages), tp and pp. In fp64, so the sum's order does not matter."""
+        """sqrt(sum g^2) over the pieces that count (_counts_in_norm), summed over dp (sharded stages), tp and
+        pp. In fp64 (each chunk's norm, then their squares summed), so the sum's order does not matter."""
+        if self.norm_pieces is None:  # the rule depends only on the layout: decided once
+            self.norm_pieces = [piece for piece in self.pieces if self._counts_in_norm(piece)]
+        norms = [n for piece in self.norm_pieces for n in fp64_norms(piece.master.grad)]
         sq = torch.zeros(1, dtype=torch.float64, device=self.groups[0].device)
-        for piece in self.pieces:
-            p = piece.group.params[piece.index] if piece.group else None
-            if p is not None and (self.grid.tp_rank == 0 or getattr(p, "tensor_parallel", False)) \
-                    and not getattr(p, "shared_embedding", False) \
-                    and not (piece.replica and self.plan.sharded and self.grid.dp_rank):
-                for chunk in piece.master.grad.reshape(-1).split(NORM_CHUNK):
-                    chunk = chunk.double()
-                    sq += torch.dot(chunk, chunk)
+        if norms:
+            sq += torch.stack(norms).square().sum()
         if self.plan.sharded:
             self.axis.all_reduce(sq)
         self.grid.tp.all_reduce(sq)
