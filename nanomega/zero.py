@@ -114,7 +114,7 @@ class ZeroEngine(DistributedDataParallel):
         for g in self.groups:  # fp32 model: the same tensor (no copy); 16-bit model: the fp32 master
             g.master = precision.fp32_master(g.own)
         self.optimizer = self._build_optimizer(optimizer_cls, specs)
-        self.norm_pieces = None  # the pieces this rank adds to the global gradient norm (_counts_in_norm)
+        self.norm_pieces = [piece for piece in self.pieces if self._counts_in_norm(piece)]  # fixed by the layout
 
     def _param_groups(self, optim, trainable):
         specs = optim(trainable) if callable(optim) else [dict(params=[k for k, _ in trainable], **optim)]
@@ -206,8 +206,6 @@ class ZeroEngine(DistributedDataParallel):
     def _global_grad_norm(self):
         """sqrt(sum g^2) over the pieces that count (_counts_in_norm), summed over dp (sharded stages), tp and
         pp. In fp64 (each chunk's norm, then their squares summed), so the sum's order does not matter."""
-        if self.norm_pieces is None:  # the rule depends only on the layout: decided once
-            self.norm_pieces = [piece for piece in self.pieces if self._counts_in_norm(piece)]
         norms = [n for piece in self.norm_pieces for n in fp64_norms(piece.master.grad)]
         sq = torch.zeros(1, dtype=torch.float64, device=self.groups[0].device)
         if norms:
