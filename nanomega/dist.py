@@ -22,6 +22,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# One-tensor collectives: newer torch (2.13 here) names them all_gather_single / reduce_scatter_single
+# (pytorch#186123; the old names stay as deprecated wrappers); torch 2.11 and older have only
+# all_gather_into_tensor / reduce_scatter_tensor. Resolved once here, the newer name first.
+ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
         "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0 if n > 1 else 0.0,
         "send": lambda n: 1.0, "recv": lambda n: 0.0}
@@ -73,14 +79,14 @@ class Axis:
 
     def all_gather(self, out, t):  # out: (size * t.shape[0], ...) contiguous
         if self._count("all_gather", out):
-            dist.all_gather_single(out, t, group=self.group)
+            ALL_GATHER_SINGLE(out, t, group=self.group)
         else:
             out.copy_(t)
         return out
 
     def reduce_scatter(self, out, t):  # t: (size * out.shape[0], ...) contiguous, summed then split
         if self._count("reduce_scatter", t):
-            dist.reduce_scatter_single(out, t, group=self.group)
+            REDUCE_SCATTER_SINGLE(out, t, group=self.group)
         else:
             out.copy_(t)
         return out
@@ -95,7 +101,7 @@ class Axis:
             return None
         if op == "all_reduce":
             return dist.all_reduce(out, group=self.group, async_op=True)
-        collective = dist.all_gather_single if op == "all_gather" else dist.reduce_scatter_single
+        collective = ALL_GATHER_SINGLE if op == "all_gather" else REDUCE_SCATTER_SINGLE
         return collective(out, t, group=self.group, async_op=True)
 
     def broadcast(self, t, src_index=0):

@@ -22,6 +22,9 @@ does not see, shows in the reported grad norm, compared at 1e-12 / 1e-6 relative
 """
 import contextlib
 import io
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -491,3 +494,31 @@ def test_bad_input_one_line_errors():
         with pytest.raises(ValueError, match=message) as e:
             ZeroEngine(Toy(), cls, {}, grid=pipeline if "--pp" in message else None, stage=stage)  # no collective
         assert "\n" not in str(e.value)
+
+
+OLD_TORCH = """
+import torch, torch.distributed as td
+for name in ("all_gather_single", "reduce_scatter_single"):  # as in torch 2.11: only the older names
+    if hasattr(td, name):
+        delattr(td, name)
+from nanomega import dist
+assert dist.ALL_GATHER_SINGLE is td.all_gather_into_tensor and dist.REDUCE_SCATTER_SINGLE is td.reduce_scatter_tensor
+td.init_process_group("gloo", store=td.HashStore(), rank=0, world_size=1)
+out = torch.zeros(3)
+dist.ALL_GATHER_SINGLE(out, torch.arange(3.0))
+dist.REDUCE_SCATTER_SINGLE(out, torch.ones(3))
+print(out.tolist())
+"""
+
+
+def test_collectives_run_on_torch_without_the_single_names():
+    """torch 2.11 (the GPU machines' image) lacks torch.distributed.all_gather_single / reduce_scatter_single
+    (newer names, pytorch#186123): dist.py resolves them once, falling back to all_gather_into_tensor /
+    reduce_scatter_tensor. Checked in a fresh process with the new names deleted, and no module may call them
+    past that shim."""
+    res = subprocess.run([sys.executable, "-c", OLD_TORCH], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "[1.0, 1.0, 1.0]", res.stderr[-2000:]
+    root = Path(__file__).resolve().parent.parent / "nanomega"
+    direct = [f"{f.name}:{i}" for f in root.glob("*.py") for i, line in enumerate(f.read_text().splitlines(), 1)
+              if "dist.all_gather_single" in line or "dist.reduce_scatter_single" in line]
+    assert direct == [], f"call dist.ALL_GATHER_SINGLE / REDUCE_SCATTER_SINGLE (nanomega/dist.py) instead: {direct}"
