@@ -28,7 +28,6 @@ import sys
 import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
-from torch.utils import cpp_extension
 
 from nanomega import model
 
@@ -105,6 +104,9 @@ def build_key(sources: list[str], cflags: list[str]) -> str:
 
 def load_extension(verbose: bool = False):
     """Build (cold ~45 s) or load (cached ~0.05 s) the extension; raises if the build fails."""
+    # imported here, not at the top: on a CUDA build of torch without a GPU, importing it logs a warning
+    # line, which would break "bad input gets one clear line" for every command that imports nanomega
+    from torch.utils import cpp_extension
     with_cuda = torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
     if torch.cuda.is_available() and not with_cuda:
         print("nanomega.fused: CUDA but no CUDA toolkit (nvcc): CPU kernels only, CUDA tensors take the "

@@ -121,7 +121,7 @@ def check(name, op, inputs, grad):
         assert_within(g, w, bound(name, S, n, g.dtype), f"{name} output {i}")
 
 
-@pytest.mark.parametrize("name,op,shapes", cases())
+@pytest.mark.parametrize("name,op,shapes", list(cases()))
 def test_forward_backward_fp32(ext, name, op, shapes):
     torch.manual_seed(0)
     inputs = [torch.randn(s) * 3 for s in shapes]  # * 3: GeLU's tails and the softmax's spread matter
@@ -129,7 +129,7 @@ def test_forward_backward_fp32(ext, name, op, shapes):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("name,op,shapes", cases())
+@pytest.mark.parametrize("name,op,shapes", list(cases()))
 def test_low_precision_matches_fp32_reference(ext, name, op, shapes, dtype):
     torch.manual_seed(0)
     inputs = [torch.randn(s).to(dtype) for s in shapes]
