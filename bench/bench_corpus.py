@@ -1,4 +1,4 @@
-"""Corpus preparation (nanomega/corpus.py): tokens/s against a one-process tiktoken loop over the same text,
+"""Corpus preparation (nanomega/tools/corpus.py): tokens/s against a one-process tiktoken loop over the same text,
 and peak RSS for the embedded corpus x1 and x10 (bounded: the x10 run must not hold 10x the memory).
 
     python bench/bench_corpus.py [--scale 10] [--workers 2] [--tokenizer shakespeare-4k]
@@ -34,11 +34,11 @@ def make_corpus(folder, scale, files=10, doc_chars=4000):
 
 def child(kind, corpus, tokenizer, workers, out):
     """Runs in its own process; prints one JSON line."""
-    from nanomega import corpus as C
+    from nanomega.tools import corpus as C
     t0 = time.perf_counter()
     if kind == "loop":  # the baseline: read every document, encode it, count the tokens; one process
         enc, tokens = data.get_tokenizer(tokenizer), 0
-        for path in C.corpus_files(corpus):
+        for path in data.corpus_files(corpus):
             for line in open(path):
                 tokens += len(enc.encode_ordinary(json.loads(line)["text"])) + 1
     else:

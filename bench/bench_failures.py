@@ -55,8 +55,9 @@ def async_stall(root, reps=7):
     reused buffers + thread start, and the step boundary that hands the manifest to a thread), interleaved so that other jobs on the cores disturb both alike; and the
     floor: one copy of the same bytes between two warm buffers (memory bandwidth). Returns a dict of medians."""
     import torch
-    from nanomega import args as flags
-    from nanomega import data, dist, faults, precision, train
+    from nanomega.ops import args as flags
+    from nanomega import data, dist, precision, train
+    from nanomega.ops import faults
     torch.set_num_threads(1)  # as each rank under torchrun; 2 threads on 2 shared cores: see bench/RESULTS.md
     a = flags.get_args(["--n-layer", "4", "--n-head", "4", "--n-embd", "256", "--block-size", "64", "--dropout", "0"])
     cfg = flags.model_config(a)

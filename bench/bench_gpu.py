@@ -17,9 +17,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanomega import args as flags  # noqa: E402
-from nanomega import dist, meter, train  # noqa: E402
-from nanomega.model import flops_per_token  # noqa: E402
+from nanomega.ops import args as flags  # noqa: E402
+from nanomega import dist, train  # noqa: E402
+from nanomega.ops import meter  # noqa: E402
+from nanomega.formulas import model_flops_per_token as flops_per_token  # noqa: E402
 
 GPT2 = ["--n-layer", "12", "--n-head", "12", "--n-embd", "768", "--block-size", "1024", "--dropout", "0",
         "--dtype", "bf16"]

@@ -8,7 +8,7 @@ One process, a world of one, zero.ZeroEngine (fp32 masters) + AdamW, as train.py
                 step, the allocator returning every freed tensor to the kernel (MALLOC_MMAP_THRESHOLD_=65536,
                 set by re-executing this script); and the peak bytes autograd saved (recompute.ActivationMeter:
                 it does not see the one layer a full recompute rebuilds inside backward)
-  formula       per-layer saved bytes from plan_formulas.activation_bytes_per_layer with CPU bytes per
+  formula       per-layer saved bytes from formulas.activation_bytes_per_layer with CPU bytes per
                 element, x n_layer
                 (printed for dropout > 0 only, the formula's assumption)
 Usage: python bench/bench_precision_recompute.py [--steps 5] [--threads 1] [--dropout 0.1]
@@ -25,7 +25,7 @@ from bench_pp import rss_peak_rise
 from nanomega import dist, pp
 from nanomega.model import GPT, GPTConfig
 from nanomega.precision import DTYPES, cast_model
-from nanomega.plan_formulas import activation_bytes_per_layer
+from nanomega.formulas import activation_bytes_per_layer
 from nanomega.recompute import ActivationMeter, apply_recompute
 from nanomega.zero import ZeroEngine
 

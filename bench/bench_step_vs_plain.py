@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanomega import args as flags  # noqa: E402
+from nanomega.ops import args as flags  # noqa: E402
 from nanomega import dist, train  # noqa: E402
 
 

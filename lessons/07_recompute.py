@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from check import check
 from nanomega.model import GPT, GPTConfig
 from nanomega.precision import cast_model
-from nanomega.plan_formulas import activation_bytes_per_layer
+from nanomega.formulas import activation_bytes_per_layer
 from nanomega.recompute import apply_recompute, saved_bytes_per_layer
 
 s, b, h, a, L, V = 256, 2, 64, 4, 2, 256

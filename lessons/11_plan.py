@@ -8,7 +8,8 @@ from dataclasses import replace
 
 from check import check
 
-from nanomega import plan as P, plan_formulas as F
+from nanomega import formulas as F
+from nanomega.tools import plan as P
 
 print("== ZeRO (Rajbhandari et al. 2020, Fig. 1): 7.5B parameters, 64 GPUs, fp16 + Adam (2 + 2 + K=12 bytes)")
 for stage, published in enumerate([120, 31.4, 16.6, 1.9]):

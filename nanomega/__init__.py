@@ -1,0 +1,27 @@
+"""nanomega: large-language-model training the way Megatron-LM and DeepSpeed do it, one concept per file.
+
+Read the concepts in the lessons' order (lessons/README.md); each module's docstring gives its Idea, its
+Formula and its lesson:
+
+    00  dist.py                  the rank grid (dp, pp, tp) and the Axis every collective goes through, in bytes
+    01  model.py                 the dense GPT: the reference every sharded form is tested against
+        data.py                  text -> tokens -> this rank's resumable batches
+    02  ddp.py                   data parallelism: gradient buckets reduced while backward runs
+        flat.py                  flat buffers and their shards: the bookkeeping under ZeRO
+        zero.py                  ZeRO-1/2: the optimizer over this rank's pieces
+        zero3.py                 ZeRO-3: parameter units gathered on demand
+    03  tp.py, rng.py            tensor parallelism (Megatron's f/g) and its dropout RNG
+    04  tp.py                    sequence parallelism (the same file: all-gather / reduce-scatter for f/g)
+    05  pp.py, schedules.py      pipeline stages; GPipe / 1F1B / interleaved as plain data and a simulator
+    06  precision.py             bf16 / fp16, fp32 masters, loss scaling
+    07  recompute.py             full and selective activation recompute
+    08  fused.py, csrc/          fused C++/CUDA kernels
+    09  train.py                 the composer: TP -> PP -> recompute -> precision -> DP/ZeRO, then the loop
+    10  checkpoint.py, reshard.py  sharded checkpoints; any layout loads any other
+    11  formulas.py              the closed forms (FLOPs, bytes, activations) the planner and the tests use
+
+Beside the concepts, two folders a student may skip:
+    ops/    running a job: flags and their checks, failure handling, health check, meter (MFU, memory)
+    tools/  commands around training: planner, HF interchange, plots, sampling, corpus and tokenizer preparation
+Imports point down: tools -> ops -> concepts; model.py imports nothing of ours.
+"""

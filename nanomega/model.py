@@ -20,8 +20,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanomega import plan_formulas
-
 
 @dataclass
 class GPTConfig:
@@ -227,17 +225,3 @@ class GPT(nn.Module):
         if self.head is None:
             return x
         return self.head(x, targets)
-
-
-def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> float:
-    """Training FLOPs per token of this model: plan_formulas.flops_per_token's 6 N' + 12 L h s (PaLM appendix
-    B; nanoGPT's estimate_mfu) with N' counted from the config.
-
-    N' counts every parameter that takes part in a matmul: blocks, and the (tied) vocab matrix once, since
-    the LM head multiplies by it; position embeddings are a lookup and are left out. LayerNorm and bias
-    parameters are included, as in the 6N rule (they are a ~1e-3 correction).
-    """
-    L, h, s = cfg.n_layer, cfg.n_embd, seq_len or cfg.block_size
-    per_layer = plan_formulas.layer_params(h)  # qkv 3h^2+3h, proj h^2+h, fc 4h^2+4h, proj 4h^2+h, 2 LN 4h
-    n = L * per_layer + cfg.padded_vocab_size * h + 2 * h + (2 * h if cfg.embed_layernorm else 0)
-    return plan_formulas.flops_per_token(n, L, h, s)

@@ -14,7 +14,7 @@ inputs are saved before it runs); Megatron's selective recompute reruns both (4b
 Both rely on torch.utils.checkpoint (non-reentrant) with the RNG state saved at forward and restored for
 the rerun, so dropout draws the same masks and the gradients are bitwise those of no recompute.
 The 34 and 5 assume Megatron's kernels (1-byte dropout masks, 2-byte softmax output); the formula's one home,
-plan_formulas.activation_bytes_per_layer, takes the bytes per element as arguments, and `ActivationMeter`
+formulas.activation_bytes_per_layer, takes the bytes per element as arguments, and `ActivationMeter`
 (pp.py's schedules are measured with it too) counts what autograd really keeps.
 Lesson: lessons/07-activation-recompute.md
 """

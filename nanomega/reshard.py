@@ -73,7 +73,7 @@ def _assemble(shards, need=None, tp_size=None):
             raise ValueError(f"--resume: the checkpoint holds only part of {name}; it is incomplete")
     full = {}
     for name, by_rank in local.items():
-        t = 1 if tp._rule(name) is None else tp_size or max(by_rank) + 1  # replicated: any one copy
+        t = 1 if tp.shard_rule(name) is None else tp_size or max(by_rank) + 1  # replicated: any one copy
         if need is None and t > 1 and sorted(by_rank) != list(range(t)):
             raise ValueError(f"--resume: the checkpoint holds only part of {name}; it is incomplete")
         some = next(iter(by_rank.values()))
@@ -101,7 +101,7 @@ def _needed(engine, grid, saved_tp):
         source = "embed.wte.weight" if getattr(params.get(name), "shared_embedding", False) else name
         if t == saved_tp:
             need.setdefault((source, r), []).extend(ranges)
-        elif tp._rule(source) is None:
+        elif tp.shard_rule(source) is None:
             need[(source, 0)] = [(0, None)]
         else:  # saved slice q of saved_tp overlaps this rank's slice r of t
             for q in range(saved_tp):

@@ -224,13 +224,14 @@ _SPLIT = {"wte.weight": (0, 1), "lm_head.weight": (0, 1), "c_attn.weight": (0, 3
           "c_fc.weight": (0, 1), "fc_bias": (0, 1), "c_proj.weight": (1, 1)}
 
 
-def _rule(name):
+def shard_rule(name):
+    """(sharded dim, interleaved groups) of the GPT parameter `name` across tp, or None: replicated."""
     return next((rule for suffix, rule in _SPLIT.items() if name == suffix or name.endswith("." + suffix)), None)
 
 
 def shard_param(name, full, tp_rank, tp_size):
     """This tp rank's slice (a view) of the full GPT parameter `name`; replicated parameters come back whole."""
-    rule = _rule(name)
+    rule = shard_rule(name)
     if rule is None:
         return full
     dim, groups = rule
@@ -239,7 +240,7 @@ def shard_param(name, full, tp_rank, tp_size):
 
 def unshard_param(name, shards):
     """The full parameter from the tp ranks' slices, in rank order (inverse of shard_param)."""
-    rule = _rule(name)
+    rule = shard_rule(name)
     if rule is None:
         return shards[0]
     dim, groups = rule

@@ -26,10 +26,13 @@ import torch
 if __package__ in (None, ""):  # `python nanomega/train.py`: make the package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nanomega import args as flags
-from nanomega import checkpoint, corpus, data, dist, faults, fused, health, meter, pp, precision, recompute, rng
+from nanomega.ops import args as flags
+from nanomega import checkpoint, data, dist, fused, pp, precision, recompute, rng
+from nanomega.ops import faults, health, meter
+from nanomega.tools import corpus
 from nanomega import reshard, schedules, tp, zero
-from nanomega.model import GPT, flops_per_token
+from nanomega.model import GPT
+from nanomega.formulas import model_flops_per_token
 
 
 def lr_at(step, args):
@@ -44,14 +47,14 @@ def load_data(args, world, log):
     """(train, val) windows: prepared shards (--data; or a many-file --corpus, prepared into the cache by
     corpus.py), or the single-file cache of data.prepare (one .txt file: the embedded default)."""
     cache = args.data_cache or os.path.join(args.out_dir, "data")
-    files = None if args.data else corpus.corpus_files(args.corpus)
+    files = None if args.data else data.corpus_files(args.corpus)
     if files and len(files) == 1 and files[0].name.endswith((".txt", ".txt.gz")):
         meta = data.prepare(files[0], args.tokenizer, cache)
         return [data.TokenDataset(meta[f"{s}_bin"], meta["dtype"], args.block_size) for s in ("train", "val")]
-    index = corpus.load_index(args.data) if args.data else corpus.cached(
+    index = data.load_index(args.data) if args.data else corpus.cached(
         args.corpus, args.tokenizer, cache, workers=max(1, (os.cpu_count() or 1) // world),
         text_field=args.text_field, progress=log)
-    return [data.TokenDataset(corpus.split_paths(index, s), index["dtype"], args.block_size) for s in ("train", "val")]
+    return [data.TokenDataset(data.split_paths(index, s), index["dtype"], args.block_size) for s in ("train", "val")]
 
 
 def build(args, cfg, grid):
@@ -140,7 +143,7 @@ def rank_state(engine, sampler, scaler, step, grid, spikes=None, copy=True):
 
 def main(argv=None):
     args = flags.get_args(argv)
-    with faults.job(args):  # preemption signals, the out-dir lock, no orphans (nanomega/faults.py)
+    with faults.job(args):  # preemption signals, the out-dir lock, no orphans (nanomega/ops/faults.py)
         return train(args)
 
 
@@ -161,7 +164,7 @@ def train(args):
 
     peak, source = announce(args, cfg, grid, n_params=n_params, global_batch=global_batch, log=log)
     metrics = meter.MetricsLog(args.out_dir, step, enabled=log, device=grid.device, world=grid.world,
-                               flops_per_token=flops_per_token(cfg), peak=peak, source=source,
+                               flops_per_token=model_flops_per_token(cfg), peak=peak, source=source,
                                tokens_per_step=global_batch * args.block_size,
                                log_every=args.log_every)
     skips, watchdog = faults.Skips(args.max_skipped), faults.Watchdog(args, grid)
@@ -200,7 +203,7 @@ def start(args, cfg, dp):
         health.gate(grid)
     if grid.rank == grid.world - 1 and args.model:
         print(f"--model {args.model}: n_layer {cfg.n_layer}, n_head {cfg.n_head}, n_embd {cfg.n_embd}, block_size "
-              f"{cfg.block_size} (nanomega/presets.py; explicit shape flags override it)")
+              f"{cfg.block_size} (nanomega/ops/presets.py; explicit shape flags override it)")
     return grid
 
 
@@ -227,7 +230,7 @@ def announce(args, cfg, grid, *, n_params, global_batch, log):
         print(warning, file=sys.stderr)
     if args.tp > 1:
         print(f"vocab padded from {cfg.vocab_size} to {cfg.padded_vocab_size} (a multiple of 128 x tp)")
-    print(f"{grid}\nmodel: {n_params / 1e6:.2f}M parameters, {flops_per_token(cfg) / 1e6:.1f} MFLOP/token; "
+    print(f"{grid}\nmodel: {n_params / 1e6:.2f}M parameters, {model_flops_per_token(cfg) / 1e6:.1f} MFLOP/token; "
           f"global batch {global_batch} x {args.block_size} tokens; attention {args.attention}; "
           f"peak {peak / 1e9:,.0f} GFLOP/s per rank ({source})")
     os.makedirs(args.out_dir, exist_ok=True)
@@ -247,7 +250,7 @@ def train_step(step, *, args, model, engine, grid, sampler, train_set, scaler, s
     trace = schedules.Trace(grid.pp_rank) if grid.pp.size > 1 and step == min(1, args.max_steps - 1) else None
     with faults.poisoned(model) if fault == "nan" else contextlib.nullcontext():  # this rank's loss becomes NaN
         loss = forward_backward(model, engine, grid, batches, args, loss_scale=scaler.scale, trace=trace)
-    if trace and grid.dp_rank == 0 and grid.tp_rank == 0:  # step 1's pipeline timeline, for nanomega.plot
+    if trace and grid.dp_rank == 0 and grid.tp_rank == 0:  # step 1's pipeline timeline, for nanomega.tools.plot
         save_trace(trace, args.out_dir)
     watchdog.beat(step + 1, "backward done")
     loss = torch.as_tensor(loss, dtype=torch.float32, device=grid.device).reshape(1)
@@ -327,7 +330,7 @@ def save_trace(trace, out_dir):
 def restore(folder, cfg, grid, layout, *, engine, scaler, spikes, sampler=None):
     """Load a checkpoint into this rank's engine, loss scaler, RNG (same layout) and, if given, sampler."""
     state = reshard.load(folder, cfg, engine, grid, layout)
-    fresh = state["sampler"] is None  # a step-0 import (nanomega.hf): the data and the loss scale start fresh
+    fresh = state["sampler"] is None  # a step-0 import (nanomega.tools.hf): the data and the loss scale start fresh
     if sampler is not None and not fresh:
         sampler.load_state_dict(state["sampler"])
     if not fresh:

@@ -1,11 +1,11 @@
 """Every figure the lessons and the README show, from real runs: `python scripts/figures.py` trains the small runs
-below on this machine's CPU, draws them with nanomega.plot and writes lessons/figures/*.png (the ones committed).
+below on this machine's CPU, draws them with nanomega.tools.plot and writes lessons/figures/*.png (the ones committed).
 
     python scripts/figures.py            # all runs, then all figures (~3.5 min on 2 shared cores)
     python scripts/figures.py --keep DIR # keep the runs' out-dirs in DIR (default: a temporary folder, removed)
     python scripts/figures.py 07_memory_recompute.png   # only these figures (and only the runs they draw)
 
-RUNS are train.py command lines; FIGURES say which runs each picture overlays and which of nanomega.plot's files
+RUNS are train.py command lines; FIGURES say which runs each picture overlays and which of nanomega.tools.plot's files
 (loss.png, throughput.png, timeline_<run>.png) it keeps, under which name. tests/test_figures.py checks that the
 lessons and the README reference exactly these files and that every run's flags pass train.py's checks.
 Timings in the throughput panels are this CPU's (the script prints which one): read them next to it.
@@ -55,7 +55,7 @@ RUNS = {
     "recompute-full": (1, [*ACTIVATIONS, "--recompute", "full"], True),
 }
 
-# figure file: (runs overlaid, their labels, the nanomega.plot file kept)
+# figure file: (runs overlaid, their labels, the nanomega.tools.plot file kept)
 FIGURES = {
     "readme_loss.png": (["readme-dense", "readme-pp2-1f1b"], ["dense", "pp2-1f1b"], "loss.png"),
     "readme_throughput.png": (["readme-dense", "readme-pp2-1f1b"], ["dense", "pp2-1f1b"], "throughput.png"),
@@ -98,7 +98,7 @@ def train_all(root, names):
 
 
 def draw(root, figures, folder=FOLDER):
-    from nanomega import plot
+    from nanomega.tools import plot
     folder.mkdir(parents=True, exist_ok=True)
     for figure in figures:
         runs, labels, kept = FIGURES[figure]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nanomega import args as flags
+from nanomega.ops import args as flags
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,7 +59,7 @@ def test_cli_reports_layout_error_in_one_line_without_starting(tmp_path):
 
 
 def test_model_preset_sets_the_shape_and_explicit_flags_override():
-    from nanomega.presets import PRESETS
+    from nanomega.ops.presets import PRESETS
     a = flags.get_args(["--model", "gpt2-124m"])
     assert (a.n_layer, a.n_head, a.n_embd, a.block_size, a.alibi) == (12, 12, 768, 1024, False)
     a = flags.get_args(["--model", "bloom-176b", "--n-layer", "2", "--n-embd=112", "--block-size", "64"])

@@ -1,4 +1,4 @@
-"""Corpora (nanomega/corpus.py): many jsonl/txt files -> token shards + index, in parallel, bounded; the
+"""Corpora (nanomega/tools/corpus.py): many jsonl/txt files -> token shards + index, in parallel, bounded; the
 shards read as one window sequence; train.py --data trains and resumes exactly from them."""
 import gzip
 import hashlib
@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from nanomega import corpus, data, train
+from nanomega import data, train
+from nanomega.tools import corpus
 
 TEXT = data.read_corpus(data.DEFAULT_CORPUS)
 
@@ -55,10 +56,10 @@ def test_shards_hold_every_document_in_order_with_eot(docs_dir, tmp_path, capsys
     # a second prepare of the same corpus reuses the folder; a glob selects files
     assert corpus.prepare(root, "shakespeare-4k", tmp_path / "prep", workers=2, shard_tokens=4000)["shards"] == \
         index["shards"]
-    assert [p.name for p in corpus.corpus_files(str(root / "*.jsonl*"))] == ["a.jsonl", "b.jsonl.gz", "c.jsonl"]
+    assert [p.name for p in data.corpus_files(str(root / "*.jsonl*"))] == ["a.jsonl", "b.jsonl.gz", "c.jsonl"]
 
     # windows never cross a shard; the global index runs over the shards in order
-    ds = data.TokenDataset(corpus.split_paths(index, "train"), index["dtype"], 64)
+    ds = data.TokenDataset(data.split_paths(index, "train"), index["dtype"], 64)
     sizes = [s["tokens"] for s in index["shards"] if s["split"] == "train"]
     assert len(ds) == sum((n - 1) // 64 for n in sizes)
     x, y = ds.get([(sizes[0] - 1) // 64])  # the first window of shard 1
@@ -76,7 +77,7 @@ def test_plain_progress_without_tqdm_and_bad_line(docs_dir, tmp_path, monkeypatc
         corpus.prepare(bad, "shakespeare-4k", tmp_path / "bad", workers=1)
     assert not (tmp_path / "bad").exists()
     with pytest.raises(FileNotFoundError, match=r"--corpus .*nothing\*.jsonl names no"):
-        corpus.corpus_files(str(tmp_path / "nothing*.jsonl"))
+        data.corpus_files(str(tmp_path / "nothing*.jsonl"))
 
 
 def test_train_from_shards_resumes_exactly(docs_dir, tmp_path, one_thread):

@@ -11,7 +11,8 @@ import regex
 import torch
 from tiktoken.load import load_tiktoken_bpe
 
-from nanomega import data, tokenizer
+from nanomega import data
+from nanomega.tools import tokenizer
 
 TEXT = data.read_corpus(data.DEFAULT_CORPUS)
 

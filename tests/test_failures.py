@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega import args as flags
-from nanomega import checkpoint, dist, health, reshard, train
+from nanomega.ops import args as flags
+from nanomega import checkpoint, dist, reshard, train
+from nanomega.ops import health
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -274,7 +275,7 @@ def test_sigterm_to_torchrun_checkpoints_at_the_next_step(corpus, tmp_path):
 def test_health_check_names_the_slow_rank(tmp_path):
     """Health check: rank 1 made 4x slower is named, the exit is non-zero; every rank agrees on the known sum."""
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        "-m", "nanomega.health", "--slow-rank", "1", "--ranks-as-hosts"], cwd=ROOT, capture_output=True, text=True,
+                        "-m", "nanomega.ops.health", "--slow-rank", "1", "--ranks-as-hosts"], cwd=ROOT, capture_output=True, text=True,
                        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)), timeout=120)
     assert p.returncode != 0 and "health: rank 1 (" in p.stderr and "health: rank 0" not in p.stderr, p.stderr[-2000:]
     assert "WRONG" not in p.stdout and "all-reduce on dp:" in p.stdout and "host pair rank0 - rank1:" in p.stdout

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nanomega import args as args_module
+from nanomega.ops import args as args_module
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+\.png)\)")

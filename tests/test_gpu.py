@@ -136,7 +136,7 @@ def test_save_resume_bitwise_and_sample_on_cpu(corpus, tmp_path):
     b = reshard.full_weights(checkpoint.latest(resumed))
     assert all(torch.equal(a[k], b[k]) for k in a)
     no_gpu = dict(CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run([sys.executable, "nanomega/sample.py", "--out-dir", str(resumed), "--max-new-tokens", "8"],
+    res = subprocess.run([sys.executable, "nanomega/tools/sample.py", "--out-dir", str(resumed), "--max-new-tokens", "8"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONPATH=str(ROOT), **no_gpu))
     assert res.returncode == 0 and res.stdout.strip(), res.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""HF GPT-2 in and out (nanomega/hf.py): a GPT-2 built here (no download) is imported, fine-tuned dense and
+"""HF GPT-2 in and out (nanomega/tools/hf.py): a GPT-2 built here (no download) is imported, fine-tuned dense and
 under tp=2, sampled, exported and loaded back by transformers.
 
 Tolerance: nanomega and transformers run the same fp32 operations in a different order (Conv1D's addmm vs
@@ -21,7 +21,8 @@ import torch
 pytest.importorskip("transformers", reason="the hf extra (transformers, safetensors) is not installed")
 import transformers  # noqa: E402
 
-from nanomega import data, dist, hf, sample, tokenizer, train  # noqa: E402
+from nanomega import data, dist, train  # noqa: E402
+from nanomega.tools import hf, sample, tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 V = 4001
@@ -109,7 +110,7 @@ def test_import_finetune_tp2_sample_export(setup):
     text = corpus.read_text()[:3000]
     assert fast.encode(text) == data.get_tokenizer(tok).encode_ordinary(text)
 
-    out = subprocess.run([sys.executable, "-m", "nanomega.sample", "--out-dir", str(root / "tp2"),
+    out = subprocess.run([sys.executable, "-m", "nanomega.tools.sample", "--out-dir", str(root / "tp2"),
                           "--max-new-tokens", "20", "--prompt", "ROMEO:"], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0 and out.stdout.startswith("ROMEO:"), out.stderr[-2000:]
@@ -123,7 +124,7 @@ def test_not_gpt2_is_refused_in_one_line(setup, tmp_path):
     m = json.loads(manifest.read_text())
     m["config"]["alibi"] = True
     manifest.write_text(json.dumps(m))
-    res = subprocess.run([sys.executable, "-m", "nanomega.hf", "export", "--out-dir", str(out), "--to",
+    res = subprocess.run([sys.executable, "-m", "nanomega.tools.hf", "export", "--out-dir", str(out), "--to",
                           str(tmp_path / "x")], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "ALiBi" in res.stderr, res.stderr

@@ -1,4 +1,4 @@
-"""MFU and memory (nanomega/meter.py) as the trainer reports them, and one device sync per step."""
+"""MFU and memory (nanomega/ops/meter.py) as the trainer reports them, and one device sync per step."""
 import json
 import time
 from pathlib import Path
@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega import dist, meter, train
+from nanomega import dist, train
+from nanomega.ops import meter
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS_CHARS = 100_000  # of the embedded corpus, for conftest's `corpus`

@@ -4,8 +4,9 @@ import math
 import pytest
 import torch
 
-from nanomega.model import GPT, GPTConfig, alibi_slopes, flops_per_token
-from nanomega.args import get_args
+from nanomega.formulas import model_flops_per_token as flops_per_token
+from nanomega.model import GPT, GPTConfig, alibi_slopes
+from nanomega.ops.args import get_args
 from nanomega.train import lr_at
 from tolerance import gamma
 

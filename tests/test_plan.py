@@ -1,8 +1,10 @@
 """The planner's formulas against published figures, the dense model, and hand counts; the CLI end to end."""
 import pytest
 
-from nanomega import plan as P, plan_formulas as F
-from nanomega.model import GPT, GPTConfig, flops_per_token as model_flops_per_token
+from nanomega import formulas as F
+from nanomega.tools import plan as P
+from nanomega.model import GPT, GPTConfig
+from nanomega.formulas import model_flops_per_token
 
 GPT3 = P.MODELS["gpt3-175b"]
 

@@ -1,11 +1,11 @@
-"""The planner's formulas (nanomega/plan_formulas.py) against what real CPU runs of the ZeRO engine measure:
+"""The planner's formulas (nanomega/formulas.py) against what real CPU runs of the ZeRO engine measure:
 bytes held per rank and bytes sent per step, ZeRO stages 0-3 at dp = 2 (a bf16 model, bf16 gradients, AdamW)."""
 import sys
 from pathlib import Path
 
 import pytest
 
-from nanomega import dist, plan_formulas
+from nanomega import dist, formulas
 from nanomega.dist import RING
 from nanomega.model import GPT
 
@@ -25,9 +25,9 @@ def test_planner_predicts_measured_bytes(measured, stage):
     psi = sum(p.numel() for p in GPT(zero_lesson.CFG).parameters())
     r = measured[stage]
     held = sum(r["memory"].values())
-    predicted = sum(plan_formulas.zero_state_bytes(psi, stage, 2, param_bytes=2, grad_bytes=2, optim_bytes=12))
+    predicted = sum(formulas.zero_state_bytes(psi, stage, 2, param_bytes=2, grad_bytes=2, optim_bytes=12))
     assert held == predicted + 4 * r["pieces"]  # + AdamW's 4-byte step counter per parameter piece
     sent = sum(RING[op](2) * b for op, b in r["bytes"].items())
     # + 8: sharded gradients need the global norm's fp64 sum of squares all-reduced over dp (one scalar)
     norm = 8 * RING["all_reduce"](2) if stage else 0
-    assert sent == plan_formulas.dp_comm_bytes(psi, stage, 2, dtype_bytes=2) + norm
+    assert sent == formulas.dp_comm_bytes(psi, stage, 2, dtype_bytes=2) + norm

@@ -1,4 +1,4 @@
-"""nanomega/plot.py: PNGs of real runs (a pp=2 run overlaid on the dense one) and the pipeline timeline that
+"""nanomega/tools/plot.py: PNGs of real runs (a pp=2 run overlaid on the dense one) and the pipeline timeline that
 train.py records for step 1."""
 import gzip
 from pathlib import Path
@@ -7,7 +7,8 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
 
-from nanomega import dist, plot, train  # noqa: E402
+from nanomega import dist, train  # noqa: E402
+from nanomega.tools import plot
 
 ROOT = Path(__file__).resolve().parent.parent
 FLAGS = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "2",

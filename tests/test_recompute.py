@@ -2,7 +2,7 @@
 its formulas give, on a dense model, a pipeline stage, a tensor-parallel model and under ZeRO 0-3 with a
 bf16 model (one spawned world of 2 holding the tp, pp and dp grids).
 
-Saved-bytes assumptions (CPU torch 2.13, dropout > 0, stated in plan_formulas.activation_bytes_per_layer): activations
+Saved-bytes assumptions (CPU torch 2.13, dropout > 0, stated in formulas.activation_bytes_per_layer): activations
 `act` bytes (4 fp32, 2 bf16); dropout masks kept by CPU dropout as a tensor of the activation dtype
 (mask = act; a CUDA bool mask would be 1 byte, as in the paper); softmax output saved in fp32 by
 model.causal_softmax (probs = 4). Small terms the formula leaves out: LayerNorm mean and rstd (2 x 2 sb
@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from nanomega import dist, pp, recompute, tp
 from nanomega.model import GPT, GPTConfig
 from nanomega.precision import cast_model
-from nanomega.plan_formulas import activation_bytes_per_layer
+from nanomega.formulas import activation_bytes_per_layer
 from nanomega.recompute import apply_recompute, saved_bytes_per_layer
 from nanomega.rng import model_parallel_seed
 from nanomega.zero import ZeroEngine

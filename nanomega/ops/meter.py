@@ -1,7 +1,7 @@
 """Model FLOPs utilisation and memory: how much of the hardware a training step uses.
 
 Idea (PaLM, appendix B): MFU = model FLOPs per token x tokens per second / (devices x peak FLOP/s). The
-numerator counts the model's own arithmetic (model.flops_per_token: 6N + 12 L h s), not what recompute
+numerator counts the model's own arithmetic (formulas.model_flops_per_token: 6N + 12 L h s), not what recompute
 adds; the denominator is the device's peak in the dtype the matmuls run in:
     a GPU we know   its datasheet number (dense, no 2:4 sparsity), from the table below
     --peak-flops    the user's number (another GPU, a known CPU)

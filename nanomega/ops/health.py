@@ -10,7 +10,7 @@ Idea: one bad device slows (or silently corrupts) a whole synchronous job, so ch
                 hosts made of network namespaces, one cable rate-limited (scripts/local_cluster.sh --slow-link)
 A table on the last rank, and a non-zero exit naming the bad rank or host.
 
-    torchrun --nproc_per_node=2 -m nanomega.health            # alone
+    torchrun --nproc_per_node=2 -m nanomega.ops.health            # alone
     torchrun ... nanomega/train.py --health-check ...          # before training
 `--slow-rank K` (tests, lessons) makes rank K sleep 3x as long as its matmul takes: a quarter of the rate.
 Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
@@ -168,5 +168,10 @@ def main(argv=None):
     return 5 if problems else 0
 
 
-if __name__ == "__main__":
+def cli():
+    """The console script (pyproject [project.scripts])."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

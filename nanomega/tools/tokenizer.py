@@ -16,7 +16,7 @@ merges * corpus size.
 Vocabulary: 256 bytes + 3839 merges = 4095 mergeable ranks, + <|endoftext|> = 4096 = 32 * 128, so the
 embedding needs no padding rows for tensor parallelism up to tp = 32 (GPTConfig pads to 128 * tp).
 Ties between equally frequent pairs go to the smallest (left id, right id), so training is
-deterministic: `python -m nanomega.tokenizer` rewrites nanomega/assets/shakespeare-4k.tiktoken byte
+deterministic: `python -m nanomega.tools.tokenizer` rewrites nanomega/assets/shakespeare-4k.tiktoken byte
 for byte (4095 ranks from the 4.8 MB training split in ~5 s on one CPU core).
 Lesson: lessons/01-dense-model.md
 """

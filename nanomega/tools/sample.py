@@ -1,4 +1,4 @@
-"""Generate text from a checkpoint: `python nanomega/sample.py --out-dir out --prompt "ROMEO:"`.
+"""Generate text from a checkpoint: `python -m nanomega.tools.sample --out-dir out --prompt "ROMEO:"`.
 
 Idea: autoregressive sampling -- run the model on the context (the last block_size tokens), take the last
 position's logits, divide by the temperature, keep the top k, sample, append, repeat.
@@ -12,10 +12,11 @@ import sys
 
 import torch
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # `python nanomega/tools/sample.py`: make the package importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from nanomega import checkpoint, data, faults, reshard
+from nanomega import checkpoint, data, reshard
+from nanomega.ops import faults
 from nanomega.model import GPT, GPTConfig
 
 
@@ -72,5 +73,10 @@ def main(argv=None):
         print("-" * 40)
 
 
-if __name__ == "__main__":
+def cli():
+    """The console script (pyproject [project.scripts])."""
     faults.entrypoint(main)  # bad input: one line, exit 2
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,7 +1,7 @@
 """Model presets: one table of named shapes, read by the trainer (`train.py --model NAME`) and the planner.
 
 Idea: a shape is five numbers and two switches; naming them once keeps `train.py --model gpt2-124m` and
-`python -m nanomega.plan --model gpt2-124m` talking about the same model. Keys are GPTConfig's field names, so
+`python -m nanomega.tools.plan --model gpt2-124m` talking about the same model. Keys are GPTConfig's field names, so
 `GPTConfig(**PRESETS[name])` is the model. It lives in its own module, next to nothing: model.py imports
 nothing of ours, plan.py must not pull in train.py's flags, and args.py must not import the planner.
 The trainer takes the shape and keeps its own tokenizer's vocabulary (the data decides the vocabulary);

@@ -1,4 +1,4 @@
-"""Pictures of runs: `python -m nanomega.plot OUT [OUT2 ...] [--to DIR]` writes PNGs from metrics.jsonl.
+"""Pictures of runs: `python -m nanomega.tools.plot OUT [OUT2 ...] [--to DIR]` writes PNGs from metrics.jsonl.
 
     loss.png        train and validation loss against steps and against tokens, the runs overlaid
                     (e.g. a tp x pp layout on top of the dense run: the curves must coincide)
@@ -15,7 +15,8 @@ import json
 import os
 from pathlib import Path
 
-from nanomega import faults, schedules
+from nanomega import schedules
+from nanomega.ops import faults
 
 
 def read_run(out):
@@ -124,10 +125,15 @@ def main(argv=None):
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ValueError("nanomega.plot needs matplotlib: pip install 'nanomega[plot]'") from None
+        raise ValueError("nanomega.tools.plot needs matplotlib: pip install 'nanomega[plot]'") from None
     for path in plot(args.outs, args.to or os.path.join(args.outs[0], "plots")):
         print(path)
 
 
-if __name__ == "__main__":
+def cli():
+    """The console script (pyproject [project.scripts])."""
     faults.entrypoint(main)  # bad input: one line, exit 2
+
+
+if __name__ == "__main__":
+    cli()

@@ -11,10 +11,11 @@ import sys
 
 import torch
 
-from nanomega import corpus, data, dist, faults, pp, precision, presets, recompute, tp, zero
+from nanomega import data, dist, pp, precision, recompute, tp, zero
+from nanomega.ops import faults, presets
 from nanomega.model import GPTConfig
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # nanomega/ops/ -> the checkout
 FAULTS = ("raise", "nan", "sigterm", "hang", "spike")  # --inject-fault KIND (faults.inject_fault)
 
 
@@ -22,7 +23,7 @@ def get_args(argv=None):
     """The flags, in the groups `--help` shows (one flag per line); --model fills the shape flags not given."""
     p = argparse.ArgumentParser(description="Train a GPT with any tp x pp x dp x ZeRO layout.")
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, help="a preset shape from nanomega/presets.py (gpt2-124m, ...); "
+    g.add_argument("--model", default=None, help="a preset shape from nanomega/ops/presets.py (gpt2-124m, ...); "
                    "shape flags given explicitly override it; the vocabulary stays the tokenizer's")
     g.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
     g.add_argument("--n-head", type=int, default=4, help="attention heads")
@@ -38,7 +39,7 @@ def get_args(argv=None):
     g.add_argument("--corpus", default=os.path.join(REPO, "data", "shakespeare.txt.gz"),
                    help="a file, directory or glob of .txt[.gz] / .jsonl[.gz] (one .txt: split at its last 5%%)")
     g.add_argument("--text-field", default="text", help="the JSON field with a document's text (.jsonl)")
-    g.add_argument("--data", default=None, help="shards prepared by `python -m nanomega.data` (instead of --corpus)")
+    g.add_argument("--data", default=None, help="shards prepared by `python -m nanomega.tools.corpus` (instead of --corpus)")
     g.add_argument("--data-cache", default=None, help="tokenized memmaps (default: OUT/data)")
     g.add_argument("--batch-size", type=int, default=16, help="micro-batch size")
     g.add_argument("--grad-accum", "--microbatches", dest="grad_accum", type=int, default=1,
@@ -111,7 +112,7 @@ def get_args(argv=None):
                    "rank dumps its stacks to OUT/hang/ and the job names the stuck ranks and exits (0: off; "
                    "default: 180, or half --collective-timeout if that is less)")
     g.add_argument("--health-check", action="store_true", help="check every rank's compute and links first "
-                   "(nanomega/health.py); a bad rank stops the job with one line")
+                   "(nanomega/ops/health.py); a bad rank stops the job with one line")
     g.add_argument("--inject-fault", default=None, metavar="KIND:RANK:STEP",
                    help="testing fault handling: KIND raise (the rank raises), nan (its loss becomes NaN), sigterm "
                    "(it is sent SIGTERM, a preemption) hang (it stops itself, SIGSTOP) or spike (its loss x 10) "
@@ -190,11 +191,11 @@ def check(args):
         raise ValueError(f"--recompute-layers {args.recompute_layers} is outside [0, --n-layer {args.n_layer}]")
     precision.check_dtype_supported(precision.parse_dtype(args.dtype), dist.default_device(args.device))
     if args.data:
-        index = corpus.load_index(args.data)
-        if index["tokenizer_sha256"] != data._tokenizer_sha256(data.get_tokenizer(args.tokenizer)):
+        index = data.load_index(args.data)
+        if index["tokenizer_sha256"] != data.tokenizer_sha256(data.get_tokenizer(args.tokenizer)):
             raise ValueError(f"--data {args.data} was prepared with --tokenizer {index['tokenizer']}; pass that one")
     else:
-        corpus.corpus_files(args.corpus)  # raises the --corpus line when it names no file
+        data.corpus_files(args.corpus)  # raises the --corpus line when it names no file
     check_failure_flags(args)
     args.resume_folder = faults.discover(args, cfg)  # newest verified checkpoint (takes the out-dir lock)
     return cfg, dp

@@ -1,6 +1,6 @@
 """Plan a run before paying for it: memory per GPU, bytes per step and step time of every tp x pp x dp x ZeRO layout.
 
-Idea: put the closed forms of plan_formulas.py together for a model shape and a cluster, keep the layouts that fit
+Idea: put the closed forms of formulas.py together for a model shape and a cluster, keep the layouts that fit
 in memory, rank them by predicted step time, recommend the first. It is a model, not a measurement:
     layout     the trainer's: stages split as pp.stage_layers (extra layers on the front stages), the embedding
                on the first stage and the LM head on the last; ranks in the trainer's grid order (dp, pp, tp),
@@ -16,7 +16,7 @@ in memory, rank them by predicted step time, recommend the first. It is a model,
                with one set of constants (TIME) fitted on published runs (lessons/11-planning-a-run.md)
     report     TFLOP/s per GPU counting recompute (Megatron's eq. 3 accounting, as papers report it);
                MFU = tokens x (6N + 12Lhs) / (step x GPUs x datasheet peak); days with the batch ramp-up
-CLI: python -m nanomega.plan --model gpt3-175b --gpus 1024 --gpu a100-80gb --global-batch 1536 [--top 10]
+CLI: python -m nanomega.tools.plan --model gpt3-175b --gpus 1024 --gpu a100-80gb --global-batch 1536 [--top 10]
      pin a layout with --tp --pp --dp --zero --micro-batch; --json for machine-readable estimates
 Lesson: lessons/11-planning-a-run.md
 """
@@ -24,11 +24,11 @@ import argparse
 import json
 from dataclasses import asdict, dataclass, replace
 
-from nanomega.plan_formulas import (activation_bytes_per_layer, dp_comm_bytes, flops_per_token,
+from nanomega.formulas import (activation_bytes_per_layer, dp_comm_bytes, flops_per_token,
                                     inflight_microbatches, layer_params, pipeline_bubble, pp_comm_bytes,
                                     tp_comm_bytes_per_layer, zero_state_bytes)
 from nanomega.pp import chunk_layers
-from nanomega.presets import PRESETS
+from nanomega.ops.presets import PRESETS
 from nanomega.zero import pipeline_error
 
 
@@ -333,7 +333,7 @@ def table(ests, run):
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m nanomega.plan", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m nanomega.tools.plan", description=__doc__.split("\n")[0])
     ap.add_argument("--model", help=f"preset: {', '.join(MODELS)}; or give --layers --hidden --heads --vocab --seq")
     for flag in ("--layers", "--hidden", "--heads", "--vocab", "--seq"):
         ap.add_argument(flag, type=int, help="model shape (overrides the preset's value)")
@@ -432,5 +432,10 @@ def main(argv=None):
     print(f"recommended: {describe(fit[0])} ({len(fit)} of {len(ests)} layouts fit)")
 
 
-if __name__ == "__main__":
+def cli():
+    """The console script (pyproject [project.scripts])."""
     main()
+
+
+if __name__ == "__main__":
+    cli()

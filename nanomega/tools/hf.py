@@ -1,7 +1,7 @@
 """Hugging Face GPT-2 in and out: a nanomega checkpoint <-> a transformers `GPT2LMHeadModel` folder.
 
-    python -m nanomega.hf export --out-dir out --to gpt2-mine     # any layout -> config.json + model.safetensors
-    python -m nanomega.hf import gpt2-mine --out-dir ft           # -> a step-0 checkpoint: train.py --resume
+    python -m nanomega.tools.hf export --out-dir out --to gpt2-mine     # any layout -> config.json + model.safetensors
+    python -m nanomega.tools.hf import gpt2-mine --out-dir ft           # -> a step-0 checkpoint: train.py --resume
 
 Idea: nanomega's dense GPT *is* GPT-2 (pre-LayerNorm blocks, learned positions, tanh GeLU, tied head,
 LayerNorm eps 1e-5, qkv laid out (3, n_head, head_dim)), so the exchange is a renaming plus two details:
@@ -24,10 +24,11 @@ from pathlib import Path
 
 import torch
 
-from nanomega import checkpoint, data, faults, reshard
+from nanomega import checkpoint, data, reshard
+from nanomega.ops import faults
 from nanomega.data import ENDOFTEXT, GPT2_PATTERN
 from nanomega.model import GPTConfig
-from nanomega.tokenizer import save_ranks
+from nanomega.tools.tokenizer import save_ranks
 
 # nanomega name -> transformers GPT2LMHeadModel name, per block ({i}); Conv1D weights are transposed
 _BLOCK = {"ln_1.weight": "ln_1.weight", "ln_1.bias": "ln_1.bias", "ln_2.weight": "ln_2.weight",
@@ -45,7 +46,7 @@ def _require():
         import safetensors  # noqa: F401  (save_pretrained writes model.safetensors with it)
         import transformers
     except ImportError:
-        raise ValueError("nanomega.hf needs transformers and safetensors: pip install 'nanomega[hf]'") from None
+        raise ValueError("nanomega.tools.hf needs transformers and safetensors: pip install 'nanomega[hf]'") from None
     return transformers
 
 
@@ -219,5 +220,10 @@ def main(argv=None):
           f"--out-dir {args.out_dir} {flags} --tokenizer {tok or 'FILE_WITH_%d_IDS' % cfg.vocab_size}")
 
 
-if __name__ == "__main__":
+def cli():
+    """The console script (pyproject [project.scripts])."""
     faults.entrypoint(main)  # bad input: one line, exit 2
+
+
+if __name__ == "__main__":
+    cli()

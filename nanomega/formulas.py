@@ -17,7 +17,7 @@ Formulas (Psi = parameters one rank holds, d/t/p = dp/tp/pp sizes, m = micro-bat
     bubble     (p-1) / (v m + p-1) of the step is idle (v = interleaved model chunks per stage); Narayanan et al.
                quote it against the ideal time instead: (p-1) / (v m), the step's extra time
     FLOPs      6N + 12 L h s per token (PaLM, nanoGPT: QK^T and AV counted without causal halving)
-These are the single home of each formula: model.flops_per_token and the recompute lesson call them too.
+These are the single home of each formula: train.py's MFU (model_flops_per_token) and the recompute lesson call them too.
 Lesson: lessons/11-planning-a-run.md
 """
 import math
@@ -120,3 +120,17 @@ def flops_per_token(n_params, n_layer, h, s, recompute="none", head_params=0):
 def implied_mfu(total_flops, days, gpus, peak_flops):
     """Model FLOPs utilisation a reported run implies: useful FLOPs / (wall time * GPUs * peak)."""
     return total_flops / (days * 86400 * gpus * peak_flops)
+
+
+def model_flops_per_token(cfg, seq_len=None):
+    """Training FLOPs per token of a model.GPTConfig: flops_per_token's 6 N' + 12 L h s (PaLM appendix
+    B; nanoGPT's estimate_mfu) with N' counted from the config.
+
+    N' counts every parameter that takes part in a matmul: blocks, and the (tied) vocab matrix once, since
+    the LM head multiplies by it; position embeddings are a lookup and are left out. LayerNorm and bias
+    parameters are included, as in the 6N rule (they are a ~1e-3 correction).
+    """
+    L, h, s = cfg.n_layer, cfg.n_embd, seq_len or cfg.block_size
+    per_layer = layer_params(h)  # qkv 3h^2+3h, proj h^2+h, fc 4h^2+4h, proj 4h^2+h, 2 LN 4h
+    n = L * per_layer + cfg.padded_vocab_size * h + 2 * h + (2 * h if cfg.embed_layernorm else 0)
+    return flops_per_token(n, L, h, s)

@@ -1,0 +1,136 @@
+"""The house rules of nanomega/, checked on the source (no training, < 1 s): imports point one way (no cycle; model.py
+imports nothing of ours; ops/ never imports tools/), no private name is imported or used across modules, every
+module reads in one sitting, and only dist.py talks to torch.distributed's collectives (every byte is counted by
+an Axis). Each rule fails on the code it forbids: see the test beside each."""
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "nanomega"
+MAX_LINES = 350
+# torch.distributed calls that are not collectives (set-up, the store, error types) are allowed outside dist.py
+NOT_COLLECTIVES = {"is_initialized", "get_rank", "get_world_size", "DistError", "distributed_c10d", "elastic",
+                   "destroy_process_group"}
+
+
+def modules():
+    return {".".join(p.relative_to(PKG.parent).with_suffix("").parts): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def imports_of(name, path):
+    """The nanomega modules `name` imports (anywhere in the file), as module names."""
+    tree, found, mods = ast.parse(path.read_text()), set(), modules()
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("nanomega")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if not base.startswith("nanomega"):
+                continue
+            for a in node.names:
+                found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base)
+    return {m for m in found if m in mods and m != name and not m.endswith("__init__")} - {"nanomega"}
+
+
+def graph():
+    return {name: imports_of(name, path) for name, path in modules().items()}
+
+
+def cycles(g):
+    """Every module that lies on an import cycle (Tarjan's strongly connected components of size > 1)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in g:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle():
+    assert cycles(graph()) == []
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the check can fail
+
+
+def test_imports_point_down():
+    g = graph()
+    assert g["nanomega.model"] == set(), "model.py is the reference: it imports nothing of ours"
+    for name, deps in g.items():
+        if name.startswith("nanomega.ops."):
+            assert not {d for d in deps if d.startswith("nanomega.tools.")}, f"{name} imports tools/: {deps}"
+        if name.count(".") == 1 and name != "nanomega.train":  # a concept imports concepts only
+            assert not {d for d in deps if d.count(".") > 1}, f"{name} imports ops/ or tools/: {deps}"
+
+
+def private_uses(tree):
+    """`module._name` reads and `from nanomega... import _name`: private names reached from another module."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("nanomega")):
+            found += [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in OUR_MODULES \
+                and node.attr.startswith("_") and not node.attr.startswith("__"):
+            found.append(f"{node.value.id}.{node.attr}")
+    return sorted(found)
+
+
+OUR_MODULES = {p.stem for p in PKG.rglob("*.py")} | {"flags", "F", "P", "C"}  # and the aliases in use
+
+
+@pytest.mark.parametrize("name", sorted(modules()))
+def test_no_private_name_across_modules(name):
+    assert private_uses(ast.parse(modules()[name].read_text())) == []
+
+
+def test_private_check_can_fail():
+    code = "from nanomega import tp\ntp._rule('x')\nfrom nanomega.data import _CUT\nfrom .flat import _x\nself._y"
+    assert private_uses(ast.parse(code)) == ["_CUT", "_x", "tp._rule"]
+
+
+@pytest.mark.parametrize("name", sorted(modules()))
+def test_a_module_reads_in_one_sitting(name):
+    n = len(modules()[name].read_text().splitlines())
+    assert n <= MAX_LINES, f"{name}: {n} lines (> {MAX_LINES})"
+
+
+def collective_calls(text):
+    """torch.distributed functions called outside dist.py, other than set-up and the store."""
+    aliases = set(re.findall(r"import torch\.distributed as (\w+)", text)) | {"torch.distributed"}
+    calls = set()
+    for a in aliases:
+        calls |= set(re.findall(rf"(?<![\w.]){re.escape(a)}\.(\w+)\(", text))
+    return sorted(calls - NOT_COLLECTIVES)
+
+
+@pytest.mark.parametrize("name", sorted(set(modules()) - {"nanomega.dist"}))
+def test_every_collective_goes_through_axis(name):
+    assert collective_calls(modules()[name].read_text()) == []
+
+
+def test_collective_check_can_fail():
+    assert collective_calls("import torch.distributed as tdist\ntdist.all_reduce(t)\ntdist.get_rank()") == ["all_reduce"]
