@@ -12,6 +12,7 @@ Lessons: lessons/02-data-parallel-and-zero.md (the formulas), lessons/09-3d-para
 """
 import datetime
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -109,6 +110,20 @@ class Axis:
             dist.broadcast(t, src=self.ranks[src_index], group=self.group)
         return t
 
+    def barrier(self):
+        if self.size > 1:
+            dist.barrier(group=self.group)
+
+    def all_gather_object(self, obj):
+        """[every rank's obj] in axis order (pickled; for metadata), counted as an all-gather of the largest pickle."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        self.log.record("all_gather", self.name, self.size,
+                        torch.empty(self.size * max(len(pickle.dumps(o)) for o in out), dtype=torch.uint8))
+        return out
+
     def p2p(self, sends=(), recvs=()):
         """Batched point-to-point on this axis: sends/recvs are (tensor, index-in-axis) pairs; waits for all."""
         ops = [dist.P2POp(dist.isend, t, self.ranks[i], self.group) for t, i in sends if self._count("send", t)]
@@ -135,6 +150,7 @@ class Grid:
         self.tp = self._axis("tp", [grid[d, p, :] for d in range(dp) for p in range(pp)])
         self.pp = self._axis("pp", [grid[d, :, t] for d in range(dp) for t in range(tp)])
         self.dp = self._axis("dp", [grid[:, p, t] for p in range(pp) for t in range(tp)])
+        self.all = Axis("all", dist.group.WORLD, range(world), rank, self.log)  # the whole world (health, checks)
         # tied embedding: first and last pipeline stage sum the embedding gradients (Megatron's embedding group)
         self.embed = self._axis("emb", [grid[d, [0, pp - 1], t].unique() for d in range(dp) for t in range(tp)])
         self.backend = dist.get_backend()
@@ -162,6 +178,14 @@ class Grid:
 
     def barrier(self):
         dist.barrier()
+
+    def axis(self, name, ranks):
+        """An Axis over any subset of the world's ranks (a health check's pair of hosts, say), counted in this
+        grid's log. Collective: every rank calls it with the same ranks (new_group's rule); a rank outside
+        `ranks` gets None."""
+        ranks = sorted(ranks)
+        group = dist.new_group(ranks, timeout=self.timeout) if len(ranks) < self.world else dist.group.WORLD
+        return Axis(name, group, ranks, self.rank, self.log) if self.rank in ranks else None
 
     @property
     def first_stage(self):
