@@ -134,3 +134,14 @@ def test_every_collective_goes_through_axis(name):
 
 def test_collective_check_can_fail():
     assert collective_calls("import torch.distributed as tdist\ntdist.all_reduce(t)\ntdist.get_rank()") == ["all_reduce"]
+
+
+def test_console_scripts_resolve():
+    """Every console script in pyproject names a callable that exists (a moved module would break `pip install`)."""
+    import importlib
+    table = (PKG.parent / "pyproject.toml").read_text().split("[project.scripts]")[1].split("\n[")[0]
+    scripts = dict(re.findall(r'^([\w-]+) = "([\w.:]+)"$', table, re.M))  # tomllib is Python >= 3.11 only
+    assert scripts
+    for name, target in scripts.items():
+        module, func = target.split(":")
+        assert callable(getattr(importlib.import_module(module), func, None)), f"{name} = {target}"
