@@ -9,7 +9,7 @@ from dataclasses import replace
 from check import check
 
 from nanomega import formulas as F
-from nanomega.tools import plan as P
+from nanomega.tools import cost as C, plan as P
 
 print("== ZeRO (Rajbhandari et al. 2020, Fig. 1): 7.5B parameters, 64 GPUs, fp16 + Adam (2 + 2 + K=12 bytes)")
 for stage, published in enumerate([120, 31.4, 16.6, 1.9]):
@@ -19,11 +19,11 @@ for stage, published in enumerate([120, 31.4, 16.6, 1.9]):
 print("== Megatron distributed optimizer: bf16 parameters, fp32 gradients, 18 bytes per parameter -> 6 + 12/d")
 n = 3 * 2**26  # divisible by every d below, so no shard is padded
 for d in (1, 8, 64):
-    check(f"bytes per parameter, d={d}", sum(F.zero_state_bytes(n, 1, d, *P.PRECISIONS["bf16"])) / n, 6 + 12 / d)
+    check(f"bytes per parameter, d={d}", sum(F.zero_state_bytes(n, 1, d, *C.PRECISIONS["bf16"])) / n, 6 + 12 / d)
 
 print("== GPT-3 175B on 300B tokens")
-gpt3 = P.MODELS["gpt3-175b"]
-N = P.n_params(gpt3) - gpt3.seq_len * gpt3.n_embd  # matmul parameters (positions are a lookup)
+gpt3 = C.MODELS["gpt3-175b"]
+N = C.n_params(gpt3) - gpt3.seq_len * gpt3.n_embd  # matmul parameters (positions are a lookup)
 print(f"N = {N:,} (96 layers of 12h^2 + 13h, and the tied 50304 x 12288 vocabulary matrix)")
 print(f"6 x 175e9 x 300e9 = {6 * 175e9 * 300e9:.3g} FLOPs; with the attention term 6N + 12Lhs: "
       f"{F.flops_per_token(N, 96, 12288, 2048) * 300e9:.3g}")
@@ -32,7 +32,7 @@ days = 8 * N * 300e9 / (1024 * 140e12) / 86400  # Narayanan et al. 2021, eq. 4: 
 check("GPT-3 on 1024 A100s at 140 TFLOP/s, days (Narayanan et al.)", days, 34, atol=0.5, unit=" days")
 
 print("== OPT-175B: 992 A100-80GB, ~33 days of continuous training (model card), 300B tokens")
-opt = P.n_params(P.MODELS["opt-175b"]) - 2048 * 12288
+opt = C.n_params(C.MODELS["opt-175b"]) - 2048 * 12288
 mfu = F.implied_mfu(6 * opt * 300e9, 33, 992, 312e12)
 print(f"implied MFU = 6ND / (33 days x 992 x 312 TFLOP/s) = {mfu:.1%}")
 check("OPT-175B implied hardware FLOP/s, 8ND (paper: 147 TFLOP/s)", mfu * 8 / 6 * 312, 147, rtol=0.02,
@@ -51,60 +51,60 @@ for name, kw, published in [("no parallelism: 34 + 5as/h", {}, 34 + r),
     check(f"sbh x [{name}]", per_layer / sbh, published)
     print(f"    = {per_layer / 1e9:.3f} GB per layer per sequence, {96 * per_layer / 1e9:.1f} GB for 96 layers")
 act = lambda model, **kw: F.activation_bytes_per_layer(s, b, model.n_embd, model.n_head, **kw)
-for name, model, published in [("GPT-3", gpt3, 0.70), ("MT-NLG 530B", P.MODELS["mt-nlg-530b"], 0.65)]:
+for name, model, published in [("GPT-3", gpt3, 0.70), ("MT-NLG 530B", C.MODELS["mt-nlg-530b"], 0.65)]:
     saved = 1 - act(model, t=t, sp=True, recompute="selective") / act(model, t=t, sp=True)
     check(f"selective recompute saves, {name} (paper: {published:.0%})", saved, published, atol=0.005)
-mtnlg = P.MODELS["mt-nlg-530b"]
+mtnlg = C.MODELS["mt-nlg-530b"]
 ratio = act(mtnlg, t=t) / act(mtnlg, t=t, sp=True, recompute="selective")
 check("TP -> TP+SP+selective, MT-NLG 530B (paper: 5x)", ratio, 5, rtol=0.02, unit="x")
 
 print("== Plan: GPT-3 175B on 1024 A100-80GB, global batch 1536 x 2048, 300B tokens")
 P.main(["--model", "gpt3-175b", "--gpus", "1024", "--gpu", "a100-80gb", "--global-batch", "1536", "--top", "5"])
-h100 = P.plan(gpt3, P.GPUS["h100-80gb"], 1024, P.Run(global_batch=1536))[0]
+h100 = P.plan(gpt3, C.GPUS["h100-80gb"], 1024, C.Run(global_batch=1536))[0]
 print(f"same on 1024 H100s: {P.describe(h100)}, step {h100.step_s:.1f} s, MFU {h100.mfu:.1%}, {h100.days:.1f} days")
 
 print("== The time model against published runs: TFLOP/s per GPU counting recompute (Megatron's eq. 3)")
 # Narayanan et al. 2021, Table 1 (fp16, full recompute, no SP; micro-batch and schedule not given per row:
 # micro-batch 1 and 1F1B assumed) and BLOOM (bf16, full recompute, micro-batch 2, ZeRO-1, Jean Zay: 4 x 100 Gb/s
 # Omni-Path per 8-GPU node = 6.25 GB/s per GPU; ~150 TFLOP/s per GPU reported by BigScience).
-# Calibration rows fixed the constants of P.TimeModel; the check rows were not used to choose them.
-MEGATRON = P.Run(micro_batch=1, dtype="fp16", recompute="full", sp=False, zero=(0,))
-BLOOM = P.Run(global_batch=2048, micro_batch=2, dtype="bf16", recompute="full", sp=False, zero=(1,))
-JEAN_ZAY = replace(P.GPUS["a100-80gb"], inter_bw=6.25e9)
+# Calibration rows fixed the constants of C.TimeModel; the check rows were not used to choose them.
+MEGATRON = C.Run(micro_batch=1, dtype="fp16", recompute="full", sp=False, zero=(0,))
+BLOOM = C.Run(global_batch=2048, micro_batch=2, dtype="bf16", recompute="full", sp=False, zero=(1,))
+JEAN_ZAY = replace(C.GPUS["a100-80gb"], inter_bw=6.25e9)
 PUBLISHED = [  # preset, tp, pp, GPUs, global batch, TFLOP/s per GPU, run, cluster
     ("megatron-1.7b", 1, 1, 32, 512, 137), ("megatron-3.6b", 2, 1, 64, 512, 138),
     ("megatron-7.5b", 4, 1, 128, 512, 142), ("megatron-18.4b", 8, 1, 256, 1024, 135),
     ("megatron-39.1b", 8, 2, 512, 1536, 138), ("megatron-76.1b", 8, 4, 1024, 1792, 140),
     ("megatron-145.6b", 8, 8, 1536, 2304, 148), ("megatron-310.1b", 8, 16, 1920, 2160, 155),
     ("megatron-529.6b", 8, 35, 2520, 2520, 163), ("megatron-1t", 8, 64, 3072, 3072, 163)]
-rows = [(*r, replace(MEGATRON, global_batch=r[4]), P.GPUS["a100-80gb"], ("calibration", "check")[i % 2])
+rows = [(*r, replace(MEGATRON, global_batch=r[4]), C.GPUS["a100-80gb"], ("calibration", "check")[i % 2])
         for i, r in enumerate(PUBLISHED)] + [("bloom-176b", 4, 12, 384, 2048, 150, BLOOM, JEAN_ZAY, "calibration")]
 for name, tp, pp, gpus, batch, published, run, cluster, role in rows:
-    e = P.evaluate(P.MODELS[name], cluster, gpus, tp, pp, run.zero[0], run)
+    e = C.evaluate(C.MODELS[name], cluster, gpus, tp, pp, run.zero[0], run)
     err = e.tflops / 1e12 / published - 1
     check(f"{name:<15} t{tp} p{pp:<2} {gpus:>4} GPUs B {batch:>4} {role:<11} error {err:+6.1%}", e.tflops / 1e12,
           published, rtol=0.10, unit=" TFLOP/s")
 
 print("== BLOOM-176B: 384 A100-80GB as TP4 x PP12 x DP8, ZeRO-1, global batch 2048 (ramp-up 192 + 16 over 9.77M samples)")
-bloom = P.MODELS["bloom-176b"]
-print(f"layers per pipeline rank (the trainer's split): {P.layers_per_stage(bloom, 12)}")
-params = P.stage_params(bloom, 4, 12)
+bloom = C.MODELS["bloom-176b"]
+print(f"layers per pipeline rank (the trainer's split): {C.layers_per_stage(bloom, 12)}")
+params = C.stage_params(bloom, 4, 12)
 print(f"parameters per GPU, stage 0 / 5 / 11: {params[0] / 1e9:.2f}B / {params[5] / 1e9:.2f}B / {params[11] / 1e9:.2f}B "
-      f"(the 250,880 x 14336 / 4 embedding = {P.padded_vocab(bloom, 4) // 4 * 14336 / 1e9:.2f}B on the first and last)")
+      f"(the 250,880 x 14336 / 4 embedding = {C.padded_vocab(bloom, 4) // 4 * 14336 / 1e9:.2f}B on the first and last)")
 run = replace(BLOOM, tokens=366e9)
-e = P.evaluate(bloom, JEAN_ZAY, 384, 4, 12, 1, run)
-ramp = P.evaluate(bloom, JEAN_ZAY, 384, 4, 12, 1, replace(run, rampup=(192, 16, 9_765_625)))
+e = C.evaluate(bloom, JEAN_ZAY, 384, 4, 12, 1, run)
+ramp = C.evaluate(bloom, JEAN_ZAY, 384, 4, 12, 1, replace(run, rampup=(192, 16, 9_765_625)))
 print(f"memory {e.memory / 1e9:.1f} GB per GPU (params {e.params / 1e9:.1f}, grads {e.grads / 1e9:.1f}, optimizer "
       f"{e.optim / 1e9:.1f}, activations {e.acts / 1e9:.1f}); step {e.step_s:.0f} s, bubble {e.bubble:.1%}, "
       f"{e.tflops / 1e12:.0f} TFLOP/s per GPU, MFU {e.mfu:.1%}")
 print(f"366B tokens: {e.days:.1f} days at batch 2048 throughout, {ramp.days:.1f} days with the ramp-up")
 for batch, reported in ((192, 73), (512, 113.5), (1024, None)):  # reported: BigScience's tr11 log (secondary source)
-    step, bubble = P.step_seconds(bloom, JEAN_ZAY, 384, 4, 12, 1, run, global_batch=batch)
+    step, bubble = C.step_seconds(bloom, JEAN_ZAY, 384, 4, 12, 1, run, global_batch=batch)
     tf = e.tflops * e.step_s * batch / 2048 / step / 1e12  # the same FLOPs per sequence, a shorter step
     print(f"  ramp batch {batch:>4}: m = {batch // 16:>3} micro-batches, bubble {bubble:.1%}, step {step:.1f} s, "
           f"{tf:.0f} TFLOP/s per GPU" + (f" (reported during the run: {reported})" if reported else ""))
 for tp, pp in ((8, 6), (4, 12), (2, 24)):
-    alt = P.evaluate(bloom, JEAN_ZAY, 384, tp, pp, 1, run)
+    alt = C.evaluate(bloom, JEAN_ZAY, 384, tp, pp, 1, run)
     print(f"  tp {tp} pp {pp:>2} dp {alt.dp:>2}: {alt.memory / 1e9:5.1f} GB per GPU, step {alt.step_s:5.1f} s, "
           f"{alt.tflops / 1e12:.0f} TFLOP/s per GPU")
 print("the same layout on DGX A100 networking (25 GB/s per GPU), the nanomega defaults (micro-batch 1, selective "

@@ -9,7 +9,9 @@ manifest gathers: no rank reads every shard. Every file and its directory are fs
 leaves an empty pointer or manifest.
 Discovery (`find_resume`) scans the step folders -- the pointer is only a hint -- verifies them newest first
 and falls back to the newest complete, verified one, naming what it skipped and why (OPT-175B's logbook:
-a bad shard must cost one checkpoint interval, not the run). `retain` keeps the last K.
+a bad shard must cost one checkpoint interval, not the run). `retain` keeps the last K. The manifest is read
+here only: read_manifest_json (parsed), read_manifest (verified against a model), saved_model (a command's
+model config and tokenizer).
 
 Resharding on load (reading pieces by name into any layout) is nanomega/reshard.py.
 Failure law: a job of N ranks, each failing with probability p per hour, survives an hour with (1-p)^N.
@@ -25,8 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from nanomega.data import sha256_file as _sha256
-
-SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "alibi", "embed_layernorm")
+from nanomega.model import SHAPE_KEYS, GPTConfig
 
 
 class CorruptCheckpoint(ValueError):
@@ -204,6 +205,16 @@ def read_manifest_json(folder):
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptCheckpoint(f"{path} is empty, truncated or not a manifest ({type(e).__name__}: {e})")
     return manifest
+
+
+def saved_model(out_dir):
+    """(folder, GPTConfig, tokenizer name) of the newest checkpoint in out_dir whose manifest exists: what a
+    command rebuilds the model from (tools/sample.py, tools/hf.py). The shards are not verified here."""
+    folder = latest(out_dir)
+    if folder is None:
+        raise FileNotFoundError(f"--out-dir {out_dir} holds no checkpoint; train first (nanomega/train.py)")
+    manifest = read_manifest_json(folder)
+    return folder, GPTConfig(**manifest["config"]), manifest.get("layout", {}).get("tokenizer", "shakespeare-4k")
 
 
 def read_manifest(folder, cfg, verify=None):

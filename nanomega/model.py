@@ -21,6 +21,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+# The model's shape: the GPTConfig fields a checkpoint, a preset and the planner agree on (checkpoint.py,
+# ops/presets.py, tools/cost.py, tools/hf.py read them here). Dropout, attention and the vocabulary padding
+# (set by --tp, undone by resharding) are not part of it.
+SIZES = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
+SHAPE_KEYS = SIZES + ("alibi", "embed_layernorm")
+
+
 @dataclass
 class GPTConfig:
     vocab_size: int = 4096
@@ -41,7 +48,7 @@ class GPTConfig:
         return (self.vocab_size + m - 1) // m * m
 
     def validate(self) -> None:
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+        for name in SIZES:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.n_embd % self.n_head:

@@ -2,11 +2,11 @@
 import pytest
 
 from nanomega import formulas as F
-from nanomega.tools import plan as P
+from nanomega.tools import cost as C, plan as P
 from nanomega.model import GPT, GPTConfig
 from nanomega.formulas import model_flops_per_token
 
-GPT3 = P.MODELS["gpt3-175b"]
+GPT3 = C.MODELS["gpt3-175b"]
 
 
 def test_zero_paper_figure_1():
@@ -21,8 +21,8 @@ def test_megatron_distributed_optimizer_bytes_per_parameter(dtype, base, sharded
     # Megatron-LM docs: bf16 params + fp32 grads = 18 bytes -> 6 + 12/d; fp32 = 16 -> 8 + 8/d
     n = 2**20 * 3 * 5  # divisible by every d below: no padding
     for d in (1, 2, 3, 8, 64):
-        assert sum(F.zero_state_bytes(n, 1, d, *P.PRECISIONS[dtype])) / n == base + sharded / d
-    assert sum(F.zero_state_bytes(n, 0, 64, *P.PRECISIONS[dtype])) / n == base + sharded
+        assert sum(F.zero_state_bytes(n, 1, d, *C.PRECISIONS[dtype])) / n == base + sharded / d
+    assert sum(F.zero_state_bytes(n, 0, 64, *C.PRECISIONS[dtype])) / n == base + sharded
 
 
 def test_zero_shards_round_up_and_stages_only_shrink():
@@ -76,7 +76,7 @@ def test_korthikanti_activation_formulas_gpt3():
     # the paper's headline numbers: selective saves 70% (GPT-3) and 65% (MT-NLG, 5as/h = 64); ~5x overall
     assert 1 - coef(sp=True, recompute="selective") / coef(sp=True) == pytest.approx(0.70, abs=0.005)
     assert 1 - 34 / (34 + 5 * 128 * 2048 / 20480) == pytest.approx(0.65, abs=0.005)
-    m = P.MODELS["mt-nlg-530b"]
+    m = C.MODELS["mt-nlg-530b"]
     ratio = (F.activation_bytes_per_layer(s, b, m.n_embd, m.n_head, 8)
              / F.activation_bytes_per_layer(s, b, m.n_embd, m.n_head, 8, True, "selective"))
     assert ratio == pytest.approx(5, rel=0.02)
@@ -101,10 +101,9 @@ def test_pipeline_bubble_and_inflight():
                                      embed_layernorm=True)])
 def test_parameter_and_flop_counts_match_the_dense_model(kw):
     cfg = GPTConfig(**kw)
-    model = P.Model(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.block_size, cfg.alibi,
-                    cfg.embed_layernorm)
-    assert P.n_params(model) == sum(p.numel() for p in GPT(cfg).parameters())  # tied head counted once
-    n = P.n_params(model) - (0 if cfg.alibi else cfg.block_size * cfg.n_embd)
+    model = C.Model.from_shape(vars(cfg))  # the planner's Model is GPTConfig's shape (model.SHAPE_KEYS)
+    assert C.n_params(model) == sum(p.numel() for p in GPT(cfg).parameters())  # tied head counted once
+    n = C.n_params(model) - (0 if cfg.alibi else cfg.block_size * cfg.n_embd)
     assert F.flops_per_token(n, cfg.n_layer, cfg.n_embd, cfg.block_size) == model_flops_per_token(cfg)
 
 
@@ -112,22 +111,22 @@ def test_tensor_and_pipeline_parameter_shards():
     h, t = 64, 4  # by hand: qkv (3h/t x h) + 3h/t, proj (h x h/t) + h, fc (4h/t x h) + 4h/t, proj (h x 4h/t) + h, 2 LN
     assert F.layer_params(h, t) == 3 * h * h // t + 3 * h // t + h * h // t + h + 4 * h * h // t + 4 * h // t \
         + h * 4 * h // t + h + 4 * h
-    tiny = P.Model(4, 64, 4, 300, 32)
+    tiny = C.Model(4, 64, 4, 300, 32)
     wte = 512 // 2 * 64  # 300 padded to a multiple of 128 * tp = 256 -> 512, split over tp = 2
-    first, last = P.stage_params(tiny, tp=2, pp=2)
+    first, last = C.stage_params(tiny, tp=2, pp=2)
     assert first == 2 * F.layer_params(64, 2) + wte + 32 * 64
     assert last == 2 * F.layer_params(64, 2) + 2 * 64 + wte  # ln_f and the head's own copy of wte
-    assert P.n_params(P.MODELS["gpt2-124m"]) == 124_475_904  # nanoGPT's 123.69M + 786,432 positions
+    assert C.n_params(C.MODELS["gpt2-124m"]) == 124_475_904  # nanoGPT's 123.69M + 786,432 positions
 
 
 def test_gpt3_and_opt_compute():
     # GPT-3 paper Table D.1: 3.14e23 training FLOPs for 175B on 300B tokens; 6ND with N = 175e9 is 3.15e23
     assert 6 * 175e9 * 300e9 == pytest.approx(3.15e23)
-    n = P.n_params(GPT3) - 2048 * 12288
+    n = C.n_params(GPT3) - 2048 * 12288
     assert 6 * n * 300e9 == pytest.approx(3.14e23, rel=0.005)
     # OPT-175B: 992 A100s, ~33 days (model card); 300B tokens -> MFU ~36%; counting the recompute forward (8ND)
     # gives the hardware utilisation OPT reports, 147 TFLOP/s per GPU = 47% of 312
-    opt = P.n_params(P.MODELS["opt-175b"]) - 2048 * 12288
+    opt = C.n_params(C.MODELS["opt-175b"]) - 2048 * 12288
     mfu = F.implied_mfu(6 * opt * 300e9, 33, 992, 312e12)
     assert mfu == pytest.approx(0.356, abs=0.002)
     assert mfu * 8 / 6 == pytest.approx(147 / 312, rel=0.02)
@@ -142,8 +141,8 @@ def test_flops_per_token_recompute():
 
 
 def test_plan_gpt3_on_1024_a100():
-    run = P.Run(global_batch=1536)
-    ests = P.plan(GPT3, P.GPUS["a100-80gb"], 1024, run)
+    run = C.Run(global_batch=1536)
+    ests = P.plan(GPT3, C.GPUS["a100-80gb"], 1024, run)
     fit = [e for e in ests if e.fits]
     assert fit and len(fit) < len(ests)
     assert all(e.memory <= 0.9 * 80 * 2**30 for e in fit) and all(e.memory > 0.9 * 80 * 2**30 for e in ests[len(fit):])
@@ -202,46 +201,46 @@ def test_cli_bad_input(argv, expect, capsys):
 
 
 def test_smallest_cluster_is_smallest():
-    run = P.Run(global_batch=1536)
-    gpus, best = P.smallest_cluster(GPT3, P.GPUS["a100-80gb"], run)
+    run = C.Run(global_batch=1536)
+    gpus, best = P.smallest_cluster(GPT3, C.GPUS["a100-80gb"], run)
     assert best.fits and gpus == 48
-    assert not any(e.fits for g in range(8, 48, 8) for e in P.plan(GPT3, P.GPUS["a100-80gb"], g, run))
+    assert not any(e.fits for g in range(8, 48, 8) for e in P.plan(GPT3, C.GPUS["a100-80gb"], g, run))
 
 
 def test_stages_are_the_trainers_split_with_embedding_first_and_head_last():
     from nanomega import pp
-    bloom = P.MODELS["bloom-176b"]
-    layers = P.layers_per_stage(bloom, 12)
+    bloom = C.MODELS["bloom-176b"]
+    layers = C.layers_per_stage(bloom, 12)
     assert layers == [len(pp.stage_layers(70, 12, r)) for r in range(12)] == [6] * 10 + [5] * 2
-    counts = P.stage_params(bloom, 4, 12)
+    counts = C.stage_params(bloom, 4, 12)
     wte = 250880 // 4 * 14336  # 250,880 is already a multiple of 128 x 4
     assert counts[0] == 6 * F.layer_params(14336, 4) + wte + 2 * 14336  # + embedding LayerNorm, no positions
     assert counts[11] == 5 * F.layer_params(14336, 4) + wte + 2 * 14336  # + ln_f and the head's copy
-    assert P.layers_per_stage(bloom, 5, v=2) == [14] * 5  # interleaved: the rank's two chunks of 7
+    assert C.layers_per_stage(bloom, 5, v=2) == [14] * 5  # interleaved: the rank's two chunks of 7
 
 
 def test_links_follow_the_trainers_rank_order():
     import torch
-    gpu = P.GPUS["a100-80gb"]
+    gpu = C.GPUS["a100-80gb"]
     for gpus, tp, pp in [(16, 2, 2), (384, 4, 12), (64, 1, 2), (8, 2, 2), (32, 8, 1)]:
         dp = gpus // (tp * pp)
         grid = torch.arange(gpus).view(dp, pp, tp)  # dist.Grid's layout: rank (d, p, t)
         node = grid // gpu.per_node
         pp_inside = all(len(set(node[d, :, t].tolist())) == 1 for d in range(dp) for t in range(tp))
         members = int((node[:, 0, 0] == node[0, 0, 0]).sum())  # members of one dp group on its first node
-        pp_bw, dp_bw = P.links(gpu, gpus, tp, pp)
+        pp_bw, dp_bw = C.links(gpu, gpus, tp, pp)
         assert pp_bw == (gpu.intra_bw if pp_inside else gpu.inter_bw)
         dp_inside = len(set(node[:, 0, 0].tolist())) == 1
         assert dp_bw == (gpu.intra_bw if dp_inside else min(gpu.intra_bw, members * gpu.inter_bw))
 
 
 def test_batch_ramp_up_time():
-    run = P.Run(global_batch=64, tokens=1000 * 64 * 8, rampup=(16, 16, 3000))  # seq 8: 64,000 samples
-    steps = P.train_seconds(lambda b: 1.0, run, 8)  # one second per step whatever the batch
+    run = C.Run(global_batch=64, tokens=1000 * 64 * 8, rampup=(16, 16, 3000))  # seq 8: 64,000 samples
+    steps = C.train_seconds(lambda b: 1.0, run, 8)  # one second per step whatever the batch
     # batches 16, 32, 48 take 1000 samples each, then 61,000 samples at 64
     assert steps == pytest.approx(1000 / 16 + 1000 / 32 + 1000 / 48 + 61000 / 64)
-    assert P.train_seconds(lambda b: b / 64, run, 8) == pytest.approx(1000)  # time per sample fixed: no cost
-    assert P.train_seconds(lambda b: 1.0, replace_run(run, rampup=None), 8) == 1000
+    assert C.train_seconds(lambda b: b / 64, run, 8) == pytest.approx(1000)  # time per sample fixed: no cost
+    assert C.train_seconds(lambda b: 1.0, replace_run(run, rampup=None), 8) == 1000
 
 
 def replace_run(run, **kw):

@@ -8,7 +8,8 @@ Idea: one bad device slows (or silently corrupts) a whole synchronous job, so ch
                 between hosts: pair the hosts, time each pair, then re-pair a slow pair's hosts with a fast
                 host to tell which of the two is bad (DLRover's node check; find_bad_hosts). Run for real on
                 hosts made of network namespaces, one cable rate-limited (scripts/local_cluster.sh --slow-link)
-A table on the last rank, and a non-zero exit naming the bad rank or host.
+A table on the last rank, and a non-zero exit naming the bad rank or host. Every collective goes through a
+dist.Axis (the grid's axes, grid.all for the world, grid.axis(...) for a pair of hosts): counted like training's.
 
     torchrun --nproc_per_node=2 -m nanomega.ops.health            # alone
     torchrun ... nanomega/train.py --health-check ...          # before training
@@ -59,9 +60,9 @@ def bus_bandwidth(axis):
     t = torch.ones(BYTES // 4)
     best = float("inf")
     for _ in range(REPS):
-        tdist.barrier(group=axis.group)
+        axis.barrier()
         t0 = time.perf_counter()
-        tdist.all_reduce(t, group=axis.group)
+        axis.all_reduce(t)
         best = min(best, time.perf_counter() - t0)
     return dist.RING["all_reduce"](axis.size) * BYTES / best  # the ring's traffic, as dist.py counts it
 
@@ -91,21 +92,21 @@ def find_bad_hosts(hosts, pair_time, slow=2.0):
 
 def pair_timer(grid, leaders, slow_rank=None):
     """pair_time(a, b) for find_bad_hosts: all-reduce seconds between two hosts' first ranks (best of REPS),
-    shared with every rank by a world all-reduce. Every rank calls it (new_group is collective)."""
+    shared with every rank by a world all-reduce (grid.all). Every rank calls it (grid.axis is collective)."""
     def pair_time(a, b):
         ranks = sorted({leaders[a], leaders[b]})
-        group = tdist.new_group(ranks)
+        pair = grid.axis("pair", ranks)  # None on the ranks outside the pair
         t = torch.zeros(1)
-        if grid.rank in ranks:
+        if pair is not None:
             buf, best = torch.ones(BYTES // 4), float("inf")
             for _ in range(REPS):
                 t0 = time.perf_counter()
-                tdist.all_reduce(buf, group=group)
+                pair.all_reduce(buf)
                 if slow_rank in ranks:  # testing: a slow link
                     time.sleep(3 * (time.perf_counter() - t0))
                 best = min(best, time.perf_counter() - t0)
-            t[0] = best if grid.rank == ranks[0] else 0.0
-        tdist.all_reduce(t)
+            t[0] = best if pair.rank == 0 else 0.0
+        grid.all.all_reduce(t)
         return float(t)
     return pair_time
 
@@ -114,8 +115,7 @@ def check(grid, slow_rank=None, slow_factor=0.5, ranks_as_hosts=False):
     """Every rank: measure, gather, judge. Returns (table lines, [problems]) -- the same on every rank."""
     host = f"rank{grid.rank}" if ranks_as_hosts else socket.gethostname()
     mine = dict(host=host, rate=matmul_rate(grid.rank == slow_rank), sum=known_checksum())
-    everyone = [None] * grid.world
-    tdist.all_gather_object(everyone, mine)
+    everyone = grid.all.all_gather_object(mine)
     links = {a.name: bus_bandwidth(a) for a in (grid.tp, grid.pp, grid.dp)}
     median = statistics.median(r["rate"] for r in everyone)
     expect = statistics.mode(r["sum"] for r in everyone)

@@ -1,9 +1,9 @@
 """Model presets: one table of named shapes, read by the trainer (`train.py --model NAME`) and the planner.
 
 Idea: a shape is five numbers and two switches; naming them once keeps `train.py --model gpt2-124m` and
-`python -m nanomega.tools.plan --model gpt2-124m` talking about the same model. Keys are GPTConfig's field names, so
-`GPTConfig(**PRESETS[name])` is the model. It lives in its own module, next to nothing: model.py imports
-nothing of ours, plan.py must not pull in train.py's flags, and args.py must not import the planner.
+`python -m nanomega.tools.plan --model gpt2-124m` talking about the same model. Keys are model.SHAPE_KEYS
+(GPTConfig's field names), so `GPTConfig(**PRESETS[name])` is the model. It lives in its own module, next to
+nothing but model.py: the planner must not pull in train.py's flags, and args.py must not import the planner.
 The trainer takes the shape and keeps its own tokenizer's vocabulary (the data decides the vocabulary);
 the planner takes the vocabulary too. Explicit shape flags override a preset in both.
 Sources: GPT-2 (Radford et al. 2019; nanoGPT's sizes), GPT-3 Table 2.1 (1.3B: 16 heads of 128, since the
@@ -11,11 +11,14 @@ table's 24 heads do not divide 2048), OPT, BLOOM (70 layers, 14336, 112 heads, 2
 ALiBi, embedding LayerNorm), MT-NLG (Korthikanti et al. Table 3), Megatron-LM 2021 Table 1 (V = 51,200).
 Lessons: lessons/01-dense-model.md (the model), lessons/11-planning-a-run.md (the planner).
 """
+from nanomega.model import SHAPE_KEYS
 
 
 def _shape(n_layer, n_embd, n_head, vocab_size, block_size, alibi=False, embed_layernorm=False):
-    return dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab_size, block_size=block_size,
-                alibi=alibi, embed_layernorm=embed_layernorm)
+    """One row, in the papers' column order, as {key: value} over model.SHAPE_KEYS (a key added there and not
+    here fails at import)."""
+    row = locals()
+    return {key: row[key] for key in SHAPE_KEYS}
 
 
 PRESETS = {
@@ -34,4 +37,3 @@ PRESETS = {
     "megatron-145.6b": _shape(80, 12288, 96, 51200, 2048), "megatron-310.1b": _shape(96, 16384, 128, 51200, 2048),
     "megatron-529.6b": _shape(105, 20480, 128, 51200, 2048), "megatron-1t": _shape(128, 25600, 160, 51200, 2048),
 }
-SHAPE_FIELDS = tuple(PRESETS["tiny"])

@@ -17,7 +17,6 @@ a .tiktoken file that `--tokenizer` reads.
 Needs the `hf` extra: pip install transformers safetensors.
 """
 import argparse
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 from nanomega import checkpoint, data, reshard
 from nanomega.ops import faults
 from nanomega.data import ENDOFTEXT, GPT2_PATTERN
-from nanomega.model import GPTConfig
+from nanomega.model import SIZES, GPTConfig
 from nanomega.tools.tokenizer import save_ranks
 
 # nanomega name -> transformers GPT2LMHeadModel name, per block ({i}); Conv1D weights are transposed
@@ -130,15 +129,10 @@ def _hf_tokenizer(enc):
 
 def export(out_dir, to):
     """Write the latest checkpoint of out_dir as a transformers GPT-2 folder `to`; returns its path."""
-    folder = checkpoint.latest(out_dir)
-    if folder is None:
-        raise FileNotFoundError(f"--out-dir {out_dir} holds no checkpoint; train first (nanomega/train.py)")
-    manifest = json.load(open(os.path.join(folder, "manifest.json")))
-    cfg = GPTConfig(**manifest["config"])
+    folder, cfg, tok_name = checkpoint.saved_model(out_dir)
     check_gpt2(cfg)  # before reading any shard
     model = to_hf(reshard.full_weights(folder), cfg)
     model.save_pretrained(to)  # config.json + model.safetensors (safe serialization is the default)
-    tok_name = manifest["layout"].get("tokenizer", "shakespeare-4k")
     tok = _hf_tokenizer(data.get_tokenizer(tok_name))
     if tok is not None:
         tok.save_pretrained(to)
@@ -214,8 +208,8 @@ def main(argv=None):
               " (no HF tokenizer equivalent for this tokenizer)"))
         return
     cfg, tok = import_(args.src, args.out_dir)
-    shape = {k: v for k, v in dataclasses.asdict(cfg).items() if k in checkpoint.SHAPE_KEYS[1:5]}
-    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in shape.items())
+    sizes = [k for k in SIZES if k != "vocab_size"]  # the vocabulary comes with --tokenizer; GPT-2 has no switches
+    flags = " ".join(f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k in sizes)
     print(f"wrote a step-0 checkpoint to {args.out_dir}/ckpt; fine-tune with:\n  python nanomega/train.py --resume "
           f"--out-dir {args.out_dir} {flags} --tokenizer {tok or 'FILE_WITH_%d_IDS' % cfg.vocab_size}")
 

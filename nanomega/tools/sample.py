@@ -6,7 +6,6 @@ Works on checkpoints saved under any layout: reshard.full_weights rebuilds the f
 Lesson: lessons/01-dense-model.md
 """
 import argparse
-import json
 import os
 import sys
 
@@ -17,7 +16,7 @@ if __package__ in (None, ""):  # `python nanomega/tools/sample.py`: make the pac
 
 from nanomega import checkpoint, data, reshard
 from nanomega.ops import faults
-from nanomega.model import GPT, GPTConfig
+from nanomega.model import GPT
 
 
 @torch.no_grad()
@@ -40,15 +39,13 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, generator=
 
 
 def load_model(out_dir):
-    folder = checkpoint.latest(out_dir)
-    if folder is None:
-        raise FileNotFoundError(f"--out-dir {out_dir} holds no checkpoint; train first (nanomega/train.py)")
-    manifest = json.load(open(os.path.join(folder, "manifest.json")))
-    model = GPT(GPTConfig(**manifest["config"]))
+    """(GPT, tokenizer name) of out_dir's newest checkpoint."""
+    folder, cfg, tokenizer = checkpoint.saved_model(out_dir)
+    model = GPT(cfg)
     weights = reshard.full_weights(folder)  # saved under any tp x pp x dp x ZeRO layout
     weights["head.lm_head.weight"] = weights["embed.wte.weight"]  # tied
     model.load_state_dict(weights)
-    return model, manifest["layout"].get("tokenizer", "shakespeare-4k")
+    return model, tokenizer
 
 
 def main(argv=None):

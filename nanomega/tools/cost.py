@@ -1,0 +1,241 @@
+"""What one layout costs on one cluster: memory per GPU, bytes per step, step time, FLOP/s and days.
+
+Idea: put the closed forms of formulas.py together for a model shape, a GPU and a tp x pp x dp x ZeRO layout.
+It is a model, not a measurement; tools/plan.py searches the layouts with it and is the command line.
+    layout     the trainer's: stages split as pp.stage_layers (extra layers on the front stages), the embedding
+               on the first stage and the LM head on the last; ranks in the trainer's grid order (dp, pp, tp),
+               tp fastest (dist.Grid): a tp group is tp neighbouring ranks, so tp must divide the GPUs of a node
+               to stay on NVLink; a pipeline is tp*pp neighbours; a dp group strides over pipelines
+    memory     the heaviest stage's parameters, gradients, optimizer state and the activations of the
+               micro-batches it holds at its peak; fits if <= usable (0.9) x GPU memory
+    time       one micro-batch through the slowest stage (its layers, the head on the last) + its pipeline
+               sends, times (m + (p-1)/v) slots, + the dp bytes / link (no overlap, as Megatron-LM 2021). A layer:
+                   matmul FLOPs / (peak x MATMUL)
+                   + (ELEM bytes x bsh [/t with SP] + SCORE bytes x b(a/t)s^2) / HBM bandwidth
+                   + tp bytes / NVLink
+               with one set of constants (TIME) fitted on published runs (lessons/11-planning-a-run.md)
+    report     TFLOP/s per GPU counting recompute (Megatron's eq. 3 accounting, as papers report it);
+               MFU = tokens x (6N + 12Lhs) / (step x GPUs x datasheet peak); days with the batch ramp-up
+Lesson: lessons/11-planning-a-run.md
+"""
+from dataclasses import dataclass
+
+from nanomega.formulas import (activation_bytes_per_layer, dp_comm_bytes, flops_per_token,
+                               inflight_microbatches, layer_params, pipeline_bubble, pp_comm_bytes,
+                               tp_comm_bytes_per_layer, zero_state_bytes)
+from nanomega.model import SHAPE_KEYS
+from nanomega.ops.presets import PRESETS
+from nanomega.pp import chunk_layers
+
+
+@dataclass(frozen=True)
+class Model:
+    n_layer: int
+    n_embd: int
+    n_head: int
+    vocab_size: int
+    seq_len: int
+    alibi: bool = False  # BLOOM: no position embedding table
+    embed_layernorm: bool = False  # BLOOM: LayerNorm after the embedding
+
+    @classmethod
+    def from_shape(cls, shape):
+        """A preset ({model.SHAPE_KEYS: value}) as a Model: GPTConfig's block_size is the planner's seq_len."""
+        return cls(**{"seq_len" if k == "block_size" else k: shape[k] for k in SHAPE_KEYS})
+
+
+MODELS = {name: Model.from_shape(shape) for name, shape in PRESETS.items()}
+
+
+@dataclass(frozen=True)
+class GPU:
+    peak_flops: float  # dense bf16 FLOP/s (datasheet)
+    memory: float  # bytes
+    hbm_bw: float  # bytes/s of device memory
+    intra_bw: float  # bytes/s one GPU sends inside a node (NVLink, one direction)
+    inter_bw: float  # bytes/s one GPU sends to other nodes (its share of the node's NICs)
+    per_node: int = 8
+
+
+GPUS = {  # NVIDIA datasheets; DGX A100: 8x 200 Gb/s HDR InfiniBand, DGX H100: 8x 400 Gb/s NDR, one NIC per GPU
+    "a100-80gb": GPU(312e12, 80 * 2**30, 2039e9, 300e9, 25e9),  # NVLink 3: 600 GB/s both directions
+    "h100-80gb": GPU(989e12, 80 * 2**30, 3350e9, 450e9, 50e9),  # H100 SXM, NVLink 4: 900 GB/s both directions
+}
+PRECISIONS = {"bf16": (2, 4, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}  # bytes/param: (params, grads, optimizer)
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """The constants of the time model, one set for every run, fitted on the calibration rows of lessons/11_plan.py
+    (Megatron-LM 2021 Table 1 rows 1, 3, 5, 7, 9 and BLOOM) and checked on the others (rows 2, 4, 6, 8, 10).
+    The bytes are effective: what the memory-bound kernels cost, at the datasheet HBM bandwidth."""
+    matmul: float = 0.67  # fraction of peak a matmul reaches (qkv, proj, fc1, fc2, QK^T, AV, LM head)
+    elem: float = 110.0  # HBM bytes per (b, s, h) element and layer, forward + backward (LayerNorm, dropout, add)
+    score: float = 40.0  # HBM bytes per (b, a, s, s) score element and layer, forward + backward (mask, softmax)
+
+
+TIME = TimeModel()
+
+
+@dataclass(frozen=True)
+class Run:
+    global_batch: int = 512  # sequences per optimizer step
+    micro_batch: int = 1
+    dtype: str = "bf16"
+    recompute: str = "selective"  # none | selective | full
+    sp: bool = True  # sequence parallelism with TP
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    chunks: int = 2  # model chunks per stage for the interleaved schedule
+    zero: tuple = (0, 1, 2, 3)  # ZeRO stages to consider
+    usable: float = 0.9  # fraction of GPU memory we plan to fill (CUDA context, NCCL buffers, fragmentation)
+    tokens: float = 300e9  # training budget for the days column
+    rampup: tuple = None  # Megatron's --rampup-batch-size START INCREMENT SAMPLES
+
+
+# ---- model shapes -----------------------------------------------------------------------------------------
+def padded_vocab(model, tp=1):
+    return -(-model.vocab_size // (128 * tp)) * 128 * tp
+
+
+def layers_per_stage(model, pp, v=1):
+    """Layers each pipeline rank holds: the trainer's split (pp.chunk_layers), summed over its v chunks."""
+    return [sum(len(chunk_layers(model.n_layer, pp, k, c, v)) for c in range(v)) for k in range(pp)]
+
+
+def stage_params(model, tp=1, pp=1, v=1):
+    """Parameters on one TP rank of each pipeline stage: its layers, the embedding (vocabulary padded to a
+    multiple of 128*tp, split by tp; positions replicated) on the first, ln_f and, when pp > 1, its own copy
+    of the tied LM head on the last."""
+    h = model.n_embd
+    wte = padded_vocab(model, tp) // tp * h
+    first = wte + (0 if model.alibi else model.seq_len * h) + (2 * h if model.embed_layernorm else 0)
+    counts = [n * layer_params(h, tp) for n in layers_per_stage(model, pp, v)]
+    counts[0] += first
+    counts[-1] += 2 * h + (wte if pp > 1 else 0)
+    return counts
+
+
+def n_params(model):
+    return stage_params(model)[0]
+
+
+# ---- the cluster ------------------------------------------------------------------------------------------
+def links(gpu, gpus, tp, pp):
+    """(pp, dp) bandwidths under the trainer's rank order rank = (d*pp + p)*tp + t. A pipeline is tp*pp
+    neighbouring ranks: on NVLink if that fits in a node. A dp group takes one rank per pipeline: inside a node
+    if all tp*pp*dp do, else it leaves through the NICs of its k members per node (a ring through a node
+    enters and leaves it once per member's NIC), k = per_node / (tp*pp) or 1."""
+    per_node = min(gpu.per_node, gpus)
+    pp_bw = gpu.intra_bw if tp * pp <= per_node else gpu.inter_bw
+    dp_bw = gpu.intra_bw if gpus <= per_node else min(gpu.intra_bw, max(1, per_node // (tp * pp)) * gpu.inter_bw)
+    return pp_bw, dp_bw
+
+
+# ---- time -------------------------------------------------------------------------------------------------
+def layer_seconds(model, gpu, run, tp, time=TIME):
+    """One layer, one micro-batch, forward + backward (+ recompute) on one GPU (the formula in the docstring)."""
+    b, s, h, a = run.micro_batch, model.seq_len, model.n_embd, model.n_head
+    full, attn_again = run.recompute == "full", run.recompute in ("full", "selective")
+    dense = 24 * b * s * h * h / tp * (3 + full)  # forward 1, backward 2, recompute 1
+    attn = 4 * b * s * s * h / tp * (3 + attn_again)
+    hbm = (time.elem * b * s * h / (tp if run.sp else 1) * (1 + full / 3)
+           + time.score * b * a / tp * s * s * (1 + attn_again / 3))
+    eb = 4 if run.dtype == "fp32" else 2
+    tp_b = tp_comm_bytes_per_layer(b, s, h, tp, eb, run.sp, run.recompute)
+    return (dense + attn) / (gpu.peak_flops * time.matmul) + hbm / gpu.hbm_bw + tp_b / gpu.intra_bw
+
+
+def step_seconds(model, gpu, gpus, tp, pp, zero, run, time=TIME, global_batch=None):
+    """(step seconds, bubble fraction) at a global batch (default run.global_batch)."""
+    batch = run.global_batch if global_batch is None else global_batch
+    dp = gpus // (tp * pp)
+    m = batch // (dp * run.micro_batch)
+    v = run.chunks if run.schedule == "interleaved" and pp > 1 else 1
+    eb = 4 if run.dtype == "fp32" else 2
+    layer = layer_seconds(model, gpu, run, tp, time)
+    head = 6 * run.micro_batch * model.seq_len * padded_vocab(model, tp) * model.n_embd / tp
+    stages = [n * layer for n in layers_per_stage(model, pp, v)]
+    stages[-1] += head / (gpu.peak_flops * time.matmul)  # logits forward + 2 backward GEMMs, never recomputed
+    pp_bw, dp_bw = links(gpu, gpus, tp, pp)
+    sends = pp_comm_bytes(run.micro_batch, model.seq_len, model.n_embd, tp, eb, 1, v) if pp > 1 else 0
+    slot = max(stages) + sends / pp_bw
+    pipe = (m + (pp - 1) / v) * slot
+    dp_b = dp_comm_bytes(max(stage_params(model, tp, pp, v)), zero, dp, PRECISIONS[run.dtype][1],
+                         PRECISIONS[run.dtype][0], m)
+    return pipe + dp_b / dp_bw, pipeline_bubble(pp, m, v)  # = (p-1)/v slots of the m + (p-1)/v
+
+
+def train_seconds(step_at, run, seq_len):
+    """Seconds for run.tokens tokens. Ramp-up as Megatron's --rampup-batch-size START INC SAMPLES: the batch
+    grows START, START+INC, ... each for SAMPLES / ((B - START) / INC) samples, then stays at B."""
+    total, done, seconds = run.tokens / seq_len, 0.0, 0.0
+    if run.rampup:
+        start, inc, samples = run.rampup
+        steps = (run.global_batch - start) // inc
+        for i in range(steps):
+            n = min(samples / steps, total - done)
+            seconds += n / (start + i * inc) * step_at(start + i * inc)
+            done += n
+    return seconds + max(0.0, total - done) / run.global_batch * step_at(run.global_batch)
+
+
+# ---- one layout's estimate --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Estimate:
+    tp: int
+    pp: int
+    dp: int
+    zero: int
+    micro_batches: int
+    layers: tuple  # per pipeline rank
+    params: float  # bytes per GPU (the heaviest pipeline stage)
+    grads: float
+    optim: float
+    acts: float
+    tp_comm: float  # bytes per GPU per step
+    pp_comm: float
+    dp_comm: float
+    step_s: float
+    bubble: float  # fraction of the pipeline time idle
+    tflops: float  # per GPU, counting recompute (hardware FLOP/s, as papers report)
+    mfu: float  # model FLOPs (6N + 12Lhs) / datasheet peak
+    days: float  # run.tokens, with the batch ramp-up
+    fits: bool
+
+    @property
+    def memory(self):
+        return self.params + self.grads + self.optim + self.acts
+
+
+def evaluate(model, gpu, gpus, tp, pp, zero, run, time=TIME):
+    """Memory, bytes, step time, FLOP/s, MFU and days of one layout."""
+    L, h, a, s, b = model.n_layer, model.n_embd, model.n_head, model.seq_len, run.micro_batch
+    dp = gpus // (tp * pp)
+    m = run.global_batch // (dp * b)
+    v = run.chunks if run.schedule == "interleaved" and pp > 1 else 1
+    pb, gb, ob = PRECISIONS[run.dtype]
+    eb = 4 if run.dtype == "fp32" else 2
+    layers = layers_per_stage(model, pp, v)
+    act = activation_bytes_per_layer(s, b, h, a, tp, run.sp, run.recompute) * eb / 2  # paper counts 2-byte
+    # full recompute rebuilds one layer's whole activations in backward: the working set on top of the inputs
+    work = activation_bytes_per_layer(s, b, h, a, tp, run.sp) * eb / 2 if run.recompute == "full" else 0
+    stages = []
+    for k, n in enumerate(stage_params(model, tp, pp, v)):
+        state = zero_state_bytes(n, zero, dp, pb, gb, ob)
+        held = act * layers[k] * inflight_microbatches(pp - k, m, run.schedule, v) + work
+        stages.append((sum(state) + held, state, held))
+    _, (params, grads, optim), acts = max(stages, key=lambda x: x[0])
+    tp_b = m * max(layers) * tp_comm_bytes_per_layer(b, s, h, tp, eb, run.sp, run.recompute)
+    pp_b = pp_comm_bytes(b, s, h, tp, eb, m, v) if pp > 1 else 0
+    dp_b = dp_comm_bytes(max(stage_params(model, tp, pp, v)), zero, dp, gb, pb, m)
+    step, bubble = step_seconds(model, gpu, gpus, tp, pp, zero, run, time)
+    tokens = run.global_batch * s
+    n = n_params(model) - (0 if model.alibi else s * h)  # matmul parameters: positions are a lookup
+    head = padded_vocab(model) * h
+    tflops = tokens * flops_per_token(n, L, h, s, run.recompute, head) / (step * gpus)
+    mfu = tokens * flops_per_token(n, L, h, s) / (step * gpus * gpu.peak_flops)
+    days = train_seconds(lambda batch: step_seconds(model, gpu, gpus, tp, pp, zero, run, time, batch)[0], run,
+                         s) / 86400
+    fits = params + grads + optim + acts <= run.usable * gpu.memory
+    return Estimate(tp, pp, dp, zero, m, tuple(layers), params, grads, optim, acts, tp_b, pp_b, dp_b, step, bubble,
+                    tflops, mfu, days, fits)
