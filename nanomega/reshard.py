@@ -166,13 +166,13 @@ def _needed(engine, grid, saved_tp):
     """{(name, saved tp rank): [(a, b), ...]}: the saved element ranges this rank must read. Under the same tp
     size, the ranges of the pieces it owns (stage 0: whole parameters); under another tp size, the whole
     local tensors of the saved tp ranks whose slice overlaps this rank's (replicated parameters: tp rank 0)."""
-    held = defaultdict(list)  # name -> ranges of this rank's tp-local tensor
+    mine = defaultdict(list)  # name -> ranges of this rank's tp-local tensor
     for piece in held(engine):
-        held[piece.name].append((piece.start, piece.end))
+        mine[piece.name].append((piece.start, piece.end))
     params = dict(engine.module.named_parameters())
     need = {}
     t, r = grid.tp.size, grid.tp_rank
-    for name, ranges in held.items():
+    for name, ranges in mine.items():
         source = pp.saved_name(name, params.get(name))
         if t == saved_tp:
             need.setdefault((source, r), []).extend(ranges)
