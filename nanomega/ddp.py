@@ -10,10 +10,11 @@ under no_sync(): gradients accumulate locally and one reduction serves the whole
     bytes one rank sends per step   2 (N-1)/N Psi    (ring all-reduce, dist.py; Psi = gradient bytes)
     memory per parameter            the weight + a grad_dtype gradient (+ the optimizer's state)
 Replicas must start equal -- ranks seeded differently would silently train different models -- so the
-initial weights are verified by checksum (one clear error) or broadcast from dp rank 0, as DDP does.
-Used alone, after every synced backward p.grad holds the averaged gradient, for the caller's own clipping and
-optimizer. zero.ZeroEngine builds on this class: the same buckets, sharded over the ranks (its STAGE table
-says which entries of the Plan each ZeRO stage changes), and it owns the optimizer.
+initial weights and the module buffers (BatchNorm's running statistics) are verified by checksum (one clear
+error) or broadcast from dp rank 0, as PyTorch's DDP does (start_equal).
+GradBuckets is the mechanism; DistributedDataParallel wraps it for a model and the caller's own optimizer
+(p.grad holds the mean after every synced backward). zero.ZeroEngine composes the same GradBuckets over
+split groups (a reduce-scatter instead of the all-reduce) with an optimizer over this rank's slices.
 Lesson: lessons/02-data-parallel-and-zero.md
 """
 import contextlib
@@ -28,81 +29,77 @@ from .flat import FlatGroup, split_by_size
 MAX_IN_FLIGHT = 2  # ZeRO-2/3: reductions launched but unfinished, each holding a full-gradient bucket alive
 
 
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """How gradients are kept and reduced: DP below; zero.STAGE holds one per ZeRO stage."""
-    sharded: bool  # the flat buffers are split over the dp ranks (False: every rank holds all of them)
-    grad: str  # "full" or "shard": the gradient buffer a rank keeps between micro-batches
-    reduce: str  # "all_reduce" or "reduce_scatter"
-    write_back: str  # "none" or "all_gather": how every rank gets the updated parameters
+def start_equal(model, axis, init="verify"):
+    """Every rank of `axis` starts from dp rank 0's parameters and buffers: "verify" compares 2 fp64 sums per
+    tensor (one all-gather, one clear error), "broadcast" copies them from rank 0."""
+    if init not in ("verify", "broadcast"):
+        raise ValueError(f"init={init!r}: use 'verify' or 'broadcast'")
+    tensors = [p for _, p in model.named_parameters()] + [b for _, b in model.named_buffers()]
+    if axis.size == 1:
+        return
+    if init == "broadcast":
+        with torch.no_grad():
+            for t in tensors:
+                axis.broadcast(t.data)
+        return
+    sums = torch.stack([torch.stack([t.detach().double().sum(), t.detach().double().square().sum()])
+                        for t in tensors]).reshape(-1)  # 2 fp64 numbers per tensor
+    every = axis.all_gather(sums.new_empty(axis.size * sums.numel()), sums).view(axis.size, -1)
+    differ = [r for r in range(axis.size) if not torch.equal(every[r], every[0])]
+    if differ:
+        raise ValueError(f"data-parallel ranks {differ} start from other weights than dp rank 0 (seed the "
+                         f"model alike on every rank, or pass init='broadcast')")
 
 
-DP = Plan(sharded=False, grad="full", reduce="all_reduce", write_back="none")
+def bucket_groups(named_params, bucket_mb, axis, split, shared=None):
+    """Flat groups of about bucket_mb each, in the order backward fills them (the last layers first);
+    split: each is split over the ranks of `axis` (ZeRO-1/2). shared: a parameter with a bucket of its own."""
+    buckets = split_by_size(named_params[::-1], bucket_mb * 2**20, [shared] if shared is not None else [])
+    n, rank = (axis.size, axis.rank) if split else (1, 0)
+    return [FlatGroup(b[::-1], n, rank, split=split) for b in buckets]
 
 
-class DistributedDataParallel:
-    """Gradient buckets of `model` reduced over grid.dp while backward runs.
+@dataclasses.dataclass(eq=False)
+class Progress:
+    """One group's reduction; GradBuckets is its one writer."""
+    arrived: set = dataclasses.field(default_factory=set)  # this backward: indices whose gradient is in
+    launched: bool = False  # this backward: the reduction has started
+    reduced: bool = False  # reduced at least once since the last step
+    bucket: torch.Tensor | None = None  # keep="shard": this backward's full gradient, until reduce-scattered
 
-    shared: this pipeline stage's copy of the tied embedding (pp.tied_embedding): a bucket of its own.
-    init: "verify" (default) checks that every dp rank starts from the same weights; "broadcast" copies dp
-    rank 0's. ZeroEngine passes its plan, its ZeRO-3 units (a callable building them once the initial weights
-    are checked) and the trainable (name, parameter) pairs kept in flat buckets (`whole`, default all).
-    Use: forward/backward (`with ddp.no_sync():` on all but the last micro-batch); p.grad is then averaged.
+
+class GradBuckets:
+    """The gradients of `groups` (flat.py), reduced over `axis` while backward runs.
+
+    A group that is not split is all-reduced and averaged; a split one is reduce-scattered: its owned slice
+    holds the sum over ranks (its owner divides).
+    keep   "full": a rank accumulates the full gradient; under no_sync() nothing is sent (DP, ZeRO-1).
+           "shard": only the owned slice is kept, so every micro-batch is reduce-scattered (ZeRO-2/3).
+    in_order  True: launch in the group order (the same on every rank); False: each group when complete
+           (ZeRO-3's units, completed in the same order on every rank).
+    after_reduce(group): called once a split group's reduction has started (ZeRO-3 frees the unit).
+    to_params  True: the caller's own optimizer reads the result -- after a synced backward p.grad holds the
+           mean of groups that are not split, and split groups' slices are averaged in place; False:
+           zero.ZeroEngine reads the buffers, and p.grad may stay a view of them (gradient_as_bucket_view).
     """
 
-    def __init__(self, model, grid, bucket_mb=25, grad_dtype=torch.float32, shared=None, init="verify", plan=DP,
-                 units=None, whole=None):
-        named = list(model.named_parameters())  # tied parameters once, under their first name
-        trainable = [(k, p) for k, p in named if p.requires_grad]
-        if not trainable:
-            raise ValueError("the model has no trainable parameters (all requires_grad=False): nothing to synchronise")
-        self.module, self.grid, self.axis, self.plan = model, grid, grid.dp, plan
-        self.grad_dtype, self.shared = grad_dtype, shared
-        self.optimizer = None  # ZeroEngine: the optimizer of this rank's pieces; None: hand p.grad back
+    def __init__(self, groups, axis, grad_dtype=torch.float32, keep="full", in_order=True, after_reduce=None,
+                 to_params=False):
+        self.groups, self.axis, self.grad_dtype, self.keep = groups, axis, grad_dtype, keep
+        self.in_order, self.after_reduce, self.to_params = in_order, after_reduce, to_params
+        self.progress = [Progress() for _ in groups]
         self._no_sync, self._queued, self._pending = False, False, deque()
-        self._initial_weights(named, init)
-        self.sharded = units(self) if units else None  # ZeRO-3 (zero3.ShardedParameters)
-        n, rank = (grid.dp.size, grid.dp_rank) if plan.sharded and not units else (1, 0)
-        whole = trainable if whole is None else whole
-        alone = [shared] if shared is not None else []
-        buckets = split_by_size(whole[::-1], bucket_mb * 2**20, alone) if whole else []
-        self.groups = [g for g in self.sharded.groups if g.trainable] if self.sharded else []
-        for b in buckets:  # in the order backward fills them; beside ZeRO-3 units: replicated parameters
-            g = FlatGroup(b[::-1], n, rank, replicated=units is not None)
-            g.full = g.flatten(g.params)  # the parameters become views of one padded buffer
-            g.bind(g.full)
-            g.own = g.full[g.lo:g.hi]
-            self.groups.append(g)
-        for g in self.groups:
+        for j, g in enumerate(groups):
             self._allocate_grad(g)
             for i, p in enumerate(g.params):
-                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, g, i))
-
-    def _initial_weights(self, named, init):
-        if init not in ("verify", "broadcast"):
-            raise ValueError(f"init={init!r}: use 'verify' or 'broadcast'")
-        if self.axis.size == 1:
-            return
-        if init == "broadcast":
-            with torch.no_grad():
-                for _, p in named:
-                    self.axis.broadcast(p.data)
-            return
-        sums = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])
-                            for _, p in named]).reshape(-1)  # 2 fp64 numbers per parameter
-        every = self.axis.all_gather(sums.new_empty(self.axis.size * sums.numel()), sums).view(self.axis.size, -1)
-        differ = [r for r in range(self.axis.size) if not torch.equal(every[r], every[0])]
-        if differ:
-            raise ValueError(f"data-parallel ranks {differ} start from other weights than dp rank 0 (seed the "
-                             f"model alike on every rank, or pass init='broadcast')")
+                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, j, i))
 
     def _allocate_grad(self, g):
-        keep_full = self.plan.grad == "full" or g.replicated
+        keep_full = self.keep == "full" or not g.split
         g.grad = torch.zeros(g.padded if keep_full else g.shard_numel, dtype=self.grad_dtype, device=g.device)
-        g.grad_own = g.grad[g.lo:g.hi] if keep_full else g.grad  # the reduced gradient of the owned slice
 
     def _syncing(self):
-        return self.plan.grad == "shard" or not self._no_sync
+        return self.keep == "shard" or not self._no_sync
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -114,68 +111,67 @@ class DistributedDataParallel:
         finally:
             self._no_sync = previous
 
-    def _queue_end_backward(self):
+    def _on_grad(self, j, i, p):
+        g, state = self.groups[j], self.progress[j]
         if not self._queued:  # once per backward: finish what is left when autograd is done
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-
-    def _on_grad(self, g, i, p):
-        self._queue_end_backward()
-        sliced = self.plan.grad == "shard" and not g.replicated
-        if sliced and g.bucket is None:
-            g.bucket = torch.zeros(g.padded, dtype=self.grad_dtype, device=g.device)
+        sliced = self.keep == "shard" and g.split
+        if sliced and state.bucket is None:
+            state.bucket = torch.zeros(g.padded, dtype=self.grad_dtype, device=g.device)
         if g.grad is None:  # ZeRO-3 frees its gradient shard between steps
             self._allocate_grad(g)
-        buf = g.bucket if sliced else g.grad
+        buf = state.bucket if sliced else g.grad
         if p.grad._base is not buf:  # autograd's own new tensor: accumulate it into the buffer, in grad_dtype
             slot = buf[g.offsets[i]:g.offsets[i] + g.sizes[i]].view_as(p.grad)
             slot.add_(p.grad)
-            # The engine zeroes the buffer after each step, so the slot can stay p.grad: autograd then adds
-            # later gradients straight into the buffer (PyTorch DDP's gradient_as_bucket_view), one pass over
-            # the gradient fewer. Not for bf16 weights with fp32 sums, nor ZeRO-2/3's per-step buckets, nor
-            # without an optimizer (p.grad is then the caller's); there the new tensor is dropped.
-            keep = self.optimizer is not None and not sliced and p.dtype == self.grad_dtype
+            # The buffer is zeroed after each step, so the slot can stay p.grad: autograd then adds later
+            # gradients straight into the buffer (PyTorch DDP's gradient_as_bucket_view), one pass over the
+            # gradient fewer. Not for bf16 weights with fp32 sums, nor ZeRO-2/3's per-step buckets, nor when
+            # p.grad is the caller's (to_params); there the new tensor is dropped.
+            keep = not self.to_params and not sliced and p.dtype == self.grad_dtype
             p.grad = slot if keep else None
         if self._syncing():
-            g.arrived.add(i)
-            self._launch_ready(g)
+            state.arrived.add(i)
+            self._launch_ready(j)
 
-    def _launch_ready(self, g):
-        """ZeRO-3 reduces a unit as soon as it is complete; otherwise buckets launch in their index order,
-        the same on every rank (collectives must match across ranks)."""
-        if self.sharded is not None:
-            if len(g.arrived) == len(g.params) and not g.launched:
-                self._reduce(g)
+    def _launch_ready(self, j):
+        if not self.in_order:
+            if len(self.progress[j].arrived) == len(self.groups[j].params) and not self.progress[j].launched:
+                self._reduce(j)
             return
-        for h in self.groups:
-            if not h.launched:
-                if len(h.arrived) < len(h.params):
+        for k, g in enumerate(self.groups):
+            if not self.progress[k].launched:
+                if len(self.progress[k].arrived) < len(g.params):
                     return
-                self._reduce(h)
+                self._reduce(k)
 
-    def _reduce(self, g):
-        g.launched = g.reduced = True
-        n = self.axis.size
+    def _reduce(self, j):
+        g, state, n = self.groups[j], self.progress[j], self.axis.size
+        state.launched = state.reduced = True
         if g.grad is None:
             self._allocate_grad(g)
-        if not self.plan.sharded or g.replicated:  # the sum, then the mean, on every rank (a later synced
-            if n > 1:  # backward adds to it); a world of one holds the mean already (x / 1: a pass for nothing)
+        if not g.split:  # the sum, then the mean, on every rank (a later synced backward adds to it); a
+            if n > 1:  # world of one holds the mean already (x / 1: a pass for nothing)
                 self._start(self.axis.start("all_reduce", g.grad), lambda: g.grad.div_(n))
             return
         out = torch.empty(g.shard_numel, dtype=self.grad_dtype, device=g.device)
-        if self.plan.grad == "full":  # ZeRO-1: owned slice := the sum over ranks; the rest (others') := 0
+        if self.keep == "full":  # ZeRO-1: owned slice := the sum over ranks; the rest (others') := 0
             self._start(self.axis.start("reduce_scatter", out, g.grad),
                         lambda: (g.grad.zero_(), g.grad_own.copy_(out)))
             return
-        bucket = g.bucket if g.bucket is not None else torch.zeros(g.padded, dtype=self.grad_dtype, device=g.device)
-        g.bucket = None  # alive only until its reduce-scatter finishes (the closure holds it)
-        self._start(self.axis.start("reduce_scatter", out, bucket), lambda: (g.grad.add_(out), bucket))
-        if self.sharded is not None:  # ZeRO-3: backward is done with this unit's parameters
-            self.sharded.release(g)
+        bucket = state.bucket if state.bucket is not None else \
+            torch.zeros(g.padded, dtype=self.grad_dtype, device=g.device)
+        state.bucket = None  # alive only until its reduce-scatter finishes (the closure holds it)
+        mean = self.to_params and n > 1  # the caller's optimizer reads the mean (x / 2^k is exact)
+        self._start(self.axis.start("reduce_scatter", out, bucket),
+                    lambda: (g.grad.add_(out.div_(n) if mean else out), bucket))
+        if self.after_reduce is not None:
+            self.after_reduce(g)
 
     def _start(self, work, finish):
         self._pending.append((work, finish))
-        while self.plan.grad == "shard" and len(self._pending) > MAX_IN_FLIGHT:  # else: no transient buffers
+        while self.keep == "shard" and len(self._pending) > MAX_IN_FLIGHT:  # else: no transient buffers
             self._finish_one()
 
     def _finish_one(self):
@@ -186,24 +182,69 @@ class DistributedDataParallel:
 
     def _end_backward(self):
         """Autograd's last callback: reduce what unused parameters held back (in index order), wait for every
-        reduction (the next backward adds into the same buffers), reset. Without an optimizer: hand the
-        averaged gradients to p.grad; the buffers start the next accumulation at zero."""
+        reduction (the next backward adds into the same buffers), reset; to_params: hand p.grad the means."""
         self._queued = False
         synced = self._syncing()
         if synced:
-            for g in self.groups:
-                if not g.launched:
-                    self._reduce(g)
+            for j, state in enumerate(self.progress):
+                if not state.launched:
+                    self._reduce(j)
         while self._pending:
             self._finish_one()
-        for g in self.groups:
-            g.arrived.clear()
-            g.launched = False
-        if self.sharded is not None:
-            self.sharded.end_backward()
-        if self.optimizer is None and synced:
-            for g in self.groups:
-                for p, v in zip(g.params, g.views(g.grad)):
-                    p.grad = v.to(p.dtype, copy=True)
+        for state in self.progress:
+            state.arrived.clear()
+            state.launched = False
+        if self.to_params and synced:
+            for g, state in zip(self.groups, self.progress):
+                if not g.split:
+                    for p, v in zip(g.params, g.views(g.grad)):
+                        p.grad = v.to(p.dtype, copy=True)
+                    g.grad.zero_()
+                    state.reduced = False
+
+    def finish(self):
+        """Reduce the groups no synced backward reduced (every micro-batch ran under no_sync), wait for all."""
+        for j, state in enumerate(self.progress):
+            if not state.reduced:
+                self._reduce(j)
+        while self._pending:
+            self._finish_one()
+
+    def zero_grad(self):
+        """Start the next step's accumulation at zero; a group holding only a shard of its parameters (ZeRO-3)
+        frees its gradient (allocated again by the next backward) unless the caller's optimizer reads it."""
+        for g, state in zip(self.groups, self.progress):
+            state.reduced = False
+            if g.shard is not None and g.split and not self.to_params:
+                g.grad = None
+            elif g.grad is not None:
                 g.grad.zero_()
-                g.reduced = False
+
+
+class DistributedDataParallel:
+    """Gradient buckets of `model` averaged over grid.dp while backward runs, for the caller's own optimizer.
+
+    init: "verify" (default) checks that every dp rank starts from the same parameters and buffers;
+    "broadcast" copies dp rank 0's. Use: forward/backward (`with ddp.no_sync():` on all but the last
+    micro-batch); p.grad then holds the mean gradient; optimizer.step(); ddp.zero_grad() (or model.zero_grad()).
+    """
+
+    def __init__(self, model, grid, bucket_mb=25, grad_dtype=torch.float32, init="verify"):
+        trainable = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError("the model has no trainable parameters (all requires_grad=False): nothing to synchronise")
+        self.module, self.grid, self.axis = model, grid, grid.dp
+        start_equal(model, self.axis, init)
+        self.buckets = GradBuckets(bucket_groups(trainable, bucket_mb, self.axis, split=False), self.axis,
+                                   grad_dtype, to_params=True)
+        self.groups = self.buckets.groups
+
+    def no_sync(self):
+        return self.buckets.no_sync()
+
+    def zero_grad(self):
+        """p.grad = None and the buffers at zero: what was accumulated is dropped."""
+        self.buckets.zero_grad()
+        for g in self.groups:
+            for p in g.params:
+                p.grad = None

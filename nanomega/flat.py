@@ -18,26 +18,25 @@ import torch
 
 
 class FlatGroup:
-    """Parameters of one dtype laid end to end, sharded over `n_shards` ranks (n_shards = 1: kept whole, as
-    at ZeRO stage 0 and for ZeRO-3's replicated parameters: `replicated`).
+    """Parameters of one dtype laid end to end, split over `n_shards` ranks (n_shards = 1: kept whole).
 
-    A closed record (__slots__): every buffer an engine may attach is declared here, none is added elsewhere.
-    The buffers (all 1-D; which exist depends on the ZeRO stage, see the table in zero.py):
+    split   this rank owns the slice [lo, hi) (ZeRO stages 1-3; False: stage 0, ZeRO-3's replicated
+            parameters); a split group on a world of one still owns everything: lo = 0, hi = padded
+    keep    "full": the parameters become views of `full` (DP, ZeRO-1/2); "shard": only this rank's slice is
+            kept, in `shard`, and `full` is gathered on demand (ZeRO-3, zero3.py frees and refills its storage)
+    The buffers (all 1-D). Set here, never reassigned: full, shard, own. Written elsewhere, one writer each:
       full    model dtype, N S elements; the parameters are views of it (ZeRO-3: only while gathered)
-      shard   model dtype, this rank's S elements (ZeRO-3: the persistent copy of the parameters)
+      shard   model dtype, this rank's S elements (ZeRO-3: the persistent copy of the parameters), else None
       own     this rank's slice of the parameters: full[lo:hi], or shard under ZeRO-3
-      master  fp32, this rank's S elements: what the optimizer updates (it IS `own` when the model is fp32)
-      grad    gradient in grad_dtype, full (stages 0, 1) or this rank's slice (stages 2, 3; ZeRO-3 frees it
-              between steps)
-      grad_own  the reduced gradient of the owned slice: grad[lo:hi] (stages 0, 1) or grad itself
-      bucket  stages 2, 3: the full gradient of this backward, alive only until it is reduce-scattered
+      master  fp32, this rank's S elements the optimizer updates (it IS `own` when the model is fp32): zero.py
+      grad    the gradient in grad_dtype, full or this rank's slice (ZeRO-2/3); ZeRO-3 frees it between
+              steps: ddp.GradBuckets
     """
 
     __slots__ = ("names", "params", "shapes", "sizes", "offsets", "numel", "shard_numel", "padded", "lo", "hi",
-                 "dtype", "device", "trainable", "replicated", "full", "shard", "own", "master", "grad", "grad_own", "bucket",
-                 "arrived", "launched", "reduced", "state", "work")
+                 "dtype", "device", "trainable", "split", "full", "shard", "own", "master", "grad")
 
-    def __init__(self, named_params, n_shards, rank, replicated=False):
+    def __init__(self, named_params, n_shards, rank, split=None, keep="full"):
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.shapes = [p.shape for p in self.params]  # kept: ZeRO-3 swaps the parameters for empty tensors
@@ -51,19 +50,23 @@ class FlatGroup:
         self.dtype = self.params[0].dtype
         self.device = self.params[0].device
         self.trainable = self.params[0].requires_grad
-        self.replicated = replicated  # whole on every rank of an engine that shards (n_shards is then 1)
-        self.full = None
-        self.shard = None
-        self.own = None
+        self.split = n_shards > 1 if split is None else split
+        if keep == "full":  # the parameters become views of one padded buffer
+            self.full, self.shard = self.flatten(self.params), None
+            self.bind(self.full)
+            self.own = self.full[self.lo:self.hi]
+        else:  # the persistent 1/N; `full` is storage to gather into (zero3.py)
+            self.shard = self.own = self.flatten(self.params)[self.lo:self.hi].clone()
+            self.full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
         self.master = None
         self.grad = None
-        self.grad_own = None
-        self.bucket = None
-        self.arrived = set()  # this backward: indices of the parameters whose gradient is in
-        self.launched = False  # this backward: the reduction has started
-        self.reduced = False  # reduced at least once since the last step
-        self.state = None  # ZeRO-3: free, inflight or live (zero3.py)
-        self.work = None  # ZeRO-3: the all-gather in flight
+
+    @property
+    def grad_own(self):
+        """The reduced gradient of the owned slice: grad[lo:hi] of a full gradient, or the slice itself."""
+        if self.grad is None or self.grad.numel() != self.padded:
+            return self.grad
+        return self.grad[self.lo:self.hi]
 
     def flatten(self, tensors, dtype=None):
         """The tensors (shaped like the parameters) end to end in a new zero-padded buffer of N S elements."""

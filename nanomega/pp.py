@@ -84,6 +84,19 @@ def build_stage(model, grid, virtual=1):
     return model
 
 
+TIED_EMBEDDING = "embed.wte.weight"  # the dense model's name of the matrix the last stage copies
+
+
+def is_shared_embedding_copy(p):
+    """Whether p is the last stage's copy of the tied embedding (build_stage tags it)."""
+    return getattr(p, "shared_embedding", False)
+
+
+def saved_name(name, p):
+    """The name a parameter is saved and resharded under: the copy stands for the dense model's embedding."""
+    return TIED_EMBEDDING if p is not None and is_shared_embedding_copy(p) else name
+
+
 def tied_embedding(model, grid):
     """This stage's copy of the tied embedding/LM-head matrix, or None (middle stages, or pp == 1)."""
     if grid.pp.size == 1:
@@ -95,8 +108,8 @@ def tied_embedding(model, grid):
 
 def sum_tied_grad(grad, grid):
     """Sum the embedding gradient of the first stage and the LM-head gradient of the last (Megatron's
-    embedding group), so both copies take the dense model's step. The one home of this rule: p.grad here
-    (sync_tied_grads), the engine's fp32 gradient slice under ZeroEngine (its `shared` parameter)."""
+    embedding group), so both copies take the dense model's step: p.grad here (sync_tied_grads); under
+    zero.ZeroEngine the engine sums its fp32 gradient slice of the `shared` parameter over grid.embed too."""
     grid.embed.all_reduce(grad)
 
 

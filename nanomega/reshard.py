@@ -1,11 +1,11 @@
 """Resharding: a checkpoint saved under one layout loads under any other (DeepSpeed's universal checkpoint,
 done on load).
 
-Idea: besides its own state, each rank saves its *pieces by name* (ZeroEngine.export_by_name) -- for every
+Idea: besides its own state, each rank saves its *pieces by name* (export_by_name, from a zero.ZeroEngine) -- for every
 parameter slice it owns, the element range of its (tensor-parallel) local tensor, the fp32 master values and the
 optimizer state. Nothing is gathered to save. Loading under any layout (tp, pp, dp, ZeRO stage changed)
 rebuilds each full tensor from the pieces (un-sharding tp with tp.unshard_param), then each rank keeps its
-new slices (tp.shard_param, ZeroEngine.import_by_name). A rank reads only the shards it needs: the manifest
+new slices (tp.shard_param, import_by_name). A rank reads only the shards it needs: the manifest
 indexes every shard's pieces (name, tp rank, element range), and a rank opens a shard only if one of its
 pieces overlaps what the rank will hold -- under the same layout that is its own shard (its dp-rank-0
 peer's at ZeRO stage 0, where replicas save nothing). Shards are always read to the CPU
@@ -14,31 +14,106 @@ checkpoint loads on a machine with fewer GPUs, or none. The files themselves -- 
 checksums, discovery -- are nanomega/checkpoint.py.
 Lesson: lessons/10-checkpoints-and-failures.md
 """
+import copy as copy_module
 import math
 from collections import defaultdict
 
 import torch
 
-from nanomega import checkpoint, tp
-from nanomega.zero import is_elementwise
+from nanomega import checkpoint, pp, tp
+from nanomega.flat import Piece
+
+
+def is_elementwise(v):
+    """An optimizer state entry shaped like its parameter (Adam's m, v), as opposed to a scalar (its step)."""
+    return torch.is_tensor(v) and v.dim() > 0
+
+
+def clone(v):
+    return v.clone() if torch.is_tensor(v) else copy_module.deepcopy(v)
+
+
+def held(engine):
+    """A Piece for every parameter slice this rank's zero.ZeroEngine holds: the stepped pieces, then frozen
+    parameters (ZeRO-3: their shards; otherwise whole)."""
+    out = [piece for piece in engine.pieces if piece.group is not None]
+    frozen = engine.sharded.frozen if engine.sharded else []
+    for g in frozen:
+        out += [Piece(g.names[i], tuple(g.shapes[i]), a - g.offsets[i], b - g.offsets[i],
+                      g.shard[a - g.lo:b - g.lo], replica=False, group=g, index=i, at=a - g.lo)
+                for i, a, b in g.pieces()]
+    in_units = {id(p) for g in frozen for p in g.params}
+    out += [Piece(k, tuple(p.shape), 0, p.numel(), p.detach().reshape(-1), replica=True)
+            for k, p in engine.module.named_parameters() if not p.requires_grad and id(p) not in in_units]
+    return out
+
+
+def export_by_name(engine, copies=False, copy=True):
+    """This rank's share of every parameter by name: [dict(name, shape, start, end, master (fp32), state
+    {key: 1-D slice, or the scalar})]. Over the job each parameter is exported once: dp replicas (dp rank
+    > 0) and the last pipeline stage's copy of the tied embedding export nothing, unless copies=True.
+    copy=False: the tensors are views of live buffers (fp32 models), to be copied before the next step."""
+    out, grid = [], engine.grid
+    take = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())
+    for piece in held(engine):
+        if not copies and piece.replica and grid.dp_rank != 0:
+            continue
+        p = piece.group.params[piece.index] if piece.group else None
+        if not copies and p is not None and p is engine.shared and not grid.first_stage:
+            continue
+        state = engine.optimizer.state.get(piece.master, {})
+        out.append(dict(name=piece.name, shape=piece.shape, start=piece.start, end=piece.end,
+                        master=take(piece.master.reshape(-1).float()),
+                        state={k: take(v.reshape(-1)) if is_elementwise(v) else clone(v) for k, v in state.items()}))
+    return out
+
+
+@torch.no_grad()
+def import_by_name(engine, params_by_name, optim_state_by_name=None):
+    """Keep this rank's slices of full tensors given by name (saved in any layout): the engine's fp32 masters,
+    the model's parameters (frozen ones too) and, when given, the optimizer state."""
+    missing = [k for k, _ in engine.module.named_parameters() if k not in params_by_name]
+    if missing:
+        raise ValueError(f"import_by_name: no tensor for parameters {missing[:3]} (of {len(missing)} missing)")
+    for g in engine.groups:
+        g.master.copy_(g.flatten([params_by_name[k] for k in g.names], torch.float32)[g.lo:g.hi])
+    for g in engine.sharded.frozen if engine.sharded else []:
+        g.shard.copy_(g.flatten([params_by_name[k] for k in g.names])[g.lo:g.hi])
+    for piece in held(engine):
+        if piece.group is None:  # a frozen parameter held whole
+            piece.master.copy_(params_by_name[piece.name].reshape(-1))
+    if optim_state_by_name is not None:
+        optimizer = engine.optimizer
+        optimizer.state.clear()
+        for piece in engine.pieces:
+            m = piece.master
+            if piece.group is None:  # an empty piece takes the keys of any parameter of its group
+                j = next(j for j, group in enumerate(optimizer.param_groups) if group["params"][0] is m)
+                st = next((optim_state_by_name[k] for k, jj in engine.group_of.items()
+                           if jj == j and optim_state_by_name.get(k)), {})
+                optimizer.state[m] = {k: m.new_zeros(0, dtype=v.dtype) if is_elementwise(v) else clone(v)
+                                      for k, v in st.items()}
+                continue
+            st = optim_state_by_name[piece.name]
+            # element-wise state goes to the parameter's device at every stage (a checkpoint is read to the
+            # CPU); scalars (Adam's step) stay where torch.optim keeps them, on the CPU
+            optimizer.state[m] = {k: (v.to(m.device).reshape(-1)[piece.start:piece.end].clone().view(m.shape)
+                                      if is_elementwise(v) else clone(v)) for k, v in st.items()}
+    engine.write_back()
 
 
 def pieces(engine, grid, copy=True):
-    """What this rank saves: its share of every parameter by name (ZeroEngine.export_by_name), with its tp rank
+    """What this rank saves: its share of every parameter by name (export_by_name), with its tp rank
     (the pieces of tensor-parallel parameters are slices of the tp-local tensor). copy=False: views of the
     engine's live buffers, to be copied before the next step (checkpoint.AsyncSaver copies them into reused
     buffers)."""
-    return dict(tp_rank=grid.tp_rank, pieces=engine.export_by_name(copy=copy))
+    return dict(tp_rank=grid.tp_rank, pieces=export_by_name(engine, copy=copy))
 
 
 def full_state(engine):
     """({name: full fp32 tensor}, {name: optimizer state by name}) of a live engine, gathered over its dp axis:
     the same by-name state a checkpoint holds (tp-local tensors: tensor-parallel slices are not joined)."""
-    mine = engine.export_by_name(copies=True)
-    every = [mine]
-    if engine.axis.size > 1:
-        every = [None] * engine.axis.size
-        torch.distributed.all_gather_object(every, mine, group=engine.axis.group)
+    every = engine.axis.all_gather_object(export_by_name(engine, copies=True))
     full = _assemble([dict(universal=dict(tp_rank=0, pieces=p)) for p in every], tp_size=1)
     trainable = {k for k, p in engine.module.named_parameters() if p.requires_grad}
     return ({k: master for k, (master, _) in full.items()},
@@ -91,14 +166,14 @@ def _needed(engine, grid, saved_tp):
     """{(name, saved tp rank): [(a, b), ...]}: the saved element ranges this rank must read. Under the same tp
     size, the ranges of the pieces it owns (stage 0: whole parameters); under another tp size, the whole
     local tensors of the saved tp ranks whose slice overlaps this rank's (replicated parameters: tp rank 0)."""
-    held = defaultdict(list)  # name -> ranges of this rank's tp-local tensor
-    for piece in engine.held():
-        held[piece.name].append((piece.start, piece.end))
+    mine = defaultdict(list)  # name -> ranges of this rank's tp-local tensor
+    for piece in held(engine):
+        mine[piece.name].append((piece.start, piece.end))
     params = dict(engine.module.named_parameters())
     need = {}
     t, r = grid.tp.size, grid.tp_rank
-    for name, ranges in held.items():
-        source = "embed.wte.weight" if getattr(params.get(name), "shared_embedding", False) else name
+    for name, ranges in mine.items():
+        source = pp.saved_name(name, params.get(name))
         if t == saved_tp:
             need.setdefault((source, r), []).extend(ranges)
         elif tp.shard_rule(source) is None:
@@ -130,7 +205,7 @@ def load(folder, cfg, engine, grid, layout):
     full = _assemble(shards.values(), need, manifest["layout"].get("tp", 1))
     params, optim = {}, {}
     for name, p in engine.module.named_parameters():
-        source = "embed.wte.weight" if getattr(p, "shared_embedding", False) else name  # the tied copy
+        source = pp.saved_name(name, p)  # the last stage's copy of the tied embedding: the embedding
         if source not in full:  # nothing of it is this rank's: an empty placeholder import_by_name never reads
             if any(k == source for k, _ in need):
                 raise ValueError(f"--resume: the checkpoint in {folder} has no parameter {source}")
@@ -141,7 +216,7 @@ def load(folder, cfg, engine, grid, layout):
         params[name] = cut(master)
         if p.requires_grad:
             optim[name] = {k: cut(v) if is_elementwise(v) else v for k, v in state.items()}
-    engine.import_by_name(params, optim)
+    import_by_name(engine, params, optim)
     mine = shards[own] if own in shards else checkpoint.load_shard(folder, int(own[5:10]))
     return dict(mine, same_layout=same, shards_read=sorted(files))
 

@@ -249,8 +249,14 @@ def unshard_param(name, shards):
 
 def _shard(p, name, tp):
     q = nn.Parameter(shard_param(name, p.detach(), tp.rank, tp.size).clone(), requires_grad=p.requires_grad)
-    q.tensor_parallel = True  # zero.py's gradient norm counts a slice on every tp rank, a replica on one
+    q.tensor_parallel = True  # read through is_tensor_parallel
     return q
+
+
+def is_tensor_parallel(p):
+    """Whether p is this tp rank's slice (not a replica): zero.py's gradient norm counts a slice on every tp
+    rank, a replicated parameter on one; sequence parallelism all-reduces the replicas' gradients."""
+    return getattr(p, "tensor_parallel", False)
 
 
 def check_tensor_parallel(cfg, tp_size, sequence_parallel=False):
@@ -304,6 +310,6 @@ def apply_tensor_parallel(model, tp, sequence_parallel=False, rng=None):
     model.head.loss_fn = functools.partial(vocab_parallel_cross_entropy, tp=tp, vocab_size=cfg.vocab_size)
     if sp:
         for p in model.parameters():
-            if p.requires_grad and not getattr(p, "tensor_parallel", False):
+            if p.requires_grad and not is_tensor_parallel(p):
                 p.register_hook(functools.partial(_all_reduce_fp32, tp=tp))
     return model

@@ -18,15 +18,20 @@ parameters twice (forward and backward): 3(N-1)/N Psi, 1.5x DP.
 Here gradients are accumulated and reduced in grad_dtype (fp32 by default: 2+4+12 = 18 bytes in bf16) and
 the fp32 master copy IS the model's storage when the model is fp32 (4 + 4 + 8 = 16 bytes). The mixed-precision
 arithmetic of the step (fp32 masters, unscale, write-back) is precision.py's; this engine shards its buffers.
+The engine is a composition: ddp.GradBuckets (gradients reduced while backward runs) + an optimizer over this
+rank's pieces (here) + at stage 3 zero3.ShardedParameters; STAGE says what each stage changes, and
+ZeroEngine.__init__ is the one place that reads it. It imports tp for one rule of the global gradient norm
+(a tensor-parallel slice counts on every tp rank, a replicated parameter on one).
+Export and import by name (checkpoints, resharding) are reshard.py's.
 Lesson: lessons/02-data-parallel-and-zero.md
 """
-import copy
+import dataclasses
 import math
 
 import torch
 
-from . import pp, precision
-from .ddp import DistributedDataParallel, Plan
+from . import precision, tp
+from .ddp import GradBuckets, bucket_groups, start_equal
 from .flat import Piece, storage_bytes
 from .zero3 import ShardedParameters
 
@@ -34,10 +39,20 @@ ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim
                torch.optim.Adadelta, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop,
                torch.optim.ASGD)
 NORM_CHUNK = 2**20  # elements per fp64 chunk of the norm (a whole fp64 copy would cost 2x the gradient)
-STAGE = {0: Plan(sharded=False, grad="full", reduce="all_reduce", write_back="none"),  # = ddp.DP
-         1: Plan(sharded=True, grad="full", reduce="reduce_scatter", write_back="all_gather"),
-         2: Plan(sharded=True, grad="shard", reduce="reduce_scatter", write_back="all_gather"),
-         3: Plan(sharded=True, grad="shard", reduce="reduce_scatter", write_back="none")}  # units: zero3.py
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """What a ZeRO stage shards over the dp ranks; each field is one choice in ZeroEngine.__init__."""
+    optimizer: bool  # flat groups split: a rank steps its slice (masters, Adam state 1/N), the norm sums ranks
+    gradients: bool  # GradBuckets(keep="shard"): only the slice's gradient kept, reduce-scattered per micro-batch
+    parameters: bool  # zero3.ShardedParameters: parameters kept as 1/N shards, units gathered on demand
+
+
+STAGE = {0: Stage(optimizer=False, gradients=False, parameters=False),  # = data parallelism (ddp.py)
+         1: Stage(optimizer=True, gradients=False, parameters=False),
+         2: Stage(optimizer=True, gradients=True, parameters=False),
+         3: Stage(optimizer=True, gradients=True, parameters=True)}
 
 
 def pipeline_error(stage, pp):
@@ -83,15 +98,17 @@ def fp64_norms(t):
     return [torch.linalg.vector_norm(c, dtype=torch.float64) for c in chunks]
 
 
-class ZeroEngine(DistributedDataParallel):
+class ZeroEngine:
     """Owns the gradient buffers, the fp32 master weights and the optimizer of `model` over grid.dp.
 
     optim: optimizer kwargs (one group), or param_groups_fn(named trainable params) -> [dict(params=[names],
     **options)]. wrap (stage 3): the modules gathered as units (default zero3.default_wrap). replicate
     (stage 3): names of parameters kept whole on every rank, their gradients all-reduced (Megatron's replicated
-    LayerNorms, FSDP's ignored parameters). shared, init, bucket_mb, grad_dtype: as DistributedDataParallel.
+    LayerNorms, FSDP's ignored parameters). shared: this pipeline stage's copy of the tied embedding
+    (pp.tied_embedding): a bucket of its own, its gradient summed over grid.embed with the other stage's.
+    init: "verify" (default) or "broadcast" the parameters and buffers (ddp.start_equal).
     Use: forward/backward as usual (`with engine.no_sync():` on all but the last micro-batch), then step().
-    For gradient synchronisation alone (your own optimizer and clipping), use ddp.DistributedDataParallel.
+    Your own optimizer: ddp.DistributedDataParallel (gradients averaged), zero3.FullyShardedDataParallel.
     """
 
     def __init__(self, model, optimizer_cls, optim, grid, stage=0, bucket_mb=25, grad_dtype=torch.float32,
@@ -102,19 +119,37 @@ class ZeroEngine(DistributedDataParallel):
         if unknown or (replicate and stage != 3):
             raise ValueError(f"ZeroEngine(replicate=...): {unknown[:3] or list(replicate)[:3]} "
                              f"{'are not parameters of the model' if unknown else 'only mean something at stage 3'}")
-        self.stage = stage
         trainable = [(k, p) for k, p in named if p.requires_grad]
+        if not trainable:
+            raise ValueError("the model has no trainable parameters (all requires_grad=False): nothing to synchronise")
         specs = self._param_groups(optim, trainable)  # before ZeRO-3 swaps the parameters for empty tensors
-        def units(engine):  # ZeRO-3's, built once the initial weights are checked (ddp.py)
-            sharded = [(k, p) for k, p in named if k not in replicate]
-            return ShardedParameters(model, sharded, grid.dp, wrap, engine._queue_end_backward)
-        whole = [(k, p) for k, p in trainable if stage < 3 or k in replicate]  # flat buckets, not units
-        super().__init__(model, grid, bucket_mb, grad_dtype, shared, init, STAGE[stage],
-                         units if stage == 3 else None, whole)
+        self.module, self.grid, self.axis, self.stage, self.shared = model, grid, grid.dp, stage, shared
+        row = STAGE[stage]  # the one place the stage's row is read
+        start_equal(model, self.axis, init)
+        self.sharded, groups = None, []
+        if row.parameters:  # ZeRO-3: units of shards (zero3.py); the replicated parameters in buckets below
+            self.sharded = ShardedParameters(model, [(k, p) for k, p in named if k not in replicate], self.axis, wrap)
+            groups = [g for g in self.sharded.groups if g.trainable]
+        whole = [(k, p) for k, p in trainable if not row.parameters or k in replicate]
+        groups += bucket_groups(whole, bucket_mb, self.axis, split=row.optimizer and not row.parameters,
+                                shared=shared)
+        self.buckets = GradBuckets(groups, self.axis, grad_dtype, keep="shard" if row.gradients else "full",
+                                   in_order=not row.parameters,
+                                   after_reduce=self.sharded.release if row.parameters else None)
+        self.groups = groups
+        self.norm_over_dp = row.optimizer  # the pieces differ per dp rank: the norm adds theirs
         for g in self.groups:  # fp32 model: the same tensor (no copy); 16-bit model: the fp32 master
             g.master = precision.fp32_master(g.own)
         self.optimizer = self._build_optimizer(optimizer_cls, specs)
         self.norm_pieces = [piece for piece in self.pieces if self._counts_in_norm(piece)]  # fixed by the layout
+
+    def no_sync(self):
+        """Micro-batches before the last: no reduction (stages 0-1; ddp.GradBuckets.no_sync)."""
+        return self.buckets.no_sync()
+
+    def zero_grad(self):
+        """Drop the gradients accumulated since the last step (step() does it after updating)."""
+        self.buckets.zero_grad()
 
     def _param_groups(self, optim, trainable):
         specs = optim(trainable) if callable(optim) else [dict(params=[k for k, _ in trainable], **optim)]
@@ -136,11 +171,11 @@ class ZeroEngine(DistributedDataParallel):
         for g in self.groups:
             for i, a, b in g.pieces():
                 m = g.master[a - g.lo:b - g.lo]
-                if g.replicated or not self.plan.sharded:  # held whole: shaped, so shape-aware optimizers work too
+                if not g.split:  # held whole: shaped, so shape-aware optimizers work too
                     m = m.view(g.shapes[i])
                 groups[self.group_of[g.names[i]]]["params"].append(m)
                 self.pieces.append(Piece(g.names[i], tuple(g.shapes[i]), a - g.offsets[i], b - g.offsets[i], m,
-                                         replica=g.replicated or not self.plan.sharded, group=g, index=i,
+                                         replica=not g.split, group=g, index=i,
                                          at=a - g.lo))
         for group in groups:  # a rank owning nothing of a group steps an empty piece: same state keys on all
             if not group["params"]:
@@ -162,17 +197,13 @@ class ZeroEngine(DistributedDataParallel):
         """Finish the reductions, average (and unscale), global norm, clip, step the owned pieces, write the
         parameters back (all-gather for stages 1-2), zero the gradients. -> dict(grad_norm, stepped).
         skip=True drops the update (a loss spike, faults.Spikes) like a non-finite one."""
-        for g in self.groups:  # every micro-batch ran under no_sync (or none ran): reduce now
-            if not g.reduced:
-                self._reduce(g)
-        while self._pending:
-            self._finish_one()
+        self.buckets.finish()  # every micro-batch ran under no_sync (or none ran): reduce now; wait for all
         for g in self.groups:
-            if self.plan.sharded and not g.replicated and self.axis.size > 1:  # whole groups: averaged; shards: sums
+            if g.split and self.axis.size > 1:  # whole groups: averaged; slices: sums
                 g.grad_own.div_(self.axis.size)
             precision.unscale_(g.grad_own, scaler)
-            if self.shared is not None and g.params[0] is self.shared:
-                pp.sum_tied_grad(g.grad_own, self.grid)  # both pipeline copies take the summed gradient
+            if self.shared is not None and g.params[0] is self.shared:  # both pipeline copies of the tied
+                self.grid.embed.all_reduce(g.grad_own)  # embedding take the summed gradient (pp.sum_tied_grad)
         for piece in self.pieces:
             piece.master.grad = self._grad(piece).float() if piece.group else piece.master.new_zeros(0)
         norm = self._global_grad_norm()
@@ -186,22 +217,17 @@ class ZeroEngine(DistributedDataParallel):
                     piece.master.grad.mul_(clip_norm / (norm + 1e-6))
             self.optimizer.step()
             self.write_back()
-        for g in self.groups:
-            g.reduced = False
-            if self.stage == 3 and not g.replicated:  # between steps ZeRO-3 holds no gradient at all
-                g.grad = g.grad_own = None
-            else:
-                g.grad.zero_()
+        self.buckets.zero_grad()  # between steps ZeRO-3 holds no gradient at all
         return dict(grad_norm=norm, stepped=stepped)
 
     def _counts_in_norm(self, piece):
         """Whether piece's gradient is this rank's part of the global norm: every unique parameter once --
-        tp duplicates (not p.tensor_parallel) on tp rank 0 only, dp replicas on dp rank 0 only (sharded
-        stages), the last stage's shared_embedding copy not at all."""
+        tp duplicates (not tp.is_tensor_parallel) on tp rank 0 only, dp replicas on dp rank 0 only (sharded
+        stages), the last stage's copy of the tied embedding (`shared`) not at all."""
         p = piece.group.params[piece.index] if piece.group else None
-        return p is not None and (self.grid.tp_rank == 0 or getattr(p, "tensor_parallel", False)) \
-            and not getattr(p, "shared_embedding", False) \
-            and not (piece.replica and self.plan.sharded and self.grid.dp_rank)
+        return p is not None and (self.grid.tp_rank == 0 or tp.is_tensor_parallel(p)) \
+            and not (p is self.shared and not self.grid.first_stage) \
+            and not (piece.replica and self.norm_over_dp and self.grid.dp_rank)
 
     def _global_grad_norm(self):
         """sqrt(sum g^2) over the pieces that count (_counts_in_norm), summed over dp (sharded stages), tp and
@@ -210,7 +236,7 @@ class ZeroEngine(DistributedDataParallel):
         sq = torch.zeros(1, dtype=torch.float64, device=self.groups[0].device)
         if norms:
             sq += torch.stack(norms).square().sum()
-        if self.plan.sharded:
+        if self.norm_over_dp:
             self.axis.all_reduce(sq)
         self.grid.tp.all_reduce(sq)
         self.grid.pp.all_reduce(sq)
@@ -222,7 +248,7 @@ class ZeroEngine(DistributedDataParallel):
         works = []
         for g in self.groups:
             precision.write_back(g.master, g.own)
-            if self.plan.write_back == "all_gather":
+            if g.split and g.shard is None:
                 works.append(self.axis.start("all_gather", g.full, g.own))  # in place: own is full's slice
         for w in works:
             if w is not None:
@@ -233,83 +259,7 @@ class ZeroEngine(DistributedDataParallel):
         seen, groups = set(), self.groups + (self.sharded.frozen if self.sharded else [])
         frozen = [p for p in self.module.parameters() if not p.requires_grad]
         params = storage_bytes([g.full for g in groups] + [g.shard for g in groups] + frozen, seen)
-        grads = storage_bytes([g.grad for g in self.groups] + [g.bucket for g in self.groups], seen)
+        grads = storage_bytes([g.grad for g in self.groups] + [s.bucket for s in self.buckets.progress], seen)
         state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         optimizer = storage_bytes([g.master for g in self.groups] + state, seen)
         return dict(params=params, grads=grads, optimizer=optimizer)
-
-    # ---- state by name: what checkpoints save and load, in any layout (reshard.py) ----
-    def held(self):
-        """A Piece for every parameter slice this rank holds: the stepped pieces, then frozen parameters
-        (ZeRO-3: their shards; otherwise whole)."""
-        held = [piece for piece in self.pieces if piece.group is not None]
-        for g in self.sharded.frozen if self.sharded else []:
-            held += [Piece(g.names[i], tuple(g.shapes[i]), a - g.offsets[i], b - g.offsets[i],
-                           g.shard[a - g.lo:b - g.lo], replica=False, group=g, index=i, at=a - g.lo)
-                     for i, a, b in g.pieces()]
-        in_units = {id(p) for g in (self.sharded.frozen if self.sharded else []) for p in g.params}
-        held += [Piece(k, tuple(p.shape), 0, p.numel(), p.detach().reshape(-1), replica=True)
-                 for k, p in self.module.named_parameters() if not p.requires_grad and id(p) not in in_units]
-        return held
-
-    def export_by_name(self, copies=False, copy=True):
-        """This rank's share of every parameter by name: [dict(name, shape, start, end, master (fp32), state
-        {key: 1-D slice, or the scalar})]. Over the job each parameter is exported once: dp replicas (dp rank
-        > 0) and the last pipeline stage's copy of the tied embedding export nothing, unless copies=True.
-        copy=False: the tensors are views of live buffers (fp32 models), to be copied before the next step."""
-        out = []
-        for piece in self.held():
-            if not copies and piece.replica and self.grid.dp_rank != 0:
-                continue
-            p = piece.group.params[piece.index] if piece.group else None
-            if not copies and p is not None and p is self.shared and not self.grid.first_stage:
-                continue
-            state = self.optimizer.state.get(piece.master, {})
-            take = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())
-            out.append(dict(name=piece.name, shape=piece.shape, start=piece.start, end=piece.end,
-                            master=take(piece.master.reshape(-1).float()),
-                            state={k: take(v.reshape(-1)) if is_elementwise(v) else _copy(v) for k, v in state.items()}))
-        return out
-
-    @torch.no_grad()
-    def import_by_name(self, params_by_name, optim_state_by_name=None):
-        """Keep this rank's slices of full tensors given by name (saved in any layout): the fp32 masters, the
-        model's parameters (frozen ones too) and, when given, the optimizer state."""
-        missing = [k for k, _ in self.module.named_parameters() if k not in params_by_name]
-        if missing:
-            raise ValueError(f"import_by_name: no tensor for parameters {missing[:3]} (of {len(missing)} missing)")
-        for g in self.groups:
-            flat = g.flatten([params_by_name[k] for k in g.names], torch.float32)[g.lo:g.hi]
-            g.master.copy_(flat)
-        for g in self.sharded.frozen if self.sharded else []:
-            g.shard.copy_(g.flatten([params_by_name[k] for k in g.names])[g.lo:g.hi])
-        for piece in self.held():
-            if piece.group is None:  # a frozen parameter held whole
-                piece.master.copy_(params_by_name[piece.name].reshape(-1))
-        if optim_state_by_name is not None:
-            self.optimizer.state.clear()
-            for piece in self.pieces:
-                m = piece.master
-                if piece.group is None:  # an empty piece takes the keys of any parameter of its group
-                    j = next(j for j, group in enumerate(self.optimizer.param_groups) if group["params"][0] is m)
-                    st = next((optim_state_by_name[k] for k, jj in self.group_of.items()
-                               if jj == j and optim_state_by_name.get(k)), {})
-                    self.optimizer.state[m] = {k: m.new_zeros(0, dtype=v.dtype) if is_elementwise(v) else _copy(v)
-                                               for k, v in st.items()}
-                    continue
-                st = optim_state_by_name[piece.name]
-                # element-wise state goes to the parameter's device at every stage (a checkpoint is read to the
-                # CPU); scalars (Adam's step) stay where torch.optim keeps them, on the CPU
-                self.optimizer.state[m] = {k: (v.to(m.device).reshape(-1)[piece.start:piece.end].clone()
-                                               .view(m.shape) if is_elementwise(v) else _copy(v))
-                                           for k, v in st.items()}
-        self.write_back()
-
-
-def is_elementwise(v):
-    """An optimizer state entry shaped like its parameter (Adam's m, v), as opposed to a scalar (its step)."""
-    return torch.is_tensor(v) and v.dim() > 0
-
-
-def _copy(v):
-    return v.clone() if torch.is_tensor(v) else copy.deepcopy(v)

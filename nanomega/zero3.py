@@ -23,10 +23,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from .ddp import GradBuckets, start_equal
 from .flat import FlatGroup
-
-FREE, INFLIGHT, LIVE = "free", "inflight", "live"
-
 
 def default_wrap(model):
     """The units: each direct child; a container (ModuleList/ModuleDict, never called) stands for its children."""
@@ -36,24 +34,23 @@ def default_wrap(model):
 
 
 class ShardedParameters:
-    """The units of a model, their parameter shards, and the hooks that gather/free/prefetch them."""
+    """The units of a model, their parameter shards (flat groups keeping only this rank's slice), and the hooks
+    that gather, free and prefetch them. Between uses a group is free; `inflight` holds its running
+    all-gather; once that is waited for, the parameters are views of the gathered buffer."""
 
-    def __init__(self, model, named, axis, wrap, queue_end_backward):
-        self.axis, self.queue_end_backward = axis, queue_end_backward
+    def __init__(self, model, named, axis, wrap=None):
+        self.axis = axis
         modules = [model] + [m for m in (wrap(model) if callable(wrap) else wrap or default_wrap(model))
                              if m is not model]
         self.units = list({id(m): m for m in modules}.values())  # the root (the model) first
         owner = self._owners(model, named)
-        self.groups, self.unit_groups = [], []
+        self.groups, self.unit_groups, self.inflight = [], [], {}
         for u in range(len(self.units)):
             mine = [(k, p) for k, p in named if owner[k] == u]
             kinds = list(dict.fromkeys((p.dtype, p.requires_grad) for _, p in mine))  # one flat group per kind
             groups = [FlatGroup([(k, p) for k, p in mine if (p.dtype, p.requires_grad) == kind], axis.size,
-                                axis.rank) for kind in kinds]
+                                axis.rank, split=True, keep="shard") for kind in kinds]
             for g in groups:
-                g.shard = g.own = g.flatten(g.params)[g.lo:g.hi].clone()  # the persistent 1/N
-                g.full = torch.empty(g.padded, dtype=g.dtype, device=g.device)
-                g.state, g.work = LIVE, None
                 self.release(g)
             self.unit_groups.append(groups)
             self.groups += groups
@@ -76,28 +73,33 @@ class ShardedParameters:
         return {k: (next(iter(uses[id(p)])) if len(uses[id(p)]) == 1 else 0) for k, p in named}
 
     # ---- gather / free ----
+    @staticmethod
+    def gathered(g):
+        return g.full.untyped_storage().nbytes() > 0
+
     def gather(self, u, wait=True):
         for g in self.unit_groups[u]:
-            if g.state == FREE:  # storage back, all-gather the shards into it (asynchronously)
+            if not self.gathered(g):  # storage back, all-gather the shards into it (asynchronously)
                 g.full.untyped_storage().resize_(g.padded * g.full.element_size())
-                g.work, g.state = self.axis.start("all_gather", g.full, g.shard), INFLIGHT
-            if wait and g.state == INFLIGHT:
-                if g.work is not None:
-                    g.work.wait()
-                g.work, g.state = None, LIVE
+                self.inflight[id(g)] = self.axis.start("all_gather", g.full, g.shard)
+            if wait and id(g) in self.inflight:
+                work = self.inflight.pop(id(g))
+                if work is not None:
+                    work.wait()
                 g.bind(g.full)
 
     def release(self, g):
-        if g.state == INFLIGHT and g.work is not None:
-            g.work.wait()
+        """Free a group's gathered parameters (its shard stays)."""
+        work = self.inflight.pop(id(g), None)
+        if work is not None:
+            work.wait()
         for p in g.params:  # an empty tensor: a stray use outside the unit fails loudly, not on freed memory
             p.data = torch.empty(0, dtype=g.dtype, device=g.device)
         g.full.untyped_storage().resize_(0)
-        g.work, g.state = None, FREE
 
     def _release_unit(self, u):
         for g in self.unit_groups[u]:
-            if g.state != FREE:
+            if self.gathered(g):
                 self.release(g)
 
     # ---- hooks ----
@@ -125,7 +127,7 @@ class ShardedParameters:
     def _pre_backward(self, u, grad):
         if not self.in_backward:
             self.in_backward, self.backward_order = True, self.post[::-1]  # units finish backward in reverse
-            self.queue_end_backward()
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)  # once autograd is done
         if u in self.visited:
             return
         self.visited.add(u)
@@ -139,3 +141,35 @@ class ShardedParameters:
             self._release_unit(u)
         self.in_backward = False
         self.visited.clear()
+
+
+class FullyShardedDataParallel:
+    """ZeRO-3 for the caller's own optimizer, as FSDP2's fully_shard allows: the parameters live as 1/N shards
+    and units are gathered on demand; parameters() are this rank's 1-D slices of the trainable parameters
+    (views of the shards), each with a .grad (a view of the gradient shard) holding the mean gradient after
+    every backward, accumulated over micro-batches. Element-wise optimizers only (a slice is stepped alone);
+    the optimizer steps the shards in the model's dtype (no fp32 masters: zero.ZeroEngine(stage=3) has them).
+    Use: opt = torch.optim.AdamW(fsdp.parameters()); forward/backward; opt.step(); fsdp.zero_grad()."""
+
+    def __init__(self, model, grid, wrap=None, init="verify"):
+        named = list(model.named_parameters())  # tied parameters once, under their first name
+        start_equal(model, grid.dp, init)  # before the parameters are sharded
+        self.module, self.grid = model, grid
+        self.sharded = ShardedParameters(model, named, grid.dp, wrap)
+        groups = [g for g in self.sharded.groups if g.trainable]
+        if len({g.dtype for g in groups}) != 1:
+            raise ValueError("FullyShardedDataParallel: trainable parameters of one dtype only")
+        self.buckets = GradBuckets(groups, grid.dp, groups[0].dtype, keep="shard", in_order=False,
+                                   after_reduce=self.sharded.release, to_params=True)
+        self.slices = [(g, a - g.lo, b - g.lo) for g in groups for _, a, b in g.pieces()]
+        self.shards = [g.shard[a:b] for g, a, b in self.slices]
+        self.zero_grad()
+
+    def parameters(self):
+        return list(self.shards)
+
+    def zero_grad(self):
+        """Gradients at zero, each shard's .grad a view of them again (an optimizer's zero_grad drops it)."""
+        self.buckets.zero_grad()
+        for t, (g, a, b) in zip(self.shards, self.slices):
+            t.grad = g.grad[a:b]

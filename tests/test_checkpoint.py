@@ -37,7 +37,7 @@ def test_loaded_optimizer_state_lives_on_the_parameters_device(grid, stage):
     with torch.device("meta"):  # a second device type: any tensor left on the CPU is caught
         model = GPT(GPTConfig(**CFG))
     engine = zero.ZeroEngine(model, torch.optim.AdamW, dict(lr=1e-3), grid, stage)
-    engine.import_by_name(params, optim)
+    reshard.import_by_name(engine, params, optim)
     placed = {(k, v.device.type) for s in engine.optimizer.state.values() for k, v in s.items() if v.dim() > 0}
     assert placed and {d for _, d in placed} == {"meta"}, placed
 

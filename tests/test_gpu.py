@@ -161,7 +161,7 @@ def test_zero_engine_stages_on_one_gpu():
                 gpt(x, x).backward()
                 engine.step()
             result[stage], optim = reshard.full_state(engine)
-            engine.import_by_name(result[stage], optim)
+            reshard.import_by_name(engine, result[stage], optim)
             assert all(v.is_cuda for s in engine.optimizer.state.values() for v in s.values() if v.dim())
         for stage in (1, 2, 3):
             for k, v in result[0].items():

@@ -226,11 +226,11 @@ def _world(world, checkpoint=None):
                                     trainable=sum(p.requires_grad for p in engine.module.parameters()))
         if world == 2:
             resumed = _engine(grid, kind, stage, seed=1)
-            resumed.import_by_name(*by_name)  # the same layout
+            reshard.import_by_name(resumed, *by_name)  # the same layout
             r["resumed"] = _bitwise(_weights(_train(resumed, kind, STEPS - 1, 1)[0]), params[kind, stage])
             other = {0: 1, 1: 0, 2: 3, 3: 2}[stage]  # the same arithmetic in another layout and bucket size
             moved = _engine(grid, kind, other, seed=1, bucket_mb=0.03)
-            moved.import_by_name(*by_name)
+            reshard.import_by_name(moved, *by_name)
             r["resharded"] = _bitwise(_weights(_train(moved, kind, STEPS - 1, 1)[0]), params[kind, stage])
             synced = _train(_engine(grid, kind, stage), kind, 0, 1, synced=True)[0]  # DDP without no_sync
             params[kind, stage, "synced"] = _weights(synced)
@@ -252,7 +252,7 @@ def _world(world, checkpoint=None):
     if checkpoint is not None:  # a dp=2 ZeRO-3 checkpoint resumed at dp=3 ZeRO-1
         checkpoint = torch.load(io.BytesIO(checkpoint))
         engine = _engine(grid, "gpt", 1, seed=1)
-        engine.import_by_name(*checkpoint)
+        reshard.import_by_name(engine, *checkpoint)
         got = _weights(_train(engine, "gpt", STEPS - 1, 1)[0])
         if grid.rank == 0:
             res["reshard"] = _maxdiff(got, _reference("gpt", world, 1, "ranks_last", (*checkpoint, STEPS - 1))[0])
