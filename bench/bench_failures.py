@@ -55,11 +55,11 @@ def async_stall(root, reps=7):
     reused buffers + thread start, and the step boundary that hands the manifest to a thread), interleaved so that other jobs on the cores disturb both alike; and the
     floor: one copy of the same bytes between two warm buffers (memory bandwidth). Returns a dict of medians."""
     import torch
-    from nanomega.ops import args as flags
+    from nanomega.ops import flags, saves
+    from nanomega.ops.guard import Spikes
     from nanomega import data, dist, precision, train
-    from nanomega.ops import faults
     torch.set_num_threads(1)  # as each rank under torchrun; 2 threads on 2 shared cores: see bench/RESULTS.md
-    a = flags.get_args(["--n-layer", "4", "--n-head", "4", "--n-embd", "256", "--block-size", "64", "--dropout", "0"])
+    a = flags.parse(["--n-layer", "4", "--n-head", "4", "--n-embd", "256", "--block-size", "64", "--dropout", "0"])
     cfg = flags.model_config(a)
     dist.init("cpu")
     grid = dist.Grid(1, 1, 1)
@@ -67,20 +67,21 @@ def async_stall(root, reps=7):
     x = torch.randint(0, cfg.vocab_size, (2, 64))
     model(x, x).backward()
     engine.step()  # Adam state exists: the shard holds master + m + v, 12 bytes per parameter
-    sampler, scaler, spikes = data.Sampler(1000, 16, 0), precision.LossScaler(dynamic=False), faults.Spikes(a)
+    sampler, scaler = data.Sampler(1000, 16, 0), precision.LossScaler(dynamic=False)
+    spikes = Spikes(a.on_spike, a.spike_threshold, a.rollback_lr_factor)
     out = str(root / "stall")
     saver = checkpoint.AsyncSaver(out, cfg, grid, {})
-    nbytes = sum(t.numel() * t.element_size() for p in train.rank_state(engine, sampler, scaler, 0, grid, spikes,
+    nbytes = sum(t.numel() * t.element_size() for p in saves.rank_state(engine, sampler, scaler, 0, grid, spikes,
                                                                          copy=False)["universal"]["pieces"]
                  for t in [p["master"], *p["state"].values()])
     src, dst = torch.ones(nbytes // 4), torch.zeros(nbytes // 4)
     sync, stall, manifest, floor = [], [], [], []
     for i in range(reps):
         t0 = time.perf_counter()
-        checkpoint.save(out, 2 * i + 1, cfg, train.rank_state(engine, sampler, scaler, 0, grid, spikes), grid)
+        checkpoint.save(out, 2 * i + 1, cfg, saves.rank_state(engine, sampler, scaler, 0, grid, spikes), grid)
         sync.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        saver.start(2 * i + 2, train.rank_state(engine, sampler, scaler, 0, grid, spikes, copy=False))
+        saver.start(2 * i + 2, saves.rank_state(engine, sampler, scaler, 0, grid, spikes, copy=False))
         stall.append(time.perf_counter() - t0)
         saver.shard.result()  # training goes on meanwhile; then a step boundary's poll() hands the manifest over
         t0 = time.perf_counter()

@@ -17,7 +17,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanomega.ops import args as flags  # noqa: E402
+from nanomega.ops import flags  # noqa: E402
 from nanomega import dist, train  # noqa: E402
 from nanomega.ops import meter  # noqa: E402
 from nanomega.formulas import model_flops_per_token as flops_per_token  # noqa: E402
@@ -28,8 +28,8 @@ VOCAB = 50257  # GPT-2's; padded to 50304 (a multiple of 128)
 
 
 def run(attention, compile_, batch, steps, grid):
-    args = flags.get_args([*GPT2, "--batch-size", str(batch), "--attention", attention]
-                          + (["--compile"] if compile_ else []))
+    args = flags.parse([*GPT2, "--batch-size", str(batch), "--attention", attention]
+                       + (["--compile"] if compile_ else []))
     cfg = flags.model_config(args, vocab_size=VOCAB)
     torch.manual_seed(0)
     model, engine, n_params = train.build(args, cfg, grid)

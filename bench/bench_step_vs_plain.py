@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanomega.ops import args as flags  # noqa: E402
+from nanomega.ops import flags  # noqa: E402
 from nanomega import dist, train  # noqa: E402
 
 
@@ -69,7 +69,7 @@ def main():
     a = p.parse_args()
     shape = ["--n-layer", "4", "--n-head", "4", "--n-embd", "128", "--block-size", "128", "--batch-size", "8",
              "--dropout", "0", "--attention", a.attention] + (["--compile"] if a.compile else [])
-    args = flags.get_args(shape)
+    args = flags.parse(shape)
     cfg = flags.model_config(args, vocab_size=4096)
     dist.init("cpu")
     grid = dist.Grid(1, 1, 1)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nanomega.ops import args as flags
+from nanomega.ops import flags
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,7 +42,7 @@ def test_bad_configuration(world, argv, message, monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     t0 = time.perf_counter()
     with pytest.raises((ValueError, FileNotFoundError)) as err:
-        flags.check(flags.get_args([*argv, "--out-dir", str(tmp_path)]))
+        flags.check(flags.parse([*argv, "--out-dir", str(tmp_path)]))
     assert message in str(err.value) and "\n" not in str(err.value)
     assert time.perf_counter() - t0 < 10
 
@@ -60,11 +60,11 @@ def test_cli_reports_layout_error_in_one_line_without_starting(tmp_path):
 
 def test_model_preset_sets_the_shape_and_explicit_flags_override():
     from nanomega.ops.presets import PRESETS
-    a = flags.get_args(["--model", "gpt2-124m"])
+    a = flags.parse(["--model", "gpt2-124m"])
     assert (a.n_layer, a.n_head, a.n_embd, a.block_size, a.alibi) == (12, 12, 768, 1024, False)
-    a = flags.get_args(["--model", "bloom-176b", "--n-layer", "2", "--n-embd=112", "--block-size", "64"])
+    a = flags.parse(["--model", "bloom-176b", "--n-layer", "2", "--n-embd=112", "--block-size", "64"])
     assert (a.n_layer, a.n_head, a.n_embd, a.block_size) == (2, 112, 112, 64)  # heads from the preset
     assert a.alibi and a.embed_layernorm
-    cfg = flags.model_config(flags.get_args(["--model", "gpt2-350m"]), vocab_size=4096)
+    cfg = flags.model_config(flags.parse(["--model", "gpt2-350m"]), vocab_size=4096)
     assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size) == (24, 16, 1024, 4096)  # the tokenizer's vocabulary
     assert {"gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b", "bloom-176b", "gpt3-175b"} <= set(PRESETS)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega.ops import args as flags
+from nanomega.ops import faults, flags
 from nanomega import checkpoint, dist, reshard, train
 from nanomega.ops import health
 
@@ -53,6 +53,13 @@ def steps_logged(out):
     return [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
 
 
+def find_checkpoint(corpus, out, *extra):
+    """The recipe's steps before any collective: the pure checks, then the checkpoint to resume from."""
+    config = flags.check(flags.parse([*SMALL, "--corpus", str(corpus), "--out-dir", str(out), *extra]))
+    return faults.find_checkpoint(config.out_dir, flags.model_config(config), resume=config.resume,
+                                  resume_from=config.resume_from, max_steps=config.max_steps)
+
+
 def test_lost_pointer_resumes_from_the_step_folders(corpus, reference, tmp_path, capsys):
     """Defects 1 and 8: `latest` deleted -> --resume started at step 0 and overwrote step 2; metrics rows
     written after the checkpoint (steps 5, 6 here) were duplicated by the resumed run."""
@@ -72,14 +79,12 @@ def test_corrupt_checkpoint_falls_back_and_is_named(corpus, reference, tmp_path,
     shard = out / "ckpt" / "step_000006" / "rank_00000.pt"
     shard.write_bytes(shard.read_bytes()[:-7] + b"garbage")
     (out / "ckpt" / "step_000004" / "manifest.json").write_text("")  # a power loss before the data reached disk
-    args = flags.get_args([*SMALL, "--corpus", str(corpus), "--out-dir", str(out), "--resume", "--max-steps", "8"])
-    flags.check(args)
+    assert find_checkpoint(corpus, out, "--resume", "--max-steps", "8").endswith("step_000002")
     err = capsys.readouterr().err
-    assert args.resume_folder.endswith("step_000002")
     assert f"skipped step_000006: shard {shard} is missing or does not match its checksum" in err
     assert "step_000004/manifest.json is empty, truncated or not a manifest" in err
     with pytest.raises(ValueError, match="--resume-from 4: .*manifest.json is empty"):
-        flags.check(flags.get_args([*SMALL, "--corpus", str(corpus), "--out-dir", str(out), "--resume-from", "4"]))
+        find_checkpoint(corpus, out, "--resume-from", "4")
     shutil.rmtree(out / "ckpt" / "step_000004")
     rec = run(corpus, out, "--resume-from", "2")  # resumes, moves the damaged step 6 aside (kept)
     assert rec["step"] == 6 and (out / "ckpt" / "abandoned" / "step_000006").is_dir()
@@ -137,13 +142,13 @@ def test_bad_out_dir_and_timeout_refused_up_front(corpus, tmp_path):
                            (["--collective-timeout", "0"], "--collective-timeout must be > 0"),
                            (["--collective-timeout", "-1"], "--collective-timeout must be > 0")):
         with pytest.raises(ValueError, match=message):
-            flags.check(flags.get_args([*SMALL, "--corpus", str(corpus), "--out-dir", str(tmp_path / "o"), *extra]))
+            flags.check(flags.parse([*SMALL, "--corpus", str(corpus), "--out-dir", str(tmp_path / "o"), *extra]))
 
 
 def test_second_job_on_an_out_dir_is_refused(corpus, tmp_path):
     """Defect 7: nothing stopped two jobs writing the same out-dir. The lock dies with its holder."""
     out = tmp_path / "locked"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from nanomega import faults; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from nanomega.ops import faults; "
                                "faults.lock_out_dir(sys.argv[1]); print('locked', flush=True); time.sleep(60)",
                                str(out)], stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     try:
@@ -222,7 +227,7 @@ def test_spike_skip_and_rollback(corpus, reference, tmp_path, capsys):
     rec = run(corpus, out, "--inject-fault", "spike:0:4", "--on-spike", "rollback", "--rollback-lr-factor", "0.5")
     assert "step 4: loss spike; rolled back to step 2, the data of steps 3-4 skipped, lr x 0.5" in capsys.readouterr().err
     assert rec["step"] == 6 and [r["step"] for r in recs(out)] == [1, 2, 3, 4, 5, 6]  # rows 3, 4 redone
-    assert recs(out)[2]["lr"] == 0.5 * train.lr_at(2, flags.get_args(SMALL))  # step 3 ran at half the lr
+    assert recs(out)[2]["lr"] == 0.5 * train.lr_at(2, flags.parse(SMALL))  # step 3 ran at half the lr
     state = checkpoint.load_shard(out / "ckpt" / "step_000006", 0)
     assert state["spikes"] == dict(lr_scale=0.5, windows=[(3, 4)]) and state["sampler"] != \
         checkpoint.load_shard(reference / "ckpt" / "step_000006", 0)["sampler"]  # two batches further on
@@ -236,7 +241,7 @@ def test_async_save_matches_and_a_failed_write_keeps_the_previous(corpus, refere
     run(corpus, out, "--async-save")
     for step in (2, 4, 6):
         assert same_weights(out / "ckpt" / f"step_{step:06d}", reference / "ckpt" / f"step_{step:06d}")
-    cfg, grid = flags.model_config(flags.get_args(SMALL)), dist.Grid(1, 1, 1)
+    cfg, grid = flags.model_config(flags.parse(SMALL)), dist.Grid(1, 1, 1)
     views, live, kept = checkpoint.AsyncSaver(str(tmp_path / "views"), cfg, grid, {}), torch.arange(4.0), []
     for step in (1, 2):
         views.start(step, {"w": live[1:]})  # a view of live memory, as rank_state(copy=False) gives
@@ -265,7 +270,7 @@ def test_sigterm_to_torchrun_checkpoints_at_the_next_step(corpus, tmp_path):
         job.send_signal(signal.SIGTERM)
         log, _ = job.communicate(timeout=60)
         assert time.time() - t0 < 20 and log.count(": preempted (signal)") == 1
-        step = checkpoint.read_manifest(checkpoint.latest(out), flags.model_config(flags.get_args(SMALL)))["step"]
+        step = checkpoint.read_manifest(checkpoint.latest(out), flags.model_config(flags.parse(SMALL)))["step"]
         assert step >= 3 and f"step {step}: preempted" in log
     finally:
         job.kill()

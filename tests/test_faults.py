@@ -61,7 +61,7 @@ def test_crash_during_checkpoint_write_keeps_previous(corpus, tmp_path, monkeypa
 
     monkeypatch.setattr(checkpoint, "replace_atomically", dies_before_manifest)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.save(str(out), 3, train.flags.model_config(train.flags.get_args(SMALL)), state, grid)
+        checkpoint.save(str(out), 3, train.flags.model_config(train.flags.parse(SMALL)), state, grid)
     monkeypatch.undo()
     assert (out / "ckpt" / "step_000003" / "rank_00000.pt").exists()
     folder = checkpoint.latest(out)

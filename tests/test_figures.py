@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nanomega.ops import args as args_module
+from nanomega.ops import flags
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+\.png)\)")
@@ -64,5 +64,4 @@ def test_every_figure_draws_runs_the_script_trains():
 def test_every_run_passes_train_checks(name, monkeypatch, tmp_path):
     world, _, _ = figures.RUNS[name]
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    args = args_module.get_args(figures.flags(name, tmp_path))
-    args_module.check(args)
+    flags.check(flags.parse(figures.flags(name, tmp_path)))

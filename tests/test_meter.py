@@ -79,7 +79,7 @@ def test_one_device_sync_per_step(monkeypatch):
     started = not torch.distributed.is_initialized()
     dist.init("cpu")
     try:
-        args = train.flags.get_args([*SMALL, "--grad-accum", "4"])
+        args = train.flags.parse([*SMALL, "--grad-accum", "4"])
         cfg = train.flags.model_config(args)
         model, engine, _ = train.build(args, cfg, dist.Grid(1, 1, 1))
         x = torch.randint(0, 100, (4, 32))

@@ -6,7 +6,7 @@ import torch
 
 from nanomega.formulas import model_flops_per_token as flops_per_token
 from nanomega.model import GPT, GPTConfig, alibi_slopes
-from nanomega.ops.args import get_args
+from nanomega.ops.flags import parse
 from nanomega.train import lr_at
 from tolerance import gamma
 
@@ -105,7 +105,7 @@ def test_alibi_slopes():
 
 
 def test_lr_schedule():
-    args = get_args(["--lr", "1e-3", "--min-lr", "1e-4", "--warmup", "10", "--max-steps", "110"])
+    args = parse(["--lr", "1e-3", "--min-lr", "1e-4", "--warmup", "10", "--max-steps", "110"])
     assert lr_at(0, args) == pytest.approx(1e-4)
     assert lr_at(9, args) == pytest.approx(1e-3)
     assert lr_at(10, args) == pytest.approx(1e-3)

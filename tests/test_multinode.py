@@ -113,12 +113,12 @@ def test_global_batch_sets_grad_accum_from_the_world(monkeypatch, tmp_path):
     micro-batches of 2; one host left (dp 1) accumulates 4; the same 8 sequences per step either way."""
     for world, accum in ((4, 2), (2, 4)):
         monkeypatch.setenv("WORLD_SIZE", str(world))
-        args = train.flags.get_args(["--tp", "2", "--batch-size", "2", "--global-batch", "8", "--out-dir", str(tmp_path)])
-        _, dp = train.flags.check(args)
-        assert args.grad_accum == accum and args.batch_size * args.grad_accum * dp == 8
+        config = train.flags.check(train.flags.parse(["--tp", "2", "--batch-size", "2", "--global-batch", "8",
+                                                      "--out-dir", str(tmp_path)]))
+        assert config.grad_accum == accum and config.batch_size * config.grad_accum * config.dp == 8
     with pytest.raises(ValueError, match="--global-batch 6 is not a positive multiple of --batch-size 4 x dp 1"):
-        train.flags.check(train.flags.get_args(["--tp", "2", "--batch-size", "4", "--global-batch", "6",
-                                                "--out-dir", str(tmp_path)]))
+        train.flags.check(train.flags.parse(["--tp", "2", "--batch-size", "4", "--global-batch", "6",
+                                             "--out-dir", str(tmp_path)]))
 
 
 def _lost_rank_world():

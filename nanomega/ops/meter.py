@@ -25,7 +25,8 @@ import time
 
 import torch
 
-from nanomega import checkpoint
+from nanomega import checkpoint, precision
+from nanomega.formulas import model_flops_per_token
 from nanomega.precision import dtype_name
 
 # TFLOP/s per GPU, dense (NVIDIA datasheets print 2:4-sparse numbers for tensor cores: half of those here).
@@ -145,6 +146,27 @@ def reset_peak_memory(device) -> None:
             f.write("5")
     except OSError:
         pass  # elsewhere the peak is since start (documented in the log header)
+
+
+def open_log(config, cfg, grid, step, *, n_params, log):
+    """A run's MetricsLog, after its start-up lines. The MFU peak: the logging rank measures it (the others would
+    compete for the same cores); the others, which log nothing, report a peak of 1."""
+    peak, source = 1.0, ""
+    if log:
+        dtype = precision.parse_dtype(config.dtype)
+        peak, source = peak_flops(grid.device, dtype, config.tf32, config.peak_flops)
+        warning = emulation_warning(grid.device, dtype)
+        if warning:
+            print(warning, file=sys.stderr)
+        if config.tp > 1:
+            print(f"vocab padded from {cfg.vocab_size} to {cfg.padded_vocab_size} (a multiple of 128 x tp)")
+        print(f"{grid}\nmodel: {n_params / 1e6:.2f}M parameters, {model_flops_per_token(cfg) / 1e6:.1f} "
+              f"MFLOP/token; global batch {config.global_batch} x {config.block_size} tokens; attention "
+              f"{config.attention}; peak {peak / 1e9:,.0f} GFLOP/s per rank ({source})")
+        os.makedirs(config.out_dir, exist_ok=True)
+    return MetricsLog(config.out_dir, step, enabled=log, device=grid.device, world=grid.world,
+                      flops_per_token=model_flops_per_token(cfg), peak=peak, source=source,
+                      tokens_per_step=config.global_batch * config.block_size, log_every=config.log_every)
 
 
 class MetricsLog:

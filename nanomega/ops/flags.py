@@ -1,11 +1,16 @@
-"""train.py's flags, and the checks that refuse a bad configuration before any collective starts.
+"""train.py's flags as one typed, frozen Config, and the checks that refuse a bad one before any collective starts.
 
 Idea: on a 1,000-GPU job a typo found after the rendezvous costs minutes of every GPU; found here it costs
-nothing. `check` runs on every rank, reads only flags, the environment and files, and raises one clear line
-naming the flag and the fix. The layout: world = tp x pp x dp, with dp derived from the world size.
+nothing. `parse` reads the command line once into a Config (frozen: no module rewrites a flag later); `check`
+runs on every rank, reads only the Config, the environment, the tokenizer and the data's index, and either
+raises one clear line naming the flag and the fix or returns the Config with its derived values filled in
+(dataclasses.replace). It writes no file and takes no lock: the out-dir is claimed afterwards, as a step of
+train.py's recipe (nanomega/ops/faults.py:claim_out_dir). The layout: world = tp x pp x dp, with dp derived from
+the world size.
 Lesson: lessons/09-3d-parallelism.md
 """
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -16,11 +21,78 @@ from nanomega.ops import faults, presets
 from nanomega.model import GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # nanomega/ops/ -> the checkout
-FAULTS = ("raise", "nan", "sigterm", "hang", "spike")  # --inject-fault KIND (faults.inject_fault)
+FAULTS = ("raise", "nan", "sigterm", "hang", "spike")  # --inject-fault KIND (nanomega/ops/guard.py:inject_fault)
 
 
-def get_args(argv=None):
-    """The flags, in the groups `--help` shows (one flag per line); --model fills the shape flags not given."""
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Every flag of train.py (its defaults: `parser`), then the values `check` derives from them."""
+    model: str | None  # model
+    n_layer: int
+    n_head: int
+    n_embd: int
+    block_size: int
+    dropout: float
+    alibi: bool
+    embed_layernorm: bool
+    tokenizer: str  # data
+    corpus: str
+    text_field: str
+    data: str | None
+    data_cache: str | None
+    batch_size: int
+    grad_accum: int
+    global_batch: int | None
+    lr: float  # optimizer and schedule
+    min_lr: float
+    warmup: int
+    max_steps: int
+    weight_decay: float
+    grad_clip: float
+    seed: int
+    tp: int  # parallelism
+    pp: int
+    sequence_parallel: bool
+    schedule: str
+    virtual_stages: int
+    zero: int
+    dtype: str  # precision, memory and kernels
+    recompute: str
+    recompute_layers: int | None
+    fused: bool
+    attention: str
+    device: str
+    tf32: bool
+    compile: bool
+    out_dir: str  # logging and evaluation
+    log_every: int
+    eval_every: int
+    eval_iters: int
+    peak_flops: float | None
+    save_every: int  # checkpoints
+    save_every_minutes: float
+    async_save: bool
+    keep_last: int
+    resume: bool
+    resume_from: str | None
+    on_nan: str  # failures
+    max_skipped: int
+    on_spike: str
+    spike_threshold: float
+    rollback_lr_factor: float
+    collective_timeout: float
+    hang_timeout: float | None
+    health_check: bool
+    inject_fault: str | None
+    # derived by check: dp = world / (tp x pp); the tokenizer's vocabulary; --inject-fault as (kind, rank, step);
+    # (and in the fields above: grad_accum from --global-batch, global_batch, hang_timeout's default, resume)
+    dp: int = 1
+    vocab_size: int = 4096
+    fault: tuple | None = None
+
+
+def parser():
+    """The flags, in the groups `--help` shows (one flag per line)."""
     p = argparse.ArgumentParser(description="Train a GPT with any tp x pp x dp x ZeRO layout.")
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="a preset shape from nanomega/ops/presets.py (gpt2-124m, ...); "
@@ -117,105 +189,119 @@ def get_args(argv=None):
                    help="testing fault handling: KIND raise (the rank raises), nan (its loss becomes NaN), sigterm "
                    "(it is sent SIGTERM, a preemption) hang (it stops itself, SIGSTOP) or spike (its loss x 10) "
                    "at STEP")
-    args = p.parse_args(argv)
-    if args.model in presets.PRESETS:
-        apply_preset(args, p, sys.argv[1:] if argv is None else argv)
-    return args
+    return p
 
 
-def apply_preset(args, parser, argv):
+def parse(argv=None):
+    """The command line as a Config; --model fills the shape flags not given."""
+    argv = sys.argv[1:] if argv is None else argv
+    p = parser()
+    values = vars(p.parse_args(argv))
+    if values["model"] in presets.PRESETS:
+        values.update(preset_shape(values["model"], p, argv))
+    return Config(**values)
+
+
+def preset_shape(model, parser, argv):
     """--model NAME: the preset's shape for every shape flag not given on the command line (vocabulary excepted:
     the tokenizer decides it)."""
     given = {a.dest for a in parser._actions for opt in a.option_strings for tok in argv
              if tok == opt or tok.startswith(opt + "=")}
-    for field, value in presets.PRESETS[args.model].items():
-        if field != "vocab_size" and field not in given:
-            setattr(args, field, value)
+    return {field: value for field, value in presets.PRESETS[model].items()
+            if field != "vocab_size" and field not in given}
 
 
-def model_config(args, vocab_size=4096):
-    return GPTConfig(vocab_size=vocab_size, block_size=args.block_size, n_layer=args.n_layer,
-                     n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, alibi=args.alibi,
-                     embed_layernorm=args.embed_layernorm, make_vocab_size_divisible_by=128 * args.tp,
-                     attention=args.attention)
+def model_config(config, vocab_size=None):
+    """The GPT's shape (model.GPTConfig); its vocabulary: vocab_size, else the Config's (the tokenizer's, once
+    checked; 4096 before)."""
+    return GPTConfig(vocab_size=vocab_size or config.vocab_size, block_size=config.block_size,
+                     n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd, dropout=config.dropout,
+                     alibi=config.alibi, embed_layernorm=config.embed_layernorm,
+                     make_vocab_size_divisible_by=128 * config.tp, attention=config.attention)
 
 
 def world_size():
     return int(os.environ.get("WORLD_SIZE", 1))
 
 
-def check(args):
-    """Every check that needs no collective, in the order a user would fix them."""
+def check(config):
+    """Every check that needs no collective, in the order a user would fix them. Returns the Config with its
+    derived values (dp, grad_accum and global_batch, vocab_size, fault, hang_timeout, resume); changes nothing."""
+    c = config
     for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "grad_accum", "max_steps",
                  "eval_iters", "log_every", "tp", "pp"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        if getattr(c, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(c, name)}")
     for name in ("warmup", "eval_every", "save_every", "save_every_minutes", "weight_decay", "grad_clip"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if not (args.lr > 0 and 0 <= args.min_lr <= args.lr):
-        raise ValueError(f"need --lr > 0 and 0 <= --min-lr <= --lr, got --lr {args.lr} --min-lr {args.min_lr}")
-    if args.inject_fault:
-        kind, *where = args.inject_fault.split(":")
-        if kind not in FAULTS or len(where) != 2 or not all(w.isdigit() for w in where):
-            raise ValueError(f"--inject-fault {args.inject_fault!r}: expected KIND:RANK:STEP, KIND one of "
-                             f"{', '.join(FAULTS)}")
-        args.inject_fault = (kind, int(where[0]), int(where[1]))
-    if args.on_nan not in ("skip", "stop"):
-        raise ValueError(f"--on-nan {args.on_nan!r}: choose skip or stop")
-    if args.model is not None and args.model not in presets.PRESETS:
-        raise ValueError(f"--model {args.model!r} is unknown; choose one of {', '.join(presets.PRESETS)}")
+        if getattr(c, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(c, name)}")
+    if not (c.lr > 0 and 0 <= c.min_lr <= c.lr):
+        raise ValueError(f"need --lr > 0 and 0 <= --min-lr <= --lr, got --lr {c.lr} --min-lr {c.min_lr}")
+    fault = parse_fault(c.inject_fault) if c.inject_fault else None
+    if c.on_nan not in ("skip", "stop"):
+        raise ValueError(f"--on-nan {c.on_nan!r}: choose skip or stop")
+    if c.model is not None and c.model not in presets.PRESETS:
+        raise ValueError(f"--model {c.model!r} is unknown; choose one of {', '.join(presets.PRESETS)}")
     world = world_size()
-    if world % (args.tp * args.pp):
-        raise ValueError(f"world size {world} is not divisible by --tp {args.tp} x --pp {args.pp}; "
-                         f"launch a multiple of {args.tp * args.pp} processes")
-    dp = world // (args.tp * args.pp)
-    if args.global_batch is not None:  # the global batch is the invariant; accumulation follows the world
-        per_step = args.batch_size * dp
-        if args.global_batch < 1 or args.global_batch % per_step:
-            raise ValueError(f"--global-batch {args.global_batch} is not a positive multiple of --batch-size "
-                             f"{args.batch_size} x dp {dp} (world {world} / (tp {args.tp} x pp {args.pp})); "
+    if world % (c.tp * c.pp):
+        raise ValueError(f"world size {world} is not divisible by --tp {c.tp} x --pp {c.pp}; "
+                         f"launch a multiple of {c.tp * c.pp} processes")
+    dp, grad_accum = world // (c.tp * c.pp), c.grad_accum
+    if c.global_batch is not None:  # the global batch is the invariant; accumulation follows the world
+        per_step = c.batch_size * dp
+        if c.global_batch < 1 or c.global_batch % per_step:
+            raise ValueError(f"--global-batch {c.global_batch} is not a positive multiple of --batch-size "
+                             f"{c.batch_size} x dp {dp} (world {world} / (tp {c.tp} x pp {c.pp})); "
                              f"pick a global batch divisible by {per_step} or another --batch-size")
-        args.grad_accum = args.global_batch // per_step
-    zero.check_config(args.zero, torch.optim.AdamW, args.pp)  # the engine's own rules (stage, ZeRO with PP)
-    cfg = model_config(args, data.get_tokenizer(args.tokenizer).n_vocab)
+        grad_accum = c.global_batch // per_step
+    zero.check_config(c.zero, torch.optim.AdamW, c.pp)  # the engine's own rules (stage, ZeRO with PP)
+    vocab_size = data.get_tokenizer(c.tokenizer).n_vocab
+    cfg = model_config(c, vocab_size)
     cfg.validate()
-    tp.check_tensor_parallel(cfg, args.tp, args.sequence_parallel)
-    pp.check_args(args.n_layer, args.pp, args.grad_accum, args.schedule, args.virtual_stages)
-    if args.compile and args.zero == 3:
+    tp.check_tensor_parallel(cfg, c.tp, c.sequence_parallel)
+    pp.check_args(c.n_layer, c.pp, grad_accum, c.schedule, c.virtual_stages)
+    if c.compile and c.zero == 3:
         raise ValueError("--compile with --zero 3: ZeRO-3's hooks free and re-gather parameter storage inside "
                          "each block, which torch.compile cannot trace; use --zero 2 or leave out --compile")
-    if args.recompute not in recompute.MODES:
-        raise ValueError(f"--recompute {args.recompute!r} is not one of {', '.join(recompute.MODES)}")
-    if args.recompute_layers is not None and not 0 <= args.recompute_layers <= args.n_layer:
-        raise ValueError(f"--recompute-layers {args.recompute_layers} is outside [0, --n-layer {args.n_layer}]")
-    precision.check_dtype_supported(precision.parse_dtype(args.dtype), dist.default_device(args.device))
-    if args.data:
-        index = data.load_index(args.data)
-        if index["tokenizer_sha256"] != data.tokenizer_sha256(data.get_tokenizer(args.tokenizer)):
-            raise ValueError(f"--data {args.data} was prepared with --tokenizer {index['tokenizer']}; pass that one")
+    if c.recompute not in recompute.MODES:
+        raise ValueError(f"--recompute {c.recompute!r} is not one of {', '.join(recompute.MODES)}")
+    if c.recompute_layers is not None and not 0 <= c.recompute_layers <= c.n_layer:
+        raise ValueError(f"--recompute-layers {c.recompute_layers} is outside [0, --n-layer {c.n_layer}]")
+    precision.check_dtype_supported(precision.parse_dtype(c.dtype), dist.default_device(c.device))
+    if c.data:
+        index = data.load_index(c.data)
+        if index["tokenizer_sha256"] != data.tokenizer_sha256(data.get_tokenizer(c.tokenizer)):
+            raise ValueError(f"--data {c.data} was prepared with --tokenizer {index['tokenizer']}; pass that one")
     else:
-        data.corpus_files(args.corpus)  # raises the --corpus line when it names no file
-    check_failure_flags(args)
-    args.resume_folder = faults.discover(args, cfg)  # newest verified checkpoint (takes the out-dir lock)
-    return cfg, dp
+        data.corpus_files(c.corpus)  # raises the --corpus line when it names no file
+    hang_timeout = check_failure_flags(c)
+    return dataclasses.replace(c, dp=dp, grad_accum=grad_accum, global_batch=c.batch_size * grad_accum * dp,
+                               vocab_size=vocab_size, fault=fault, hang_timeout=hang_timeout,
+                               resume=c.resume or c.resume_from is not None)  # --resume-from implies --resume
 
 
-def check_failure_flags(args):
-    """The failure flags, refused before any collective (called from args.check)."""
-    if not args.collective_timeout > 0:
-        raise ValueError(f"--collective-timeout must be > 0 seconds, got {args.collective_timeout}")
+def parse_fault(text):
+    """--inject-fault KIND:RANK:STEP as (kind, rank, step)."""
+    kind, *where = text.split(":")
+    if kind not in FAULTS or len(where) != 2 or not all(w.isdigit() for w in where):
+        raise ValueError(f"--inject-fault {text!r}: expected KIND:RANK:STEP, KIND one of {', '.join(FAULTS)}")
+    return kind, int(where[0]), int(where[1])
+
+
+def check_failure_flags(c):
+    """The failure flags, refused before any collective. Returns --hang-timeout (its default: 180 s, or half
+    --collective-timeout if that is less)."""
+    if not c.collective_timeout > 0:
+        raise ValueError(f"--collective-timeout must be > 0 seconds, got {c.collective_timeout}")
     for name in ("keep_last", "max_skipped"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if not (args.spike_threshold > 1 and 0 < args.rollback_lr_factor <= 1):
+        if getattr(c, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(c, name)}")
+    if not (c.spike_threshold > 1 and 0 < c.rollback_lr_factor <= 1):
         raise ValueError(f"need --spike-threshold > 1 and 0 < --rollback-lr-factor <= 1, got "
-                         f"{args.spike_threshold} and {args.rollback_lr_factor}")
-    if args.hang_timeout is None:
-        args.hang_timeout = min(180.0, args.collective_timeout / 2)
-    if args.hang_timeout < 0 or args.hang_timeout >= args.collective_timeout:
-        raise ValueError(f"--hang-timeout {args.hang_timeout} must be >= 0 and below --collective-timeout "
-                         f"{args.collective_timeout} (the watchdog must fire before the collective gives up)")
-    if args.resume_from is not None:
-        args.resume = True
-    faults.check_out_dir(args.out_dir)
+                         f"{c.spike_threshold} and {c.rollback_lr_factor}")
+    hang_timeout = min(180.0, c.collective_timeout / 2) if c.hang_timeout is None else c.hang_timeout
+    if hang_timeout < 0 or hang_timeout >= c.collective_timeout:
+        raise ValueError(f"--hang-timeout {hang_timeout} must be >= 0 and below --collective-timeout "
+                         f"{c.collective_timeout} (the watchdog must fire before the collective gives up)")
+    faults.check_out_dir(c.out_dir)  # reads the path only: claiming the out-dir is a step of the recipe
+    return hang_timeout

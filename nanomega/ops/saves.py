@@ -1,0 +1,94 @@
+"""Checkpoints in the training loop: when to save (Saves), what a rank saves (rank_state), and loading it back
+(restore: for --resume and for --on-spike rollback).
+
+Idea: a checkpoint is only worth its cost if every rank writes the same step and a resume continues exactly.
+So the decision to save is taken alike on every rank (a vote where clocks or signals differ), never right after
+a skipped step, and the state holds everything a step depends on: this rank's pieces of every parameter (any
+layout loads them, reshard.py), the data position, the loss scale, the RNG streams, the spike policy's lr scale.
+Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
+"""
+import time
+
+from nanomega import checkpoint, reshard, rng
+from nanomega.ops import faults
+
+
+def rank_state(engine, sampler, scaler, step, grid, spikes=None, copy=True):
+    """What this rank writes: its pieces of every parameter by name (any layout can load them), data position,
+    loss scale, RNG (this device's), the lr scale and skipped data windows of rollbacks. copy=False: views of
+    the live tensors, for AsyncSaver, which copies them once into its reused buffers."""
+    return dict(universal=reshard.pieces(engine, grid, copy), spikes=spikes and spikes.state_dict(),
+                sampler=sampler.state_dict(), scaler=scaler.state_dict(), step=step, **rng.save_state(grid.device))
+
+
+class Saves:
+    """When to checkpoint, decided alike on every rank: every --save-every steps and at the last; after
+    --save-every-minutes (a vote: clocks differ, and a save that only some ranks start hangs); when preempted
+    (a vote: every rank stops at the same step); never right after a skipped step (the next finite step saves)."""
+
+    def __init__(self, out_dir, cfg, grid, layout, *, every, every_minutes, max_steps, async_save, keep_last,
+                 resumed_from):
+        self.out_dir, self.cfg, self.grid, self.layout = out_dir, cfg, grid, layout
+        self.every, self.every_minutes, self.max_steps = every, every_minutes, max_steps
+        self.keep_last, self.resumed_from = keep_last, resumed_from
+        self.saver = checkpoint.AsyncSaver(out_dir, cfg, grid, layout) if async_save else None
+        self.last, self.pending = time.time(), False
+
+    def at_step_end(self, step, *, state, may_save, guard):
+        """Save if due (state() builds this rank's checkpoint state); True when preempted: the loop ends."""
+        grid_agrees, grid = faults.grid_agrees, self.grid
+        due = (self.every and step % self.every == 0) or step == self.max_steps
+        if self.every_minutes:  # clocks differ: every rank must take the same decision, or the save hangs
+            due = grid_agrees(grid, due or time.time() - self.last >= 60 * self.every_minutes)
+        preempted = grid_agrees(grid, faults.preempt_requested())  # every rank stops at the same step
+        if self.saver:  # the manifest of a background save, once every rank has written its shard
+            self.saver.poll(lambda busy: grid_agrees(grid, busy))
+        if (due or preempted or self.pending) and not may_save:
+            if due or preempted:
+                faults.say(f"step {step}: checkpoint not written (the step was skipped); the next finite step saves")
+            self.pending = True
+        elif due or preempted or self.pending:
+            self.save(step, state(copy=self.saver is None), guard=guard)  # async: views, copied once
+        if preempted:
+            faults.say(f"step {step}: preempted (signal); exiting 0 after the last checkpoint; --resume continues")
+        return preempted
+
+    def save(self, step, state, *, guard):
+        """Write (or start writing, --async-save) this rank's shard; then --keep-last (faults.saved)."""
+        with guard.paused():  # no hang report while a save takes longer than a step
+            if self.saver:
+                self.saver.start(step, state)
+            else:
+                checkpoint.save(self.out_dir, step, self.cfg, state, self.grid, self.layout)
+        faults.saved(self.out_dir, self.keep_last, self.resumed_from, self.grid)
+        self.last, self.pending = time.time(), False
+
+    def close(self):
+        """Wait for a background save (collective: its manifest)."""
+        if self.saver:
+            self.saver.wait()
+
+
+def restore(folder, cfg, grid, layout, *, engine, scaler, spikes, sampler=None):
+    """Load a checkpoint into this rank's engine, loss scaler, RNG (same layout) and, if given, sampler."""
+    state = reshard.load(folder, cfg, engine, grid, layout)
+    fresh = state["sampler"] is None  # a step-0 import (nanomega.tools.hf): the data and the loss scale start fresh
+    if sampler is not None and not fresh:
+        sampler.load_state_dict(state["sampler"])
+    if not fresh:
+        scaler.load_state_dict(state["scaler"])
+    spikes.load_state_dict(state.get("spikes"))
+    if state.get("same_layout"):  # the RNG streams (CPU and CUDA) continue exactly; a new layout reseeds them
+        rng.restore_state(state, grid.device)
+    return state
+
+
+def roll_back(out_dir, cfg, grid, layout, *, engine, scaler, spikes, step):
+    """--on-spike rollback: reload the newest verified checkpoint, but not the sampler's position (the data
+    since that checkpoint is skipped); returns the step to continue from."""
+    folder, _ = checkpoint.find_resume(out_dir, cfg)
+    if folder is None:
+        raise FloatingPointError(f"step {step}: loss spike and no checkpoint to roll back to; use --save-every")
+    state = restore(folder, cfg, grid, layout, engine=engine, scaler=scaler, spikes=spikes)
+    spikes.rolled_back(state["step"], step)
+    return state["step"]
