@@ -111,7 +111,7 @@ class AsyncSaver:
     step boundary), so a crash mid-write leaves the previous checkpoint the newest complete one. One write in
     flight at a time.
 
-    The state may hold views of live engine buffers (reshard.pieces(copy=False), i.e. ZeroEngine.export_by_name(copy=False)): `start` copies
+    The state may hold views of live engine buffers (reshard.pieces(copy=False), i.e. reshard.export_by_name(engine, copy=False)): `start` copies
     each tensor, once, into a CPU buffer kept for its place in the state and reused by every later save
     (fresh memory costs a page fault per 4 KiB page, several times the copy itself: bench/RESULTS.md). So the
     training thread stalls for one memory copy of the shard, and the saver holds one shard of CPU memory.

@@ -196,7 +196,7 @@ class ZeroEngine:
     def step(self, clip_norm=None, scaler=None, skip=False):
         """Finish the reductions, average (and unscale), global norm, clip, step the owned pieces, write the
         parameters back (all-gather for stages 1-2), zero the gradients. -> dict(grad_norm, stepped).
-        skip=True drops the update (a loss spike, faults.Spikes) like a non-finite one."""
+        skip=True drops the update (a loss spike, ops/guard.Spikes) like a non-finite one."""
         self.buckets.finish()  # every micro-batch ran under no_sync (or none ran): reduce now; wait for all
         for g in self.groups:
             if g.split and self.axis.size > 1:  # whole groups: averaged; slices: sums
