@@ -10,6 +10,7 @@ Formula and its lesson:
         flat.py                  flat buffers and their shards: the bookkeeping under ZeRO
         zero.py                  ZeRO-1/2: the optimizer over this rank's pieces
         zero3.py                 ZeRO-3: parameter units gathered on demand
+        clip.py                  the global gradient norm over dp, tp and pp: each element counted once
     03  tp.py, rng.py            tensor parallelism (Megatron's f/g) and its dropout RNG
     04  tp.py                    sequence parallelism (the same file: all-gather / reduce-scatter for f/g)
     05  pp.py, schedules.py      pipeline stages; GPipe / 1F1B / interleaved as plain data and a simulator

@@ -20,8 +20,8 @@ the fp32 master copy IS the model's storage when the model is fp32 (4 + 4 + 8 = 
 arithmetic of the step (fp32 masters, unscale, write-back) is precision.py's; this engine shards its buffers.
 The engine is a composition: ddp.GradBuckets (gradients reduced while backward runs) + an optimizer over this
 rank's pieces (here) + at stage 3 zero3.ShardedParameters; STAGE says what each stage changes, and
-ZeroEngine.__init__ is the one place that reads it. It imports tp for one rule of the global gradient norm
-(a tensor-parallel slice counts on every tp rank, a replicated parameter on one).
+ZeroEngine.__init__ is the one place that reads it. The global gradient norm over dp, tp and pp (which
+piece counts where) is clip.py's.
 Export and import by name (checkpoints, resharding) are reshard.py's.
 Lesson: lessons/02-data-parallel-and-zero.md
 """
@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from . import precision, tp
+from . import clip, precision
 from .ddp import GradBuckets, bucket_groups, start_equal
 from .flat import Piece, storage_bytes
 from .zero3 import ShardedParameters
@@ -38,7 +38,6 @@ from .zero3 import ShardedParameters
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adamax,
                torch.optim.Adadelta, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop,
                torch.optim.ASGD)
-NORM_CHUNK = 2**20  # elements per fp64 chunk of the norm (a whole fp64 copy would cost 2x the gradient)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,13 +90,6 @@ def weight_decay_groups(weight_decay, **options):
     return groups
 
 
-def fp64_norms(t):
-    """The 2-norms of t's chunks of NORM_CHUNK elements, each summed in fp64 (the cast copies a chunk: a whole
-    fp64 copy of a large gradient would cost twice its memory)."""
-    chunks = t.reshape(-1).split(NORM_CHUNK) if t.numel() > NORM_CHUNK else (t,)
-    return [torch.linalg.vector_norm(c, dtype=torch.float64) for c in chunks]
-
-
 class ZeroEngine:
     """Owns the gradient buffers, the fp32 master weights and the optimizer of `model` over grid.dp.
 
@@ -141,7 +133,9 @@ class ZeroEngine:
         for g in self.groups:  # fp32 model: the same tensor (no copy); 16-bit model: the fp32 master
             g.master = precision.fp32_master(g.own)
         self.optimizer = self._build_optimizer(optimizer_cls, specs)
-        self.norm_pieces = [piece for piece in self.pieces if self._counts_in_norm(piece)]  # fixed by the layout
+        self.norm_pieces = [piece for piece in self.pieces  # this rank's share of the norm: fixed by the layout
+                            if piece.group and clip.counts(piece.group.params[piece.index], piece.replica, grid,
+                                                           self.norm_over_dp)]
 
     def no_sync(self):
         """Micro-batches before the last: no reduction (stages 0-1; ddp.GradBuckets.no_sync)."""
@@ -206,41 +200,18 @@ class ZeroEngine:
                 self.grid.embed.all_reduce(g.grad_own)  # embedding take the summed gradient (pp.sum_tied_grad)
         for piece in self.pieces:
             piece.master.grad = self._grad(piece).float() if piece.group else piece.master.new_zeros(0)
-        norm = self._global_grad_norm()
+        norm = clip.global_norm([piece.master.grad for piece in self.norm_pieces], self.grid, self.norm_over_dp,
+                                self.groups[0].device)
         stepped = math.isfinite(norm) or scaler is None
         if scaler is not None:
             scaler.update(not stepped)
         stepped = stepped and not skip
         if stepped:
-            if clip_norm is not None and clip_norm / (norm + 1e-6) < 1.0:
-                for piece in self.pieces:
-                    piece.master.grad.mul_(clip_norm / (norm + 1e-6))
+            clip.clip_([piece.master.grad for piece in self.pieces], norm, clip_norm)
             self.optimizer.step()
             self.write_back()
         self.buckets.zero_grad()  # between steps ZeRO-3 holds no gradient at all
         return dict(grad_norm=norm, stepped=stepped)
-
-    def _counts_in_norm(self, piece):
-        """Whether piece's gradient is this rank's part of the global norm: every unique parameter once --
-        tp duplicates (not tp.is_tensor_parallel) on tp rank 0 only, dp replicas on dp rank 0 only (sharded
-        stages), the last stage's copy of the tied embedding (`shared`) not at all."""
-        p = piece.group.params[piece.index] if piece.group else None
-        return p is not None and (self.grid.tp_rank == 0 or tp.is_tensor_parallel(p)) \
-            and not (p is self.shared and not self.grid.first_stage) \
-            and not (piece.replica and self.norm_over_dp and self.grid.dp_rank)
-
-    def _global_grad_norm(self):
-        """sqrt(sum g^2) over the pieces that count (_counts_in_norm), summed over dp (sharded stages), tp and
-        pp. In fp64 (each chunk's norm, then their squares summed), so the sum's order does not matter."""
-        norms = [n for piece in self.norm_pieces for n in fp64_norms(piece.master.grad)]
-        sq = torch.zeros(1, dtype=torch.float64, device=self.groups[0].device)
-        if norms:
-            sq += torch.stack(norms).square().sum()
-        if self.norm_over_dp:
-            self.axis.all_reduce(sq)
-        self.grid.tp.all_reduce(sq)
-        self.grid.pp.all_reduce(sq)
-        return sq.sqrt().item()
 
     def write_back(self):
         """The fp32 masters -> the model's parameters in their dtype; stages 1-2 all-gather the slices. Call it

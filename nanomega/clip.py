@@ -1,0 +1,53 @@
+"""Gradient clipping by the global norm of a model sharded over dp, tp and pp (Megatron's clip_grads).
+
+Idea: clip_grad_norm_ scales every gradient by min(1, c / ||g||), where ||g|| is the norm of the *whole*
+model's gradient. No rank holds it: a rank holds pieces -- its dp slice of a flat buffer (ZeRO-1..3), its tp
+slice of a split matrix, its pipeline stage's layers. Each rank sums the squares of the pieces that are its
+share, every unique element exactly once, and one all-reduce per axis adds the shares:
+    counted here   a tp slice on every tp rank; a tp replica (LayerNorm, row-parallel bias) on tp rank 0
+                   only; a dp replica on dp rank 0 only when the pieces differ per dp rank (the shards of
+                   ZeRO-1..3); the last pipeline stage's copy of the tied embedding never (the first holds it)
+    ||g||^2        = all_reduce_dp(if sharded) o all_reduce_tp o all_reduce_pp ( sum ||piece||^2 )
+Summed in fp64, a chunk's norm at a time, then their squares: the order of the sum does not matter, so every
+layout computes the dense model's norm (tests/test_layouts.py checks it bitwise against one process).
+Lesson: lessons/02-data-parallel-and-zero.md
+"""
+import torch
+
+from . import pp, tp
+
+NORM_CHUNK = 2**20  # elements per fp64 chunk of the norm (a whole fp64 copy would cost 2x the gradient)
+
+
+def fp64_norms(t):
+    """The 2-norms of t's chunks of NORM_CHUNK elements, each summed in fp64 (the cast copies a chunk: a whole
+    fp64 copy of a large gradient would cost twice its memory)."""
+    chunks = t.reshape(-1).split(NORM_CHUNK) if t.numel() > NORM_CHUNK else (t,)
+    return [torch.linalg.vector_norm(c, dtype=torch.float64) for c in chunks]
+
+
+def counts(p, replica, grid, over_dp):
+    """Whether this rank's piece of parameter p is its share of the global norm (the table above).
+    replica: every dp rank holds this same piece; over_dp: the pieces differ per dp rank (ZeRO-1..3)."""
+    return (grid.tp_rank == 0 or tp.is_tensor_parallel(p)) and not pp.is_shared_embedding_copy(p) \
+        and not (replica and over_dp and grid.dp_rank)
+
+
+def global_norm(grads, grid, over_dp, device):
+    """sqrt(sum g^2) over `grads` (this rank's counted shares), summed over dp (over_dp), tp and pp."""
+    norms = [n for g in grads for n in fp64_norms(g)]
+    sq = torch.zeros(1, dtype=torch.float64, device=device)
+    if norms:
+        sq += torch.stack(norms).square().sum()
+    if over_dp:
+        grid.dp.all_reduce(sq)
+    grid.tp.all_reduce(sq)
+    grid.pp.all_reduce(sq)
+    return sq.sqrt().item()
+
+
+def clip_(grads, norm, max_norm):
+    """Scale the gradients in place by max_norm / (norm + 1e-6) when that is below 1 (torch's rule)."""
+    if max_norm is not None and max_norm / (norm + 1e-6) < 1.0:
+        for g in grads:
+            g.mul_(max_norm / (norm + 1e-6))
