@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 
+from nanomega import dist
 from nanomega.ops import faults
 
 
@@ -164,9 +165,8 @@ class Watchdog:
     EXIT_CODE = 4
 
     def __init__(self, grid, timeout, out_dir):
-        import torch.distributed as tdist
         self.timeout, self.grid, self.out_dir = timeout, grid, out_dir
-        self.store = tdist.distributed_c10d._get_default_store()
+        self.store = dist.store()  # reachable when collectives are not
         self.last, self.where, self.stopped = time.monotonic(), (0, 0), threading.Event()
         if self.timeout:
             faults.at_job_end(self.stop)
