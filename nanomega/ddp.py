@@ -31,11 +31,12 @@ MAX_IN_FLIGHT = 2  # ZeRO-2/3: reductions launched but unfinished, each holding 
 
 def start_equal(model, axis, init="verify"):
     """Every rank of `axis` starts from dp rank 0's parameters and buffers: "verify" compares 2 fp64 sums per
-    tensor (one all-gather, one clear error), "broadcast" copies them from rank 0."""
+    tensor (one all-gather, one clear error), "broadcast" copies them from rank 0. A model with parameters
+    still on the meta device has nothing to compare: they are drawn from one seed later (meta.py), alike."""
     if init not in ("verify", "broadcast"):
         raise ValueError(f"init={init!r}: use 'verify' or 'broadcast'")
     tensors = [p for _, p in model.named_parameters()] + [b for _, b in model.named_buffers()]
-    if axis.size == 1:
+    if axis.size == 1 or any(p.is_meta for p in model.parameters()):
         return
     if init == "broadcast":
         with torch.no_grad():
@@ -51,12 +52,13 @@ def start_equal(model, axis, init="verify"):
                          f"model alike on every rank, or pass init='broadcast')")
 
 
-def bucket_groups(named_params, bucket_mb, axis, split, shared=None):
+def bucket_groups(named_params, bucket_mb, axis, split, shared=None, values=None, device=None):
     """Flat groups of about bucket_mb each, in the order backward fills them (the last layers first);
-    split: each is split over the ranks of `axis` (ZeRO-1/2). shared: a parameter with a bucket of its own."""
+    split: each is split over the ranks of `axis` (ZeRO-1/2). shared: a parameter with a bucket of its own.
+    values, device: meta parameters drawn into the buckets (flat.FlatGroup)."""
     buckets = split_by_size(named_params[::-1], bucket_mb * 2**20, [shared] if shared is not None else [])
     n, rank = (axis.size, axis.rank) if split else (1, 0)
-    return [FlatGroup(b[::-1], n, rank, split=split) for b in buckets]
+    return [FlatGroup(b[::-1], n, rank, split=split, values=values, device=device) for b in buckets]
 
 
 @dataclasses.dataclass(eq=False)

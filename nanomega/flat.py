@@ -24,6 +24,9 @@ class FlatGroup:
             parameters); a split group on a world of one still owns everything: lo = 0, hi = padded
     keep    "full": the parameters become views of `full` (DP, ZeRO-1/2); "shard": only this rank's slice is
             kept, in `shard`, and `full` is gathered on demand (ZeRO-3, zero3.py frees and refills its storage)
+    values  for parameters still on the meta device: values(name, p, a, b) gives elements [a, b) of one
+            (meta.Init.values), drawn straight into the buffers on `device`, one parameter (keep="shard": one
+            piece) at a time; without it the parameters' own data is copied
     The buffers (all 1-D). Set here, never reassigned: full, shard, own. Written elsewhere, one writer each:
       full    model dtype, N S elements; the parameters are views of it (ZeRO-3: only while gathered)
       shard   model dtype, this rank's S elements (ZeRO-3: the persistent copy of the parameters), else None
@@ -36,7 +39,7 @@ class FlatGroup:
     __slots__ = ("names", "params", "shapes", "sizes", "offsets", "numel", "shard_numel", "padded", "lo", "hi",
                  "dtype", "device", "trainable", "split", "full", "shard", "own", "master", "grad")
 
-    def __init__(self, named_params, n_shards, rank, split=None, keep="full"):
+    def __init__(self, named_params, n_shards, rank, split=None, keep="full", values=None, device=None):
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.shapes = [p.shape for p in self.params]  # kept: ZeRO-3 swaps the parameters for empty tensors
@@ -48,15 +51,20 @@ class FlatGroup:
         self.lo = rank * self.shard_numel
         self.hi = (rank + 1) * self.shard_numel
         self.dtype = self.params[0].dtype
-        self.device = self.params[0].device
+        self.device = torch.device(device) if device is not None else self.params[0].device
         self.trainable = self.params[0].requires_grad
         self.split = n_shards > 1 if split is None else split
+        # the values to lay out: parameter i's elements [a, b); still-meta parameters are drawn (meta.Init)
+        part = (lambda i, a, b: values(self.names[i], self.params[i], a, b)) if values else \
+            (lambda i, a, b: self.params[i].detach().reshape(-1)[a:b])
         if keep == "full":  # the parameters become views of one padded buffer
-            self.full, self.shard = self.flatten(self.params), None
+            self.full, self.shard = self.flatten((part(i, 0, n) for i, n in enumerate(self.sizes))), None
             self.bind(self.full)
             self.own = self.full[self.lo:self.hi]
-        else:  # the persistent 1/N; `full` is storage to gather into (zero3.py)
-            self.shard = self.own = self.flatten(self.params)[self.lo:self.hi].clone()
+        else:  # the persistent 1/N, filled piece by piece (no full copy); `full` is storage to gather into (zero3.py)
+            self.shard = self.own = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+            for i, a, b in self.pieces():
+                self.shard[a - self.lo:b - self.lo].copy_(part(i, a - self.offsets[i], b - self.offsets[i]))
             self.full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
         self.master = None
         self.grad = None
@@ -69,7 +77,8 @@ class FlatGroup:
         return self.grad[self.lo:self.hi]
 
     def flatten(self, tensors, dtype=None):
-        """The tensors (shaped like the parameters) end to end in a new zero-padded buffer of N S elements."""
+        """The tensors (shaped like the parameters, or flat; an iterable: one at a time) end to end in a new
+        zero-padded buffer of N S elements."""
         out = torch.zeros(self.padded, dtype=dtype or self.dtype, device=self.device)
         for t, o in zip(tensors, self.offsets):
             out[o:o + t.numel()].copy_(t.detach().reshape(-1))
@@ -82,7 +91,7 @@ class FlatGroup:
     def bind(self, flat):
         """Make the parameters views of `flat` (the nn.Parameter objects, their names and tags are kept)."""
         for p, v in zip(self.params, self.views(flat)):
-            p.data = v
+            set_data(p, v)
 
     def pieces(self):
         """(index, a, b): parameter `index` has elements [a, b) of the flat buffer in this rank's slice."""
@@ -111,15 +120,29 @@ class Piece:
     at: int = 0
 
 
+def set_data(p, data):
+    """p.data = data, also for a parameter still on the meta device (torch refuses to give a meta tensor real
+    data; swap_tensors does it, keeping p's identity, hence ties; its tags and hooks are put back)."""
+    if p.is_meta and not data.is_meta:
+        tags, pre, post = dict(p.__dict__), p._backward_hooks, p._post_accumulate_grad_hooks
+        torch.utils.swap_tensors(p, torch.nn.Parameter(data, requires_grad=p.requires_grad))
+        p.__dict__.update(tags)
+        # autograd's hooks (tp.py's sequence-parallel reduction) left with the old tensor: install them again
+        p._backward_hooks, p._post_accumulate_grad_hooks = pre, post
+    else:
+        p.data = data
+
+
 def storage_bytes(tensors, seen):
-    """Bytes of the storages behind `tensors`, each storage counted once across calls sharing `seen`."""
+    """Bytes of the storages behind `tensors`, each storage counted once across calls sharing `seen` (by the
+    storage's identity: on the meta device every data_ptr is 0, and a dry run counts meta storages)."""
     total = 0
     for t in tensors:
         if t is None:
             continue
         s = t.untyped_storage()
-        if s.nbytes() and s.data_ptr() not in seen:
-            seen.add(s.data_ptr())
+        if s.nbytes() and s._cdata not in seen:
+            seen.add(s._cdata)
             total += s.nbytes()
     return total
 

@@ -5,6 +5,9 @@ small named pieces (Embedding, CausalSelfAttention, MLP, Block, Head) so that tp
 linears, pp.py can keep only some pieces on a stage, recompute.py can wrap blocks and fused.py can swap in
 C++ kernels -- all without a second model file.
 
+Initialization: a rule per parameter name (init_std: GPT-2's 0.02, residual projections 0.02/sqrt(2L), biases 0,
+LayerNorm scales 1) and a draw that makes element i of a parameter a function of (seed, name, i) alone (draw):
+so a rank can draw just its slice of a parameter and get the dense model's values bitwise (meta.py).
 Formulas:
     parameters   N ~= 12 L h^2 + V h   (+ s h learned positions)
     FLOPs/token  6 N' + 12 L h s        (N' = N without position embeddings; the 12 L h s term is
@@ -13,6 +16,7 @@ Lesson: lessons/01-dense-model.md
 """
 import contextlib
 import functools
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -77,13 +81,50 @@ def causal_softmax(scores, scale):
 
 
 def alibi_slopes(n_head: int) -> torch.Tensor:
-    """ALiBi head slopes 2^(-8i/n) (Press et al. 2022), with the paper's rule for n not a power of 2."""
+    """ALiBi head slopes 2^(-8i/n) (Press et al. 2022), with the paper's rule for n not a power of 2. On the CPU
+    even inside `with torch.device("meta")`: a buffer computed from the config, never drawn (meta.py moves it)."""
     def powers(n):
         start = 2 ** (-8 / n)
         return [start ** (i + 1) for i in range(n)]
     p = 2 ** math.floor(math.log2(n_head))
     slopes = powers(p) + powers(2 * p)[0::2][: n_head - p]
-    return torch.tensor(slopes)
+    return torch.tensor(slopes, device="cpu")
+
+
+# ---------------------------------------------------------------- initialization
+INIT_BLOCK = 1 << 16  # elements one generator draws: any element of a parameter is drawn with its block alone
+
+
+def init_std(name, n_layer):
+    """GPT-2's initialization as a rule of a parameter's dense name (the same name in every layout): biases 0.0,
+    LayerNorm scales None (ones), residual projections N(0, 0.02/sqrt(2L)), every other matrix N(0, 0.02)."""
+    module, leaf = (["", ""] + name.split("."))[-2:]
+    if leaf in ("bias", "fc_bias"):
+        return 0.0
+    if module.startswith("ln"):
+        return None
+    return 0.02 / math.sqrt(2 * n_layer) if module == "c_proj" else 0.02
+
+
+@functools.lru_cache(maxsize=4)  # consecutive runs of a tensor-parallel slice often share a block
+def init_block(seed, name, k, std):
+    """Block k of parameter `name`: INIT_BLOCK normals from a CPU generator seeded by (seed, name, k)."""
+    key = int.from_bytes(hashlib.sha256(f"{seed}/{name}/{k}".encode()).digest()[:8], "little") >> 1
+    return torch.empty(INIT_BLOCK, device="cpu").normal_(0.0, std, generator=torch.Generator().manual_seed(key))
+
+
+def draw(seed, name, std, start, stop):
+    """Elements [start, stop) of the flattened parameter `name`, fp32 on the CPU: N(0, std) (0.0: zeros, None:
+    ones). A block is always drawn whole, so element i depends on (seed, name, i) only: not on the parameter's
+    size (a vocabulary padded further keeps its rows), nor the layout, nor the device. The host holds one
+    block beyond what it returns."""
+    out = torch.empty(stop - start, device="cpu")
+    if std is None or std == 0.0:
+        return out.fill_(1.0 if std is None else 0.0)
+    for k in range(start // INIT_BLOCK, -(-stop // INIT_BLOCK)):
+        lo, hi = max(start, k * INIT_BLOCK), min(stop, (k + 1) * INIT_BLOCK)
+        out[lo - start:hi - start] = init_block(seed, name, k, std)[lo - k * INIT_BLOCK:hi - k * INIT_BLOCK]
+    return out
 
 
 class Embedding(nn.Module):
@@ -203,7 +244,10 @@ def cross_entropy(logits, targets, vocab_size=None):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    """The dense model. seed: its initialization (init_weights); built inside `with torch.device("meta")` it
+    holds shapes only, and meta.py draws each rank's slices of the same values."""
+
+    def __init__(self, cfg: GPTConfig, seed=None):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
@@ -211,17 +255,16 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.head = Head(cfg)
         self.head.lm_head.weight = self.embed.wte.weight  # tied (pp.py unties across stages)
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():  # GPT-2: residual projections scaled by 1/sqrt(2L)
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        self.init_weights(seed)
 
-    @staticmethod
-    def _init_weights(m):
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
+    @torch.no_grad()
+    def init_weights(self, seed=None):
+        """Every parameter drawn by its name (init_std, draw). seed None: one drawn from torch's default
+        generator, so `torch.manual_seed(s); GPT(cfg)` is reproducible. On the meta device: nothing to write."""
+        seed = int(torch.randint(1 << 62, (), device="cpu")) if seed is None else seed
+        for name, p in self.named_parameters():
+            if not p.is_meta:
+                p.copy_(draw(seed, name, init_std(name, self.cfg.n_layer), 0, p.numel()).view_as(p))
 
     def forward(self, x, targets=None):
         """x: token ids (b, s) on the first stage, hidden states (b, s, h) on later pipeline stages."""

@@ -3,10 +3,11 @@
     python nanomega/train.py                                      # one process
     torchrun --nproc_per_node=4 nanomega/train.py --tp 2 --pp 2   # dp = world / (tp * pp) = 1
 
-Composition order (build): grid -> dense model (same seed everywhere) -> tensor parallel -> pipeline stage
--> recompute -> fused kernels -> precision -> ZeRO/DP engine. One step: lr(step) -> this dp rank's
-micro-batches -> forward/backward (pipeline schedule, or a plain loop; no gradient sync until the last) ->
-engine.step (reduce, clip at 1.0, AdamW on owned shards, skip if not finite).
+Composition order (build): grid -> the model on the meta device (shapes only) -> tensor parallel -> pipeline
+stage -> recompute -> fused kernels -> precision -> ZeRO/DP engine, which draws this rank's values straight into
+its buffers (meta.py: bitwise the dense model's, sliced; no rank ever holds the dense model).
+One step: lr(step) -> this dp rank's micro-batches -> forward/backward (pipeline schedule, or a plain loop; no
+gradient sync until the last) -> engine.step (reduce, clip at 1.0, AdamW on owned shards, skip if not finite).
 MFU = flops_per_token x tokens/s / (world x peak FLOP/s per device) (meter.py: the peak's source, memory).
 Read `train` first, the recipe: check the Config -> claim the out-dir -> find the checkpoint -> start -> data
 -> build -> resume -> loop of train_step. The policies around it live in nanomega/ops/, each named: flags.Config
@@ -28,11 +29,11 @@ import torch
 if __package__ in (None, ""):  # `python nanomega/train.py`: make the package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nanomega import data, dist, fused, pp, precision, recompute, rng, schedules, tp, zero
-from nanomega.model import GPT
+from nanomega import data, dist, fused, meta, pp, precision, recompute, rng, schedules, tp, zero
+from nanomega.model import GPT, SHAPE_KEYS
 from nanomega.ops import faults, flags, health, meter, saves
 from nanomega.ops.guard import Guard, Spikes
-from nanomega.tools import corpus
+from nanomega.tools import corpus, cost
 
 
 def lr_at(step, config):
@@ -58,9 +59,11 @@ def load_data(config, world, log):
 
 
 def build(config, cfg, grid):
-    """The model pieces this rank holds, and the engine that owns their optimizer state."""
-    torch.manual_seed(config.seed)
-    model = GPT(cfg)  # the same dense init on every rank: each parallel form below slices it
+    """The model pieces this rank holds, and the engine that owns their optimizer state. The model is built on
+    the meta device and sliced there; the engine then draws this rank's values of the dense model from
+    --seed into its flat buffers on grid.device (meta.py). On a meta grid (--dry-run) nothing is drawn."""
+    with torch.device("meta"):
+        model = GPT(cfg, seed=config.seed)  # shapes only: every parallel form below slices shapes
     n_params = sum(p.numel() for p in model.parameters())
     tracker = rng.model_parallel_seed(config.seed, grid)
     if grid.tp.size > 1:
@@ -77,12 +80,13 @@ def build(config, cfg, grid):
             if hasattr(module, "scale_mask_softmax"):
                 module.scale_mask_softmax = fused.causal_softmax
     precision.cast_model(model, precision.parse_dtype(config.dtype))
-    model.to(grid.device)
+    init = meta.Init(cfg, config.seed, grid.tp_rank, grid.tp.size)  # the dense init, seen from this tp rank
+    meta.materialize(model, init, grid.device, params=False)  # buffers; the engine draws the parameters
     if config.compile:  # per block, as torchtitan: small graphs compile fast; names and hooks of the module stay
         for block in model.blocks.values():
             block.compile()
     engine = zero.ZeroEngine(model, torch.optim.AdamW, zero.weight_decay_groups(config.weight_decay, betas=(0.9, 0.95)),
-                             grid, config.zero, shared=shared)
+                             grid, config.zero, shared=shared, values=init.values)
     return model, engine, n_params
 
 
@@ -135,6 +139,8 @@ def evaluate(model, grid, val_set, config):
 
 def main(argv=None):
     config = flags.parse(argv)  # the command line, read once into a frozen Config (nanomega/ops/flags.py)
+    if config.dry_run:
+        return dry_run(config)
     with faults.job(config.out_dir):  # preemption signals, no orphans; the out-dir lock released at the end
         return train(config)
 
@@ -188,6 +194,34 @@ def train(config):
     checkpoints.close()
     metrics.close()
     return rec
+
+
+def dry_run(config):
+    """--dry-run: rank --rank of this layout built by build() on the meta device (meta.PaperGrid: no process
+    group, no storage), its engine's parameter, gradient and optimizer bytes printed next to the planner's
+    (tools/cost.py). Returns dict(engine=..., planner=..., groups, pieces, dp, seconds)."""
+    config = flags.check(config)
+    cfg = flags.model_config(config)
+    grid = meta.PaperGrid(config.dp, config.pp, config.tp, config.rank)
+    t0 = time.perf_counter()
+    _, engine, _ = build(config, cfg, grid)
+    for piece in engine.pieces:  # Adam's state appears at its first step: take one on meta (no values)
+        piece.master.grad = torch.zeros_like(piece.master)
+    engine.optimizer.step()
+    held, seconds = engine.memory_bytes(), time.perf_counter() - t0
+    model = cost.Model.from_shape({k: getattr(cfg, k) for k in SHAPE_KEYS})
+    planned = cost.rank_state_bytes(model, config.tp, config.pp, config.dp, config.zero, config.dtype,
+                                    config.virtual_stages)[grid.pp_rank]
+    planned = dict(zip(("params", "grads", "optimizer"), planned))
+    print(f"dry run: rank {grid.rank} of tp {config.tp} x pp {config.pp} x dp {config.dp} (tp {grid.tp_rank}, "
+          f"stage {grid.pp_rank}, dp {grid.dp_rank}), ZeRO-{config.zero}, {config.dtype}: built on meta in "
+          f"{seconds:.1f} s\n{'':12} {'engine GB':>12} {'planner GB':>12} {'engine - planner (B)':>21}")
+    for k in planned:
+        print(f"{k:<12} {held[k] / 1e9:12.3f} {planned[k] / 1e9:12.3f} {held[k] - planned[k]:21,}")
+    print(f"(the difference: flat buffers padded to a multiple of dp in each of {len(engine.groups)} groups, and "
+          f"Adam's 4-byte step counter per each of {len(engine.pieces)} pieces)")
+    return dict(engine=held, planner=planned, groups=len(engine.groups), pieces=len(engine.pieces),
+                dp=config.dp, seconds=seconds)
 
 
 def start(config, cfg):

@@ -99,12 +99,16 @@ class ZeroEngine:
     LayerNorms, FSDP's ignored parameters). shared: this pipeline stage's copy of the tied embedding
     (pp.tied_embedding): a bucket of its own, its gradient summed over grid.embed with the other stage's.
     init: "verify" (default) or "broadcast" the parameters and buffers (ddp.start_equal).
+    values: for a model built on the meta device, values(name, p, start, stop) (meta.Init.values): the engine
+    draws each parameter straight into its flat buffers on grid.device -- at stage 3 only this rank's shard --
+    so no rank ever holds more than its share (+ one parameter on the host). On a meta grid (a dry run,
+    meta.PaperGrid) nothing is drawn: the buffers are meta too, their bytes counted all the same.
     Use: forward/backward as usual (`with engine.no_sync():` on all but the last micro-batch), then step().
     Your own optimizer: ddp.DistributedDataParallel (gradients averaged), zero3.FullyShardedDataParallel.
     """
 
     def __init__(self, model, optimizer_cls, optim, grid, stage=0, bucket_mb=25, grad_dtype=torch.float32,
-                 wrap=None, shared=None, replicate=(), init="verify"):
+                 wrap=None, shared=None, replicate=(), init="verify", values=None):
         check_config(stage, optimizer_cls, grid.pp.size if grid is not None else 1)
         named = list(model.named_parameters())  # tied parameters once, under their first name
         unknown = sorted(set(replicate) - {k for k, _ in named})
@@ -114,17 +118,22 @@ class ZeroEngine:
         trainable = [(k, p) for k, p in named if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no trainable parameters (all requires_grad=False): nothing to synchronise")
+        values = values if grid.device.type != "meta" else None  # a dry run: shapes only, nothing to draw
+        device = grid.device if values is not None else None  # else: where the parameters are
         specs = self._param_groups(optim, trainable)  # before ZeRO-3 swaps the parameters for empty tensors
         self.module, self.grid, self.axis, self.stage, self.shared = model, grid, grid.dp, stage, shared
         row = STAGE[stage]  # the one place the stage's row is read
-        start_equal(model, self.axis, init)
         self.sharded, groups = None, []
         if row.parameters:  # ZeRO-3: units of shards (zero3.py); the replicated parameters in buckets below
-            self.sharded = ShardedParameters(model, [(k, p) for k, p in named if k not in replicate], self.axis, wrap)
+            start_equal(model, self.axis, init)  # while the parameters are whole (a meta build: nothing to compare)
+            self.sharded = ShardedParameters(model, [(k, p) for k, p in named if k not in replicate], self.axis, wrap,
+                                             values, device)
             groups = [g for g in self.sharded.groups if g.trainable]
         whole = [(k, p) for k, p in trainable if not row.parameters or k in replicate]
         groups += bucket_groups(whole, bucket_mb, self.axis, split=row.optimizer and not row.parameters,
-                                shared=shared)
+                                shared=shared, values=values, device=device)
+        if not row.parameters:  # now that the buffers hold the values (drawn, for a model built on meta)
+            start_equal(model, self.axis, init)
         self.buckets = GradBuckets(groups, self.axis, grad_dtype, keep="shard" if row.gradients else "full",
                                    in_order=not row.parameters,
                                    after_reduce=self.sharded.release if row.parameters else None)

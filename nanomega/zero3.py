@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from .ddp import GradBuckets, start_equal
-from .flat import FlatGroup
+from .flat import FlatGroup, set_data
 
 def default_wrap(model):
     """The units: each direct child; a container (ModuleList/ModuleDict, never called) stands for its children."""
@@ -36,9 +36,10 @@ def default_wrap(model):
 class ShardedParameters:
     """The units of a model, their parameter shards (flat groups keeping only this rank's slice), and the hooks
     that gather, free and prefetch them. Between uses a group is free; `inflight` holds its running
-    all-gather; once that is waited for, the parameters are views of the gathered buffer."""
+    all-gather; once that is waited for, the parameters are views of the gathered buffer. A model built on the
+    meta device never holds more: values (meta.Init.values) draws each shard on `device` (flat.FlatGroup)."""
 
-    def __init__(self, model, named, axis, wrap=None):
+    def __init__(self, model, named, axis, wrap=None, values=None, device=None):
         self.axis = axis
         modules = [model] + [m for m in (wrap(model) if callable(wrap) else wrap or default_wrap(model))
                              if m is not model]
@@ -49,7 +50,7 @@ class ShardedParameters:
             mine = [(k, p) for k, p in named if owner[k] == u]
             kinds = list(dict.fromkeys((p.dtype, p.requires_grad) for _, p in mine))  # one flat group per kind
             groups = [FlatGroup([(k, p) for k, p in mine if (p.dtype, p.requires_grad) == kind], axis.size,
-                                axis.rank, split=True, keep="shard") for kind in kinds]
+                                axis.rank, split=True, keep="shard", values=values, device=device) for kind in kinds]
             for g in groups:
                 self.release(g)
             self.unit_groups.append(groups)
@@ -94,7 +95,7 @@ class ShardedParameters:
         if work is not None:
             work.wait()
         for p in g.params:  # an empty tensor: a stray use outside the unit fails loudly, not on freed memory
-            p.data = torch.empty(0, dtype=g.dtype, device=g.device)
+            set_data(p, torch.empty(0, dtype=g.dtype, device=g.device))
         g.full.untyped_storage().resize_(0)
 
     def _release_unit(self, u):

@@ -201,3 +201,19 @@ def test_nccl_layouts_equal_dense(corpus, tmp_path, layout):
     torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
     sharded = train(corpus, tmp_path / "sharded", *steps, *layout, launcher=torchrun)
     assert losses(sharded) == pytest.approx(losses(dense), rel=1e-5)
+
+
+# ---------------------------------------------------------------- build any size (meta.py)
+@pytest.mark.parametrize("extra,world", [(["--tp", "2"], 2), (["--zero", "3"], 2), (["--pp", "2"], 2)])
+def test_a_rank_built_on_cuda_holds_the_cpu_build_bitwise(extra, world):
+    """Values are drawn on the host and copied into the device's buffers: the CUDA build of every rank equals
+    the CPU build of the same rank, bitwise (no collective: meta.PaperGrid stands for the rank)."""
+    from nanomega import meta, train as trainer
+    from nanomega.ops import flags
+    for rank in range(world):
+        config = flags.check(flags.parse([*SMALL, *extra, "--dry-run", "--world", str(world), "--rank", str(rank)]))
+        cfg = flags.model_config(config)
+        built = [trainer.build(config, cfg, meta.PaperGrid(config.dp, config.pp, config.tp, rank, device=d))[1]
+                 for d in ("cpu", "cuda")]
+        for cpu, gpu in zip(*[engine.groups for engine in built]):
+            assert gpu.own.is_cuda and torch.equal(cpu.own, gpu.own.cpu()), (extra, rank, cpu.names)

@@ -84,6 +84,9 @@ class Config:
     hang_timeout: float | None
     health_check: bool
     inject_fault: str | None
+    dry_run: bool  # dry run
+    rank: int
+    world: int | None
     # derived by check: dp = world / (tp x pp); the tokenizer's vocabulary; --inject-fault as (kind, rank, step);
     # (and in the fields above: grad_accum from --global-batch, global_batch, hang_timeout's default, resume)
     dp: int = 1
@@ -189,6 +192,13 @@ def parser():
                    help="testing fault handling: KIND raise (the rank raises), nan (its loss becomes NaN), sigterm "
                    "(it is sent SIGTERM, a preemption) hang (it stops itself, SIGSTOP) or spike (its loss x 10) "
                    "at STEP")
+
+    g = p.add_argument_group("dry run")
+    g.add_argument("--dry-run", action="store_true", help="build one rank of this layout on the meta device (no "
+                   "process group, nothing allocated), print its parameter, gradient and optimizer bytes next to "
+                   "the planner's, and exit; with --model the vocabulary is the preset's (no data is read)")
+    g.add_argument("--rank", type=int, default=0, help="the rank --dry-run builds")
+    g.add_argument("--world", type=int, default=None, help="the world size --dry-run assumes (default: tp x pp)")
     return p
 
 
@@ -242,7 +252,10 @@ def check(config):
         raise ValueError(f"--on-nan {c.on_nan!r}: choose skip or stop")
     if c.model is not None and c.model not in presets.PRESETS:
         raise ValueError(f"--model {c.model!r} is unknown; choose one of {', '.join(presets.PRESETS)}")
-    world = world_size()
+    if not c.dry_run and (c.rank or c.world is not None):
+        raise ValueError("--rank and --world are for --dry-run (torchrun sets both for a real run); add --dry-run "
+                         "or leave them out")
+    world = (c.world or c.tp * c.pp) if c.dry_run else world_size()
     if world % (c.tp * c.pp):
         raise ValueError(f"world size {world} is not divisible by --tp {c.tp} x --pp {c.pp}; "
                          f"launch a multiple of {c.tp * c.pp} processes")
@@ -256,6 +269,8 @@ def check(config):
         grad_accum = c.global_batch // per_step
     zero.check_config(c.zero, torch.optim.AdamW, c.pp)  # the engine's own rules (stage, ZeRO with PP)
     vocab_size = data.get_tokenizer(c.tokenizer).n_vocab
+    if c.dry_run and c.model:  # no data is read: the preset's vocabulary, as the planner takes it
+        vocab_size = presets.PRESETS[c.model]["vocab_size"]
     cfg = model_config(c, vocab_size)
     cfg.validate()
     tp.check_tensor_parallel(cfg, c.tp, c.sequence_parallel)

@@ -61,7 +61,9 @@ GPUS = {  # NVIDIA datasheets; DGX A100: 8x 200 Gb/s HDR InfiniBand, DGX H100: 8
     "a100-80gb": GPU(312e12, 80 * 2**30, 2039e9, 300e9, 25e9),  # NVLink 3: 600 GB/s both directions
     "h100-80gb": GPU(989e12, 80 * 2**30, 3350e9, 450e9, 50e9),  # H100 SXM, NVLink 4: 900 GB/s both directions
 }
-PRECISIONS = {"bf16": (2, 4, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}  # bytes/param: (params, grads, optimizer)
+# bytes/param (params, grads, optimizer) as the engine allocates them: gradients reduced in fp32 whatever the
+# model's dtype (Megatron's main_grad), fp32 masters + Adam m, v for 16-bit models, m and v alone for fp32
+PRECISIONS = {"bf16": (2, 4, 12), "fp16": (2, 4, 12), "fp32": (4, 4, 8)}
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,13 @@ def stage_params(model, tp=1, pp=1, v=1):
 
 def n_params(model):
     return stage_params(model)[0]
+
+
+def rank_state_bytes(model, tp, pp, dp, zero, dtype="bf16", v=1):
+    """(parameter, gradient, optimizer) bytes held by one GPU of each pipeline stage: what zero.ZeroEngine
+    allocates, up to its flat buffers' padding (< dp elements per group) and Adam's 4-byte step counters
+    (train.py --dry-run builds a rank on meta and prints both)."""
+    return [zero_state_bytes(n, zero, dp, *PRECISIONS[dtype]) for n in stage_params(model, tp, pp, v)]
 
 
 # ---- the cluster ------------------------------------------------------------------------------------------
@@ -220,8 +229,7 @@ def evaluate(model, gpu, gpus, tp, pp, zero, run, time=TIME):
     # full recompute rebuilds one layer's whole activations in backward: the working set on top of the inputs
     work = activation_bytes_per_layer(s, b, h, a, tp, run.sp) * eb / 2 if run.recompute == "full" else 0
     stages = []
-    for k, n in enumerate(stage_params(model, tp, pp, v)):
-        state = zero_state_bytes(n, zero, dp, pb, gb, ob)
+    for k, state in enumerate(rank_state_bytes(model, tp, pp, dp, zero, run.dtype, v)):
         held = act * layers[k] * inflight_microbatches(pp - k, m, run.schedule, v) + work
         stages.append((sum(state) + held, state, held))
     _, (params, grads, optim), acts = max(stages, key=lambda x: x[0])

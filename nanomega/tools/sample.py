@@ -41,10 +41,11 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, generator=
 def load_model(out_dir):
     """(GPT, tokenizer name) of out_dir's newest checkpoint."""
     folder, cfg, tokenizer = checkpoint.saved_model(out_dir)
-    model = GPT(cfg)
+    with torch.device("meta"):  # shapes only: the checkpoint's weights are assigned, nothing is drawn first
+        model = GPT(cfg, seed=0)
     weights = reshard.full_weights(folder)  # saved under any tp x pp x dp x ZeRO layout
     weights["head.lm_head.weight"] = weights["embed.wte.weight"]  # tied
-    model.load_state_dict(weights)
+    model.load_state_dict(weights, assign=True)
     return model, tokenizer
 
 

@@ -1,0 +1,120 @@
+"""Build any size: the model on the meta device, and every rank draws only the values it keeps.
+
+Idea: building the whole dense GPT on every rank and then slicing it costs each rank the whole model in fp32
+(52 GB of host memory for 13B parameters; 175B cannot start at all). Instead build it on torch's meta device
+-- shapes and dtypes, no storage -- and apply tensor and pipeline parallelism there: they only reshape and
+drop modules. Then give the parameters that are left their values. They must be the dense model's, sliced
+(the invariant every sharded-vs-dense test relies on), and they can be, cheaply: model.draw makes element i
+of a dense parameter a function of (seed, name, i) alone, so a rank draws just the elements of its slice.
+    a tp slice (tp.shard_rule: dim d, g interleaved groups) is, for each index of the dims before d and each
+    group, one contiguous run of the dense parameter's flat index: `segments`
+    a ZeRO-3 flat shard is a range of the local parameters' flat index, i.e. parts of those runs
+    drawn by a rank: its own elements (+ the rest of a 2^16-element block at each end of a run); a split along
+    dim 1 (the row-parallel c_proj) has a run in every row, so there every block is drawn, one at a time
+    memory: the rank's share on its device; on the host one local parameter (or ZeRO-3 piece) at a time
+Who draws: materialize() for a plain model; zero.ZeroEngine(values=Init(...).values) draws straight into its
+flat buffers (and at stage 3 only into this rank's shards), so no second copy is ever made.
+Dry run: PaperGrid is rank R's place in a layout without a process group; train.py --dry-run builds that rank
+on meta and counts its parameter, gradient and optimizer bytes (the engine's, nothing allocated) against the
+planner's (tools/cost.py).
+Lesson: lessons/09-3d-parallelism.md
+"""
+import math
+
+import torch
+
+from . import pp, tp
+from .flat import set_data
+from .model import draw, init_std
+
+
+def segments(shape, rule, rank, size):
+    """This tp rank's slice of a dense parameter of `shape` as runs (start, length) of the dense flat index, in
+    the order of the slice's own flat index. rule: tp.shard_rule's (dim, groups), or None (the whole thing)."""
+    n = math.prod(shape)
+    if rule is None or size == 1:
+        return [(0, n)]
+    dim, groups = rule
+    outer, d, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:])
+    part = d // (groups * size)  # rows of one group this rank holds
+    return [((o * d + j * (d // groups) + rank * part) * inner, part * inner)
+            for o in range(outer) for j in range(groups)]
+
+
+class Init:
+    """The dense model's initialization (model.init_std, model.draw) as seen by one tensor-parallel rank."""
+
+    def __init__(self, cfg, seed, tp_rank=0, tp_size=1):
+        self.cfg, self.seed, self.tp_rank, self.tp_size = cfg, seed, tp_rank, tp_size
+
+    def values(self, name, p, start=0, stop=None):
+        """Elements [start, stop) of the flattened local parameter p (named `name` in this rank's model), fp32
+        on the host: the same elements of the dense parameter's slice, bitwise."""
+        dense = pp.saved_name(name, p)  # the last stage's copy of the tied embedding draws the embedding
+        rule = tp.shard_rule(dense) if tp.is_tensor_parallel(p) else None
+        shape = list(p.shape)
+        if rule is not None:
+            shape[rule[0]] *= self.tp_size
+        std = init_std(dense, self.cfg.n_layer)
+        stop = p.numel() if stop is None else stop
+        out, at = torch.empty(stop - start, device="cpu"), 0
+        for first, n in segments(shape, rule, self.tp_rank, self.tp_size):
+            lo, hi = max(start, at), min(stop, at + n)  # the part of this run in [start, stop)
+            if lo < hi:
+                out[lo - start:hi - start] = draw(self.seed, dense, std, first + lo - at, first + hi - at)
+            at += n
+            if at >= stop:
+                break
+        return out
+
+
+@torch.no_grad()
+def materialize(model, init, device, params=True):
+    """A model built on meta, given its values on `device`: every parameter still on meta drawn (init.values),
+    one at a time; every buffer moved. params=False: buffers only (the engine draws the parameters itself)."""
+    device = torch.device(device)
+    if device.type == "meta":
+        return model
+    if params:
+        for name, p in model.named_parameters():  # a tied parameter once
+            if p.is_meta:
+                data = torch.empty(p.shape, dtype=p.dtype, device=device)
+                data.view(-1).copy_(init.values(name, p))
+                set_data(p, data)
+    for module in model.modules():
+        for key, buf in list(module.named_buffers(recurse=False)):
+            setattr(module, key, buf.to(device))
+    return model
+
+
+class PaperAxis:
+    """One axis of a PaperGrid: its size and this rank's place in it. It has no process group: asking it for a
+    collective raises (a dry run builds; it never trains)."""
+
+    def __init__(self, name, ranks, rank):
+        self.name, self.ranks = name, [int(r) for r in ranks]
+        self.size, self.rank = len(self.ranks), self.ranks.index(rank)
+
+    def __getattr__(self, op):
+        raise RuntimeError(f"{op} on the {self.name} axis of a PaperGrid: a dry run has no process group")
+
+
+class PaperGrid:
+    """Rank `rank` of a (dp, pp, tp) layout as dist.Grid lays it out (tp fastest), without torch.distributed:
+    what building one rank of a 1,000-GPU job on a laptop needs. device: meta (nothing allocated), or a real
+    one to build that rank's values (tests: the build needs no collective but the replicas' check, which
+    ddp.start_equal skips on meta)."""
+
+    def __init__(self, dp, pp, tp, rank, device="meta"):
+        world = dp * pp * tp
+        if not 0 <= rank < world:
+            raise ValueError(f"--rank {rank} is outside the {world} ranks of dp {dp} x pp {pp} x tp {tp}")
+        self.world, self.rank, self.device = world, rank, torch.device(device)
+        grid = torch.arange(world).view(dp, pp, tp)
+        self.dp_rank, self.pp_rank, self.tp_rank = [int(c) for c in (grid == rank).nonzero()[0]]
+        d, p, t = self.dp_rank, self.pp_rank, self.tp_rank
+        self.tp, self.pp, self.dp = (PaperAxis("tp", grid[d, p, :], rank), PaperAxis("pp", grid[d, :, t], rank),
+                                     PaperAxis("dp", grid[:, p, t], rank))
+        self.all = PaperAxis("all", range(world), rank)
+        self.embed = PaperAxis("emb", grid[d, [0, pp - 1], t].unique(), rank) if p in (0, pp - 1) else None
+        self.first_stage, self.last_stage = p == 0, p == pp - 1
