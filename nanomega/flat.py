@@ -54,9 +54,11 @@ class FlatGroup:
         self.device = torch.device(device) if device is not None else self.params[0].device
         self.trainable = self.params[0].requires_grad
         self.split = n_shards > 1 if split is None else split
-        # the values to lay out: parameter i's elements [a, b); still-meta parameters are drawn (meta.Init)
-        part = (lambda i, a, b: values(self.names[i], self.params[i], a, b)) if values else \
-            (lambda i, a, b: self.params[i].detach().reshape(-1)[a:b])
+
+        def part(i, a, b):  # parameter i's elements [a, b): drawn if still on meta (meta.Init), else its own
+            p = self.params[i]
+            return values(self.names[i], p, a, b) if values and p.is_meta else p.detach().reshape(-1)[a:b]
+
         if keep == "full":  # the parameters become views of one padded buffer
             self.full, self.shard = self.flatten((part(i, 0, n) for i, n in enumerate(self.sizes))), None
             self.bind(self.full)

@@ -116,8 +116,9 @@ def init_block(seed, name, k, std):
 def draw(seed, name, std, start, stop):
     """Elements [start, stop) of the flattened parameter `name`, fp32 on the CPU: N(0, std) (0.0: zeros, None:
     ones). A block is always drawn whole, so element i depends on (seed, name, i) only: not on the parameter's
-    size (a vocabulary padded further keeps its rows), nor the layout, nor the device. The host holds one
-    block beyond what it returns."""
+    size (a vocabulary padded further keeps its rows), nor the layout, nor the device (drawn on the host). It
+    does depend on the host's vector kernels for normal_: AVX2 and AVX-512 draw the same bits, a CPU without
+    AVX2 (ATEN_CPU_CAPABILITY=default) others. The host holds one block beyond what it returns."""
     out = torch.empty(stop - start, device="cpu")
     if std is None or std == 0.0:
         return out.fill_(1.0 if std is None else 0.0)
