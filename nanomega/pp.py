@@ -139,7 +139,8 @@ def train_step(model, grid, micro_batches, schedule="1f1b", no_sync=contextlib.n
     The loss is the mean over micro-batches (each backward starts from loss_i / m * loss_scale). Returns that
     mean loss (unscaled) on every rank: the last stage computes it and broadcasts it over the pp axis.
     Activations between stages have act_shape (default (mb, seq, n_embd); (mb, seq/tp, h) with sequence
-    parallelism) in the blocks' dtype. no_sync wraps every backward but the last one of each model chunk.
+    parallelism) in the blocks' dtype, the batch dimension each micro-batch's own (a last one may be ragged).
+    no_sync wraps every backward but the last one of each model chunk.
     trace (a schedules.Trace) records wall-clock spans and the memory high-water marks.
     """
     check_args(model.cfg.n_layer, grid.pp.size, len(micro_batches), schedule, virtual)
@@ -172,7 +173,10 @@ def _run(model, grid, rounds, micro_batches, virtual, act_shape, no_sync=context
 
     for step in comm_plan(rounds, p, rank, virtual):
         if isinstance(step, Comm):
-            inbox.update({msg: torch.empty(shape, dtype=dtype, device=grid.device) for msg in step.recvs})
+            # a micro-batch's activation (or its gradient) has its own batch size: an evaluation's last
+            # micro-batch may be ragged, and a receive larger than its send would hang NCCL
+            inbox.update({msg: torch.empty((len(micro_batches[msg[1]][0]), *shape[1:]), dtype=dtype,
+                                           device=grid.device) for msg in step.recvs})
             grid.pp.p2p(sends=[(outbox[msg], peer(msg, p, rank)) for msg in step.sends],
                         recvs=[(inbox[msg], peer(msg, p, rank)) for msg in step.recvs])
             for msg in step.sends:

@@ -183,13 +183,16 @@ def _memory(grid, n_layer, m):
 
 
 def _evaluation(grid, v, n_layer):
-    """pp.forward_only against the dense model's mean loss, for m below, at and not a multiple of p."""
+    """pp.forward_only against the dense model's mean loss, for m below, at and not a multiple of p, and with a
+    ragged last micro-batch (an evaluation whose validation windows ran out: its activations are smaller)."""
     torch.manual_seed(0)
     dense = GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=n_layer, n_head=2, n_embd=32))
     stage = pp.build_stage(copy.deepcopy(dense), grid, v)
     diffs = []
-    for m in (1, grid.pp.size + 1):
+    for m, ragged in ((1, False), (grid.pp.size + 1, False), (grid.pp.size + 1, True)):
         batches = _batches(m, 7)
+        if ragged:
+            batches[-1] = tuple(t[:1] for t in batches[-1])
         with torch.no_grad():
             expected = torch.stack([dense(x, y) for x, y in batches]).mean().item()
         diffs.append(abs(pp.forward_only(stage, grid, batches, virtual=v) - expected))
