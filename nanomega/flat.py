@@ -67,7 +67,7 @@ class FlatGroup:
             self.shard = self.own = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
             for i, a, b in self.pieces():
                 self.shard[a - self.lo:b - self.lo].copy_(part(i, a - self.offsets[i], b - self.offsets[i]))
-            self.full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
+            self.full = torch.empty(0, dtype=self.dtype, device=self.device)  # no bytes until zero3.py gathers
         self.master = None
         self.grad = None
 

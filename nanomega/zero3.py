@@ -82,6 +82,8 @@ class ShardedParameters:
         for g in self.unit_groups[u]:
             if not self.gathered(g):  # storage back, all-gather the shards into it (asynchronously)
                 g.full.untyped_storage().resize_(g.padded * g.full.element_size())
+                if g.full.numel() != g.padded:  # the first gather: flat.py made `full` without storage
+                    g.full.set_(g.full.untyped_storage(), 0, (g.padded,))
                 self.inflight[id(g)] = self.axis.start("all_gather", g.full, g.shard)
             if wait and id(g) in self.inflight:
                 work = self.inflight.pop(id(g))
