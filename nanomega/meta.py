@@ -30,7 +30,8 @@ from .model import draw, init_std
 
 def segments(shape, rule, rank, size):
     """This tp rank's slice of a dense parameter of `shape` as runs (start, length) of the dense flat index, in
-    the order of the slice's own flat index. rule: tp.shard_rule's (dim, groups), or None (the whole thing)."""
+    the order of the slice's own flat index. rule: tp.shard_rule's (dim, groups), or None (the whole thing).
+    The flat-index form of tp.shard_param (tests/test_meta.py holds the two equal for every rule and rank)."""
     n = math.prod(shape)
     if rule is None or size == 1:
         return [(0, n)]
