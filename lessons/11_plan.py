@@ -77,13 +77,25 @@ PUBLISHED = [  # preset, tp, pp, GPUs, global batch, TFLOP/s per GPU, run, clust
     ("megatron-39.1b", 8, 2, 512, 1536, 138), ("megatron-76.1b", 8, 4, 1024, 1792, 140),
     ("megatron-145.6b", 8, 8, 1536, 2304, 148), ("megatron-310.1b", 8, 16, 1920, 2160, 155),
     ("megatron-529.6b", 8, 35, 2520, 2520, 163), ("megatron-1t", 8, 64, 3072, 3072, 163)]
+# Grattafiori et al. 2024 (Llama 3), Table 4: 405B on H100s (8 per node, 400 Gb/s RoCE per GPU), seq 8192, 16M
+# tokens = 2,048 sequences per batch, bf16, "without activation checkpointing" (which needs a FlashAttention-style
+# core: sdpa), TP8 PP16, interleaved over V chunks per rank with Llama 3's split -- V = 8 is inferred from the text
+# (the first chunk holds only the embedding, the last only the head: 126 layers + 2 = 128 slots = 16 ranks x 8).
+# FSDP (gradients and optimizer sharded) priced as ZeRO-1: the same bytes on the wire per step. These rows came
+# after TIME was fixed and changed nothing in it: out of sample.
+LLAMA3 = C.Run(global_batch=2048, micro_batch=1, dtype="bf16", recompute="none", sp=True, zero=(1,),
+               attention="sdpa", schedule="interleaved", chunks=8, split="llama3")
+H100 = C.GPUS["h100-80gb"]
 rows = [(*r, replace(MEGATRON, global_batch=r[4]), C.GPUS["a100-80gb"], ("calibration", "check")[i % 2])
-        for i, r in enumerate(PUBLISHED)] + [("bloom-176b", 4, 12, 384, 2048, 150, BLOOM, JEAN_ZAY, "calibration")]
+        for i, r in enumerate(PUBLISHED)] + [("bloom-176b", 4, 12, 384, 2048, 150, BLOOM, JEAN_ZAY, "calibration")] + \
+    [("llama3-405b", 8, 16, gpus, 2048, tf, LLAMA3, H100, "out-of-sample") for gpus, tf in ((8192, 430), (16384, 400))]
 for name, tp, pp, gpus, batch, published, run, cluster, role in rows:
     e = C.evaluate(C.MODELS[name], cluster, gpus, tp, pp, run.zero[0], run)
     err = e.tflops / 1e12 / published - 1
-    check(f"{name:<15} t{tp} p{pp:<2} {gpus:>4} GPUs B {batch:>4} {role:<11} error {err:+6.1%}", e.tflops / 1e12,
+    check(f"{name:<15} t{tp} p{pp:<2} {gpus:>5} GPUs B {batch:>4} {role:<13} error {err:+6.1%}", e.tflops / 1e12,
           published, rtol=0.10, unit=" TFLOP/s")
+print("  llama3-405b     t8 cp16 p16 16384 GPUs B  128 not planned: 131,072-token sequences on context parallelism "
+      "(reported 380 TFLOP/s); the planner has no CP axis")
 
 print("== BLOOM-176B: 384 A100-80GB as TP4 x PP12 x DP8, ZeRO-1, global batch 2048 (ramp-up 192 + 16 over 9.77M samples)")
 bloom = C.MODELS["bloom-176b"]
@@ -111,6 +123,31 @@ print("the same layout on DGX A100 networking (25 GB/s per GPU), the nanomega de
       "recompute, SP):")
 P.main(["--model", "bloom-176b", "--gpus", "384", "--gpu", "a100-80gb", "--global-batch", "2048", "--tp", "4",
         "--pp", "12", "--zero", "1"])
+
+print("== Llama 3 405B (Grattafiori et al. 2024, Table 4): TP8 x PP16 on H100s, 2,048 sequences of 8,192 per batch")
+llama = C.MODELS["llama3-405b"]
+n = C.flops_params(llama)
+print(f"N = {n:,} (126 layers of 2h^2 + 2h^2 x 8/128 + 3hf + 2h, the untied 128,256 x 16384 head; the embedding is "
+      f"a lookup); 6N + 12Lhs = {F.flops_per_token(n, 126, 16384, 8192) / 1e12:.3f} TFLOP per token")
+check("Llama 3 405B training FLOPs 6ND, 15.6T tokens (paper: 3.8e25)", 6 * n * 15.6e12, 3.8e25, rtol=0.02)
+print(f"layers per pipeline rank, the trainer's split: {C.layers_per_stage(llama, 16)}")
+print(f"  Llama 3's (embedding and head a layer's slot each, 8 chunks): {C.layers_per_stage(llama, 16, 8, 'llama3')}")
+act = F.llama_activation_bytes_per_layer(8192, 1, 16384, 128, 8, 53248, 8, True)
+print(f"activations per layer and sequence, TP8 + SP, no recompute: {act / 1e9:.3f} GB = sbh x "
+      f"{act / 8192 / 16384:.2f}")
+for gpus, published in ((8192, 430), (16384, 400)):
+    e = C.evaluate(llama, H100, gpus, 8, 16, 1, LLAMA3)
+    plain = C.evaluate(llama, H100, gpus, 8, 16, 1, replace(LLAMA3, schedule="1f1b", chunks=1, split="trainer"))
+    err = plain.tflops / 1e12 / published - 1
+    print(f"  {gpus:>5} GPUs, dp {e.dp:>3}: m = {e.micro_batches} micro-batches, bubble {e.bubble:.1%}, step "
+          f"{e.step_s:.2f} s, {e.tflops / 1e12:.0f} TFLOP/s per GPU (reported {published}); 1F1B on the trainer's "
+          f"split: bubble {plain.bubble:.1%}, {plain.tflops / 1e12:.0f} TFLOP/s ({err:+.0%})")
+e = C.evaluate(llama, H100, 8192, 8, 16, 1, LLAMA3)
+print(f"memory per GPU (heaviest stage): {e.memory / 1e9:.1f} GB (params {e.params / 1e9:.1f}, fp32 grads "
+      f"{e.grads / 1e9:.1f}, optimizer {e.optim / 1e9:.1f}, activations {e.acts / 1e9:.1f}); with the gradients "
+      f"sharded over dp 64 too (Llama 3's FSDP): {(e.memory - e.grads * 63 / 64) / 1e9:.1f} GB of 80 GiB = 85.9 GB")
+print("the planner's own choice for this cluster and batch (its defaults: selective recompute, 1F1B):")
+P.main(["--model", "llama3-405b", "--gpus", "8192", "--gpu", "h100-80gb", "--global-batch", "2048", "--top", "3"])
 
 print("== Rank order: the trainer's grid (dp, pp, tp), tp fastest; node 0 of TP4 x PP12 x DP8, and the dp link")
 for order, axes in (("trainer (dp, pp, tp)", ("dp", "pp", "tp")), ("Megatron (pp, dp, tp)", ("pp", "dp", "tp"))):

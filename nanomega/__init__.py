@@ -5,6 +5,7 @@ Formula and its lesson:
 
     00  dist.py                  the rank grid (dp, pp, tp) and the Axis every collective goes through, in bytes
     01  model.py                 the dense GPT: the reference every sharded form is tested against
+        modern.py                the Llama block's pieces: rotary positions, RMSNorm, SwiGLU, grouped-query (lesson 13)
         data.py                  text -> tokens -> this rank's resumable batches
     02  ddp.py                   data parallelism: gradient buckets reduced while backward runs
         flat.py                  flat buffers and their shards: the bookkeeping under ZeRO
@@ -12,6 +13,7 @@ Formula and its lesson:
         zero3.py                 ZeRO-3: parameter units gathered on demand
         clip.py                  the global gradient norm over dp, tp and pp: each element counted once
     03  tp.py, rng.py            tensor parallelism (Megatron's f/g) and its dropout RNG
+        tp_loss.py               the cross-entropy of vocabulary-split logits: no rank holds them all
     04  tp.py                    sequence parallelism (the same file: all-gather / reduce-scatter for f/g)
     05  pp.py, schedules.py      pipeline stages; GPipe / 1F1B / interleaved as plain data and a simulator
     06  precision.py             bf16 / fp16, fp32 masters, loss scaling
@@ -25,5 +27,5 @@ Formula and its lesson:
 Beside the concepts, two folders a student may skip:
     ops/    running a job: flags and their checks, failure handling, health check, meter (MFU, memory)
     tools/  commands around training: planner, HF interchange, plots, sampling, corpus and tokenizer preparation
-Imports point down: tools -> ops -> concepts; model.py imports nothing of ours.
+Imports point down: tools -> ops -> concepts; model.py imports only modern.py, which imports nothing of ours.
 """

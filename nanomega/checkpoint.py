@@ -222,6 +222,7 @@ def read_manifest(folder, cfg, verify=None):
     a mismatch is a clear error, never a silently wrong resume."""
     manifest = read_manifest_json(folder)
     saved, want = manifest["config"], dataclasses.asdict(cfg)
+    saved = {**dataclasses.asdict(GPTConfig()), **saved}  # a checkpoint older than a key: that key's default
     diff = [f"{k}={saved.get(k)} (now {want[k]})" for k in SHAPE_KEYS if saved.get(k) != want[k]]
     if diff:
         raise ValueError(f"--resume: the checkpoint in {folder} is for another model shape: {', '.join(diff)}; "

@@ -11,9 +11,12 @@ Formulas (Psi = parameters one rank holds, d/t/p = dp/tp/pp sizes, m = micro-bat
     tp bytes   per layer and micro-batch, in units of (t-1)/t b*s*h elements: TP 8 (2 all-reduces forward, 2
                backward); TP+SP 10 (2 all-gathers + 2 reduce-scatters forward, their conjugates backward, and the
                2 all-gathers that re-gather the stored shards for the weight gradients: lesson 04 measures it);
-               full recompute adds the forward's 4 again
+               full recompute adds the forward's 4 again. Llama's q_proj and kv_proj gather their input apart:
+               3 column-parallel inputs instead of 2, TP 10, TP+SP 13
     activation per layer and micro-batch (Korthikanti et al. 2022): sbh(34 + 5as/h); TP sbh(10 + 24/t + 5as/(ht));
-               TP+SP sbh(34 + 5as/h)/t; selective recompute drops the 5as/h term; full recompute keeps 2sbh
+               TP+SP sbh(34 + 5as/h)/t; selective recompute drops the 5as/h term; full recompute keeps 2sbh.
+               Llama (no dropout, FlashAttention-style core), 2-byte: sbh(8 + (4 + 6 n_kv/a + 6f/h)/t) with TP,
+               all of it /t with SP (llama_activation_bytes_per_layer, checked against autograd's saved tensors)
     bubble     (p-1) / (v m + p-1) of the step is idle (v = interleaved model chunks per stage); Narayanan et al.
                quote it against the ideal time instead: (p-1) / (v m), the step's extra time
     FLOPs      6N + 12 L h s per token (PaLM, nanoGPT: QK^T and AV counted without causal halving)
@@ -28,6 +31,14 @@ def layer_params(h, t=1):
     """One Block on one TP rank: qkv, fc weights and their biases split by t (column parallel); projection
     weights split (row parallel), their biases and both LayerNorms replicated. t=1: 12h^2 + 13h."""
     return (12 * h * h + 7 * h) // t + 6 * h
+
+
+def llama_layer_params(h, f, a, n_kv, t=1):
+    """One Llama block on one TP rank (modern.py): q and o 2h^2, k and v 2h^2 n_kv/a (GQA), gate, up and down
+    3hf, all split by t; the two RMSNorm scales 2h replicated. When t does not divide n_kv the k/v weight is held
+    whole on every rank (tp.GroupKeyValue). t=1, a = n_kv, f = 8h/3: GPT-2's 12h^2 again, less its biases."""
+    kv = 2 * h * (h // a) * n_kv
+    return (2 * h * h + 3 * h * f) // t + (kv // t if n_kv % t == 0 else kv) + 2 * h
 
 
 # ---- memory -----------------------------------------------------------------------------------------------
@@ -61,6 +72,49 @@ def activation_bytes_per_layer(s, b, h, a, t=1, sp=False, recompute="none", act=
     return sbh * (replicated + split / t + attn / t)
 
 
+def llama_activation_bytes_per_layer(s, b, h, a, n_kv, f, t=1, sp=False, recompute="none", attention="sdpa", act=2,
+                                     norm=2, swiglu=3, scores=2, mask=0):
+    """Bytes one Llama block (model.py, arch="llama": no dropout) saves for backward for one micro-batch, per TP
+    rank: Korthikanti's count redone for RMSNorm, rotary, grouped-query attention and SwiGLU, tensor by tensor as
+    autograd keeps them (tests/test_plan.py holds it equal to recompute.saved_bytes_per_layer, eager and sdpa,
+    fp32 and bf16). Per rank: q width h/t, k and v width kv = (h/a) max(1, n_kv/t) each (tp.py splits the
+    key/value heads, or gives each rank its one group when t > n_kv), MLP width f/t.
+    replicated (SP shards them): each RMSNorm keeps `norm` bytes per element besides its output, which is the
+          input the next matmuls keep (act): 2 (norm + act) sbh; and its fp32 1/rms per row: 2 x 4 sb.
+          norm: a fused kernel keeps its input (act, the default); modern.rms_norm keeps the fp32 input and the
+          normalized x before the scale (4 + act)
+    attention, split by TP: q and the core's output (the o projection's input) h/t each; k after rotary and
+          the kv_proj output that v is a view of, 3 kv (t > n_kv: also the 2 (h/a) h rows of the whole k/v
+          weight that tp.GroupKeyValue copies out for its group's matmul). "sdpa" (FlashAttention) adds its
+          fp32 log-sum-exp, 4 b (a/t) s, and never stores the scores. "eager" keeps k and v as QK^T and AV read
+          them, (b a/t, s, h/a) copies (repeated to the query heads when grouped, made contiguous from the
+          strided kv_proj view otherwise): 2 h/t instead of 3 kv (one head per rank: views, 3 kv); and
+          `scores` bytes per (b, a/t, s, s) element (2: Megatron's fused softmax; model.causal_softmax keeps
+          its fp32 output and, in 16 bits, the cast AV reads: 4 + act) and `mask` per (s, s) causal mask
+          element (model.causal_softmax's bool mask: 1; a fused kernel masks in place: 0)
+    MLP, split by TP: `swiglu` tensors of width f/t: the gate|up output (2), silu(gate) and the product that
+          the down projection keeps: 4 for modern.swiglu; 3 when a fused kernel recomputes silu in backward
+          (Megatron's bias_swiglu, the default)
+    selective recompute keeps the core's inputs and output (the sdpa count less its log-sum-exp); full keeps
+    the block input, act sbh (sbh/t with SP: the residual stream is sharded). The rotary cos/sin tables are
+    one storage shared by every layer, not counted here. With the defaults and TP:
+    sbh(8 + (4 + 6 n_kv/a + 6f/h)/t) + 8sb + 4abs/t; with SP all of it /t."""
+    sbh, sb = s * b * h, s * b
+    rows = t if sp else 1  # SP shards the sequence of what TP replicates
+    if recompute == "full":
+        return act * sbh / rows
+    q, kv = h / t, (h // a) * max(1, n_kv // t)
+    replicated = (2 * (norm + act) * sbh + 2 * 4 * sb) / rows
+    core = act * sb * (2 * q + 3 * kv)  # q, output; k and the kv_proj output (v)
+    if n_kv % t:  # k/v held whole: the rank's group of rows is sliced out (a copy) and kept by its matmul
+        core += act * 2 * (h // a) * h
+    if recompute == "none" and attention == "sdpa":
+        core += 4 * b * (a // t) * s  # the log-sum-exp per query row and head
+    elif recompute == "none":  # eager: the (b a/t, s, h/a) copies of k and v the matmuls keep, and the scores
+        core += act * sb * (2 * q - 3 * kv if a // t > 1 else 0) + scores * b * (a // t) * s * s + mask * s * s
+    return replicated + core + swiglu * act * sb * f / t
+
+
 def inflight_microbatches(p, m, schedule="1f1b", v=1):
     """Micro-batches whose activations stage 0 holds at its peak, in units of one stage's L/p layers: GPipe
     all m, 1F1B p (its warm-up), interleaved p + (p-1)/v, i.e. Korthikanti's L(1 + (p-1)/(pv)) layers."""
@@ -83,15 +137,19 @@ def dp_comm_bytes(n_params, stage, dp, dtype_bytes, param_bytes=None, micro_batc
     return grads + f * param_bytes * (2 * micro_batches if stage == 3 else 1)
 
 
-def tp_comm_bytes_per_layer(b, s, h, t, dtype_bytes=2, sequence_parallel=False, recompute="none"):
-    """Per layer and micro-batch: attention and MLP each end in an all-reduce of (b, s, h) in forward and
-    start with one in backward: 8 (t-1)/t bsh. SP replaces each by a reduce-scatter plus an all-gather (the
-    same bytes) and re-gathers the 2 stored (b, s/t, h) shards in backward for the weight gradients: 10 (t-1)/t
-    bsh, as lesson 04 measures (the 6h replicated-gradient floats it also all-reduces are left out). Full
-    recompute reruns the forward's collectives: 4 (t-1)/t bsh more."""
+def tp_comm_bytes_per_layer(b, s, h, t, dtype_bytes=2, sequence_parallel=False, recompute="none", inputs=2):
+    """Per layer and micro-batch: attention and MLP each end in an all-reduce of (b, s, h) in forward, and each
+    column-parallel layer's input gradient is all-reduced in backward: GPT-2 (inputs = 2: qkv, fc) 8 (t-1)/t
+    bsh. SP replaces each by a reduce-scatter plus an all-gather (the same bytes) and re-gathers each stored
+    (b, s/t, h) input shard in backward for the weight gradient: 10 (t-1)/t bsh, as lesson 04 measures (the
+    replicated gradients it also all-reduces, 6h floats, are left out). Llama (inputs = 3): q_proj and kv_proj
+    each gather (or all-reduce the gradient of) the same input: 10, SP 13. Full recompute reruns the forward's
+    collectives: 4 (t-1)/t bsh more (SP: inputs + 2)."""
     ring = (t - 1) / t * b * s * h * dtype_bytes
-    forward = 4 * ring
-    backward = 4 * ring + (2 * ring if sequence_parallel else 0)
+    if sequence_parallel:  # gather each input, scatter each output; backward: their conjugates + the re-gathers
+        forward, backward = (inputs + 2) * ring, (2 * inputs + 2) * ring
+    else:  # all-reduce each output forward, each input's gradient backward
+        forward, backward = 4 * ring, 2 * inputs * ring
     return forward + backward + (forward if recompute == "full" else 0)
 
 
@@ -127,10 +185,15 @@ def model_flops_per_token(cfg, seq_len=None):
     B; nanoGPT's estimate_mfu) with N' counted from the config.
 
     N' counts every parameter that takes part in a matmul: blocks, and the (tied) vocab matrix once, since
-    the LM head multiplies by it; position embeddings are a lookup and are left out. LayerNorm and bias
+    the LM head multiplies by it (an untied Llama head: its own matrix, and the embedding, a lookup, is left
+    out like the position embeddings). LayerNorm and bias
     parameters are included, as in the 6N rule (they are a ~1e-3 correction).
     """
     L, h, s = cfg.n_layer, cfg.n_embd, seq_len or cfg.block_size
+    if cfg.arch == "llama":  # the head's V x h matrix (tied or not) and the final RMSNorm's h
+        per_layer = llama_layer_params(h, cfg.ffn, cfg.n_head, cfg.kv_heads)
+        n = L * per_layer + cfg.padded_vocab_size * h + h
+        return flops_per_token(n, L, h, s)
     per_layer = layer_params(h)  # qkv 3h^2+3h, proj h^2+h, fc 4h^2+4h, proj 4h^2+h, 2 LN 4h
     n = L * per_layer + cfg.padded_vocab_size * h + 2 * h + (2 * h if cfg.embed_layernorm else 0)
     return flops_per_token(n, L, h, s)

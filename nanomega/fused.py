@@ -1,9 +1,10 @@
-"""Fused kernels: LayerNorm, scale + causal mask + softmax, bias + GeLU -- one pass over memory each.
+"""Fused kernels: LayerNorm, scale + causal mask + softmax, bias + GeLU, RMSNorm, SwiGLU -- one pass over memory each.
 
 Idea: these ops do ~1-3 FLOPs per byte, far below a machine's balance (peak FLOP/s / bytes/s, ~10-100),
 so their time is bytes moved / bandwidth. Eager PyTorch runs one kernel per step and writes every
 intermediate to memory; a fused kernel reads its inputs once and writes its outputs once (Megatron-LM's
-fused bias-GeLU, scaled_upper_triang_masked_softmax, fused LayerNorm). The causal softmax also skips
+fused bias-GeLU, scaled_upper_triang_masked_softmax, fused LayerNorm; for Llama blocks (modern.py)
+Megatron-Core's fused SwiGLU and apex's / Transformer Engine's fused RMSNorm). The causal softmax also skips
 the masked half: row i reads keys j <= i only.
 
 Formula (elements moved, forward + backward, x4 bytes in fp32; n = elements of the activation):
@@ -11,12 +12,17 @@ Formula (elements moved, forward + backward, x4 bytes in fp32; n = elements of t
     causal softmax    eager 13n (scale 2n, mask 2n, softmax 2n | 3n, 2n, 2n)       fused 3v + 2n
                       (v = n (s+1) / 2s keys visible: the kernel never reads the masked ones)
     LayerNorm         eager 5n  (PyTorch's native_layer_norm is one kernel already)  fused 5n
+    RMSNorm           eager 31n (pow 2n, mean n, *rstd 2n, *w 2n | dy*w 2n, dy*y 3n, sum n,  fused 5n
+                      *x 3n, sum n, *rstd 2n, mean' 2n, pow' 7n, add 3n; counted per aten kernel as lesson 08
+                      does: mean' reads a stride-0 (rows, 1) view, so 30n really)
+    SwiGLU            eager 18n (silu 2n, mul 3n | mul 3n, mul 3n, silu_backward 3n, cat 4n)  fused 8n
+                      (n = elements of the output, gate_up holds 2n: fused reads 2n, writes n | reads 3n, writes 2n)
 
 The C++ sources (nanomega/csrc) are built on first use by torch.utils.cpp_extension.load (ninja,
 pybind11) under ONE cache root ($NANOMEGA_BUILD_DIR, default ~/.cache/nanomega/build), in a folder keyed
 by the sources, the flags and the CPU (build_key): a binary built for one CPU is never loaded on another.
 CUDA sources join the build when CUDA is available.
-If the build is impossible, a one-line notice and the PyTorch functions of model.py are used.
+If the build is impossible, a one-line notice and the PyTorch functions of model.py and modern.py are used.
 Lesson: lessons/08-fused-kernels.md
 """
 import functools
@@ -29,7 +35,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
-from nanomega import model
+from nanomega import model, modern
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 
@@ -189,6 +195,32 @@ class BiasGeluFn(torch.autograd.Function):
         return tuple(_ext().bias_gelu_bwd(dy, *ctx.saved_tensors))
 
 
+class RMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = _ext().rms_norm_fwd(x, weight, eps)  # rstd: (rows,) in opmath
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        dx, dweight = _ext().rms_norm_bwd(dy, *ctx.saved_tensors)
+        return dx, dweight, None
+
+
+class SwiGLUFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up):
+        ctx.save_for_backward(gate_up)  # silu(gate) recomputed in backward: 2n kept (eager keeps silu(gate) too: 3n)
+        return _ext().swiglu_fwd(gate_up)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        return _ext().swiglu_bwd(dy, *ctx.saved_tensors)
+
+
 def layer_norm(x, weight, bias, eps=1e-5):
     """F.layer_norm(x, (h,), weight, bias, eps) over the last dim, one pass per row."""
     if not _runs_on(x):
@@ -210,6 +242,22 @@ def bias_gelu(x, bias):
     return BiasGeluFn.apply(x, bias)
 
 
+def rms_norm(x, weight, eps=1e-5):
+    """modern.rms_norm in one pass per row: w * (x / sqrt(mean(x^2) + eps)) with opmath inside, x rounded where
+    eager rounds it. A weight of another dtype than x (eager promotes: fp32 weight, bf16 x -> fp32 out) takes
+    modern.rms_norm."""
+    if not _runs_on(x) or weight.dtype != x.dtype:
+        return modern.rms_norm(x, weight, eps)
+    return RMSNormFn.apply(x, weight, float(eps))
+
+
+def swiglu(gate_up):
+    """modern.swiglu = silu(gate) * up of a (..., 2f) tensor laid out [gate | up], in one pass."""
+    if not _runs_on(gate_up):
+        return modern.swiglu(gate_up)
+    return SwiGLUFn.apply(gate_up)
+
+
 class FusedLayerNorm(nn.LayerNorm):
     """nn.LayerNorm (affine, 1-D normalized_shape) whose forward is the fused kernel."""
 
@@ -225,8 +273,9 @@ class FusedLayerNorm(nn.LayerNorm):
 
 
 def apply_fused(gpt: nn.Module) -> bool:
-    """Swap in the fused kernels in place: every affine 1-D nn.LayerNorm, each MLP's bias_gelu and each
-    attention's scale_mask_softmax (looked up at call time, so recompute's wrappers use them too).
+    """Swap in the fused kernels in place: every affine 1-D nn.LayerNorm, each MLP's bias_gelu (gpt2) or
+    swiglu (llama), each RMSNorm's rms_norm and each attention's scale_mask_softmax (looked up at call time,
+    so recompute's wrappers use them too).
     Parameters are shared, not copied: names, tensor-parallel tags and gradient hooks stay. Returns
     False, leaving the PyTorch path, when the kernels cannot be built."""
     if not available():
@@ -240,4 +289,8 @@ def apply_fused(gpt: nn.Module) -> bool:
             module.bias_gelu = bias_gelu
         if hasattr(module, "scale_mask_softmax"):  # model.CausalSelfAttention
             module.scale_mask_softmax = causal_softmax
+        if hasattr(module, "rms_norm"):  # modern.RMSNorm
+            module.rms_norm = rms_norm
+        if hasattr(module, "swiglu"):  # modern.GatedMLP and any tensor-parallel MLP built like it
+            module.swiglu = swiglu
     return True

@@ -1,14 +1,15 @@
-"""The dense GPT (GPT-2/GPT-3 family): the reference every parallel technique is checked against.
+"""The dense GPT (GPT-2/GPT-3 family, and the Llama family): the reference every parallel technique is checked against.
 
-Idea: a stack of pre-LayerNorm transformer blocks between an embedding and a tied LM head, built from
+Idea: a stack of pre-norm transformer blocks between an embedding and an LM head (tied or not), built from
 small named pieces (Embedding, CausalSelfAttention, MLP, Block, Head) so that tp.py can swap in parallel
 linears, pp.py can keep only some pieces on a stage, recompute.py can wrap blocks and fused.py can swap in
-C++ kernels -- all without a second model file.
+C++ kernels -- all without a second model file. arch="llama" composes the same block from modern.py's
+pieces: RMSNorm, rotary positions, grouped-query attention (n_kv_head), a SwiGLU MLP, no biases.
 
 Initialization: a rule per parameter name (init_std: GPT-2's 0.02, residual projections 0.02/sqrt(2L), biases 0,
 LayerNorm scales 1) and a draw that makes element i of a parameter a function of (seed, name, i) alone (draw):
 so a rank can draw just its slice of a parameter and get the dense model's values bitwise (meta.py).
-Formulas:
+Formulas (GPT-2; Llama's: modern.py):
     parameters   N ~= 12 L h^2 + V h   (+ s h learned positions)
     FLOPs/token  6 N' + 12 L h s        (N' = N without position embeddings; the 12 L h s term is
                                          QK^T and AV: 2*2*s*h per layer forward, x3 for fwd+bwd)
@@ -24,12 +25,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .modern import GatedMLP, RMSNorm, Rotary, ffn_hidden
+
 
 # The model's shape: the GPTConfig fields a checkpoint, a preset and the planner agree on (checkpoint.py,
 # ops/presets.py, tools/cost.py, tools/hf.py read them here). Dropout, attention and the vocabulary padding
 # (set by --tp, undone by resharding) are not part of it.
 SIZES = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
-SHAPE_KEYS = SIZES + ("alibi", "embed_layernorm")
+SHAPE_KEYS = SIZES + ("alibi", "embed_layernorm", "arch", "n_kv_head", "ffn_hidden", "rope_theta", "rope_scaling",
+                      "tie_embeddings", "norm_eps")
+ARCHS = ("gpt2", "llama")
 
 
 @dataclass
@@ -42,6 +47,13 @@ class GPTConfig:
     dropout: float = 0.0
     alibi: bool = False  # BLOOM: linear attention biases instead of learned positions
     embed_layernorm: bool = False  # BLOOM: a LayerNorm right after the embedding
+    arch: str = "gpt2"  # gpt2: LayerNorm, GeLU MLP, biases; llama: RMSNorm, SwiGLU, rotary positions, no biases
+    n_kv_head: int = 0  # key/value heads (grouped-query attention); 0: n_head (multi-head attention)
+    ffn_hidden: int = 0  # MLP width; 0: 4h (gpt2), modern.ffn_hidden(h) (llama: 2/3 4h up to a multiple of 256)
+    rope_theta: float = 10000.0  # llama: RoPE base (Llama 3: 500,000)
+    rope_scaling: float = 1.0  # llama: Llama 3.1's frequency scaling factor (8 in 3.1, 32 in 3.2); 1: none
+    tie_embeddings: bool = True  # the LM head is the token embedding (GPT-2, Llama 3.2 1B) or its own matrix
+    norm_eps: float = 1e-5
     make_vocab_size_divisible_by: int = 128  # Megatron pads V so each TP shard is a multiple of 128
     # eager: the explicit softmax the lessons teach and count bytes of; train.py's --attention defaults to sdpa
     attention: str = "eager"  # sdpa (F.scaled_dot_product_attention), eager, fused (eager + the fused softmax)
@@ -50,6 +62,15 @@ class GPTConfig:
     def padded_vocab_size(self) -> int:
         m = self.make_vocab_size_divisible_by
         return (self.vocab_size + m - 1) // m * m
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def ffn(self) -> int:
+        """The MLP's hidden width f."""
+        return self.ffn_hidden or (ffn_hidden(self.n_embd) if self.arch == "llama" else 4 * self.n_embd)
 
     def validate(self) -> None:
         for name in SIZES:
@@ -62,6 +83,19 @@ class GPTConfig:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.attention not in ATTENTION:
             raise ValueError(f"--attention {self.attention!r} is not one of {', '.join(ATTENTION)}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"--arch {self.arch!r} is not one of {', '.join(ARCHS)}")
+        if self.n_kv_head < 0 or self.n_head % self.kv_heads:
+            raise ValueError(f"--n-kv-head {self.n_kv_head} does not divide --n-head {self.n_head}; choose among "
+                             f"{', '.join(str(d) for d in range(1, self.n_head + 1) if self.n_head % d == 0)}")
+        if self.arch == "gpt2" and (self.n_kv_head or self.ffn_hidden or not self.tie_embeddings):
+            raise ValueError("--n-kv-head, --ffn-hidden and --untie-embeddings are for --arch llama")
+        if self.arch == "llama" and (self.alibi or self.embed_layernorm):
+            raise ValueError("--alibi and --embed-layernorm are BLOOM's (--arch gpt2); --arch llama uses rotary "
+                             "positions and no embedding norm")
+        if self.arch == "llama" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"--arch llama: rotary positions need an even head size, got n_embd/n_head = "
+                             f"{self.n_embd // self.n_head}")
 
 
 ATTENTION = ("sdpa", "eager", "fused")
@@ -97,7 +131,8 @@ INIT_BLOCK = 1 << 16  # elements one generator draws: any element of a parameter
 
 def init_std(name, n_layer):
     """GPT-2's initialization as a rule of a parameter's dense name (the same name in every layout): biases 0.0,
-    LayerNorm scales None (ones), residual projections N(0, 0.02/sqrt(2L)), every other matrix N(0, 0.02)."""
+    norm scales (LayerNorm, RMSNorm) None (ones), residual projections (c_proj: attention's output, the MLP's
+    down) N(0, 0.02/sqrt(2L)), every other matrix N(0, 0.02) -- for Llama's q_proj, kv_proj, gate_up too."""
     module, leaf = (["", ""] + name.split("."))[-2:]
     if leaf in ("bias", "fc_bias"):
         return 0.0
@@ -132,7 +167,7 @@ class Embedding(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd)
-        self.wpe = None if cfg.alibi else nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.wpe = None if cfg.alibi or cfg.arch == "llama" else nn.Embedding(cfg.block_size, cfg.n_embd)
         self.ln = nn.LayerNorm(cfg.n_embd) if cfg.embed_layernorm else None
         self.drop = nn.Dropout(cfg.dropout)
 
@@ -146,32 +181,52 @@ class Embedding(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, rotary=None):
         super().__init__()
-        self.n_head, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # output laid out as (3, n_head, head_dim)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        h, self.n_head, self.n_kv_head = cfg.n_embd, cfg.n_head, cfg.kv_heads
+        self.head_dim = h // cfg.n_head
+        if cfg.arch == "llama":  # q by heads; k and v stacked (2, n_kv, hd) by rows; no biases
+            self.q_proj = nn.Linear(h, h, bias=False)
+            self.kv_proj = nn.Linear(h, 2 * self.n_kv_head * self.head_dim, bias=False)
+        else:
+            self.c_attn = nn.Linear(h, 3 * h)  # output laid out as (3, n_head, head_dim)
+        self.c_proj = nn.Linear(h, h, bias=cfg.arch != "llama")
         self.attn_drop = nn.Dropout(cfg.dropout)
         self.resid_drop = nn.Dropout(cfg.dropout)
+        self.rotary = rotary  # modern.Rotary (llama), shared by every layer; None: positions come from the embedding
         # ALiBi slopes of the heads this module holds (tp.py keeps only its own heads' slopes)
         self.register_buffer("slopes", alibi_slopes(cfg.n_head) if cfg.alibi else None, persistent=False)
         self.scale_mask_softmax = causal_softmax  # "fused" attention: train.py swaps in fused.causal_softmax
         self.attention = cfg.attention
 
-    def forward(self, x):
-        qkv = self.c_attn(x)  # (b, s, 3h); under sequence parallelism x is (b, s/tp, h), gathered inside
-        b, s = qkv.shape[:2]
-        q, k, v = qkv.view(b, s, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)  # (b, nh, s, hd) each
+    def forward(self, x):  # under sequence parallelism x is (b, s/tp, h), gathered inside the projections
+        q, k, v = self.project(x)  # (b, nh, s, hd), (b, n_kv, s, hd), (b, n_kv, s, hd)
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        b, s = q.shape[0], q.shape[2]
         y = self.core(q, k, v).transpose(1, 2).reshape(b, s, self.n_head * self.head_dim)
         return self.resid_drop(self.c_proj(y))
 
+    def project(self, x):
+        if hasattr(self, "c_attn"):
+            qkv = self.c_attn(x)  # (b, s, 3h)
+            b, s = qkv.shape[:2]
+            return qkv.view(b, s, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)  # (b, nh, s, hd) each
+        q = self.q_proj(x)  # (b, s, h)
+        b, s = q.shape[:2]
+        k, v = self.kv_proj(x).view(b, s, 2, self.n_kv_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        return q.view(b, s, self.n_head, self.head_dim).transpose(1, 2), k, v
+
     def core(self, q, k, v):
-        """softmax(q k^T / sqrt(d) [+ alibi], causal) v -- the part selective recompute recomputes.
+        """softmax(q k^T / sqrt(d) [+ alibi], causal) v -- the part selective recompute recomputes. k, v may have
+        fewer heads than q (grouped-query attention): each serves n_head / n_kv consecutive query heads.
         sdpa: one F.scaled_dot_product_attention call (FlashAttention / memory-efficient kernels on CUDA, a
         fused kernel on CPU): the (b, nh, s, s) scores are never stored. eager / fused: the explicit form."""
         if self.attention == "sdpa":
             return self.sdpa_core(q, k, v)
         scale = 1.0 / math.sqrt(self.head_dim)
+        if k.shape[1] != q.shape[1]:  # grouped-query: query head i reads key/value head i // (nh / n_kv)
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         if q.dtype != torch.float32:  # 16 bits: scale q first, or q.k (up to d * |q| |k|) overflows fp16
             q, scale = q * scale, 1.0
         scores = q @ k.transpose(-2, -1)  # (b, nh, s, s)
@@ -196,7 +251,8 @@ class CausalSelfAttention(nn.Module):
         # tensor parallel dropout (rng.TrackedDropout): each rank's heads draw from its own stream
         fork = getattr(self.attn_drop, "rng", None)
         with fork.fork() if fork is not None and drop > 0 else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop, is_causal=mask is None)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop, is_causal=mask is None,
+                                                  enable_gqa=k.shape[1] != q.shape[1])
 
 
 class MLP(nn.Module):
@@ -212,13 +268,18 @@ class MLP(nn.Module):
         return self.drop(self.c_proj(self.bias_gelu(self.c_fc(x), self.fc_bias)))
 
 
+def norm(cfg: GPTConfig) -> nn.Module:
+    """The block's normalization: LayerNorm (gpt2) or RMSNorm (llama)."""
+    return RMSNorm(cfg.n_embd, cfg.norm_eps) if cfg.arch == "llama" else nn.LayerNorm(cfg.n_embd, cfg.norm_eps)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, rotary=None):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
+        self.ln_1 = norm(cfg)
+        self.attn = CausalSelfAttention(cfg, rotary)
+        self.ln_2 = norm(cfg)
+        self.mlp = GatedMLP(cfg.n_embd, cfg.ffn, cfg.dropout) if cfg.arch == "llama" else MLP(cfg)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -228,7 +289,7 @@ class Block(nn.Module):
 class Head(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.ln_f = norm(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
         self.loss_fn = functools.partial(cross_entropy, vocab_size=cfg.vocab_size)
 
@@ -253,9 +314,11 @@ class GPT(nn.Module):
         cfg.validate()
         self.cfg = cfg
         self.embed = Embedding(cfg)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+        rotary = Rotary(cfg.n_embd // cfg.n_head, cfg.rope_theta, cfg.rope_scaling) if cfg.arch == "llama" else None
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, rotary) for i in range(cfg.n_layer)})
         self.head = Head(cfg)
-        self.head.lm_head.weight = self.embed.wte.weight  # tied (pp.py unties across stages)
+        if cfg.tie_embeddings:
+            self.head.lm_head.weight = self.embed.wte.weight  # tied (pp.py unties across stages)
         self.init_weights(seed)
 
     @torch.no_grad()

@@ -71,7 +71,7 @@ def build_stage(model, grid, virtual=1):
     keep = {str(i) for c in range(virtual) for i in chunk_layers(n_layer, p, rank, c, virtual)}
     for key in [k for k in model.blocks if k not in keep]:
         del model.blocks[key]
-    if p > 1 and grid.last_stage:
+    if p > 1 and grid.last_stage and model.cfg.tie_embeddings:
         tied = model.head.lm_head.weight
         copy = nn.Parameter(tied.detach().clone(), requires_grad=tied.requires_grad)
         copy.__dict__.update(tied.__dict__)  # keeps tags such as tensor_parallel
@@ -98,8 +98,8 @@ def saved_name(name, p):
 
 
 def tied_embedding(model, grid):
-    """This stage's copy of the tied embedding/LM-head matrix, or None (middle stages, or pp == 1)."""
-    if grid.pp.size == 1:
+    """This stage's copy of the tied embedding/LM-head matrix, or None (middle stages, pp == 1, or untied)."""
+    if grid.pp.size == 1 or not model.cfg.tie_embeddings:
         return None
     if grid.first_stage:
         return model.embed.wte.weight

@@ -22,6 +22,7 @@ import torch
 
 from nanomega import checkpoint, pp, tp
 from nanomega.flat import Piece
+from nanomega.model import GPTConfig
 
 
 def is_elementwise(v):
@@ -120,12 +121,13 @@ def full_state(engine):
             {k: state for k, (_, state) in full.items() if k in trainable})
 
 
-def _assemble(shards, need=None, tp_size=None):
+def _assemble(shards, need=None, tp_size=None, replicate_kv=False):
     """{name: (full master, {key: full state or scalar})} from the pieces in `shards`.
 
     need: {(name, saved tp rank): [(a, b), ...]} -- the element ranges of the saved tp-local tensors that must
     be covered (others may be missing: they are zeros). None: every parameter must be complete.
-    tp_size: the saved tensor-parallel size (default: the highest tp rank seen + 1)."""
+    tp_size: the saved tensor-parallel size (default: the highest tp rank seen + 1). replicate_kv: whether the
+    saved layout held kv_proj whole (tp.kv_replicated)."""
     local = defaultdict(dict)  # name -> tp_rank -> [master, state, covered mask, shape]
     for shard in shards:
         u = shard["universal"]
@@ -148,21 +150,21 @@ def _assemble(shards, need=None, tp_size=None):
             raise ValueError(f"--resume: the checkpoint holds only part of {name}; it is incomplete")
     full = {}
     for name, by_rank in local.items():
-        t = 1 if tp.shard_rule(name) is None else tp_size or max(by_rank) + 1  # replicated: any one copy
+        t = 1 if tp.shard_rule(name, replicate_kv) is None else tp_size or max(by_rank) + 1  # replicated: one copy
         if need is None and t > 1 and sorted(by_rank) != list(range(t)):
             raise ValueError(f"--resume: the checkpoint holds only part of {name}; it is incomplete")
         some = next(iter(by_rank.values()))
         blank = [torch.zeros(math.prod(some[3])), {k: torch.zeros_like(v) if is_elementwise(v) else v
                                                    for k, v in some[1].items()}, None, some[3]]
         ranks = [by_rank.get(r, blank) for r in range(t)] if t > 1 else [some]  # not read: zeros, never used
-        master = tp.unshard_param(name, [e[0].view(e[3]) for e in ranks])
-        state = {k: tp.unshard_param(name, [e[1][k].view(e[3]) for e in ranks]) if is_elementwise(v) else v
+        master = tp.unshard_param(name, [e[0].view(e[3]) for e in ranks], replicate_kv)
+        state = {k: tp.unshard_param(name, [e[1][k].view(e[3]) for e in ranks], replicate_kv) if is_elementwise(v) else v
                  for k, v in some[1].items()}
         full[name] = (master, state)
     return full
 
 
-def _needed(engine, grid, saved_tp):
+def _needed(engine, grid, saved_tp, saved_replicate_kv=False):
     """{(name, saved tp rank): [(a, b), ...]}: the saved element ranges this rank must read. Under the same tp
     size, the ranges of the pieces it owns (stage 0: whole parameters); under another tp size, the whole
     local tensors of the saved tp ranks whose slice overlaps this rank's (replicated parameters: tp rank 0)."""
@@ -176,7 +178,7 @@ def _needed(engine, grid, saved_tp):
         source = pp.saved_name(name, params.get(name))
         if t == saved_tp:
             need.setdefault((source, r), []).extend(ranges)
-        elif tp.shard_rule(source) is None:
+        elif tp.shard_rule(source, saved_replicate_kv) is None:
             need[(source, 0)] = [(0, None)]
         else:  # saved slice q of saved_tp overlaps this rank's slice r of t
             for q in range(saved_tp):
@@ -196,13 +198,15 @@ def load(folder, cfg, engine, grid, layout):
     rank 0's), with `same_layout` telling whether per-rank RNG streams can be continued."""
     manifest = checkpoint.read_manifest_json(folder)
     same = manifest["layout"] == layout and manifest["world"] == grid.world
-    need = _needed(engine, grid, manifest["layout"].get("tp", 1))
+    saved_tp = manifest["layout"].get("tp", 1)
+    saved_kv, kv = tp.kv_replicated(cfg, saved_tp), tp.kv_replicated(cfg, grid.tp.size)
+    need = _needed(engine, grid, saved_tp, saved_kv)
     index = manifest.get("pieces")
     files = [f for f in manifest["shards"] if index is None or _overlaps(index[f], need)]
     own = checkpoint.shard_name(grid.rank if same else 0)
     checkpoint.read_manifest(folder, cfg, verify=set(files) | {own})
     shards = {f: checkpoint.load_shard(folder, int(f[5:10])) for f in files}
-    full = _assemble(shards.values(), need, manifest["layout"].get("tp", 1))
+    full = _assemble(shards.values(), need, saved_tp, saved_kv)
     params, optim = {}, {}
     for name, p in engine.module.named_parameters():
         source = pp.saved_name(name, p)  # the last stage's copy of the tied embedding: the embedding
@@ -212,7 +216,7 @@ def load(folder, cfg, engine, grid, layout):
             params[name], optim[name] = torch.zeros(0), {}
             continue
         master, state = full[source]
-        cut = (lambda t: tp.shard_param(name, t, grid.tp_rank, grid.tp.size)) if grid.tp.size > 1 else (lambda t: t)
+        cut = (lambda t: tp.shard_param(name, t, grid.tp_rank, grid.tp.size, kv)) if grid.tp.size > 1 else (lambda t: t)
         params[name] = cut(master)
         if p.requires_grad:
             optim[name] = {k: cut(v) if is_elementwise(v) else v for k, v in state.items()}
@@ -223,6 +227,8 @@ def load(folder, cfg, engine, grid, layout):
 
 def full_weights(folder):
     """{name: full fp32 tensor} of a checkpoint saved under any layout (for sampling and tests)."""
-    world = checkpoint.read_manifest_json(folder)["world"]  # sampling needs every shard
-    shards = [checkpoint.load_shard(folder, r) for r in range(world)]
-    return {name: master for name, (master, _) in _assemble(shards).items()}
+    manifest = checkpoint.read_manifest_json(folder)
+    shards = [checkpoint.load_shard(folder, r) for r in range(manifest["world"])]  # sampling needs every shard
+    saved_tp = manifest["layout"].get("tp", 1)
+    kv = tp.kv_replicated(GPTConfig(**manifest["config"]), saved_tp)
+    return {name: master for name, (master, _) in _assemble(shards, None, saved_tp, kv).items()}

@@ -3,6 +3,9 @@
 Idea: split Y = XA by the columns of A (each rank computes Y_i = X A_i, no communication) and the next
 matmul Z = YB by the rows of B (Z = sum_i Y_i B_i: one all-reduce). A transformer layer is two such pairs:
 attention (qkv by heads, then the output projection by rows) and the MLP (c_fc by columns, c_proj by rows).
+Llama's block: q by heads, k/v by key/value heads, gate/up by columns, down by rows. With t > n_kv (GQA) a rank
+cannot own a kv head: each holds the small k/v weight whole and sums its gradient over tp (GroupKeyValue).
+Megatron-Core requires n_kv divisible by t instead (it divides num_query_groups by t): no replica, no reduction.
 The conjugate operators f (identity forward, all-reduce backward) and g (all-reduce forward, identity
 backward) bracket each pair, so a layer costs 2 all-reduces forward and 2 backward of the (b, s, h) activation.
 Sequence parallelism also splits what lies between the pairs (LayerNorm, dropout, residual) along the
@@ -23,11 +26,11 @@ import functools
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from nanomega.rng import TrackedDropout
+from nanomega.tp_loss import vocab_parallel_cross_entropy
 
 
 # ---------------------------------------------------------------- collectives as functions of tensors
@@ -154,6 +157,22 @@ class RowParallelLinear(nn.Module):
         return z if self.bias is None else z + self.bias
 
 
+class GroupKeyValue(nn.Module):
+    """k, v of the one group this rank's query heads read (t > n_kv), from the whole (2 n_kv hd, h) weight; its
+    gradient, this rank's heads' share, is summed over tp by apply_tensor_parallel's hook."""
+
+    def __init__(self, weight, group, n_kv, tp, sequence_parallel=False):
+        super().__init__()
+        self.weight = weight  # (2 * n_kv * hd, h), replicated
+        self.group, self.n_kv, self.tp, self.sequence_parallel = group, n_kv, tp, sequence_parallel
+
+    def forward(self, x):  # (b, s, h), or (b, s/t, h) under SP -> (b, s, 2 hd): this group's k and v
+        w = self.weight.unflatten(0, (2, self.n_kv, -1))[:, self.group].flatten(0, 1)  # (2 hd, h)
+        if self.sequence_parallel:
+            return LinearWithSequenceGather.apply(x, w, None, self.tp)
+        return F.linear(CopyToTensorParallel.apply(x, self.tp), w)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows [r V/t, (r+1) V/t) of the token embedding. A token held elsewhere looks up zeros; the sum over
     tp (all-reduce, or reduce-scatter along the sequence under SP) gives every rank its embeddings."""
@@ -181,66 +200,40 @@ class SequenceParallelPositions(nn.Module):
         return F.embedding(pos.unflatten(0, (self.tp.size, -1))[self.tp.rank], self.weight)
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, targets, tp, vocab_size):  # logits (n, V/t) this rank's slice; targets (n,) ids
-        dtype, logits = logits.dtype, logits.float()
-        v = logits.shape[-1]
-        if vocab_size is not None and (tp.rank + 1) * v > vocab_size:  # padded rows: out of the softmax
-            ids = torch.arange(tp.rank * v, (tp.rank + 1) * v, device=logits.device)  # (V/t,) global ids
-            logits = logits.masked_fill(ids >= vocab_size, float("-inf"))  # a rank of only padding: max -inf
-        shifted = logits - tp.all_reduce(logits.max(dim=-1).values, op=dist.ReduceOp.MAX)[:, None]
-        local = targets - tp.rank * v
-        mine = (local >= 0) & (local < v)  # an ignored target (-1) is never mine
-        local = local.masked_fill(~mine, 0)
-        exp = shifted.exp()
-        target_logit = shifted.gather(1, local[:, None])[:, 0].masked_fill(~mine, 0.0)
-        stats = tp.all_reduce(torch.stack([exp.sum(-1), target_logit]))  # (2, n): one all-reduce for both
-        valid = targets != -1
-        count = valid.sum()
-        loss = (stats[0].log() - stats[1]).masked_fill(~valid, 0.0).sum() / count
-        ctx.save_for_backward(exp.div_(stats[0][:, None]), local, mine, valid, count)  # exp -> softmax
-        ctx.dtype = dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad):  # d loss / d logit = (softmax - onehot(target)) / count, 0 on ignored rows
-        softmax, local, mine, valid, count = ctx.saved_tensors
-        g = softmax.scatter_add(1, local[:, None], -mine.to(softmax.dtype)[:, None])
-        return (g * (grad * valid / count)[:, None]).to(ctx.dtype), None, None, None
-
-
-def vocab_parallel_cross_entropy(logits, targets, tp, vocab_size=None):
-    """Mean cross-entropy (fp32, ignore_index=-1) of vocab-sharded logits (..., V/t). No rank holds the full
-    logits: the row max, the sum of exp and the target logit are reduced over tp (2 all-reduces of n floats
-    (the max) and 2n floats). Ids >= vocab_size (the padding) are masked out, as model.cross_entropy does."""
-    return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), tp, vocab_size)
-
-
 # ---------------------------------------------------------------- sharding rules and the model transform
 # parameter-name suffix -> (sharded dim, interleaved groups): c_attn's output is laid out (3, n_head, head_dim),
 # so a rank takes its heads from each of q, k and v. Every other parameter is replicated across tp.
+# Llama: kv_proj is laid out (2, n_kv, head_dim) and gate_up (2, f), so each splits as 2 interleaved groups.
 _SPLIT = {"wte.weight": (0, 1), "lm_head.weight": (0, 1), "c_attn.weight": (0, 3), "c_attn.bias": (0, 3),
-          "c_fc.weight": (0, 1), "fc_bias": (0, 1), "c_proj.weight": (1, 1)}
+          "c_fc.weight": (0, 1), "fc_bias": (0, 1), "c_proj.weight": (1, 1),
+          "q_proj.weight": (0, 1), "kv_proj.weight": (0, 2), "gate_up.weight": (0, 2)}
+KV = "kv_proj.weight"
 
 
-def shard_rule(name):
-    """(sharded dim, interleaved groups) of the GPT parameter `name` across tp, or None: replicated."""
-    return next((rule for suffix, rule in _SPLIT.items() if name == suffix or name.endswith("." + suffix)), None)
+def kv_replicated(cfg, tp_size):
+    """Whether tp cannot split the key/value heads (n_kv not divisible by t): kv_proj is then held whole."""
+    return cfg.arch == "llama" and cfg.kv_heads % tp_size != 0
 
 
-def shard_param(name, full, tp_rank, tp_size):
+def shard_rule(name, replicate_kv=False):
+    """(sharded dim, interleaved groups) of the GPT parameter `name` across tp, or None: replicated.
+    replicate_kv: kv_replicated(cfg, tp) for the layout in question (kv_proj is then replicated)."""
+    rule = next((rule for suffix, rule in _SPLIT.items() if name == suffix or name.endswith("." + suffix)), None)
+    return None if replicate_kv and name.endswith(KV) else rule
+
+
+def shard_param(name, full, tp_rank, tp_size, replicate_kv=False):
     """This tp rank's slice (a view) of the full GPT parameter `name`; replicated parameters come back whole."""
-    rule = shard_rule(name)
+    rule = shard_rule(name, replicate_kv)
     if rule is None:
         return full
     dim, groups = rule
     return full.unflatten(dim, (groups, tp_size, -1)).select(dim + 1, tp_rank).flatten(dim, dim + 1)
 
 
-def unshard_param(name, shards):
+def unshard_param(name, shards, replicate_kv=False):
     """The full parameter from the tp ranks' slices, in rank order (inverse of shard_param)."""
-    rule = shard_rule(name)
+    rule = shard_rule(name, replicate_kv)
     if rule is None:
         return shards[0]
     dim, groups = rule
@@ -261,10 +254,15 @@ def is_tensor_parallel(p):
 
 def check_tensor_parallel(cfg, tp_size, sequence_parallel=False):
     """One-line errors for shapes tp cannot split (raised before any collective)."""
-    choices = ", ".join(str(d) for d in range(1, cfg.n_head + 1) if math.gcd(cfg.n_head, cfg.n_embd) % d == 0)
-    for flag, n in (("--n-head", cfg.n_head), ("--n-embd", cfg.n_embd)):
+    sizes = [("--n-head", cfg.n_head), ("--n-embd", cfg.n_embd)] + [("--ffn-hidden", cfg.ffn)] * (cfg.arch == "llama")
+    common = math.gcd(*(n for _, n in sizes))
+    choices = ", ".join(str(d) for d in range(1, cfg.n_head + 1) if common % d == 0)
+    for flag, n in sizes:
         if n % tp_size:
             raise ValueError(f"--tp {tp_size} does not divide {flag} {n}; choose --tp among {choices}")
+    if kv_replicated(cfg, tp_size) and tp_size % cfg.kv_heads:
+        raise ValueError(f"--tp {tp_size} and --n-kv-head {cfg.kv_heads}: one must divide the other (tp splits the "
+                         f"key/value heads, or replicates each on tp / n_kv ranks)")
     if cfg.padded_vocab_size % tp_size:
         raise ValueError(f"padded vocab size {cfg.padded_vocab_size} is not divisible by --tp {tp_size}; set "
                          f"make_vocab_size_divisible_by = 128 * tp (train.py does)")
@@ -289,27 +287,48 @@ def apply_tensor_parallel(model, tp, sequence_parallel=False, rng=None):
     emb.wte = VocabParallelEmbedding(wte, tp, sp)
     if sp and emb.wpe is not None:
         emb.wpe = SequenceParallelPositions(emb.wpe.weight, tp)
+    summed = []  # replicated parameters whose gradient is a partial sum on each rank (GroupKeyValue)
+
+    def column(weight, name, bias=None):  # this rank's output features of a dense (out, in) weight
+        return ColumnParallelLinear(_shard(weight, name, tp), bias, tp, sp)
+
+    def row(linear):  # this rank's input features of a dense c_proj; its bias stays replicated
+        return RowParallelLinear(_shard(linear.weight, "c_proj.weight", tp), linear.bias, tp, sp)
+
     for block in model.blocks.values():
         attn, mlp = block.attn, block.mlp
-        attn.c_attn = ColumnParallelLinear(_shard(attn.c_attn.weight, "c_attn.weight", tp),
-                                           _shard(attn.c_attn.bias, "c_attn.bias", tp), tp, sp)
-        attn.c_proj = RowParallelLinear(_shard(attn.c_proj.weight, "c_proj.weight", tp), attn.c_proj.bias, tp, sp)
+        if hasattr(attn, "c_attn"):  # GPT-2: (3, n_head, hd), by heads
+            attn.c_attn = column(attn.c_attn.weight, "c_attn.weight", _shard(attn.c_attn.bias, "c_attn.bias", tp))
+        else:  # Llama: q by heads; k/v by key/value heads, or the one group of this rank's heads (t > n_kv)
+            attn.q_proj = column(attn.q_proj.weight, "q_proj.weight")
+            if kv_replicated(cfg, tp.size):
+                group = tp.rank * attn.n_head // tp.size // (attn.n_head // attn.n_kv_head)
+                attn.kv_proj = GroupKeyValue(attn.kv_proj.weight, group, attn.n_kv_head, tp, sp)
+                summed.append(attn.kv_proj.weight)
+            else:
+                attn.kv_proj = column(attn.kv_proj.weight, KV)
+            attn.n_kv_head = max(1, attn.n_kv_head // tp.size)
+        attn.c_proj = row(attn.c_proj)
         attn.n_head //= tp.size  # (b, s, 3h/t) viewed as (b, s, 3, n_head/t, head_dim)
         if attn.slopes is not None:
             attn.slopes = attn.slopes.chunk(tp.size)[tp.rank].clone()  # ALiBi: this rank's heads' slopes
-        mlp.c_fc = ColumnParallelLinear(_shard(mlp.c_fc.weight, "c_fc.weight", tp), None, tp, sp)
-        mlp.fc_bias = _shard(mlp.fc_bias, "fc_bias", tp)
-        mlp.c_proj = RowParallelLinear(_shard(mlp.c_proj.weight, "c_proj.weight", tp), mlp.c_proj.bias, tp, sp)
+        if hasattr(mlp, "c_fc"):
+            mlp.c_fc, mlp.fc_bias = column(mlp.c_fc.weight, "c_fc.weight"), _shard(mlp.fc_bias, "fc_bias", tp)
+        else:  # Llama: [gate; up], each half split by columns
+            mlp.gate_up = column(mlp.gate_up.weight, "gate_up.weight")
+        mlp.c_proj = row(mlp.c_proj)
         if cfg.dropout > 0:
             attn.attn_drop = drop()  # heads differ per rank
             if sp:  # the residual stream is split along the sequence, so its masks must differ too
                 attn.resid_drop, mlp.drop = drop(), drop()
     if sp and cfg.dropout > 0:
         emb.drop = drop()
-    model.head.lm_head = ColumnParallelLinear(wte, None, tp, sp)  # tied: the same (V/t, h) Parameter
+    model.head.lm_head = ColumnParallelLinear(wte, None, tp, sp) if cfg.tie_embeddings else \
+        column(model.head.lm_head.weight, "lm_head.weight")  # tied: the same (V/t, h) Parameter
     model.head.loss_fn = functools.partial(vocab_parallel_cross_entropy, tp=tp, vocab_size=cfg.vocab_size)
-    if sp:
-        for p in model.parameters():
-            if p.requires_grad and not is_tensor_parallel(p):
-                p.register_hook(functools.partial(_all_reduce_fp32, tp=tp))
+    if sp:  # every replicated parameter saw 1/t of the tokens (GroupKeyValue's weight among them)
+        summed = [p for p in model.parameters() if not is_tensor_parallel(p)]
+    for p in summed:
+        if p.requires_grad:
+            p.register_hook(functools.partial(_all_reduce_fp32, tp=tp))
     return model

@@ -232,8 +232,9 @@ def start(config, cfg):
     if config.health_check:
         health.gate(grid)
     if grid.rank == grid.world - 1 and config.model:
-        print(f"--model {config.model}: n_layer {cfg.n_layer}, n_head {cfg.n_head}, n_embd {cfg.n_embd}, block_size "
-              f"{cfg.block_size} (nanomega/ops/presets.py; explicit shape flags override it)")
+        llama = f", n_kv_head {cfg.kv_heads}, ffn_hidden {cfg.ffn}" if cfg.arch == "llama" else ""
+        print(f"--model {config.model}: {cfg.arch}, n_layer {cfg.n_layer}, n_head {cfg.n_head}{llama}, n_embd "
+              f"{cfg.n_embd}, block_size {cfg.block_size} (nanomega/ops/presets.py; explicit shape flags override it)")
     return grid
 
 

@@ -34,6 +34,12 @@ BAD = [
     (1, ["--inject-fault", "boom"], "--inject-fault 'boom'"),
     (1, ["--device", "cuda"], "--device cuda"),
     (1, ["--model", "gpt5"], "--model 'gpt5' is unknown"),
+    (1, ["--arch", "mamba"], "--arch 'mamba' is not one of gpt2, llama"),
+    (1, ["--arch", "llama", "--n-kv-head", "3"], "--n-kv-head 3 does not divide --n-head 4; choose among 1, 2, 4"),
+    (1, ["--n-kv-head", "2"], "--n-kv-head, --ffn-hidden and --untie-embeddings are for --arch llama"),
+    (1, ["--arch", "llama", "--alibi"], "--alibi and --embed-layernorm are BLOOM's"),
+    (4, ["--model", "llama-small", "--tp", "4", "--n-kv-head", "3", "--n-head", "12", "--n-embd", "96"],
+     "--tp 4 and --n-kv-head 3: one must divide the other"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""Fused C++ kernels vs the PyTorch reference: values, gradients, odd shapes, bf16/fp16, the whole GPT, nvcc.
+"""Fused C++ kernels vs the PyTorch reference: values, gradients, odd shapes, bf16/fp16, the whole GPT and Llama, nvcc.
 
 The extension is built once into fused.build_dir() (cold ~45 s, then ~0.05 s for every later test,
 process, lesson and bench run); the CUDA sources are compiled, never run: there is no GPU here.
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils import cpp_extension
 
-from nanomega import fused, model
+from nanomega import fused, model, modern
 from nanomega.model import GPT, GPTConfig
 from tolerance import LAMBDA, assert_within, unit_roundoff
 
@@ -31,7 +31,13 @@ from tolerance import LAMBDA, assert_within, unit_roundoff
 # bias_gelu, causal_softmax: at::vec's exp_u20 errs by <= 20 ulp = 40 u; <= 16 more roundings (the
 #   polynomial, -ffast-math's reciprocal estimate + Newton step, products, the input's rounding): 64 u.
 # layer_norm: rsqrt as a reciprocal estimate + Newton step (<= 4 u) and <= 12 more roundings: 16 u.
-K = {"bias_gelu": 64, "causal_softmax": 64, "layer_norm": 16}
+# rms_norm: LayerNorm's ingredients less the mean: 16 u. Its row sum of x^2 (positive terms: no cancellation)
+#   reaches the outputs through rstd = (sum / H + eps)^-1/2, which halves a relative error, so n is an
+#   "effective" length in magnitudes(): sqrt(n) = the number of likely(H)s an output carries, times sqrt(H).
+# swiglu: silu(g) = g s, s = 1 / (1 + e), e = exp_u20(-g); e's error reaches s, e s and silu'(g) = s (1 + g e s)
+#   scaled by at most 1 (d silu'/d ln e = -s(1-s) + g e s^2 (2s - 1), within s (1 + |g| (1 - s))), so as for
+#   bias_gelu: 40 u + <= 16 roundings (1 + e, reciprocal + Newton, 5 products, the sum): 64 u.
+K = {"bias_gelu": 64, "causal_softmax": 64, "layer_norm": 16, "rms_norm": 16, "swiglu": 64}
 ROUNDINGS_16 = 3
 SCALE = 0.37  # the causal softmax's scale in these tests
 
@@ -43,8 +49,17 @@ def softmax64(scores, scale):
     return torch.softmax((scores * scale).masked_fill(future, float("-inf")), dim=-1)
 
 
+def rms64(x, w):
+    """modern.rms_norm's formula in the inputs' own dtype (modern.rms_norm computes in fp32 whatever comes in)."""
+    return w * (x * (x.pow(2).mean(-1, keepdim=True) + 1e-5).rsqrt())
+
+
 def reference(name):
-    return {"bias_gelu": model.bias_gelu, "causal_softmax": lambda s: softmax64(s, SCALE), "layer_norm": ln_ref}[name]
+    return {"bias_gelu": model.bias_gelu, "causal_softmax": lambda s: softmax64(s, SCALE), "layer_norm": ln_ref,
+            "rms_norm": rms64, "swiglu": modern.swiglu}[name]
+
+
+CLAMP = 80.0  # the kernels' exp(-g) takes -g clamped to [-80, 80]: past it sigmoid errs by < e^-80 absolute
 
 
 def magnitudes(name, inputs, grad, want):
@@ -68,6 +83,26 @@ def magnitudes(name, inputs, grad, want):
         H, R = x.shape[-1], rows(x).shape[0]
         return [(w.abs() * xmag + b.abs(), H), (dx.max(), H), (rows(grad.abs() * xmag).sum(0), R),
                 (rows(grad).abs().sum(0), R)]
+    if name == "rms_norm":  # y = w xhat, xhat = x r, r = (mean(x^2) + eps)^-1/2, g = dy w, m = mean(g xhat)
+        x, w = inputs
+        r = (x.pow(2).mean(-1, keepdim=True) + 1e-5).rsqrt()
+        xhat, g = x * r, grad * w
+        H, R = x.shape[-1], rows(x).shape[0]
+        # dx = r g - r xhat m: r g carries r's 1/2 likely(H); r xhat m = r^3 x mean(g x) carries 3/2 of it plus
+        # 1 for its own row sum: 5/2
+        dx = r * (g.abs() + xhat.abs() * (g * xhat).abs().mean(-1, keepdim=True))
+        return [((w * xhat).abs(), H / 4), (dx, 6.25 * H),  # sqrt(n): 1/2 sqrt(H); 5/2 sqrt(H)
+                (rows(grad * xhat).abs().sum(0), (R ** 0.5 + H ** 0.5 / 2) ** 2)]  # the rows' sum + xhat's r
+    if name == "swiglu":  # y = g s u, s = sigmoid(g); dgate = dy u s (1 + g (1 - s)), dup = dy g s
+        g, u = inputs[0].chunk(2, dim=-1)
+        s = torch.sigmoid(g)
+        # past the clamp (|g| > 80) s errs by < e^-80 absolute, silu'(g) by < (1 + |g|) e^-80: far below
+        # (K + LAMBDA) u of (1 + |g|) times the other factors, which is what S adds there
+        clamped = (1 + g.abs()) * (g.abs() > CLAMP)
+        y = (g * s * u).abs() + clamped * u.abs()
+        dgate = (grad * u).abs() * (s * (1 + g.abs() * (1 - s)) + clamped)
+        dup = grad.abs() * ((g * s).abs() + clamped)
+        return [(y, 1), (torch.cat([dgate, dup], dim=-1), 1)]
     (scores,) = inputs  # causal softmax: z = scale * s, y = softmax(z), dx = scale y (dy - sum y dy)
     y = want[0]
     z = (scores * SCALE).tril(scores.shape[-1] - scores.shape[-2]).abs()
@@ -78,8 +113,10 @@ def magnitudes(name, inputs, grad, want):
 
 def bound(name, S, n, dtype):
     b = (K[name] + LAMBDA * n ** 0.5) * unit_roundoff(torch.float32) * S
-    if dtype != torch.float32:
-        b = b + ROUNDINGS_16 * unit_roundoff(dtype) * S
+    if dtype != torch.float32:  # a rounding to 16 bits errs by u |v|, or below the smallest normal (fp16:
+        # 6.1e-5; SwiGLU's and RMSNorm's outputs get there) by half the subnormal spacing, absolute
+        subnormal = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
+        b = b + ROUNDINGS_16 * (unit_roundoff(dtype) * S + subnormal / 2)
     return b
 
 
@@ -94,14 +131,23 @@ def ln_ref(x, w, b):
 
 
 def cases():
-    """(op name, fused op, input shapes): widths 1, 7, 33, 1000, 4099, single rows, s_q < s_k."""
+    """(op name, fused op, input shapes): widths 1, 7, 33, 1000, 4099, single rows, s_q < s_k; SwiGLU's
+    input is twice as wide ([gate | up]), its halves as odd as the others' widths."""
     for shape in [(4, 1), (3, 7), (1, 33), (2, 5, 1000), (1, 4099)]:
         h = shape[-1]
         yield pytest.param("layer_norm", fused.layer_norm, [shape, (h,), (h,)], id=f"layer_norm{shape}")
         yield pytest.param("bias_gelu", fused.bias_gelu, [shape, (h,)], id=f"bias_gelu{shape}")
+        yield pytest.param("rms_norm", lambda x, w: fused.rms_norm(x, w, 1e-5), [shape, (h,)], id=f"rms_norm{shape}")
+        gate_up = shape[:-1] + (2 * h,)
+        yield pytest.param("swiglu", fused.swiglu, [gate_up], id=f"swiglu{gate_up}")
     for shape in [(1, 1, 1), (2, 3, 7, 7), (2, 33, 33), (1, 5, 40), (1, 1, 4099), (1, 3, 70, 70)]:
         yield pytest.param("causal_softmax", lambda s: fused.causal_softmax(s, SCALE), [shape],
                            id=f"causal_softmax{shape}")
+
+
+def out_shape(name, shapes):
+    """The output's shape: the first input's, or half as wide for SwiGLU: (..., 2f) -> (..., f)."""
+    return shapes[0][:-1] + (shapes[0][-1] // 2,) if name == "swiglu" else shapes[0]
 
 
 def run(op, inputs, grad):
@@ -125,7 +171,7 @@ def check(name, op, inputs, grad):
 def test_forward_backward_fp32(ext, name, op, shapes):
     torch.manual_seed(0)
     inputs = [torch.randn(s) * 3 for s in shapes]  # * 3: GeLU's tails and the softmax's spread matter
-    check(name, op, inputs, torch.randn(shapes[0]))
+    check(name, op, inputs, torch.randn(out_shape(name, shapes)))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -133,7 +179,7 @@ def test_forward_backward_fp32(ext, name, op, shapes):
 def test_low_precision_matches_fp32_reference(ext, name, op, shapes, dtype):
     torch.manual_seed(0)
     inputs = [torch.randn(s).to(dtype) for s in shapes]
-    check(name, op, inputs, torch.randn(shapes[0]).to(dtype))
+    check(name, op, inputs, torch.randn(out_shape(name, shapes)).to(dtype))
 
 
 def test_bias_gelu_stays_accurate_where_sigmoid_rounds_to_one(ext):
@@ -146,6 +192,48 @@ def test_bias_gelu_stays_accurate_where_sigmoid_rounds_to_one(ext):
     check("bias_gelu", fused.bias_gelu, [x, b], torch.ones_like(x))
 
 
+def test_swiglu_tails(ext):
+    """gate from -100 to 100. Where sigmoid is within an ulp of 1 (g >~ 17), 1 - s is formed as e s, not as
+    a difference: where the reciprocal leaves s an ulp below 1 (AVX2's estimate + Newton step; AVX-512's
+    lands on 1), the difference errs by g u, ~80 u at g = 80, over the budget K + 8 = 72 u (seen: 1.08x on
+    the AVX2 path). Past |g| = 80, exp(-g) is clamped, which must neither make a NaN (fast-math's
+    1 / (1 + inf)) nor err by more than e^-80."""
+    gate = torch.linspace(-100, 100, 4001).view(1, -1)
+    gate_up = torch.cat([gate, torch.ones_like(gate)], dim=-1)
+    check("swiglu", fused.swiglu, [gate_up], torch.ones_like(gate))
+
+
+def test_rms_norm_rows_where_eps_matters(ext):
+    """Rows of rms 1e-4 ... 10: where mean(x^2) is below eps = 1e-5, eps sets rstd (a kernel that dropped or
+    misplaced it would be off by far more than the bound); RMSNorm has no cancellation, so the bound needs
+    no conditioning term at any scale."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 64) * torch.logspace(-4, 1, 6)[:, None]
+    check("rms_norm", lambda x, w: fused.rms_norm(x, w, 1e-5), [x, torch.randn(64)], torch.randn(6, 64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name,shape", [("rms_norm", (2, 5, 1000)), ("rms_norm", (3, 7)),
+                                        ("swiglu", (2, 5, 2000)), ("swiglu", (3, 14))])
+def test_eager_meets_the_same_bounds(name, shape, dtype):
+    """modern.rms_norm and modern.swiglu (eager, what apply_fused replaces) within the very bounds the kernels
+    are held to, against the same fp64 reference: the bounds are the arithmetic's, not tuned to the kernels,
+    and the fused and eager outputs are within twice them of each other. Eager in bf16 rounds x rstd, the
+    weight's product, dy w and dy y to bf16: <= ROUNDINGS_16 roundings per output, like the kernel."""
+    torch.manual_seed(0)
+    eager = {"rms_norm": lambda x, w: modern.rms_norm(x, w, 1e-5), "swiglu": modern.swiglu}[name]
+    shapes = [shape, (shape[-1],)] if name == "rms_norm" else [shape]
+    inputs = [(torch.randn(s) * 3).to(dtype) for s in shapes]
+    check(name, eager, inputs, torch.randn(out_shape(name, shapes)).to(dtype))
+
+
+def test_rms_norm_weight_of_another_dtype_takes_eager(ext):
+    """bf16 x with an fp32 weight: eager promotes (fp32 out), so fused.rms_norm is modern.rms_norm there."""
+    x, w = torch.randn(3, 8).bfloat16(), torch.randn(8)
+    out = fused.rms_norm(x, w, 1e-5)
+    assert out.dtype == torch.float32 and torch.equal(out, modern.rms_norm(x, w, 1e-5))
+
+
 def test_gradcheck_fp64(ext):
     torch.manual_seed(0)
     x = torch.randn(3, 2, 9, dtype=torch.float64, requires_grad=True)
@@ -154,14 +242,21 @@ def test_gradcheck_fp64(ext):
     assert torch.autograd.gradcheck(fused.bias_gelu, (x, b))
     s = torch.randn(2, 5, 9, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda s: fused.causal_softmax(s, 0.6), (s,))
+    assert torch.autograd.gradcheck(lambda x, w: fused.rms_norm(x, w, 1e-5), (x, b))
+    assert torch.autograd.gradcheck(fused.swiglu, (torch.cat([x, x.flip(-1)], dim=-1),))
 
 
 def test_empty_inputs(ext):
     x, b = torch.randn(0, 8, requires_grad=True), torch.randn(8, requires_grad=True)
     fused.bias_gelu(x, b).sum().backward()
     fused.layer_norm(x, torch.ones(8), b, 1e-5).sum().backward()
-    assert b.grad.shape == (8,) and (b.grad == 0).all()
+    w = torch.randn(8, requires_grad=True)
+    fused.rms_norm(x, w, 1e-5).sum().backward()
+    assert b.grad.shape == (8,) and (b.grad == 0).all() and w.grad.shape == (8,) and (w.grad == 0).all()
     assert fused.causal_softmax(torch.randn(0, 4, 4), 1.0).shape == (0, 4, 4)
+    gate_up = torch.randn(2, 0, 8, requires_grad=True)
+    fused.swiglu(gate_up).sum().backward()
+    assert gate_up.grad.shape == (2, 0, 8)
 
 
 def test_causal_softmax_never_reads_masked_scores(ext):
@@ -181,6 +276,12 @@ def test_bad_inputs_name_the_problem(ext):
         fused.bias_gelu(torch.randn(2, 4), torch.randn(5))
     with pytest.raises(RuntimeError, match="weight is BFloat16"):
         fused.layer_norm(torch.randn(2, 4), torch.ones(4).bfloat16(), torch.zeros(4), 1e-5)
+    with pytest.raises(RuntimeError, match=r"x.shape\[-1\] must equal weight.numel\(\)"):
+        fused.rms_norm(torch.randn(2, 4), torch.ones(5), 1e-5)
+    with pytest.raises(RuntimeError, match=r"gate_up must be \(\.\.\., 2f\) laid out \[gate \| up\]"):
+        fused.swiglu(torch.randn(2, 5))
+    with pytest.raises(RuntimeError, match="grad .* must have the shape"):
+        ext.swiglu_bwd(torch.randn(2, 4), torch.randn(2, 4))
 
 
 @pytest.mark.parametrize("alibi", [False, True], ids=["learned-pos", "alibi+embed-ln"])
@@ -199,15 +300,20 @@ def test_gpt_with_fused_matches_gpt(ext, alibi):
                for b in gpt.blocks.values())
     assert list(gpt.state_dict()) == list(ref.state_dict())
 
+    # Bound: each fused op errs by <= (K + LAMBDA sqrt(n)) u <= 128 u of its output's size (n <= 64 here);
+    # a forward passes through OPS of them (3 a block, the final and the embedding LayerNorm)
+    ops = 3 * cfg.n_layer + 1 + alibi
+    assert_model_within(gpt, ref, cfg, ops, (max(K.values()) + LAMBDA * cfg.n_embd ** 0.5) * unit_roundoff(torch.float32))
+
+
+def assert_model_within(gpt, ref, cfg, ops, per_op):
+    """Logits, loss and every gradient of the fused model against the eager one, on random tokens. Each of the
+    `ops` fused ops a forward passes through errs by <= per_op of its output's size and reaches the logits with
+    a gain <= 1 (the residual stream adds; linears at init, std 0.02, shrink; norms re-normalise relative
+    errors). Backward doubles the count. Cross-entropy's gradient in each row's logits has L1 norm <= 2:
+    |dloss| <= 2 max|dlogits|."""
     idx = torch.randint(0, cfg.vocab_size, (3, 32))
     targets = torch.randint(0, cfg.vocab_size, (3, 32))
-    # Bound: each fused op errs by <= (K + LAMBDA sqrt(n)) u <= 128 u of its output's size (n <= 64 here);
-    # a forward passes through OPS of them (3 a block, the final and the embedding LayerNorm), and each
-    # error reaches the logits with a gain <= 1 (the residual stream adds; linears at init, std 0.02, shrink;
-    # LayerNorms re-normalise relative errors). Backward doubles the count. Cross-entropy's gradient in
-    # each row's logits has L1 norm <= 2: |dloss| <= 2 max|dlogits|.
-    ops = 3 * cfg.n_layer + 1 + alibi
-    per_op = (max(K.values()) + LAMBDA * cfg.n_embd ** 0.5) * unit_roundoff(torch.float32)
     want = ref(idx)
     assert_within(gpt(idx), want, ops * per_op * want.abs().max(), "logits")
     losses = [m(idx, targets) for m in (gpt, ref)]
@@ -216,6 +322,33 @@ def test_gpt_with_fused_matches_gpt(ext, alibi):
     assert_within(losses[0], losses[1], 2 * ops * per_op * want.abs().max(), "loss")
     for (name, p), q in zip(gpt.named_parameters(), ref.parameters()):
         assert_within(p.grad, q.grad, 2 * ops * per_op * q.grad.abs().max(), name)
+
+
+def test_llama_with_fused_matches_llama(ext):
+    """A Llama GPT (RMSNorm, SwiGLU, rotary, grouped-query attention) after apply_fused: every RMSNorm and
+    GatedMLP runs the kernels (their autograd nodes say so), parameters untouched, and the logits, loss and
+    every gradient equal the eager model's within the bound below."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(arch="llama", n_kv_head=2, vocab_size=300, block_size=32, n_layer=2, n_head=4, n_embd=64)
+    ref = GPT(cfg)
+    gpt = copy.deepcopy(ref)
+    assert fused.apply_fused(gpt)
+    norms = [m for m in gpt.modules() if isinstance(m, modern.RMSNorm)]
+    assert len(norms) == 2 * cfg.n_layer + 1 and all(m.rms_norm is fused.rms_norm for m in norms)
+    assert all(b.mlp.swiglu is fused.swiglu and b.attn.scale_mask_softmax is fused.causal_softmax
+               for b in gpt.blocks.values())
+    assert all(m.rms_norm is modern.rms_norm for m in ref.modules() if isinstance(m, modern.RMSNorm))
+    assert list(gpt.state_dict()) == list(ref.state_dict())
+    block, x = gpt.blocks["0"], torch.randn(3, 32, cfg.n_embd, requires_grad=True)
+    assert type(block.ln_1(x).grad_fn).__name__ == "RMSNormFnBackward"
+    assert type(block.mlp.swiglu(block.mlp.gate_up(x)).grad_fn).__name__ == "SwiGLUFnBackward"
+
+    # Bound: a forward passes through OPS fused ops (2 RMSNorms, a SwiGLU and a softmax a block, and the final
+    # RMSNorm), each erring by at most the largest budget of one: RMSNorm's dx, (K + 5/2 LAMBDA sqrt(n)) u
+    # (magnitudes()), n the longest reduction (the 96 rows behind a weight gradient; h = 64, s = 32)
+    n = max(3 * 32, cfg.n_embd, cfg.block_size)
+    assert_model_within(gpt, ref, cfg, 4 * cfg.n_layer + 1,
+                        (max(K.values()) + 2.5 * LAMBDA * n ** 0.5) * unit_roundoff(torch.float32))
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-march is only set on x86-64")
@@ -251,6 +384,8 @@ def test_build_failure_falls_back_to_pytorch(monkeypatch, capsys):
         assert type(gpt.blocks["0"].ln_1) is torch.nn.LayerNorm and gpt.blocks["0"].mlp.bias_gelu is model.bias_gelu
         x, b = torch.randn(2, 8), torch.randn(8)
         assert torch.equal(fused.bias_gelu(x, b), model.bias_gelu(x, b))
+        assert torch.equal(fused.rms_norm(x, b, 1e-5), modern.rms_norm(x, b, 1e-5))
+        assert torch.equal(fused.swiglu(x), modern.swiglu(x))
         err = capsys.readouterr().err.strip().splitlines()
         assert err == ["nanomega.fused: cannot build the C++ kernels (c++: not found); using the PyTorch path"]
     finally:

@@ -42,8 +42,8 @@ LAYOUTS_8 = [
 ]
 
 
-def flags(corpus, out, extra):
-    return [*COMMON, "--corpus", str(corpus), "--data-cache", str(Path(out).parent / "cache"),
+def flags(corpus, out, extra, common=COMMON):
+    return [*common, "--corpus", str(corpus), "--data-cache", str(Path(out).parent / "cache"),
             "--out-dir", str(out), *extra]
 
 
@@ -53,18 +53,21 @@ def curve(out):
     return [r["loss"] for r in recs if "loss" in r], recs[-1]["val_loss"]  # (step 0 has only a val loss)
 
 
-def run_layouts(corpus, root, layouts, resume_from=None):
+RESUME = ["--batch-size", "1", "--grad-accum", "2", "--zero", "3"]  # dp4-zero3 in a world of 4
+
+
+def run_layouts(corpus, root, layouts, resume_from=None, common=COMMON, resume=RESUME):
     """Runs inside a spawned world: every layout in turn (one start-up for all), then the reshard resume."""
     for name, extra in layouts:
-        train.main(flags(corpus, Path(root) / name, extra))
-    if resume_from:  # resume the 2-step checkpoint of `resume_from` under dp4-zero3 and finish
+        train.main(flags(corpus, Path(root) / name, extra, common))
+    if resume_from:  # resume the 2-step checkpoint of `resume_from` under `resume` and finish
         out = Path(root) / "resumed"
         if td.get_rank() == 0:
             (out / "ckpt").mkdir(parents=True)
             shutil.copytree(Path(root) / resume_from / "ckpt" / "step_000002", out / "ckpt" / "step_000002")
             (out / "ckpt" / "latest").write_text("step_000002")
         td.barrier()
-        train.main(flags(corpus, out, ["--batch-size", "1", "--grad-accum", "2", "--zero", "3", "--resume"]))
+        train.main(flags(corpus, out, [*resume, "--resume"], common))
     return True
 
 

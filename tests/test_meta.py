@@ -19,7 +19,8 @@ def test_segments_are_the_tensor_parallel_slice():
     """The runs of the dense flat index are exactly what tp.shard_param slices, for every rule and rank."""
     h = 8
     shapes = {"wte.weight": (64, h), "c_attn.weight": (3 * h, h), "c_attn.bias": (3 * h,), "c_fc.weight": (4 * h, h),
-              "fc_bias": (4 * h,), "c_proj.weight": (h, 4 * h), "ln_1.weight": (h,)}
+              "fc_bias": (4 * h,), "c_proj.weight": (h, 4 * h), "ln_1.weight": (h,), "q_proj.weight": (h, h),
+              "kv_proj.weight": (h, h), "gate_up.weight": (4 * h, h)}
     for name, shape in shapes.items():
         index = torch.arange(torch.Size(shape).numel()).view(shape)
         for size in (1, 2, 4):
@@ -69,6 +70,11 @@ def expected_local(dense, name, p, grid):
 LAYOUTS = [("tp2", ["--tp", "2"], 2), ("pp2", ["--pp", "2", "--grad-accum", "2"], 2),
            ("tp2-pp2", ["--tp", "2", "--pp", "2", "--grad-accum", "2"], 4), ("zero3-dp2", ["--zero", "3"], 2),
            *[(name, extra, 4) for name, extra in LAYOUTS_4], *[(name, extra, 8) for name, extra in LAYOUTS_8]]
+# the Llama block (4 query heads, 2 key/value heads, an untied head): split k/v at tp2, held whole at tp4
+LLAMA = ["--arch", "llama", "--n-kv-head", "2", "--ffn-hidden", "64", "--untie-embeddings"]
+LAYOUTS += [(f"llama-{name}", [*LLAMA, *extra], world) for name, extra, world in (
+    ("tp2-pp2", ["--tp", "2", "--pp", "2", "--grad-accum", "2"], 4), ("tp4-sp", ["--tp", "4", "--sequence-parallel"], 4),
+    ("tp2-dp2-zero3", ["--tp", "2", "--zero", "3"], 4))]
 
 
 @pytest.mark.parametrize("name,extra,world", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
@@ -146,7 +152,8 @@ PUBLISHED = [("gpt3-175b", 8, 16, 1024, 1, "bf16"), ("bloom-176b", 4, 12, 384, 1
              ("megatron-7.5b", 4, 1, 128, 0, "fp16"), ("megatron-18.4b", 8, 1, 256, 0, "fp16"),
              ("megatron-39.1b", 8, 2, 512, 0, "fp16"), ("megatron-76.1b", 8, 4, 1024, 0, "fp16"),
              ("megatron-145.6b", 8, 8, 1536, 0, "fp16"), ("megatron-310.1b", 8, 16, 1920, 0, "fp16"),
-             ("megatron-529.6b", 8, 35, 2520, 0, "fp16"), ("megatron-1t", 8, 64, 3072, 0, "fp16")]
+             ("megatron-529.6b", 8, 35, 2520, 0, "fp16"), ("megatron-1t", 8, 64, 3072, 0, "fp16"),
+             ("llama3-405b", 8, 16, 8192, 1, "bf16")]  # Llama 3 Table 4 row 1: TP8 PP16 DP64
 # every other preset: the largest tp of 8, 4, 2, 1 its heads allow, 2 stages and 2 replicas with ZeRO-1; and the
 # gpt3 family at ZeRO-3 (no pipeline: the rule of zero.pipeline_error)
 OTHERS = [(name, max(t for t in (1, 2, 4, 8) if PRESETS[name]["n_head"] % t == 0), 2, 0, 1, "bf16")

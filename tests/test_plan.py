@@ -1,9 +1,15 @@
 """The planner's formulas against published figures, the dense model, and hand counts; the CLI end to end."""
 import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
 
-from nanomega import formulas as F
-from nanomega.tools import cost as C, plan as P
+from nanomega import dist, formulas as F
+from nanomega.dist import RING
 from nanomega.model import GPT, GPTConfig
+from nanomega.precision import cast_model
+from nanomega.recompute import apply_recompute, saved_bytes_per_layer
+from nanomega.tp import apply_tensor_parallel
+from nanomega.tools import cost as C, plan as P
 from nanomega.formulas import model_flops_per_token
 
 GPT3 = C.MODELS["gpt3-175b"]
@@ -96,14 +102,30 @@ def test_pipeline_bubble_and_inflight():
     assert F.inflight_microbatches(1, m, "gpipe") == 1
 
 
+LLAMA = dict(vocab_size=300, block_size=32, n_layer=3, n_head=4, n_kv_head=2, n_embd=64, ffn_hidden=96, arch="llama")
+
+
 @pytest.mark.parametrize("kw", [dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64),
                                 dict(vocab_size=300, block_size=32, n_layer=3, n_head=2, n_embd=32, alibi=True,
-                                     embed_layernorm=True)])
+                                     embed_layernorm=True),
+                                LLAMA, dict(LLAMA, tie_embeddings=False), dict(LLAMA, n_kv_head=0, ffn_hidden=0)])
 def test_parameter_and_flop_counts_match_the_dense_model(kw):
     cfg = GPTConfig(**kw)
     model = C.Model.from_shape(vars(cfg))  # the planner's Model is GPTConfig's shape (model.SHAPE_KEYS)
-    assert C.n_params(model) == sum(p.numel() for p in GPT(cfg).parameters())  # tied head counted once
-    n = C.n_params(model) - (0 if cfg.alibi else cfg.block_size * cfg.n_embd)
+    assert (model.kv_heads, model.ffn) == (cfg.kv_heads, cfg.ffn)
+    gpt = GPT(cfg)
+    params = dict(gpt.named_parameters())  # a tied head is the embedding: named once
+    assert C.n_params(model) == sum(p.numel() for p in params.values())
+    # N of 6N: what a matmul multiplies; lookups left out (positions; untied, the token embedding)
+    lookups = {"embed.wpe.weight"} | ({"embed.wte.weight"} if not cfg.tie_embeddings else set())
+    n = C.flops_params(model)
+    assert n == sum(p.numel() for k, p in params.items() if k not in lookups)
+    with FlopCounterMode(display=False) as counter:
+        gpt(torch.zeros(1, cfg.block_size, dtype=torch.long))
+    weights = sum(p.numel() for k, p in params.items() if p.dim() == 2 and k not in lookups)
+    L, h, s = cfg.n_layer, cfg.n_embd, cfg.block_size
+    assert counter.get_total_flops() / s == 2 * weights + 4 * L * h * s  # forward: 2 per weight; QK^T and AV
+    assert L * C.layer_weights(model) == weights - cfg.padded_vocab_size * h  # the time model's matmul weights
     assert F.flops_per_token(n, cfg.n_layer, cfg.n_embd, cfg.block_size) == model_flops_per_token(cfg)
 
 
@@ -117,6 +139,112 @@ def test_tensor_and_pipeline_parameter_shards():
     assert first == 2 * F.layer_params(64, 2) + wte + 32 * 64
     assert last == 2 * F.layer_params(64, 2) + 2 * 64 + wte  # ln_f and the head's own copy of wte
     assert C.n_params(C.MODELS["gpt2-124m"]) == 124_475_904  # nanoGPT's 123.69M + 786,432 positions
+
+
+def test_llama_stage_shards():
+    """Llama's pieces per TP rank and stage, by hand: q, o, gate, up, down split by t; k/v split when t divides
+    the key/value heads, whole otherwise; RMSNorm scales (h) replicated; no position table; the untied head
+    its own (V/t, h) matrix on the last stage, whatever pp."""
+    h, a, f = 64, 4, 96
+    assert F.llama_layer_params(h, f, a, 2, 2) == (h * h + 2 * h * 16 * 2 + 2 * f * h + h * f + h * h) // 2 + 2 * h
+    assert F.llama_layer_params(h, f, a, 2, 4) == (2 * h * h + 3 * h * f) // 4 + 2 * 16 * 2 * h + 2 * h  # k/v whole
+    model = C.Model(4, h, a, 300, 32, arch="llama", n_kv_head=2, ffn_hidden=f, tie_embeddings=False)
+    wte = 512 // 2 * h  # 300 padded to a multiple of 128 x 2, split over tp = 2
+    first, last = C.stage_params(model, tp=2, pp=2)
+    assert first == 2 * F.llama_layer_params(h, f, a, 2, 2) + wte  # no positions
+    assert last == 2 * F.llama_layer_params(h, f, a, 2, 2) + h + wte  # the final RMSNorm and the untied head
+    assert C.n_params(model) == 4 * F.llama_layer_params(h, f, a, 2) + 2 * 384 * h + h
+    tied = replace_run(model, tie_embeddings=True)
+    assert C.stage_params(tied) == [C.n_params(model) - 384 * h]  # pp = 1: one matrix for both
+    assert C.stage_params(tied, 2, 2) == [first, last]  # pp > 1: the last stage's copy, as untied
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_llama_activation_formula_is_what_autograd_saves(attention, dtype):
+    """llama_activation_bytes_per_layer with the bytes of this model's own kernels equals, to the byte, what
+    autograd keeps per layer (recompute.saved_bytes_per_layer) for grouped (2 of 4) and multi-head attention,
+    with no, selective and full recompute; the meter also sees the rotary cos/sin tables in every block (one
+    storage shared by all layers: not a per-layer cost, so the formula leaves them out)."""
+    s, b, h, a, f, act = 32, 2, 64, 4, 96, dtype.itemsize
+    own = dict(act=act, norm=4 + act, swiglu=4, scores=4 + (act if act != 4 else 0), mask=1)  # modern.py's kernels
+    x = torch.randint(0, 256, (b, s), generator=torch.Generator().manual_seed(0))
+    for n_kv in (2, 4):
+        cfg = GPTConfig(vocab_size=256, block_size=s, n_layer=2, n_head=a, n_kv_head=n_kv, n_embd=h, ffn_hidden=f,
+                        arch="llama", tie_embeddings=False, attention=attention)
+        torch.manual_seed(0)
+        model = cast_model(GPT(cfg), dtype)
+        for mode in ("none", "selective", "full"):
+            apply_recompute(model, mode)
+            measured = saved_bytes_per_layer(model, lambda: model(x, x))
+            tables = 0 if mode == "full" else 2 * s * (h // a) * act
+            want = F.llama_activation_bytes_per_layer(s, b, h, a, n_kv, f, recompute=mode, attention=attention,
+                                                      **own)
+            assert list(measured.values()) == [want + tables] * 2, (n_kv, mode)
+    # Llama 3 405B's per-layer count with the defaults (fused kernels, bf16, FlashAttention), TP 8 + SP:
+    # sbh (8 + 4 + 6/16 + 6 x 3.25) / 8 + 8sb/8 + 4abs/8: 0.54 GB per layer and sequence
+    s, h, a, f = 8192, 16384, 128, 53248
+    assert F.llama_activation_bytes_per_layer(s, 1, h, a, 8, f, 8, True) == \
+        s * h * (8 + 4 + 6 / 16 + 6 * f / h) / 8 + s + 4 * a * s / 8
+
+
+def _llama_tp_world():
+    """4 ranks: tp 4 (k/v held whole: 2 key/value heads) and tp 2 (split), with and without SP, eager and sdpa:
+    per rank, the bytes each layer saves and the tp wire bytes of one layer (a 2-layer model less a 1-layer one)."""
+    out = {}
+    for t, grid in ((4, dist.Grid(1, 1, 4)), (2, dist.Grid(2, 1, 2))):
+        for sp in (False, True):
+            for attention in ("eager", "sdpa"):
+                wire = []
+                for n_layer in (1, 2):
+                    torch.manual_seed(0)
+                    model = GPT(GPTConfig(**dict(LLAMA, vocab_size=256, n_layer=n_layer, tie_embeddings=False,
+                                                 attention=attention)))
+                    apply_tensor_parallel(model, grid.tp, sp)
+                    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+                    grid.log.reset()
+                    saved = saved_bytes_per_layer(model, lambda: model(x, x).backward())
+                    wire.append(grid.log.wire_bytes("tp"))
+                out[(t, sp, attention)] = (saved, wire[1] - wire[0])
+    return out
+
+
+def test_llama_tensor_parallel_activations_and_bytes_per_layer():
+    """Under TP the formulas hold per rank: activations as llama_activation_bytes_per_layer(t, sp) (k/v whole on
+    every rank at t = 4 > 2 key/value heads), and one layer's tp wire bytes are tp_comm_bytes_per_layer with 3
+    column-parallel inputs (q_proj and kv_proj gather apart) + the replicated gradients it all-reduces in fp32:
+    the RMSNorm scales under SP (2h), and the whole k/v weight when it is held whole (2 n_kv (h/a) h)."""
+    s, b, h, a, n_kv, f = 32, 2, 64, 4, 2, 96
+    res = dist.launch(_llama_tp_world, 4, timeout=300)
+    own = dict(act=4, norm=8, swiglu=4, scores=4, mask=1)
+    for rank in res:
+        for (t, sp, attention), (saved, wire) in rank.items():
+            want = F.llama_activation_bytes_per_layer(s, b, h, a, n_kv, f, t, sp, attention=attention, **own)
+            assert list(saved.values()) == [want + 2 * s * (h // a) * 4] * 2, (t, sp, attention)  # + rotary tables
+            replicated = (2 * h if sp else 0) + (2 * n_kv * (h // a) * h if n_kv % t else 0)
+            want = F.tp_comm_bytes_per_layer(b, s, h, t, 4, sp, inputs=3) + RING["all_reduce"](t) * 4 * replicated
+            assert wire == want, (t, sp, attention)
+
+
+# Grattafiori et al. 2024 (The Llama 3 Herd of Models), Table 4, 405B: seq 8192, 16M tokens (2,048 sequences) per
+# batch, BF16, no activation checkpointing; interleaved with 8 chunks per rank over Llama 3's split (the text: the
+# first chunk holds only the embedding, the last only the head: 128 slots / 16 ranks); FSDP priced as ZeRO-1
+LLAMA3_RUN = C.Run(global_batch=2048, micro_batch=1, dtype="bf16", recompute="none", sp=True, zero=(1,),
+                   attention="sdpa", schedule="interleaved", chunks=8, split="llama3")
+
+
+@pytest.mark.parametrize("gpus,dp,published", [(8192, 64, 430), (16384, 128, 400)])
+def test_llama3_405b_table_4_out_of_sample(gpus, dp, published):
+    """The time model, fitted on A100 runs of GPT-2-shaped models (TimeModel), predicts Llama 3 405B on H100s
+    within 10% with no constant changed; plain 1F1B on the trainer's split (what nanomega can run: 126 layers do
+    not interleave over 16 stages) pays a bubble Llama 3 did not, and misses by far."""
+    llama, h100 = C.MODELS["llama3-405b"], C.GPUS["h100-80gb"]
+    e = C.evaluate(llama, h100, gpus, 8, 16, 1, LLAMA3_RUN)
+    assert (e.dp, e.micro_batches, e.layers) == (dp, 2048 // dp, (7,) + (8,) * 14 + (7,))
+    assert e.tflops == pytest.approx(e.mfu * h100.peak_flops)  # no recompute: hardware FLOPs = model FLOPs
+    assert e.tflops / 1e12 == pytest.approx(published, rel=0.10)
+    plain = C.evaluate(llama, h100, gpus, 8, 16, 1, replace_run(LLAMA3_RUN, schedule="1f1b", split="trainer"))
+    assert plain.bubble == 15 / (2048 // dp + 15) and plain.tflops / 1e12 < 0.85 * published
 
 
 def test_gpt3_and_opt_compute():
@@ -175,6 +303,30 @@ def test_cli_explicit_shape(capsys):
     assert "220,544 parameters" in out and "MB/GPU" in out
 
 
+def test_cli_plans_llama3_405b(capsys):
+    P.main(["--model", "llama3-405b", "--gpus", "8192", "--gpu", "h100-80gb", "--global-batch", "2048", "--tp", "8",
+            "--pp", "16", "--recompute", "full", "--top", "2"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("llama3-405b: 405,853,388,800 parameters, L=126 h=16384 a=128 kv=8 f=53248 untied ")
+    assert out[0].endswith("recompute full, SP, 1f1b, sdpa attention")  # sdpa: the llama presets' default
+    assert out[2].split()[:5] == ["8", "16", "64", "1", "1"] and out[-1].startswith("recommended: tp=8 pp=16 dp=64")
+    P.main(["--model", "llama3-405b", "--gpus", "8192", "--gpu", "h100-80gb", "--global-batch", "2048", "--tp", "8",
+            "--pp", "16", "--recompute", "full", "--attention", "eager", "--json"])
+    import json
+    assert json.loads(capsys.readouterr().out)["run"]["attention"] == "eager"
+    with pytest.raises(SystemExit) as e:
+        P.main(["--model", "llama3-405b", "--gpus", "8192", "--tp", "8", "--pp", "16", "--schedule", "interleaved"])
+    assert "interleaved needs --pp x --chunks | 126 layers" in str(e.value)  # the trainer's rule: 126 = 2 x 63
+
+
+def test_llama_layouts_tp_must_split_the_mlp_and_the_key_value_heads():
+    run, gpu = C.Run(global_batch=8), C.GPUS["a100-80gb"]
+    kv3 = C.Model(4, 96, 6, 256, 32, arch="llama", n_kv_head=3, ffn_hidden=256)
+    assert "one must divide the other" in P.layout_error(kv3, gpu, 8, 2, 1, 0, run)  # 3 kv heads over tp 2
+    assert P.layout_error(replace_run(kv3, n_kv_head=1), gpu, 8, 2, 1, 0, run) is None  # 1 group on both ranks
+    assert "MLP width 101" in P.layout_error(replace_run(kv3, ffn_hidden=101), gpu, 8, 2, 1, 0, run)
+
+
 @pytest.mark.parametrize("argv,expect", [
     (["--model", "gpt3-175b", "--gpus", "8", "--global-batch", "1536"],
      "smallest cluster that fits is 48 x a100-80gb (tp=8 pp=1 dp=6 zero=3"),
@@ -217,6 +369,12 @@ def test_stages_are_the_trainers_split_with_embedding_first_and_head_last():
     assert counts[0] == 6 * F.layer_params(14336, 4) + wte + 2 * 14336  # + embedding LayerNorm, no positions
     assert counts[11] == 5 * F.layer_params(14336, 4) + wte + 2 * 14336  # + ln_f and the head's copy
     assert C.layers_per_stage(bloom, 5, v=2) == [14] * 5  # interleaved: the rank's two chunks of 7
+    # Llama 3's split: the embedding and the head take a layer's slot each, 128 slots on 16 ranks x 8 chunks
+    llama = C.MODELS["llama3-405b"]
+    assert C.layers_per_stage(llama, 16) == [8] * 14 + [7] * 2  # the trainer's: extra layers to the front
+    assert C.layers_per_stage(llama, 16, 8, "llama3") == [7] + [8] * 14 + [7]
+    assert pp.chunk_layers(128, 16, 0, 0, 8) == range(0, 1) and pp.chunk_layers(128, 16, 15, 7, 8) == range(127, 128)
+    assert C.layers_per_stage(llama, 16, 1, "llama3") == [7] + [8] * 14 + [7]  # 1F1B: 8 slots a rank
 
 
 def test_links_follow_the_trainers_rank_order():

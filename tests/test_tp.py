@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanomega import dist, recompute, tp
+from nanomega import dist, recompute, tp, tp_loss
 from nanomega.model import GPT, GPTConfig
 from nanomega.rng import TrackedDropout, model_parallel_seed
 from tolerance import likely
@@ -89,7 +89,7 @@ def _layers(axis, sp):
         ref = F.cross_entropy(full.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
         ref.backward()
         mine = full.detach().chunk(t, -1)[r].clone().requires_grad_()
-        loss = tp.vocab_parallel_cross_entropy(mine, targets, axis)
+        loss = tp_loss.vocab_parallel_cross_entropy(mine, targets, axis)
         loss.backward()
         out[f"cross-entropy loss {dtype}"] = _err(loss, ref)
         out[f"cross-entropy dlogits {dtype}"] = _err(mine.grad, full.grad.chunk(t, -1)[r])
@@ -284,6 +284,17 @@ def test_shard_unshard_round_trip_every_parameter():
         for t in (1, 2, 4):
             shards = [tp.shard_param(name, p, r, t) for r in range(t)]
             assert torch.equal(tp.unshard_param(name, shards), p), name
+    llama = GPTConfig(vocab_size=100, block_size=8, n_layer=1, n_head=4, n_kv_head=2, n_embd=16, arch="llama",
+                      ffn_hidden=24, tie_embeddings=False, make_vocab_size_divisible_by=512)
+    for name, p in GPT(llama).named_parameters():
+        for t in (1, 2, 4):
+            kv = tp.kv_replicated(llama, t)  # tp 4 > 2 key/value heads: kv_proj held whole
+            shards = [tp.shard_param(name, p, r, t, kv) for r in range(t)]
+            assert torch.equal(tp.unshard_param(name, shards, kv), p), name
+            if name.endswith("kv_proj.weight"):
+                assert shards[0].shape[0] == (16 if kv else 16 // t), (t, shards[0].shape)
+    kv = torch.arange(2 * 2 * 4.0)  # (2, n_kv=2, head_dim=4): rank 1 of 2 gets k and v of key/value head 1
+    assert tp.shard_param("blocks.0.attn.kv_proj.weight", kv, 1, 2).tolist() == list(range(4, 8)) + list(range(12, 16))
     qkv = torch.arange(3 * 16.0)  # (3, n_head=4, head_dim=4): rank 1 of 2 gets heads 2, 3 of q, k and v
     assert tp.shard_param("blocks.0.attn.c_attn.bias", qkv, 1, 2).tolist() == \
         list(range(8, 16)) + list(range(24, 32)) + list(range(40, 48))
@@ -301,3 +312,10 @@ def test_bad_shapes_give_one_clear_line():
         tp.apply_tensor_parallel(GPT(GPTConfig(dropout=0.1, make_vocab_size_divisible_by=256)), fake(2))
     with pytest.raises(ValueError, match=r"sequence length 6 divisible by --tp 4"):
         tp._reduce_scatter_seq(torch.zeros(1, 6, 2), fake(4))
+    llama = dict(arch="llama", n_head=6, n_embd=48, make_vocab_size_divisible_by=512)
+    with pytest.raises(ValueError, match=r"^--tp 2 and --n-kv-head 3: one must divide the other"):
+        tp.apply_tensor_parallel(GPT(GPTConfig(n_kv_head=3, **llama)), fake(2))
+    with pytest.raises(ValueError, match=r"^--tp 4 does not divide --n-head 6"):
+        tp.apply_tensor_parallel(GPT(GPTConfig(n_kv_head=2, **llama)), fake(4))
+    with pytest.raises(ValueError, match=r"^--tp 3 does not divide --ffn-hidden 100; choose --tp among 1, 2$"):
+        tp.apply_tensor_parallel(GPT(GPTConfig(n_kv_head=3, ffn_hidden=100, **llama)), fake(3))

@@ -1,4 +1,5 @@
-// Fused CPU kernels (LayerNorm, causal softmax, bias + GeLU; forward and backward) and the Python bindings.
+// Fused CPU kernels (LayerNorm, causal softmax, bias + GeLU, RMSNorm, SwiGLU; forward and backward) and the
+// Python bindings.
 //
 // These ops are memory-bound: a few FLOPs per byte, so their time is the bytes they move. Each kernel
 // reads its inputs once and writes its outputs once, where eager PyTorch runs one kernel per step and
@@ -141,6 +142,23 @@ template <typename V>
 inline V gelu_grad(const V& u, const V& e, const V& s) {
   using A = typename V::value_type;
   return s * (V(A(1)) + u * (e * s) * (V(A(kA2)) + V(A(3 * kA2 * kB)) * u * u));
+}
+
+// e = exp(-g) with -g clamped to [-80, 80], for sigmoid(g) = 1 / (1 + e): the same guard as exp_neg_2z
+template <typename V>
+inline V exp_neg(const V& g) {
+  using A = typename V::value_type;
+  return at::vec::clamp(-g, V(A(-80)), V(A(80))).exp_u20();
+}
+
+// v rounded to T and widened back: the value a T tensor would hold (identity when T is its own opmath)
+template <typename T>
+inline fVec<T> round_to(const fVec<T>& v) {
+  if constexpr (kWide<T>) {
+    return v;
+  } else {
+    return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v)));
+  }
 }
 
 }  // namespace
@@ -323,6 +341,113 @@ void bias_gelu_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& 
   });
 }
 
+void rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& y, at::Tensor& rstd) {
+  const int64_t H = w.numel(), rows = x.numel() / H;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_fwd", [&] {
+    using V = fVec<scalar_t>;
+    using acc = acc_t<scalar_t>;
+    const scalar_t *X = x.data_ptr<scalar_t>(), *W = w.data_ptr<scalar_t>();
+    scalar_t* Y = y.data_ptr<scalar_t>();
+    acc* R = rstd.data_ptr<acc>();
+    at::parallel_for(0, rows, grain(H), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t* xr = X + r * H;
+        V q(0);  // one reduction, no mean: RMSNorm does not center (LayerNorm needs two)
+        for_chunks<V>(H, [&](int64_t j, int64_t m) {
+          const V v = load(xr + j, m);  // 0 past m
+          q += v * v;
+        });
+        const acc rs = acc(1) / std::sqrt(hsum(q) / H + acc(eps));
+        // modern.rms_norm's (HF's) order: x * rstd rounded to x's dtype, then times the weight, so a
+        // 16-bit output rounds where eager's does
+        for_chunks<V>(H, [&](int64_t j, int64_t m) {
+          store(Y + r * H + j, load(W + j, m) * round_to<scalar_t>(load(xr + j, m) * V(rs)), m);
+        });
+        R[r] = rs;
+      }
+    });
+  });
+}
+
+void rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, const at::Tensor& rstd,
+                  at::Tensor& dx, at::Tensor& dw) {
+  const int64_t H = w.numel(), rows = x.numel() / H;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_bwd", [&] {
+    using V = fVec<scalar_t>;
+    using acc = acc_t<scalar_t>;
+    const scalar_t *DY = dy.data_ptr<scalar_t>(), *X = x.data_ptr<scalar_t>(), *W = w.data_ptr<scalar_t>();
+    const acc* R = rstd.data_ptr<acc>();
+    scalar_t* DX = dx.data_ptr<scalar_t>();
+    dw = rows_with_column_sums<acc>(rows, H, [&](int64_t r, int64_t nr, acc* sums) {
+      // dx = rstd (g - xhat mean(g xhat)),  g = dy w,  xhat = x rstd: LayerNorm's without the mean(g) term
+      acc gx_mean[kRowBlock];
+      for (int64_t k = 0; k < nr; ++k) {
+        const scalar_t *dyr = DY + (r + k) * H, *xr = X + (r + k) * H;
+        V gx_sum(0);
+        for_chunks<V>(H, [&](int64_t j, int64_t m) {
+          gx_sum += load(dyr + j, m) * load(W + j, m) * load(xr + j, m);  // g x; times rstd once, below
+        });
+        gx_mean[k] = hsum(gx_sum) * R[r + k] / H;
+      }
+      for_chunks<V>(H, [&](int64_t j, int64_t m) {
+        const V w = load(W + j, m);
+        V dwj = V::loadu(sums + j, m);
+        for (int64_t k = 0; k < nr; ++k) {
+          const int64_t o = (r + k) * H + j;  // offset of (row, column j)
+          const V d = load(DY + o, m), rs(R[r + k]), xhat = load(X + o, m) * rs;
+          store(DX + o, rs * (d * w - xhat * V(gx_mean[k])), m);
+          dwj += d * xhat;
+        }
+        dwj.store(sums + j, m);
+      });
+    });
+  });
+}
+
+// gate_up rows of 2F laid out [gate | up]: under tensor parallelism each rank's (..., 2f/t) slice keeps that
+// layout, so a row is always two contiguous halves
+void swiglu_fwd(const at::Tensor& gu, at::Tensor& y) {
+  const int64_t F = y.size(-1), rows = y.numel() / F;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "swiglu_fwd", [&] {
+    using V = fVec<scalar_t>;
+    const scalar_t* GU = gu.data_ptr<scalar_t>();
+    scalar_t* Y = y.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain(2 * F), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t *gate = GU + r * 2 * F, *up = gate + F;
+        for_chunks<V>(F, [&](int64_t j, int64_t m) {
+          const V g = load(gate + j, m);  // silu(g) = g sigmoid(g): one exp, one division
+          store(Y + r * F + j, g * sigmoid_of(exp_neg(g)) * load(up + j, m), m);
+        });
+      }
+    });
+  });
+}
+
+// dgate = dy up silu'(g), silu'(g) = s (1 + g (1 - s)) with 1 - s = e s, never a difference (gelu_grad's
+// reason: s is within an ulp of 1 for large g); dup = dy silu(g). gate_up is read once, dgate_up written once.
+void swiglu_bwd(const at::Tensor& dy, const at::Tensor& gu, at::Tensor& dgu) {
+  const int64_t F = dy.size(-1), rows = dy.numel() / F;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "swiglu_bwd", [&] {
+    using V = fVec<scalar_t>;
+    using acc = acc_t<scalar_t>;
+    const scalar_t *DY = dy.data_ptr<scalar_t>(), *GU = gu.data_ptr<scalar_t>();
+    scalar_t* DGU = dgu.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain(2 * F), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t *gate = GU + r * 2 * F, *up = gate + F;
+        scalar_t *dgate = DGU + r * 2 * F, *dup = dgate + F;
+        for_chunks<V>(F, [&](int64_t j, int64_t m) {
+          const V g = load(gate + j, m), d = load(DY + r * F + j, m);
+          const V e = exp_neg(g), s = sigmoid_of(e);
+          store(dgate + j, d * load(up + j, m) * s * (V(acc(1)) + g * (e * s)), m);
+          store(dup + j, d * g * s, m);
+        });
+      }
+    });
+  });
+}
+
 }  // namespace cpu
 
 // ---- the ops Python calls: check, make contiguous, allocate, run the kernel of the tensor's device ----
@@ -410,6 +535,50 @@ std::vector<at::Tensor> bias_gelu_bwd(const at::Tensor& dy, const at::Tensor& x,
   return {dx, db.to(b.scalar_type())};
 }
 
+std::vector<at::Tensor> rms_norm_fwd(const at::Tensor& x_, const at::Tensor& w, double eps) {
+  check_width("rms_norm", x_, w, "weight");
+  const at::Tensor x = x_.contiguous();
+  at::Tensor y = at::empty_like(x);
+  at::Tensor rstd = at::empty({x.numel() / w.numel()}, x.options().dtype(at::toOpMathType(x.scalar_type())));
+  DEVICE_OP(x, rms_norm_fwd)(x, w.contiguous(), eps, y, rstd);
+  return {y, rstd};
+}
+
+std::vector<at::Tensor> rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
+                                     const at::Tensor& rstd) {
+  check_grad("rms_norm backward", x, dy);
+  at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous), dw;
+  DEVICE_OP(x, rms_norm_bwd)(dy.contiguous(), x.contiguous(), w.contiguous(), rstd, dx, dw);
+  return {dx, dw.to(w.scalar_type())};
+}
+
+// the (..., f) output shape of a (..., 2f) gate_up; an odd or empty last dim has no [gate | up] halves
+std::vector<int64_t> swiglu_shape(const char* op, const at::Tensor& gu) {
+  TORCH_CHECK(gu.dim() >= 1 && gu.size(-1) > 0 && gu.size(-1) % 2 == 0, op,
+              ": gate_up must be (..., 2f) laid out [gate | up], an even last dim > 0, got ", gu.sizes());
+  std::vector<int64_t> shape = gu.sizes().vec();
+  shape.back() /= 2;
+  return shape;
+}
+
+at::Tensor swiglu_fwd(const at::Tensor& gu_) {
+  const std::vector<int64_t> shape = swiglu_shape("swiglu", gu_);
+  const at::Tensor gu = gu_.contiguous();
+  at::Tensor y = at::empty(shape, gu.options());
+  DEVICE_OP(gu, swiglu_fwd)(gu, y);
+  return y;
+}
+
+at::Tensor swiglu_bwd(const at::Tensor& dy, const at::Tensor& gu) {
+  const std::vector<int64_t> shape = swiglu_shape("swiglu backward", gu);
+  check_like("swiglu backward", gu, dy, "grad");
+  TORCH_CHECK(dy.sizes() == at::IntArrayRef(shape), "swiglu backward: grad ", dy.sizes(), " must have the shape ",
+              at::IntArrayRef(shape));
+  at::Tensor dgu = at::empty_like(gu, at::MemoryFormat::Contiguous);
+  DEVICE_OP(gu, swiglu_bwd)(dy.contiguous(), gu.contiguous(), dgu);
+  return dgu;
+}
+
 }  // namespace
 }  // namespace nanomega
 
@@ -427,4 +596,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_softmax_bwd", &causal_softmax_bwd, "(dprobs, probs, scale) -> dscores");
   m.def("bias_gelu_fwd", &bias_gelu_fwd, "(x, bias) -> gelu_tanh(x + bias)");
   m.def("bias_gelu_bwd", &bias_gelu_bwd, "(dy, x, bias) -> [dx, dbias]");
+  m.def("rms_norm_fwd", &rms_norm_fwd, "(x, weight, eps) -> [y, rstd]");
+  m.def("rms_norm_bwd", &rms_norm_bwd, "(dy, x, weight, rstd) -> [dx, dweight]");
+  m.def("swiglu_fwd", &swiglu_fwd, "(gate_up) -> silu(gate) * up");
+  m.def("swiglu_bwd", &swiglu_bwd, "(dy, gate_up) -> dgate_up");
 }

@@ -1,5 +1,6 @@
-// CUDA kernels of the fused ops: one block per row for the row-wise ops (LayerNorm, causal softmax),
-// a grid-stride loop for bias + GeLU, and one column-sum kernel for the parameter gradients.
+// CUDA kernels of the fused ops: one block per row for the row-wise ops (LayerNorm, RMSNorm, causal softmax),
+// a grid-stride loop for the element-wise ones (bias + GeLU, SwiGLU), and one column-sum kernel for the
+// parameter gradients.
 // Same math as fused_cpu.cpp, accumulated in at::opmath_type. NOT RUN on the project's machines (no GPU):
 // tests/test_fused.py only compiles this file with nvcc. Lesson: lessons/08-fused-kernels.md
 #include <c10/util/BFloat16.h>
@@ -61,6 +62,12 @@ __device__ A gelu_grad(A u) {
   return s * (A(1) + u * (e * s) * (A(kA2) + A(3 * kA2 * kB) * u * u));
 }
 
+// e = exp(-g), -g clamped to [-80, 80] as above, for sigmoid(g) = 1 / (1 + e)
+template <typename A>
+__device__ A exp_neg(A g) {
+  return exp(max(min(-g, A(80)), A(-80)));
+}
+
 template <typename T, typename A>
 __global__ void layer_norm_fwd_kernel(const T* x, const T* w, const T* b, T* y, A* mean, A* rstd,
                                       int64_t H, A eps) {
@@ -116,6 +123,42 @@ struct BiasGeluBiasGrad {
   int64_t H;
   __device__ void operator()(int64_t r, int64_t j, A& db, A&) const {
     db += A(dy[r * H + j]) * gelu_grad(A(x[r * H + j]) + A(b[j]));
+  }
+};
+
+template <typename T, typename A>
+__global__ void rms_norm_fwd_kernel(const T* x, const T* w, T* y, A* rstd, int64_t H, A eps) {
+  const int64_t r = blockIdx.x;
+  const T* xr = x + r * H;
+  A q = 0;
+  for (int64_t j = threadIdx.x; j < H; j += kThreads) q += A(xr[j]) * A(xr[j]);
+  const A rs = A(1) / sqrt(block_reduce(q, Sum()) / H + eps);
+  // modern.rms_norm's order: x * rstd rounded to T, then times the weight
+  for (int64_t j = threadIdx.x; j < H; j += kThreads) y[r * H + j] = T(A(w[j]) * A(T(A(xr[j]) * rs)));
+  if (threadIdx.x == 0) rstd[r] = rs;
+}
+
+// dx = rstd (g - xhat mean(g xhat)),  g = dy w,  xhat = x rstd
+template <typename T, typename A>
+__global__ void rms_norm_bwd_kernel(const T* dy, const T* x, const T* w, const A* rstd, T* dx, int64_t H) {
+  const int64_t r = blockIdx.x;
+  const A rs = rstd[r];
+  A gx_sum = 0;
+  for (int64_t j = threadIdx.x; j < H; j += kThreads) gx_sum += A(dy[r * H + j]) * A(w[j]) * A(x[r * H + j]);
+  const A gx_mean = block_reduce(gx_sum, Sum()) * rs / H;
+  for (int64_t j = threadIdx.x; j < H; j += kThreads) {
+    dx[r * H + j] = T(rs * (A(dy[r * H + j]) * A(w[j]) - A(x[r * H + j]) * rs * gx_mean));
+  }
+}
+
+// the addend of dweight at (r, j)
+template <typename T, typename A>
+struct RMSNormWeightGrad {
+  const T *dy, *x;
+  const A* rstd;
+  int64_t H;
+  __device__ void operator()(int64_t r, int64_t j, A& dw, A&) const {
+    dw += A(dy[r * H + j]) * A(x[r * H + j]) * rstd[r];
   }
 };
 
@@ -181,6 +224,28 @@ __global__ void bias_gelu_bwd_kernel(const T* dy, const T* x, const T* b, T* dx,
   }
 }
 
+// element i of the (rows, F) output reads gate (r, j) and up (r, F + j) of the (rows, 2F) input
+template <typename T, typename A>
+__global__ void swiglu_fwd_kernel(const T* gu, T* y, int64_t n, int64_t F) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t gate = i / F * 2 * F + i % F;
+    const A g = A(gu[gate]);
+    y[i] = T(g / (A(1) + exp_neg(g)) * A(gu[gate + F]));  // silu(g) * up
+  }
+}
+
+// dgate = dy up s (1 + g e s) (1 - s formed as e s, see gelu_grad), dup = dy g s
+template <typename T, typename A>
+__global__ void swiglu_bwd_kernel(const T* dy, const T* gu, T* dgu, int64_t n, int64_t F) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t gate = i / F * 2 * F + i % F;
+    const A g = A(gu[gate]), u = A(gu[gate + F]), d = A(dy[i]);
+    const A e = exp_neg(g), s = A(1) / (A(1) + e);
+    dgu[gate] = T(d * u * s * (A(1) + g * (e * s)));
+    dgu[gate + F] = T(d * g * s);
+  }
+}
+
 unsigned elementwise_blocks(int64_t n) {  // grid-stride loops: enough blocks to fill any GPU, no more
   return unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, 65536));
 }
@@ -227,6 +292,32 @@ void Launch<T>::bias_gelu_bwd(const T* dy, const T* x, const T* b, T* dx, A* db,
   }
   column_sums_kernel<A><<<(H + 31) / 32, dim3(32, 8), 0, stream>>>(
       BiasGeluBiasGrad<T, A>{dy, x, b, H}, rows, H, db, static_cast<A*>(nullptr));
+}
+
+template <typename T>
+void Launch<T>::rms_norm_fwd(const T* x, const T* w, T* y, A* rstd, int64_t rows, int64_t H, A eps,
+                             cudaStream_t stream) {
+  if (rows > 0) rms_norm_fwd_kernel<T, A><<<rows, kThreads, 0, stream>>>(x, w, y, rstd, H, eps);
+}
+
+template <typename T>
+void Launch<T>::rms_norm_bwd(const T* dy, const T* x, const T* w, const A* rstd, T* dx, A* dw, int64_t rows,
+                             int64_t H, cudaStream_t stream) {
+  if (rows > 0) rms_norm_bwd_kernel<T, A><<<rows, kThreads, 0, stream>>>(dy, x, w, rstd, dx, H);
+  column_sums_kernel<A><<<(H + 31) / 32, dim3(32, 8), 0, stream>>>(
+      RMSNormWeightGrad<T, A>{dy, x, rstd, H}, rows, H, dw, static_cast<A*>(nullptr));
+}
+
+template <typename T>
+void Launch<T>::swiglu_fwd(const T* gu, T* y, int64_t rows, int64_t F, cudaStream_t stream) {
+  if (rows > 0) swiglu_fwd_kernel<T, A><<<elementwise_blocks(rows * F), kThreads, 0, stream>>>(gu, y, rows * F, F);
+}
+
+template <typename T>
+void Launch<T>::swiglu_bwd(const T* dy, const T* gu, T* dgu, int64_t rows, int64_t F, cudaStream_t stream) {
+  if (rows > 0) {
+    swiglu_bwd_kernel<T, A><<<elementwise_blocks(rows * F), kThreads, 0, stream>>>(dy, gu, dgu, rows * F, F);
+  }
 }
 
 template struct Launch<float>;

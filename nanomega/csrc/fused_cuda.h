@@ -25,6 +25,14 @@ struct Launch {
   static void bias_gelu_fwd(const T* x, const T* b, T* y, int64_t rows, int64_t H, cudaStream_t stream);
   static void bias_gelu_bwd(const T* dy, const T* x, const T* b, T* dx, A* db, int64_t rows, int64_t H,
                             cudaStream_t stream);
+  // RMSNorm on rows x H: rstd (rows,); dw (H,)
+  static void rms_norm_fwd(const T* x, const T* w, T* y, A* rstd, int64_t rows, int64_t H, A eps,
+                           cudaStream_t stream);
+  static void rms_norm_bwd(const T* dy, const T* x, const T* w, const A* rstd, T* dx, A* dw, int64_t rows,
+                           int64_t H, cudaStream_t stream);
+  // SwiGLU: gate_up rows x 2F laid out [gate | up]; y, dy rows x F
+  static void swiglu_fwd(const T* gate_up, T* y, int64_t rows, int64_t F, cudaStream_t stream);
+  static void swiglu_bwd(const T* dy, const T* gate_up, T* dgate_up, int64_t rows, int64_t F, cudaStream_t stream);
 };
 
 }  // namespace nanomega::cuda

@@ -90,4 +90,34 @@ void bias_gelu_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& 
   });
 }
 
+void rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& y, at::Tensor& rstd) {
+  const int64_t H = w.numel();
+  on_device(x, [&](auto launch, cudaStream_t s) {
+    launch.rms_norm_fwd(ptr(x), ptr(w), ptr(y), ptr(rstd), x.numel() / H, H, eps, s);
+  });
+}
+
+void rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, const at::Tensor& rstd,
+                  at::Tensor& dx, at::Tensor& dw) {
+  const int64_t H = w.numel();
+  dw = opmath_empty(x, {H});
+  on_device(x, [&](auto launch, cudaStream_t s) {
+    launch.rms_norm_bwd(ptr(dy), ptr(x), ptr(w), ptr(rstd), ptr(dx), ptr(dw), x.numel() / H, H, s);
+  });
+}
+
+void swiglu_fwd(const at::Tensor& gate_up, at::Tensor& y) {
+  const int64_t F = y.size(-1);
+  on_device(gate_up, [&](auto launch, cudaStream_t s) {
+    launch.swiglu_fwd(ptr(gate_up), ptr(y), y.numel() / F, F, s);
+  });
+}
+
+void swiglu_bwd(const at::Tensor& dy, const at::Tensor& gate_up, at::Tensor& dgate_up) {
+  const int64_t F = dy.size(-1);
+  on_device(gate_up, [&](auto launch, cudaStream_t s) {
+    launch.swiglu_bwd(ptr(dy), ptr(gate_up), ptr(dgate_up), dy.numel() / F, F, s);
+  });
+}
+
 }  // namespace nanomega::cuda

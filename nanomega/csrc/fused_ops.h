@@ -20,7 +20,17 @@
   void bias_gelu_fwd(const at::Tensor& x, const at::Tensor& b, at::Tensor& y);                     \
   /* dx = dy * gelu_tanh'(x + b); db (H,) opmath = column sums of dx */                            \
   void bias_gelu_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& b,               \
-                     at::Tensor& dx, at::Tensor& db);
+                     at::Tensor& dx, at::Tensor& db);                                             \
+  /* y = w * T(x * rstd) per row of width H (modern.rms_norm's order); rstd (rows,) opmath */       \
+  void rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& y,           \
+                    at::Tensor& rstd);                                                             \
+  /* dx per row; dw (H,) opmath: column sums of dy * x * rstd */                                   \
+  void rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,                \
+                    const at::Tensor& rstd, at::Tensor& dx, at::Tensor& dw);                       \
+  /* y (..., f) = silu(gate) * up of gate_up (..., 2f) laid out [gate | up] */                     \
+  void swiglu_fwd(const at::Tensor& gate_up, at::Tensor& y);                                       \
+  /* dgate_up = [dy * up * silu'(gate) | dy * silu(gate)] */                                       \
+  void swiglu_bwd(const at::Tensor& dy, const at::Tensor& gate_up, at::Tensor& dgate_up);
 
 namespace nanomega::cpu {
 NANOMEGA_DEVICE_OPS

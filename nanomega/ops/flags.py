@@ -35,6 +35,13 @@ class Config:
     dropout: float
     alibi: bool
     embed_layernorm: bool
+    arch: str
+    n_kv_head: int
+    ffn_hidden: int
+    rope_theta: float
+    rope_scaling: float
+    tie_embeddings: bool
+    norm_eps: float
     tokenizer: str  # data
     corpus: str
     text_field: str
@@ -107,6 +114,15 @@ def parser():
     g.add_argument("--dropout", type=float, default=0.0, help="dropout probability (0: off)")
     g.add_argument("--alibi", action="store_true", help="ALiBi attention biases instead of learned positions")
     g.add_argument("--embed-layernorm", action="store_true", help="LayerNorm after the embedding (BLOOM)")
+    g.add_argument("--arch", default="gpt2", help="gpt2 (LayerNorm, GeLU, learned positions) or llama (RMSNorm, "
+                   "SwiGLU, rotary positions, no biases: nanomega/modern.py)")
+    g.add_argument("--n-kv-head", type=int, default=0, help="llama: key/value heads (grouped-query); 0: --n-head")
+    g.add_argument("--ffn-hidden", type=int, default=0, help="llama: MLP width; 0: 2/3 x 4h up to a multiple of 256")
+    g.add_argument("--rope-theta", type=float, default=10000.0, help="llama: rotary base (Llama 3: 500000)")
+    g.add_argument("--rope-scaling", type=float, default=1.0, help="llama: Llama 3.1's frequency scaling factor")
+    g.add_argument("--untie-embeddings", dest="tie_embeddings", action="store_false",
+                   help="llama: an LM head of its own instead of the token embedding")
+    g.add_argument("--norm-eps", type=float, default=1e-5, help="epsilon of every LayerNorm / RMSNorm")
 
     g = p.add_argument_group("data")
     g.add_argument("--tokenizer", default="shakespeare-4k",
@@ -226,7 +242,9 @@ def model_config(config, vocab_size=None):
     checked; 4096 before)."""
     return GPTConfig(vocab_size=vocab_size or config.vocab_size, block_size=config.block_size,
                      n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd, dropout=config.dropout,
-                     alibi=config.alibi, embed_layernorm=config.embed_layernorm,
+                     alibi=config.alibi, embed_layernorm=config.embed_layernorm, arch=config.arch,
+                     n_kv_head=config.n_kv_head, ffn_hidden=config.ffn_hidden, rope_theta=config.rope_theta,
+                     rope_scaling=config.rope_scaling, tie_embeddings=config.tie_embeddings, norm_eps=config.norm_eps,
                      make_vocab_size_divisible_by=128 * config.tp, attention=config.attention)
 
 

@@ -8,17 +8,26 @@ The trainer takes the shape and keeps its own tokenizer's vocabulary (the data d
 the planner takes the vocabulary too. Explicit shape flags override a preset in both.
 Sources: GPT-2 (Radford et al. 2019; nanoGPT's sizes), GPT-3 Table 2.1 (1.3B: 16 heads of 128, since the
 table's 24 heads do not divide 2048), OPT, BLOOM (70 layers, 14336, 112 heads, 250,880 padded vocabulary,
-ALiBi, embedding LayerNorm), MT-NLG (Korthikanti et al. Table 3), Megatron-LM 2021 Table 1 (V = 51,200).
+ALiBi, embedding LayerNorm), MT-NLG (Korthikanti et al. Table 3), Megatron-LM 2021 Table 1 (V = 51,200),
+Llama 3 (Grattafiori et al. 2024; ffn widths by modern.ffn_hidden's rule, written out).
 Lessons: lessons/01-dense-model.md (the model), lessons/11-planning-a-run.md (the planner).
 """
 from nanomega.model import SHAPE_KEYS
 
 
-def _shape(n_layer, n_embd, n_head, vocab_size, block_size, alibi=False, embed_layernorm=False):
+def _shape(n_layer, n_embd, n_head, vocab_size, block_size, alibi=False, embed_layernorm=False, arch="gpt2",
+           n_kv_head=0, ffn_hidden=0, rope_theta=10000.0, rope_scaling=1.0, tie_embeddings=True, norm_eps=1e-5):
     """One row, in the papers' column order, as {key: value} over model.SHAPE_KEYS (a key added there and not
     here fails at import)."""
     row = locals()
     return {key: row[key] for key in SHAPE_KEYS}
+
+
+def _llama(n_layer, n_embd, n_head, n_kv_head, ffn_hidden, vocab_size=128256, block_size=8192, **kw):
+    """A Llama 3 row: its params.json / config.json (rope theta 500,000, untied head, RMSNorm eps 1e-5)."""
+    kw = dict(dict(rope_theta=500000.0, tie_embeddings=False), **kw)
+    return _shape(n_layer, n_embd, n_head, vocab_size, block_size, arch="llama", n_kv_head=n_kv_head,
+                  ffn_hidden=ffn_hidden, **kw)
 
 
 PRESETS = {
@@ -36,4 +45,10 @@ PRESETS = {
     "megatron-39.1b": _shape(48, 8192, 64, 51200, 2048), "megatron-76.1b": _shape(60, 10240, 80, 51200, 2048),
     "megatron-145.6b": _shape(80, 12288, 96, 51200, 2048), "megatron-310.1b": _shape(96, 16384, 128, 51200, 2048),
     "megatron-529.6b": _shape(105, 20480, 128, 51200, 2048), "megatron-1t": _shape(128, 25600, 160, 51200, 2048),
+    # Llama 3 (Grattafiori et al. 2024, Table 3; the released configs): 8 key/value heads, 128,256 tokens,
+    # pre-trained at 8,192 tokens (3.1 extends to 131,072 with --rope-scaling 8)
+    "llama3-8b": _llama(32, 4096, 32, 8, 14336), "llama3-70b": _llama(80, 8192, 64, 8, 28672),
+    "llama3-405b": _llama(126, 16384, 128, 8, 53248),
+    # trains on a 2-core CPU in minutes: 4 query heads sharing 2 key/value heads, a tied head
+    "llama-small": _shape(4, 128, 4, 4096, 128, arch="llama", n_kv_head=2, ffn_hidden=352),
 }

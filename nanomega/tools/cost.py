@@ -3,17 +3,25 @@
 Idea: put the closed forms of formulas.py together for a model shape, a GPU and a tp x pp x dp x ZeRO layout.
 It is a model, not a measurement; tools/plan.py searches the layouts with it and is the command line.
     layout     the trainer's: stages split as pp.stage_layers (extra layers on the front stages), the embedding
-               on the first stage and the LM head on the last; ranks in the trainer's grid order (dp, pp, tp),
+               on the first stage and the LM head on the last (tied: a copy of the embedding when pp > 1;
+               untied, as Llama 3: its own matrix); ranks in the trainer's grid order (dp, pp, tp),
                tp fastest (dist.Grid): a tp group is tp neighbouring ranks, so tp must divide the GPUs of a node
                to stay on NVLink; a pipeline is tp*pp neighbours; a dp group strides over pipelines
     memory     the heaviest stage's parameters, gradients, optimizer state and the activations of the
-               micro-batches it holds at its peak; fits if <= usable (0.9) x GPU memory
+               micro-batches it holds at its peak; fits if <= usable (0.9) x GPU memory. The block is GPT-2's
+               or Llama's (Model.arch): formulas.layer_params / llama_layer_params, activation_bytes_per_layer /
+               llama_activation_bytes_per_layer
     time       one micro-batch through the slowest stage (its layers, the head on the last) + its pipeline
                sends, times (m + (p-1)/v) slots, + the dp bytes / link (no overlap, as Megatron-LM 2021). A layer:
                    matmul FLOPs / (peak x MATMUL)
                    + (ELEM bytes x bsh [/t with SP] + SCORE bytes x b(a/t)s^2) / HBM bandwidth
                    + tp bytes / NVLink
-               with one set of constants (TIME) fitted on published runs (lessons/11-planning-a-run.md)
+               with one set of constants (TIME) fitted on published runs (lessons/11-planning-a-run.md). Matmul
+               FLOPs are the block's own (Llama: q, o 2h^2, k, v 2h^2 n_kv/a, SwiGLU 3hf; GPT-2 12h^2);
+               Run.attention "sdpa" (FlashAttention) never writes the scores to HBM: no SCORE term, but its
+               backward recomputes QK^T (2bs^2h/t more matmul FLOPs). ELEM was fitted on GPT-2's LayerNorms,
+               dropouts and bias-GeLU and is applied unchanged to Llama's RMSNorms, rotary and SwiGLU (~1% of a
+               405B layer's time: not worth a constant of its own)
     report     TFLOP/s per GPU counting recompute (Megatron's eq. 3 accounting, as papers report it);
                MFU = tokens x (6N + 12Lhs) / (step x GPUs x datasheet peak); days with the batch ramp-up
 Lesson: lessons/11-planning-a-run.md
@@ -21,9 +29,11 @@ Lesson: lessons/11-planning-a-run.md
 from dataclasses import dataclass
 
 from nanomega.formulas import (activation_bytes_per_layer, dp_comm_bytes, flops_per_token,
-                               inflight_microbatches, layer_params, pipeline_bubble, pp_comm_bytes,
-                               tp_comm_bytes_per_layer, zero_state_bytes)
+                               inflight_microbatches, layer_params, llama_activation_bytes_per_layer,
+                               llama_layer_params, pipeline_bubble, pp_comm_bytes, tp_comm_bytes_per_layer,
+                               zero_state_bytes)
 from nanomega.model import SHAPE_KEYS
+from nanomega.modern import ffn_hidden
 from nanomega.ops.presets import PRESETS
 from nanomega.pp import chunk_layers
 
@@ -37,11 +47,30 @@ class Model:
     seq_len: int
     alibi: bool = False  # BLOOM: no position embedding table
     embed_layernorm: bool = False  # BLOOM: LayerNorm after the embedding
+    arch: str = "gpt2"  # llama: RMSNorm, SwiGLU (ffn_hidden), rotary positions, grouped-query (n_kv_head)
+    n_kv_head: int = 0
+    ffn_hidden: int = 0
+    rope_theta: float = 10000.0
+    rope_scaling: float = 1.0
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
 
     @classmethod
     def from_shape(cls, shape):
         """A preset ({model.SHAPE_KEYS: value}) as a Model: GPTConfig's block_size is the planner's seq_len."""
         return cls(**{"seq_len" if k == "block_size" else k: shape[k] for k in SHAPE_KEYS})
+
+    @property
+    def llama(self):
+        return self.arch == "llama"
+
+    @property
+    def kv_heads(self):  # GPTConfig.kv_heads
+        return self.n_kv_head or self.n_head
+
+    @property
+    def ffn(self):  # GPTConfig.ffn: the MLP width f
+        return self.ffn_hidden or (ffn_hidden(self.n_embd) if self.llama else 4 * self.n_embd)
 
 
 MODELS = {name: Model.from_shape(shape) for name, shape in PRESETS.items()}
@@ -92,6 +121,10 @@ class Run:
     usable: float = 0.9  # fraction of GPU memory we plan to fill (CUDA context, NCCL buffers, fragmentation)
     tokens: float = 300e9  # training budget for the days column
     rampup: tuple = None  # Megatron's --rampup-batch-size START INCREMENT SAMPLES
+    # eager: an explicit softmax over scores in HBM (Megatron 2021, BLOOM: the runs TIME was fitted on);
+    # sdpa: FlashAttention (train.py's default --attention on a GPU), the scores stay on chip
+    attention: str = "eager"
+    split: str = "trainer"  # layers per stage: the trainer's, or "llama3" (layers_per_stage)
 
 
 # ---- model shapes -----------------------------------------------------------------------------------------
@@ -99,21 +132,40 @@ def padded_vocab(model, tp=1):
     return -(-model.vocab_size // (128 * tp)) * 128 * tp
 
 
-def layers_per_stage(model, pp, v=1):
-    """Layers each pipeline rank holds: the trainer's split (pp.chunk_layers), summed over its v chunks."""
+def layers_per_stage(model, pp, v=1, split="trainer"):
+    """Layers each pipeline rank holds, summed over its v chunks: the trainer's split (pp.chunk_layers), or
+    "llama3": the embedding and the head take a layer's slot each, L + 2 slots split by the same rule, so the
+    first and last ranks hold a layer less (Llama 3 405B: 128 slots on 16 ranks x 8 chunks; the first chunk
+    holds only the embedding, the last only the head)."""
+    if split not in ("trainer", "llama3"):
+        raise ValueError(f"split {split!r} is not one of trainer, llama3")
+    if split == "llama3":
+        L = model.n_layer
+        slots = [[chunk_layers(L + 2, pp, k, c, v) for c in range(v)] for k in range(pp)]
+        return [sum(len(range(max(r.start, 1), min(r.stop, L + 1))) for r in rank) for rank in slots]
     return [sum(len(chunk_layers(model.n_layer, pp, k, c, v)) for c in range(v)) for k in range(pp)]
 
 
-def stage_params(model, tp=1, pp=1, v=1):
+def block_params(model, tp=1):
+    """One layer on one TP rank: GPT-2's block or Llama's (k/v whole on every rank when tp does not divide
+    the key/value heads, tp.kv_replicated)."""
+    if model.llama:
+        return llama_layer_params(model.n_embd, model.ffn, model.n_head, model.kv_heads, tp)
+    return layer_params(model.n_embd, tp)
+
+
+def stage_params(model, tp=1, pp=1, v=1, split="trainer"):
     """Parameters on one TP rank of each pipeline stage: its layers, the embedding (vocabulary padded to a
-    multiple of 128*tp, split by tp; positions replicated) on the first, ln_f and, when pp > 1, its own copy
-    of the tied LM head on the last."""
+    multiple of 128*tp, split by tp; GPT-2's positions replicated, none with ALiBi or rotary) on the first;
+    the final norm (LayerNorm 2h, RMSNorm h) and the LM head on the last: an untied head's own (V/tp, h)
+    matrix, or with pp > 1 the last stage's copy of the tied embedding."""
     h = model.n_embd
     wte = padded_vocab(model, tp) // tp * h
-    first = wte + (0 if model.alibi else model.seq_len * h) + (2 * h if model.embed_layernorm else 0)
-    counts = [n * layer_params(h, tp) for n in layers_per_stage(model, pp, v)]
+    positions = 0 if model.alibi or model.llama else model.seq_len * h
+    first = wte + positions + (2 * h if model.embed_layernorm else 0)
+    counts = [n * block_params(model, tp) for n in layers_per_stage(model, pp, v, split)]
     counts[0] += first
-    counts[-1] += 2 * h + (wte if pp > 1 else 0)
+    counts[-1] += (h if model.llama else 2 * h) + (wte if pp > 1 or not model.tie_embeddings else 0)
     return counts
 
 
@@ -121,11 +173,19 @@ def n_params(model):
     return stage_params(model)[0]
 
 
-def rank_state_bytes(model, tp, pp, dp, zero, dtype="bf16", v=1):
+def flops_params(model):
+    """N of 6N: every parameter a matmul multiplies. Lookups are left out: the position table, and the token
+    embedding when the head is its own matrix (tied, the one matrix is the head's)."""
+    h = model.n_embd
+    positions = 0 if model.alibi or model.llama else model.seq_len * h
+    return n_params(model) - positions - (0 if model.tie_embeddings else padded_vocab(model) * h)
+
+
+def rank_state_bytes(model, tp, pp, dp, zero, dtype="bf16", v=1, split="trainer"):
     """(parameter, gradient, optimizer) bytes held by one GPU of each pipeline stage: what zero.ZeroEngine
     allocates, up to its flat buffers' padding (< dp elements per group) and Adam's 4-byte step counters
     (train.py --dry-run builds a rank on meta and prints both)."""
-    return [zero_state_bytes(n, zero, dp, *PRECISIONS[dtype]) for n in stage_params(model, tp, pp, v)]
+    return [zero_state_bytes(n, zero, dp, *PRECISIONS[dtype]) for n in stage_params(model, tp, pp, v, split)]
 
 
 # ---- the cluster ------------------------------------------------------------------------------------------
@@ -141,16 +201,48 @@ def links(gpu, gpus, tp, pp):
 
 
 # ---- time -------------------------------------------------------------------------------------------------
+def layer_weights(model, tp=1):
+    """Matmul weights one TP rank multiplies per token in one layer: GPT-2 12h^2/t; Llama (2h^2 + 3hf)/t and
+    its own key/value heads' 2h (h/a) max(1, n_kv/t) (a rank holding k/v whole computes one group only)."""
+    h = model.n_embd
+    if model.llama:
+        return (2 * h * h + 3 * h * model.ffn) / tp + 2 * h * (h // model.n_head) * max(1, model.kv_heads // tp)
+    return 12 * h * h / tp
+
+
+def column_inputs(model):
+    """Column-parallel layers that gather (SP) or all-reduce the gradient of (TP) the block's input on their
+    own: GPT-2 qkv and fc; Llama q_proj, kv_proj and gate_up (tp.py splits q and k/v apart)."""
+    return 3 if model.llama else 2
+
+
+def layer_activation_bytes(model, run, tp, recompute=None):
+    """Activation bytes one layer keeps per micro-batch on one GPU (run.recompute unless given), in the run's
+    dtype. GPT-2: Korthikanti's count in the paper's bytes (sdpa keeps no scores: the selective count);
+    Llama: llama_activation_bytes_per_layer with fused-kernel bytes."""
+    recompute = run.recompute if recompute is None else recompute
+    s, b, h, a = model.seq_len, run.micro_batch, model.n_embd, model.n_head
+    eb = 4 if run.dtype == "fp32" else 2
+    if model.llama:
+        return llama_activation_bytes_per_layer(s, b, h, a, model.kv_heads, model.ffn, tp, run.sp, recompute,
+                                                run.attention, act=eb, norm=eb)
+    if run.attention == "sdpa" and recompute == "none":
+        recompute = "selective"  # FlashAttention keeps q, k, v and the output, as selective recompute does
+    return activation_bytes_per_layer(s, b, h, a, tp, run.sp, recompute) * eb / 2  # the paper counts 2 bytes
+
+
 def layer_seconds(model, gpu, run, tp, time=TIME):
     """One layer, one micro-batch, forward + backward (+ recompute) on one GPU (the formula in the docstring)."""
     b, s, h, a = run.micro_batch, model.seq_len, model.n_embd, model.n_head
     full, attn_again = run.recompute == "full", run.recompute in ("full", "selective")
-    dense = 24 * b * s * h * h / tp * (3 + full)  # forward 1, backward 2, recompute 1
-    attn = 4 * b * s * s * h / tp * (3 + attn_again)
+    flash = run.attention == "sdpa"
+    dense = 2 * b * s * layer_weights(model, tp) * (3 + full)  # forward 1, backward 2, recompute 1
+    # QK^T and AV (GQA shares k/v between heads, not the products); FlashAttention's backward reruns QK^T
+    attn = 4 * b * s * s * h / tp * (3 + attn_again) + (2 * b * s * s * h / tp if flash else 0)
     hbm = (time.elem * b * s * h / (tp if run.sp else 1) * (1 + full / 3)
-           + time.score * b * a / tp * s * s * (1 + attn_again / 3))
+           + (0 if flash else time.score * b * a / tp * s * s * (1 + attn_again / 3)))
     eb = 4 if run.dtype == "fp32" else 2
-    tp_b = tp_comm_bytes_per_layer(b, s, h, tp, eb, run.sp, run.recompute)
+    tp_b = tp_comm_bytes_per_layer(b, s, h, tp, eb, run.sp, run.recompute, column_inputs(model))
     return (dense + attn) / (gpu.peak_flops * time.matmul) + hbm / gpu.hbm_bw + tp_b / gpu.intra_bw
 
 
@@ -163,13 +255,13 @@ def step_seconds(model, gpu, gpus, tp, pp, zero, run, time=TIME, global_batch=No
     eb = 4 if run.dtype == "fp32" else 2
     layer = layer_seconds(model, gpu, run, tp, time)
     head = 6 * run.micro_batch * model.seq_len * padded_vocab(model, tp) * model.n_embd / tp
-    stages = [n * layer for n in layers_per_stage(model, pp, v)]
+    stages = [n * layer for n in layers_per_stage(model, pp, v, run.split)]
     stages[-1] += head / (gpu.peak_flops * time.matmul)  # logits forward + 2 backward GEMMs, never recomputed
     pp_bw, dp_bw = links(gpu, gpus, tp, pp)
     sends = pp_comm_bytes(run.micro_batch, model.seq_len, model.n_embd, tp, eb, 1, v) if pp > 1 else 0
     slot = max(stages) + sends / pp_bw
     pipe = (m + (pp - 1) / v) * slot
-    dp_b = dp_comm_bytes(max(stage_params(model, tp, pp, v)), zero, dp, PRECISIONS[run.dtype][1],
+    dp_b = dp_comm_bytes(max(stage_params(model, tp, pp, v, run.split)), zero, dp, PRECISIONS[run.dtype][1],
                          PRECISIONS[run.dtype][0], m)
     return pipe + dp_b / dp_bw, pipeline_bubble(pp, m, v)  # = (p-1)/v slots of the m + (p-1)/v
 
@@ -218,27 +310,27 @@ class Estimate:
 
 def evaluate(model, gpu, gpus, tp, pp, zero, run, time=TIME):
     """Memory, bytes, step time, FLOP/s, MFU and days of one layout."""
-    L, h, a, s, b = model.n_layer, model.n_embd, model.n_head, model.seq_len, run.micro_batch
+    L, h, s, b = model.n_layer, model.n_embd, model.seq_len, run.micro_batch
     dp = gpus // (tp * pp)
     m = run.global_batch // (dp * b)
     v = run.chunks if run.schedule == "interleaved" and pp > 1 else 1
     pb, gb, ob = PRECISIONS[run.dtype]
     eb = 4 if run.dtype == "fp32" else 2
-    layers = layers_per_stage(model, pp, v)
-    act = activation_bytes_per_layer(s, b, h, a, tp, run.sp, run.recompute) * eb / 2  # paper counts 2-byte
+    layers = layers_per_stage(model, pp, v, run.split)
+    act = layer_activation_bytes(model, run, tp)
     # full recompute rebuilds one layer's whole activations in backward: the working set on top of the inputs
-    work = activation_bytes_per_layer(s, b, h, a, tp, run.sp) * eb / 2 if run.recompute == "full" else 0
+    work = layer_activation_bytes(model, run, tp, "none") if run.recompute == "full" else 0
     stages = []
-    for k, state in enumerate(rank_state_bytes(model, tp, pp, dp, zero, run.dtype, v)):
+    for k, state in enumerate(rank_state_bytes(model, tp, pp, dp, zero, run.dtype, v, run.split)):
         held = act * layers[k] * inflight_microbatches(pp - k, m, run.schedule, v) + work
         stages.append((sum(state) + held, state, held))
     _, (params, grads, optim), acts = max(stages, key=lambda x: x[0])
-    tp_b = m * max(layers) * tp_comm_bytes_per_layer(b, s, h, tp, eb, run.sp, run.recompute)
+    tp_b = m * max(layers) * tp_comm_bytes_per_layer(b, s, h, tp, eb, run.sp, run.recompute, column_inputs(model))
     pp_b = pp_comm_bytes(b, s, h, tp, eb, m, v) if pp > 1 else 0
-    dp_b = dp_comm_bytes(max(stage_params(model, tp, pp, v)), zero, dp, gb, pb, m)
+    dp_b = dp_comm_bytes(max(stage_params(model, tp, pp, v, run.split)), zero, dp, gb, pb, m)
     step, bubble = step_seconds(model, gpu, gpus, tp, pp, zero, run, time)
     tokens = run.global_batch * s
-    n = n_params(model) - (0 if model.alibi else s * h)  # matmul parameters: positions are a lookup
+    n = flops_params(model)
     head = padded_vocab(model) * h
     tflops = tokens * flops_per_token(n, L, h, s, run.recompute, head) / (step * gpus)
     mfu = tokens * flops_per_token(n, L, h, s) / (step * gpus * gpu.peak_flops)

@@ -1,43 +1,62 @@
-"""Hugging Face GPT-2 in and out: a nanomega checkpoint <-> a transformers `GPT2LMHeadModel` folder.
+"""Hugging Face in and out: a nanomega checkpoint <-> a transformers `GPT2LMHeadModel` or `LlamaForCausalLM` folder.
 
-    python -m nanomega.tools.hf export --out-dir out --to gpt2-mine     # any layout -> config.json + model.safetensors
-    python -m nanomega.tools.hf import gpt2-mine --out-dir ft           # -> a step-0 checkpoint: train.py --resume
+    python -m nanomega.tools.hf export --out-dir out --to mine    # any layout -> config.json + model.safetensors
+    python -m nanomega.tools.hf import mine --out-dir ft          # -> a step-0 checkpoint: train.py --resume
+    model = nanomega.tools.hf.load_pretrained("mine")             # -> the dense model.GPT, fp32, in Python
 
 Idea: nanomega's dense GPT *is* GPT-2 (pre-LayerNorm blocks, learned positions, tanh GeLU, tied head,
-LayerNorm eps 1e-5, qkv laid out (3, n_head, head_dim)), so the exchange is a renaming plus two details:
-  - transformers' GPT-2 uses Conv1D, whose weight is the transpose of nn.Linear's: W_hf = W^T (in, out).
-  - nanomega pads the vocabulary to a multiple of 128 x tp (Megatron); GPT-2 does not (50,257). Export keeps
-    the first V rows of the embedding, import appends zero rows; the padded rows are out of the loss
-    (model.cross_entropy) and never sampled, so both directions are exact: logits[..., :V] are equal.
-Models that are not GPT-2 (ALiBi, an embedding LayerNorm: BLOOM's) are refused with one line.
+LayerNorm eps 1e-5, qkv laid out (3, n_head, head_dim)), and with arch="llama" it *is* Llama (RMSNorm, SwiGLU,
+grouped-query attention, no biases, RoPE in HF's rotate-half layout: q and k need no permutation), so the
+exchange is a renaming plus a few details:
+  - GPT-2: transformers' Conv1D weight is the transpose of nn.Linear's: W_hf = W^T (in, out).
+  - Llama: nanomega makes k and v in one matmul, and gate and up in one (tp.py splits each half):
+    kv_proj = [k_proj; v_proj] and gate_up = [gate_proj; up_proj], stacked by rows.
+  - nanomega pads the vocabulary to a multiple of 128 x tp (Megatron); HF does not (GPT-2: 50,257). Export keeps
+    the first V rows of the embedding (and of an untied head), import appends zero rows; the padded rows are out
+    of the loss (model.cross_entropy) and never sampled, so both directions are exact: logits[..., :V] are equal.
+What nanomega cannot compute is refused in one line naming the field, before anything is written: GPT-2 with
+ALiBi or an embedding LayerNorm (BLOOM's); Llama with biases, an activation other than SiLU, head_dim other than
+hidden/heads, a RoPE other than plain or Llama 3.1's (its factor is free; low 1, high 4, original context 8192
+are modern.LLAMA3_*); any other model_type.
 The checkpoint of any tp x pp x dp x ZeRO layout is read through reshard.full_weights (full tensors).
-Tokenizer: a byte-level BPE with GPT-2's split pattern (shakespeare-4k, a .tiktoken file) becomes an HF
-tokenizer.json (transformers' TikTokenConverter); import turns GPT-2's vocab.json/tokenizer.json back into
-a .tiktoken file that `--tokenizer` reads.
+Tokenizer (tools/tokenizer.py: to_hf, from_hf): a byte-level BPE with GPT-2's split pattern (shakespeare-4k, a
+.tiktoken file) becomes an HF tokenizer.json; import turns GPT-2's vocab.json or such a tokenizer.json back into a
+.tiktoken file that `--tokenizer` reads. data.get_tokenizer knows GPT-2's split pattern only, so import refuses a
+Llama whose tokenizer splits otherwise (Llama 3's regex, Llama 2's SentencePiece): fine-tuning needs text encoded
+as the model was trained; load_pretrained (the weights only) still reads it.
 Needs the `hf` extra: pip install transformers safetensors.
 """
 import argparse
 import json
 import os
+import types
 from pathlib import Path
 
 import torch
 
 from nanomega import checkpoint, data, reshard
 from nanomega.ops import faults
-from nanomega.data import ENDOFTEXT, GPT2_PATTERN
-from nanomega.model import SIZES, GPTConfig
-from nanomega.tools.tokenizer import save_ranks
+from nanomega.model import GPT, SHAPE_KEYS, SIZES, GPTConfig
+from nanomega.modern import LLAMA3_HIGH_FREQ, LLAMA3_LOW_FREQ, LLAMA3_ORIGINAL_CONTEXT
+from nanomega.tools import tokenizer
 
 # nanomega name -> transformers GPT2LMHeadModel name, per block ({i}); Conv1D weights are transposed
-_BLOCK = {"ln_1.weight": "ln_1.weight", "ln_1.bias": "ln_1.bias", "ln_2.weight": "ln_2.weight",
-          "ln_2.bias": "ln_2.bias", "attn.c_attn.weight": "attn.c_attn.weight", "attn.c_attn.bias": "attn.c_attn.bias",
-          "attn.c_proj.weight": "attn.c_proj.weight", "attn.c_proj.bias": "attn.c_proj.bias",
-          "mlp.c_fc.weight": "mlp.c_fc.weight", "mlp.fc_bias": "mlp.c_fc.bias",
-          "mlp.c_proj.weight": "mlp.c_proj.weight", "mlp.c_proj.bias": "mlp.c_proj.bias"}
+_BLOCK = {k: k for k in ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.c_attn.weight",
+                         "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias", "mlp.c_fc.weight",
+                         "mlp.c_proj.weight", "mlp.c_proj.bias")} | {"mlp.fc_bias": "mlp.c_fc.bias"}
 _TOP = {"embed.wte.weight": "transformer.wte.weight", "embed.wpe.weight": "transformer.wpe.weight",
         "head.ln_f.weight": "transformer.ln_f.weight", "head.ln_f.bias": "transformer.ln_f.bias"}
 _CONV1D = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
+# nanomega name -> transformers LlamaForCausalLM names, per block (model.layers.{i}.); two names: stacked by rows
+_LLAMA_BLOCK = {"ln_1.weight": ("input_layernorm.weight",), "ln_2.weight": ("post_attention_layernorm.weight",),
+                "attn.q_proj.weight": ("self_attn.q_proj.weight",), "attn.c_proj.weight": ("self_attn.o_proj.weight",),
+                "attn.kv_proj.weight": ("self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+                "mlp.gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+                "mlp.c_proj.weight": ("mlp.down_proj.weight",)}
+_PADDED = ("embed.wte.weight", "head.lm_head.weight")  # (V padded, h) here, (V, h) in transformers
+# Llama 3.1's RoPE constants as transformers names them; nanomega computes these values only (modern.py)
+_LLAMA3 = {"low_freq_factor": LLAMA3_LOW_FREQ, "high_freq_factor": LLAMA3_HIGH_FREQ,
+           "original_max_position_embeddings": LLAMA3_ORIGINAL_CONTEXT}
 
 
 def _require():
@@ -57,6 +76,16 @@ def name_map(n_layer):
     return names
 
 
+def llama_name_map(n_layer, tied=True):
+    """{nanomega parameter name: (transformers names)} for a Llama of n_layer blocks; a tied head has no name."""
+    names = {"embed.wte.weight": ("model.embed_tokens.weight",), "head.ln_f.weight": ("model.norm.weight",)}
+    if not tied:
+        names["head.lm_head.weight"] = ("lm_head.weight",)
+    for i in range(n_layer):
+        names.update({f"blocks.{i}.{a}": tuple(f"model.layers.{i}.{n}" for n in b) for a, b in _LLAMA_BLOCK.items()})
+    return names
+
+
 def check_gpt2(cfg: GPTConfig):
     if cfg.alibi or cfg.embed_layernorm:
         what = "ALiBi attention" if cfg.alibi else "an embedding LayerNorm"
@@ -64,36 +93,86 @@ def check_gpt2(cfg: GPTConfig):
                          f"as a GPT2LMHeadModel; train without --alibi/--embed-layernorm to export")
 
 
+def llama_config(c: dict) -> GPTConfig:
+    """The GPTConfig of a transformers Llama config (config.json's dict, as transformers 4 or 5 writes it); every
+    field nanomega cannot compute is named in one ValueError line."""
+    h, nh = c["hidden_size"], c["num_attention_heads"]
+    nkv = c.get("num_key_value_heads") or nh
+    key = "rope_parameters" if c.get("rope_parameters") else "rope_scaling"  # transformers 5 / 4
+    rope = c.get(key) or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    bad = [(c.get("attention_bias"), "attention_bias true (nanomega's Llama has no biases)"),
+           (c.get("mlp_bias"), "mlp_bias true (nanomega's Llama has no biases)"),
+           (c.get("hidden_act", "silu") != "silu", f"hidden_act {c.get('hidden_act')!r} (nanomega: silu)"),
+           (h % nh or c.get("head_dim") not in (None, h // nh),
+            f"head_dim {c.get('head_dim')} (nanomega: hidden_size / num_attention_heads = {h / nh:g})"),
+           (nh % nkv, f"num_key_value_heads {nkv} (nanomega: a divisor of num_attention_heads {nh})"),
+           (kind not in ("default", "llama3"), f"{key} rope_type {kind!r} (nanomega: none or 'llama3')"),
+           (rope.get("partial_rotary_factor", 1.0) != 1.0,
+            f"{key} partial_rotary_factor {rope.get('partial_rotary_factor')} (nanomega: 1)")]
+    if kind == "llama3":
+        bad += [(rope.get(k) != v, f"{key} {k} {rope.get(k)} (nanomega's llama3 rule: {v:g})")
+                for k, v in _LLAMA3.items()]
+    bad = [why for is_bad, why in bad if is_bad]
+    if bad:
+        raise ValueError(f"this Llama differs from nanomega's: {'; '.join(bad)}; it cannot be imported exactly")
+    theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))  # transformers' defaults where a field is absent
+    return GPTConfig(arch="llama", vocab_size=c["vocab_size"], block_size=c.get("max_position_embeddings", 2048),
+                     n_layer=c["num_hidden_layers"], n_head=nh, n_kv_head=nkv, n_embd=h,
+                     ffn_hidden=c["intermediate_size"], rope_theta=float(theta),
+                     rope_scaling=float(rope["factor"]) if kind == "llama3" else 1.0,
+                     tie_embeddings=bool(c.get("tie_word_embeddings", False)), norm_eps=c.get("rms_norm_eps", 1e-6))
+
+
 def to_hf(weights, cfg: GPTConfig):
-    """transformers GPT2LMHeadModel from nanomega full weights {name: tensor} (fp32; padded rows dropped)."""
+    """transformers GPT2LMHeadModel or LlamaForCausalLM (by cfg.arch) from nanomega full weights {name: tensor}
+    (fp32; padded rows dropped)."""
     transformers = _require()
-    check_gpt2(cfg)
-    hf_cfg = transformers.GPT2Config(
-        vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
-        n_head=cfg.n_head, activation_function="gelu_new", resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
-        attn_pdrop=cfg.dropout, layer_norm_epsilon=1e-5, bos_token_id=cfg.vocab_size - 1,
-        eos_token_id=cfg.vocab_size - 1, tie_word_embeddings=True)
+    v = cfg.vocab_size
+    if cfg.arch == "llama":
+        rope = None if cfg.rope_scaling == 1.0 else dict(rope_type="llama3", factor=cfg.rope_scaling, **_LLAMA3)
+        hf_cfg = transformers.LlamaConfig(
+            vocab_size=v, hidden_size=cfg.n_embd, intermediate_size=cfg.ffn, num_hidden_layers=cfg.n_layer,
+            num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads, head_dim=cfg.n_embd // cfg.n_head,
+            hidden_act="silu", max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
+            rope_theta=cfg.rope_theta, rope_scaling=rope, tie_word_embeddings=cfg.tie_embeddings,
+            attention_bias=False, mlp_bias=False, bos_token_id=v - 1, eos_token_id=v - 1)
+        names, model_class = llama_name_map(cfg.n_layer, cfg.tie_embeddings), transformers.LlamaForCausalLM
+    else:
+        check_gpt2(cfg)
+        hf_cfg = transformers.GPT2Config(
+            vocab_size=v, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
+            n_head=cfg.n_head, activation_function="gelu_new", resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
+            attn_pdrop=cfg.dropout, layer_norm_epsilon=cfg.norm_eps, bos_token_id=v - 1, eos_token_id=v - 1,
+            tie_word_embeddings=True)
+        names, model_class = {k: (n,) for k, n in name_map(cfg.n_layer).items()}, transformers.GPT2LMHeadModel
     state = {}
-    for ours, theirs in name_map(cfg.n_layer).items():
+    for ours, theirs in names.items():
         t = weights[ours].float()
-        if ours == "embed.wte.weight":
-            t = t[:cfg.vocab_size]  # (V_padded, h) -> (V, h)
-        state[theirs] = t.t().contiguous() if ours.endswith(_CONV1D) else t
-    model = transformers.GPT2LMHeadModel(hf_cfg)
+        t = t[:v] if ours in _PADDED else t  # (V_padded, h) -> (V, h)
+        t = t.t() if ours.endswith(_CONV1D) and cfg.arch == "gpt2" else t
+        state.update(zip(theirs, (part.contiguous() for part in t.chunk(len(theirs)))))  # [k; v] -> k, v
+    model = model_class(hf_cfg)
     missing, unexpected = model.load_state_dict(state, strict=False)
     left = [k for k in missing if k != "lm_head.weight" and not k.endswith(".attn.bias")]  # tied / causal buffer
-    if left or unexpected:
-        raise ValueError(f"GPT-2 mapping incomplete: missing {left[:3]}, unexpected {unexpected[:3]}")
+    if left or unexpected or (not cfg.tie_embeddings and "lm_head.weight" in missing):
+        raise ValueError(f"{cfg.arch} mapping incomplete: missing {left[:3]}, unexpected {unexpected[:3]}")
     model.tie_weights()
     return model.eval()
 
 
 def from_hf(model):
-    """(GPTConfig, nanomega full weights) from a transformers GPT2LMHeadModel; refuses what is not GPT-2."""
+    """(GPTConfig, nanomega full weights) from a transformers GPT2LMHeadModel or LlamaForCausalLM; refuses what
+    nanomega cannot compute."""
+    if model.config.model_type == "llama":
+        cfg = llama_config(model.config.to_dict())
+        theirs = model.state_dict()
+        weights = {ours: torch.cat([theirs[n].detach().float() for n in names])  # a copy, even of one tensor
+                   for ours, names in llama_name_map(cfg.n_layer, cfg.tie_embeddings).items()}
+        return cfg, _pad_vocab(weights, cfg)
     c = model.config
     act = getattr(c, "activation_function", "gelu_new")
     bad = [(act not in ("gelu_new", "gelu_pytorch_tanh"), f"activation_function {act!r} (nanomega: tanh GeLU)"),
-           (abs(c.layer_norm_epsilon - 1e-5) > 1e-12, f"layer_norm_epsilon {c.layer_norm_epsilon} (nanomega: 1e-5)"),
            (c.n_inner not in (None, 4 * c.n_embd), f"n_inner {c.n_inner} (nanomega: 4 x n_embd)"),
            (getattr(c, "scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx"),
            (not getattr(c, "scale_attn_weights", True), "scale_attn_weights False"),
@@ -102,103 +181,127 @@ def from_hf(model):
     if bad:
         raise ValueError(f"this GPT-2 differs from nanomega's: {'; '.join(bad)}; it cannot be imported exactly")
     cfg = GPTConfig(vocab_size=c.vocab_size, block_size=c.n_positions, n_layer=c.n_layer, n_head=c.n_head,
-                    n_embd=c.n_embd, dropout=c.resid_pdrop)
+                    n_embd=c.n_embd, dropout=c.resid_pdrop, norm_eps=c.layer_norm_epsilon)
     theirs = model.state_dict()
     weights = {}
     for ours, name in name_map(cfg.n_layer).items():
         t = theirs[name].detach().float()
         weights[ours] = t.t().contiguous() if ours.endswith(_CONV1D) else t.clone()
-    pad = cfg.padded_vocab_size - cfg.vocab_size  # zero rows: never looked up, out of the loss, never sampled
-    wte = weights["embed.wte.weight"]
-    weights["embed.wte.weight"] = torch.cat([wte, wte.new_zeros(pad, c.n_embd)])
-    return cfg, weights
+    return cfg, _pad_vocab(weights, cfg)
 
 
-def _hf_tokenizer(enc):
-    """An HF fast tokenizer equal to a GPT-2-pattern tiktoken Encoding, or None if it has no such equivalent."""
-    if enc._pat_str != GPT2_PATTERN or set(enc._special_tokens) != {ENDOFTEXT}:
-        return None
+def _pad_vocab(weights, cfg):
+    """Zero rows up to the padded vocabulary: never looked up, out of the loss, never sampled."""
+    for name in _PADDED:
+        if name in weights:
+            t = weights[name]
+            weights[name] = torch.cat([t, t.new_zeros(cfg.padded_vocab_size - cfg.vocab_size, t.shape[1])])
+    return weights
+
+
+def hf_config(src):
+    """config.json of a transformers folder, as a dict; the model types nanomega reads: gpt2, llama."""
+    path = Path(src) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{src} has no config.json: not a transformers model folder")
+    c = json.loads(path.read_text())
+    if c.get("model_type") not in ("gpt2", "llama"):
+        raise ValueError(f"{path}: model_type {c.get('model_type')!r} (nanomega: gpt2 or llama)")
+    if c["model_type"] == "llama":
+        llama_config(c)  # refused before a weight is read
+    return c
+
+
+def read_hf(src):
+    """(GPTConfig, nanomega full weights) of a transformers GPT-2 or Llama folder."""
     transformers = _require()
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-    conv = TikTokenConverter(pattern=GPT2_PATTERN, extra_special_tokens=[ENDOFTEXT])
-    conv.load_tiktoken_bpe = lambda _: enc._mergeable_ranks  # the ranks we already hold, not a file or URL
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=conv.converted(), bos_token=ENDOFTEXT,
-                                                eos_token=ENDOFTEXT, unk_token=ENDOFTEXT,
-                                                model_max_length=None)
+    kind = hf_config(src)["model_type"]
+    model_class = transformers.LlamaForCausalLM if kind == "llama" else transformers.GPT2LMHeadModel
+    return from_hf(model_class.from_pretrained(src, local_files_only=True, dtype=torch.float32))
+
+
+def load_pretrained(src, attention="eager") -> GPT:
+    """The dense nanomega model (model.GPT: fp32, in eval mode, its head tied as the folder says) of a transformers
+    GPT-2 or Llama folder; nothing is written, no tokenizer is read."""
+    cfg, weights = read_hf(src)
+    cfg.attention = attention  # eager, sdpa or fused (model.ATTENTION): the model reads it when built
+    with torch.device("meta"):  # shapes only: the weights are assigned, nothing is drawn first
+        model = GPT(cfg, seed=0)
+    if cfg.tie_embeddings:
+        weights["head.lm_head.weight"] = weights["embed.wte.weight"]
+    model.load_state_dict(weights, assign=True)
+    if cfg.tie_embeddings:  # assign leaves two Parameters on one tensor: make them one again, as GPT() ties them
+        model.head.lm_head.weight = model.embed.wte.weight
+    return model.eval()
 
 
 def export(out_dir, to):
-    """Write the latest checkpoint of out_dir as a transformers GPT-2 folder `to`; returns its path."""
+    """Write the latest checkpoint of out_dir as a transformers GPT-2 or Llama folder `to`; returns its path."""
     folder, cfg, tok_name = checkpoint.saved_model(out_dir)
-    check_gpt2(cfg)  # before reading any shard
+    check_gpt2(cfg)  # before reading any shard (a Llama has no ALiBi: validate refuses it)
     model = to_hf(reshard.full_weights(folder), cfg)
     model.save_pretrained(to)  # config.json + model.safetensors (safe serialization is the default)
-    tok = _hf_tokenizer(data.get_tokenizer(tok_name))
+    tok = tokenizer.to_hf(data.get_tokenizer(tok_name))
     if tok is not None:
         tok.save_pretrained(to)
     return to, tok is not None
 
 
-def _byte_decoder():
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-    return {v: k for k, v in bytes_to_unicode().items()}
-
-
 def import_tokenizer(src, out_dir):
     """GPT-2 byte-level BPE (vocab.json, or tokenizer.json) in `src` -> out_dir/tokenizer.tiktoken, or None."""
-    src = Path(src)
-    if (src / "tokenizer.json").is_file():  # the BPE vocabulary, and the special tokens kept apart from it
-        spec = json.loads((src / "tokenizer.json").read_text())
-        vocab = dict(spec["model"].get("vocab", {}), **{t["content"]: t["id"] for t in spec.get("added_tokens", [])})
-    elif (src / "vocab.json").is_file():  # GPT-2's original files: vocab.json (+ merges.txt)
-        vocab = json.loads((src / "vocab.json").read_text())
-    else:
+    ranks, _ = tokenizer.from_hf(src)
+    if ranks is None:
         return None
-    dec = _byte_decoder()
-    ranks = {bytes(dec[ch] for ch in tok): i for tok, i in vocab.items() if tok != ENDOFTEXT}
-    if sorted(ranks.values()) != list(range(len(ranks))) or vocab.get(ENDOFTEXT) != len(ranks):
-        return None  # not GPT-2's layout (ranks 0..n-1, then <|endoftext|>): no .tiktoken equivalent
     path = Path(out_dir).resolve() / "tokenizer.tiktoken"
-    save_ranks(ranks, path)
+    tokenizer.save_ranks(ranks, path)
     return str(path)
 
 
 def import_(src, out_dir):
-    """A transformers GPT-2 folder -> a step-0 nanomega checkpoint in out_dir (single-process, dense)."""
-    transformers = _require()
+    """A transformers GPT-2 or Llama folder -> a step-0 nanomega checkpoint in out_dir (single-process, dense).
+    What nanomega cannot represent (and, for a Llama, a tokenizer --tokenizer cannot read) is refused first."""
+    _require()
     if checkpoint.latest(out_dir) is not None:
         raise ValueError(f"--out-dir {out_dir} already holds a checkpoint; choose an empty --out-dir")
-    if not os.path.isfile(os.path.join(src, "config.json")):
-        raise FileNotFoundError(f"{src} has no config.json: not a transformers model folder")
-    model = transformers.GPT2LMHeadModel.from_pretrained(src, local_files_only=True, dtype=torch.float32)
-    cfg, weights = from_hf(model)
+    # a Llama whose tokenizer --tokenizer cannot reproduce would fine-tune on ids it was not trained on: refused.
+    # (GPT-2 as before: without a readable tokenizer the printed command asks for one.)
+    why = tokenizer.from_hf(src)[1] if hf_config(src)["model_type"] == "llama" else None
+    if why:
+        raise ValueError(f"{src}: {why}; nanomega's --tokenizer is byte-level BPE with GPT-2's pattern "
+                         f"(data.get_tokenizer); nanomega.tools.hf.load_pretrained(folder) still reads the weights")
+    cfg, weights = read_hf(src)
     os.makedirs(out_dir, exist_ok=True)
-    tokenizer = import_tokenizer(src, out_dir) or "shakespeare-4k"
-    if data.get_tokenizer(tokenizer).n_vocab != cfg.vocab_size:
-        tokenizer = None  # the user must bring the tokenizer (--tokenizer) that has these cfg.vocab_size ids
+    tok = import_tokenizer(src, out_dir) or "shakespeare-4k"
+    if data.get_tokenizer(tok).n_vocab != cfg.vocab_size:
+        tok = None  # the user must bring the tokenizer (--tokenizer) that has these cfg.vocab_size ids
     pieces = [dict(name=k, shape=tuple(t.shape), start=0, end=t.numel(), master=t.reshape(-1), state={})
               for k, t in weights.items()]  # reshard.load's by-name format; empty state: a fresh AdamW
     state = dict(universal=dict(tp_rank=0, pieces=pieces), sampler=None, scaler=None, step=0, rng=None)
-    layout = dict(imported_from=os.path.abspath(src), **({"tokenizer": tokenizer} if tokenizer else {}))
-    checkpoint.save(out_dir, 0, cfg, state, _OneRank(), layout)
-    return cfg, tokenizer
+    layout = dict(imported_from=os.path.abspath(src), **({"tokenizer": tok} if tok else {}))
+    one_rank = types.SimpleNamespace(rank=0, world=1, barrier=lambda: None)  # a world of one: no process group
+    checkpoint.save(out_dir, 0, cfg, state, one_rank, layout)
+    return cfg, tok
 
 
-class _OneRank:
-    """checkpoint.save's view of a world of one (no process group needed to write a step-0 checkpoint)."""
-    rank, world = 0, 1
-
-    def barrier(self):
-        pass
+def train_flags(cfg: GPTConfig):
+    """train.py's model flags that rebuild cfg (a resume compares every SHAPE_KEYS field); the vocabulary comes
+    with --tokenizer."""
+    out, default = [], GPTConfig()
+    for k in SHAPE_KEYS:
+        v, flag = getattr(cfg, k), "--" + k.replace("_", "-")
+        if k == "vocab_size" or (k not in SIZES and v == getattr(default, k)):
+            continue
+        out.append("--untie-embeddings" if k == "tie_embeddings" else flag if v is True else f"{flag} {v}")
+    return " ".join(out)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("export", help="checkpoint (any layout) -> transformers GPT-2 folder")
+    e = sub.add_parser("export", help="checkpoint (any layout) -> transformers GPT-2 or Llama folder")
     e.add_argument("--out-dir", default="out")
     e.add_argument("--to", required=True, help="the folder to write (config.json, model.safetensors, tokenizer)")
-    i = sub.add_parser("import", help="transformers GPT-2 folder -> step-0 checkpoint for train.py --resume")
+    i = sub.add_parser("import", help="transformers GPT-2 or Llama folder -> step-0 checkpoint for train.py --resume")
     i.add_argument("src")
     i.add_argument("--out-dir", required=True)
     args = p.parse_args(argv)
@@ -208,10 +311,8 @@ def main(argv=None):
               " (no HF tokenizer equivalent for this tokenizer)"))
         return
     cfg, tok = import_(args.src, args.out_dir)
-    sizes = [k for k in SIZES if k != "vocab_size"]  # the vocabulary comes with --tokenizer; GPT-2 has no switches
-    flags = " ".join(f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k in sizes)
     print(f"wrote a step-0 checkpoint to {args.out_dir}/ckpt; fine-tune with:\n  python nanomega/train.py --resume "
-          f"--out-dir {args.out_dir} {flags} --tokenizer {tok or 'FILE_WITH_%d_IDS' % cfg.vocab_size}")
+          f"--out-dir {args.out_dir} {train_flags(cfg)} --tokenizer {tok or 'FILE_WITH_%d_IDS' % cfg.vocab_size}")
 
 
 def cli():

@@ -4,6 +4,7 @@ Idea: list the layouts the trainer can run (layout_error says why one cannot), c
 (memory per GPU, bytes per step, step time, MFU, days), keep those that fit in memory, rank them by step time
 and recommend the first; when none fits, name the smallest cluster that would.
 CLI: python -m nanomega.tools.plan --model gpt3-175b --gpus 1024 --gpu a100-80gb --global-batch 1536 [--top 10]
+     python -m nanomega.tools.plan --model llama3-405b --gpus 8192 --gpu h100-80gb --global-batch 2048
      pin a layout with --tp --pp --dp --zero --micro-batch; --json for machine-readable estimates
 Lesson: lessons/11-planning-a-run.md
 """
@@ -29,6 +30,11 @@ def layout_error(model, gpu, gpus, tp, pp, zero, run, global_batch=None):
         return f"--tp {tp} x --pp {pp} = {tp * pp} does not divide --gpus {gpus}"
     if model.n_head % tp:
         return f"--tp {tp} does not divide the {model.n_head} heads"
+    if model.llama and model.ffn % tp:
+        return f"--tp {tp} does not divide the MLP width {model.ffn}"
+    if model.llama and model.kv_heads % tp and tp % model.kv_heads:
+        return (f"--tp {tp} and the {model.kv_heads} key/value heads: one must divide the other (tp splits them, "
+                f"or holds them whole on every rank)")
     if pp > model.n_layer:
         return f"--pp {pp} is more than the {model.n_layer} layers"
     dp = gpus // (tp * pp)
@@ -122,6 +128,10 @@ def parse(argv=None):
     ap.add_argument("--dtype", default=Run.dtype, choices=list(PRECISIONS))
     ap.add_argument("--recompute", default=Run.recompute, choices=["none", "selective", "full"])
     ap.add_argument("--no-sp", action="store_true", help="tensor parallelism without sequence parallelism")
+    ap.add_argument("--attention", choices=["eager", "sdpa"],
+                    help="eager: the scores go through HBM (the Megatron/BLOOM runs the time model was fitted on; "
+                         "default for GPT-2-style presets); sdpa: FlashAttention, they stay on chip (default for "
+                         "the llama presets, as every Llama run)")
     ap.add_argument("--tp", type=int, help="pin the tensor-parallel size")
     ap.add_argument("--pp", type=int, help="pin the pipeline-parallel size")
     ap.add_argument("--dp", type=int, help="pin the data-parallel size")
@@ -163,7 +173,7 @@ def main(argv=None):
                          f"INC > 0 dividing --global-batch - START, SAMPLES > 0")
     run = Run(args.global_batch, args.micro_batch, args.dtype, args.recompute, not args.no_sp, args.schedule,
               args.chunks, (0, 1, 2, 3) if args.zero == "all" else (int(args.zero),), args.usable, args.tokens,
-              tuple(args.rampup) if args.rampup else None)
+              tuple(args.rampup) if args.rampup else None, args.attention or ("sdpa" if model.llama else "eager"))
     pinned = (args.tp, args.pp, args.dp)
     if args.tp and args.pp:  # a pinned layout that cannot run: say exactly why
         errors = [layout_error(model, gpu, args.gpus, args.tp, args.pp, z, run) for z in run.zero]
@@ -182,10 +192,13 @@ def main(argv=None):
     ests = [e for e in ests if not run.rampup or unit_ok(e)]
 
     if not args.json:
-        print(f"{name}: {n_params(model):,} parameters, L={model.n_layer} h={model.n_embd} a={model.n_head} "
+        llama = (f" kv={model.kv_heads} f={model.ffn}{'' if model.tie_embeddings else ' untied'}"
+                 if model.llama else "")
+        print(f"{name}: {n_params(model):,} parameters, L={model.n_layer} h={model.n_embd} a={model.n_head}{llama} "
               f"V={model.vocab_size} s={model.seq_len} | {args.gpus} x {args.gpu}, {run.usable:.0%} of "
               f"{gpu.memory / 1e9:.1f} GB usable | batch {run.global_batch} x {model.seq_len}, {run.dtype}, "
-              f"recompute {run.recompute}{', SP' if run.sp else ''}, {run.schedule}")
+              f"recompute {run.recompute}{', SP' if run.sp else ''}, {run.schedule}"
+              f"{', sdpa attention' if run.attention == 'sdpa' else ''}")
     if not ests or not ests[0].fits:
         least = min(ests, key=lambda e: e.memory, default=None)
         why = (f"{name} needs {least.memory / 1e9:.1f} GB/GPU at least ({describe(least)})" if ests else

@@ -44,7 +44,8 @@ def load_model(out_dir):
     with torch.device("meta"):  # shapes only: the checkpoint's weights are assigned, nothing is drawn first
         model = GPT(cfg, seed=0)
     weights = reshard.full_weights(folder)  # saved under any tp x pp x dp x ZeRO layout
-    weights["head.lm_head.weight"] = weights["embed.wte.weight"]  # tied
+    if cfg.tie_embeddings:
+        weights["head.lm_head.weight"] = weights["embed.wte.weight"]
     model.load_state_dict(weights, assign=True)
     return model, tokenizer
 

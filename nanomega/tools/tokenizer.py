@@ -18,11 +18,15 @@ embedding needs no padding rows for tensor parallelism up to tp = 32 (GPTConfig 
 Ties between equally frequent pairs go to the smallest (left id, right id), so training is
 deterministic: `python -m nanomega.tools.tokenizer` rewrites nanomega/assets/shakespeare-4k.tiktoken byte
 for byte (4095 ranks from the 4.8 MB training split in ~5 s on one CPU core).
+Hugging Face (tools/hf.py; needs transformers): to_hf writes such an Encoding as an HF tokenizer.json (a BPE whose
+merges are the ranks in order, split by GPT-2's pattern); from_hf reads one back (or GPT-2's vocab.json) as ranks,
+and says why not when data.get_tokenizer, which knows GPT-2's split pattern only, would encode otherwise.
 Lesson: lessons/01-dense-model.md
 """
 import argparse
 import base64
 import heapq
+import json
 import os
 import time
 from collections import Counter, defaultdict
@@ -108,6 +112,47 @@ def save_ranks(ranks: dict[bytes, int], path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text("".join(lines))
     os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half of one
+
+
+def to_hf(enc):
+    """An HF fast tokenizer equal to a GPT-2-pattern tiktoken Encoding, or None if it has no such equivalent."""
+    if enc._pat_str != GPT2_PATTERN or set(enc._special_tokens) != {ENDOFTEXT}:
+        return None
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+    conv = TikTokenConverter(pattern=GPT2_PATTERN, extra_special_tokens=[ENDOFTEXT])
+    conv.load_tiktoken_bpe = lambda _: enc._mergeable_ranks  # the ranks we already hold, not a file or URL
+    return PreTrainedTokenizerFast(tokenizer_object=conv.converted(), bos_token=ENDOFTEXT, eos_token=ENDOFTEXT,
+                                   unk_token=ENDOFTEXT, model_max_length=None)
+
+
+def from_hf(src):
+    """(ranks {token bytes: rank}, None) of the GPT-2-layout byte-level BPE in folder `src` (tokenizer.json or
+    vocab.json); (None, why not) when data.get_tokenizer would encode otherwise; (None, None) when `src` has none."""
+    src = Path(src)
+    if (src / "tokenizer.json").is_file():  # the BPE vocabulary, and the special tokens kept apart from it
+        spec = json.loads((src / "tokenizer.json").read_text())
+        pre = spec.get("pre_tokenizer") or {}
+        parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        kinds = [p.get("type") for p in parts]
+        splits = [p.get("pattern", {}).get("Regex") for p in parts if p.get("type") == "Split"]
+        if not (kinds == ["ByteLevel"] and parts[0].get("use_regex", True)  # GPT-2's own: the pattern built in
+                or kinds == ["Split", "ByteLevel"] and splits == [GPT2_PATTERN]):  # ours (to_hf)
+            how = f"splits text by {str(splits[0])[:40]!r}..." if splits else f"pre-tokenizes with {pre.get('type')}"
+            return None, f"tokenizer.json {how} instead of GPT-2's pattern"
+        if spec["model"].get("type") != "BPE":
+            return None, f"tokenizer.json is a {spec['model'].get('type')} model, not a BPE"
+        vocab = dict(spec["model"].get("vocab", {}), **{t["content"]: t["id"] for t in spec.get("added_tokens", [])})
+    elif (src / "vocab.json").is_file():  # GPT-2's original files: vocab.json (+ merges.txt)
+        vocab = json.loads((src / "vocab.json").read_text())
+    else:
+        return None, None
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # byte <-> the printable character HF shows
+    dec = {v: k for k, v in bytes_to_unicode().items()}
+    ranks = {bytes(dec[ch] for ch in t): i for t, i in vocab.items() if t != ENDOFTEXT and set(t) <= dec.keys()}
+    if sorted(ranks.values()) != list(range(len(ranks))) or vocab.get(ENDOFTEXT) != len(ranks):
+        return None, f"its ids are not GPT-2's layout (ranks 0..n-1, then {ENDOFTEXT})"
+    return ranks, None
 
 
 def main():

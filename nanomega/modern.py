@@ -1,0 +1,114 @@
+"""The modern block: what Llama changed in GPT-2's block -- rotary positions, RMSNorm, SwiGLU, grouped-query attention.
+
+Idea: four small changes, each buying something measurable (lesson 13 prints each number on a CPU):
+    RoPE     (Su et al. 2021) no position table: q and k are rotated by an angle proportional to their position,
+             so q.k depends on the distance i - j only; no parameters, no limit baked into a table (Llama 3.1
+             stretches the low frequencies by a factor 8 to reach 128k tokens: rope_frequencies)
+    RMSNorm  (Zhang & Sennrich 2019) x / rms(x) * g: LayerNorm without the mean and the bias; one reduction
+             per row instead of two, h parameters instead of 2h
+    SwiGLU   (Shazeer 2020) silu(x W_gate) * (x W_up) W_down: three matrices of h x f; f = 2/3 * 4h (rounded up
+             to a multiple, Llama's rule: ffn_hidden) keeps 3hf = 8h^2, GPT-2's MLP parameters and FLOPs
+    GQA      (Ainslie et al. 2023) n_kv < n_head key/value heads, each shared by n_head/n_kv query heads: the
+             k/v projections and the KV cache shrink by n_head/n_kv (MQA: n_kv = 1)
+model.py composes them into its one block when GPTConfig.arch == "llama"; fused.py swaps in one-pass kernels
+for rms_norm and swiglu; tp.py splits q by heads, k/v by key/value heads (or replicates a kv group when tp
+exceeds n_kv), gate/up by columns and down by rows.
+Formulas (h hidden, a heads, g = a / n_kv, f MLP hidden; one home: formulas.py):
+    parameters per layer  2h^2 (q, o) + 2h^2/g (k, v) + 3hf (gate, up, down) + 2h (two RMSNorm scales)
+    FLOPs per token       6N + 12 L h s, as GPT-2's (GQA changes N, not the attention matmuls)
+Lesson: lessons/13-the-modern-block.md
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# Llama 3.1's frequency scaling (its params.json: low 1, high 4, original context 8192; factor 8 in 3.1, 32 in 3.2)
+LLAMA3_LOW_FREQ, LLAMA3_HIGH_FREQ, LLAMA3_ORIGINAL_CONTEXT = 1.0, 4.0, 8192
+
+
+def ffn_hidden(h, multiplier=1.0, multiple_of=256):
+    """Llama's MLP width: 2/3 of 4h (so 3 matrices hold GPT-2's 8h^2), times ffn_dim_multiplier, rounded up to
+    multiple_of. Llama 3 8B: 14336 (1.3, 1024); 70B: 28672 (1.3, 4096); 405B: 53248 (1.2, 4096)."""
+    f = int(multiplier * int(2 * 4 * h / 3))
+    return multiple_of * -(-f // multiple_of)
+
+
+def rope_frequencies(head_dim, theta=10000.0, scaling=1.0):
+    """(head_dim/2,) fp32 inverse frequencies theta^(-2i/d), on the CPU even inside a meta context. scaling > 1:
+    Llama 3.1's rule -- wavelengths longer than the original context / LLAMA3_LOW_FREQ are stretched by
+    `scaling`, shorter than context / LLAMA3_HIGH_FREQ kept, the band between interpolated smoothly."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
+    if scaling == 1.0:
+        return inv
+    wavelen = 2 * math.pi / inv
+    ctx = LLAMA3_ORIGINAL_CONTEXT
+    smooth = (ctx / wavelen - LLAMA3_LOW_FREQ) / (LLAMA3_HIGH_FREQ - LLAMA3_LOW_FREQ)  # 0 long ... 1 short
+    stretched = torch.where(wavelen > ctx / LLAMA3_LOW_FREQ, inv / scaling, inv)
+    between = (wavelen >= ctx / LLAMA3_HIGH_FREQ) & (wavelen <= ctx / LLAMA3_LOW_FREQ)
+    return torch.where(between, (1 - smooth) * stretched / scaling + smooth * stretched, stretched)
+
+
+class Rotary:
+    """RoPE in Hugging Face's rotate-half layout: the pairs are (x_i, x_{i + d/2}), rotated by position * inv_freq_i.
+    Not a module and no buffer: the tables are computed from the config on the host in fp32 (so a bf16 cast of
+    the model never rounds the frequencies), cached per device and dtype, grown to the longest sequence seen
+    and sliced; one Rotary is shared by every layer of a model."""
+
+    def __init__(self, head_dim, theta=10000.0, scaling=1.0):
+        self.inv_freq = rope_frequencies(head_dim, theta, scaling)  # (hd/2,)
+        self.tables = {}  # (device, dtype) -> (cos, sin), each (s_max, hd)
+
+    def table(self, s, device, dtype):
+        cos_sin = self.tables.get((device, dtype))
+        if cos_sin is None or cos_sin[0].shape[0] < s:
+            angle = torch.outer(torch.arange(s, dtype=torch.float32), self.inv_freq)  # (s, hd/2)
+            angle = torch.cat((angle, angle), dim=-1)  # (s, hd): both halves of a pair share an angle
+            cos_sin = self.tables[(device, dtype)] = (angle.cos().to(device, dtype), angle.sin().to(device, dtype))
+        return cos_sin[0][:s], cos_sin[1][:s]
+
+    def __call__(self, x):  # (b, heads, s, hd) -> the same, rotated
+        cos, sin = self.table(x.shape[-2], x.device, x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rms_norm(x, weight, eps=1e-5):
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, fp32 inside (as HF's LlamaRMSNorm), x's dtype
+    out before the scale. fused.py swaps in a one-pass kernel."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, h, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(h))
+        self.eps = eps
+        self.rms_norm = rms_norm  # fused.apply_fused swaps in the kernel
+
+    def forward(self, x):
+        return self.rms_norm(x, self.weight, self.eps)
+
+
+def swiglu(gate_up):
+    """silu(gate) * up of a (..., 2f) tensor laid out [gate | up] (one matmul makes both). fused.py fuses it."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class GatedMLP(nn.Module):
+    """Llama's MLP: down(silu(x W_gate) * x W_up). gate and up are one (2f, h) weight, [gate; up] by rows, so
+    tensor parallelism splits each half by columns (tp.py's rule: 2 interleaved groups) in one matmul."""
+
+    def __init__(self, h, f, dropout=0.0):
+        super().__init__()
+        self.gate_up = nn.Linear(h, 2 * f, bias=False)  # (b, s, h) -> (b, s, 2f)
+        self.c_proj = nn.Linear(f, h, bias=False)  # down: (b, s, f) -> (b, s, h)
+        self.drop = nn.Dropout(dropout)
+        self.swiglu = swiglu
+
+    def forward(self, x):
+        return self.drop(self.c_proj(self.swiglu(self.gate_up(x))))
