@@ -5,7 +5,7 @@
     model = nanomega.tools.hf.load_pretrained("mine")             # -> the dense model.GPT, fp32, in Python
 
 Idea: nanomega's dense GPT *is* GPT-2 (pre-LayerNorm blocks, learned positions, tanh GeLU, tied head,
-LayerNorm eps 1e-5, qkv laid out (3, n_head, head_dim)), and with arch="llama" it *is* Llama (RMSNorm, SwiGLU,
+LayerNorm eps norm_eps, qkv laid out (3, n_head, head_dim)), and with arch="llama" it *is* Llama (RMSNorm, SwiGLU,
 grouped-query attention, no biases, RoPE in HF's rotate-half layout: q and k need no permutation), so the
 exchange is a renaming plus a few details:
   - GPT-2: transformers' Conv1D weight is the transpose of nn.Linear's: W_hf = W^T (in, out).
