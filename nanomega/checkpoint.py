@@ -11,7 +11,7 @@ Discovery (`find_resume`) scans the step folders -- the pointer is only a hint -
 and falls back to the newest complete, verified one, naming what it skipped and why (OPT-175B's logbook:
 a bad shard must cost one checkpoint interval, not the run). `retain` keeps the last K. The manifest is read
 here only: read_manifest_json (parsed), read_manifest (verified against a model), saved_model (a command's
-model config and tokenizer).
+newest verified checkpoint, for sampling and HF export).
 
 Resharding on load (reading pieces by name into any layout) is nanomega/reshard.py.
 Failure law: a job of N ranks, each failing with probability p per hour, survives an hour with (1-p)^N.
@@ -208,13 +208,21 @@ def read_manifest_json(folder):
 
 
 def saved_model(out_dir):
-    """(folder, GPTConfig, tokenizer name) of the newest checkpoint in out_dir whose manifest exists: what a
-    command rebuilds the model from (tools/sample.py, tools/hf.py). The shards are not verified here."""
-    folder = latest(out_dir)
-    if folder is None:
-        raise FileNotFoundError(f"--out-dir {out_dir} holds no checkpoint; train first (nanomega/train.py)")
-    manifest = read_manifest_json(folder)
-    return folder, GPTConfig(**manifest["config"]), manifest.get("layout", {}).get("tokenizer", "shakespeare-4k")
+    """(folder, GPTConfig, tokenizer name, [skipped folder: reason]) of the newest checkpoint in out_dir that
+    verifies -- its manifest, and every shard against its checksum, as --resume does: what a command rebuilds the
+    model from (tools/sample.py, tools/hf.py). A damaged newer one is skipped and named, never read."""
+    skipped = []
+    for _, folder in step_folders(out_dir):
+        try:
+            manifest = read_manifest_json(folder)
+            cfg = GPTConfig(**manifest["config"])
+            read_manifest(folder, cfg)  # every shard's checksum
+        except CorruptCheckpoint as e:
+            skipped.append(f"{os.path.basename(folder)}: {e}")
+            continue
+        return folder, cfg, manifest.get("layout", {}).get("tokenizer", "shakespeare-4k"), skipped
+    raise FileNotFoundError(f"--out-dir {out_dir} holds no checkpoint that verifies"
+                            f"{' (' + '; '.join(skipped) + ')' if skipped else ''}; train first (nanomega/train.py)")
 
 
 def read_manifest(folder, cfg, verify=None):

@@ -150,8 +150,10 @@ def train(config):
     config = flags.check(config)  # every check that needs no collective, before the first one; touches no file
     cfg = flags.model_config(config)
     faults.claim_out_dir(config.out_dir)  # one job per out-dir (a lock); the leftovers of an unfinished save
+    tokenizer = (config.tokenizer, data.tokenizer_sha256(data.get_tokenizer(config.tokenizer)))
     resume_from = faults.find_checkpoint(config.out_dir, cfg, resume=config.resume, resume_from=config.resume_from,
-                                         max_steps=config.max_steps)  # the newest verified one, or None
+                                         max_steps=config.max_steps, tokenizer=tokenizer,  # the newest verified one
+                                         allow_tokenizer_change=config.allow_tokenizer_change)
     grid = start(config, cfg)
     log = grid.rank == grid.world - 1  # the last rank: last pipeline stage, where the loss lives
     train_set, val_set = load_data(config, grid.world, log)
@@ -160,7 +162,7 @@ def train(config):
     scaler = precision.LossScaler.for_dtype(precision.parse_dtype(config.dtype))
     spikes = Spikes(config.on_spike, config.spike_threshold, config.rollback_lr_factor)
     layout = dict(dp=config.dp, tp=config.tp, pp=config.pp, zero=config.zero, dtype=config.dtype,
-                  tokenizer=config.tokenizer, virtual_stages=config.virtual_stages,
+                  tokenizer=config.tokenizer, tokenizer_sha256=tokenizer[1], virtual_stages=config.virtual_stages,
                   sequence_parallel=config.sequence_parallel)
     step = resume(resume_from, cfg, grid, layout, engine=engine, scaler=scaler, spikes=spikes, sampler=sampler, log=log)
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from nanomega.ops import faults, flags
-from nanomega import checkpoint, dist, reshard, train
+from nanomega import checkpoint, data, dist, reshard, train
+from nanomega.tools import sample
 from nanomega.ops import health
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,8 +57,10 @@ def steps_logged(out):
 def find_checkpoint(corpus, out, *extra):
     """The recipe's steps before any collective: the pure checks, then the checkpoint to resume from."""
     config = flags.check(flags.parse([*SMALL, "--corpus", str(corpus), "--out-dir", str(out), *extra]))
+    tokenizer = (config.tokenizer, data.tokenizer_sha256(data.get_tokenizer(config.tokenizer)))
     return faults.find_checkpoint(config.out_dir, flags.model_config(config), resume=config.resume,
-                                  resume_from=config.resume_from, max_steps=config.max_steps)
+                                  resume_from=config.resume_from, max_steps=config.max_steps, tokenizer=tokenizer,
+                                  allow_tokenizer_change=config.allow_tokenizer_change)
 
 
 def test_lost_pointer_resumes_from_the_step_folders(corpus, reference, tmp_path, capsys):
@@ -89,6 +92,37 @@ def test_corrupt_checkpoint_falls_back_and_is_named(corpus, reference, tmp_path,
     rec = run(corpus, out, "--resume-from", "2")  # resumes, moves the damaged step 6 aside (kept)
     assert rec["step"] == 6 and (out / "ckpt" / "abandoned" / "step_000006").is_dir()
     assert same_weights(out / "ckpt" / "step_000006", reference / "ckpt" / "step_000006")
+
+
+def test_another_tokenizer_is_refused_and_tools_read_only_a_verified_checkpoint(corpus, reference, tmp_path, capsys):
+    """Issue 28, item 3: a checkpoint resumed with another tokenizer of the same size (two ids swapped) said
+    "resumed from ..." and trained on: the resume compares the tokenizer's fingerprint now, with an explicit
+    override. Item 4: sample.py and `hf export` followed the newest manifest: after a shard was damaged they
+    read it anyway; they take the newest checkpoint that verifies now, naming the one skipped."""
+    out = copy(reference, tmp_path)
+    ranks = data.RANK_FILE.read_text().splitlines()  # "<base64 bytes> <id>" per line
+    (a, i), (b, j) = ranks[300].split(), ranks[301].split()
+    ranks[300], ranks[301] = f"{a} {j}", f"{b} {i}"
+    other = tmp_path / "tok" / "shakespeare-4k.tiktoken"  # the same name and size: only the ids differ
+    other.parent.mkdir()
+    other.write_text("\n".join(ranks) + "\n")
+    with pytest.raises(ValueError, match=r"trained with --tokenizer shakespeare-4k, not this --tokenizer .*"
+                                         r"shakespeare-4k.tiktoken .*--allow-tokenizer-change"):
+        find_checkpoint(corpus, out, "--resume", "--max-steps", "8", "--tokenizer", str(other))
+    assert find_checkpoint(corpus, out, "--resume", "--max-steps", "8", "--tokenizer", str(other),
+                           "--allow-tokenizer-change").endswith("step_000006")
+    assert find_checkpoint(corpus, out, "--resume", "--max-steps", "8").endswith("step_000006")
+
+    shard = out / "ckpt" / "step_000006" / "rank_00000.pt"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2:len(raw) // 2 + 64] = bytes(64)  # 64 bytes of the weights zeroed: the size is unchanged
+    shard.write_bytes(bytes(raw))
+    folder, _, _, skipped = checkpoint.saved_model(out)
+    assert folder.endswith("step_000004") and skipped == [f"step_000006: shard {shard} is missing or does not "
+                                                          f"match its checksum"]
+    capsys.readouterr()
+    sample.main(["--out-dir", str(out), "--max-new-tokens", "4"])
+    assert f"sample: skipped step_000006: shard {shard}" in capsys.readouterr().err
 
 
 def test_fsync_tmp_cleanup_retention_and_max_steps(corpus, reference, tmp_path, monkeypatch, capsys):

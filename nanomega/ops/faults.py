@@ -90,11 +90,13 @@ def claim_out_dir(out_dir):
             say(f"resume: removed {path} (left by a save that did not finish)")
 
 
-def find_checkpoint(out_dir, cfg, *, resume, resume_from, max_steps):
+def find_checkpoint(out_dir, cfg, *, resume, resume_from, max_steps, tokenizer=None, allow_tokenizer_change=False):
     """The next step of the recipe: the checkpoint to resume from (or None), chosen before any collective.
 
     A checkpoint in out_dir without --resume is refused (nothing is overwritten); so is one at or past
-    --max-steps (nothing to do is an error, not a silent no-op). --resume-from STEP: rank 0 moves the
+    --max-steps (nothing to do is an error, not a silent no-op), and one trained with another tokenizer
+    (tokenizer: (name, data.tokenizer_sha256) of --tokenizer; the same vocabulary size with other ids would
+    resume silently into nonsense) unless allow_tokenizer_change. --resume-from STEP: rank 0 moves the
     newer checkpoints aside to OUT/ckpt/abandoned/ (kept, not deleted)."""
     folder = checkpoint.latest(out_dir)
     if folder and not resume:
@@ -107,7 +109,12 @@ def find_checkpoint(out_dir, cfg, *, resume, resume_from, max_steps):
         say(f"resume: skipped {reason}")
     if folder is None:
         return None
-    step = checkpoint.read_manifest(folder, cfg)["step"]
+    manifest = checkpoint.read_manifest(folder, cfg)
+    step, saved = manifest["step"], manifest["layout"].get("tokenizer_sha256")
+    if tokenizer and saved and saved != tokenizer[1] and not allow_tokenizer_change:
+        raise ValueError(f"--resume: the checkpoint in {folder} was trained with --tokenizer "
+                         f"{manifest['layout'].get('tokenizer')}, not this --tokenizer {tokenizer[0]} (another "
+                         f"token table); pass that one, or --allow-tokenizer-change to fine-tune with this one")
     if step >= max_steps:
         raise ValueError(f"--max-steps {max_steps} is at or below the checkpoint's step {step} ({folder}); "
                          f"raise --max-steps to train on")

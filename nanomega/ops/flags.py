@@ -82,6 +82,7 @@ class Config:
     keep_last: int
     resume: bool
     resume_from: str | None
+    allow_tokenizer_change: bool
     on_nan: str  # failures
     max_skipped: int
     on_spike: str
@@ -186,6 +187,9 @@ def parser():
                    "start fresh if none")
     g.add_argument("--resume-from", default=None, metavar="STEP|PATH",
                    help="resume from this step (OUT/ckpt/step_STEP) or checkpoint folder; implies --resume")
+    g.add_argument("--allow-tokenizer-change", action="store_true",
+                   help="resume a checkpoint trained with another --tokenizer (refused otherwise: its token ids "
+                        "would mean other text)")
 
     g = p.add_argument_group("failures")
     g.add_argument("--on-nan", default="skip",

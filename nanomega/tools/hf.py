@@ -237,7 +237,9 @@ def load_pretrained(src, attention="eager") -> GPT:
 
 def export(out_dir, to):
     """Write the latest checkpoint of out_dir as a transformers GPT-2 or Llama folder `to`; returns its path."""
-    folder, cfg, tok_name = checkpoint.saved_model(out_dir)
+    folder, cfg, tok_name, skipped = checkpoint.saved_model(out_dir)  # the newest that verifies
+    for reason in skipped:
+        faults.say(f"export: skipped {reason}")
     check_gpt2(cfg)  # before reading any shard (a Llama has no ALiBi: validate refuses it)
     model = to_hf(reshard.full_weights(folder), cfg)
     model.save_pretrained(to)  # config.json + model.safetensors (safe serialization is the default)

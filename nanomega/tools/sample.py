@@ -40,7 +40,9 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, generator=
 
 def load_model(out_dir):
     """(GPT, tokenizer name) of out_dir's newest checkpoint."""
-    folder, cfg, tokenizer = checkpoint.saved_model(out_dir)
+    folder, cfg, tokenizer, skipped = checkpoint.saved_model(out_dir)  # the newest that verifies
+    for reason in skipped:
+        faults.say(f"sample: skipped {reason}")
     with torch.device("meta"):  # shapes only: the checkpoint's weights are assigned, nothing is drawn first
         model = GPT(cfg, seed=0)
     weights = reshard.full_weights(folder)  # saved under any tp x pp x dp x ZeRO layout
