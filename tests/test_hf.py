@@ -292,6 +292,18 @@ REFUSED = {  # name: (what config.json or tokenizer.json says, a word of the one
 }
 
 
+def test_truncated_weights_are_one_line_and_nothing_is_written(setup, tmp_path):
+    """Issue 28, item 2: an import of a folder whose model.safetensors is truncated raised SafetensorError."""
+    src = tmp_path / "src"
+    transformers.LlamaForCausalLM(llama_config()).save_pretrained(src)
+    weights = src / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:len(weights.read_bytes()) // 2])
+    with pytest.raises(ValueError) as e:
+        hf.import_(src, tmp_path / "out")
+    assert f"{src}: its weights cannot be read" in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("case", REFUSED)
 def test_what_nanomega_cannot_compute_is_refused_in_one_line(case, setup, tmp_path):
     edit, words = REFUSED[case]

@@ -217,7 +217,13 @@ def read_hf(src):
     transformers = _require()
     kind = hf_config(src)["model_type"]
     model_class = transformers.LlamaForCausalLM if kind == "llama" else transformers.GPT2LMHeadModel
-    return from_hf(model_class.from_pretrained(src, local_files_only=True, dtype=torch.float32))
+    try:
+        model = model_class.from_pretrained(src, local_files_only=True, dtype=torch.float32)
+    except Exception as e:  # a truncated or missing weights file: the library's own error type, as one line
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"{src}: its weights cannot be read ({type(e).__name__}: {first}); copy or export the "
+                         f"folder again") from None
+    return from_hf(model)
 
 
 def load_pretrained(src, attention="eager") -> GPT:
