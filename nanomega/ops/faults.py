@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 import torch
 
@@ -133,14 +134,19 @@ def grid_agrees(grid, flag):
     return bool(t.item() > 0)
 
 
-_PREEMPTED, _OLD_HANDLERS = [], {}
+_PREEMPTED, _OLD_HANDLERS = [], {}  # _PREEMPTED: the monotonic time of the first signal
+# One preemption arrives as several signals within moments: Slurm's scancel signals every process of the step,
+# and torchrun's agent forwards its own to the workers. Within this grace they are one request (checkpoint at
+# the next step boundary); a signal after it means "stop now" (torchrun itself SIGKILLs 30 s after forwarding).
+PREEMPT_GRACE = 30.0
 
 
 def _on_signal(signum, frame):
-    if _PREEMPTED:  # a second signal: stop now
+    if _PREEMPTED and time.monotonic() - _PREEMPTED[0] > PREEMPT_GRACE:  # asked again, later: stop now
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
-    _PREEMPTED.append(signum)
+    if not _PREEMPTED:
+        _PREEMPTED.append(time.monotonic())
 
 
 def arm_preemption():
