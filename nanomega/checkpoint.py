@@ -303,15 +303,18 @@ def set_aside_newer(out_dir, step):
     return moved
 
 
-def retain(out_dir, keep_last, protect=()):
+def retain(out_dir, keep_last, protect=(), upto=None):
     """Delete complete checkpoints older than the newest `keep_last` ones, never one in `protect` (the one
-    this run resumed from); incomplete folders older than the newest complete one go too. Returns them."""
-    complete = [f for _, f in step_folders(out_dir) if os.path.isfile(os.path.join(f, "manifest.json"))]
+    this run resumed from); incomplete folders older than the newest complete one go too. Returns them.
+    upto: the step just saved. A folder past it belongs to another timeline (a damaged newer checkpoint the run
+    fell back from): it is neither counted as newest nor deleted, so the checkpoint just written stays."""
+    folders = [(s, f) for s, f in step_folders(out_dir) if upto is None or s <= upto]
+    complete = [f for _, f in folders if os.path.isfile(os.path.join(f, "manifest.json"))]
     if not complete:
         return []
     newest = int(os.path.basename(complete[0])[5:])
     keep = set(complete[:keep_last]) | {os.path.abspath(p) for p in protect if p} | set(protect)
-    gone = [f for s, f in step_folders(out_dir) if s < newest and f not in keep and os.path.abspath(f) not in keep]
+    gone = [f for s, f in folders if s < newest and f not in keep and os.path.abspath(f) not in keep]
     for folder in gone:
         shutil.rmtree(folder)
     if gone:

@@ -125,6 +125,19 @@ def test_another_tokenizer_is_refused_and_tools_read_only_a_verified_checkpoint(
     assert f"sample: skipped step_000006: shard {shard}" in capsys.readouterr().err
 
 
+def test_keep_last_never_deletes_the_checkpoint_just_written(corpus, reference, tmp_path, capsys):
+    """Issue 28, item 7: --keep-last 1 counted a damaged newer folder (one the resume had skipped) as the newest
+    and deleted the checkpoint it had just written. Folders past the step saved are another timeline now."""
+    out = copy(reference, tmp_path)
+    stray = out / "ckpt" / "step_000010"
+    shutil.copytree(out / "ckpt" / "step_000006", stray)
+    (stray / "manifest.json").write_text("")  # damaged: --resume skips it and falls back to step 6
+    rec = run(corpus, out, "--resume", "--max-steps", "8", "--keep-last", "1")
+    assert rec["step"] == 8 and "skipped step_000010" in capsys.readouterr().err
+    assert sorted(p.name for p in (out / "ckpt").glob("step_*")) == ["step_000006", "step_000008", "step_000010"]
+    checkpoint.read_manifest(out / "ckpt" / "step_000008", flags.model_config(flags.parse(SMALL)))  # verifies
+
+
 def test_fsync_tmp_cleanup_retention_and_max_steps(corpus, reference, tmp_path, monkeypatch, capsys):
     """Defect 8: no fsync, `.tmp` leftovers, checkpoints piling up, resume with --max-steps at or below the
     checkpoint a silent no-op."""

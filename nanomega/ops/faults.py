@@ -161,10 +161,11 @@ def preempt_requested():
     return bool(_PREEMPTED)
 
 
-def saved(out_dir, keep_last, resumed_from, grid):
-    """After a complete save: rank 0 applies --keep-last (never the folder this run resumed from)."""
+def saved(out_dir, keep_last, resumed_from, grid, step=None):
+    """After the save of `step`: rank 0 applies --keep-last (never the folder this run resumed from, nor a
+    folder past `step`: checkpoint.retain)."""
     if keep_last and grid.rank == 0:
-        for folder in checkpoint.retain(out_dir, keep_last, protect=[resumed_from]):
+        for folder in checkpoint.retain(out_dir, keep_last, protect=[resumed_from], upto=step):
             say(f"--keep-last {keep_last}: removed {folder}")
 
 

@@ -60,7 +60,7 @@ class Saves:
                 self.saver.start(step, state)
             else:
                 checkpoint.save(self.out_dir, step, self.cfg, state, self.grid, self.layout)
-        faults.saved(self.out_dir, self.keep_last, self.resumed_from, self.grid)
+        faults.saved(self.out_dir, self.keep_last, self.resumed_from, self.grid, step)
         self.last, self.pending = time.time(), False
 
     def close(self):
