@@ -7,7 +7,8 @@ after every rank has finished (a barrier), and `OUT/ckpt/latest` points at the n
 exists. Each rank hashes its own shard into `rank_00007.json` (sha256, size, the pieces it holds), which the
 manifest gathers: no rank reads every shard. Every file and its directory are fsynced, so a power loss never
 leaves an empty pointer or manifest.
-Discovery (`find_resume`) scans the step folders -- the pointer is only a hint -- verifies them newest first
+Discovery (`find_resume`) scans the step folders -- the pointer is only a hint -- verifies them (checksums, and
+every tensor finite: a diverged step checksums fine) newest first
 and falls back to the newest complete, verified one, naming what it skipped and why (OPT-175B's logbook:
 a bad shard must cost one checkpoint interval, not the run). `retain` keeps the last K. The manifest is read
 here only: read_manifest_json (parsed), read_manifest (verified against a model), saved_model (a command's
@@ -244,7 +245,25 @@ def read_manifest(folder, cfg, verify=None):
         if not os.path.isfile(path) or (name in sizes and os.path.getsize(path) != sizes[name]) or \
                 ((verify is None or name in verify) and _sha256(path) != digest):
             raise CorruptCheckpoint(f"shard {path} is missing or does not match its checksum")
+        bad = (verify is None or name in verify) and nonfinite(torch.load(path, map_location="cpu", mmap=True,
+                                                                          weights_only=False))
+        if bad:  # a diverged step's weights pass their checksums: refused like a damaged shard
+            raise CorruptCheckpoint(f"shard {path} holds non-finite values ({bad}): a diverged step was saved")
     return manifest
+
+
+def nonfinite(state, where="state"):
+    """The path of the first floating-point tensor in a shard's state holding a NaN or an infinity (a piece
+    named by its parameter), else None."""
+    if torch.is_tensor(state):
+        return where if state.is_floating_point() and not bool(torch.isfinite(state).all()) else None
+    if isinstance(state, dict):
+        items = state.items()
+    elif isinstance(state, (list, tuple)):
+        items = [(v.get("name", i) if isinstance(v, dict) else i, v) for i, v in enumerate(state)]
+    else:
+        return None
+    return next((found for key, value in items if (found := nonfinite(value, f"{where}/{key}"))), None)
 
 
 def shard_name(rank):

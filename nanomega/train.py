@@ -157,6 +157,7 @@ def train(config):
     grid = start(config, cfg)
     log = grid.rank == grid.world - 1  # the last rank: last pipeline stage, where the loss lives
     train_set, val_set = load_data(config, grid.world, log)
+    flags.check_batch_fits(config, len(train_set))
     sampler = data.Sampler(len(train_set), config.global_batch, config.seed)
     model, engine, n_params = build(config, cfg, grid)
     scaler = precision.LossScaler.for_dtype(precision.parse_dtype(config.dtype))

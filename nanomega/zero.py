@@ -214,13 +214,28 @@ class ZeroEngine:
         stepped = math.isfinite(norm) or scaler is None
         if scaler is not None:
             scaler.update(not stepped)
-        stepped = stepped and not skip
+        stepped, finite = stepped and not skip, True
         if stepped:
             clip.clip_([piece.master.grad for piece in self.pieces], norm, clip_norm)
             self.optimizer.step()
-            self.write_back()
+            finite = self.masters_finite()  # a finite gradient can still give inf/NaN weights (lr, decay, overflow)
+            if finite:
+                self.write_back()
         self.buckets.zero_grad()  # between steps ZeRO-3 holds no gradient at all
-        return dict(grad_norm=norm, stepped=stepped)
+        return dict(grad_norm=norm, stepped=stepped and finite, finite=finite)
+
+    def masters_finite(self):
+        """Whether every fp32 master weight of the job is finite, the same answer on every rank (the caller
+        must stop: the update cannot be undone without a copy of the masters and the optimizer state, 12 more
+        bytes per parameter). One read of this rank's masters -- aminmax: a NaN or an infinity reaches the min
+        or the max, no mask allocated -- and a 1-element all-reduce per axis, as the gradient norm's."""
+        ends = [t for g in self.groups if g.master.numel() for t in torch.aminmax(g.master)]
+        bad = torch.zeros(1, device=self.groups[0].device)
+        if ends:
+            bad += (~torch.isfinite(torch.stack(ends))).sum()
+        for axis in ([self.axis] if self.norm_over_dp else []) + [self.grid.tp, self.grid.pp]:
+            axis.all_reduce(bad)  # dp only when the masters differ per dp rank (ZeRO-1..3), as the norm
+        return bad.item() == 0
 
     def write_back(self):
         """The fp32 masters -> the model's parameters in their dtype; stages 1-2 all-gather the slices. Call it

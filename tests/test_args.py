@@ -29,7 +29,7 @@ BAD = [
     (1, ["--corpus", "/no/such/file.txt"], "--corpus /no/such/file.txt does not exist"),
     (1, ["--tokenizer", "gpt5"], "--tokenizer"),
     (1, ["--n-embd", "100", "--n-head", "3"], "--n-embd 100 is not divisible by --n-head 3"),
-    (1, ["--lr", "0"], "--lr > 0"),
+    (1, ["--lr", "0"], "--lr must be > 0"),
     (1, ["--on-nan", "ignore"], "--on-nan 'ignore'"),
     (1, ["--inject-fault", "boom"], "--inject-fault 'boom'"),
     (1, ["--device", "cuda"], "--device cuda"),
@@ -41,6 +41,50 @@ BAD = [
     (4, ["--model", "llama-small", "--tp", "4", "--n-kv-head", "3", "--n-head", "12", "--n-embd", "96"],
      "--tp 4 and --n-kv-head 3: one must divide the other"),
 ]
+
+# issue 28: every numeric flag finite and in range (nanomega/ops/ranges.py); inf and NaN passed the old checks
+# (`lr > 0`, `weight_decay < 0`) and made every weight non-finite, or overflowed timedelta / the seed
+NUMBERS = [
+    (["--lr", "inf"], "--lr must be > 0, got inf (not a finite number); the default is 0.001"),
+    (["--lr", "nan"], "--lr must be > 0, got nan"),
+    (["--min-lr", "nan"], "--min-lr must be in [0, --lr 0.001]"),
+    (["--weight-decay", "nan"], "--weight-decay must be >= 0, got nan"),
+    (["--weight-decay", "inf"], "--weight-decay must be >= 0, got inf"),
+    (["--grad-clip", "nan"], "--grad-clip must be >= 0, got nan"),
+    (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
+    (["--dropout", "nan"], "--dropout must be in [0, 1), got nan"),
+    (["--collective-timeout", "inf"], "--collective-timeout must be > 0 and <= 2592000 seconds"),
+    (["--collective-timeout", "1e14"], "--collective-timeout must be > 0 and <= 2592000 seconds"),
+    (["--hang-timeout", "nan"], "--hang-timeout must be >= 0 (0: off) and below --collective-timeout 300"),
+    (["--hang-timeout", "400"], "--hang-timeout must be >= 0 (0: off) and below --collective-timeout 300"),
+    (["--save-every-minutes", "nan"], "--save-every-minutes must be >= 0, got nan"),
+    (["--peak-flops", "-1"], "--peak-flops must be > 0 FLOP/s per device, got -1.0; leave it out"),
+    (["--peak-flops", "inf"], "--peak-flops must be > 0 FLOP/s per device, got inf"),
+    (["--spike-threshold", "nan"], "--spike-threshold must be > 1"),
+    (["--rollback-lr-factor", "nan"], "--rollback-lr-factor must be in (0, 1]"),
+    (["--seed", "-1"], "--seed must be in [0, 2**62), got -1"),
+    (["--seed", str(2**64)], "--seed must be in [0, 2**62)"),
+    (["--arch", "llama", "--rope-theta", "0"], "--rope-theta must be > 0"),
+    (["--arch", "llama", "--rope-scaling", "nan"], "--rope-scaling must be > 0 (1: no scaling), got nan"),
+    (["--norm-eps=-1e-5"], "--norm-eps must be > 0"),
+    (["--norm-eps", "inf"], "--norm-eps must be > 0, got inf"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("argv,message", NUMBERS, ids=[" ".join(b[0]) for b in NUMBERS])
+def test_numeric_flags_finite_and_in_range(argv, message, monkeypatch, tmp_path):
+    """One line naming the flag, the value and the fix, before any collective, and nothing written."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ValueError) as err:
+        flags.check(flags.parse([*argv, "--out-dir", str(tmp_path / "out")]))
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert not any(tmp_path.iterdir())
+
+
+def test_warmup_longer_than_the_run_is_allowed():
+    """A decision (issue 28, item 7): the run only warms up; quick runs override --max-steps alone."""
+    assert flags.check(flags.parse(["--warmup", "50", "--max-steps", "3", "--out-dir", "/nonexistent/o"])).warmup == 50
 
 
 @pytest.mark.parametrize("world,argv,message", BAD, ids=[" ".join(b[1]) for b in BAD])
@@ -62,6 +106,17 @@ def test_cli_reports_layout_error_in_one_line_without_starting(tmp_path):
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         "error: world size 4 is not divisible by --tp 3 x --pp 1; launch a multiple of 3 processes"]
     assert time.perf_counter() - t0 < 10 and not any(tmp_path.iterdir())
+
+
+def test_cli_refuses_an_infinite_timeout_in_one_line(tmp_path):
+    """--collective-timeout inf / 1e14 was an OverflowError traceback from timedelta on every rank."""
+    env = {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "PATH": "/usr/bin"}
+    out = subprocess.run([sys.executable, "nanomega/train.py", "--collective-timeout", "1e14", "--out-dir",
+                          str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "error: --collective-timeout must be > 0 and <= 2592000 seconds (30 days), got 100000000000000.0; "
+        "the default is 300"]
+    assert not any(tmp_path.iterdir())
 
 
 def test_model_preset_sets_the_shape_and_explicit_flags_override():

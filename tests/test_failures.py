@@ -355,3 +355,31 @@ def test_host_bisection_finds_the_slow_host():
     assert health.find_bad_hosts(["a", "b"], pair_time)[0] == []  # one pair: nothing to compare with
     # two pairs (a, b), (c, a): judged against the faster one (lower median); their mean could never be doubled
     assert health.find_bad_hosts(["a", "b", "c"], pair_time)[0] == ["c"]
+
+
+def test_non_finite_weights_are_never_saved_nor_resumed(corpus, reference, tmp_path, monkeypatch, capsys):
+    """Issue 28, item 1: an update that made the weights non-finite (--lr inf, now refused by the flags; here an
+    infinite lr injected at step 3) was saved with matching checksums and resumed from. Now the run stops before
+    that save, and a planted non-finite checkpoint is refused by --resume, which falls back to the previous one."""
+    real = train.lr_at
+    monkeypatch.setattr(train, "lr_at", lambda step, config: float("inf") if step == 2 else real(step, config))
+    out = tmp_path / "inf"
+    with pytest.raises(FloatingPointError, match="step 3: the update made the weights non-finite"):
+        run(corpus, out, "--save-every", "1", "--max-steps", "4")
+    assert sorted(os.listdir(out / "ckpt")) == ["latest", "step_000001", "step_000002"]
+    monkeypatch.undo()
+
+    out = copy(reference, tmp_path)  # plant NaN in step 6's masters, with checksums that match
+    shard = out / "ckpt" / "step_000006" / "rank_00000.pt"
+    state = torch.load(shard, weights_only=False)
+    state["universal"]["pieces"][0]["master"][0] = float("nan")
+    torch.save(state, shard)
+    manifest = json.loads((shard.parent / "manifest.json").read_text())
+    manifest["shards"][shard.name], manifest["sizes"][shard.name] = data.sha256_file(shard), shard.stat().st_size
+    (shard.parent / "manifest.json").write_text(json.dumps(manifest))
+    assert find_checkpoint(corpus, out, "--resume", "--max-steps", "8").endswith("step_000004")
+    name = state["universal"]["pieces"][0]["name"]
+    assert f"skipped step_000006: shard {shard} holds non-finite values (state/universal/pieces/{name}/master)" \
+        in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--resume-from 6: .*holds non-finite values"):
+        find_checkpoint(corpus, out, "--resume-from", "6")

@@ -28,6 +28,7 @@ def test_planner_predicts_measured_bytes(measured, stage):
     predicted = sum(formulas.zero_state_bytes(psi, stage, 2, param_bytes=2, grad_bytes=2, optim_bytes=12))
     assert held == predicted + 4 * r["pieces"]  # + AdamW's 4-byte step counter per parameter piece
     sent = sum(RING[op](2) * b for op, b in r["bytes"].items())
-    # + 8: sharded gradients need the global norm's fp64 sum of squares all-reduced over dp (one scalar)
-    norm = 8 * RING["all_reduce"](2) if stage else 0
+    # + 8: sharded gradients need the global norm's fp64 sum of squares all-reduced over dp (one scalar);
+    # + 4: sharded masters, the fp32 count of non-finite ones after the update (zero.ZeroEngine.masters_finite)
+    norm = (8 + 4) * RING["all_reduce"](2) if stage else 0
     assert sent == formulas.dp_comm_bytes(psi, stage, 2, dtype_bytes=2) + norm

@@ -62,7 +62,7 @@ def bad_inputs(tmp):
     return [
         (["--n-layer", "0"], "--n-layer must be >= 1"),
         (["--n-embd", "100", "--n-head", "3"], "--n-embd 100 is not divisible by --n-head 3"),
-        (["--lr", "-1"], "--lr > 0"),
+        (["--lr", "-1"], "--lr must be > 0"),
         (["--corpus", str(tmp / "missing.txt")], "does not exist"),
         (["--corpus", str(corrupt)], str(corrupt)),
         (["--corpus", str(tiny), "--block-size", "512"], "--block-size 512 is larger than"),

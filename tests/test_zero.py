@@ -22,6 +22,7 @@ does not see, shows in the reported grad norm, compared at 1e-12 / 1e-6 relative
 """
 import contextlib
 import io
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -189,10 +190,11 @@ def _formulas(engine):
     memory = dict(params=4 * (shards if stage == 3 else padded) + frozen_bytes,
                   grads=4 * [padded, padded, shards, 0][stage], optimizer=8 * owned + 4 * pieces)
     every = sum(n * shard(g) for g in engine.groups + frozen)
-    comm = [dict(all_reduce=4 * padded, reduce_scatter=0, all_gather=0),  # the norm: one fp64 all-reduce
-            dict(all_reduce=8, reduce_scatter=4 * padded, all_gather=4 * padded),
-            dict(all_reduce=8, reduce_scatter=ACCUM * 4 * padded, all_gather=4 * padded),
-            dict(all_reduce=8, reduce_scatter=ACCUM * 4 * padded, all_gather=ACCUM * 2 * 4 * every)][stage]
+    # sharded masters (stages 1-3): the norm's fp64 all-reduce, then the fp32 "a master is non-finite" count
+    comm = [dict(all_reduce=4 * padded, reduce_scatter=0, all_gather=0),
+            dict(all_reduce=8 + 4, reduce_scatter=4 * padded, all_gather=4 * padded),
+            dict(all_reduce=8 + 4, reduce_scatter=ACCUM * 4 * padded, all_gather=4 * padded),
+            dict(all_reduce=8 + 4, reduce_scatter=ACCUM * 4 * padded, all_gather=ACCUM * 2 * 4 * every)][stage]
     return memory, comm, owned
 
 
@@ -246,6 +248,7 @@ def _world(world, checkpoint=None):
         res["init"] = _initial_weights(grid)
         res["replicated"] = _replicated(grid)
         res["write_back"] = _write_back(grid)
+        res["nonfinite"] = _nonfinite_update(grid)
         res["prefetch"] = _zero3_peak(grid)
         res["bf16"] = _bf16(grid)
         res["pipeline"] = _pipeline()
@@ -329,6 +332,19 @@ def _write_back(grid):
         g.master.fill_(0.5)
     engine.write_back()
     return all(bool((p == 0.5).all()) for p in engine.module.parameters() if p.requires_grad)
+
+
+def _nonfinite_update(grid):
+    """Issue 28: an update that makes only dp rank 1's ZeRO-1 shard of the masters non-finite (an infinite lr
+    there alone; the gradient norm is finite) is seen by every rank, which reports the step not taken."""
+    engine = _train(_engine(grid, "toy", 1), "toy", 0, 1)[0]
+    for m in range(ACCUM):
+        x, y = _batch("toy", 1, grid.dp_rank, m)
+        with engine.no_sync() if m < ACCUM - 1 else contextlib.nullcontext():
+            engine.module(x, y).backward()
+    engine.set_lr(float("inf") if grid.dp_rank == 1 else 1e-3)
+    out = engine.step(clip_norm=CLIP)
+    return dict(finite=out["finite"], stepped=out["stepped"], norm_finite=math.isfinite(out["grad_norm"]))
 
 
 def _zero3_peak(grid):
@@ -477,6 +493,10 @@ def test_zero3_keeps_replicated_parameters_whole(world2):
         r = rank["replicated"]
         assert r["names"] >= 4 and r["whole"]  # 2 blocks x 2 LayerNorms x (weight, bias) + the final one
         assert r["diff"] <= ABS and r["norm_rel"] < 1e-6
+
+
+def test_an_update_to_non_finite_weights_is_not_taken_on_any_rank(world2):
+    assert [r["nonfinite"] for r in world2] == [dict(finite=False, stepped=False, norm_finite=True)] * 2
 
 
 def test_write_back_reaches_every_rank(world2):

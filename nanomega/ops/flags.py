@@ -17,7 +17,7 @@ import sys
 import torch
 
 from nanomega import data, dist, pp, precision, recompute, tp, zero
-from nanomega.ops import faults, presets
+from nanomega.ops import faults, presets, ranges
 from nanomega.model import GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # nanomega/ops/ -> the checkout
@@ -260,15 +260,7 @@ def check(config):
     """Every check that needs no collective, in the order a user would fix them. Returns the Config with its
     derived values (dp, grad_accum and global_batch, vocab_size, fault, hang_timeout, resume); changes nothing."""
     c = config
-    for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "grad_accum", "max_steps",
-                 "eval_iters", "log_every", "tp", "pp"):
-        if getattr(c, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(c, name)}")
-    for name in ("warmup", "eval_every", "save_every", "save_every_minutes", "weight_decay", "grad_clip"):
-        if getattr(c, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(c, name)}")
-    if not (c.lr > 0 and 0 <= c.min_lr <= c.lr):
-        raise ValueError(f"need --lr > 0 and 0 <= --min-lr <= --lr, got --lr {c.lr} --min-lr {c.min_lr}")
+    ranges.check(c, parser().get_default)  # every numeric flag finite and in range: one table (ops/ranges.py)
     fault = parse_fault(c.inject_fault) if c.inject_fault else None
     if c.on_nan not in ("skip", "stop"):
         raise ValueError(f"--on-nan {c.on_nan!r}: choose skip or stop")
@@ -317,6 +309,16 @@ def check(config):
                                resume=c.resume or c.resume_from is not None)  # --resume-from implies --resume
 
 
+def check_batch_fits(config, n_windows):
+    """Once the data is known (after start-up: every rank raises the same line): one step may not take more
+    sequences than an epoch holds; --batch-size 1000000000 was a numpy MemoryError in the sampler on every rank."""
+    c = config
+    if c.global_batch > n_windows:
+        raise ValueError(f"--batch-size {c.batch_size} x --grad-accum {c.grad_accum} x dp {c.dp} = {c.global_batch} "
+                         f"sequences per step is more than the {n_windows} training windows of --block-size "
+                         f"{c.block_size} in the data; lower --batch-size (or --global-batch)")
+
+
 def parse_fault(text):
     """--inject-fault KIND:RANK:STEP as (kind, rank, step)."""
     kind, *where = text.split(":")
@@ -326,19 +328,8 @@ def parse_fault(text):
 
 
 def check_failure_flags(c):
-    """The failure flags, refused before any collective. Returns --hang-timeout (its default: 180 s, or half
-    --collective-timeout if that is less)."""
-    if not c.collective_timeout > 0:
-        raise ValueError(f"--collective-timeout must be > 0 seconds, got {c.collective_timeout}")
-    for name in ("keep_last", "max_skipped"):
-        if getattr(c, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(c, name)}")
-    if not (c.spike_threshold > 1 and 0 < c.rollback_lr_factor <= 1):
-        raise ValueError(f"need --spike-threshold > 1 and 0 < --rollback-lr-factor <= 1, got "
-                         f"{c.spike_threshold} and {c.rollback_lr_factor}")
+    """The out-dir's path, refused before any collective (the numbers: ranges.check). Returns --hang-timeout
+    (its default: 180 s, or half --collective-timeout if that is less)."""
     hang_timeout = min(180.0, c.collective_timeout / 2) if c.hang_timeout is None else c.hang_timeout
-    if hang_timeout < 0 or hang_timeout >= c.collective_timeout:
-        raise ValueError(f"--hang-timeout {hang_timeout} must be >= 0 and below --collective-timeout "
-                         f"{c.collective_timeout} (the watchdog must fire before the collective gives up)")
     faults.check_out_dir(c.out_dir)  # reads the path only: claiming the out-dir is a step of the recipe
     return hang_timeout

@@ -6,7 +6,8 @@ is made from a value all ranks share (the loss agreed over dp, a reduced grad no
     hangs          a watchdog thread per rank: no progress for --hang-timeout seconds -> stacks dumped, the
                    ranks that did not answer named, exit non-zero (Watchdog)
     NaN / inf      the engine skips a non-finite step; --on-nan stop ends the run; --max-skipped consecutive
-                   skips stop it non-zero, and no checkpoint is written right after a skip (Skips)
+                   skips stop it non-zero, and no checkpoint is written right after a skip (Skips); an update
+                   that made the weights themselves non-finite stops the run before the step can be saved
     loss spikes    --on-spike warn, skip (drop the update) or rollback (reload, skip the data, lower the lr) (Spikes)
     tests          --inject-fault KIND:RANK:STEP: a rank raises, is preempted, freezes, or its loss goes NaN (a
                    forward hook) or spikes, at a chosen step (inject_fault, poisoned)
@@ -32,7 +33,8 @@ class Guard:
         guard.reported(loss)      this rank's loss as it reports it (x 10 under --inject-fault spike)
         guard.spike(loss)         --on-spike's decision, the same on every rank (a vote unless warn)
         guard.drops(spike)        whether engine.step drops this update (--on-spike skip)
-        guard.finished(step, loss, info)   --on-nan stop ends the run on a non-finite step
+        guard.finished(step, loss, info)   --on-nan stop ends the run on a non-finite step; an update that
+                                  made the weights non-finite always ends it, before any save
     and the loop, at the step boundary: guard.count(stepped, step) (--max-skipped), guard.may_save(),
     guard.paused() around a save or an evaluation. Built after resume: the watchdog starts here."""
 
@@ -64,6 +66,10 @@ class Guard:
         return spike and self.spikes.policy == "skip"
 
     def finished(self, step, loss, info):
+        if not info.get("finite", True):  # before the loop's save: a non-finite checkpoint is never written
+            raise FloatingPointError(f"step {step}: the update made the weights non-finite (grad norm "
+                                     f"{info['grad_norm']:.3g} was finite); stopped before saving, the last "
+                                     f"checkpoint is untouched: lower --lr or --weight-decay and --resume")
         if self.on_nan == "stop" and not (info["stepped"] and math.isfinite(loss)):
             raise FloatingPointError(f"step {step}: loss {loss} / grad norm {info['grad_norm']} not finite; "
                                      f"stopping (--on-nan stop); the last checkpoint is untouched")
