@@ -32,8 +32,7 @@ from nanomega.formulas import (activation_bytes_per_layer, dp_comm_bytes, flops_
                                inflight_microbatches, layer_params, llama_activation_bytes_per_layer,
                                llama_layer_params, pipeline_bubble, pp_comm_bytes, tp_comm_bytes_per_layer,
                                zero_state_bytes)
-from nanomega.model import SHAPE_KEYS
-from nanomega.modern import ffn_hidden
+from nanomega.model import SHAPE_KEYS, GPTConfig
 from nanomega.ops.presets import PRESETS
 from nanomega.pp import chunk_layers
 
@@ -64,13 +63,17 @@ class Model:
     def llama(self):
         return self.arch == "llama"
 
-    @property
-    def kv_heads(self):  # GPTConfig.kv_heads
-        return self.n_kv_head or self.n_head
+    def config(self):
+        """This shape as a model.GPTConfig: the one home of its derived sizes (kv_heads, ffn)."""
+        return GPTConfig(**{k: getattr(self, "seq_len" if k == "block_size" else k) for k in SHAPE_KEYS})
 
     @property
-    def ffn(self):  # GPTConfig.ffn: the MLP width f
-        return self.ffn_hidden or (ffn_hidden(self.n_embd) if self.llama else 4 * self.n_embd)
+    def kv_heads(self):
+        return self.config().kv_heads
+
+    @property
+    def ffn(self):  # the MLP width f
+        return self.config().ffn
 
 
 MODELS = {name: Model.from_shape(shape) for name, shape in PRESETS.items()}
