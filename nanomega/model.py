@@ -93,6 +93,9 @@ class GPTConfig:
         if self.arch == "llama" and (self.alibi or self.embed_layernorm):
             raise ValueError("--alibi and --embed-layernorm are BLOOM's (--arch gpt2); --arch llama uses rotary "
                              "positions and no embedding norm")
+        bad = [k for k in ("rope_theta", "rope_scaling", "norm_eps") if not 0 < getattr(self, k) < math.inf]
+        if bad:  # NaN fails both comparisons; the flags' table (ops/ranges.py) says this first, an HF config here
+            raise ValueError(f"--{bad[0].replace('_', '-')} must be a finite number > 0, got {getattr(self, bad[0])}")
         if self.arch == "llama" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"--arch llama: rotary positions need an even head size, got n_embd/n_head = "
                              f"{self.n_embd // self.n_head}")

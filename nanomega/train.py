@@ -149,7 +149,8 @@ def train(config):
     """The recipe: check, claim the out-dir, set up (grid, data, model, engine), resume, loop. Returns the last row."""
     config = flags.check(config)  # every check that needs no collective, before the first one; touches no file
     cfg = flags.model_config(config)
-    faults.claim_out_dir(config.out_dir)  # one job per out-dir (a lock); the leftovers of an unfinished save
+    check_memory(config, cfg)
+    faults.claim_out_dir(config.out_dir, config.data_cache)  # one job per out-dir (a lock); a killed one's leftovers
     tokenizer = (config.tokenizer, data.tokenizer_sha256(data.get_tokenizer(config.tokenizer)))
     resume_from = faults.find_checkpoint(config.out_dir, cfg, resume=config.resume, resume_from=config.resume_from,
                                          max_steps=config.max_steps, tokenizer=tokenizer,  # the newest verified one
@@ -194,7 +195,7 @@ def train(config):
         state = functools.partial(saves.rank_state, engine, sampler, scaler, step, grid, spikes)  # built only to save
         if checkpoints.at_step_end(step, state=state, may_save=guard.may_save(), guard=guard):
             break  # preempted: checkpointed at this step boundary on every rank
-    checkpoints.close()
+    checkpoints.close(guard, step)
     metrics.close()
     return rec
 
@@ -225,6 +226,25 @@ def dry_run(config):
           f"Adam's 4-byte step counter per each of {len(engine.pieces)} pieces)")
     return dict(engine=held, planner=planned, groups=len(engine.groups), pieces=len(engine.pieces),
                 dp=config.dp, seconds=seconds)
+
+
+def check_memory(config, cfg):
+    """An absurd shape (--n-embd 10000000) refused in one line before start-up, not by the allocator on every
+    rank: one rank's parameter, gradient and optimizer bytes as the planner counts them (tools/cost.py; the
+    activations come on top) against its share of memory: its GPU's, or the host's split among its ranks."""
+    model = cost.Model.from_shape({k: getattr(cfg, k) for k in SHAPE_KEYS})
+    need = max(map(sum, cost.rank_state_bytes(model, config.tp, config.pp, config.dp, config.zero, config.dtype,
+                                              config.virtual_stages)))
+    if dist.default_device(config.device).type == "cuda":
+        have, where = torch.cuda.get_device_properties(0).total_memory, "a GPU's"
+    else:
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks, \
+            f"this host's memory shared by {ranks} rank{'s' if ranks > 1 else ''}"
+    if need > have:
+        raise ValueError(f"the model ({cost.n_params(model):,} parameters) needs {need / 1e9:,.3g} GB per rank for "
+                         f"its weights, gradients and optimizer state alone, more than {where}: {have / 1e9:,.3g} GB; "
+                         f"choose a smaller model, more ranks or --zero 3 (python -m nanomega.tools.plan, --dry-run)")
 
 
 def start(config, cfg):

@@ -195,8 +195,8 @@ def test_bad_out_dir_and_timeout_refused_up_front(corpus, tmp_path):
 def test_second_job_on_an_out_dir_is_refused(corpus, tmp_path):
     """Defect 7: nothing stopped two jobs writing the same out-dir. The lock dies with its holder."""
     out = tmp_path / "locked"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from nanomega.ops import faults; "
-                               "faults.lock_out_dir(sys.argv[1]); print('locked', flush=True); time.sleep(60)",
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from nanomega.ops import lock; "
+                               "lock.lock_out_dir(sys.argv[1]); print('locked', flush=True); time.sleep(60)",
                                str(out)], stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -213,6 +213,30 @@ def test_second_job_on_an_out_dir_is_refused(corpus, tmp_path):
         holder.kill()
         holder.wait()
     assert run(corpus, out, "--max-steps", "1")["step"] == 1  # the kernel released the dead holder's lock
+
+
+def _lock_as(out, run_id, then, agent_env=None):
+    """A process that takes out's lock as rank 0 of torchrun job `run_id` (restarts left), then runs `then`."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RANK="0", TORCHELASTIC_RUN_ID=run_id,
+               TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="1")
+    code = f"import os, sys; from nanomega.ops import lock\ntry:\n    lock.lock_out_dir(sys.argv[1])\n" \
+           f"except ValueError as e:\n    print(e)\n    sys.exit(2)\n{then}"
+    return subprocess.run([sys.executable, "-c", code, str(out)], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_out_dir_lock_survives_a_torchrun_restart(tmp_path):
+    """Issue 28: the lock died with rank 0, so while torchrun restarted the job another job could take the
+    out-dir. Here this test process plays the torchrun agent (the workers' parent). Rank 0 of job A locks and
+    dies (os._exit: no cleanup, as a SIGKILL); job B is refused; A's restarted rank 0 adopts the lock from A's
+    holder and ends normally, which frees it; job C then takes it."""
+    out = tmp_path / "out"
+    assert _lock_as(out, "A", "os._exit(1)").returncode == 1
+    refused = _lock_as(out, "B", "print('locked')")
+    assert refused.returncode == 2 and "in use by another job" in refused.stdout and "torchrun job A" in refused.stdout
+    restarted = _lock_as(out, "A", "print('adopted'); lock.unlock_out_dir(sys.argv[1])")
+    assert restarted.returncode == 0 and "adopted" in restarted.stdout, restarted.stdout + restarted.stderr
+    assert _lock_as(out, "C", "print('locked'); lock.unlock_out_dir(sys.argv[1])").stdout.strip() == "locked"
 
 
 def test_workers_die_with_their_agent_and_errors_are_one_line(corpus, tmp_path):
@@ -257,6 +281,41 @@ def test_frozen_rank_is_named_with_stack_dumps(corpus, tmp_path):
         assert "ranks [1] did not answer (frozen or dead)" in report and "ranks [] did not reach" in report
         assert stalled_at == 2 and "File" in (out / "hang" / "rank_0.txt").read_text()  # rank 0's Python stack
         os.kill(workers[1], signal.SIGKILL)  # else torchrun waits 30 s before it SIGKILLs the stopped rank
+        log, _ = job.communicate(timeout=60)
+        assert job.returncode != 0 and log.count("hang: no progress") == 1
+    finally:
+        job.kill()
+        job.wait()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_rank_frozen_in_a_save_is_named(corpus, tmp_path, mode):
+    """Issue 28 item 6: SIGSTOP of rank 0 while it wrote a checkpoint gave no hang report -- the save ran with
+    the watchdog paused -- and the job noticed only at the collective timeout, 136 s later. Now a save's beats
+    are its shard's writes: rank 0 freezes at its first write of step 3's shard (--inject-fault hang-save);
+    rank 1 finishes its shard and waits (sync: at the manifest's barrier; async: in step 4's collectives), and
+    is named within --hang-timeout 5 plus the check-in grace, far inside --collective-timeout 120."""
+    out = tmp_path / mode
+    extra = ["--async-save"] if mode == "async" else []
+    job = kill_resume.torchrun(corpus, out, 2, 50, ["--inject-fault", "hang-save:0:3", "--save-every", "3",
+                                                    "--hang-timeout", "5", "--collective-timeout", "120"] + extra,
+                               restarts=0)
+    workers, frozen_at = {}, None
+    try:
+        while not (out / "hang" / "report.txt").exists() and job.poll() is None:
+            if len(workers) < 2:
+                workers = kill_resume.worker_pids(job.pid)
+            if frozen_at is None and (out / "ckpt" / "step_000003" / "rank_00000.pt.tmp").exists():
+                frozen_at = time.monotonic()  # rank 0's shard opened: it freezes at its first write
+            time.sleep(0.2)
+        named_after = time.monotonic() - frozen_at
+        print(f"{mode}: rank 0 frozen in its save, named {named_after:.1f} s later (--hang-timeout 5)")
+        report = (out / "hang" / "report.txt").read_text()
+        assert "ranks [0] did not answer (frozen or dead)" in report, report
+        assert mode == "async" or "furthest: step 3 (saving)" in report, report  # async: rank 1 went on to step 4
+        assert named_after < 5 + 2 + 10, f"named {named_after:.1f} s after the freeze"  # timeout + grace + slack
+        assert not (out / "ckpt" / "step_000003" / "manifest.json").exists()  # the frozen save never completed
+        os.kill(workers[0], signal.SIGKILL)
         log, _ = job.communicate(timeout=60)
         assert job.returncode != 0 and log.count("hang: no progress") == 1
     finally:
@@ -383,3 +442,68 @@ def test_non_finite_weights_are_never_saved_nor_resumed(corpus, reference, tmp_p
         in capsys.readouterr().err
     with pytest.raises(ValueError, match="--resume-from 6: .*holds non-finite values"):
         find_checkpoint(corpus, out, "--resume-from", "6")
+
+
+def test_killed_data_preparation_leaves_nothing_behind(tmp_path):
+    """Issue 28: a kill during data preparation left its temporary folder in the cache for ever. Now a folder being
+    prepared is named data.TMP (host and pid), and the next job's rank 0 removes those whose process is gone --
+    never one still running (another rank's, or another job's)."""
+    import socket
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    name = lambda pid: data.TMP.format(name="corpus-abc-v1", host=socket.gethostname(), pid=pid) + "x1y2"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (cache / name(int(dead.stdout))).mkdir()  # its process has exited: left by a kill
+    (cache / name(os.getpid())).mkdir()  # this process: still preparing
+    (cache / name(int(dead.stdout)).replace(socket.gethostname(), "otherhost")).mkdir()  # can't tell: kept
+    (cache / "corpus-abc-v1").mkdir()  # a finished folder
+    assert faults.clean_prepare(cache) == [str(cache / name(int(dead.stdout)))]
+    assert len(list(cache.iterdir())) == 3
+
+
+def test_full_disk_is_one_line_with_advice(corpus, tmp_path):
+    """Issue 28: a full disk surfaced as `RuntimeError: [enforce fail at inline_container.cc:672] . unexpected
+    pos ...` (torch's writer), differently on each rank, with no advice. Here the out-dir is a 1 MB tmpfs: the
+    first checkpoint does not fit."""
+    full = tmp_path / "full"
+    full.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(full)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root, or no mount namespace): no way to fill a disk safely")
+    try:
+        p = subprocess.run([sys.executable, "nanomega/train.py", *SMALL, "--corpus", str(corpus), "--data-cache",
+                            str(tmp_path / "cache"), "--out-dir", str(full / "out")], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    finally:
+        subprocess.run(["umount", str(full)])
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode == 1 and len(errors) == 1, p.stderr[-2000:]
+    assert errors[0].startswith(f"error: rank 0: no space left on the device of {full / 'out'}/ckpt/step_000002/") \
+        and "lower --keep-last or choose another --out-dir" in errors[0], errors[0]
+
+
+def test_a_long_save_is_not_a_hang_while_another_rank_writes(tmp_path, monkeypatch):
+    """The other side of item 6: a save longer than --hang-timeout (a big shard, a slow disk) must not be called a
+    hang, neither on the rank writing it nor on a rank that finished its own shard and waits at the manifest's
+    barrier. This rank waits (no writes of its own) while a second thread plays a rank still writing, a write
+    counted every 0.1 s for 3 s, three --hang-timeouts of 1 s: no report. Then the writer stops (frozen): a report
+    after about one timeout."""
+    from nanomega.ops import guard
+    store = torch.distributed.HashStore()
+    monkeypatch.setattr(dist, "store", lambda: store)
+    reports = []
+    monkeypatch.setattr(guard.Watchdog, "_report", lambda self: (reports.append(time.monotonic()), self.stop()))
+    grid = type("Grid", (), dict(rank=0, world=2))()
+    watchdog = guard.Watchdog(grid, 1.0, str(tmp_path))
+    other = guard.Watchdog(type("Grid", (), dict(rank=1, world=2))(), 0.1, str(tmp_path))  # its ticks: the store
+    other.stop()  # only its tick() is used, not its thread
+    with watchdog.saving(step=2):
+        with other.saving(step=2):
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 3.0:
+                other.tick()
+                time.sleep(0.1)
+        assert not reports, "called a hang while another rank was still writing its shard"
+        stopped = time.monotonic()
+        while not reports and time.monotonic() - stopped < 10:
+            time.sleep(0.05)
+    assert reports and 0.9 < reports[0] - stopped < 3.0, "a rank frozen in its save was not reported in time"

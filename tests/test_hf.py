@@ -332,3 +332,15 @@ def test_what_nanomega_cannot_compute_is_refused_in_one_line(case, setup, tmp_pa
                               str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
                              env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert res.returncode == 2 and res.stderr.count("\n") == 1 and words in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("field,value", [("rms_norm_eps", 0.0), ("rope_theta", -1.0)])
+def test_a_config_value_no_flag_would_pass_is_one_line(setup, tmp_path, field, value):
+    """Issue 28: GPTConfig.validate did not range-check rope_theta, rope_scaling or norm_eps, so an HF config.json
+    with rms_norm_eps 0 imported (a division by zero in every norm). Now the file and the field are named."""
+    src = tmp_path / "src"
+    save_llama(src, **{field: value})
+    with pytest.raises(ValueError) as e:
+        hf.import_(src, tmp_path / "out")
+    assert str(e.value).startswith(f"{src / 'config.json'}: --") and "must be a finite number > 0" in str(e.value)
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()

@@ -2,7 +2,7 @@
 
 Idea: a job of N ranks, each failing with probability p per hour, survives an hour with (1-p)^N; at scale
 failures are routine, so every one must cost at most one checkpoint interval and never a silent loss:
-    one job per out-dir    an flock on OUT/.lock held by rank 0; the kernel drops it when the holder dies
+    one job per out-dir    an flock on OUT/.lock held by rank 0 (and kept across torchrun's restarts: lock.py)
                            (claim_out_dir, a step of train.py's recipe, after the pure checks of flags.py)
     resume                 find_checkpoint: newest verified folder (checkpoint.find_resume), naming what it skipped
                            and why, chosen before any collective; metrics.jsonl rows after the resumed step are
@@ -16,8 +16,10 @@ Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks
 """
 import contextlib
 import ctypes
-import fcntl
+import errno
 import os
+import re
+import shutil
 import signal
 import socket
 import sys
@@ -26,7 +28,8 @@ import time
 
 import torch
 
-from nanomega import checkpoint, dist
+from nanomega import checkpoint, data, dist
+from nanomega.ops import lock
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -41,54 +44,51 @@ def say(message):
         print(message, file=sys.stderr, flush=True)
 
 
-def check_out_dir(out_dir):
-    """--out-dir must be (or be creatable as) a directory: no regular file on its path."""
+def check_out_dir(out_dir, flag="--out-dir"):
+    """A folder flag (--out-dir, --data-cache) must be (or be creatable as) a directory: no regular file on its path."""
     path = os.path.abspath(out_dir)
     while path != os.path.dirname(path):
         if os.path.exists(path) and not os.path.isdir(path):
-            raise ValueError(f"--out-dir {out_dir}: {path} is a file, not a directory; choose another --out-dir")
+            raise ValueError(f"{flag} {out_dir}: {path} is a file, not a directory; choose another {flag}")
         path = os.path.dirname(path)
 
 
-_LOCKS = {}  # out-dir -> open lock file: per process, as the flock itself is
-
-
-def lock_out_dir(out_dir):
-    """Take OUT/.lock (exclusive, non-blocking); a second job is refused with one line. The kernel releases
-    the lock when this process dies, so a crash never leaves a stale lock. Re-entrant within a process."""
-    key = os.path.realpath(out_dir)
-    if key in _LOCKS:
-        return _LOCKS[key]
-    os.makedirs(out_dir, exist_ok=True)
-    f = open(os.path.join(out_dir, ".lock"), "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
-        f.close()
-        raise ValueError(f"--out-dir {out_dir} is in use by another job ({holder} holds {out_dir}/.lock); "
-                         f"wait for it to end or choose another --out-dir") from None
-    f.truncate(0)
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    f.flush()
-    _LOCKS[key] = f
-    return f
-
-
-def unlock_out_dir(out_dir):
-    f = _LOCKS.pop(os.path.realpath(out_dir), None)
-    if f:
-        f.close()  # closing the descriptor drops the flock
-
-
-def claim_out_dir(out_dir):
+def claim_out_dir(out_dir, data_cache=None):
     """A step of train.py's recipe, after the checks and before any collective: rank 0 takes OUT/.lock (one job
-    per out-dir) and removes the `.tmp` files of a save that did not finish. Every rank may call it."""
+    per out-dir) and removes the `.tmp` files of a save that did not finish and the folders of a data preparation
+    killed mid-way (in --data-cache, default OUT/data). Every rank may call it."""
     if rank() == 0:
-        lock_out_dir(out_dir)
-        for path in checkpoint.clean_tmp(out_dir):
+        try:
+            lock.lock_out_dir(out_dir)
+        except OSError as e:  # read-only, no permission, no space: the flag and the fix, not a bare OSError
+            raise ValueError(f"--out-dir {out_dir}: cannot write there ({e.strerror}); choose a writable "
+                             f"--out-dir") from None
+        for path in clean_tmp(out_dir):
             say(f"resume: removed {path} (left by a save that did not finish)")
+        for path in clean_prepare(data_cache or os.path.join(out_dir, "data")):
+            say(f"removed {path} (left by a data preparation that was killed)")
+
+
+def clean_tmp(out_dir):
+    """Remove the `.tmp` files a crash left behind (only while this job holds the out-dir lock). Returns them."""
+    found = [os.path.join(d, f) for d, _, files in os.walk(os.path.join(out_dir, "ckpt")) for f in files
+             if f.endswith(".tmp")]
+    for path in found:
+        os.remove(path)
+    return found
+
+
+def clean_prepare(folder):
+    """Remove the temporary folders (data.TMP) that a data preparation on this host left in `folder` when it was
+    killed: their process is gone (no /proc/PID). Another rank's or job's, still preparing, stays. Returns them."""
+    if not os.path.isdir(folder) or not os.path.isdir("/proc/self"):  # no /proc (not Linux): remove none
+        return []
+    mine = re.compile(re.escape(data.TMP.format(name="@", host=socket.gethostname(), pid="@")).replace("@", "(.+?)"))
+    gone = [os.path.join(folder, d) for d in os.listdir(folder)
+            if (m := mine.match(d)) and m.group(2).isdigit() and not os.path.exists(f"/proc/{m.group(2)}")]
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
 
 
 def find_checkpoint(out_dir, cfg, *, resume, resume_from, max_steps, tokenizer=None, allow_tokenizer_change=False):
@@ -190,17 +190,19 @@ def at_job_end(stop):
 @contextlib.contextmanager
 def job(out_dir):
     """Around train.main: no orphans; afterwards what at_job_end registered stopped, the signal handlers restored
-    and the out-dir lock released."""
+    and the out-dir lock released (kept by its holder when the job failed and torchrun restarts it: lock.py)."""
     _PREEMPTED.clear()
     die_with_parent()
+    ended = False
     try:
         yield
+        ended = True
     finally:
         while _AT_JOB_END:
             _AT_JOB_END.pop()()
         for s in list(_OLD_HANDLERS):
             signal.signal(s, _OLD_HANDLERS.pop(s))
-        unlock_out_dir(out_dir)
+        lock.unlock_out_dir(out_dir, keep_for_restart=not ended and lock.restart_follows())
 
 
 def _peer_failure(e):
@@ -233,5 +235,10 @@ def entrypoint(main):
         if _peer_failure(e):
             sys.exit(1)  # quiet: the rank that failed first prints, and torchrun names it as the root cause
         handler.record_exception(e)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:  # the same line from every rank it reaches
+            print(f"error: rank {rank()}: no space left on the device of {e.filename or 'the output'}: free space, "
+                  f"lower --keep-last or choose another --out-dir / --data-cache; the newest complete checkpoint is "
+                  f"untouched (--resume continues from it)", file=sys.stderr, flush=True)
+            sys.exit(1)
         print(f"error: rank {rank()}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         sys.exit(1)

@@ -21,7 +21,7 @@ from nanomega.ops import faults, presets, ranges
 from nanomega.model import GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # nanomega/ops/ -> the checkout
-FAULTS = ("raise", "nan", "sigterm", "hang", "spike")  # --inject-fault KIND (nanomega/ops/guard.py:inject_fault)
+FAULTS = ("raise", "nan", "sigterm", "hang", "hang-save", "spike")  # --inject-fault KIND (nanomega/ops/guard.py:inject_fault)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,9 +102,17 @@ class Config:
     fault: tuple | None = None
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors (an unknown flag, a value of the wrong type) are one ValueError line, said once by
+    rank 0 (faults.entrypoint), instead of the usage block printed by every rank."""
+
+    def error(self, message):
+        raise ValueError(f"{message}; `python nanomega/train.py --help` lists the flags")
+
+
 def parser():
     """The flags, in the groups `--help` shows (one flag per line)."""
-    p = argparse.ArgumentParser(description="Train a GPT with any tp x pp x dp x ZeRO layout.")
+    p = Parser(description="Train a GPT with any tp x pp x dp x ZeRO layout.")
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="a preset shape from nanomega/ops/presets.py (gpt2-124m, ...); "
                    "shape flags given explicitly override it; the vocabulary stays the tokenizer's")
@@ -210,8 +218,8 @@ def parser():
                    "(nanomega/ops/health.py); a bad rank stops the job with one line")
     g.add_argument("--inject-fault", default=None, metavar="KIND:RANK:STEP",
                    help="testing fault handling: KIND raise (the rank raises), nan (its loss becomes NaN), sigterm "
-                   "(it is sent SIGTERM, a preemption) hang (it stops itself, SIGSTOP) or spike (its loss x 10) "
-                   "at STEP")
+                   "(it is sent SIGTERM, a preemption) hang (it stops itself, SIGSTOP), hang-save (it stops while "
+                   "writing STEP's checkpoint) or spike (its loss x 10) at STEP")
 
     g = p.add_argument_group("dry run")
     g.add_argument("--dry-run", action="store_true", help="build one rank of this layout on the meta device (no "
@@ -332,4 +340,6 @@ def check_failure_flags(c):
     (its default: 180 s, or half --collective-timeout if that is less)."""
     hang_timeout = min(180.0, c.collective_timeout / 2) if c.hang_timeout is None else c.hang_timeout
     faults.check_out_dir(c.out_dir)  # reads the path only: claiming the out-dir is a step of the recipe
+    if c.data_cache:
+        faults.check_out_dir(c.data_cache, "--data-cache")
     return hang_timeout

@@ -9,8 +9,9 @@ is made from a value all ranks share (the loss agreed over dp, a reduced grad no
                    skips stop it non-zero, and no checkpoint is written right after a skip (Skips); an update
                    that made the weights themselves non-finite stops the run before the step can be saved
     loss spikes    --on-spike warn, skip (drop the update) or rollback (reload, skip the data, lower the lr) (Spikes)
-    tests          --inject-fault KIND:RANK:STEP: a rank raises, is preempted, freezes, or its loss goes NaN (a
-                   forward hook) or spikes, at a chosen step (inject_fault, poisoned)
+    tests          --inject-fault KIND:RANK:STEP: a rank raises, is preempted, freezes (in its step, or while it
+                   writes that step's checkpoint: hang-save), or its loss goes NaN (a forward hook) or spikes, at a
+                   chosen step (inject_fault, poisoned)
 The job-level half (out-dir lock, resume, preemption, orphans, one-line errors): nanomega/ops/faults.py.
 Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
 """
@@ -36,7 +37,8 @@ class Guard:
         guard.finished(step, loss, info)   --on-nan stop ends the run on a non-finite step; an update that
                                   made the weights non-finite always ends it, before any save
     and the loop, at the step boundary: guard.count(stepped, step) (--max-skipped), guard.may_save(),
-    guard.paused() around a save or an evaluation. Built after resume: the watchdog starts here."""
+    `with guard.saving(step) as wrap` around a save (the shard's writes are its beats), guard.paused() around
+    an evaluation. Built after resume: the watchdog starts here."""
 
     def __init__(self, grid, spikes, *, on_nan, max_skipped, hang_timeout, out_dir, fault=None):
         self.grid, self.spikes, self.on_nan, self.fault, self.injected = grid, spikes, on_nan, fault, None
@@ -82,6 +84,36 @@ class Guard:
 
     def paused(self):
         return self.watchdog.paused()
+
+    @contextlib.contextmanager
+    def saving(self, step):
+        """Around a save: yields wrap(file) for checkpoint.save, whose writes beat (--inject-fault hang-save
+        freezes this rank at its first write)."""
+        freeze = self.fault == ("hang-save", self.grid.rank, step)
+        with self.watchdog.saving(step):
+            yield lambda f: Beating(f, self.watchdog.tick, freeze)
+
+
+class Beating:
+    """The shard's file as torch.save sees it: every write (one per record: a header, a whole tensor) is a
+    beat, and a tensor's bytes go out in CHUNK pieces, a beat each: one parameter of 10 GB written at 100 MB/s
+    takes longer than a --hang-timeout."""
+    CHUNK = 64 << 20
+
+    def __init__(self, f, tick, freeze=False):
+        self.f, self.tick, self.freeze = f, tick, freeze
+
+    def write(self, data):
+        if self.freeze:  # testing: a rank frozen in the middle of its save
+            os.kill(os.getpid(), signal.SIGSTOP)
+        data = memoryview(data).cast("B")  # torch.save hands memoryviews; count bytes
+        for i in range(0, len(data), self.CHUNK):
+            self.tick()
+            self.f.write(data[i:i + self.CHUNK])
+        return len(data)
+
+    def flush(self):
+        self.f.flush()
 
 
 class Skips:
@@ -161,19 +193,23 @@ def poisoned(model):
 class Watchdog:
     """Hang detection (the NCCL flight recorder's question, "who did not arrive?", answered on CPU).
 
-    Each rank records its progress (step, phase) in torchrun's store at every beat. A thread on each rank
+    Each rank records its progress (step, phase) in torchrun's store at every beat. A save beats at every write
+    of its shard (tick), and a rank that has written its shard waits at the manifest's barrier for the others:
+    while any rank's save still writes (one counter in the store, hang/writes), that wait is not a hang. A rank
+    frozen in its save stops every write: named as in a step. A thread on each rank
     wakes when no beat came for --hang-timeout seconds: it dumps this rank's Python stacks (faulthandler) to
     OUT/hang/rank_K.txt and checks in under hang/alive/K; after a grace period the lowest live rank names the
     ranks that never checked in (frozen or dead) and those behind the furthest progress, writes
     OUT/hang/report.txt, and every live rank exits non-zero, so that --max-restarts restarts the job."""
 
-    PHASES = ("start", "backward done")
+    PHASES = ("start", "backward done", "saving")
     EXIT_CODE = 4
 
     def __init__(self, grid, timeout, out_dir):
         self.timeout, self.grid, self.out_dir = timeout, grid, out_dir
         self.store = dist.store()  # reachable when collectives are not
         self.last, self.where, self.stopped = time.monotonic(), (0, 0), threading.Event()
+        self.in_save, self.told, self.writes = False, 0.0, None  # a save: when this rank last told the store, the job's count
         if self.timeout:
             faults.at_job_end(self.stop)
             threading.Thread(target=self._watch, name="nanomega-watchdog", daemon=True).start()
@@ -185,6 +221,29 @@ class Watchdog:
 
     def stop(self):
         self.stopped.set()
+
+    @contextlib.contextmanager
+    def saving(self, step):
+        """Around a save (and --async-save's final wait): beats come from its writes (tick), not from steps."""
+        self.beat(step, "saving")
+        self.writes, self.in_save = self._job_writes(), True
+        try:
+            yield
+        finally:
+            self.in_save, self.last = False, time.monotonic()
+
+    def tick(self):
+        """A write of this rank's shard: progress. The store hears of it at most ten times per timeout (a write
+        can be a few bytes: a record's header)."""
+        if not self.in_save:  # --async-save's writer during training: the steps beat
+            return
+        self.last = now = time.monotonic()
+        if self.timeout and now - self.told >= self.timeout / 10:
+            self.told = now
+            self.writes = self.store.add("hang/writes", 1)  # the count with our own writes: only others' change it
+
+    def _job_writes(self):
+        return self.store.add("hang/writes", 0) if self.timeout else 0  # add 0: read a counter
 
     @contextlib.contextmanager
     def paused(self):
@@ -199,6 +258,9 @@ class Watchdog:
     def _watch(self):
         while not self.stopped.wait(min(1.0, self.timeout / 10)):
             if time.monotonic() - self.last > self.timeout:
+                if self.in_save and self.writes != (writes := self._job_writes()):
+                    self.writes, self.last = writes, time.monotonic()  # another rank is still writing its shard
+                    continue
                 self._report()
 
     def _report(self):

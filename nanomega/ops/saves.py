@@ -55,18 +55,19 @@ class Saves:
 
     def save(self, step, state, *, guard):
         """Write (or start writing, --async-save) this rank's shard; then --keep-last (faults.saved)."""
-        with guard.paused():  # no hang report while a save takes longer than a step
+        with guard.saving(step) as wrap:  # the watchdog counts the shard's writes: a save may outlast a step
             if self.saver:
-                self.saver.start(step, state)
+                self.saver.start(step, state, wrap)
             else:
-                checkpoint.save(self.out_dir, step, self.cfg, state, self.grid, self.layout)
-        faults.saved(self.out_dir, self.keep_last, self.resumed_from, self.grid, step)
+                checkpoint.save(self.out_dir, step, self.cfg, state, self.grid, self.layout, wrap)
+            faults.saved(self.out_dir, self.keep_last, self.resumed_from, self.grid, step)
         self.last, self.pending = time.time(), False
 
-    def close(self):
-        """Wait for a background save (collective: its manifest)."""
+    def close(self, guard, step):
+        """Wait for a background save (collective: its manifest), its writes beating."""
         if self.saver:
-            self.saver.wait()
+            with guard.saving(step):
+                self.saver.wait()
 
 
 def restore(folder, cfg, grid, layout, *, engine, scaler, spikes, sampler=None):

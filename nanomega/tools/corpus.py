@@ -23,7 +23,9 @@ import json
 import multiprocessing
 import os
 import shutil
+import socket
 import sys
+import tempfile
 import time
 from collections import deque
 from pathlib import Path
@@ -180,8 +182,8 @@ def prepare(corpus, tokenizer, out, workers=1, text_field="text", shard_tokens=1
         raise ValueError(f"--out {out} holds data prepared from other files or settings; choose another folder")
     dtype = np.uint16 if enc.n_vocab <= 1 << 16 else np.uint32
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tmp.mkdir()
+    tmp = Path(tempfile.mkdtemp(prefix=data.TMP.format(name=out.name, host=socket.gethostname(), pid=os.getpid()),
+                                dir=out.parent))
     writers = {s: _ShardWriter(tmp, s, dtype, shard_tokens) for s in ("train", "val")}
     bar = _Progress(sum(s["bytes"] for s in sources), progress)
     tokens, ctx = 0, multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork")
@@ -239,6 +241,8 @@ def main(argv=None):
     if args.workers < 1 or args.shard_tokens < 1:
         raise ValueError("--workers and --shard-tokens must be >= 1")
     t0 = time.perf_counter()
+    for path in faults.clean_prepare(Path(args.out).parent):
+        print(f"removed {path} (left by a preparation that was killed)", file=sys.stderr)
     index = prepare(args.corpus, args.tokenizer, args.out, args.workers, args.text_field, args.shard_tokens)
     s = index["splits"]
     print(f"{args.out}: train {s['train']['tokens']:,} tokens ({s['train']['documents']:,} documents), "

@@ -223,7 +223,12 @@ def read_hf(src):
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise ValueError(f"{src}: its weights cannot be read ({type(e).__name__}: {first}); copy or export the "
                          f"folder again") from None
-    return from_hf(model)
+    cfg, weights = from_hf(model)
+    try:  # a value no flag would pass (rms_norm_eps 0, rope_theta NaN): named in the file that holds it
+        cfg.validate()
+    except ValueError as e:
+        raise ValueError(f"{Path(src) / 'config.json'}: {e}, as nanomega reads it; fix the file") from None
+    return cfg, weights
 
 
 def load_pretrained(src, attention="eager") -> GPT:

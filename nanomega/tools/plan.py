@@ -10,6 +10,7 @@ Lesson: lessons/11-planning-a-run.md
 """
 import argparse
 import json
+import math
 from dataclasses import asdict, replace
 
 from nanomega.tools.cost import GPUS, MODELS, PRECISIONS, Model, Run, evaluate, n_params
@@ -165,8 +166,10 @@ def main(argv=None):
         raise SystemExit(f"plan: --gpus {args.gpus} must be at most one node or whole {gpu.per_node}-GPU nodes")
     if args.micro_batch < 1 or args.global_batch % args.micro_batch or args.global_batch < 1:
         raise SystemExit(f"plan: --global-batch {args.global_batch} must be a multiple of --micro-batch")
-    if min(args.chunks, args.usable, args.tokens, args.top, args.inter_bw or 1) <= 0:
-        raise SystemExit("plan: --chunks, --usable, --tokens, --inter-bw and --top must be positive")
+    if not all(math.isfinite(x) and x > 0 for x in (args.chunks, args.usable, args.tokens, args.top,
+                                                     args.inter_bw or 1)) or args.usable > 1:
+        raise SystemExit("plan: --chunks, --usable, --tokens, --inter-bw and --top must be positive and finite, "
+                         "--usable at most 1 (a fraction of GPU memory)")
     if args.rampup and not (0 < args.rampup[0] < args.global_batch and args.rampup[1] > 0 and args.rampup[2] > 0
                             and (args.global_batch - args.rampup[0]) % args.rampup[1] == 0):
         raise SystemExit(f"plan: --rampup {' '.join(map(str, args.rampup))}: need 0 < START < --global-batch, "
