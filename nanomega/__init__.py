@@ -19,6 +19,7 @@ Formula and its lesson:
     06  precision.py             bf16 / fp16, fp32 masters, loss scaling
     07  recompute.py             full and selective activation recompute
     08  fused.py, csrc/          fused C++/CUDA kernels
+        cpu_adam.py              CPUAdamW: the Adam/AdamW step in one fused C++ pass over host fp32 buffers
     09  meta.py                  build any size: the model on meta, each rank draws only its slice (+ dry run)
         train.py                 the composer: TP -> PP -> recompute -> precision -> DP/ZeRO, then the loop
     10  checkpoint.py, reshard.py  sharded checkpoints; any layout loads any other

@@ -21,7 +21,8 @@ Formula (elements moved, forward + backward, x4 bytes in fp32; n = elements of t
 The C++ sources (nanomega/csrc) are built on first use by torch.utils.cpp_extension.load (ninja,
 pybind11) under ONE cache root ($NANOMEGA_BUILD_DIR, default ~/.cache/nanomega/build), in a folder keyed
 by the sources, the flags and the CPU (build_key): a binary built for one CPU is never loaded on another.
-CUDA sources join the build when CUDA is available.
+CUDA sources join the build when CUDA is available. csrc/cpu_adam.cpp (cpu_adam.py's Adam/AdamW step) is
+compiled into the same module: one build, one cache key.
 If the build is impossible, a one-line notice and the PyTorch functions of model.py and modern.py are used.
 Lesson: lessons/08-fused-kernels.md
 """
@@ -118,7 +119,7 @@ def load_extension(verbose: bool = False):
         print("nanomega.fused: CUDA but no CUDA toolkit (nvcc): CPU kernels only, CUDA tensors take the "
               "PyTorch path", file=sys.stderr)
     name = "nanomega_fused_cuda" if with_cuda else "nanomega_fused_cpu"
-    sources = ["fused_cpu.cpp"] + (["fused_cuda.cu", "fused_cuda_bind.cpp"] if with_cuda else [])
+    sources = ["fused_cpu.cpp", "cpu_adam.cpp"] + (["fused_cuda.cu", "fused_cuda_bind.cpp"] if with_cuda else [])
     sources = [os.path.join(CSRC, s) for s in sources]
     defines = ["-DNANOMEGA_WITH_CUDA"] if with_cuda else []
     cflags = cpu_flags() + defines
@@ -146,6 +147,12 @@ def _ext():
 def available() -> bool:
     """True when the fused kernels are built (building them on first call)."""
     return _ext() is not None
+
+
+def extension():
+    """The built extension module (building it on first call), or None after the one-line notice: for the
+    modules whose kernels live in it (cpu_adam.py)."""
+    return _ext()
 
 
 def _runs_on(t: torch.Tensor) -> bool:

@@ -413,12 +413,13 @@ def cuda_checks(nvcc, cache):
     cxx = os.environ.get("CXX", "c++")
     yield "fused_cuda_bind.cpp", [cxx, "-fsyntax-only", "-fPIC", *common]
     yield "fused_cpu.cpp", [cxx, "-fsyntax-only", "-fPIC", *fused.cpu_flags(), *common]
+    yield "cpu_adam.cpp", [cxx, "-fsyntax-only", "-fPIC", *fused.cpu_flags(), *common]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH: the CUDA sources cannot be compiled")
 def test_cuda_sources_compile():
     """Each source of the CUDA build compiles against torch's headers (cold: ~35 s of compiler CPU, the
-    three jobs in parallel); a stamp keyed by the sources, torch's version and the command makes a rerun
+    four jobs in parallel); a stamp keyed by the sources, torch's version and the command makes a rerun
     instant. Linking and running need CUDA torch and a GPU: not done here."""
     cache = os.path.join(fused.build_dir(), "nvcc_check")
     sources = hashlib.sha256(torch.__version__.encode())

@@ -582,6 +582,10 @@ at::Tensor swiglu_bwd(const at::Tensor& dy, const at::Tensor& gu) {
 }  // namespace
 }  // namespace nanomega
 
+namespace nanomega::cpu_adam {
+void bind(pybind11::module_& m);  // cpu_adam.cpp: the fused Adam/AdamW step (adam_step, adam_isa, adam_isas)
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace nanomega;
   m.attr("with_cuda") =
@@ -600,4 +604,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_bwd", &rms_norm_bwd, "(dy, x, weight, rstd) -> [dx, dweight]");
   m.def("swiglu_fwd", &swiglu_fwd, "(gate_up) -> silu(gate) * up");
   m.def("swiglu_bwd", &swiglu_bwd, "(dy, gate_up) -> dgate_up");
+  cpu_adam::bind(m);
 }
