@@ -46,8 +46,13 @@ def global_norm(grads, grid, over_dp, device):
     return sq.sqrt().item()
 
 
+def coefficient(norm, max_norm):
+    """The factor clip_ scales by: max_norm / (norm + 1e-6) when that is below 1 (torch's rule), else 1."""
+    return max_norm / (norm + 1e-6) if max_norm is not None and max_norm / (norm + 1e-6) < 1.0 else 1.0
+
+
 def clip_(grads, norm, max_norm):
-    """Scale the gradients in place by max_norm / (norm + 1e-6) when that is below 1 (torch's rule)."""
-    if max_norm is not None and max_norm / (norm + 1e-6) < 1.0:
+    """Scale the gradients in place by coefficient(norm, max_norm) when that is below 1."""
+    if coefficient(norm, max_norm) < 1.0:
         for g in grads:
             g.mul_(max_norm / (norm + 1e-6))

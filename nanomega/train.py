@@ -86,7 +86,7 @@ def build(config, cfg, grid):
         for block in model.blocks.values():
             block.compile()
     engine = zero.ZeroEngine(model, torch.optim.AdamW, zero.weight_decay_groups(config.weight_decay, betas=(0.9, 0.95)),
-                             grid, config.zero, shared=shared, values=init.values)
+                             grid, config.zero, shared=shared, values=init.values, offload=config.offload)
     return model, engine, n_params
 
 

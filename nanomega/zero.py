@@ -31,6 +31,7 @@ import math
 import torch
 
 from . import clip, precision
+from . import offload as offloading
 from .ddp import GradBuckets, bucket_groups, start_equal
 from .flat import Piece, storage_bytes
 from .zero3 import ShardedParameters
@@ -62,10 +63,13 @@ def pipeline_error(stage, pp):
     return None
 
 
-def check_config(stage, optimizer_cls, pp=1):
-    """One-line errors for a stage, an optimizer or a pipeline ZeRO cannot run, raised before any collective."""
+def check_config(stage, optimizer_cls, pp=1, offload=0.0):
+    """One-line errors for a stage, an optimizer, a pipeline or an offload ZeRO cannot run, raised before any
+    collective."""
     if stage not in STAGE:
         raise ValueError(f"--zero {stage!r}: ZeRO stages are 0, 1, 2 and 3")
+    if offload:
+        offloading.check(optimizer_cls, stage)
     if pipeline_error(stage, pp):
         raise ValueError(pipeline_error(stage, pp))
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
@@ -99,6 +103,8 @@ class ZeroEngine:
     LayerNorms, FSDP's ignored parameters). shared: this pipeline stage's copy of the tied embedding
     (pp.tied_embedding): a bucket of its own, its gradient summed over grid.embed with the other stage's.
     init: "verify" (default) or "broadcast" the parameters and buffers (ddp.start_equal).
+    offload: the share (0..1) of this rank's optimizer elements whose fp32 masters and Adam state live in host
+    memory and step on the CPU (offload.py: ZeRO-Offload; Adam/AdamW, stages 1-3).
     values: for a model built on the meta device, values(name, p, start, stop) (meta.Init.values): the engine
     draws each parameter straight into its flat buffers on grid.device -- at stage 3 only this rank's shard --
     so no rank ever holds more than its share (+ one parameter on the host). On a meta grid (a dry run,
@@ -108,8 +114,8 @@ class ZeroEngine:
     """
 
     def __init__(self, model, optimizer_cls, optim, grid, stage=0, bucket_mb=25, grad_dtype=torch.float32,
-                 wrap=None, shared=None, replicate=(), init="verify", values=None):
-        check_config(stage, optimizer_cls, grid.pp.size if grid is not None else 1)
+                 wrap=None, shared=None, replicate=(), init="verify", values=None, offload=0.0):
+        check_config(stage, optimizer_cls, grid.pp.size if grid is not None else 1, offload)
         named = list(model.named_parameters())  # tied parameters once, under their first name
         unknown = sorted(set(replicate) - {k for k, _ in named})
         if unknown or (replicate and stage != 3):
@@ -141,6 +147,7 @@ class ZeroEngine:
         self.norm_over_dp = row.optimizer  # the pieces differ per dp rank: the norm adds theirs
         for g in self.groups:  # fp32 model: the same tensor (no copy); 16-bit model: the fp32 master
             g.master = precision.fp32_master(g.own)
+        self.offload = offloading.Offload(offloading.choose(groups, offload), groups[0].device) if offload else None
         self.optimizer = self._build_optimizer(optimizer_cls, specs)
         self.norm_pieces = [piece for piece in self.pieces  # this rank's share of the norm: fixed by the layout
                             if piece.group and clip.counts(piece.group.params[piece.index], piece.replica, grid,
@@ -207,20 +214,29 @@ class ZeroEngine:
             precision.unscale_(g.grad_own, scaler)
             if self.shared is not None and g.params[0] is self.shared:  # both pipeline copies of the tied
                 self.grid.embed.all_reduce(g.grad_own)  # embedding take the summed gradient (pp.sum_tied_grad)
-        for piece in self.pieces:
-            piece.master.grad = self._grad(piece).float() if piece.group else piece.master.new_zeros(0)
-        norm = clip.global_norm([piece.master.grad for piece in self.norm_pieces], self.grid, self.norm_over_dp,
-                                self.groups[0].device)
+        host = self.offload.offloaded if self.offload else (lambda group: False)
+        for piece in self.pieces:  # an offloaded piece: no .grad, so the optimizer skips it (offload.py steps it)
+            piece.master.grad = None if host(piece.group) else \
+                self._grad(piece).float() if piece.group else piece.master.new_zeros(0)
+        norm = clip.global_norm([self._grad(piece).float() if host(piece.group) else piece.master.grad
+                                 for piece in self.norm_pieces], self.grid, self.norm_over_dp, self.groups[0].device)
         stepped = math.isfinite(norm) or scaler is None
         if scaler is not None:
             scaler.update(not stepped)
         stepped, finite = stepped and not skip, True
         if stepped:
-            clip.clip_([piece.master.grad for piece in self.pieces], norm, clip_norm)
+            clip.clip_([piece.master.grad for piece in self.pieces if piece.master.grad is not None], norm, clip_norm)
             self.optimizer.step()
+            written = ()
+            if self.offload:  # the host groups: D2H, CPU Adam, H2D (their weights written back already)
+                for done in self.offload.step(self.pieces, self.optimizer, self.group_of,
+                                              clip.coefficient(norm, clip_norm)):
+                    if done is not None:
+                        done.synchronize()
+                written = self.offload.groups
             finite = self.masters_finite()  # a finite gradient can still give inf/NaN weights (lr, decay, overflow)
             if finite:
-                self.write_back()
+                self.write_back(skip=written)
         self.buckets.zero_grad()  # between steps ZeRO-3 holds no gradient at all
         return dict(grad_norm=norm, stepped=stepped and finite, finite=finite)
 
@@ -229,20 +245,22 @@ class ZeroEngine:
         must stop: the update cannot be undone without a copy of the masters and the optimizer state, 12 more
         bytes per parameter). One read of this rank's masters -- aminmax: a NaN or an infinity reaches the min
         or the max, no mask allocated -- and a 1-element all-reduce per axis, as the gradient norm's."""
-        ends = [t for g in self.groups if g.master.numel() for t in torch.aminmax(g.master)]
         bad = torch.zeros(1, device=self.groups[0].device)
-        if ends:
+        ends = [t.to(bad.device) for g in self.groups if g.master.numel() for t in torch.aminmax(g.master)]
+        if ends:  # (offloaded masters: on the host)
             bad += (~torch.isfinite(torch.stack(ends))).sum()
         for axis in ([self.axis] if self.norm_over_dp else []) + [self.grid.tp, self.grid.pp]:
             axis.all_reduce(bad)  # dp only when the masters differ per dp rank (ZeRO-1..3), as the norm
         return bad.item() == 0
 
-    def write_back(self):
+    def write_back(self, skip=()):
         """The fp32 masters -> the model's parameters in their dtype; stages 1-2 all-gather the slices. Call it
-        after changing the masters yourself (the optimizer's step calls it)."""
+        after changing the masters yourself (the optimizer's step calls it). skip: groups whose slice is written
+        already (offloaded: uploaded by offload.py), only gathered."""
         works = []
         for g in self.groups:
-            precision.write_back(g.master, g.own)
+            if not any(g is s for s in skip):
+                precision.write_back(g.master, g.own)
             if g.split and g.shard is None:
                 works.append(self.axis.start("all_gather", g.full, g.own))  # in place: own is full's slice
         for w in works:

@@ -38,6 +38,7 @@ BAD = [
     (1, ["--arch", "llama", "--n-kv-head", "3"], "--n-kv-head 3 does not divide --n-head 4; choose among 1, 2, 4"),
     (1, ["--n-kv-head", "2"], "--n-kv-head, --ffn-hidden and --untie-embeddings are for --arch llama"),
     (1, ["--arch", "llama", "--alibi"], "--alibi and --embed-layernorm are BLOOM's"),
+    (1, ["--offload", "1"], "--offload needs --zero 1, 2 or 3"),
     (4, ["--model", "llama-small", "--tp", "4", "--n-kv-head", "3", "--n-head", "12", "--n-embd", "96"],
      "--tp 4 and --n-kv-head 3: one must divide the other"),
 ]
@@ -69,6 +70,8 @@ NUMBERS = [
     (["--norm-eps=-1e-5"], "--norm-eps must be > 0"),
     (["--norm-eps", "inf"], "--norm-eps must be > 0, got inf"),
     (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--offload", "nan"], "--offload must be in [0, 1]"),
+    (["--zero", "1", "--offload", "1.5"], "--offload must be in [0, 1]"),
 ]
 
 

@@ -63,6 +63,7 @@ class Config:
     schedule: str
     virtual_stages: int
     zero: int
+    offload: float
     dtype: str  # precision, memory and kernels
     recompute: str
     recompute_layers: int | None
@@ -164,6 +165,9 @@ def parser():
     g.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved")
     g.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
     g.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3 (0: plain data parallelism)")
+    g.add_argument("--offload", type=float, default=0.0, help="ZeRO-Offload: the share (0-1) of each rank's fp32 "
+                   "masters and Adam state kept in host memory and stepped by the fused CPU Adam (nanomega/offload.py; "
+                   "--zero 1-3)")
 
     g = p.add_argument_group("precision, memory and kernels")
     g.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (with dynamic loss scaling)")
@@ -289,7 +293,7 @@ def check(config):
                              f"{c.batch_size} x dp {dp} (world {world} / (tp {c.tp} x pp {c.pp})); "
                              f"pick a global batch divisible by {per_step} or another --batch-size")
         grad_accum = c.global_batch // per_step
-    zero.check_config(c.zero, torch.optim.AdamW, c.pp)  # the engine's own rules (stage, ZeRO with PP)
+    zero.check_config(c.zero, torch.optim.AdamW, c.pp, c.offload)  # the engine's rules (stage, PP, offload)
     vocab_size = data.get_tokenizer(c.tokenizer).n_vocab
     if c.dry_run and c.model:  # no data is read: the preset's vocabulary, as the planner takes it
         vocab_size = presets.PRESETS[c.model]["vocab_size"]

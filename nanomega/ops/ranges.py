@@ -28,6 +28,7 @@ RULES = {  # flag: (whether value v is allowed under Config c, what it must be: 
     "warmup": _at_least(0),
     "seed": (lambda v, c: 0 <= v < MAX_SEED, "in [0, 2**62)"),
     "dropout": (lambda v, c: 0 <= v < 1, "in [0, 1)"),
+    "offload": (lambda v, c: 0 <= v <= 1, "in [0, 1] (a share of the optimizer state)"),
     "lr": (lambda v, c: v > 0, "> 0"),
     "min_lr": (lambda v, c: 0 <= v <= c.lr, "in [0, --lr {c.lr:g}]"),
     "peak_flops": (lambda v, c: v > 0, "> 0 FLOP/s per device"),

@@ -1,0 +1,116 @@
+"""ZeRO-Offload: the fp32 master weights and Adam's state in host memory, the step on the CPU.
+
+Idea: with Adam in mixed precision a parameter costs 16 bytes on the device, 12 of them the fp32 master and
+Adam's m and v that only the optimizer step reads (zero.py). ZeRO-Offload (Ren et al. 2021, DeepSpeed's
+offload_optimizer) keeps those 12 bytes in host memory -- plentiful, and on the CPU's side of PCIe -- and runs
+the step there, with a fused CPU Adam (cpu_adam.py: one pass over memory per step, vectorized, OpenMP).
+Per step each offloaded flat group (a bucket, this rank's ZeRO slice of it) goes:
+    its gradient device -> host (D2H, into a pinned buffer)  ->  the CPU Adam step on its pieces  ->
+    the updated master host -> device (H2D, cast to the model's dtype: that is the write-back)
+and the groups are pipelined: group i+1's gradient is copying down (a CUDA stream) while the CPU steps group i,
+and group i's weights copy up while the CPU steps group i+1. On a CPU-only machine the same code runs and the
+copies are host-to-host (how the tests exercise it). `fraction` offloads the largest groups first until that
+share of this rank's optimizer elements is on the host (DeepSpeed's ratio): the rest step on the device, with
+the engine's optimizer, as without offload. Every offloaded piece keeps its state in that optimizer's `state`
+(torch.optim.AdamW's keys), so checkpoints, resharding and the optimizer itself do not know the difference.
+
+Formula (P parameters on this rank after ZeRO's 1/N, fully offloaded, bf16 model, fp32 gradients):
+    device bytes   2 P (weights) + 4 P (gradients)           instead of 2 + 4 + 12 (zero.py)
+    host bytes     12 P (master, m, v) + 4 P (pinned gradient buffers)
+    PCIe per step  4 P down (fp32 gradients) + 2 P up (bf16 weights): 6 P bytes, each way overlapping the CPU step
+    CPU step       28 P bytes through host memory (cpu_adam.py): ~P x 28 / (host memory bandwidth)
+Lesson: lessons/02-data-parallel-and-zero.md (section "Beyond the device: ZeRO-Offload")
+"""
+import torch
+
+from . import cpu_adam
+
+ADAM = (torch.optim.Adam, torch.optim.AdamW, cpu_adam.CPUAdamW)  # the update the CPU kernel computes
+
+
+def choose(groups, fraction):
+    """The groups to offload: the largest first, until their optimizer elements reach `fraction` of all."""
+    total = sum(g.master.numel() for g in groups)
+    chosen, held = [], 0
+    for g in sorted(groups, key=lambda g: -g.master.numel()):
+        if held >= fraction * total or g.master.numel() == 0:
+            break
+        chosen.append(g)
+        held += g.master.numel()
+    return chosen
+
+
+class Offload:
+    """The host half of a ZeroEngine: `groups` get host fp32 masters (pinned beside a GPU) and pinned gradient
+    buffers; `step` runs the D2H -> CPU Adam -> H2D pipeline over them. The engine keeps its optimizer for
+    everything: offloaded pieces are stepped here with its hyper-parameters and its `state` entries."""
+
+    def __init__(self, groups, device):
+        self.groups, self.device = groups, device
+        pinned = device.type == "cuda"
+        self.grads = {}  # id(group) -> its host gradient buffer
+        for g in groups:  # a separate host copy even for an fp32 model on the CPU: the same path as on a GPU
+            g.master = torch.empty(g.own.shape, dtype=torch.float32, pin_memory=pinned).copy_(g.own)
+            self.grads[id(g)] = torch.empty(g.own.shape, dtype=torch.float32, pin_memory=pinned)
+        self.stream = torch.cuda.Stream(device) if pinned else None  # the copies', beside the compute stream
+
+    def offloaded(self, group):
+        return id(group) in self.grads
+
+    def _copy(self, dst, src):
+        """dst.copy_(src), queued on the copy stream on a GPU; returns the event that marks it done (or None)."""
+        if self.stream is None:
+            dst.copy_(src)
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # src is ready on the compute stream
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return done
+
+    @torch.no_grad()
+    def step(self, pieces, optimizer, group_of, coefficient):
+        """Step the pieces of the offloaded groups: per group, its gradient down (the next group's already
+        copying), scaled by the clip coefficient, the CPU Adam step of each piece, its weights up. Returns the
+        events of the uploads (wait before reading the parameters; None entries on the CPU)."""
+        by_group = {id(g): [p for p in pieces if p.group is g] for g in self.groups}
+        downs = [self._copy(self.grads[id(g)], g.grad_own) for g in self.groups[:1]]
+        ups = []
+        for i, g in enumerate(self.groups):
+            if i + 1 < len(self.groups):  # prefetch: the next gradient copies while this group steps
+                nxt = self.groups[i + 1]
+                downs.append(self._copy(self.grads[id(nxt)], nxt.grad_own))
+            if downs[i] is not None:
+                downs[i].synchronize()
+            grad = self.grads[id(g)]
+            if coefficient != 1.0:
+                grad.mul_(coefficient)  # clip.clip_'s scaling, on the host copy
+            for piece in by_group[id(g)]:
+                self._adam(piece, grad[piece.at:piece.at + piece.end - piece.start], optimizer,
+                           optimizer.param_groups[group_of[piece.name]])
+            ups.append(self._copy(g.own, g.master))  # the write-back: fp32 -> the model's dtype on the way
+        return ups
+
+    @staticmethod
+    def _adam(piece, grad, optimizer, group):
+        """torch.optim.AdamW's update of one piece by the CPU kernel, its state in the engine's optimizer."""
+        m = piece.master
+        state = optimizer.state[m]
+        if not state:  # as torch.optim.AdamW creates it: a 0-d fp32 step, m and v like the parameter
+            state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(m), exp_avg_sq=torch.zeros_like(m))
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+        cpu_adam.adam_step(m.reshape(-1), grad, state["exp_avg"].reshape(-1), state["exp_avg_sq"].reshape(-1),
+                           lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                           weight_decay=group["weight_decay"], step=state["step"].item(),
+                           decoupled=group.get("decoupled_weight_decay",  # torch < 2.6 has no such key
+                                               isinstance(optimizer, (torch.optim.AdamW, cpu_adam.CPUAdamW))))
+
+
+def check(optimizer_cls, stage):
+    """One line for what offload cannot do: an optimizer the CPU kernel does not compute, or ZeRO stage 0."""
+    if not issubclass(optimizer_cls, ADAM):
+        raise ValueError(f"--offload: the CPU step computes Adam/AdamW, not {optimizer_cls.__name__}")
+    if stage == 0:
+        raise ValueError("--offload needs --zero 1, 2 or 3 (ZeRO-Offload offloads a ZeRO engine's optimizer state)")
