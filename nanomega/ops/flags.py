@@ -79,6 +79,7 @@ class Config:
     save_every: int  # checkpoints
     save_every_minutes: float
     async_save: bool
+    flash_restore: bool
     keep_last: int
     resume: bool
     resume_from: str | None
@@ -189,6 +190,9 @@ def parser():
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     g.add_argument("--save-every-minutes", type=float, default=0.0, help="also checkpoint every M minutes")
     g.add_argument("--async-save", action="store_true", help="write checkpoints from a background thread")
+    g.add_argument("--flash-restore", action="store_true", help="also keep each rank's newest shard in /dev/shm "
+                   "(host RAM: one shard per rank, two while a save is in flight); a restart on the same host "
+                   "reads it from there when step and sha256 match (nanomega/flash.py); removed at the job's end")
     g.add_argument("--keep-last", type=int, default=0, help="keep only the K newest checkpoints (0: keep all); "
                    "the one resumed from is never deleted")
     g.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out-dir; "
