@@ -23,6 +23,7 @@ Formula and its lesson:
     09  meta.py                  build any size: the model on meta, each rank draws only its slice (+ dry run)
         train.py                 the composer: TP -> PP -> recompute -> precision -> DP/ZeRO, then the loop
     10  checkpoint.py, reshard.py  sharded checkpoints; any layout loads any other
+        flash.py                 each rank's newest shard also in shared memory: a restart reads it from there
     11  formulas.py              the closed forms (FLOPs, bytes, activations) the planner and the tests use
 
 Beside the concepts, two folders a student may skip:

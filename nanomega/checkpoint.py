@@ -65,10 +65,13 @@ def _index(state):
     return [[p["name"], u["tp_rank"], p["start"], p["end"]] for p in u.get("pieces", [])]
 
 
-def save(out_dir, step, cfg, state, grid, layout=None, wrap=None):
+def save(out_dir, step, cfg, state, grid, layout=None, wrap=None, keep=None):
     """Every rank calls this with its own `state`; returns the checkpoint folder once the manifest exists.
-    wrap(file): what torch.save writes the shard through (ops/guard.py: the hang watchdog counts its writes)."""
+    wrap(file): what torch.save writes the shard through (ops/guard.py: the hang watchdog counts its writes).
+    keep(folder): called once this rank's shard is written, before the manifest (flash.py: a copy in memory)."""
     folder = write_shard(out_dir, step, state, grid.rank, wrap)
+    if keep:
+        keep(folder)
     write_manifest(out_dir, folder, step, cfg, grid, layout)
     return folder
 
@@ -125,8 +128,8 @@ class AsyncSaver:
     training thread stalls for one memory copy of the shard, and the saver holds one shard of CPU memory.
     From a GPU the buffers are pinned and the copies asynchronous: the writer waits for them, not training."""
 
-    def __init__(self, out_dir, cfg, grid, layout):
-        self.out_dir, self.cfg, self.grid, self.layout = out_dir, cfg, grid, layout
+    def __init__(self, out_dir, cfg, grid, layout, keep=None):  # keep: as save's, on the writer thread
+        self.out_dir, self.cfg, self.grid, self.layout, self.keep = out_dir, cfg, grid, layout, keep
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="nanomega-ckpt")
         self.writer.submit(int)  # its one thread started now and kept: start() never waits for a new thread
         self.shard, self.manifest, self.step = None, None, None  # the writer's jobs (futures) in flight
@@ -160,7 +163,9 @@ class AsyncSaver:
     def _write(self, step, state, copied, wrap):
         if copied is not None:
             copied.synchronize()
-        write_shard(self.out_dir, step, state, self.grid.rank, wrap)
+        folder = write_shard(self.out_dir, step, state, self.grid.rank, wrap)
+        if self.keep:
+            self.keep(folder)
 
     def poll(self, anyone_busy):
         """At a step boundary (every rank): once no rank is still writing its shard -- the vote shows every
@@ -339,6 +344,7 @@ def retain(out_dir, keep_last, protect=(), upto=None):
     return gone
 
 
-def load_shard(folder, rank):
-    """One rank's shard on the CPU, whatever device saved it; memory-mapped: only what is read is paged in."""
-    return torch.load(os.path.join(folder, shard_name(rank)), map_location="cpu", mmap=True, weights_only=False)
+def load_shard(folder, rank, path=None):
+    """One rank's shard on the CPU, whatever device saved it; memory-mapped: only what is read is paged in.
+    path: a verified byte-identical copy to read instead (flash.py's, in shared memory)."""
+    return torch.load(path or os.path.join(folder, shard_name(rank)), map_location="cpu", mmap=True, weights_only=False)

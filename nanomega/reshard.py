@@ -191,11 +191,14 @@ def _overlaps(pieces, need):
     return any(b is None or (s < b and a < e) for name, q, s, e in pieces for a, b in need.get((name, q), ()))
 
 
-def load(folder, cfg, engine, grid, layout):
+def load(folder, cfg, engine, grid, layout, copy_of=None):
     """Load `folder` into this rank's engine under the current layout (resharding if it differs), reading
     only the shards whose pieces overlap what this rank holds (all of them for a checkpoint without the
     manifest's piece index). Returns this rank's saved state (its own shard when the layout is the same, else
-    rank 0's), with `same_layout` telling whether per-rank RNG streams can be continued."""
+    rank 0's), with `same_layout` telling whether per-rank RNG streams can be continued.
+    copy_of(manifest, shard name): under the same layout, the path of a verified byte-identical copy of this
+    rank's own shard to read instead of the disk (nanomega/flash.py: shared memory), or None; `copies` in the
+    result names the shards so read, neither verified nor read on disk here."""
     manifest = checkpoint.read_manifest_json(folder)
     same = manifest["layout"] == layout and manifest["world"] == grid.world
     saved_tp = manifest["layout"].get("tp", 1)
@@ -204,8 +207,9 @@ def load(folder, cfg, engine, grid, layout):
     index = manifest.get("pieces")
     files = [f for f in manifest["shards"] if index is None or _overlaps(index[f], need)]
     own = checkpoint.shard_name(grid.rank if same else 0)
-    checkpoint.read_manifest(folder, cfg, verify=set(files) | {own})
-    shards = {f: checkpoint.load_shard(folder, int(f[5:10])) for f in files}
+    copies = {own: path} if same and copy_of and (path := copy_of(manifest, own)) else {}
+    checkpoint.read_manifest(folder, cfg, verify=(set(files) | {own}) - set(copies))
+    shards = {f: checkpoint.load_shard(folder, int(f[5:10]), copies.get(f)) for f in files}
     full = _assemble(shards.values(), need, saved_tp, saved_kv)
     params, optim = {}, {}
     for name, p in engine.module.named_parameters():
@@ -221,8 +225,8 @@ def load(folder, cfg, engine, grid, layout):
         if p.requires_grad:
             optim[name] = {k: cut(v) if is_elementwise(v) else v for k, v in state.items()}
     import_by_name(engine, params, optim)
-    mine = shards[own] if own in shards else checkpoint.load_shard(folder, int(own[5:10]))
-    return dict(mine, same_layout=same, shards_read=sorted(files))
+    mine = shards[own] if own in shards else checkpoint.load_shard(folder, int(own[5:10]), copies.get(own))
+    return dict(mine, same_layout=same, shards_read=sorted(files), copies=sorted(copies))
 
 
 def full_weights(folder):

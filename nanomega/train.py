@@ -29,7 +29,7 @@ import torch
 if __package__ in (None, ""):  # `python nanomega/train.py`: make the package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nanomega import data, dist, fused, meta, pp, precision, recompute, rng, schedules, tp, zero
+from nanomega import data, dist, flash, fused, meta, pp, precision, recompute, rng, schedules, tp, zero
 from nanomega.model import GPT, SHAPE_KEYS
 from nanomega.ops import faults, flags, health, meter, saves
 from nanomega.ops.guard import Guard, Spikes
@@ -166,14 +166,17 @@ def train(config):
     layout = dict(dp=config.dp, tp=config.tp, pp=config.pp, zero=config.zero, dtype=config.dtype,
                   tokenizer=config.tokenizer, tokenizer_sha256=tokenizer[1], virtual_stages=config.virtual_stages,
                   sequence_parallel=config.sequence_parallel)
-    step = resume(resume_from, cfg, grid, layout, engine=engine, scaler=scaler, spikes=spikes, sampler=sampler, log=log)
+    copies = flash.Copies(config.out_dir, grid.rank) if config.flash_restore else None  # shared-memory copies
+    step = resume(resume_from, cfg, grid, layout, engine=engine, scaler=scaler, spikes=spikes, sampler=sampler, log=log,
+                  copies=copies)
 
     metrics = meter.open_log(config, cfg, grid, step, n_params=n_params, log=log)  # the start-up lines; MFU's peak
     guard = Guard(grid, spikes, on_nan=config.on_nan, max_skipped=config.max_skipped, fault=config.fault,
                   hang_timeout=config.hang_timeout, out_dir=config.out_dir)  # a step's failure policy
     checkpoints = saves.Saves(config.out_dir, cfg, grid, layout, every=config.save_every,
                               every_minutes=config.save_every_minutes, max_steps=config.max_steps,
-                              async_save=config.async_save, keep_last=config.keep_last, resumed_from=resume_from)
+                              async_save=config.async_save, keep_last=config.keep_last, resumed_from=resume_from,
+                              copies=copies)
     faults.arm_preemption()  # from here on SIGTERM/SIGUSR1 checkpoint at the next step boundary
     if config.eval_every and step == 0:  # the starting point of the validation curve (~ ln V)
         metrics.log_validation(evaluate(model, grid, val_set, config))
@@ -261,13 +264,23 @@ def start(config, cfg):
     return grid
 
 
-def resume(folder, cfg, grid, layout, *, engine, scaler, spikes, sampler, log):
-    """The step to start from: 0, or that of the checkpoint found (faults.find_checkpoint), loaded into this rank."""
+def resume(folder, cfg, grid, layout, *, engine, scaler, spikes, sampler, log, copies=None):
+    """The step to start from: 0, or that of the checkpoint found (faults.find_checkpoint), loaded into this rank
+    (--flash-restore: its own shard from its copy in shared memory where that holds the same bytes)."""
     if not folder:
+        if copies:
+            copies.reset()  # a fresh start: any copy left in shared memory is of no use
         return 0
-    state = saves.restore(folder, cfg, grid, layout, engine=engine, scaler=scaler, spikes=spikes, sampler=sampler)
+    state = saves.restore(folder, cfg, grid, layout, engine=engine, scaler=scaler, spikes=spikes, sampler=sampler,
+                          copies=copies)
     if log:
         print(f"resumed from {folder} at step {state['step']}" + ("" if state.get("same_layout") else " (resharded)"))
+    if copies:
+        copies.reset(state["step"] if state["copies"] else None)  # only a copy that served may serve again
+        used = flash.count(grid, bool(state["copies"]))  # collective: every rank with --flash-restore is here
+        if log:
+            print(f"restored from shared memory: {used} of {grid.world} ranks" +
+                  (f" ({grid.world - used} read the disk)" if used < grid.world else ""))
     return state["step"]
 
 

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from nanomega import checkpoint, data, dist
+from nanomega import checkpoint, data, dist, flash
 from nanomega.ops import lock
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -190,7 +190,8 @@ def at_job_end(stop):
 @contextlib.contextmanager
 def job(out_dir):
     """Around train.main: no orphans; afterwards what at_job_end registered stopped, the signal handlers restored
-    and the out-dir lock released (kept by its holder when the job failed and torchrun restarts it: lock.py)."""
+    and the out-dir lock released (kept by its holder when the job failed and torchrun restarts it: lock.py), and
+    this rank's --flash-restore copy in shared memory removed (kept alike for the restart: flash.py)."""
     _PREEMPTED.clear()
     die_with_parent()
     ended = False
@@ -202,7 +203,10 @@ def job(out_dir):
             _AT_JOB_END.pop()()
         for s in list(_OLD_HANDLERS):
             signal.signal(s, _OLD_HANDLERS.pop(s))
-        lock.unlock_out_dir(out_dir, keep_for_restart=not ended and lock.restart_follows())
+        restart = not ended and lock.restart_follows()
+        lock.unlock_out_dir(out_dir, keep_for_restart=restart)
+        if not restart:  # host RAM: a copy serves only a restart; a leftover of an earlier job of out_dir goes too
+            flash.drop(out_dir, rank())
 
 
 def _peer_failure(e):

@@ -17,11 +17,10 @@ import sys
 import torch
 
 from nanomega import data, dist, pp, precision, recompute, tp, zero
-from nanomega.ops import faults, presets, ranges
+from nanomega.ops import faults, guard, presets, ranges
 from nanomega.model import GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # nanomega/ops/ -> the checkout
-FAULTS = ("raise", "nan", "sigterm", "hang", "hang-save", "spike")  # --inject-fault KIND (nanomega/ops/guard.py:inject_fault)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +79,7 @@ class Config:
     save_every: int  # checkpoints
     save_every_minutes: float
     async_save: bool
+    flash_restore: bool
     keep_last: int
     resume: bool
     resume_from: str | None
@@ -165,9 +165,8 @@ def parser():
     g.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved")
     g.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
     g.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3 (0: plain data parallelism)")
-    g.add_argument("--offload", type=float, default=0.0, help="ZeRO-Offload: the share (0-1) of each rank's fp32 "
-                   "masters and Adam state kept in host memory and stepped by the fused CPU Adam (nanomega/offload.py; "
-                   "--zero 1-3)")
+    g.add_argument("--offload", type=float, default=0.0, help="ZeRO-Offload (--zero 1-3): the share (0-1) of the "
+                   "fp32 masters and Adam state kept in host memory, stepped by the CPU Adam (nanomega/offload.py)")
 
     g = p.add_argument_group("precision, memory and kernels")
     g.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (with dynamic loss scaling)")
@@ -193,6 +192,9 @@ def parser():
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     g.add_argument("--save-every-minutes", type=float, default=0.0, help="also checkpoint every M minutes")
     g.add_argument("--async-save", action="store_true", help="write checkpoints from a background thread")
+    g.add_argument("--flash-restore", action="store_true", help="also keep each rank's newest shard in /dev/shm "
+                   "(host RAM: one shard per rank, two while a save is in flight); a restart on the same host "
+                   "reads it from there when step and sha256 match (nanomega/flash.py); removed at the job's end")
     g.add_argument("--keep-last", type=int, default=0, help="keep only the K newest checkpoints (0: keep all); "
                    "the one resumed from is never deleted")
     g.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out-dir; "
@@ -273,7 +275,7 @@ def check(config):
     derived values (dp, grad_accum and global_batch, vocab_size, fault, hang_timeout, resume); changes nothing."""
     c = config
     ranges.check(c, parser().get_default)  # every numeric flag finite and in range: one table (ops/ranges.py)
-    fault = parse_fault(c.inject_fault) if c.inject_fault else None
+    fault = guard.parse_fault(c.inject_fault) if c.inject_fault else None
     if c.on_nan not in ("skip", "stop"):
         raise ValueError(f"--on-nan {c.on_nan!r}: choose skip or stop")
     if c.model is not None and c.model not in presets.PRESETS:
@@ -329,14 +331,6 @@ def check_batch_fits(config, n_windows):
         raise ValueError(f"--batch-size {c.batch_size} x --grad-accum {c.grad_accum} x dp {c.dp} = {c.global_batch} "
                          f"sequences per step is more than the {n_windows} training windows of --block-size "
                          f"{c.block_size} in the data; lower --batch-size (or --global-batch)")
-
-
-def parse_fault(text):
-    """--inject-fault KIND:RANK:STEP as (kind, rank, step)."""
-    kind, *where = text.split(":")
-    if kind not in FAULTS or len(where) != 2 or not all(w.isdigit() for w in where):
-        raise ValueError(f"--inject-fault {text!r}: expected KIND:RANK:STEP, KIND one of {', '.join(FAULTS)}")
-    return kind, int(where[0]), int(where[1])
 
 
 def check_failure_flags(c):

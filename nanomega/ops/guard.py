@@ -164,6 +164,17 @@ class Spikes:
             self.lr_scale, self.windows = state["lr_scale"], list(state["windows"])
 
 
+FAULTS = ("raise", "nan", "sigterm", "hang", "hang-save", "spike")  # --inject-fault KIND (inject_fault)
+
+
+def parse_fault(text):
+    """--inject-fault KIND:RANK:STEP as (kind, rank, step)."""
+    kind, *where = text.split(":")
+    if kind not in FAULTS or len(where) != 2 or not all(w.isdigit() for w in where):
+        raise ValueError(f"--inject-fault {text!r}: expected KIND:RANK:STEP, KIND one of {', '.join(FAULTS)}")
+    return kind, int(where[0]), int(where[1])
+
+
 def inject_fault(fault, *, rank, data_step, step):
     """--inject-fault KIND:RANK:STEP (testing the policies of this file): on that rank at that data step, raise, or send
     itself SIGTERM (a preemption notice mid-step) or SIGSTOP (a frozen rank). Returns KIND there, else None:

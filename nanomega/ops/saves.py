@@ -5,6 +5,8 @@ Idea: a checkpoint is only worth its cost if every rank writes the same step and
 So the decision to save is taken alike on every rank (a vote where clocks or signals differ), never right after
 a skipped step, and the state holds everything a step depends on: this rank's pieces of every parameter (any
 layout loads them, reshard.py), the data position, the loss scale, the RNG streams, the spike policy's lr scale.
+With --flash-restore each shard is also kept in shared memory and a restart on the same host reads it from
+there (nanomega/flash.py).
 Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
 """
 import time
@@ -27,11 +29,13 @@ class Saves:
     (a vote: every rank stops at the same step); never right after a skipped step (the next finite step saves)."""
 
     def __init__(self, out_dir, cfg, grid, layout, *, every, every_minutes, max_steps, async_save, keep_last,
-                 resumed_from):
+                 resumed_from, copies=None):
         self.out_dir, self.cfg, self.grid, self.layout = out_dir, cfg, grid, layout
         self.every, self.every_minutes, self.max_steps = every, every_minutes, max_steps
         self.keep_last, self.resumed_from = keep_last, resumed_from
-        self.saver = checkpoint.AsyncSaver(out_dir, cfg, grid, layout) if async_save else None
+        self.copies = copies  # --flash-restore: a flash.Copies; each shard is also copied to shared memory
+        self.keep = copies.keep if copies else None  # by the writer thread (async) or this one, before the manifest
+        self.saver = checkpoint.AsyncSaver(out_dir, cfg, grid, layout, self.keep) if async_save else None
         self.last, self.pending = time.time(), False
 
     def at_step_end(self, step, *, state, may_save, guard):
@@ -43,6 +47,8 @@ class Saves:
         preempted = grid_agrees(grid, faults.preempt_requested())  # every rank stops at the same step
         if self.saver:  # the manifest of a background save, once every rank has written its shard
             self.saver.poll(lambda busy: grid_agrees(grid, busy))
+        if self.copies:  # the copy of an older checkpoint goes once a newer one is complete
+            self.copies.prune()
         if (due or preempted or self.pending) and not may_save:
             if due or preempted:
                 faults.say(f"step {step}: checkpoint not written (the step was skipped); the next finite step saves")
@@ -59,7 +65,9 @@ class Saves:
             if self.saver:
                 self.saver.start(step, state, wrap)
             else:
-                checkpoint.save(self.out_dir, step, self.cfg, state, self.grid, self.layout, wrap)
+                checkpoint.save(self.out_dir, step, self.cfg, state, self.grid, self.layout, wrap, self.keep)
+                if self.copies:
+                    self.copies.prune()
             faults.saved(self.out_dir, self.keep_last, self.resumed_from, self.grid, step)
         self.last, self.pending = time.time(), False
 
@@ -68,11 +76,15 @@ class Saves:
         if self.saver:
             with guard.saving(step):
                 self.saver.wait()
+            if self.copies:
+                self.copies.prune()
 
 
-def restore(folder, cfg, grid, layout, *, engine, scaler, spikes, sampler=None):
-    """Load a checkpoint into this rank's engine, loss scaler, RNG (same layout) and, if given, sampler."""
-    state = reshard.load(folder, cfg, engine, grid, layout)
+def restore(folder, cfg, grid, layout, *, engine, scaler, spikes, sampler=None, copies=None):
+    """Load a checkpoint into this rank's engine, loss scaler, RNG (same layout) and, if given, sampler.
+    copies: a flash.Copies (--flash-restore): this rank's own shard read from shared memory when its copy holds
+    the same bytes (state["copies"] names it), else from the disk."""
+    state = reshard.load(folder, cfg, engine, grid, layout, copies.find if copies else None)
     fresh = state["sampler"] is None  # a step-0 import (nanomega.tools.hf): the data and the loss scale start fresh
     if sampler is not None and not fresh:
         sampler.load_state_dict(state["sampler"])

@@ -1,0 +1,167 @@
+"""Flash restore: each rank keeps a byte-for-byte copy of its newest checkpoint shard in host memory
+(/dev/shm), and a rank restarted on the same host reads its shard from there instead of from storage
+(DLRover's Flash Checkpoint; our own code).
+
+Idea: after a rank writes its shard (checkpoint.write_shard: the file, its sha256 in rank_K.json) it copies
+those bytes to /dev/shm/nanomega-<hash of the out-dir's realpath>/rank_K.step_S.pt, with rank_K.step_S.json
+{step, sha256, size, out_dir} written last (a temporary name and a rename: a copy without its json is never
+used). The copy is made before the manifest can claim the checkpoint (sync: before its barrier; async: in
+the writer's job, which the manifest waits for), and the previous copy is removed only once the new
+checkpoint's manifest exists (prune), so whichever checkpoint discovery picks after a crash, each rank still
+holds its copy. On resume under the same layout, a rank whose copy is for the chosen step S and whose bytes
+hash to the manifest's sha256 of its own shard reads it from memory; anything else -- no copy, another step,
+a flipped byte, another layout (other ranks' shards), another host (another /dev/shm) -- reads the disk.
+The bytes are the disk shard's, so the restore is the same by construction (tests/test_flash.py checks it).
+Discovery is unchanged: it still verifies every shard on disk, since every rank must reach the same verdict
+on a folder and a copy is one rank's.
+Memory: one shard per rank (two while a save is in flight), in RAM that /dev/shm takes from the host. A job
+that ends normally (or fails with no torchrun restart to follow) removes its copies; copies of an out-dir
+that no longer exists are swept when a --flash-restore job starts; those of a job killed whole (its agent
+SIGKILLed) stay until its out-dir's next job ends, the out-dir goes, or the host reboots.
+Formula: restore time ~ hash + read of one shard at memory bandwidth, instead of at storage bandwidth.
+Lesson: lessons/10-checkpoints-and-failures.md
+"""
+import contextlib
+import glob
+import hashlib
+import json
+import os
+import shutil
+import sys
+
+import torch
+
+from nanomega import checkpoint
+from nanomega.data import sha256_file
+
+SHM = "/dev/shm"
+
+
+def folder(out_dir):
+    """The shared-memory folder of an out-dir (keyed by its realpath: one per out-dir and host)."""
+    return os.path.join(SHM, "nanomega-" + hashlib.sha256(os.path.realpath(out_dir).encode()).hexdigest()[:12])
+
+
+def prefix(out_dir, rank):
+    """Every file of this rank's copies starts so: rank_0000K.step_ (then 000123.pt, .json, a .tmp)."""
+    return os.path.join(folder(out_dir), f"{checkpoint.shard_name(rank)[:-3]}.step_")
+
+
+def drop(out_dir, rank):
+    """Remove this rank's copies of out_dir (any step, half-written ones too), and the folder once empty."""
+    for path in glob.glob(prefix(out_dir, rank) + "*"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+    with contextlib.suppress(OSError):  # another rank of this host still holds its copy: it removes the folder
+        os.rmdir(folder(out_dir))
+
+
+def sweep():
+    """Remove the shared-memory folders whose out-dir no longer exists (their checkpoints are gone: a copy is
+    only ever used against its out-dir's manifest). Returns them."""
+    gone = []
+    for where in glob.glob(os.path.join(SHM, "nanomega-*")):
+        for made in glob.glob(os.path.join(where, "*.json"))[:1]:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                if not os.path.isdir(json.load(open(made))["out_dir"]):
+                    shutil.rmtree(where, ignore_errors=True)
+                    gone.append(where)
+    return gone
+
+
+class Copies:
+    """This rank's copies in shared memory, for one out-dir: keep (after writing a shard), prune (once a newer
+    checkpoint is complete), find (on resume), reset (after it)."""
+
+    def __init__(self, out_dir, rank):
+        self.out_dir, self.rank = os.path.realpath(out_dir), rank
+        self.folder, self.prefix = folder(out_dir), prefix(out_dir, rank)
+        self.off = None  # the error that turned copies off for this job (no room in /dev/shm, ...)
+        sweep()
+
+    def base(self, step):
+        return f"{self.prefix}{step:06d}"
+
+    def steps(self):
+        """The steps of this rank's complete copies (those with their json), newest first."""
+        return sorted((int(p[len(self.prefix):-5]) for p in glob.glob(self.prefix + "*.json")), reverse=True)
+
+    def leftovers(self):
+        """Removes this rank's half-written files: temporary names, and a copy without its json (a killed write)."""
+        for path in glob.glob(self.prefix + "*"):
+            if path.endswith(".tmp") or (path.endswith(".pt") and not os.path.isfile(path[:-3] + ".json")):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+
+    def keep(self, ckpt_folder):
+        """Copy this rank's shard just written in ckpt_folder (checkpoint.write_shard) to shared memory; called
+        before the manifest. A failure (no /dev/shm, no room in it) turns copies off for this job, one line."""
+        if self.off is not None:
+            return
+        step = int(os.path.basename(ckpt_folder)[5:])
+        shard = os.path.join(ckpt_folder, checkpoint.shard_name(self.rank))
+        base = self.base(step)
+        try:
+            made = json.load(open(shard[:-3] + ".json"))  # write_shard's: sha256 and size of the bytes on disk
+            os.makedirs(self.folder, exist_ok=True)
+            self.leftovers()
+            self.prune()
+            self.remove(step)  # a copy of this very step (a rollback saves a step again) is stale
+            shutil.copyfile(shard, base + ".pt.tmp")
+            if os.path.getsize(base + ".pt.tmp") != made["size"]:
+                raise OSError(f"the copy of {shard} is short")
+            os.replace(base + ".pt.tmp", base + ".pt")
+            with open(base + ".json.tmp", "w") as f:
+                json.dump(dict(step=step, sha256=made["sha256"], size=made["size"], out_dir=self.out_dir), f)
+            os.replace(base + ".json.tmp", base + ".json")  # last: a copy without its json is never used
+        except OSError as e:
+            self.off = e
+            self.remove(step)
+            self.leftovers()
+            print(f"--flash-restore: rank {self.rank}: no copy in {self.folder} ({e}); restores read the disk",
+                  file=sys.stderr, flush=True)
+
+    def prune(self):
+        """Remove the copies older than the newest one whose checkpoint is complete (its manifest exists)."""
+        steps = self.steps()
+        done = next((s for s in steps if os.path.isfile(os.path.join(
+            self.out_dir, "ckpt", f"step_{s:06d}", "manifest.json"))), None)
+        for s in steps:
+            if done is not None and s < done:
+                self.remove(s)
+
+    def remove(self, step):
+        for ext in (".json", ".pt"):  # the json first: a copy without it is not used
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.base(step) + ext)
+
+    def find(self, manifest, name):
+        """The path of this rank's copy of shard `name` of the checkpoint `manifest` describes, if its step is the
+        manifest's and its bytes hash to the manifest's sha256 of that shard; else None (read the disk)."""
+        step, digest = manifest["step"], manifest["shards"].get(name)
+        if name != checkpoint.shard_name(self.rank) or digest is None:
+            return None  # another rank's shard (another layout): the disk
+        base = self.base(step)
+        try:
+            made = json.load(open(base + ".json"))
+            if made["step"] != step or made["sha256"] != digest or os.path.getsize(base + ".pt") != made["size"]:
+                return None
+            return base + ".pt" if sha256_file(base + ".pt") == digest else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def reset(self, step=None):
+        """After a restore from this rank's copy of `step` (None: a fresh start, or a restore from disk): every
+        other copy of this rank is of no use (older, of an abandoned timeline, or damaged)."""
+        for s in self.steps():
+            if s != step:
+                self.remove(s)
+        self.leftovers()
+
+
+def count(grid, used):
+    """How many ranks of the grid restored from their copy (a 1-element all-reduce over every axis)."""
+    t = torch.tensor([float(used)], device=grid.device)
+    for axis in (grid.tp, grid.pp, grid.dp):
+        axis.all_reduce(t)
+    return int(t.item())

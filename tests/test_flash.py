@@ -1,0 +1,190 @@
+"""Flash restore (issue 32, nanomega/flash.py): each rank's newest checkpoint shard also kept, byte for byte, in
+shared memory (/dev/shm); a restarted rank reads its shard from there when step and sha256 match, else from disk.
+
+- a SIGKILLed rank under torchrun --max-restarts: both ranks restore from shared memory (the log line says so),
+  the job ends bitwise equal to an uninterrupted run without the flag, and the copies are gone at its end;
+- in-process: an intact copy is read instead of the disk (the restore neither hashes nor opens the disk shard),
+  a copy with one flipped byte falls back to the disk, so does a resume under another layout; bitwise each time;
+- Copies: the previous copy stays until the newer checkpoint's manifest exists; no room in /dev/shm is one line.
+"""
+import errno
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanomega import checkpoint, flash, reshard, train
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import kill_resume  # noqa: E402  (the torchrun harness of tests/test_faults.py and lesson 10)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SMALL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
+         "--dropout", "0.1", "--eval-every", "0", "--peak-flops", "1e11", "--save-every", "2", "--max-steps", "6",
+         "--warmup", "2", "--log-every", "1"]
+
+
+def run(corpus, out, *extra):
+    return train.main([*SMALL, "--corpus", str(corpus), "--data-cache", str(Path(corpus).parent / "cache"),
+                       "--out-dir", str(out), *extra])
+
+
+def same_weights(a, b):
+    wa, wb = reshard.full_weights(a), reshard.full_weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.fixture(scope="module")
+def reference(corpus):
+    out = Path(corpus).parent / "reference"
+    run(corpus, out)  # uninterrupted, no --flash-restore
+    return out / "ckpt" / "step_000006"
+
+
+def test_sigkilled_rank_restores_from_shared_memory(corpus, tmp_path):
+    """SIGKILL rank 1 at step >= 5 of 10 (a checkpoint every 2 steps, ZeRO-1, dropout on); torchrun restarts both
+    workers and each reads its own shard of the newest checkpoint from its copy in /dev/shm."""
+    extra = ["--zero", "1"]  # kill_resume.MODEL: dropout 0.1
+    out = tmp_path / "killed" / "out"
+    job = kill_resume.torchrun(corpus, out, 2, 10, [*extra, "--flash-restore"])
+    seen = set()
+    try:
+        while kill_resume.logged_step(out) < 5 and job.poll() is None:
+            if os.path.isdir(flash.folder(out)):
+                seen |= set(os.listdir(flash.folder(out)))
+            time.sleep(0.05)
+        killed = kill_resume.worker_pids(job.pid).get(1)
+        assert killed, "rank 1 was not found to kill"
+        os.kill(killed, signal.SIGKILL)
+        log, _ = job.communicate(timeout=600)
+    finally:
+        job.kill()
+        job.wait()
+    assert job.returncode == 0, log[-3000:]
+    assert log.count("resumed from") == 1 and "restored from shared memory: 2 of 2 ranks\n" in log, log[-3000:]
+    reference = kill_resume.reference(corpus, tmp_path, 2, 10, extra)  # never killed, no --flash-restore
+    assert same_weights(checkpoint.latest(out), checkpoint.latest(reference))
+    assert {n[:10] for n in seen if n.endswith(".pt")} == {"rank_00000", "rank_00001"}  # the copies existed ...
+    assert not os.path.exists(flash.folder(out))  # ... and went at the job's normal end
+
+
+def failed_run(corpus, out, monkeypatch, *extra):
+    """A run that raises at step 5 with a torchrun restart to follow: its copies in /dev/shm are kept."""
+    with monkeypatch.context() as m:
+        m.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+        with pytest.raises(RuntimeError, match="--inject-fault"):
+            run(corpus, out, "--flash-restore", "--inject-fault", "raise:0:5", *extra)
+    return sorted(os.listdir(flash.folder(out)))
+
+
+class Reads:
+    """What the restore (reshard.load) reads: the shards it verifies on disk and the file of each shard it loads."""
+
+    def __init__(self, monkeypatch):
+        self.verified, self.loaded = [], []
+        read_manifest, load_shard = checkpoint.read_manifest, checkpoint.load_shard
+
+        def spy_read_manifest(folder, cfg, verify=None):
+            self.verified.append(verify)
+            return read_manifest(folder, cfg, verify)
+
+        def spy_load_shard(folder, rank, path=None):
+            self.loaded.append(path or os.path.join(folder, checkpoint.shard_name(rank)))
+            return load_shard(folder, rank, path)
+        monkeypatch.setattr(checkpoint, "read_manifest", spy_read_manifest)
+        monkeypatch.setattr(checkpoint, "load_shard", spy_load_shard)
+
+
+@pytest.mark.parametrize("case", ["intact", "flipped", "intact-async"])
+def test_intact_copy_is_read_a_damaged_one_falls_back(corpus, reference, tmp_path, monkeypatch, capsys, case):
+    out = tmp_path / "out"
+    extra = ["--async-save"] if case.endswith("async") else []
+    kept = failed_run(corpus, out, monkeypatch, *extra)
+    step = checkpoint.read_manifest_json(checkpoint.latest(out))["step"]  # async: step 4's manifest may lag
+    copy = flash.folder(out) + f"/rank_00000.step_{step:06d}.pt"
+    assert os.path.basename(copy) in kept
+    if case == "flipped":
+        data = bytearray(open(copy, "rb").read())
+        data[len(data) // 2] ^= 0xFF  # one flipped byte: same size, same json, another sha256
+        open(copy, "wb").write(data)
+    reads = Reads(monkeypatch)
+    capsys.readouterr()
+    rec = run(corpus, out, "--flash-restore", "--resume", *extra)
+    printed, verified, loaded = capsys.readouterr().out, reads.verified[-1], list(reads.loaded)
+    assert rec["step"] == 6 and same_weights(out / "ckpt" / "step_000006", reference)  # bitwise either way
+    if case == "flipped":
+        assert "restored from shared memory: 0 of 1 ranks (1 read the disk)" in printed, printed
+        assert verified == {"rank_00000.pt"} and loaded == [str(out / "ckpt" / f"step_{step:06d}" / "rank_00000.pt")]
+    else:  # the restore neither verified nor opened its shard on disk: its copy's bytes hash to the manifest's
+        assert "restored from shared memory: 1 of 1 ranks\n" in printed, printed
+        assert verified == set() and loaded == [copy]
+    assert not os.path.exists(flash.folder(out))  # a normal end removes the copies
+
+
+def test_another_layout_reads_the_disk(corpus, tmp_path, monkeypatch, capsys):
+    """Copies intact, but the resume runs at ZeRO-1 (another layout: resharded): every shard from disk, and the
+    same result as the same resume of a copy of the out-dir that never had copies in shared memory."""
+    out, plain = tmp_path / "out", tmp_path / "plain"
+    failed_run(corpus, out, monkeypatch)
+    shutil.copytree(out, plain, ignore=shutil.ignore_patterns(".lock"))
+    reads = Reads(monkeypatch)
+    capsys.readouterr()
+    run(corpus, out, "--flash-restore", "--resume", "--zero", "1")
+    printed, loaded = capsys.readouterr().out, list(reads.loaded)
+    assert "(resharded)" in printed and "restored from shared memory: 0 of 1 ranks" in printed, printed
+    assert loaded == [str(out / "ckpt" / "step_000004" / "rank_00000.pt")]
+    run(corpus, plain, "--resume", "--zero", "1")
+    assert same_weights(out / "ckpt" / "step_000006", plain / "ckpt" / "step_000006")
+    assert not os.path.exists(flash.folder(out))
+
+
+def fake_save(out, step, payload, manifest=True):
+    """A one-rank checkpoint folder as write_shard leaves it (shard + its json), with or without the manifest."""
+    checkpoint.write_shard(str(out), step, {"payload": payload}, 0)
+    folder = out / "ckpt" / f"step_{step:06d}"
+    if manifest:
+        made = json.load(open(folder / "rank_00000.json"))
+        (folder / "manifest.json").write_text(json.dumps(dict(step=step, shards={"rank_00000.pt": made["sha256"]})))
+    return str(folder)
+
+
+def test_copies_keep_prune_find(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    copies = flash.Copies(out, 0)
+    try:
+        copies.keep(fake_save(out, 2, torch.arange(1000.0)))
+        copies.keep(fake_save(out, 4, torch.arange(1000.0) + 1, manifest=False))  # a save in flight: 2 stays
+        assert copies.steps() == [4, 2]
+        copies.prune()
+        assert copies.steps() == [4, 2]
+        fake_save(out, 4, torch.arange(1000.0) + 1)  # its manifest now exists: the older copy goes
+        copies.prune()
+        assert copies.steps() == [4]
+        manifest = json.load(open(out / "ckpt" / "step_000004" / "manifest.json"))
+        assert copies.find(manifest, "rank_00000.pt") == copies.base(4) + ".pt"
+        assert copies.find(manifest, "rank_00001.pt") is None  # another rank's shard: the disk
+        assert copies.find(dict(manifest, step=2), "rank_00000.pt") is None  # another step
+        assert torch.equal(checkpoint.load_shard(None, 0, copies.find(manifest, "rank_00000.pt"))["payload"],
+                    torch.arange(1000.0) + 1)
+        open(copies.base(4) + ".pt.tmp", "w").write("half")  # a killed copy's leftover
+        copies.reset(4)
+        assert sorted(os.listdir(flash.folder(out))) == ["rank_00000.step_000004.json", "rank_00000.step_000004.pt"]
+
+        def full(src, dst):
+            open(dst, "w").write("x")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(shutil, "copyfile", full)
+        copies.keep(fake_save(out, 6, torch.arange(10.0)))
+        assert "--flash-restore: rank 0: no copy in" in capsys.readouterr().err and copies.off is not None
+        assert copies.steps() == [4] and not os.path.exists(copies.base(6) + ".pt.tmp")
+    finally:
+        flash.drop(out, 0)
+    assert not os.path.exists(flash.folder(out))
