@@ -39,6 +39,15 @@ def grid():
         torch.distributed.destroy_process_group()
 
 
+def pytest_configure(config):
+    """The CPU suite runs on the CPU on any machine: on a GPU host `--device auto` would pick CUDA, and two ranks
+    on one GPU fail ("LOCAL_RANK 1 but this node sees 1 CUDA device"). train.py's default device comes from
+    $NANOMEGA_DEVICE, inherited by every subprocess and torchrun job of the tests; the GPU tier (-m gpu) sets
+    its device itself (tests/test_gpu.py)."""
+    if "gpu" not in (config.option.markexpr or ""):
+        os.environ.setdefault("NANOMEGA_DEVICE", "cpu")
+
+
 def pytest_sessionstart(session):
     """The CPU the suite runs on, printed first even under -q: tolerances are derived (tests/tolerance.py),
     but a failure report should still say which vector ISA and kernels produced it (ATEN_CPU_CAPABILITY

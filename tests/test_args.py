@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from nanomega.ops import flags
 
@@ -132,3 +133,16 @@ def test_model_preset_sets_the_shape_and_explicit_flags_override():
     cfg = flags.model_config(flags.parse(["--model", "gpt2-350m"]), vocab_size=4096)
     assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size) == (24, 16, 1024, 4096)  # the tokenizer's vocabulary
     assert {"gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b", "bloom-176b", "gpt3-175b"} <= set(PRESETS)
+
+
+def test_the_cpu_suite_runs_on_the_cpu_on_a_gpu_host(monkeypatch):
+    """Issue 27 item 4: no test passed --device, so on a GPU host `auto` picked CUDA and every two-rank job of
+    the CPU suite failed on a one-GPU machine ("LOCAL_RANK 1 but this node sees 1 CUDA device"). conftest sets
+    $NANOMEGA_DEVICE=cpu, train.py's default device. Here CUDA is made to look present."""
+    from nanomega import dist
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert flags.parse([]).device == "cpu" and dist.default_device(flags.parse([]).device).type == "cpu"
+    assert dist.default_device("auto").type == "cuda"  # what `--device auto` gives a user on that host
+    monkeypatch.delenv("NANOMEGA_DEVICE")
+    assert flags.parse([]).device == "auto"  # outside the suite: the default is unchanged

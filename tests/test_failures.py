@@ -496,14 +496,43 @@ def test_a_long_save_is_not_a_hang_while_another_rank_writes(tmp_path, monkeypat
     watchdog = guard.Watchdog(grid, 1.0, str(tmp_path))
     other = guard.Watchdog(type("Grid", (), dict(rank=1, world=2))(), 0.1, str(tmp_path))  # its ticks: the store
     other.stop()  # only its tick() is used, not its thread
-    with watchdog.saving(step=2):
-        with other.saving(step=2):
-            t0 = time.monotonic()
-            while time.monotonic() - t0 < 3.0:
-                other.tick()
-                time.sleep(0.1)
-        assert not reports, "called a hang while another rank was still writing its shard"
-        stopped = time.monotonic()
-        while not reports and time.monotonic() - stopped < 10:
-            time.sleep(0.05)
+    try:
+        watchdog.beat(1, "start")
+        watchdog.beat(1, "backward done")  # a step done: armed (the next test)
+        with watchdog.saving(step=1):
+            with other.saving(step=1):
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < 3.0:
+                    other.tick()
+                    time.sleep(0.1)
+            assert not reports, "called a hang while another rank was still writing its shard"
+            stopped = time.monotonic()
+            while not reports and time.monotonic() - stopped < 10:
+                time.sleep(0.05)
+    finally:
+        watchdog.stop()
     assert reports and 0.9 < reports[0] - stopped < 3.0, "a rank frozen in its save was not reported in time"
+
+
+def test_the_watchdog_is_armed_after_the_first_step(tmp_path, monkeypatch):
+    """Issue 27 item 5: the watchdog was armed before the step-0 evaluation and the first step, so a cold
+    --compile on ranks sharing cores (minutes) ended the job as a hang. Now it is armed once the first step's
+    backward is done: 3 silent timeouts before it, no report; after it, a report within about one timeout."""
+    from nanomega.ops import guard
+    monkeypatch.setattr(dist, "store", lambda: torch.distributed.HashStore())
+    reports = []
+    monkeypatch.setattr(guard.Watchdog, "_report", lambda self: (reports.append(time.monotonic()), self.stop()))
+    watchdog = guard.Watchdog(type("Grid", (), dict(rank=0, world=1))(), 0.5, str(tmp_path))
+    try:
+        time.sleep(1.5)  # the step-0 evaluation, say
+        watchdog.beat(1, "start")
+        time.sleep(1.5)  # the first forward and backward: compiling
+        assert not reports, "a hang reported during the warm-up"
+        watchdog.beat(1, "backward done")
+        watchdog.beat(2, "start")  # armed: the first step is done
+        armed = time.monotonic()
+        while not reports and time.monotonic() - armed < 5:
+            time.sleep(0.05)
+    finally:
+        watchdog.stop()
+    assert reports and 0.4 < reports[0] - armed < 2.0

@@ -33,8 +33,9 @@ SMALL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", "6
 def train(corpus, out, *extra, launcher=(sys.executable,), env=None):
     cmd = [*launcher, "nanomega/train.py", *SMALL, "--corpus", str(corpus), "--data-cache",
            str(Path(out).parent / "cache"), "--out-dir", str(out), *extra]
+    base = {k: v for k, v in os.environ.items() if k != "NANOMEGA_DEVICE"}  # the CPU suite's default: not here
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
+                         env=dict(base, PYTHONPATH=str(ROOT), **(env or {})))
     assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
     return [json.loads(line) for line in open(Path(out) / "metrics.jsonl") if '"loss"' in line]
 

@@ -175,7 +175,8 @@ def parser():
     g.add_argument("--fused", action="store_true", help="C++/CUDA fused LayerNorm, softmax, bias-GeLU")
     g.add_argument("--attention", default="sdpa", help="sdpa (F.scaled_dot_product_attention: FlashAttention on "
                    "CUDA), eager (explicit softmax, as the lessons teach) or fused (eager + our fused softmax)")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when present")
+    g.add_argument("--device", default=os.environ.get("NANOMEGA_DEVICE", "auto"), choices=["auto", "cpu", "cuda"],
+                   help="auto: CUDA when present ($NANOMEGA_DEVICE changes this default: the CPU test suite's is cpu)")
     g.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
                    help="fp32 matmuls in TF32 on CUDA tensor cores (--no-tf32: full fp32)")
     g.add_argument("--compile", action="store_true", help="torch.compile each transformer block")

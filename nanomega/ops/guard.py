@@ -211,7 +211,10 @@ class Watchdog:
     wakes when no beat came for --hang-timeout seconds: it dumps this rank's Python stacks (faulthandler) to
     OUT/hang/rank_K.txt and checks in under hang/alive/K; after a grace period the lowest live rank names the
     ranks that never checked in (frozen or dead) and those behind the furthest progress, writes
-    OUT/hang/report.txt, and every live rank exits non-zero, so that --max-restarts restarts the job."""
+    OUT/hang/report.txt, and every live rank exits non-zero, so that --max-restarts restarts the job.
+    Armed once the first step's backward is done: before, the step-0 evaluation and the first step's warm-up (a
+    cold --compile on ranks sharing cores, the first CUDA kernels) may take far longer than a step, and only the
+    collective timeout bounds a hang."""
 
     PHASES = ("start", "backward done", "saving")
     EXIT_CODE = 4
@@ -219,14 +222,15 @@ class Watchdog:
     def __init__(self, grid, timeout, out_dir):
         self.timeout, self.grid, self.out_dir = timeout, grid, out_dir
         self.store = dist.store()  # reachable when collectives are not
-        self.last, self.where, self.stopped = time.monotonic(), (0, 0), threading.Event()
+        self.last, self.where, self.stopped = float("inf"), (0, 0), threading.Event()  # unarmed: see above
         self.in_save, self.told, self.writes = False, 0.0, None  # a save: when this rank last told the store, the job's count
         if self.timeout:
             faults.at_job_end(self.stop)
             threading.Thread(target=self._watch, name="nanomega-watchdog", daemon=True).start()
 
     def beat(self, step, phase):
-        self.last, self.where = time.monotonic(), (step, self.PHASES.index(phase))
+        armed = self.last != float("inf") or self.where[1] == 1  # armed, or a backward was done before this beat
+        self.last, self.where = time.monotonic() if armed else float("inf"), (step, self.PHASES.index(phase))
         if self.timeout:
             self.store.set(f"hang/progress/{self.grid.rank}", f"{step} {self.where[1]}")
 

@@ -30,13 +30,21 @@ from nanomega import dist
 N, REPS, BYTES = 256, 5, 1 << 20
 
 
-def matmul_rate(slow=False):
-    """FLOP/s of an N x N fp32 matmul (best of REPS)."""
-    a, b = torch.randn(N, N), torch.randn(N, N)
+def synchronize(device):
+    """Wait for the device's queued kernels: a CUDA call returns at launch, so an untimed wait is not a time."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_rate(slow=False, device=torch.device("cpu")):
+    """FLOP/s of an N x N fp32 matmul on `device` (best of REPS)."""
+    a, b = torch.randn(N, N, device=device), torch.randn(N, N, device=device)
     best = float("inf")
-    for _ in range(REPS):
+    for _ in range(REPS + (device.type == "cuda")):  # on a GPU one more: the first call pays the kernel's set-up
+        synchronize(device)
         t0 = time.perf_counter()
         a @ b
+        synchronize(device)
         dt = time.perf_counter() - t0
         if slow:  # a rank at a quarter of the rate: well below --slow-factor 0.5 x the median
             time.sleep(3 * dt)
@@ -45,24 +53,27 @@ def matmul_rate(slow=False):
     return 2 * N ** 3 / best
 
 
-def known_checksum():
-    """An exact result: integer entries in [-8, 8), so every product and partial sum is an exact float64."""
+def known_checksum(device=torch.device("cpu")):
+    """An exact result: integer entries in [-8, 8), so every product and partial sum is an exact float64 -- in
+    any BLAS, on the device under test (drawn on the host: the same inputs everywhere)."""
     g = torch.Generator().manual_seed(1234)
-    a = torch.randint(-8, 8, (N, N), generator=g, dtype=torch.float64)
-    b = torch.randint(-8, 8, (N, N), generator=g, dtype=torch.float64)
+    a = torch.randint(-8, 8, (N, N), generator=g, dtype=torch.float64).to(device)
+    b = torch.randint(-8, 8, (N, N), generator=g, dtype=torch.float64).to(device)
     return float((a @ b).sum())
 
 
-def bus_bandwidth(axis):
+def bus_bandwidth(axis, device=torch.device("cpu")):
     """Bytes/s of the ring all-reduce on one grid axis (best of REPS), or None on a one-rank axis."""
     if axis.size < 2:
         return None
-    t = torch.ones(BYTES // 4)
+    t = torch.ones(BYTES // 4, device=device)  # on the device: NCCL has no CPU tensors
     best = float("inf")
     for _ in range(REPS):
         axis.barrier()
+        synchronize(t.device)
         t0 = time.perf_counter()
         axis.all_reduce(t)
+        synchronize(t.device)
         best = min(best, time.perf_counter() - t0)
     return dist.RING["all_reduce"](axis.size) * BYTES / best  # the ring's traffic, as dist.py counts it
 
@@ -96,12 +107,14 @@ def pair_timer(grid, leaders, slow_rank=None):
     def pair_time(a, b):
         ranks = sorted({leaders[a], leaders[b]})
         pair = grid.axis("pair", ranks)  # None on the ranks outside the pair
-        t = torch.zeros(1)
+        t = torch.zeros(1, device=grid.device)
         if pair is not None:
-            buf, best = torch.ones(BYTES // 4), float("inf")
+            buf, best = torch.ones(BYTES // 4, device=grid.device), float("inf")
             for _ in range(REPS):
+                synchronize(buf.device)
                 t0 = time.perf_counter()
                 pair.all_reduce(buf)
+                synchronize(buf.device)
                 if slow_rank in ranks:  # testing: a slow link
                     time.sleep(3 * (time.perf_counter() - t0))
                 best = min(best, time.perf_counter() - t0)
@@ -114,9 +127,9 @@ def pair_timer(grid, leaders, slow_rank=None):
 def check(grid, slow_rank=None, slow_factor=0.5, ranks_as_hosts=False):
     """Every rank: measure, gather, judge. Returns (table lines, [problems]) -- the same on every rank."""
     host = f"rank{grid.rank}" if ranks_as_hosts else socket.gethostname()
-    mine = dict(host=host, rate=matmul_rate(grid.rank == slow_rank), sum=known_checksum())
+    mine = dict(host=host, rate=matmul_rate(grid.rank == slow_rank, grid.device), sum=known_checksum(grid.device))
     everyone = grid.all.all_gather_object(mine)
-    links = {a.name: bus_bandwidth(a) for a in (grid.tp, grid.pp, grid.dp)}
+    links = {a.name: bus_bandwidth(a, grid.device) for a in (grid.tp, grid.pp, grid.dp)}
     median = statistics.median(r["rate"] for r in everyone)
     expect = statistics.mode(r["sum"] for r in everyone)
     problems, lines = [], [f"{'rank':>4} {'host':<16} {'GFLOP/s':>8} {'vs median':>9} {'checksum':>9}"]
