@@ -1,4 +1,10 @@
-"""The GPU tier: `python -m pytest -m gpu` on a machine with CUDA (skipped, with the reason, where there is none).
+"""The GPU tier: `python -m pytest -m gpu` on a machine with CUDA (`bash scripts/gpu_check.sh` adds the benchmark).
+
+Device-parametric where the body allows it: the kernel, attention-core, ZeroEngine and offload tests run the
+same body on the CPU device (CPU kernels, gloo) in every CI run, so an error in the tier's own code (issue 27
+item 1: a parametrize that unpacked the cases wrongly broke 48 tests no machine ever ran) fails CI; their
+`cuda` cases and what needs CUDA itself (training subprocesses against the CPU, NCCL, CUDA memory statistics,
+a GPU checkpoint read on a CPU) are skipped, with the reason, where there is none.
 
 What the CPU suite cannot show: the CUDA kernels against eager PyTorch (fp32/bf16/fp16, the CPU tests'
 shapes); single-GPU training against the CPU run (fp32) and bf16 against fp32; save/resume bitwise on the GPU
@@ -7,6 +13,7 @@ sdpa/eager/fused and --compile on CUDA; with >= 2 GPUs, NCCL layouts against the
 Training runs are subprocesses (`python nanomega/train.py`): each gets a fresh CUDA context and process group.
 Not run in the session that wrote it (no GPU there): see bench/RESULTS.md for what has been run.
 """
+import contextlib
 import json
 import os
 import shutil
@@ -17,14 +24,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega import checkpoint, dist, fused, reshard, zero
+from nanomega import checkpoint, dist, fused, precision, reshard, zero
 from nanomega.model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not CUDA, reason="GPU tier: needs CUDA (torch.cuda.is_available() is False on "
-                                                  "this machine); run `python -m pytest -m gpu` where a GPU is")]
+pytestmark = [pytest.mark.gpu]
+NEEDS_CUDA = pytest.mark.skipif(not CUDA, reason="GPU tier: needs CUDA (torch.cuda.is_available() is False on "
+                                                 "this machine); run `python -m pytest -m gpu` where a GPU is")
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=NEEDS_CUDA)]
 TWO_GPUS = pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2, reason="needs >= 2 CUDA GPUs for NCCL layouts")
 SMALL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", "64", "--batch-size", "8",
          "--warmup", "2", "--lr", "1e-3", "--eval-every", "0", "--log-every", "10", "--peak-flops", "1e12"]
@@ -45,12 +53,25 @@ def losses(rows):
 
 
 # ---------------------------------------------------------------- kernels
-@pytest.fixture(scope="module")
-def cuda_ext():
+@pytest.fixture(params=DEVICES)
+def device(request):
+    """The device a parametric body runs on, with the extension's kernels for it (CPU: always built here)."""
     ext = fused.load_extension()
-    if not getattr(ext, "with_cuda", False):
+    if request.param == "cuda" and not getattr(ext, "with_cuda", False):
         pytest.skip("the fused extension was built without CUDA kernels (no nvcc / CUDA_HOME on this machine)")
-    return ext
+    return request.param
+
+
+@contextlib.contextmanager
+def world_of_one(device):
+    """A process group of one on `device` (gloo / NCCL), torn down if this test started it."""
+    started = not torch.distributed.is_initialized()
+    dist.init(device)
+    try:
+        yield dist.Grid(1, 1, 1)
+    finally:
+        if started:
+            torch.distributed.destroy_process_group()
 
 
 def _kernel_cases():
@@ -61,24 +82,24 @@ def _kernel_cases():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("name,op,shapes", _kernel_cases())
-def test_cuda_kernels_match_eager(cuda_ext, name, op, shapes, dtype):
-    """Forward and every gradient of the CUDA kernel against the fp64 reference, within the bounds the CPU tier
-    derives (tests/test_fused.py: check, bound). The same cases and inputs as there, on the GPU."""
+def test_kernels_match_eager(device, name, op, shapes, dtype):
+    """Forward and every gradient of the device's kernel against the fp64 reference, within the bounds the CPU
+    tier derives (tests/test_fused.py: check, bound). The same cases and inputs as there, on the device."""
     from test_fused import check, out_shape  # _kernel_cases put tests/ on the path
     torch.manual_seed(0)
     scale = 3 if dtype == torch.float32 else 1  # as the CPU tier: GeLU's tails and the softmax's spread
-    inputs = [(torch.randn(s) * scale).to("cuda", dtype) for s in shapes]
-    grad = torch.randn(out_shape(name, shapes)).to("cuda", dtype)
-    assert op(*inputs).is_cuda
+    inputs = [(torch.randn(s) * scale).to(device, dtype) for s in shapes]
+    grad = torch.randn(out_shape(name, shapes)).to(device, dtype)
+    assert op(*inputs).device.type == device
     check(name, op, inputs, grad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_attention_cores_agree_on_cuda(cuda_ext, dtype):
-    """sdpa (FlashAttention / memory-efficient kernels), eager and fused on the GPU. fp32 with TF32 off:
+def test_attention_cores_agree(device, dtype):
+    """sdpa (on a GPU: FlashAttention / memory-efficient kernels), eager and fused. fp32 with TF32 off:
     rounding of sums of <= 64 terms, rtol 1e-5 (tests/test_attention.py); bf16: a few roundings of 2^-8, 5e-2."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    x = torch.randint(0, 256, (4, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    precision.set_tf32(torch.device(device), False)
+    x = torch.randint(0, 256, (4, 64), device=device, generator=torch.Generator(device).manual_seed(0))
     outs = {}
     for kind in ("sdpa", "eager", "fused"):
         torch.manual_seed(0)
@@ -87,7 +108,7 @@ def test_attention_cores_agree_on_cuda(cuda_ext, dtype):
             for m in gpt.modules():
                 if hasattr(m, "scale_mask_softmax"):
                     m.scale_mask_softmax = fused.causal_softmax
-        gpt = gpt.to("cuda", dtype)
+        gpt = gpt.to(device, dtype)
         loss = gpt(x, x)
         loss.backward()
         outs[kind] = [loss.float()] + [p.grad.float() for p in gpt.parameters()]
@@ -98,6 +119,7 @@ def test_attention_cores_agree_on_cuda(cuda_ext, dtype):
 
 
 # ---------------------------------------------------------------- training
+@NEEDS_CUDA
 def test_thirty_steps_fp32_close_to_cpu_and_bf16_close_to_fp32(corpus, tmp_path):
     """fp32 (TF32 off) on the GPU vs the CPU: other kernels, other sum orders (~1e-6 per op); 30 AdamW steps of
     a model whose loss falls ~3 nats keep the curves within 1e-3 relative. bf16 vs fp32: bf16 rounds every
@@ -112,34 +134,47 @@ def test_thirty_steps_fp32_close_to_cpu_and_bf16_close_to_fp32(corpus, tmp_path)
     assert all(r["mem_gib"] > 0 and r["mfu"] <= 1 for r in gpu)
 
 
+@NEEDS_CUDA
 def test_offload_on_cuda_pinned_and_close_to_the_device_step(corpus, tmp_path):
     """ZeRO-Offload (offload.py) where it is meant to run: host masters pinned, copies on a CUDA stream. 30 fp32
     steps with --offload 1 follow the run whose AdamW steps on the GPU within 1e-3 relative (the CPU kernel and
     torch's CUDA AdamW order the same math differently, ~1 ulp per op, as the GPU vs CPU test above), and an
-    offloaded bf16 run trains. Then the engine itself: masters pinned on the host, parameters on the GPU."""
+    offloaded bf16 run trains."""
     steps = ["--max-steps", "30", "--dropout", "0", "--no-tf32", "--zero", "1"]
     plain = train(corpus, tmp_path / "plain", *steps)
     host = train(corpus, tmp_path / "offload", *steps, "--offload", "1")
     half = train(corpus, tmp_path / "bf16", *steps, "--offload", "0.5", "--dtype", "bf16")
     assert losses(host) == pytest.approx(losses(plain), rel=1e-3)
     assert losses(half)[-1] < losses(half)[0] - 0.5
-    started = not torch.distributed.is_initialized()
-    dist.init("cuda")
-    try:
-        engine = zero.ZeroEngine(GPT(GPTConfig(vocab_size=100, block_size=16, n_layer=2, n_head=2, n_embd=48)).cuda(),
-                                 torch.optim.AdamW, dict(lr=1e-3), dist.Grid(1, 1, 1), 1, offload=1.0)
-        assert all(g.master.is_pinned() and g.own.is_cuda for g in engine.offload.groups)
-        x = torch.randint(0, 100, (2, 16), device="cuda")
-        engine.module(x, x).backward()
-        assert engine.step(clip_norm=1.0)["stepped"]
-    finally:
-        if started:
-            torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_offload_engine_on_the_device(device, stage):
+    """The offloaded engine: masters on the host (pinned beside a GPU), parameters on the device, and 3 steps
+    equal to the engine without offload within 1e-5 relative (the CPU kernel vs the device's AdamW: a few ulps
+    per step; on the CPU device the same kernel's arithmetic orders differ only there)."""
+    with world_of_one(device) as grid:
+        x = torch.randint(0, 100, (2, 16), device=device, generator=torch.Generator(device).manual_seed(0))
+        weights = []
+        for share in (0.0, 1.0):
+            torch.manual_seed(0)
+            gpt = GPT(GPTConfig(vocab_size=100, block_size=16, n_layer=2, n_head=2, n_embd=48)).to(device)
+            engine = zero.ZeroEngine(gpt, torch.optim.AdamW, dict(lr=1e-3), grid, stage, offload=share)
+            if share:
+                assert all(not g.master.is_cuda and g.master.is_pinned() == (device == "cuda") and
+                           g.own.device.type == device for g in engine.offload.groups)
+            for _ in range(3):
+                gpt(x, x).backward()
+                assert engine.step(clip_norm=1.0)["stepped"]
+            weights.append(reshard.full_state(engine)[0])
+        for k, v in weights[0].items():
+            torch.testing.assert_close(weights[1][k], v, rtol=1e-5, atol=1e-6)
 
 
 LLAMA = ["--arch", "llama", "--n-kv-head", "2", "--ffn-hidden", "176", "--untie-embeddings", "--rope-theta", "500000"]
 
 
+@NEEDS_CUDA
 def test_the_llama_block_on_cuda_close_to_cpu_fused_and_bf16(corpus, tmp_path):
     """The Llama block (RoPE tables cast to the device, SDPA with enable_gqa, SwiGLU, RMSNorm): the same bounds
     as the GPT-2 run above; --fused (the CUDA RMSNorm and SwiGLU kernels) reorders only row sums: rel 1e-4."""
@@ -154,6 +189,7 @@ def test_the_llama_block_on_cuda_close_to_cpu_fused_and_bf16(corpus, tmp_path):
     assert losses(bf16) == pytest.approx(losses(gpu), rel=2e-2)
 
 
+@NEEDS_CUDA
 def test_save_resume_bitwise_and_sample_on_cpu(corpus, tmp_path):
     """dropout 0.1 on the GPU: 6 steps == 3, save, resume, 3 (CUDA generator restored); then the GPU checkpoint
     is sampled, and resumed, by processes that see no GPU (map_location="cpu")."""
@@ -176,34 +212,29 @@ def test_save_resume_bitwise_and_sample_on_cpu(corpus, tmp_path):
     train(corpus, resumed, "--max-steps", "8", "--save-every", "3", "--dropout", "0.1", "--resume", env=no_gpu)
 
 
-def test_zero_engine_stages_on_one_gpu():
-    """Stages 0-3 at world 1 on CUDA: the same flat buffers and AdamW, so the same weights after 3 steps
-    (bitwise up to the order of the norm's fp64 sum: compared at 1e-6); state stays on the GPU after import_by_name."""
-    started = not torch.distributed.is_initialized()
-    dist.init("cuda")
-    try:
-        grid = dist.Grid(1, 1, 1)
-        assert grid.device.type == "cuda"
-        x = torch.randint(0, 256, (4, 32), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+def test_zero_engine_stages_on_one_device(device):
+    """Stages 0-3 at world 1: the same flat buffers and AdamW, so the same weights after 3 steps (bitwise up to
+    the order of the norm's fp64 sum: compared at 1e-6); state stays on the device after import_by_name."""
+    with world_of_one(device) as grid:
+        assert grid.device.type == device
+        x = torch.randint(0, 256, (4, 32), device=device, generator=torch.Generator(device).manual_seed(0))
         result = {}
         for stage in range(4):
             torch.manual_seed(0)
-            gpt = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)).cuda()
+            gpt = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)).to(device)
             engine = zero.ZeroEngine(gpt, torch.optim.AdamW, dict(lr=1e-3), grid, stage)
             for _ in range(3):
                 gpt(x, x).backward()
                 engine.step()
             result[stage], optim = reshard.full_state(engine)
             reshard.import_by_name(engine, result[stage], optim)
-            assert all(v.is_cuda for s in engine.optimizer.state.values() for v in s.values() if v.dim())
+            assert all(v.device.type == device for s in engine.optimizer.state.values() for v in s.values() if v.dim())
         for stage in (1, 2, 3):
             for k, v in result[0].items():
                 torch.testing.assert_close(result[stage][k], v, rtol=1e-6, atol=1e-7)
-    finally:
-        if started:
-            torch.distributed.destroy_process_group()
 
 
+@NEEDS_CUDA
 def test_compile_gives_the_same_losses(corpus, tmp_path):
     """--compile (inductor, per block): fused element-wise kernels round differently (~1e-6 per op); 5 steps
     at rtol 1e-4."""
@@ -212,6 +243,7 @@ def test_compile_gives_the_same_losses(corpus, tmp_path):
         losses(train(corpus, tmp_path / "e", *steps)), rel=1e-4)
 
 
+@NEEDS_CUDA
 def test_pinned_batches_and_datasheet_peak(corpus, tmp_path):
     from nanomega import train as trainer
     x = trainer.to_device((torch.arange(8),), torch.device("cuda", 0))[0]
@@ -239,6 +271,7 @@ def test_nccl_layouts_equal_dense(corpus, tmp_path, layout):
 
 
 # ---------------------------------------------------------------- build any size (meta.py)
+@NEEDS_CUDA
 @pytest.mark.parametrize("extra,world", [(["--tp", "2"], 2), (["--zero", "3"], 2), (["--pp", "2"], 2),
                                          ([*LLAMA, "--tp", "4"], 4)])
 def test_a_rank_built_on_cuda_holds_the_cpu_build_bitwise(extra, world):
