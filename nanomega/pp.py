@@ -137,7 +137,7 @@ def train_step(model, grid, micro_batches, schedule="1f1b", no_sync=contextlib.n
     """Forward and backward of all micro-batches [(x, y), ...] on this stage, in the schedule's order.
 
     The loss is the mean over micro-batches (each backward starts from loss_i / m * loss_scale). Returns that
-    mean loss (unscaled) on every rank: the last stage computes it and broadcasts it over the pp axis.
+    mean loss (unscaled) on every rank: the last stage broadcasts the micro-batches' losses over the pp axis.
     Activations between stages have act_shape (default (mb, seq, n_embd); (mb, seq/tp, h) with sequence
     parallelism) in the blocks' dtype, the batch dimension each micro-batch's own (a last one may be ragged).
     no_sync wraps every backward but the last one of each model chunk.
@@ -145,15 +145,27 @@ def train_step(model, grid, micro_batches, schedule="1f1b", no_sync=contextlib.n
     """
     check_args(model.cfg.n_layer, grid.pp.size, len(micro_batches), schedule, virtual)
     rounds = SCHEDULES[schedule](grid.pp.size, grid.pp_rank, len(micro_batches), virtual)
-    return _run(model, grid, rounds, micro_batches, virtual, act_shape, no_sync, loss_scale, trace, deallocate)
+    losses = _run(model, grid, rounds, micro_batches, virtual, act_shape, no_sync, loss_scale, trace, deallocate)
+    return losses.mean().item()
 
 
 @torch.no_grad()
 def forward_only(model, grid, micro_batches, act_shape=None, virtual=1):
-    """Mean loss over micro-batches without backward (evaluation), returned on every rank of the pp axis.
+    """Mean loss per sequence over the micro-batches, without backward (evaluation), returned on every rank of
+    the pp axis: sequence_mean of their losses, so a ragged last micro-batch weighs what its sequences do.
     virtual: the number of chunks build_stage cut this stage into (_run checks the layers match it)."""
     rounds = schedules.forward_only(grid.pp.size, grid.pp_rank, len(micro_batches), virtual)
-    return _run(model, grid, rounds, micro_batches, virtual, act_shape)
+    losses = _run(model, grid, rounds, micro_batches, virtual, act_shape)
+    return sequence_mean(losses, [len(x) for x, _ in micro_batches])
+
+
+def sequence_mean(losses, sizes) -> float:
+    """The mean loss per sequence of micro-batches with mean losses `losses` (a tensor) and `sizes` sequences
+    each, in float64: every micro-batch weighted by its size (the plain mean over micro-batches would weigh an
+    evaluation's ragged last one, 2 sequences, as much as a full one of 16). One home for the pipelined and
+    the plain evaluation (train.evaluate), so the two agree bitwise wherever their per-micro-batch losses do."""
+    weights = torch.tensor(sizes, dtype=torch.float64, device=losses.device)
+    return ((losses.double() * weights).sum() / weights.sum()).item()
 
 
 def _run(model, grid, rounds, micro_batches, virtual, act_shape, no_sync=contextlib.nullcontext, loss_scale=1.0,
@@ -210,8 +222,8 @@ def _run(model, grid, rounds, micro_batches, virtual, act_shape, no_sync=context
         if msg:
             outbox[msg] = out if step.kind == "F" else x.grad
 
-    loss = torch.stack(losses).mean() if losses else torch.zeros((), device=grid.device)
-    return grid.pp.broadcast(loss, src_index=p - 1).item()
+    losses = torch.stack(losses) if losses else torch.zeros(m, device=grid.device)
+    return grid.pp.broadcast(losses, src_index=p - 1)  # each micro-batch's loss, on every stage
 
 
 def _backward(out, grad):

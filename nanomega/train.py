@@ -120,21 +120,25 @@ def activation_shape(config, grid):
 
 @torch.no_grad()
 def evaluate(model, grid, val_set, config):
-    """Mean loss over fixed validation windows: --eval-iters global batches, the same for every layout and
-    every call (so curves compare), split over dp ranks like training batches."""
+    """Mean loss per window over fixed validation windows: --eval-iters global batches (or all windows, when
+    fewer), the same for every layout and every call (so curves compare), split over dp ranks like training
+    batches. The windows may not fill the last micro-batch or split evenly over dp: each rank's mean is per
+    window (pp.sequence_mean), summed over dp weighted by its windows, so every layout takes the same mean."""
     model.eval()
     n = min(len(val_set), config.eval_iters * config.batch_size * config.grad_accum * grid.dp.size)
     idx = torch.randperm(len(val_set), generator=torch.Generator().manual_seed(config.seed))[:n].numpy()
     mine = idx[grid.dp_rank * n // grid.dp.size:(grid.dp_rank + 1) * n // grid.dp.size]
     batches = [to_device(val_set.get(mine[i:i + config.batch_size]), grid.device)
                for i in range(0, len(mine), config.batch_size)]
-    if grid.pp.size > 1:
+    if not batches:  # fewer windows than dp ranks: this one has none
+        loss = 0.0
+    elif grid.pp.size > 1:  # every stage holds the same batches: each receive is sized by its micro-batch's rows
         loss = pp.forward_only(model, grid, batches, activation_shape(config, grid), virtual=config.virtual_stages)
     else:
-        loss = sum(model(x, y).double() for x, y in batches) / len(batches)  # one sync, below
+        loss = pp.sequence_mean(torch.stack([model(x, y) for x, y in batches]), [len(x) for x, _ in batches])
     model.train()
-    loss = torch.as_tensor(loss, dtype=torch.float32, device=grid.device).reshape(1)
-    return grid.dp.all_reduce(loss).item() / grid.dp.size
+    total = torch.tensor([loss * len(mine)], dtype=torch.float64, device=grid.device)
+    return grid.dp.all_reduce(total).item() / n  # n >= 1: data.TokenDataset refuses a split shorter than a window
 
 
 def main(argv=None):
