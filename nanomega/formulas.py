@@ -123,6 +123,13 @@ def inflight_microbatches(p, m, schedule="1f1b", v=1):
     return {"gpipe": m, "1f1b": min(p, m), "interleaved": p + (p - 1) / v}[schedule]
 
 
+def offload_seconds(n, grad_bytes, param_bytes, pcie_bw, host_bw, adam_bytes=28):
+    """ZeRO-Offload's step on one GPU with n optimizer elements in host memory (offload.py): gradients down and
+    weights up over PCIe, n (g + p) bytes, and the CPU Adam's one pass through host memory, n x 28 bytes
+    (cpu_adam.py). offload.py pipelines them group by group, so the slower of the two sets the time."""
+    return max(n * (grad_bytes + param_bytes) / pcie_bw, n * adam_bytes / host_bw)
+
+
 # ---- communication (bytes one rank sends per step; a ring receives as much as it sends) ------------------
 def dp_comm_bytes(n_params, stage, dp, dtype_bytes, param_bytes=None, micro_batches=1):
     """Stage 0: all-reduce the gradients once. 1: reduce-scatter them, all-gather the updated parameters.

@@ -425,3 +425,21 @@ def test_pinned_ramp_up_must_be_multiples_of_dp_micro_batch():
         P.main(["--model", "bloom-176b", "--gpus", "384", "--tp", "4", "--pp", "6", "--global-batch", "2048",
                 "--micro-batch", "2", "--rampup", "192", "16", "9765625"])
     assert "multiples of dp 16 x --micro-batch 2 = 32" in str(e.value)
+
+
+def test_offload_moves_the_optimizer_state_off_the_gpu_and_adds_its_time():
+    """ZeRO-Offload in the planner (issue 32): the optimizer bytes per GPU times (1 - F), and the step time plus
+    formulas.offload_seconds of the rank's offloaded elements (gradients down, weights up over PCIe vs the CPU
+    Adam's pass through host memory, the slower of the two); nothing else changes."""
+    from dataclasses import replace
+    from nanomega import formulas
+    from nanomega.tools import cost
+    model, gpu = cost.MODELS["gpt3-175b"], cost.GPUS["a100-80gb"]
+    base = cost.Run(zero=(1,))
+    for share in (0.5, 1.0):
+        run = replace(base, offload=share)
+        a, b = cost.evaluate(model, gpu, 64, 4, 8, 1, base), cost.evaluate(model, gpu, 64, 4, 8, 1, run)
+        assert b.optim == pytest.approx(a.optim * (1 - share)) and (b.params, b.grads, b.acts) == (a.params, a.grads, a.acts)
+        n = -(-max(cost.stage_params(model, 4, 8)) // 2)  # the rank's optimizer elements: ZeRO-1 over dp 2
+        extra = formulas.offload_seconds(share * n, 4, 2, gpu.pcie_bw, gpu.host_bw)
+        assert b.step_s - a.step_s == pytest.approx(extra) and extra == pytest.approx(share * n * 28 / gpu.host_bw)

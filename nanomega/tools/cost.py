@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 from nanomega.formulas import (activation_bytes_per_layer, dp_comm_bytes, flops_per_token,
                                inflight_microbatches, layer_params, llama_activation_bytes_per_layer,
-                               llama_layer_params, pipeline_bubble, pp_comm_bytes, tp_comm_bytes_per_layer,
-                               zero_state_bytes)
+                               llama_layer_params, offload_seconds, pipeline_bubble, pp_comm_bytes,
+                               tp_comm_bytes_per_layer, zero_state_bytes)
 from nanomega.model import SHAPE_KEYS, GPTConfig
 from nanomega.ops.presets import PRESETS
 from nanomega.pp import chunk_layers
@@ -87,11 +87,14 @@ class GPU:
     intra_bw: float  # bytes/s one GPU sends inside a node (NVLink, one direction)
     inter_bw: float  # bytes/s one GPU sends to other nodes (its share of the node's NICs)
     per_node: int = 8
+    pcie_bw: float = 25e9  # bytes/s between host and GPU, one direction (ZeRO-Offload's copies)
+    host_bw: float = 51e9  # bytes/s of host memory, one GPU's share (ZeRO-Offload's CPU Adam)
 
 
-GPUS = {  # NVIDIA datasheets; DGX A100: 8x 200 Gb/s HDR InfiniBand, DGX H100: 8x 400 Gb/s NDR, one NIC per GPU
-    "a100-80gb": GPU(312e12, 80 * 2**30, 2039e9, 300e9, 25e9),  # NVLink 3: 600 GB/s both directions
-    "h100-80gb": GPU(989e12, 80 * 2**30, 3350e9, 450e9, 50e9),  # H100 SXM, NVLink 4: 900 GB/s both directions
+GPUS = {  # NVIDIA datasheets; DGX A100: 8x 200 Gb/s HDR InfiniBand, DGX H100: 8x 400 Gb/s NDR, one NIC per GPU;
+    # host: PCIe 4 / 5 x16 (32 / 64 GB/s, ~80% reached), 2 sockets x 8 DDR4-3200 / DDR5-4800 channels over 8 GPUs
+    "a100-80gb": GPU(312e12, 80 * 2**30, 2039e9, 300e9, 25e9, 8, 25e9, 51e9),  # NVLink 3: 600 GB/s both directions
+    "h100-80gb": GPU(989e12, 80 * 2**30, 3350e9, 450e9, 50e9, 8, 50e9, 77e9),  # H100 SXM, NVLink 4: 900 GB/s both
 }
 # bytes/param (params, grads, optimizer) as the engine allocates them: gradients reduced in fp32 whatever the
 # model's dtype (Megatron's main_grad), fp32 masters + Adam m, v for 16-bit models, m and v alone for fp32
@@ -128,6 +131,7 @@ class Run:
     # sdpa: FlashAttention (train.py's default --attention on a GPU), the scores stay on chip
     attention: str = "eager"
     split: str = "trainer"  # layers per stage: the trainer's, or "llama3" (layers_per_stage)
+    offload: float = 0.0  # ZeRO-Offload: the share of the optimizer state in host memory (offload.py)
 
 
 # ---- model shapes -----------------------------------------------------------------------------------------
@@ -264,9 +268,11 @@ def step_seconds(model, gpu, gpus, tp, pp, zero, run, time=TIME, global_batch=No
     sends = pp_comm_bytes(run.micro_batch, model.seq_len, model.n_embd, tp, eb, 1, v) if pp > 1 else 0
     slot = max(stages) + sends / pp_bw
     pipe = (m + (pp - 1) / v) * slot
-    dp_b = dp_comm_bytes(max(stage_params(model, tp, pp, v, run.split)), zero, dp, PRECISIONS[run.dtype][1],
-                         PRECISIONS[run.dtype][0], m)
-    return pipe + dp_b / dp_bw, pipeline_bubble(pp, m, v)  # = (p-1)/v slots of the m + (p-1)/v
+    n = max(stage_params(model, tp, pp, v, run.split))
+    dp_b = dp_comm_bytes(n, zero, dp, PRECISIONS[run.dtype][1], PRECISIONS[run.dtype][0], m)
+    host = offload_seconds(run.offload * (-(-n // dp) if zero else n), *PRECISIONS[run.dtype][1::-1], gpu.pcie_bw,
+                           gpu.host_bw) if run.offload else 0.0
+    return pipe + dp_b / dp_bw + host, pipeline_bubble(pp, m, v)  # = (p-1)/v slots of the m + (p-1)/v
 
 
 def train_seconds(step_at, run, seq_len):
@@ -317,14 +323,14 @@ def evaluate(model, gpu, gpus, tp, pp, zero, run, time=TIME):
     dp = gpus // (tp * pp)
     m = run.global_batch // (dp * b)
     v = run.chunks if run.schedule == "interleaved" and pp > 1 else 1
-    pb, gb, ob = PRECISIONS[run.dtype]
-    eb = 4 if run.dtype == "fp32" else 2
+    pb, gb, eb = *PRECISIONS[run.dtype][:2], 4 if run.dtype == "fp32" else 2
     layers = layers_per_stage(model, pp, v, run.split)
     act = layer_activation_bytes(model, run, tp)
     # full recompute rebuilds one layer's whole activations in backward: the working set on top of the inputs
     work = layer_activation_bytes(model, run, tp, "none") if run.recompute == "full" else 0
     stages = []
-    for k, state in enumerate(rank_state_bytes(model, tp, pp, dp, zero, run.dtype, v, run.split)):
+    for k, (p_, g_, o_) in enumerate(rank_state_bytes(model, tp, pp, dp, zero, run.dtype, v, run.split)):
+        state = (p_, g_, o_ * (1 - run.offload))  # the offloaded share lives in host memory
         held = act * layers[k] * inflight_microbatches(pp - k, m, run.schedule, v) + work
         stages.append((sum(state) + held, state, held))
     _, (params, grads, optim), acts = max(stages, key=lambda x: x[0])

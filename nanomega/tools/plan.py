@@ -128,6 +128,8 @@ def parse(argv=None):
                     help="batch ramp-up as Megatron's --rampup-batch-size (BLOOM: 192 16 9765625)")
     ap.add_argument("--dtype", default=Run.dtype, choices=list(PRECISIONS))
     ap.add_argument("--recompute", default=Run.recompute, choices=["none", "selective", "full"])
+    ap.add_argument("--offload", type=float, default=0.0, help="ZeRO-Offload: the share (0-1) of the optimizer "
+                    "state in host memory: its bytes leave the GPU, PCIe and the CPU Adam join the step time")
     ap.add_argument("--no-sp", action="store_true", help="tensor parallelism without sequence parallelism")
     ap.add_argument("--attention", choices=["eager", "sdpa"],
                     help="eager: the scores go through HBM (the Megatron/BLOOM runs the time model was fitted on; "
@@ -167,16 +169,21 @@ def main(argv=None):
     if args.micro_batch < 1 or args.global_batch % args.micro_batch or args.global_batch < 1:
         raise SystemExit(f"plan: --global-batch {args.global_batch} must be a multiple of --micro-batch")
     if not all(math.isfinite(x) and x > 0 for x in (args.chunks, args.usable, args.tokens, args.top,
-                                                     args.inter_bw or 1)) or args.usable > 1:
+                                                     args.inter_bw or 1)) or args.usable > 1 \
+            or not 0 <= args.offload <= 1:
         raise SystemExit("plan: --chunks, --usable, --tokens, --inter-bw and --top must be positive and finite, "
-                         "--usable at most 1 (a fraction of GPU memory)")
+                         "--usable at most 1 (a fraction of GPU memory), --offload in [0, 1]")
+    if args.offload and args.zero == "0":
+        raise SystemExit("plan: --offload needs --zero 1, 2 or 3 (as train.py: it offloads a ZeRO engine's state)")
     if args.rampup and not (0 < args.rampup[0] < args.global_batch and args.rampup[1] > 0 and args.rampup[2] > 0
                             and (args.global_batch - args.rampup[0]) % args.rampup[1] == 0):
         raise SystemExit(f"plan: --rampup {' '.join(map(str, args.rampup))}: need 0 < START < --global-batch, "
                          f"INC > 0 dividing --global-batch - START, SAMPLES > 0")
     run = Run(args.global_batch, args.micro_batch, args.dtype, args.recompute, not args.no_sp, args.schedule,
-              args.chunks, (0, 1, 2, 3) if args.zero == "all" else (int(args.zero),), args.usable, args.tokens,
-              tuple(args.rampup) if args.rampup else None, args.attention or ("sdpa" if model.llama else "eager"))
+              args.chunks, ((1, 2, 3) if args.offload else (0, 1, 2, 3)) if args.zero == "all" else (int(args.zero),),
+              args.usable, args.tokens,
+              tuple(args.rampup) if args.rampup else None, args.attention or ("sdpa" if model.llama else "eager"),
+              offload=args.offload)
     pinned = (args.tp, args.pp, args.dp)
     if args.tp and args.pp:  # a pinned layout that cannot run: say exactly why
         errors = [layout_error(model, gpu, args.gpus, args.tp, args.pp, z, run) for z in run.zero]
@@ -201,7 +208,8 @@ def main(argv=None):
               f"V={model.vocab_size} s={model.seq_len} | {args.gpus} x {args.gpu}, {run.usable:.0%} of "
               f"{gpu.memory / 1e9:.1f} GB usable | batch {run.global_batch} x {model.seq_len}, {run.dtype}, "
               f"recompute {run.recompute}{', SP' if run.sp else ''}, {run.schedule}"
-              f"{', sdpa attention' if run.attention == 'sdpa' else ''}")
+              f"{', sdpa attention' if run.attention == 'sdpa' else ''}"
+              f"{f', offload {run.offload:g} of the optimizer state (PCIe {gpu.pcie_bw / 1e9:g} GB/s)' if run.offload else ''}")
     if not ests or not ests[0].fits:
         least = min(ests, key=lambda e: e.memory, default=None)
         why = (f"{name} needs {least.memory / 1e9:.1f} GB/GPU at least ({describe(least)})" if ests else
