@@ -4,6 +4,8 @@ A bf16 GPT with bf16 gradients and fp32 AdamW (the 2 + 2 + 12 = 16 bytes of the 
 multiple of 4 so no shard needs padding. Memory: the tensors the engine holds at the step -- after backward, before
 the update (engine.memory_bytes) -- and, for ZeRO-3, between steps, when it has freed its gradient shard too.
 Traffic: the bytes one rank sends in one step, from dist.py's counted collectives and the ring factors.
+ZeRO-Offload (offload.py) at stages 1 and 2: the bytes copied per step between device and host (here host to host),
+counted by the engine's Offload: its bf16 gradient slice down, its bf16 weight slice up.
 """
 import torch
 
@@ -37,12 +39,23 @@ def run_stages(world):
             engine.step(clip_norm=1.0)
         out[stage] = dict(memory=memory, pieces=len(engine.pieces), loss=loss.item(),
                           between=engine.memory_bytes()["grads"], bytes={op: grid.log.bytes(op, "dp") for op in RING})
+    for stage in (1, 2):  # ZeRO-Offload: the optimizer state of every group on the host, stepped by the CPU Adam
+        torch.manual_seed(0)
+        model = cast_model(GPT(CFG), torch.bfloat16)
+        engine = ZeroEngine(model, torch.optim.AdamW, weight_decay_groups(0.1, lr=1e-3), grid, stage,
+                            bucket_mb=0.1, grad_dtype=torch.bfloat16, offload=1.0)
+        for step in range(2):
+            before = dict(engine.offload.moved)
+            model(x, y).backward()
+            engine.step(clip_norm=1.0)
+        out["offload", stage] = dict(moved={k: v - before[k] for k, v in engine.offload.moved.items()})
     return out
 
 
 def report(world, res, psi):
     print(f"\n--- N = {world} data-parallel ranks, Psi = {psi:,} parameters (rank 0) ---")
     print("stage   weights     grads  optimizer      total   bytes/param   loss (step 2)")
+    offload = {k: res.pop(k) for k in list(res) if isinstance(k, tuple)}  # ("offload", stage)
     for stage, r in res.items():
         m = r["memory"]
         total = m["params"] + m["grads"] + m["optimizer"]
@@ -65,6 +78,9 @@ def report(world, res, psi):
               passes * (world - 1) / world * 2 * psi, unit=" B")
     check(f"N={world} ZeRO-3 bytes / DP bytes", (ring("reduce_scatter", res[3]) + ring("all_gather", res[3])) / dp,
           1.5)
+    for (_, stage), r in offload.items():  # the gradient slice down, the bf16 weights of the slice up: 2 + 2 bytes
+        check(f"N={world} ZeRO-{stage} + offload: bytes copied per step, device -> host + host -> device = "
+              f"(2 + 2) Psi / N", r["moved"]["down"] + r["moved"]["up"], 4 * psi / world, unit=" B")
 
 
 if __name__ == "__main__":

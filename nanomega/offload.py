@@ -16,7 +16,7 @@ the engine's optimizer, as without offload. Every offloaded piece keeps its stat
 
 Formula (P parameters on this rank after ZeRO's 1/N, fully offloaded, bf16 model, fp32 gradients):
     device bytes   2 P (weights) + 4 P (gradients)           instead of 2 + 4 + 12 (zero.py)
-    host bytes     12 P (master, m, v) + 4 P (pinned gradient buffers)
+    host bytes     12 P (master, m, v) + 4 P (pinned gradient buffers) + 2 P (the weights cast for the upload)
     PCIe per step  4 P down (fp32 gradients) + 2 P up (bf16 weights): 6 P bytes, each way overlapping the CPU step
     CPU step       28 P bytes through host memory (cpu_adam.py): ~P x 28 / (host memory bandwidth)
 Lesson: lessons/02-data-parallel-and-zero.md (section "Beyond the device: ZeRO-Offload")
@@ -48,17 +48,21 @@ class Offload:
     def __init__(self, groups, device):
         self.groups, self.device = groups, device
         pinned = device.type == "cuda"
-        self.grads = {}  # id(group) -> its host gradient buffer
+        self.grads, self.staged = {}, {}  # id(group) -> its host gradient buffer, its weights in the model's dtype
         for g in groups:  # a separate host copy even for an fp32 model on the CPU: the same path as on a GPU
             g.master = torch.empty(g.own.shape, dtype=torch.float32, pin_memory=pinned).copy_(g.own)
-            self.grads[id(g)] = torch.empty(g.own.shape, dtype=torch.float32, pin_memory=pinned)
+            self.grads[id(g)] = torch.empty(g.own.shape, dtype=g.grad_own.dtype, pin_memory=pinned)
+            self.staged[id(g)] = g.master if g.own.dtype == torch.float32 else \
+                torch.empty(g.own.shape, dtype=g.own.dtype, pin_memory=pinned)  # cast on the host: 2 bytes cross
         self.stream = torch.cuda.Stream(device) if pinned else None  # the copies', beside the compute stream
+        self.moved = dict(down=0, up=0)  # bytes copied device -> host and host -> device (lessons/02_zero.py)
 
     def offloaded(self, group):
         return id(group) in self.grads
 
-    def _copy(self, dst, src):
+    def _copy(self, dst, src, way):
         """dst.copy_(src), queued on the copy stream on a GPU; returns the event that marks it done (or None)."""
+        self.moved[way] += src.numel() * src.element_size()
         if self.stream is None:
             dst.copy_(src)
             return None
@@ -75,21 +79,24 @@ class Offload:
         copying), scaled by the clip coefficient, the CPU Adam step of each piece, its weights up. Returns the
         events of the uploads (wait before reading the parameters; None entries on the CPU)."""
         by_group = {id(g): [p for p in pieces if p.group is g] for g in self.groups}
-        downs = [self._copy(self.grads[id(g)], g.grad_own) for g in self.groups[:1]]
+        downs = [self._copy(self.grads[id(g)], g.grad_own, "down") for g in self.groups[:1]]
         ups = []
         for i, g in enumerate(self.groups):
             if i + 1 < len(self.groups):  # prefetch: the next gradient copies while this group steps
                 nxt = self.groups[i + 1]
-                downs.append(self._copy(self.grads[id(nxt)], nxt.grad_own))
+                downs.append(self._copy(self.grads[id(nxt)], nxt.grad_own, "down"))
             if downs[i] is not None:
                 downs[i].synchronize()
-            grad = self.grads[id(g)]
+            grad = self.grads[id(g)] if self.grads[id(g)].dtype == torch.float32 else self.grads[id(g)].float()
             if coefficient != 1.0:
                 grad.mul_(coefficient)  # clip.clip_'s scaling, on the host copy
             for piece in by_group[id(g)]:
                 self._adam(piece, grad[piece.at:piece.at + piece.end - piece.start], optimizer,
                            optimizer.param_groups[group_of[piece.name]])
-            ups.append(self._copy(g.own, g.master))  # the write-back: fp32 -> the model's dtype on the way
+            staged = self.staged[id(g)]
+            if staged is not g.master:
+                staged.copy_(g.master)  # the write-back's rounding to the model's dtype, on the host
+            ups.append(self._copy(g.own, staged, "up"))
         return ups
 
     @staticmethod
