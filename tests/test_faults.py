@@ -68,3 +68,21 @@ def test_crash_during_checkpoint_write_keeps_previous(corpus, tmp_path, monkeypa
     assert folder.endswith("step_000002")  # the half-written step 3 is never picked
     rec = run(corpus, out, "--max-steps", "3", "--resume")
     assert rec["step"] == 3
+
+
+def test_one_vote_per_step_boundary(grid, tmp_path, monkeypatch):
+    """Issue 27 item 8: every step ended with up to three votes, each an all-reduce per grid axis and a blocking
+    host sync (--save-every-minutes, the preemption signal, --async-save's shard in flight). Now one vote carries
+    all three: one all-reduce per axis (3: tp, pp, dp), one .tolist()."""
+    from nanomega.model import GPTConfig
+    from nanomega.ops import saves
+    calls = []
+    real = dist.Axis.all_reduce
+    monkeypatch.setattr(dist.Axis, "all_reduce", lambda self, t, *a, **k: (calls.append(self.name), real(self, t, *a, **k))[1])
+    s = saves.Saves(str(tmp_path), GPTConfig(), grid, {}, every=0, every_minutes=10, max_steps=100, async_save=True,
+                    keep_last=0, resumed_from=None)
+    try:
+        assert s.at_step_end(1, state=None, may_save=True, guard=None) is False  # nothing due, no signal
+    finally:
+        s.saver.writer.shutdown()
+    assert sorted(calls) == ["dp", "pp", "tp"], calls

@@ -125,13 +125,18 @@ def find_checkpoint(out_dir, cfg, *, resume, resume_from, max_steps, tokenizer=N
     return folder
 
 
-def grid_agrees(grid, flag):
-    """True on every rank if any rank says so (a 1-element all-reduce over the whole grid): the step-boundary
-    vote behind every decision that all ranks must take alike (save, stop, spike)."""
-    t = torch.tensor([float(flag)], device=grid.device)
+def grid_votes(grid, *flags):
+    """Each flag True on every rank if any rank says so: one all-reduce over the whole grid (per axis) and one
+    host sync for all of them -- the step-boundary votes behind every decision all ranks must take alike."""
+    t = torch.tensor([float(f) for f in flags], device=grid.device)
     for axis in (grid.tp, grid.pp, grid.dp):
         axis.all_reduce(t)
-    return bool(t.item() > 0)
+    return tuple(v > 0 for v in t.tolist())
+
+
+def grid_agrees(grid, flag):
+    """grid_votes of one flag (save, stop, spike)."""
+    return grid_votes(grid, flag)[0]
 
 
 _PREEMPTED, _OLD_HANDLERS = [], {}  # _PREEMPTED: the monotonic time of the first signal

@@ -40,13 +40,14 @@ class Saves:
 
     def at_step_end(self, step, *, state, may_save, guard):
         """Save if due (state() builds this rank's checkpoint state); True when preempted: the loop ends."""
-        grid_agrees, grid = faults.grid_agrees, self.grid
         due = (self.every and step % self.every == 0) or step == self.max_steps
-        if self.every_minutes:  # clocks differ: every rank must take the same decision, or the save hangs
-            due = grid_agrees(grid, due or time.time() - self.last >= 60 * self.every_minutes)
-        preempted = grid_agrees(grid, faults.preempt_requested())  # every rank stops at the same step
+        late = bool(self.every_minutes) and time.time() - self.last >= 60 * self.every_minutes  # clocks differ
+        busy = self.saver is not None and self.saver.shard is not None and not self.saver.shard.done()
+        # one vote, one host sync: save (any rank's clock says so), stop (a preemption signal), a shard still
+        # being written (the manifest waits) -- every rank must take each decision alike, or the next step hangs
+        due, preempted, busy = faults.grid_votes(self.grid, due or late, faults.preempt_requested(), busy)
         if self.saver:  # the manifest of a background save, once every rank has written its shard
-            self.saver.poll(lambda busy: grid_agrees(grid, busy))
+            self.saver.poll(lambda _: busy)
         if self.copies:  # the copy of an older checkpoint goes once a newer one is complete
             self.copies.prune()
         if (due or preempted or self.pending) and not may_save:
