@@ -20,6 +20,7 @@ Lesson: lessons/02-data-parallel-and-zero.md
 import contextlib
 import dataclasses
 import functools
+import weakref
 from collections import deque
 
 import torch
@@ -70,6 +71,13 @@ class Progress:
     bucket: torch.Tensor | None = None  # keep="shard": this backward's full gradient, until reduce-scattered
 
 
+def call_if_alive(method, *args):
+    """method(*args) for a weakref.WeakMethod whose object still lives; nothing once it is gone."""
+    bound = method()
+    if bound is not None:
+        bound(*args)
+
+
 class GradBuckets:
     """The gradients of `groups` (flat.py), reduced over `axis` while backward runs.
 
@@ -91,10 +99,13 @@ class GradBuckets:
         self.in_order, self.after_reduce, self.to_params = in_order, after_reduce, to_params
         self.progress = [Progress() for _ in groups]
         self._no_sync, self._queued, self._pending = False, False, deque()
+        # the hooks hold self weakly: Python's gc does not see a parameter's post-accumulate-grad hooks, so
+        # parameter -> hook -> self -> groups -> parameter would never be freed (nor the gradient buffers)
+        on_grad = weakref.WeakMethod(self._on_grad)
         for j, g in enumerate(groups):
             self._allocate_grad(g)
             for i, p in enumerate(g.params):
-                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, j, i))
+                p.register_post_accumulate_grad_hook(functools.partial(call_if_alive, on_grad, j, i))
 
     def _allocate_grad(self, g):
         keep_full = self.keep == "full" or not g.split

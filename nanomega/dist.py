@@ -62,7 +62,7 @@ class CommLog:
 
 
 class Axis:
-    """One axis of the grid: its process group, this rank's place in it, and counted collectives."""
+    """One axis of the grid: its process group (None on one rank), this rank's place in it, counted collectives."""
 
     def __init__(self, name, group, ranks, rank, log):
         self.name, self.group, self.ranks, self.log = name, group, list(ranks), log
@@ -166,25 +166,21 @@ class Grid:
                   f"{os.environ.get('LOCAL_WORLD_SIZE')} ranks per host): its per-layer all-reduces cross the "
                   f"network; use --tp dividing the ranks per host", flush=True)
 
-    def _axis(self, name, slices):
-        mine = None
-        for ranks in slices:
-            ranks = ranks.tolist()
-            # the world's timeout, not new_group's default (30 min for gloo): --collective-timeout holds everywhere
-            group = dist.new_group(ranks, timeout=self.timeout) if len(ranks) < self.world else dist.group.WORLD
-            if self.rank in ranks:
-                mine = Axis(name, group, ranks, self.rank, self.log)
-        return mine
+    def _axis(self, name, slices):  # every group made first, on every rank, in one order (new_group's rule)
+        groups = [(ranks.tolist(), self._group(ranks.tolist())) for ranks in slices]
+        return next((Axis(name, g, ranks, self.rank, self.log) for ranks, g in groups if self.rank in ranks), None)
+
+    def _group(self, ranks):  # one rank: no group (its Axis calls no collective; NCCL: no communicator)
+        return None if len(ranks) == 1 else dist.group.WORLD if len(ranks) == self.world else \
+            dist.new_group(ranks, timeout=self.timeout)  # the world's timeout, not new_group's 30 min (gloo)
 
     def barrier(self):
         dist.barrier()
 
     def axis(self, name, ranks):
-        """An Axis over any subset of the world's ranks (a health check's pair of hosts, say), counted in this
-        grid's log. Collective: every rank calls it with the same ranks (new_group's rule); a rank outside
-        `ranks` gets None."""
-        ranks = sorted(ranks)
-        group = dist.new_group(ranks, timeout=self.timeout) if len(ranks) < self.world else dist.group.WORLD
+        """An Axis over any subset of the ranks (a health check's pair of hosts, say), counted in this grid's
+        log. Collective (new_group's rule): every rank calls it with the same ranks; one outside gets None."""
+        group = self._group(ranks := sorted(ranks))
         return Axis(name, group, ranks, self.rank, self.log) if self.rank in ranks else None
 
     @property
@@ -206,8 +202,7 @@ def store():
 
 
 def world_timeout():
-    """The default group's collective timeout (init's --collective-timeout); None (torch's default) if the
-    backend does not expose it."""
+    """The default group's collective timeout (init's --collective-timeout); None where the backend hides it."""
     device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
     try:
         return dist.group.WORLD._get_backend(device).options._timeout
@@ -304,6 +299,13 @@ def init(device="auto", timeout_s=None):
     return dev
 
 
+def shutdown():
+    """After a clean end on every rank: a barrier, then destroy_process_group (NCCL: frees the communicators). A
+    gloo rank destroying its group while a peer on another host still used it made that peer abort at exit."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -325,10 +327,8 @@ def _worker(rank, world, port, fn, args, queue, threads):
 
 
 def launch(fn, world, *args, timeout=300, threads=1):
-    """Run fn(*args) on `world` spawned CPU ranks (tests, lessons, bench); return the ranks' results.
-
-    spawn, not fork (fork hangs with OpenMP); a free port per world; the first error or the timeout kills all.
-    """
+    """Run fn(*args) on `world` spawned CPU ranks (tests, lessons, bench); return the ranks' results. spawn, not
+    fork (fork hangs with OpenMP); a free port per world; the first error or the timeout kills all."""
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue, threads), daemon=True)

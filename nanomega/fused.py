@@ -21,8 +21,8 @@ Formula (elements moved, forward + backward, x4 bytes in fp32; n = elements of t
 The C++ sources (nanomega/csrc) are built on first use by torch.utils.cpp_extension.load (ninja,
 pybind11) under ONE cache root ($NANOMEGA_BUILD_DIR, default ~/.cache/nanomega/build), in a folder keyed
 by the sources, the flags and the CPU (build_key): a binary built for one CPU is never loaded on another.
-CUDA sources join the build when CUDA is available. csrc/cpu_adam.cpp (cpu_adam.py's Adam/AdamW step) is
-compiled into the same module: one build, one cache key.
+CUDA sources join the build when CUDA is available (the key then adds the CUDA version and GPU architectures).
+csrc/cpu_adam.cpp (cpu_adam.py's Adam/AdamW step) is compiled into the same module: one build, one cache key.
 If the build is impossible, a one-line notice and the PyTorch functions of model.py and modern.py are used.
 Lesson: lessons/08-fused-kernels.md
 """
@@ -95,14 +95,29 @@ def cpu_summary() -> str:
     return f"{name}: {have}{', no ' + lack if lack else ''}; torch dispatches {torch.backends.cpu.get_cpu_capability()}"
 
 
-def build_key(sources: list[str], cflags: list[str]) -> str:
-    """Hash of everything the binary depends on: the sources, torch, the flags and -- for -march=native --
-    the CPU. ninja alone rebuilds on a changed command line, and "-march=native" reads the same on every
-    CPU: a home directory shared by an AVX-512 and an AVX2 machine would hand the AVX-512 binary to the
-    AVX2 one (SIGILL). One directory per key: machines sharing a cache each find their own build."""
+def cuda_target() -> str:
+    """What a CUDA build is compiled for besides its flags: torch's CUDA version and the GPU architectures,
+    $TORCH_CUDA_ARCH_LIST, or where it is unset (or "native") the visible GPUs' compute capabilities, as
+    cpp_extension picks them."""
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    if archs in ("", "native"):
+        archs = " ".join(sorted({"%d.%d" % torch.cuda.get_device_capability(i)
+                                 for i in range(torch.cuda.device_count())}))
+    return f"cuda {torch.version.cuda} arch {archs}"
+
+
+def build_key(sources: list[str], cflags: list[str], with_cuda: bool = False) -> str:
+    """Hash of everything the binary depends on: the sources, torch, the flags, -- for -march=native --
+    the CPU and, with CUDA, cuda_target(). ninja alone rebuilds on a changed command line, and
+    "-march=native" reads the same on every CPU (and no flag names the GPU): a home directory shared by an
+    AVX-512 and an AVX2 machine, or by A100 and H100 nodes, would hand one's binary to the other (SIGILL, no
+    kernel image for the device) or rebuild it back and forth. One directory per key: machines sharing a
+    cache each find their own build."""
     h = hashlib.sha256(f"{torch.__version__} {' '.join(cflags)}".encode())
     if "-march=native" in cflags:
         h.update(cpu_features().encode())
+    if with_cuda:
+        h.update(cuda_target().encode())
     for path in sources:
         with open(path, "rb") as f:
             h.update(f.read())
@@ -125,9 +140,12 @@ def load_extension(verbose: bool = False):
     cflags = cpu_flags() + defines
     cuda_cflags = ["-O3", "--use_fast_math"] + defines
     headers = sorted(os.path.join(CSRC, h) for h in os.listdir(CSRC) if h.endswith(".h"))
-    key = build_key(sources + headers, cflags + cuda_cflags)
+    key = build_key(sources + headers, cflags + cuda_cflags, with_cuda)
     directory = os.path.join(build_dir(), f"{name}-{key}")  # one build.ninja per extension and key
     os.makedirs(directory, exist_ok=True)
+    # concurrent jobs (ranks of a host, jobs sharing a home) are already safe: cpp_extension.load takes a
+    # FileBaton (a `lock` file in `directory`): one process builds, the others wait, then all load. A build
+    # killed midway leaves that file behind and the next load waits on it forever: delete `directory`/lock.
     return cpp_extension.load(
         name, sources, extra_cflags=cflags, extra_cuda_cflags=cuda_cflags, extra_ldflags=["-fopenmp"],
         extra_include_paths=[CSRC], build_directory=directory, verbose=verbose)

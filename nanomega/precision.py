@@ -64,8 +64,19 @@ def check_dtype_supported(dtype: torch.dtype, device) -> None:
 
 def set_tf32(device, enabled: bool = True) -> None:
     """fp32 matmuls on CUDA tensor cores in TF32 (10-bit mantissa inputs, fp32 accumulation): 156 instead of
-    19.5 TFLOP/s on an A100. On by default for fp32 training, as in Megatron; --no-tf32 turns it off."""
-    if torch.device(device).type == "cuda":
+    19.5 TFLOP/s on an A100. On by default for fp32 training, as in Megatron; --no-tf32 turns it off.
+
+    torch >= 2.9 has per-backend settings (fp32_precision "tf32" | "ieee"), and there only they are used: the
+    legacy allow_tf32 setters warn on torch 2.9 (on every rank), and mixing the two APIs raises on torch 2.13:
+    after this, read torch.backends.cuda.matmul.fp32_precision, not allow_tf32 or
+    torch.get_float32_matmul_precision(). Older torch: the legacy setters."""
+    if torch.device(device).type != "cuda":
+        return
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # unknown attribute: AttributeError on old torch
+        mode = "tf32" if enabled else "ieee"
+        torch.backends.cuda.matmul.fp32_precision = mode
+        torch.backends.cudnn.conv.fp32_precision = torch.backends.cudnn.rnn.fp32_precision = mode
+    else:
         torch.backends.cuda.matmul.allow_tf32 = enabled
         torch.backends.cudnn.allow_tf32 = enabled
 

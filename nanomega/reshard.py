@@ -111,10 +111,20 @@ def pieces(engine, grid, copy=True):
     return dict(tp_rank=grid.tp_rank, pieces=export_by_name(engine, copy=copy))
 
 
+def on_host(pieces):
+    """export_by_name's pieces with every tensor copied to the CPU: a CUDA tensor gathered as a Python object is
+    unpickled onto the sender's device (its cuda:N) on every rank: memory on another rank's GPU, or an error
+    where that device is not visible."""
+    def host(v):
+        return v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
+    return [dict(p, master=host(p["master"]), state={k: host(v) for k, v in p["state"].items()}) for p in pieces]
+
+
 def full_state(engine):
     """({name: full fp32 tensor}, {name: optimizer state by name}) of a live engine, gathered over its dp axis:
-    the same by-name state a checkpoint holds (tp-local tensors: tensor-parallel slices are not joined)."""
-    every = engine.axis.all_gather_object(export_by_name(engine, copies=True))
+    the same by-name state a checkpoint holds, on the CPU as one read from disk (tp-local tensors:
+    tensor-parallel slices are not joined)."""
+    every = engine.axis.all_gather_object(on_host(export_by_name(engine, copies=True, copy=False)))
     full = _assemble([dict(universal=dict(tp_rank=0, pieces=p)) for p in every], tp_size=1)
     trainable = {k for k, p in engine.module.named_parameters() if p.requires_grad}
     return ({k: master for k, (master, _) in full.items()},

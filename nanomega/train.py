@@ -142,11 +142,18 @@ def evaluate(model, grid, val_set, config):
 
 
 def main(argv=None):
+    """Train as the command line says. The process group this call started (torchrun's, or a world of one) is
+    ended after a clean end (dist.shutdown; NCCL warns about communicators left at exit); a launcher's (tests:
+    dist.launch) is left to it, and after an error the entrypoint still needs the store (dist.lost_ranks)."""
     config = flags.parse(argv)  # the command line, read once into a frozen Config (nanomega/ops/flags.py)
     if config.dry_run:
         return dry_run(config)
+    started = not torch.distributed.is_initialized()
     with faults.job(config.out_dir):  # preemption signals, no orphans; the out-dir lock released at the end
-        return train(config)
+        rec = train(config)
+    if started and torch.distributed.is_initialized():
+        dist.shutdown()
+    return rec
 
 
 def train(config):

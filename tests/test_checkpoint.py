@@ -42,6 +42,36 @@ def test_loaded_optimizer_state_lives_on_the_parameters_device(grid, stage):
     assert placed and {d for _, d in placed} == {"meta"}, placed
 
 
+class OnGpu(torch.Tensor):
+    """A CPU tensor that says it lives on cuda:0 (no GPU here); what torch computes from it is a plain tensor."""
+    device = property(lambda self: torch.device("cuda", 0))
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def test_full_state_gathers_only_cpu_tensors(grid, monkeypatch):
+    """all_gather_object pickles: a CUDA tensor would be unpickled onto the sender's GPU on every rank. The
+    engine's tensors are made to claim cuda:0 (export_by_name wrapped); what reaches the gather must be CPU."""
+    engine, real = trained_engine(grid, 1), reshard.export_by_name
+
+    def on_gpu(*args, **kwargs):
+        claim = lambda v: v.as_subclass(OnGpu) if torch.is_tensor(v) else v  # noqa: E731
+        return [dict(p, master=claim(p["master"]), state={k: claim(v) for k, v in p["state"].items()})
+                for p in real(*args, **kwargs)]
+    monkeypatch.setattr(reshard, "export_by_name", on_gpu)
+    gathered = []
+    monkeypatch.setattr(engine.axis, "all_gather_object", lambda obj: gathered.append(obj) or [obj])
+    params, optim = reshard.full_state(engine)
+    tensors = [t for p in gathered[0] for t in [p["master"], *p["state"].values()] if torch.is_tensor(t)]
+    assert tensors and {(type(t), t.device.type) for t in tensors} == {(torch.Tensor, "cpu")}
+    monkeypatch.undo()
+    expect = reshard.full_state(engine)
+    assert all(torch.equal(params[k], v) for k, v in expect[0].items()) and optim.keys() == expect[1].keys()
+
+
 def _save_and_reload(tmp):
     """In a world of 2: save under (dp 2, ZeRO stage s), load under other stages; report the shards read."""
     grid = dist.Grid(2, 1, 1)

@@ -340,14 +340,14 @@ def test_spike_skip_and_rollback(corpus, reference, tmp_path, capsys):
     assert same_weights(out / "ckpt" / "step_000002", reference / "ckpt" / "step_000002")
 
 
-def test_async_save_matches_and_a_failed_write_keeps_the_previous(corpus, reference, tmp_path, monkeypatch):
+def test_async_save_matches_and_a_failed_write_keeps_the_previous(corpus, reference, tmp_path, monkeypatch, grid):
     """--async-save: the same checkpoints as a synchronous save (training went on from views of the live state);
     each tensor copied once at start() into a buffer reused by the next save; the manifest only after the write."""
     out = tmp_path / "async"
     run(corpus, out, "--async-save")
     for step in (2, 4, 6):
         assert same_weights(out / "ckpt" / f"step_{step:06d}", reference / "ckpt" / f"step_{step:06d}")
-    cfg, grid = flags.model_config(flags.parse(SMALL)), dist.Grid(1, 1, 1)
+    cfg = flags.model_config(flags.parse(SMALL))
     views, live, kept = checkpoint.AsyncSaver(str(tmp_path / "views"), cfg, grid, {}), torch.arange(4.0), []
     for step in (1, 2):
         views.start(step, {"w": live[1:]})  # a view of live memory, as rank_state(copy=False) gives

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nanomega import checkpoint, dist, train
+from nanomega import checkpoint, train
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -47,10 +47,9 @@ def test_nan_step_is_skipped_or_stops(corpus, tmp_path):
     assert checkpoint.latest(tmp_path / "stop").endswith("step_000001")
 
 
-def test_crash_during_checkpoint_write_keeps_previous(corpus, tmp_path, monkeypatch):
+def test_crash_during_checkpoint_write_keeps_previous(corpus, tmp_path, monkeypatch, grid):
     out = tmp_path / "crash"
     run(corpus, out, "--max-steps", "2")
-    grid = dist.Grid(1, 1, 1)
     state = checkpoint.load_shard(checkpoint.latest(out), 0)
     real = checkpoint.replace_atomically
 

@@ -371,6 +371,35 @@ def test_build_cache_never_hands_one_cpus_binary_to_another(monkeypatch):
     assert fused.build_key(sources, portable) == key  # the portable build is shared across CPUs
 
 
+def test_cuda_build_is_keyed_by_gpu_architecture_and_cuda_version(monkeypatch, tmp_path):
+    """No flag names the GPU: a home shared by A100 (8.0) and H100 (9.0) nodes, or by two CUDA versions, must
+    keep one build each. load_extension's folder follows $TORCH_CUDA_ARCH_LIST (else the visible GPUs'
+    capabilities) and torch.version.cuda; a CPU build ignores them. No GPU needed: the build is stubbed."""
+    monkeypatch.setenv("NANOMEGA_BUILD_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/usr/local/cuda")
+    monkeypatch.setattr(cpp_extension, "load", lambda name, sources, **kw: (name, kw["build_directory"]))
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    folders = {}
+    for archs in ("8.0", "9.0", "8.0"):
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", archs)
+        folders.setdefault(archs, set()).add(fused.load_extension()[1])
+    assert len(folders["8.0"]) == 1 and folders["8.0"] != folders["9.0"]
+    assert fused.load_extension()[0] == "nanomega_fused_cuda"
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert fused.load_extension()[1] not in folders["8.0"] | folders["9.0"]
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")  # unset: the capabilities cpp_extension would compile for
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))
+    assert fused.cuda_target() == "cuda 13.0 arch 9.0"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: [(8, 0), (9, 0)][i])
+    assert fused.cuda_target() == "cuda 13.0 arch 8.0 9.0"
+    sources, flags = [os.path.join(fused.CSRC, "fused_cpu.cpp")], ["-O3"]
+    cpu = fused.build_key(sources, flags)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "7.0")
+    assert fused.build_key(sources, flags) == cpu != fused.build_key(sources, flags, with_cuda=True)
+
+
 def test_build_failure_falls_back_to_pytorch(monkeypatch, capsys):
     def broken(verbose=False):
         raise RuntimeError("Error building extension 'nanomega_fused_cpu'\nc++: not found")

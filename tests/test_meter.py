@@ -31,6 +31,12 @@ def test_datasheet_peaks():
     assert meter.datasheet_peak("NVIDIA H100 PCIe", torch.bfloat16) == 756.5 * tera
     assert meter.datasheet_peak("NVIDIA H100 PCIe", torch.float32, tf32=False) == 51 * tera
     assert meter.datasheet_peak("Tesla T4", torch.float16) is None  # unknown: measured instead
+    # the H200 NVL (PCIe card, 600 W) is not the SXM part: 1,671 vs 1,979 sparse BF16 TFLOP/s on the datasheet
+    assert meter.gpu_model("NVIDIA H200") == "H200 SXM" and meter.gpu_model("NVIDIA H200 NVL") == "H200 NVL"
+    assert meter.datasheet_peak("NVIDIA H200", torch.bfloat16) == 989.5 * tera
+    assert meter.datasheet_peak("NVIDIA H200 NVL", torch.bfloat16) == 835.5 * tera
+    assert meter.datasheet_peak("NVIDIA H200 NVL", torch.float32) == 417.5 * tera  # TF32 on
+    assert meter.datasheet_peak("NVIDIA H200 NVL", torch.float32, tf32=False) == 60 * tera
 
 
 def test_cpu_peak_is_measured_for_at_least_a_second():

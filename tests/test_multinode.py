@@ -130,21 +130,21 @@ def _lost_rank_world():
     import torch.distributed as td
     grid = dist.Grid(2, 1, 1)
     sub_timeout = grid.dp.group._get_backend(torch.device("cpu")).options._timeout  # (dp spans the world)
-    solo = dist.Grid(1, 1, 2)  # its dp groups are new one-rank groups: they must inherit the world's timeout
-    inherited = solo.dp.group._get_backend(torch.device("cpu")).options._timeout
+    solo = dist.Grid(1, 1, 2)  # its dp axes have one rank: no group (sub-groups' timeout: test_dist.py)
+    solo_group = solo.dp.group
     short = td.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
     if td.get_rank() == 1:
         time.sleep(8)  # gone past rank 0's 2 s timeout and its 2 s check-in wait, as a cut-off host would be
-        return sub_timeout, inherited, None
+        return sub_timeout, solo_group, None
     try:
         td.all_reduce(torch.ones(1), group=short)
-        return sub_timeout, inherited, "no error"
+        return sub_timeout, solo_group, "no error"
     except RuntimeError as e:
-        return sub_timeout, inherited, dist.lost_ranks(e, wait_s=2.0)
+        return sub_timeout, solo_group, dist.lost_ranks(e, wait_s=2.0)
 
 
 def test_lost_rank_is_named_and_groups_inherit_the_timeout():
-    (t0, inherited, line), _ = dist.launch(_lost_rank_world, 2, timeout=60)
+    (t0, solo_group, line), _ = dist.launch(_lost_rank_world, 2, timeout=60)
     world = dist.datetime.timedelta(seconds=120)  # dist.launch's init timeout
-    assert t0 == world and inherited == world  # not new_group's default (30 min for gloo)
+    assert t0 == world and solo_group is None  # not new_group's default (30 min for gloo); one rank: no group
     assert line.startswith("rank(s) 1 on ") and "unreachable" in line and "\n" not in line, line

@@ -5,6 +5,7 @@ runs forward/backward, each 16-bit gradient is accumulated into an fp32 buffer, 
 skips the step on inf/nan, runs AdamW on the fp32 master weights and writes them back into the model.
 """
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanomega import data
 from nanomega.model import GPT, GPTConfig
-from nanomega.precision import LossScaler, cast_model, check_dtype_supported, parse_dtype
+from nanomega.precision import LossScaler, cast_model, check_dtype_supported, parse_dtype, set_tf32
 from nanomega.zero import ZeroEngine
 from tolerance import unit_roundoff
 
@@ -62,6 +63,41 @@ def test_bad_dtype_and_unsupported_device_give_one_line(monkeypatch):
 
 
 # ---------------------------------------------------------------- cast_model
+class LegacyWarns:
+    """torch 2.9's cuBLAS settings: both APIs, the legacy setter warns (this torch's no longer does)."""
+    fp32_precision = "none"
+
+    def __setattr__(self, name, value):
+        if name == "allow_tf32":
+            warnings.warn("Please use the new API settings to control TF32 behavior (torch 2.9)", UserWarning)
+        object.__setattr__(self, name, value)
+
+
+@pytest.mark.skipif(not hasattr(torch.backends.cuda.matmul, "fp32_precision"), reason="torch < 2.9: legacy only")
+def test_tf32_is_set_through_the_new_settings_without_a_warning(monkeypatch):
+    """set_tf32 uses fp32_precision where torch has it: the legacy allow_tf32 setters warned on every rank (torch
+    2.9), and mixing the two APIs raises on newer torch. The flags are process-wide: no GPU needed."""
+    flags = (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn)
+    saved = [f.fp32_precision for f in flags]
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            set_tf32("cpu", False)  # the CPU: nothing to set
+            assert [f.fp32_precision for f in flags] == saved
+            for enabled, mode in ((False, "ieee"), (True, "tf32")):
+                set_tf32(torch.device("cuda"), enabled)
+                assert [f.fp32_precision for f in flags] == [mode] * 3
+            legacy = LegacyWarns()
+            monkeypatch.setattr(torch.backends.cuda, "matmul", legacy)
+            set_tf32("cuda", False)
+            assert legacy.fp32_precision == "ieee"
+        assert [str(w.message) for w in caught] == []
+    finally:
+        monkeypatch.undo()
+        for f, value in zip(flags, saved):
+            f.fp32_precision = value
+
+
 def test_cast_model_keeps_parameters_ties_and_tags():
     model = small_gpt(alibi=True, embed_layernorm=True)
     ids = {name: id(p) for name, p in model.named_parameters()}

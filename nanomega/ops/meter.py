@@ -30,18 +30,20 @@ from nanomega.formulas import model_flops_per_token
 from nanomega.precision import dtype_name
 
 # TFLOP/s per GPU, dense (NVIDIA datasheets print 2:4-sparse numbers for tensor cores: half of those here).
-# "tf32" is fp32 matmul on tensor cores (torch.backends.cuda.matmul.allow_tf32, train.py's --tf32).
+# "tf32" is fp32 matmul on tensor cores (torch.backends.cuda.matmul.fp32_precision, train.py's --tf32).
 # Sources: NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf, table
 # "A100 80GB PCIe / A100 80GB SXM": the same peaks for SXM and PCIe); NVIDIA H100 Tensor Core GPU datasheet
 # (resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet: H100 SXM / H100 PCIe columns:
 # FP32 67 / 51, TF32 989 / 756 sparse, BF16 and FP16 1,979 / 1,513 sparse); NVIDIA H200 datasheet
-# (the H100 SXM's compute: FP32 67, TF32 989 sparse, BF16/FP16 1,979 sparse).
+# (nvidia.com/en-us/data-center/h200, H200 SXM / H200 NVL columns: FP32 67 / 60, TF32 989 / 835 sparse,
+# BF16/FP16 1,979 / 1,671 sparse: the SXM part has the H100 SXM's compute, the NVL (PCIe card, 600 W) less).
 PEAK_TFLOPS = {
     "A100 SXM": dict(fp32=19.5, tf32=156.0, bf16=312.0, fp16=312.0),
     "A100 PCIe": dict(fp32=19.5, tf32=156.0, bf16=312.0, fp16=312.0),
     "H100 SXM": dict(fp32=67.0, tf32=494.5, bf16=989.5, fp16=989.5),
     "H100 PCIe": dict(fp32=51.0, tf32=378.0, bf16=756.5, fp16=756.5),
     "H200 SXM": dict(fp32=67.0, tf32=494.5, bf16=989.5, fp16=989.5),
+    "H200 NVL": dict(fp32=60.0, tf32=417.5, bf16=835.5, fp16=835.5),
 }
 EMULATED = 0.5  # a 16-bit matmul slower than half fp32's rate: the CPU has no 16-bit units for it
 
@@ -49,8 +51,8 @@ EMULATED = 0.5  # a 16-bit matmul slower than half fp32's rate: the CPU has no 1
 def gpu_model(name: str):
     """The PEAK_TFLOPS row of a torch.cuda.get_device_name(), e.g. 'NVIDIA A100-SXM4-80GB', or None."""
     n = name.lower()
-    if "h200" in n:
-        return "H200 SXM"
+    if "h200" in n:  # 'NVIDIA H200' (SXM) or 'NVIDIA H200 NVL'
+        return "H200 NVL" if "nvl" in n else "H200 SXM"
     if "h100" in n and "nvl" not in n:
         return "H100 PCIe" if "pcie" in n else "H100 SXM"
     if "a100" in n:

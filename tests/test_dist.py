@@ -1,0 +1,81 @@
+"""The grid's process groups (nanomega/dist.py) and the trainer's process group at exit (nanomega/train.py).
+
+- A one-rank axis makes no process group: with NCCL and device_id bound, each would be a communicator never
+  used. Its collectives stay local (and uncounted) as before; groups of 2..world-1 ranks get the world's timeout.
+- train.main destroys the process group it started, after a clean end; a launcher's group is left to it.
+  dist.shutdown puts a barrier first: without it test_multinode.py's two-host runs aborted at exit (gloo).
+"""
+import datetime
+
+import pytest
+import torch
+import torch.distributed as td
+
+from nanomega import dist, train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CORPUS_CHARS = 50_000  # of the embedded corpus, for conftest's `corpus`
+LAYOUTS = [(4, 1, 1), (1, 4, 1), (1, 1, 4), (2, 1, 2), (1, 2, 2), (2, 2, 1)]
+
+
+def _groups_world():
+    """Every layout of 4 ranks: the groups new_group made (their ranks); for each axis its size, whether it has
+    a group, an all-reduce, an all-gather and an object gather of the ranks, and what the log counted; the
+    timeout of this rank's tp group when that is a sub-group."""
+    made, real = [], td.new_group
+    td.new_group = lambda ranks=None, **kw: made.append(sorted(ranks)) or real(ranks, **kw)  # counting
+    out = {}
+    for layout in LAYOUTS:
+        made.clear()
+        grid = dist.Grid(*layout)
+        grid.log.reset()
+        axes = {}
+        for axis in (grid.dp, grid.pp, grid.tp, grid.embed):  # embed: None on middle pipeline stages
+            if axis is not None:
+                mine = torch.full((4,), float(grid.rank))
+                axes[axis.name] = dict(size=axis.size, ranks=axis.ranks, no_group=axis.group is None,
+                                       sum=axis.all_reduce(mine.clone())[0].item(),
+                                       gathered=axis.all_gather(torch.empty(4 * axis.size), mine)[::4].tolist(),
+                                       objects=axis.all_gather_object(grid.rank))
+        tp = grid.tp.group._get_backend(torch.device("cpu")).options._timeout if 1 < grid.tp.size < 4 else None
+        out[layout] = (list(made), axes, {k: list(v) for k, v in grid.log.counts.items()}, tp)
+    return out
+
+
+def test_one_rank_axes_make_no_process_group():
+    """Before: 12 new_group calls for (4, 1, 1) (tp, pp and the embedding's four one-rank slices each), now 0."""
+    results = dist.launch(_groups_world, 4, timeout=300)
+    for out in results:
+        for (dp, pp, tp), (made, axes, counts, timeout) in out.items():
+            slices = [(tp, dp * pp), (pp, dp * tp), (dp, pp * tp), (min(pp, 2), dp * tp)]  # (size, how many)
+            assert len(made) == sum(n for size, n in slices if 1 < size < 4), ((dp, pp, tp), made)
+            assert all(1 < len(g) < 4 for g in made)  # one rank: no group; all four: WORLD
+            for name, a in axes.items():
+                assert a["no_group"] == (a["size"] == 1), (name, a)
+                # the same results with or without a group: a one-rank axis returns its own values
+                assert a["sum"] == sum(a["ranks"]) and a["gathered"] == a["ranks"] == a["objects"], (name, a)
+                if a["size"] > 1:  # counted as before; nothing for a one-rank axis
+                    assert counts[("all_reduce", name, "float32")] == [1, 16]
+                    assert counts[("all_gather", name, "float32")] == [1, 16 * a["size"]]
+            assert {axis for _, axis, _ in counts} == {n for n, a in axes.items() if a["size"] > 1}
+            if timeout is not None:
+                assert timeout == datetime.timedelta(seconds=120)  # the world's (dist.launch), not gloo's 30 min
+
+
+def test_train_main_ends_the_process_group_it_started(corpus, tmp_path):
+    """torchrun or a plain run: train.main starts the group, so it destroys it after a clean end (NCCL warns
+    about communicators left at exit, and a later in-process run would find a stale world). A group that was
+    there before (a launcher's: dist.launch, a test's) is left as it was."""
+    argv = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "2",
+            "--max-steps", "1", "--eval-every", "0", "--peak-flops", "1e11", "--device", "cpu",
+            "--corpus", str(corpus), "--data-cache", str(tmp_path / "cache")]
+    if td.is_initialized():  # left by an earlier in-process test
+        td.destroy_process_group()
+    train.main([*argv, "--out-dir", str(tmp_path / "own")])
+    assert not td.is_initialized()
+    dist.init("cpu")  # a launcher's world
+    try:
+        train.main([*argv, "--out-dir", str(tmp_path / "launched")])
+        assert td.is_initialized()
+    finally:
+        td.destroy_process_group()
