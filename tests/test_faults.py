@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nanomega import checkpoint, train
+from nanomega import checkpoint, dist, train
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
