@@ -48,8 +48,8 @@ if __name__ == "__main__":
         stage = r["coords"][1]
         print(f"rank {r['coords']} (dp, pp, tp):\n{r['table']}")
         check(f"stage {stage}: pp bytes sent = m b s h x 4", r["bytes"][("send", "pp", "float32")], M * B * S * H * 4)
-        check(f"stage {stage}: dp all-reduce = 4 x stage params + 4 (loss) + 4 (stop vote)",
-              r["bytes"][("all_reduce", "dp", "float32")], 4 * stage_params[stage] + 4 + 4)
+        check(f"stage {stage}: dp all-reduce = 4 x stage params + 4 (loss) + 3 x 4 (the step-end vote: save, stop, "
+              f"a shard in flight)", r["bytes"][("all_reduce", "dp", "float32")], 4 * stage_params[stage] + 4 + 12)
         check(f"stage {stage}: tied embedding all-reduce = 4 V h", r["bytes"][("all_reduce", "emb", "float32")], 4 * V * H)
         check(f"stage {stage}: start-up check of the replicas' weights = dp x 2 fp64 x tensors",
               r["bytes"][("all_gather", "dp", "float64")], 2 * 2 * 8 * stage_tensors[stage])
