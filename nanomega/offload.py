@@ -56,6 +56,7 @@ class Offload:
                 torch.empty(g.own.shape, dtype=g.own.dtype, pin_memory=pinned)  # cast on the host: 2 bytes cross
         self.stream = torch.cuda.Stream(device) if pinned else None  # the copies', beside the compute stream
         self.moved = dict(down=0, up=0)  # bytes copied device -> host and host -> device (lessons/02_zero.py)
+        self.by_group = None
 
     def offloaded(self, group):
         return id(group) in self.grads
@@ -78,7 +79,9 @@ class Offload:
         """Step the pieces of the offloaded groups: per group, its gradient down (the next group's already
         copying), scaled by the clip coefficient, the CPU Adam step of each piece, its weights up. Returns the
         events of the uploads (wait before reading the parameters; None entries on the CPU)."""
-        by_group = {id(g): [p for p in pieces if p.group is g] for g in self.groups}
+        if self.by_group is None:  # the engine's pieces are fixed once it is built: sorted into groups once
+            self.by_group = {id(g): [p for p in pieces if p.group is g] for g in self.groups}
+        by_group = self.by_group
         downs = [self._copy(self.grads[id(g)], g.grad_own, "down") for g in self.groups[:1]]
         ups = []
         for i, g in enumerate(self.groups):
