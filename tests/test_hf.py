@@ -70,6 +70,21 @@ def our_logits(out_dir, idx):
         return model(idx)[..., :model.cfg.vocab_size]
 
 
+def exports_match(root, names, logits_of_hf, idx, ref, corpus, tok):
+    """Export each fine-tuned layout: transformers loads it with nanomega's logits (and they moved from `ref`: the
+    test can tell the models apart); the exported tokenizer encodes as ours."""
+    for name in names:
+        out, to = root / name, root / f"{name}-hf"
+        assert hf.export(out, to) == (to, True)
+        assert (to / "config.json").is_file() and (to / "model.safetensors").is_file()
+        mine = our_logits(out, idx)
+        assert (logits_of_hf(to, idx) - mine).abs().max() < 1e-4
+        assert (mine - ref).abs().max() > 1e-3
+    fast = transformers.PreTrainedTokenizerFast.from_pretrained(root / f"{names[-1]}-hf")
+    text = corpus.read_text()[:3000]
+    assert fast.encode(text) == data.get_tokenizer(tok).encode_ordinary(text)
+
+
 def run_tp2(corpus, out, tok):
     train.main([*SMALL, "--tp", "2", "--corpus", str(corpus), "--tokenizer", tok, "--out-dir", str(out),
                 "--data-cache", str(out.parent / "cache"), "--resume"])
@@ -107,16 +122,7 @@ def test_import_finetune_tp2_sample_export(setup):
         runs[name] = [json.loads(line)["loss"] for line in open(out / "metrics.jsonl")]
     assert len(runs["dense"]) == 2 and runs["tp2"] == pytest.approx(runs["dense"], rel=1e-5)  # fp32 order
 
-    for name in ("dense", "tp2"):  # export each layout; transformers loads it with nanomega's logits
-        out, to = root / name, root / f"{name}-hf"
-        hf.export(out, to)
-        assert (to / "config.json").is_file() and (to / "model.safetensors").is_file()
-        mine = our_logits(out, idx)
-        assert (hf_logits(to, idx) - mine).abs().max() < 1e-4
-        assert (mine - ref).abs().max() > 1e-3  # it did fine-tune: the test can tell the models apart
-    fast = transformers.PreTrainedTokenizerFast.from_pretrained(root / "dense-hf")
-    text = corpus.read_text()[:3000]
-    assert fast.encode(text) == data.get_tokenizer(tok).encode_ordinary(text)
+    exports_match(root, ("dense", "tp2"), hf_logits, idx, ref, corpus, tok)
 
     out = subprocess.run([sys.executable, "-m", "nanomega.tools.sample", "--out-dir", str(root / "tp2"),
                           "--max-new-tokens", "20", "--prompt", "ROMEO:"], cwd=ROOT, capture_output=True, text=True,
@@ -259,15 +265,7 @@ def test_llama_import_finetune_tp2_sample_export(setup, capsys):
         runs[name] = [json.loads(line)["loss"] for line in open(out / "metrics.jsonl")]
     assert len(runs["llama-dense"]) == 2 and runs["llama-tp2"] == pytest.approx(runs["llama-dense"], rel=1e-5)
 
-    for name in ("llama-dense", "llama-tp2"):  # export each layout; transformers loads it with nanomega's logits
-        out, to = root / name, root / f"{name}-hf"
-        assert hf.export(out, to) == (to, True)
-        mine = our_logits(out, idx)
-        assert (hf_llama(to, idx) - mine).abs().max() < 1e-4
-        assert (mine - ref).abs().max() > 1e-3  # it did fine-tune: the test can tell the models apart
-    fast = transformers.PreTrainedTokenizerFast.from_pretrained(root / "llama-tp2-hf")
-    text = corpus.read_text()[:3000]
-    assert fast.encode(text) == data.get_tokenizer(tok).encode_ordinary(text)
+    exports_match(root, ("llama-dense", "llama-tp2"), hf_llama, idx, ref, corpus, tok)
     capsys.readouterr()
     sample.main(["--out-dir", str(root / "llama-tp2"), "--max-new-tokens", "20", "--prompt", "ROMEO:"])
     assert capsys.readouterr().out.startswith("ROMEO:")
