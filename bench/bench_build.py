@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanomega import dist, train, tp, zero  # noqa: E402
 from nanomega.model import GPT  # noqa: E402
-from nanomega.ops import flags  # noqa: E402
+from nanomega.ops import checks, flags  # noqa: E402
 
 SHAPE = dict(n_layer=20, n_embd=2048, n_head=16, block_size=1024)  # 1.02B parameters with a 4,096 vocabulary
 LAYOUTS = {"tp4": ["--tp", "4"], "zero3-dp4": ["--zero", "3"]}
@@ -34,7 +34,7 @@ def rss():
 
 def build(kind, layout):
     """One rank's build, measured. kind: dense (the former train.build) or sharded (train.build now)."""
-    config = flags.check(flags.parse([*[f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()],
+    config = checks.check(flags.parse([*[f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()],
                                       *LAYOUTS[layout], "--dtype", "fp32"]))
     cfg = flags.model_config(config)
     grid = dist.Grid(config.dp, config.pp, config.tp)

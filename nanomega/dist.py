@@ -14,7 +14,6 @@ import datetime
 import os
 import pickle
 import socket
-import time
 import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -132,34 +131,70 @@ class Axis:
             work.wait()
 
 
-class Grid:
-    """The (dp, pp, tp) rank grid. Every rank builds every group, in the same order (a torch rule)."""
+def layout(dp=1, pp=1, tp=1, cp=1, ep=1):
+    """Every group of every axis as lists of ranks, {Grid attribute: [[ranks], ...]}: the one home of the layout (Grid
+    builds these groups, meta.PaperGrid finds a rank's). Ranks as arange(world).view(dp, pp, cp, tp): tp fastest
+    (neighbours inside a node), then cp (it trades keys and values every layer), pp, and dp outermost.
+    dp_cp: the replicas of a dense weight (its gradient is reduced over dp and cp: cp ranks hold the same
+    weights, other tokens). ep is carved out of dp (Megatron's way): dp index d = e_out x ep + e; ep: the ranks
+    that trade tokens for one set of experts; edp: the replicas of one expert (same e, over e_out and cp)."""
+    world = dp * pp * cp * tp
+    g = torch.arange(world).view(dp, pp, cp, tp)
+    D, P, C, T = range(dp), range(pp), range(cp), range(tp)
+    return {"tp": [g[d, p, c, :] for d in D for p in P for c in C],
+            "cp": [g[d, p, :, t] for d in D for p in P for t in T],
+            "pp": [g[d, :, c, t] for d in D for c in C for t in T],
+            "dp": [g[:, p, c, t] for p in P for c in C for t in T],
+            "dp_cp": [g[:, p, :, t].flatten() for p in P for t in T],
+            "ep": [g[o * ep:(o + 1) * ep, p, c, t] for o in range(dp // ep) for p in P for c in C for t in T],
+            "edp": [g[e::ep, p, :, t].flatten() for e in range(ep) for p in P for t in T],
+            # tied embedding: first and last stage sum its gradients (Megatron's embedding group)
+            "embed": [g[d, [0, pp - 1], c, t].unique() for d in D for c in C for t in T]}
 
-    def __init__(self, dp=1, pp=1, tp=1):
+
+SHORT = {"dp_cp": "dpcp", "embed": "emb"}  # an axis's name in the CommLog's tables, where it differs
+
+
+def check_layout(world, dp=1, pp=1, tp=1, cp=1, ep=1):
+    """One line for a layout the world cannot hold."""
+    for flag, v in (("--dp", dp), ("--pp", pp), ("--tp", tp), ("--cp", cp), ("--ep", ep)):
+        if v < 1:
+            raise ValueError(f"{flag} must be >= 1, got {v}")
+    if dp * pp * cp * tp != world:
+        raise ValueError(f"world size {world} != dp {dp} x pp {pp} x cp {cp} x tp {tp}; "
+                         f"launch dp*pp*cp*tp processes or change the layout")
+    if dp % ep:
+        raise ValueError(f"--ep {ep} must divide dp {dp}: expert parallelism is carved out of the data-parallel "
+                         f"ranks; pick --ep dividing {dp}")
+
+
+class Grid:
+    """The (dp, pp, cp, tp) rank grid, and ep inside dp. Every rank builds every group, in one order (a torch
+    rule), and never two for the same ranks: ep = dp (ep = dp size) is one group under two names."""
+
+    def __init__(self, dp=1, pp=1, tp=1, cp=1, ep=1):
         world, rank = dist.get_world_size(), dist.get_rank()
-        for flag, v in (("--dp", dp), ("--pp", pp), ("--tp", tp)):
-            if v < 1:
-                raise ValueError(f"{flag} must be >= 1, got {v}")
-        if dp * pp * tp != world:
-            raise ValueError(f"world size {world} != dp {dp} x pp {pp} x tp {tp}; "
-                             f"launch dp*pp*tp processes or change the layout")
+        check_layout(world, dp, pp, tp, cp, ep)
         self.world, self.rank, self.log, self.timeout = world, rank, CommLog(), world_timeout()
-        grid = torch.arange(world).view(dp, pp, tp)
-        self.dp_rank, self.pp_rank, self.tp_rank = [int(c) for c in (grid == rank).nonzero()[0]]
-        # slices along each axis: tp varies fastest, so (d, p, :) is one tp group
-        self.tp = self._axis("tp", [grid[d, p, :] for d in range(dp) for p in range(pp)])
-        self.pp = self._axis("pp", [grid[d, :, t] for d in range(dp) for t in range(tp)])
-        self.dp = self._axis("dp", [grid[:, p, t] for p in range(pp) for t in range(tp)])
+        self.groups = {}  # ranks -> process group
+        replicas = {}  # the groups of dp and dp_cp -> their Axis
+        for attr, slices in layout(dp, pp, tp, cp, ep).items():
+            key = tuple(tuple(s.tolist()) for s in slices)
+            # a replica axis equal to one before it (dp_cp when cp = 1, edp when ep = 1) is that one, by its name
+            axis = replicas.get(key) if attr in ("dp_cp", "edp") else None
+            setattr(self, attr, axis or self._axis(SHORT.get(attr, attr), slices))
+            if attr in ("dp", "dp_cp"):
+                replicas.setdefault(key, getattr(self, attr))
+        self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = (self.dp.rank, self.pp.rank, self.cp.rank,
+                                                                  self.tp.rank)
         self.all = Axis("all", dist.group.WORLD, range(world), rank, self.log)  # the whole world (health, checks)
-        # tied embedding: first and last pipeline stage sum the embedding gradients (Megatron's embedding group)
-        self.embed = self._axis("emb", [grid[d, [0, pp - 1], t].unique() for d in range(dp) for t in range(tp)])
         self.backend = dist.get_backend()
         self.device = default_device("cuda" if self.backend == "nccl" else "cpu")  # the device init chose
         self.host = socket.gethostname()
-        store().set(f"nanomega/host/{rank}", self.host)  # for lost_ranks: who was where
+        store().set(f"nanomega/host/{rank}", self.host)  # for faults.lost_ranks: who was where
         # torchrun numbers ranks host by host (RANK = node rank x LOCAL_WORLD_SIZE + LOCAL_RANK), so the
         # contiguous tp groups above stay inside a host exactly when LOCAL_WORLD_SIZE % tp == 0
-        spanning = split_groups([grid[d, p, :].tolist() for d in range(dp) for p in range(pp)],
+        spanning = split_groups([s.tolist() for s in layout(dp, pp, tp, cp, ep)["tp"]],
                                 int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         if spanning and rank == 0:
             print(f"warning: tensor-parallel group {spanning[0]} spans hosts (--tp {tp} with "
@@ -171,8 +206,11 @@ class Grid:
         return next((Axis(name, g, ranks, self.rank, self.log) for ranks, g in groups if self.rank in ranks), None)
 
     def _group(self, ranks):  # one rank: no group (its Axis calls no collective; NCCL: no communicator)
-        return None if len(ranks) == 1 else dist.group.WORLD if len(ranks) == self.world else \
-            dist.new_group(ranks, timeout=self.timeout)  # the world's timeout, not new_group's 30 min (gloo)
+        if len(ranks) == 1 or len(ranks) == self.world:
+            return None if len(ranks) == 1 else dist.group.WORLD
+        if tuple(ranks) not in self.groups:  # the world's timeout, not new_group's 30 min (gloo)
+            self.groups[tuple(ranks)] = dist.new_group(ranks, timeout=self.timeout)
+        return self.groups[tuple(ranks)]
 
     def barrier(self):
         dist.barrier()
@@ -192,8 +230,9 @@ class Grid:
         return self.pp_rank == self.pp.size - 1
 
     def __repr__(self):
+        cp = f"cp {self.cp_rank}/{self.cp.size}, " if self.cp.size > 1 else ""
         return (f"Grid(rank {self.rank}/{self.world} on {self.host}: dp {self.dp_rank}/{self.dp.size}, "
-                f"pp {self.pp_rank}/{self.pp.size}, tp {self.tp_rank}/{self.tp.size}, {self.device})")
+                f"pp {self.pp_rank}/{self.pp.size}, {cp}tp {self.tp_rank}/{self.tp.size}, {self.device})")
 
 
 def store():
@@ -208,45 +247,6 @@ def world_timeout():
         return dist.group.WORLD._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):
         return None
-
-
-COMM_ERRORS = ("gloo", "NCCL", "Timed out", "Connection", "timeout")
-
-
-def lost_ranks(error, wait_s=5.0):
-    """After a collective failed: which ranks still answer through the store within wait_s seconds?
-
-    Returns None when `error` is not a communication error or nobody is missing (re-raise it), "" on every
-    rank but 0, and on rank 0 one line naming the ranks (and their hosts) that did not answer. A rank whose
-    host is cut off cannot reach the store either; it gives up after wait_s and stays silent: rank 0 names it.
-    """
-    if not dist.is_initialized() or not any(k in str(error) for k in COMM_ERRORS):
-        return None
-    rank, world, kv = dist.get_rank(), dist.get_world_size(), store()
-    kv.set_timeout(datetime.timedelta(seconds=wait_s))
-    try:
-        kv.set(f"nanomega/alive/{rank}", "1")
-    except Exception:  # cut off from the store as well: nothing more to learn here
-        return ""
-    if rank != 0:  # stay until rank 0 has spoken: its host's agent stops all its workers when one exits
-        try:
-            kv.wait(["nanomega/verdict"], datetime.timedelta(seconds=3 * wait_s))
-        except Exception:
-            pass
-        return ""
-    deadline = time.monotonic() + wait_s
-    missing = list(range(world))
-    while missing and time.monotonic() < deadline:  # bounded: wait_s seconds, polled every 0.1 s
-        missing = [r for r in missing if not kv.check([f"nanomega/alive/{r}"])]
-        time.sleep(0.1)
-    kv.set("nanomega/verdict", str(missing))
-    if not missing:  # every rank answers: not a lost host; the traceback says more than a line
-        return None
-    first = str(error).strip().splitlines()[0][:160]
-    hosts = sorted({kv.get(f"nanomega/host/{r}").decode() for r in missing if kv.check([f"nanomega/host/{r}"])})
-    return (f"rank(s) {', '.join(map(str, missing))} on {', '.join(hosts) or 'unknown hosts'} unreachable: a "
-            f"collective failed ({first}) and they did not answer through the store within {wait_s:.0f} s; "
-            f"the job stops here and resumes from its last checkpoint when restarted (torchrun --max-restarts)")
 
 
 def split_groups(groups, per_host):

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from . import pp, tp
+from . import dist, pp, tp
 from .flat import set_data
 from .model import draw, init_std
 
@@ -101,21 +101,21 @@ class PaperAxis:
 
 
 class PaperGrid:
-    """Rank `rank` of a (dp, pp, tp) layout as dist.Grid lays it out (tp fastest), without torch.distributed:
+    """Rank `rank` of a (dp, pp, cp, tp) layout as dist.Grid lays it out (dist.layout), without torch.distributed:
     what building one rank of a 1,000-GPU job on a laptop needs. device: meta (nothing allocated), or a real
     one to build that rank's values (tests: the build needs no collective but the replicas' check, which
     ddp.start_equal skips on meta)."""
 
-    def __init__(self, dp, pp, tp, rank, device="meta"):
-        world = dp * pp * tp
+    def __init__(self, dp, pp, tp, rank, device="meta", cp=1, ep=1):
+        world = dp * pp * cp * tp
         if not 0 <= rank < world:
-            raise ValueError(f"--rank {rank} is outside the {world} ranks of dp {dp} x pp {pp} x tp {tp}")
+            raise ValueError(f"--rank {rank} is outside the {world} ranks of dp {dp} x pp {pp} x cp {cp} x tp {tp}")
+        dist.check_layout(world, dp, pp, tp, cp, ep)
         self.world, self.rank, self.device = world, rank, torch.device(device)
-        grid = torch.arange(world).view(dp, pp, tp)
-        self.dp_rank, self.pp_rank, self.tp_rank = [int(c) for c in (grid == rank).nonzero()[0]]
-        d, p, t = self.dp_rank, self.pp_rank, self.tp_rank
-        self.tp, self.pp, self.dp = (PaperAxis("tp", grid[d, p, :], rank), PaperAxis("pp", grid[d, :, t], rank),
-                                     PaperAxis("dp", grid[:, p, t], rank))
+        for attr, slices in dist.layout(dp, pp, tp, cp, ep).items():
+            mine = next((s for s in slices if rank in s.tolist()), None)  # embed: only the end stages have one
+            name = "dp" if attr == "dp_cp" and cp == 1 else dist.SHORT.get(attr, attr)
+            setattr(self, attr, PaperAxis(name, mine, rank) if mine is not None else None)
+        self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = self.dp.rank, self.pp.rank, self.cp.rank, self.tp.rank
         self.all = PaperAxis("all", range(world), rank)
-        self.embed = PaperAxis("emb", grid[d, [0, pp - 1], t].unique(), rank) if p in (0, pp - 1) else None
-        self.first_stage, self.last_stage = p == 0, p == pp - 1
+        self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == pp - 1

@@ -11,9 +11,9 @@ gradient sync until the last) -> engine.step (reduce, clip at 1.0, AdamW on owne
 MFU = flops_per_token x tokens/s / (world x peak FLOP/s per device) (meter.py: the peak's source, memory).
 Read `train` first, the recipe: check the Config -> claim the out-dir -> find the checkpoint -> start -> data
 -> build -> resume -> loop of train_step. The policies around it live in nanomega/ops/, each named: flags.Config
-and flags.check (the flags, pure), faults (the out-dir lock, resume discovery, preemption), guard.Guard (a step's
-failure policy: hang watchdog, --inject-fault, spikes, NaN), saves (when to checkpoint, restore, roll back),
-meter.MetricsLog (lines and metrics.jsonl).
+and checks.check (the flags; a bad one refused, pure), faults (the out-dir lock, resume discovery, preemption),
+guard.Guard (a step's failure policy: hang watchdog, --inject-fault, spikes, NaN), saves (when to checkpoint,
+restore, roll back), meter.MetricsLog (lines and metrics.jsonl).
 Lessons: lessons/01-dense-model.md (the loop), lessons/09-3d-parallelism.md (the composition).
 """
 import contextlib
@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # `python nanomega/train.py`: make the package im
 
 from nanomega import data, dist, flash, fused, meta, pp, precision, recompute, rng, schedules, tp, zero
 from nanomega.model import GPT, SHAPE_KEYS
-from nanomega.ops import faults, flags, health, meter, saves
+from nanomega.ops import checks, faults, flags, health, meter, saves
 from nanomega.ops.guard import Guard, Spikes
 from nanomega.tools import corpus, cost
 
@@ -144,7 +144,7 @@ def evaluate(model, grid, val_set, config):
 def main(argv=None):
     """Train as the command line says. The process group this call started (torchrun's, or a world of one) is
     ended after a clean end (dist.shutdown; NCCL warns about communicators left at exit); a launcher's (tests:
-    dist.launch) is left to it, and after an error the entrypoint still needs the store (dist.lost_ranks)."""
+    dist.launch) is left to it, and after an error the entrypoint still needs the store (faults.lost_ranks)."""
     config = flags.parse(argv)  # the command line, read once into a frozen Config (nanomega/ops/flags.py)
     if config.dry_run:
         return dry_run(config)
@@ -158,7 +158,7 @@ def main(argv=None):
 
 def train(config):
     """The recipe: check, claim the out-dir, set up (grid, data, model, engine), resume, loop. Returns the last row."""
-    config = flags.check(config)  # every check that needs no collective, before the first one; touches no file
+    config = checks.check(config)  # every check that needs no collective, before the first one; touches no file
     cfg = flags.model_config(config)
     check_memory(config, cfg)
     faults.claim_out_dir(config.out_dir, config.data_cache)  # one job per out-dir (a lock); a killed one's leftovers
@@ -169,7 +169,7 @@ def train(config):
     grid = start(config, cfg)
     log = grid.rank == grid.world - 1  # the last rank: last pipeline stage, where the loss lives
     train_set, val_set = load_data(config, grid.world, log)
-    flags.check_batch_fits(config, len(train_set))
+    checks.check_batch_fits(config, len(train_set))
     sampler = data.Sampler(len(train_set), config.global_batch, config.seed)
     model, engine, n_params = build(config, cfg, grid)
     scaler = precision.LossScaler.for_dtype(precision.parse_dtype(config.dtype))
@@ -218,7 +218,7 @@ def dry_run(config):
     """--dry-run: rank --rank of this layout built by build() on the meta device (meta.PaperGrid: no process
     group, no storage), its engine's parameter, gradient and optimizer bytes printed next to the planner's
     (tools/cost.py). Returns dict(engine=..., planner=..., groups, pieces, dp, seconds)."""
-    config = flags.check(config)
+    config = checks.check(config)
     cfg = flags.model_config(config)
     grid = meta.PaperGrid(config.dp, config.pp, config.tp, config.rank)
     t0 = time.perf_counter()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega.ops import flags
+from nanomega.ops import checks, flags
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,14 +81,14 @@ def test_numeric_flags_finite_and_in_range(argv, message, monkeypatch, tmp_path)
     """One line naming the flag, the value and the fix, before any collective, and nothing written."""
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ValueError) as err:
-        flags.check(flags.parse([*argv, "--out-dir", str(tmp_path / "out")]))
+        checks.check(flags.parse([*argv, "--out-dir", str(tmp_path / "out")]))
     assert message in str(err.value) and "\n" not in str(err.value)
     assert not any(tmp_path.iterdir())
 
 
 def test_warmup_longer_than_the_run_is_allowed():
     """A decision (issue 28, item 7): the run only warms up; quick runs override --max-steps alone."""
-    assert flags.check(flags.parse(["--warmup", "50", "--max-steps", "3", "--out-dir", "/nonexistent/o"])).warmup == 50
+    assert checks.check(flags.parse(["--warmup", "50", "--max-steps", "3", "--out-dir", "/nonexistent/o"])).warmup == 50
 
 
 @pytest.mark.parametrize("world,argv,message", BAD, ids=[" ".join(b[1]) for b in BAD])
@@ -96,7 +96,7 @@ def test_bad_configuration(world, argv, message, monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     t0 = time.perf_counter()
     with pytest.raises((ValueError, FileNotFoundError)) as err:
-        flags.check(flags.parse([*argv, "--out-dir", str(tmp_path)]))
+        checks.check(flags.parse([*argv, "--out-dir", str(tmp_path)]))
     assert message in str(err.value) and "\n" not in str(err.value)
     assert time.perf_counter() - t0 < 10
 

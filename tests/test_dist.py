@@ -16,6 +16,38 @@ from nanomega import dist, train
 pytestmark = pytest.mark.usefixtures("one_thread")
 CORPUS_CHARS = 50_000  # of the embedded corpus, for conftest's `corpus`
 LAYOUTS = [(4, 1, 1), (1, 4, 1), (1, 1, 4), (2, 1, 2), (1, 2, 2), (2, 2, 1)]
+CP_EP = [(2, 1, 1, 2, 1), (2, 1, 1, 2, 2), (4, 1, 1, 1, 2), (4, 1, 1, 1, 4)]  # (dp, pp, tp, cp, ep): world 4
+
+
+@pytest.mark.parametrize("dp,pp,tp,cp,ep", [(4, 2, 2, 2, 2), (2, 3, 1, 2, 1), (8, 1, 2, 1, 4), (2, 2, 2, 2, 2)])
+def test_layout_partitions_the_world(dp, pp, tp, cp, ep):
+    """Every axis's groups partition the world into groups of its size; dp_cp is dp and cp together; an ep group
+    lies inside a dp group, and an edp group meets each ep group of its dp_cp group in exactly one rank."""
+    world, groups = dp * pp * cp * tp, {a: [s.tolist() for s in v] for a, v in dist.layout(dp, pp, tp, cp, ep).items()}
+    sizes = dict(tp=tp, cp=cp, pp=pp, dp=dp, dp_cp=dp * cp, ep=ep, edp=dp * cp // ep)
+    for attr, size in sizes.items():
+        assert sorted(r for g in groups[attr] for r in g) == list(range(world)), attr
+        assert {len(g) for g in groups[attr]} == {size}, attr
+    rank = torch.arange(world).view(dp, pp, cp, tp)
+    for g in groups["dp_cp"]:
+        assert sorted(g) == sorted(r for d in groups["dp"] for r in d if d[0] in g) and len(g) == dp * cp
+    for e in groups["ep"]:
+        assert any(set(e) <= set(d) for d in groups["dp"])
+        assert all(len(set(e) & set(x)) <= 1 for x in groups["edp"])
+    assert groups["tp"][0] == rank[0, 0, 0, :].tolist()  # tp fastest: neighbours
+
+
+def _cp_ep_world():
+    """The cp and ep axes of 4 ranks: their ranks, and which process groups are shared."""
+    made, real = [], td.new_group
+    td.new_group = lambda ranks=None, **kw: made.append(sorted(ranks)) or real(ranks, **kw)
+    out = {}
+    for layout in CP_EP:
+        made.clear()
+        g = dist.Grid(*layout)
+        out[layout] = (list(made), {a: (getattr(g, a).name, getattr(g, a).ranks) for a in
+                                    ("dp", "cp", "dp_cp", "ep", "edp")}, g.ep.group is g.dp.group, g.edp is g.dp_cp)
+    return out
 
 
 def _groups_world():
@@ -43,12 +75,14 @@ def _groups_world():
 
 
 def test_one_rank_axes_make_no_process_group():
-    """Before: 12 new_group calls for (4, 1, 1) (tp, pp and the embedding's four one-rank slices each), now 0."""
+    """Before: 12 new_group calls for (4, 1, 1) (tp, pp and the embedding's four one-rank slices each), now 0;
+    and (1, 2, 2) makes 4, not 6 (its embedding groups are its pipeline groups: no second communicator)."""
     results = dist.launch(_groups_world, 4, timeout=300)
     for out in results:
         for (dp, pp, tp), (made, axes, counts, timeout) in out.items():
-            slices = [(tp, dp * pp), (pp, dp * tp), (dp, pp * tp), (min(pp, 2), dp * tp)]  # (size, how many)
-            assert len(made) == sum(n for size, n in slices if 1 < size < 4), ((dp, pp, tp), made)
+            # one group per distinct set of ranks: pp = 2's embedding groups are its pipeline groups
+            wanted = {tuple(s.tolist()) for sl in dist.layout(dp, pp, tp).values() for s in sl if 1 < len(s) < 4}
+            assert sorted(map(tuple, made)) == sorted(wanted), ((dp, pp, tp), made)
             assert all(1 < len(g) < 4 for g in made)  # one rank: no group; all four: WORLD
             for name, a in axes.items():
                 assert a["no_group"] == (a["size"] == 1), (name, a)
@@ -60,6 +94,19 @@ def test_one_rank_axes_make_no_process_group():
             assert {axis for _, axis, _ in counts} == {n for n, a in axes.items() if a["size"] > 1}
             if timeout is not None:
                 assert timeout == datetime.timedelta(seconds=120)  # the world's (dist.launch), not gloo's 30 min
+
+
+def test_cp_and_ep_axes():
+    """cp = 1 / ep = 1: dp_cp and edp are dp's Axis (its name; ZeRO's byte logs unchanged). ep = dp: one group
+    under two names (a second NCCL communicator for the same ranks would never be needed)."""
+    out = dist.launch(_cp_ep_world, 4, timeout=120)
+    for rank, res in enumerate(out):
+        for (dp, pp, tp, cp, ep), (made, axes, shared, edp_is_dpcp) in res.items():
+            assert len(made) == len(set(map(tuple, made))), made  # no group twice
+            assert axes["cp"][1] == [r for r in range(4) if r // cp == rank // cp]  # cp neighbours (tp = 1)
+            assert (axes["dp_cp"][0] == "dp") == (cp == 1) and edp_is_dpcp == (ep == 1)
+            assert axes["ep"][0] == "ep" and shared == (ep == dp) and len(axes["edp"][1]) == dp * cp // ep
+            assert set(axes["ep"][1]) <= set(axes["dp"][1])
 
 
 def test_train_main_ends_the_process_group_it_started(corpus, tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega.ops import faults, flags
+from nanomega.ops import checks, faults, flags
 from nanomega import checkpoint, data, dist, reshard, train
 from nanomega.tools import sample
 from nanomega.ops import health
@@ -56,7 +56,7 @@ def steps_logged(out):
 
 def find_checkpoint(corpus, out, *extra):
     """The recipe's steps before any collective: the pure checks, then the checkpoint to resume from."""
-    config = flags.check(flags.parse([*SMALL, "--corpus", str(corpus), "--out-dir", str(out), *extra]))
+    config = checks.check(flags.parse([*SMALL, "--corpus", str(corpus), "--out-dir", str(out), *extra]))
     tokenizer = (config.tokenizer, data.tokenizer_sha256(data.get_tokenizer(config.tokenizer)))
     return faults.find_checkpoint(config.out_dir, flags.model_config(config), resume=config.resume,
                                   resume_from=config.resume_from, max_steps=config.max_steps, tokenizer=tokenizer,
@@ -189,7 +189,7 @@ def test_bad_out_dir_and_timeout_refused_up_front(corpus, tmp_path):
                            (["--collective-timeout", "0"], "--collective-timeout must be > 0"),
                            (["--collective-timeout", "-1"], "--collective-timeout must be > 0")):
         with pytest.raises(ValueError, match=message):
-            flags.check(flags.parse([*SMALL, "--corpus", str(corpus), "--out-dir", str(tmp_path / "o"), *extra]))
+            checks.check(flags.parse([*SMALL, "--corpus", str(corpus), "--out-dir", str(tmp_path / "o"), *extra]))
 
 
 def test_second_job_on_an_out_dir_is_refused(corpus, tmp_path):

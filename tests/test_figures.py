@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nanomega.ops import flags
+from nanomega.ops import checks, flags
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+\.png)\)")
@@ -64,4 +64,4 @@ def test_every_figure_draws_runs_the_script_trains():
 def test_every_run_passes_train_checks(name, monkeypatch, tmp_path):
     world, _, _ = figures.RUNS[name]
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    flags.check(flags.parse(figures.flags(name, tmp_path)))
+    checks.check(flags.parse(figures.flags(name, tmp_path)))

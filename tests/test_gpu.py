@@ -281,9 +281,9 @@ def test_a_rank_built_on_cuda_holds_the_cpu_build_bitwise(extra, world):
     """Values are drawn on the host and copied into the device's buffers: the CUDA build of every rank equals
     the CPU build of the same rank, bitwise (no collective: meta.PaperGrid stands for the rank)."""
     from nanomega import meta, train as trainer
-    from nanomega.ops import flags
+    from nanomega.ops import checks, flags
     for rank in range(world):
-        config = flags.check(flags.parse([*SMALL, *extra, "--dry-run", "--world", str(world), "--rank", str(rank)]))
+        config = checks.check(flags.parse([*SMALL, *extra, "--dry-run", "--world", str(world), "--rank", str(rank)]))
         cfg = flags.model_config(config)
         built = [trainer.build(config, cfg, meta.PaperGrid(config.dp, config.pp, config.tp, rank, device=d))[1]
                  for d in ("cpu", "cuda")]

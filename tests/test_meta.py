@@ -10,7 +10,7 @@ import torch
 
 from nanomega import meta, pp, tp, train, zero
 from nanomega.model import GPT, GPTConfig, INIT_BLOCK, draw
-from nanomega.ops import flags
+from nanomega.ops import checks, flags
 from nanomega.ops.presets import PRESETS
 from test_layouts import COMMON, LAYOUTS_4, LAYOUTS_8
 
@@ -57,7 +57,7 @@ def test_the_dense_model_is_its_seed():
 
 
 def config_of(extra, world, rank=0):
-    return flags.check(flags.parse([*COMMON, *extra, "--dry-run", "--world", str(world), "--rank", str(rank)]))
+    return checks.check(flags.parse([*COMMON, *extra, "--dry-run", "--world", str(world), "--rank", str(rank)]))
 
 
 def expected_local(dense, name, p, grid):
@@ -182,4 +182,4 @@ def test_a_dry_run_allocates_nothing_and_a_paper_grid_refuses_collectives():
     with pytest.raises(ValueError, match="--rank 4 is outside the 4 ranks"):
         meta.PaperGrid(2, 1, 2, 4)
     with pytest.raises(ValueError, match="--rank and --world are for --dry-run"):
-        flags.check(flags.parse(["--rank", "3"]))
+        checks.check(flags.parse(["--rank", "3"]))

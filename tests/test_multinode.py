@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from nanomega import dist, train
+from nanomega.ops import faults
 from tolerance import layout_rtol
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,11 +114,11 @@ def test_global_batch_sets_grad_accum_from_the_world(monkeypatch, tmp_path):
     micro-batches of 2; one host left (dp 1) accumulates 4; the same 8 sequences per step either way."""
     for world, accum in ((4, 2), (2, 4)):
         monkeypatch.setenv("WORLD_SIZE", str(world))
-        config = train.flags.check(train.flags.parse(["--tp", "2", "--batch-size", "2", "--global-batch", "8",
+        config = train.checks.check(train.flags.parse(["--tp", "2", "--batch-size", "2", "--global-batch", "8",
                                                       "--out-dir", str(tmp_path)]))
         assert config.grad_accum == accum and config.batch_size * config.grad_accum * config.dp == 8
     with pytest.raises(ValueError, match="--global-batch 6 is not a positive multiple of --batch-size 4 x dp 1"):
-        train.flags.check(train.flags.parse(["--tp", "2", "--batch-size", "4", "--global-batch", "6",
+        train.checks.check(train.flags.parse(["--tp", "2", "--batch-size", "4", "--global-batch", "6",
                                              "--out-dir", str(tmp_path)]))
 
 
@@ -140,7 +141,7 @@ def _lost_rank_world():
         td.all_reduce(torch.ones(1), group=short)
         return sub_timeout, solo_group, "no error"
     except RuntimeError as e:
-        return sub_timeout, solo_group, dist.lost_ranks(e, wait_s=2.0)
+        return sub_timeout, solo_group, faults.lost_ranks(e, wait_s=2.0)
 
 
 def test_lost_rank_is_named_and_groups_inherit_the_timeout():

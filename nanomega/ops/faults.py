@@ -15,6 +15,7 @@ The step's half (hangs, NaN, divergence, loss spikes, --inject-fault): nanomega/
 Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
 """
 import contextlib
+import datetime
 import ctypes
 import errno
 import os
@@ -27,6 +28,7 @@ import threading
 import time
 
 import torch
+import torch.distributed as tdist
 
 from nanomega import checkpoint, data, dist, flash
 from nanomega.ops import lock
@@ -216,7 +218,6 @@ def job(out_dir):
 
 def _peer_failure(e):
     """An error seen because ANOTHER rank died (a broken collective): that rank tells the story."""
-    import torch.distributed as tdist
     text = str(e).lower()
     return isinstance(e, tdist.DistError) or any(
         m in text for m in ("connection closed by peer", "connection reset", "broken pipe", "gloo"))
@@ -235,7 +236,7 @@ def entrypoint(main):
         say(f"error: {e}")
         sys.exit(2 if not isinstance(e, FloatingPointError) else 3)
     except (OSError, RuntimeError) as e:
-        line = dist.lost_ranks(e) if isinstance(e, RuntimeError) else None
+        line = lost_ranks(e) if isinstance(e, RuntimeError) else None
         if line is not None:  # a collective failed and ranks no longer answer: rank 0 names them, once
             if line:
                 handler.record_exception(e)
@@ -251,3 +252,42 @@ def entrypoint(main):
             sys.exit(1)
         print(f"error: rank {rank()}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+COMM_ERRORS = ("gloo", "NCCL", "Timed out", "Connection", "timeout")
+
+
+def lost_ranks(error, wait_s=5.0):
+    """After a collective failed: which ranks still answer through the store within wait_s seconds?
+
+    Returns None when `error` is not a communication error or nobody is missing (re-raise it), "" on every
+    rank but 0, and on rank 0 one line naming the ranks (and their hosts) that did not answer. A rank whose
+    host is cut off cannot reach the store either; it gives up after wait_s and stays silent: rank 0 names it.
+    """
+    if not tdist.is_initialized() or not any(k in str(error) for k in COMM_ERRORS):
+        return None
+    rank, world, kv = tdist.get_rank(), tdist.get_world_size(), dist.store()
+    kv.set_timeout(datetime.timedelta(seconds=wait_s))
+    try:
+        kv.set(f"nanomega/alive/{rank}", "1")
+    except Exception:  # cut off from the store as well: nothing more to learn here
+        return ""
+    if rank != 0:  # stay until rank 0 has spoken: its host's agent stops all its workers when one exits
+        try:
+            kv.wait(["nanomega/verdict"], datetime.timedelta(seconds=3 * wait_s))
+        except Exception:
+            pass
+        return ""
+    deadline = time.monotonic() + wait_s
+    missing = list(range(world))
+    while missing and time.monotonic() < deadline:  # bounded: wait_s seconds, polled every 0.1 s
+        missing = [r for r in missing if not kv.check([f"nanomega/alive/{r}"])]
+        time.sleep(0.1)
+    kv.set("nanomega/verdict", str(missing))
+    if not missing:  # every rank answers: not a lost host; the traceback says more than a line
+        return None
+    first = str(error).strip().splitlines()[0][:160]
+    hosts = sorted({kv.get(f"nanomega/host/{r}").decode() for r in missing if kv.check([f"nanomega/host/{r}"])})
+    return (f"rank(s) {', '.join(map(str, missing))} on {', '.join(hosts) or 'unknown hosts'} unreachable: a "
+            f"collective failed ({first}) and they did not answer through the store within {wait_s:.0f} s; "
+            f"the job stops here and resumes from its last checkpoint when restarted (torchrun --max-restarts)")

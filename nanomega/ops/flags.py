@@ -1,12 +1,8 @@
 """train.py's flags as one typed, frozen Config, and the checks that refuse a bad one before any collective starts.
 
 Idea: on a 1,000-GPU job a typo found after the rendezvous costs minutes of every GPU; found here it costs
-nothing. `parse` reads the command line once into a Config (frozen: no module rewrites a flag later); `check`
-runs on every rank, reads only the Config, the environment, the tokenizer and the data's index, and either
-raises one clear line naming the flag and the fix or returns the Config with its derived values filled in
-(dataclasses.replace). It writes no file and takes no lock: the out-dir is claimed afterwards, as a step of
-train.py's recipe (nanomega/ops/faults.py:claim_out_dir). The layout: world = tp x pp x dp, with dp derived from
-the world size.
+nothing. `parse` reads the command line once into a Config (frozen: no module rewrites a flag later);
+nanomega/ops/checks.py refuses a bad one. The layout: world = tp x pp x dp, with dp derived from the world size.
 Lesson: lessons/09-3d-parallelism.md
 """
 import argparse
@@ -14,10 +10,7 @@ import dataclasses
 import os
 import sys
 
-import torch
-
-from nanomega import data, dist, pp, precision, recompute, tp, zero
-from nanomega.ops import faults, guard, presets, ranges
+from nanomega.ops import presets
 from nanomega.model import GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # nanomega/ops/ -> the checkout
@@ -265,80 +258,3 @@ def model_config(config, vocab_size=None):
                      n_kv_head=config.n_kv_head, ffn_hidden=config.ffn_hidden, rope_theta=config.rope_theta,
                      rope_scaling=config.rope_scaling, tie_embeddings=config.tie_embeddings, norm_eps=config.norm_eps,
                      make_vocab_size_divisible_by=128 * config.tp, attention=config.attention)
-
-
-def world_size():
-    return int(os.environ.get("WORLD_SIZE", 1))
-
-
-def check(config):
-    """Every check that needs no collective, in the order a user would fix them. Returns the Config with its
-    derived values (dp, grad_accum and global_batch, vocab_size, fault, hang_timeout, resume); changes nothing."""
-    c = config
-    ranges.check(c, parser().get_default)  # every numeric flag finite and in range: one table (ops/ranges.py)
-    fault = guard.parse_fault(c.inject_fault) if c.inject_fault else None
-    if c.on_nan not in ("skip", "stop"):
-        raise ValueError(f"--on-nan {c.on_nan!r}: choose skip or stop")
-    if c.model is not None and c.model not in presets.PRESETS:
-        raise ValueError(f"--model {c.model!r} is unknown; choose one of {', '.join(presets.PRESETS)}")
-    if not c.dry_run and (c.rank or c.world is not None):
-        raise ValueError("--rank and --world are for --dry-run (torchrun sets both for a real run); add --dry-run "
-                         "or leave them out")
-    world = (c.world or c.tp * c.pp) if c.dry_run else world_size()
-    if world % (c.tp * c.pp):
-        raise ValueError(f"world size {world} is not divisible by --tp {c.tp} x --pp {c.pp}; "
-                         f"launch a multiple of {c.tp * c.pp} processes")
-    dp, grad_accum = world // (c.tp * c.pp), c.grad_accum
-    if c.global_batch is not None:  # the global batch is the invariant; accumulation follows the world
-        per_step = c.batch_size * dp
-        if c.global_batch < 1 or c.global_batch % per_step:
-            raise ValueError(f"--global-batch {c.global_batch} is not a positive multiple of --batch-size "
-                             f"{c.batch_size} x dp {dp} (world {world} / (tp {c.tp} x pp {c.pp})); "
-                             f"pick a global batch divisible by {per_step} or another --batch-size")
-        grad_accum = c.global_batch // per_step
-    zero.check_config(c.zero, torch.optim.AdamW, c.pp, c.offload)  # the engine's rules (stage, PP, offload)
-    vocab_size = data.get_tokenizer(c.tokenizer).n_vocab
-    if c.dry_run and c.model:  # no data is read: the preset's vocabulary, as the planner takes it
-        vocab_size = presets.PRESETS[c.model]["vocab_size"]
-    cfg = model_config(c, vocab_size)
-    cfg.validate()
-    tp.check_tensor_parallel(cfg, c.tp, c.sequence_parallel)
-    pp.check_args(c.n_layer, c.pp, grad_accum, c.schedule, c.virtual_stages)
-    if c.compile and c.zero == 3:
-        raise ValueError("--compile with --zero 3: ZeRO-3's hooks free and re-gather parameter storage inside "
-                         "each block, which torch.compile cannot trace; use --zero 2 or leave out --compile")
-    if c.recompute not in recompute.MODES:
-        raise ValueError(f"--recompute {c.recompute!r} is not one of {', '.join(recompute.MODES)}")
-    if c.recompute_layers is not None and not 0 <= c.recompute_layers <= c.n_layer:
-        raise ValueError(f"--recompute-layers {c.recompute_layers} is outside [0, --n-layer {c.n_layer}]")
-    precision.check_dtype_supported(precision.parse_dtype(c.dtype), dist.default_device(c.device))
-    if c.data:
-        index = data.load_index(c.data)
-        if index["tokenizer_sha256"] != data.tokenizer_sha256(data.get_tokenizer(c.tokenizer)):
-            raise ValueError(f"--data {c.data} was prepared with --tokenizer {index['tokenizer']}; pass that one")
-    else:
-        data.corpus_files(c.corpus)  # raises the --corpus line when it names no file
-    hang_timeout = check_failure_flags(c)
-    return dataclasses.replace(c, dp=dp, grad_accum=grad_accum, global_batch=c.batch_size * grad_accum * dp,
-                               vocab_size=vocab_size, fault=fault, hang_timeout=hang_timeout,
-                               resume=c.resume or c.resume_from is not None)  # --resume-from implies --resume
-
-
-def check_batch_fits(config, n_windows):
-    """Once the data is known (after start-up: every rank raises the same line): one step may not take more
-    sequences than an epoch holds; --batch-size 1000000000 was a numpy MemoryError in the sampler on every rank."""
-    c = config
-    if c.global_batch > n_windows:
-        raise ValueError(f"--batch-size {c.batch_size} x --grad-accum {c.grad_accum} x dp {c.dp} = {c.global_batch} "
-                         f"sequences per step is more than the {n_windows} training windows of --block-size "
-                         f"{c.block_size} in the data; lower --batch-size (or --global-batch)")
-
-
-def check_failure_flags(c):
-    """The out-dir's path, refused before any collective (the numbers: ranges.check). Returns --hang-timeout
-    (its default: 180 s, or half --collective-timeout if that is less)."""
-    hang_timeout = min(180.0, c.collective_timeout / 2) if c.hang_timeout is None else c.hang_timeout
-    faults.check_out_dir(c.out_dir)  # reads the path only: claiming the out-dir is a step of the recipe
-    if c.data_cache:
-        faults.check_out_dir(c.data_cache, "--data-cache")
-    return hang_timeout

@@ -1,4 +1,4 @@
-"""The range of every numeric flag of train.py, in one table (flag -> rule), checked first by flags.check.
+"""The range of every numeric flag of train.py, in one table (flag -> rule), checked first by checks.check.
 
 Idea: argparse's type=float takes "inf" and "nan", and every comparison with NaN is False, so a check written
 `if lr <= 0: refuse` lets NaN through and `if lr < 0` lets inf through as well; either reached the optimizer and
