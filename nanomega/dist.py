@@ -1,13 +1,14 @@
 """The rank grid and the one layer every collective goes through.
 
-Idea: `world = dp * pp * tp` ranks laid out as `arange(world).view(dp, pp, tp)`: tensor parallel ranks are
-neighbours (inside a node, fastest links), pipeline stages next, data parallel outermost. Each axis gets its
-own process group, wrapped in an `Axis` whose collectives record (op, axis, dtype, bytes) in a `CommLog`, so
-lessons and tests can hold measured traffic against formulas. Device and backend are chosen here and
-nowhere else: nccl on CUDA, gloo on CPU.
+Idea: `world = dp * pp * cp * tp` ranks laid out as `arange(world).view(dp, pp, cp, tp)` (`layout`): tensor
+parallel ranks are neighbours (inside a node, fastest links), then context parallel, pipeline stages, and data
+parallel outermost; expert parallel groups are carved out of dp. Each axis gets its own process group, wrapped
+in an `Axis` whose collectives record (op, axis, dtype, bytes) in a `CommLog`, so lessons and tests can hold
+measured traffic against formulas. Device and backend are chosen here and nowhere else: nccl on CUDA, gloo on CPU.
 
 Bytes one rank sends for a collective over n ranks on a ring, for a tensor of B bytes:
     all_reduce 2(n-1)/n * B      reduce_scatter (n-1)/n * B_in      all_gather (n-1)/n * B_out
+    all_to_all: the rows it addresses to the other ranks (B (n-1)/n for equal splits)
 Lessons: lessons/02-data-parallel-and-zero.md (the formulas), lessons/09-3d-parallelism.md (the grid).
 """
 import datetime
@@ -30,7 +31,7 @@ REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
         "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0 if n > 1 else 0.0,
-        "send": lambda n: 1.0, "recv": lambda n: 0.0}
+        "send": lambda n: 1.0, "recv": lambda n: 0.0, "all_to_all": lambda n: 1.0}  # all_to_all: sent bytes
 
 
 @dataclass
@@ -39,11 +40,11 @@ class CommLog:
     counts: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
     sizes: dict = field(default_factory=dict)  # axis name -> ranks in it
 
-    def record(self, op, axis, n, tensor):
+    def record(self, op, axis, n, tensor, nbytes=None):  # nbytes: of the tensor, unless said
         self.sizes[axis] = n
         entry = self.counts[(op, axis, str(tensor.dtype).replace("torch.", ""))]
         entry[0] += 1
-        entry[1] += tensor.numel() * tensor.element_size()
+        entry[1] += tensor.numel() * tensor.element_size() if nbytes is None else nbytes
 
     def bytes(self, op=None, axis=None) -> int:
         return sum(b for (o, a, _), (_, b) in self.counts.items() if op in (None, o) and axis in (None, a))
@@ -123,12 +124,27 @@ class Axis:
                         torch.empty(self.size * max(len(pickle.dumps(o)) for o in out), dtype=torch.uint8))
         return out
 
-    def p2p(self, sends=(), recvs=()):
-        """Batched point-to-point on this axis: sends/recvs are (tensor, index-in-axis) pairs; waits for all."""
+    def p2p(self, sends=(), recvs=(), wait=True):
+        """Batched point-to-point on this axis: sends/recvs are (tensor, index-in-axis) pairs. Waits for all, or
+        (wait=False) returns the Works to .wait() on: a ring passes the next block while this one computes."""
         ops = [dist.P2POp(dist.isend, t, self.ranks[i], self.group) for t, i in sends if self._count("send", t)]
         ops += [dist.P2POp(dist.irecv, t, self.ranks[i], self.group) for t, i in recvs if self._count("recv", t)]
-        for work in dist.batch_isend_irecv(ops) if ops else []:
+        works = dist.batch_isend_irecv(ops) if ops else []
+        for work in works if wait else []:
             work.wait()
+        return None if wait else works
+
+    def all_to_all(self, out, t, out_splits=None, in_splits=None):
+        """all_to_all_single: rows in_splits[i] of t go to rank i of the axis, out gets rank i's rows for us in axis
+        order (None: equal splits; gloo takes uneven ones). Counted as the bytes that leave this rank."""
+        row = t[:1].numel() * t.element_size()
+        mine = in_splits[self.rank] if in_splits is not None else t.shape[0] // max(self.size, 1)
+        if self.size > 1:
+            self.log.record("all_to_all", self.name, self.size, t, (t.shape[0] - mine) * row)
+            dist.all_to_all_single(out, t, out_splits, in_splits, group=self.group)
+        else:
+            out.copy_(t)
+        return out
 
 
 def layout(dp=1, pp=1, tp=1, cp=1, ep=1):
@@ -157,9 +173,8 @@ SHORT = {"dp_cp": "dpcp", "embed": "emb"}  # an axis's name in the CommLog's tab
 
 def check_layout(world, dp=1, pp=1, tp=1, cp=1, ep=1):
     """One line for a layout the world cannot hold."""
-    for flag, v in (("--dp", dp), ("--pp", pp), ("--tp", tp), ("--cp", cp), ("--ep", ep)):
-        if v < 1:
-            raise ValueError(f"{flag} must be >= 1, got {v}")
+    if min(dp, pp, tp, cp, ep) < 1:
+        raise ValueError(f"every axis must be >= 1: dp {dp}, pp {pp}, tp {tp}, cp {cp}, ep {ep}")
     if dp * pp * cp * tp != world:
         raise ValueError(f"world size {world} != dp {dp} x pp {pp} x cp {cp} x tp {tp}; "
                          f"launch dp*pp*cp*tp processes or change the layout")
@@ -185,21 +200,13 @@ class Grid:
             setattr(self, attr, axis or self._axis(SHORT.get(attr, attr), slices))
             if attr in ("dp", "dp_cp"):
                 replicas.setdefault(key, getattr(self, attr))
-        self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = (self.dp.rank, self.pp.rank, self.cp.rank,
-                                                                  self.tp.rank)
+        self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = self.dp.rank, self.pp.rank, self.cp.rank, self.tp.rank
+        self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == pp - 1
         self.all = Axis("all", dist.group.WORLD, range(world), rank, self.log)  # the whole world (health, checks)
         self.backend = dist.get_backend()
         self.device = default_device("cuda" if self.backend == "nccl" else "cpu")  # the device init chose
         self.host = socket.gethostname()
         store().set(f"nanomega/host/{rank}", self.host)  # for faults.lost_ranks: who was where
-        # torchrun numbers ranks host by host (RANK = node rank x LOCAL_WORLD_SIZE + LOCAL_RANK), so the
-        # contiguous tp groups above stay inside a host exactly when LOCAL_WORLD_SIZE % tp == 0
-        spanning = split_groups([s.tolist() for s in layout(dp, pp, tp, cp, ep)["tp"]],
-                                int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        if spanning and rank == 0:
-            print(f"warning: tensor-parallel group {spanning[0]} spans hosts (--tp {tp} with "
-                  f"{os.environ.get('LOCAL_WORLD_SIZE')} ranks per host): its per-layer all-reduces cross the "
-                  f"network; use --tp dividing the ranks per host", flush=True)
 
     def _axis(self, name, slices):  # every group made first, on every rank, in one order (new_group's rule)
         groups = [(ranks.tolist(), self._group(ranks.tolist())) for ranks in slices]
@@ -221,14 +228,6 @@ class Grid:
         group = self._group(ranks := sorted(ranks))
         return Axis(name, group, ranks, self.rank, self.log) if self.rank in ranks else None
 
-    @property
-    def first_stage(self):
-        return self.pp_rank == 0
-
-    @property
-    def last_stage(self):
-        return self.pp_rank == self.pp.size - 1
-
     def __repr__(self):
         cp = f"cp {self.cp_rank}/{self.cp.size}, " if self.cp.size > 1 else ""
         return (f"Grid(rank {self.rank}/{self.world} on {self.host}: dp {self.dp_rank}/{self.dp.size}, "
@@ -247,11 +246,6 @@ def world_timeout():
         return dist.group.WORLD._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):
         return None
-
-
-def split_groups(groups, per_host):
-    """The groups (lists of ranks) whose ranks sit on more than one host, with ranks numbered host by host."""
-    return [g for g in groups if len({r // per_host for r in g}) > 1]
 
 
 def default_device(requested="auto") -> torch.device:

@@ -47,6 +47,12 @@ def _cp_ep_world():
         g = dist.Grid(*layout)
         out[layout] = (list(made), {a: (getattr(g, a).name, getattr(g, a).ranks) for a in
                                     ("dp", "cp", "dp_cp", "ep", "edp")}, g.ep.group is g.dp.group, g.edp is g.dp_cp)
+    # all_to_all with uneven splits over ep = 4: rank r sends (r + i) % 3 + 1 rows of 3 floats to rank i
+    r, splits = g.rank, [(g.rank + i) % 3 + 1 for i in range(4)]
+    t = torch.cat([torch.full((n, 3), 100.0 * r + i) for i, n in enumerate(splits)])
+    got = g.ep.all_to_all(torch.empty(sum(splits), 3), t, splits, splits)  # symmetric: i sends me what I send i
+    out["a2a"] = (got[:, 0].tolist(), [100.0 * i + r for i, n in enumerate(splits) for _ in range(n)],
+                  g.log.bytes("all_to_all", "ep"), (sum(splits) - splits[r]) * 12)
     return out
 
 
@@ -101,6 +107,8 @@ def test_cp_and_ep_axes():
     under two names (a second NCCL communicator for the same ranks would never be needed)."""
     out = dist.launch(_cp_ep_world, 4, timeout=120)
     for rank, res in enumerate(out):
+        got, want, counted, formula = res.pop("a2a")
+        assert got == want and counted == formula, (rank, got, want, counted, formula)  # bytes that leave the rank
         for (dp, pp, tp, cp, ep), (made, axes, shared, edp_is_dpcp) in res.items():
             assert len(made) == len(set(map(tuple, made))), made  # no group twice
             assert axes["cp"][1] == [r for r in range(4) if r // cp == rank // cp]  # cp neighbours (tp = 1)

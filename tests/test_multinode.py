@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from nanomega import dist, train
-from nanomega.ops import faults
+from nanomega.ops import checks, faults
 from tolerance import layout_rtol
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,9 +92,9 @@ def test_health_check_names_the_host_behind_a_slow_cable(corpus, tmp_path):
 
 def test_tp_groups_that_span_hosts_are_found():
     # ranks numbered host by host: with 2 ranks per host, tp 2 groups [0,1],[2,3] stay inside; tp 4 spans
-    assert dist.split_groups([[0, 1], [2, 3]], 2) == []
-    assert dist.split_groups([[0, 1, 2, 3]], 2) == [[0, 1, 2, 3]]
-    assert dist.split_groups([[0, 1], [2, 3], [4, 5]], 3) == [[2, 3]]  # 3 per host: one pair must cross
+    assert checks.split_groups([[0, 1], [2, 3]], 2) == []
+    assert checks.split_groups([[0, 1, 2, 3]], 2) == [[0, 1, 2, 3]]
+    assert checks.split_groups([[0, 1], [2, 3], [4, 5]], 3) == [[2, 3]]  # 3 per host: one pair must cross
 
 
 def test_bad_options_one_line():

@@ -68,6 +68,8 @@ def check(config):
     else:
         data.corpus_files(c.corpus)  # raises the --corpus line when it names no file
     hang_timeout = check_failure_flags(c)
+    if not c.dry_run:
+        warn_spanning(c.tp, world)
     return dataclasses.replace(c, dp=dp, grad_accum=grad_accum, global_batch=c.batch_size * grad_accum * dp,
                                vocab_size=vocab_size, fault=fault, hang_timeout=hang_timeout,
                                resume=c.resume or c.resume_from is not None)  # --resume-from implies --resume
@@ -91,3 +93,18 @@ def check_failure_flags(c):
     if c.data_cache:
         faults.check_out_dir(c.data_cache, "--data-cache")
     return hang_timeout
+
+
+def split_groups(groups, per_host):
+    """The groups (lists of ranks) whose ranks sit on more than one host, with ranks numbered host by host."""
+    return [g for g in groups if len({r // per_host for r in g}) > 1]
+
+
+def warn_spanning(tp_size, world):
+    """torchrun numbers ranks host by host (RANK = node rank x LOCAL_WORLD_SIZE + LOCAL_RANK), so the contiguous
+    tp groups of dist.layout stay inside a host exactly when LOCAL_WORLD_SIZE % tp == 0: else rank 0 warns."""
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    spanning = split_groups([list(range(r, r + tp_size)) for r in range(0, world, tp_size)], per_host)
+    if spanning and int(os.environ.get("RANK", 0)) == 0:
+        print(f"warning: tensor-parallel group {spanning[0]} spans hosts (--tp {tp_size} with {per_host} ranks per "
+              f"host): its per-layer all-reduces cross the network; use --tp dividing the ranks per host", flush=True)
