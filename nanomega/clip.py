@@ -34,7 +34,14 @@ def counts(p, replica, grid, over_dp):
 
 
 def global_norm(grads, grid, over_dp, device):
-    """sqrt(sum g^2) over `grads` (this rank's counted shares), summed over dp (over_dp), tp and pp."""
+    """sqrt(sum g^2) over `grads` (this rank's counted shares), summed over dp (over_dp), tp and pp: a float
+    (one host sync)."""
+    return global_norm_squared(grads, grid, over_dp, device).sqrt().item()
+
+
+def global_norm_squared(grads, grid, over_dp, device):
+    """The same sum of squares, left on the device (fp64, one element): a trainer reads it together with the
+    loss, in the step's one host sync before the update (train.train_step)."""
     norms = [n for g in grads for n in fp64_norms(g)]
     sq = torch.zeros(1, dtype=torch.float64, device=device)
     if norms:
@@ -43,7 +50,7 @@ def global_norm(grads, grid, over_dp, device):
         grid.dp.all_reduce(sq)
     grid.tp.all_reduce(sq)
     grid.pp.all_reduce(sq)
-    return sq.sqrt().item()
+    return sq
 
 
 def coefficient(norm, max_norm):

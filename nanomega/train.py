@@ -297,8 +297,9 @@ def resume(folder, cfg, grid, layout, *, engine, scaler, spikes, sampler, log, c
 
 def train_step(step, *, config, model, engine, grid, sampler, train_set, scaler, guard, metrics):
     """One optimizer step: lr(step) -> this dp rank's micro-batches -> forward/backward -> the loss agreed over
-    dp (the step's one device sync) -> engine.step. The guard decides around it (nanomega/ops/guard.py): beats,
-    --inject-fault, the spike decision, --on-nan. Returns (metrics row, spike)."""
+    dp and the gradient norm, read together (the one host sync before the update) -> engine.step. The guard
+    decides around it (nanomega/ops/guard.py): beats, --inject-fault, the spike decision, --on-nan.
+    Returns (metrics row, spike)."""
     t0 = time.perf_counter()
     lr = lr_at(step, config) * guard.lr_scale
     engine.set_lr(lr)
@@ -309,10 +310,13 @@ def train_step(step, *, config, model, engine, grid, sampler, train_set, scaler,
         loss = forward_backward(model, engine, grid, batches, config, loss_scale=scaler.scale, trace=trace)
     if trace and grid.dp_rank == 0 and grid.tp_rank == 0:  # step 1's pipeline timeline, for nanomega.tools.plot
         save_trace(trace, config.out_dir)
-    loss = guard.reported(torch.as_tensor(loss, dtype=torch.float32, device=grid.device).reshape(1))
-    loss = grid.dp.all_reduce(loss).item() / grid.dp.size  # the step's one device sync
+    loss = grid.dp.all_reduce(guard.reported(torch.as_tensor(loss, dtype=torch.float32, device=grid.device)
+                                             .reshape(1)))
+    square = engine.reduce(scaler)  # the gradient norm's square, on the device
+    total, norm = torch.cat([loss.double(), square.sqrt()]).tolist()  # one host sync for both, before the update
+    loss = total / grid.dp.size
     spike = guard.spike(loss)  # the same decision on every rank
-    info = engine.step(clip_norm=config.grad_clip or None, scaler=scaler, skip=guard.drops(spike))
+    info = engine.step(clip_norm=config.grad_clip or None, scaler=scaler, skip=guard.drops(spike), norm=norm)
     sampler.advance()
     guard.finished(step + 1, loss, info)  # --on-nan stop
     rec = metrics.row(step=step + 1, loss=loss, lr=lr, grad_norm=info["grad_norm"], skipped=not info["stepped"],

@@ -203,10 +203,10 @@ class ZeroEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def step(self, clip_norm=None, scaler=None, skip=False):
-        """Finish the reductions, average (and unscale), global norm, clip, step the owned pieces, write the
-        parameters back (all-gather for stages 1-2), zero the gradients. -> dict(grad_norm, stepped).
-        skip=True drops the update (a loss spike, ops/guard.Spikes) like a non-finite one."""
+    def reduce(self, scaler=None):
+        """Finish the reductions, average, unscale (fp16), sum the tied embedding's two copies, and return the
+        global gradient norm's square on the device (fp64, one element) without waiting for it: a trainer reads
+        it together with the loss in one host sync, then calls step(norm=...)."""
         self.buckets.finish()  # every micro-batch ran under no_sync (or none ran): reduce now; wait for all
         for g in self.groups:
             if g.split and self.axis.size > 1:  # whole groups: averaged; slices: sums
@@ -218,8 +218,17 @@ class ZeroEngine:
         for piece in self.pieces:  # an offloaded piece: no .grad, so the optimizer skips it (offload.py steps it)
             piece.master.grad = None if host(piece.group) else \
                 self._grad(piece).float() if piece.group else piece.master.new_zeros(0)
-        norm = clip.global_norm([self._grad(piece).float() if host(piece.group) else piece.master.grad
-                                 for piece in self.norm_pieces], self.grid, self.norm_over_dp, self.groups[0].device)
+        return clip.global_norm_squared([self._grad(piece).float() if host(piece.group) else piece.master.grad
+                                         for piece in self.norm_pieces], self.grid, self.norm_over_dp,
+                                        self.groups[0].device)
+
+    def step(self, clip_norm=None, scaler=None, skip=False, norm=None):
+        """reduce() (unless the caller did, and passes its norm read on the host), global norm, clip, step the
+        owned pieces, write the parameters back (all-gather for stages 1-2), zero the gradients.
+        -> dict(grad_norm, stepped). skip=True drops the update (a loss spike, ops/guard.Spikes) like a
+        non-finite one."""
+        if norm is None:
+            norm = self.reduce(scaler).sqrt().item()
         stepped = math.isfinite(norm) or scaler is None
         if scaler is not None:
             scaler.update(not stepped)

@@ -1,5 +1,8 @@
-"""MFU and memory (nanomega/ops/meter.py) as the trainer reports them, and one device sync per step."""
+"""MFU and memory (nanomega/ops/meter.py) as the trainer reports them, and the host syncs of a step."""
+import collections
 import json
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -97,3 +100,33 @@ def test_one_device_sync_per_step(monkeypatch):
     finally:
         if started:
             torch.distributed.destroy_process_group()
+
+
+def test_host_syncs_per_step(corpus, tmp_path, monkeypatch):
+    """Issue 27 item 8: the calls of ours that wait for the device (.item(), .tolist(), float(t), ...) in one
+    training step, counted by their call site over steps 4-7 (start-up excluded). Three: the loss and the
+    gradient norm read together before the update (train.train_step; they were two reads), the weights'
+    finite check after it (zero.masters_finite), and the step-boundary vote (faults.grid_votes). AdamW's own
+    .item() calls on its step counters are torch's, on the host."""
+    sites = collections.Counter()
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "numpy", "cpu"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(t, *a, _real=real, _name=name, **k):
+            code = sys._getframe(1).f_code
+            if f"{os.sep}nanomega{os.sep}" in code.co_filename:
+                sites[(_name, code.co_filename.split(f"{os.sep}nanomega{os.sep}")[-1], code.co_name)] += 1
+            return _real(t, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    runs = []
+    for steps in (3, 7):
+        sites.clear()
+        train.main(["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "2",
+                    "--max-steps", str(steps), "--eval-every", "0", "--log-every", "1000", "--peak-flops", "1e11",
+                    "--device", "cpu", "--corpus", str(corpus), "--out-dir", str(tmp_path / f"o{steps}"),
+                    "--data-cache", str(tmp_path / "cache")])
+        runs.append(collections.Counter(sites))
+    per_step = {site: (runs[1][site] - runs[0][site]) / 4 for site in runs[1] | runs[0]}
+    per_step = {site: n for site, n in per_step.items() if n}
+    assert per_step == {("tolist", "train.py", "train_step"): 1, ("item", "zero.py", "masters_finite"): 1,
+                        ("tolist", "ops/faults.py", "grid_votes"): 1}, per_step

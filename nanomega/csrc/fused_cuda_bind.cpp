@@ -54,9 +54,10 @@ void layer_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor&
                     const at::Tensor& rstd, at::Tensor& dx, at::Tensor& dwdb) {
   const int64_t H = w.numel();
   dwdb = opmath_empty(x, {2, H});
+  at::Tensor part = opmath_empty(x, {2, column_chunks(x.numel() / H, H), H});
   on_device(x, [&](auto launch, cudaStream_t s) {
     launch.layer_norm_bwd(ptr(dy), ptr(x), ptr(w), ptr(mean), ptr(rstd), ptr(dx),
-                          ptr(dwdb), x.numel() / H, H, s);
+                          ptr(dwdb), ptr(part), x.numel() / H, H, s);
   });
 }
 
@@ -85,8 +86,9 @@ void bias_gelu_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& 
                    at::Tensor& db) {
   const int64_t H = b.numel();
   db = opmath_empty(x, {H});
+  at::Tensor part = opmath_empty(x, {2, column_chunks(x.numel() / H, H), H});
   on_device(x, [&](auto launch, cudaStream_t s) {
-    launch.bias_gelu_bwd(ptr(dy), ptr(x), ptr(b), ptr(dx), ptr(db), x.numel() / H, H, s);
+    launch.bias_gelu_bwd(ptr(dy), ptr(x), ptr(b), ptr(dx), ptr(db), ptr(part), x.numel() / H, H, s);
   });
 }
 
@@ -101,8 +103,9 @@ void rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w
                   at::Tensor& dx, at::Tensor& dw) {
   const int64_t H = w.numel();
   dw = opmath_empty(x, {H});
+  at::Tensor part = opmath_empty(x, {2, column_chunks(x.numel() / H, H), H});
   on_device(x, [&](auto launch, cudaStream_t s) {
-    launch.rms_norm_bwd(ptr(dy), ptr(x), ptr(w), ptr(rstd), ptr(dx), ptr(dw), x.numel() / H, H, s);
+    launch.rms_norm_bwd(ptr(dy), ptr(x), ptr(w), ptr(rstd), ptr(dx), ptr(dw), ptr(part), x.numel() / H, H, s);
   });
 }
 
