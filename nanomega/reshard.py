@@ -34,6 +34,11 @@ def clone(v):
     return v.clone() if torch.is_tensor(v) else copy_module.deepcopy(v)
 
 
+def scalar(v, device=None):
+    """A copy of a scalar state entry (Adam's step), on `device` when given."""
+    return clone(v) if device is None or not torch.is_tensor(v) else v.to(device, copy=True)
+
+
 def held(engine):
     """A Piece for every parameter slice this rank's zero.ZeroEngine holds: the stepped pieces, then frozen
     parameters (ZeRO-3: their shards; otherwise whole)."""
@@ -97,9 +102,12 @@ def import_by_name(engine, params_by_name, optim_state_by_name=None):
                 continue
             st = optim_state_by_name[piece.name]
             # element-wise state goes to the parameter's device at every stage (a checkpoint is read to the
-            # CPU); scalars (Adam's step) stay where torch.optim keeps them, on the CPU
+            # CPU); scalars (Adam's step) where torch.optim keeps them: on the CPU, or beside the parameter for
+            # a fused or capturable group (fused AdamW refuses a CPU step for a CUDA parameter)
+            group = optimizer.param_groups[engine.group_of[piece.name]]
+            home = m.device if group.get("fused") or group.get("capturable") else None
             optimizer.state[m] = {k: (v.to(m.device).reshape(-1)[piece.start:piece.end].clone().view(m.shape)
-                                      if is_elementwise(v) else clone(v)) for k, v in st.items()}
+                                      if is_elementwise(v) else scalar(v, home)) for k, v in st.items()}
     engine.write_back()
 
 

@@ -215,6 +215,32 @@ def test_save_resume_bitwise_and_sample_on_cpu(corpus, tmp_path):
     train(corpus, resumed, "--max-steps", "8", "--save-every", "3", "--dropout", "0.1", "--resume", env=no_gpu)
 
 
+def test_fused_adamw_resumes_on_the_device(device):
+    """train.build's optimizer on CUDA is fused AdamW (issue 27 item 8). After import_by_name (a resume) its step
+    counters sit beside the parameters -- fused AdamW refuses a CPU step for a CUDA parameter -- and 2 more
+    steps equal an engine that never stopped, bitwise. The CPU body runs torch's CPU fused AdamW: the same path."""
+    with world_of_one(device) as grid:
+        x = torch.randint(0, 256, (4, 32), device=device, generator=torch.Generator(device).manual_seed(0))
+
+        def build():
+            torch.manual_seed(0)
+            gpt = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)).to(device)
+            options = zero.weight_decay_groups(0.1, betas=(0.9, 0.95), fused=True)
+            return gpt, zero.ZeroEngine(gpt, torch.optim.AdamW, options, grid, 1)
+        (gpt, straight), (gpt2, resumed) = build(), build()
+        for _ in range(2):
+            gpt(x, x).backward()
+            straight.step(clip_norm=1.0)
+        reshard.import_by_name(resumed, *reshard.full_state(straight))
+        assert all(s["step"].device == p.device for p, s in resumed.optimizer.state.items())
+        for _ in range(2):
+            for model, engine in ((gpt, straight), (gpt2, resumed)):
+                model(x, x).backward()
+                assert engine.step(clip_norm=1.0)["stepped"]
+        a, b = reshard.full_state(straight)[0], reshard.full_state(resumed)[0]
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_zero_engine_stages_on_one_device(device):
     """Stages 0-3 at world 1: the same flat buffers and AdamW, so the same weights after 3 steps (bitwise up to
     the order of the norm's fp64 sum: compared at 1e-6); state stays on the device after import_by_name."""

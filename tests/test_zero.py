@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanomega import dist, pp, reshard
+from nanomega import clip, dist, pp, reshard
 from nanomega.dist import RING
 from nanomega.model import GPT, GPTConfig
 from nanomega.precision import cast_model
@@ -542,3 +542,16 @@ def test_collectives_run_on_torch_without_the_single_names():
     direct = [f"{f.name}:{i}" for f in root.glob("*.py") for i, line in enumerate(f.read_text().splitlines(), 1)
               if "dist.all_gather_single" in line or "dist.reduce_scatter_single" in line]
     assert direct == [], f"call dist.ALL_GATHER_SINGLE / REDUCE_SCATTER_SINGLE (nanomega/dist.py) instead: {direct}"
+
+
+def test_norm_chunks_in_one_multi_tensor_call_equal_a_loop(monkeypatch):
+    """clip.fp64_norms: one torch._foreach_norm over every chunk (CUDA: a few launches, not one per parameter)
+    gives the per-chunk fp64 norms of a loop, bitwise (what the CPU path and every layout's norm rely on)."""
+    monkeypatch.setattr(clip, "NORM_CHUNK", 1000)
+    torch.manual_seed(0)
+    grads = [torch.randn(2500), torch.randn(7, 3), torch.randn(0), torch.randn(1000).bfloat16()]
+    loop = [torch.linalg.vector_norm(c, dtype=torch.float64) for g in grads
+            for c in (g.reshape(-1).split(1000) if g.numel() > 1000 else (g,))]
+    got = clip.fp64_norms(grads)
+    assert len(got) == 3 + 1 + 1 + 1 and all(a.dtype == torch.float64 for a in got)
+    assert torch.equal(torch.stack(got), torch.stack(loop))
