@@ -23,7 +23,8 @@ class FlatGroup:
     split   this rank owns the slice [lo, hi) (ZeRO stages 1-3; False: stage 0, ZeRO-3's replicated
             parameters); a split group on a world of one still owns everything: lo = 0, hi = padded
     keep    "full": the parameters become views of `full` (DP, ZeRO-1/2); "shard": only this rank's slice is
-            kept, in `shard`, and `full` is gathered on demand (ZeRO-3, zero3.py frees and refills its storage)
+            kept, in `shard`, and `full` is gathered on demand (ZeRO-3, zero3.py frees and refills its storage);
+            host: that shard lives in host memory (pinned beside a GPU): ZeRO-3 parameter offload
     values  for parameters still on the meta device: values(name, p, a, b) gives elements [a, b) of one
             (meta.Init.values), drawn straight into the buffers on `device`, one parameter (keep="shard": one
             piece) at a time; without it the parameters' own data is copied
@@ -39,7 +40,7 @@ class FlatGroup:
     __slots__ = ("names", "params", "shapes", "sizes", "offsets", "numel", "shard_numel", "padded", "lo", "hi",
                  "dtype", "device", "trainable", "split", "full", "shard", "own", "master", "grad")
 
-    def __init__(self, named_params, n_shards, rank, split=None, keep="full", values=None, device=None):
+    def __init__(self, named_params, n_shards, rank, split=None, keep="full", values=None, device=None, host=False):
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.shapes = [p.shape for p in self.params]  # kept: ZeRO-3 swaps the parameters for empty tensors
@@ -64,7 +65,8 @@ class FlatGroup:
             self.bind(self.full)
             self.own = self.full[self.lo:self.hi]
         else:  # the persistent 1/N, filled piece by piece (no full copy); `full` is storage to gather into (zero3.py)
-            self.shard = self.own = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+            where = dict(device="cpu", pin_memory=self.device.type == "cuda") if host else dict(device=self.device)
+            self.shard = self.own = torch.zeros(self.shard_numel, dtype=self.dtype, **where)
             for i, a, b in self.pieces():
                 self.shard[a - self.lo:b - self.lo].copy_(part(i, a - self.offsets[i], b - self.offsets[i]))
             self.full = torch.empty(0, dtype=self.dtype, device=self.device)  # no bytes until zero3.py gathers

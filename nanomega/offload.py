@@ -45,8 +45,10 @@ class Offload:
     buffers; `step` runs the D2H -> CPU Adam -> H2D pipeline over them. The engine keeps its optimizer for
     everything: offloaded pieces are stepped here with its hyper-parameters and its `state` entries."""
 
-    def __init__(self, groups, device):
-        self.groups, self.device = groups, device
+    def __init__(self, groups, device, resident=()):
+        # resident: groups whose weights (ZeRO-3 shards) live on the host as well (parameter offload): their
+        # update is written into the host shard, and goes up at each gather instead (zero3.py)
+        self.groups, self.device, self.resident = groups, device, {id(g) for g in resident}
         pinned = device.type == "cuda"
         self.grads, self.staged = {}, {}  # id(group) -> its host gradient buffer, its weights in the model's dtype
         for g in groups:  # a separate host copy even for an fp32 model on the CPU: the same path as on a GPU
@@ -96,6 +98,9 @@ class Offload:
             for piece in by_group[id(g)]:
                 self._adam(piece, grad[piece.at:piece.at + piece.end - piece.start], optimizer,
                            optimizer.param_groups[group_of[piece.name]])
+            if id(g) in self.resident:  # the write-back's rounding into the host shard: nothing crosses now
+                g.own.copy_(g.master)
+                continue
             staged = self.staged[id(g)]
             if staged is not g.master:
                 staged.copy_(g.master)  # the write-back's rounding to the model's dtype, on the host
@@ -118,9 +123,14 @@ class Offload:
                                                isinstance(optimizer, (torch.optim.AdamW, cpu_adam.CPUAdamW))))
 
 
-def check(optimizer_cls, stage):
-    """One line for what offload cannot do: an optimizer the CPU kernel does not compute, or ZeRO stage 0."""
+def check(optimizer_cls, stage, fraction=1.0, params=False):
+    """One line for what offload cannot do: an optimizer the CPU kernel does not compute, ZeRO stage 0, or
+    parameters offloaded without ZeRO-3 or without all of the optimizer state (their update is on the host)."""
     if not issubclass(optimizer_cls, ADAM):
         raise ValueError(f"--offload: the CPU step computes Adam/AdamW, not {optimizer_cls.__name__}")
     if stage == 0:
         raise ValueError("--offload needs --zero 1, 2 or 3 (ZeRO-Offload offloads a ZeRO engine's optimizer state)")
+    if params and (stage != 3 or fraction != 1.0):
+        raise ValueError(f"--offload-params needs --zero 3 and --offload 1 (got --zero {stage}, --offload "
+                         f"{fraction:g}): parameter shards exist at stage 3 only, and the CPU step that updates them "
+                         f"must hold every master")

@@ -89,7 +89,8 @@ def build(config, cfg, grid):
     # foreach, whose arithmetic every test and fingerprint of this project was recorded with
     options = dict(betas=(0.9, 0.95), fused=True) if grid.device.type == "cuda" else dict(betas=(0.9, 0.95))
     engine = zero.ZeroEngine(model, torch.optim.AdamW, zero.weight_decay_groups(config.weight_decay, **options),
-                             grid, config.zero, shared=shared, values=init.values, offload=config.offload)
+                             grid, config.zero, shared=shared, values=init.values, offload=config.offload,
+                             offload_params=config.offload_params)
     return model, engine, n_params
 
 

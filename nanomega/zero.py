@@ -63,13 +63,13 @@ def pipeline_error(stage, pp):
     return None
 
 
-def check_config(stage, optimizer_cls, pp=1, offload=0.0):
+def check_config(stage, optimizer_cls, pp=1, offload=0.0, offload_params=False):
     """One-line errors for a stage, an optimizer, a pipeline or an offload ZeRO cannot run, raised before any
     collective."""
     if stage not in STAGE:
         raise ValueError(f"--zero {stage!r}: ZeRO stages are 0, 1, 2 and 3")
-    if offload:
-        offloading.check(optimizer_cls, stage)
+    if offload or offload_params:
+        offloading.check(optimizer_cls, stage, offload, offload_params)
     if pipeline_error(stage, pp):
         raise ValueError(pipeline_error(stage, pp))
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
@@ -104,7 +104,8 @@ class ZeroEngine:
     (pp.tied_embedding): a bucket of its own, its gradient summed over grid.embed with the other stage's.
     init: "verify" (default) or "broadcast" the parameters and buffers (ddp.start_equal).
     offload: the share (0..1) of this rank's optimizer elements whose fp32 masters and Adam state live in host
-    memory and step on the CPU (offload.py: ZeRO-Offload; Adam/AdamW, stages 1-3).
+    memory and step on the CPU (offload.py: ZeRO-Offload; Adam/AdamW, stages 1-3). offload_params (stage 3,
+    offload 1): the parameter shards in host memory too, copied up at each gather (zero3.py).
     values: for a model built on the meta device, values(name, p, start, stop) (meta.Init.values): the engine
     draws each parameter straight into its flat buffers on grid.device -- at stage 3 only this rank's shard --
     so no rank ever holds more than its share (+ one parameter on the host). On a meta grid (a dry run,
@@ -114,8 +115,8 @@ class ZeroEngine:
     """
 
     def __init__(self, model, optimizer_cls, optim, grid, stage=0, bucket_mb=25, grad_dtype=torch.float32,
-                 wrap=None, shared=None, replicate=(), init="verify", values=None, offload=0.0):
-        check_config(stage, optimizer_cls, grid.pp.size if grid is not None else 1, offload)
+                 wrap=None, shared=None, replicate=(), init="verify", values=None, offload=0.0, offload_params=False):
+        check_config(stage, optimizer_cls, grid.pp.size if grid is not None else 1, offload, offload_params)
         named = list(model.named_parameters())  # tied parameters once, under their first name
         unknown = sorted(set(replicate) - {k for k, _ in named})
         if unknown or (replicate and stage != 3):
@@ -133,7 +134,7 @@ class ZeroEngine:
         if row.parameters:  # ZeRO-3: units of shards (zero3.py); the replicated parameters in buckets below
             start_equal(model, self.axis, init)  # while the parameters are whole (a meta build: nothing to compare)
             self.sharded = ShardedParameters(model, [(k, p) for k, p in named if k not in replicate], self.axis, wrap,
-                                             values, device)
+                                             values, device, host=offload_params)
             groups = [g for g in self.sharded.groups if g.trainable]
         whole = [(k, p) for k, p in trainable if not row.parameters or k in replicate]
         groups += bucket_groups(whole, bucket_mb, self.axis, split=row.optimizer and not row.parameters,
@@ -147,7 +148,9 @@ class ZeroEngine:
         self.norm_over_dp = row.optimizer  # the pieces differ per dp rank: the norm adds theirs
         for g in self.groups:  # fp32 model: the same tensor (no copy); 16-bit model: the fp32 master
             g.master = precision.fp32_master(g.own)
-        self.offload = offloading.Offload(offloading.choose(groups, offload), groups[0].device) if offload else None
+        resident = [g for g in self.sharded.groups if g.trainable] if offload_params else []  # shards on the host
+        self.offload = offloading.Offload(offloading.choose(groups, offload), groups[0].device, resident) \
+            if offload else None
         self.optimizer = self._build_optimizer(optimizer_cls, specs)
         self.norm_pieces = [piece for piece in self.pieces  # this rank's share of the norm: fixed by the layout
                             if piece.group and clip.counts(piece.group.params[piece.index], piece.replica, grid,

@@ -13,6 +13,9 @@ for the whole forward and again for the whole backward.
     memory per rank  16/N bytes per parameter + the gathered units (current + prefetched)
     bytes per step   all-gather (N-1)/N Psi twice (forward, backward) + reduce-scatter (N-1)/N Psi
                      = 3 (N-1)/N Psi = 1.5x data parallelism's all-reduce
+Parameter offload (ZeroEngine(offload_params=True), the optimizer offloaded too: ZeRO-Infinity's offload_param):
+the shards live in host memory and the device holds only the gathered units; each gather first copies this
+rank's shard up, 2 x 2 Psi/N bytes host -> device per step for a bf16 model (forward and backward gathers).
 Limits: a parameter must be used only inside the forward of its unit (or sit in the root); activation
 recompute must be non-reentrant (torch.utils.checkpoint(use_reentrant=False), as recompute.py does).
 Lesson: lessons/02-data-parallel-and-zero.md
@@ -39,8 +42,10 @@ class ShardedParameters:
     all-gather; once that is waited for, the parameters are views of the gathered buffer. A model built on the
     meta device never holds more: values (meta.Init.values) draws each shard on `device` (flat.FlatGroup)."""
 
-    def __init__(self, model, named, axis, wrap=None, values=None, device=None):
-        self.axis = axis
+    def __init__(self, model, named, axis, wrap=None, values=None, device=None, host=False):
+        # host: parameter offload (ZeRO-Infinity's offload_param): every shard in host memory, copied up at each
+        # gather, `uploaded` bytes in all; on a CPU-only machine the same copies, host to host
+        self.axis, self.host, self.uploaded = axis, host, 0
         modules = [model] + [m for m in (wrap(model) if callable(wrap) else wrap or default_wrap(model))
                              if m is not model]
         self.units = list({id(m): m for m in modules}.values())  # the root (the model) first
@@ -50,7 +55,8 @@ class ShardedParameters:
             mine = [(k, p) for k, p in named if owner[k] == u]
             kinds = list(dict.fromkeys((p.dtype, p.requires_grad) for _, p in mine))  # one flat group per kind
             groups = [FlatGroup([(k, p) for k, p in mine if (p.dtype, p.requires_grad) == kind], axis.size,
-                                axis.rank, split=True, keep="shard", values=values, device=device) for kind in kinds]
+                                axis.rank, split=True, keep="shard", values=values, device=device, host=host)
+                      for kind in kinds]
             for g in groups:
                 self.release(g)
             self.unit_groups.append(groups)
@@ -84,7 +90,12 @@ class ShardedParameters:
                 g.full.untyped_storage().resize_(g.padded * g.full.element_size())
                 if g.full.numel() != g.padded:  # the first gather: flat.py made `full` without storage
                     g.full.set_(g.full.untyped_storage(), 0, (g.padded,))
-                self.inflight[id(g)] = self.axis.start("all_gather", g.full, g.shard)
+                mine = g.shard
+                if self.host:  # the host shard goes up into its own slice; the all-gather then runs in place
+                    mine = g.full[g.lo:g.hi]
+                    mine.copy_(g.shard, non_blocking=True)  # pinned: asynchronous, ordered before the gather
+                    self.uploaded += g.shard.numel() * g.shard.element_size()
+                self.inflight[id(g)] = self.axis.start("all_gather", g.full, mine)
             if wait and id(g) in self.inflight:
                 work = self.inflight.pop(id(g))
                 if work is not None:

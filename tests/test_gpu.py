@@ -171,6 +171,27 @@ def test_offload_engine_on_the_device(device, stage):
             torch.testing.assert_close(weights[1][k], v, rtol=1e-5, atol=1e-6)
 
 
+def test_parameter_offload_on_the_device(device):
+    """ZeRO-3 parameter offload: the shards in host memory (pinned beside a GPU), the gathered parameters on
+    the device, and 3 steps equal to the same engine without it, bitwise (the shards only move; the CPU Adam
+    steps the masters in both)."""
+    with world_of_one(device) as grid:
+        x = torch.randint(0, 100, (2, 16), device=device, generator=torch.Generator(device).manual_seed(0))
+        weights = []
+        for params in (False, True):
+            torch.manual_seed(0)
+            gpt = GPT(GPTConfig(vocab_size=100, block_size=16, n_layer=2, n_head=2, n_embd=48)).to(device)
+            engine = zero.ZeroEngine(gpt, torch.optim.AdamW, dict(lr=1e-3), grid, 3, offload=1.0, offload_params=params)
+            if params:
+                assert all(g.shard.device.type == "cpu" and g.shard.is_pinned() == (device == "cuda") and
+                           g.full.device.type == device for g in engine.sharded.groups)
+            for _ in range(3):
+                gpt(x, x).backward()
+                assert engine.step(clip_norm=1.0)["stepped"]
+            weights.append(reshard.full_state(engine)[0])
+        assert all(torch.equal(weights[1][k], v) for k, v in weights[0].items())
+
+
 LLAMA = ["--arch", "llama", "--n-kv-head", "2", "--ffn-hidden", "176", "--untie-embeddings", "--rope-theta", "500000"]
 
 

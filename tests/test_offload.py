@@ -23,11 +23,11 @@ STEPS, ACCUM, CLIP = 4, 2, 0.05  # a small clip norm: clipping is active, so the
 OPTIM = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-def build(grid, stage, optimizer, offload, dtype=torch.float32):
+def build(grid, stage, optimizer, offload, dtype=torch.float32, params=False):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=100, block_size=16, n_layer=2, n_head=2, n_embd=48)).to(dtype)
     return zero.ZeroEngine(model, optimizer, zero.weight_decay_groups(**OPTIM), grid, stage, bucket_mb=0.02,
-                           offload=offload)
+                           offload=offload, offload_params=params)
 
 
 def train_steps(engine, grid):
@@ -73,6 +73,16 @@ def _world():
                                                                                    host.module.parameters())),
                                         clipped=all(n > CLIP for _, n, _ in a), on_host=on_host,
                                         share=n_host / sum(g.master.numel() for g in host.groups))
+    # ZeRO-3 parameter offload: the shards on the host too, copied up at every gather; bitwise the same run
+    ref, host = build(grid, 3, cpu_adam.CPUAdamW, 0.0), build(grid, 3, torch.optim.AdamW, 1.0, params=True)
+    a, b = train_steps(ref, grid), train_steps(host, grid)
+    wa, wb = weights_and_state(ref), weights_and_state(host)
+    shards = [g for g in host.sharded.groups if g.trainable]
+    # each unit gathered once in forward and once in backward per micro-batch: this rank's shard goes up each time
+    formula = STEPS * ACCUM * 2 * sum(g.shard.numel() * g.shard.element_size() for g in host.sharded.groups)
+    out["params"] = dict(losses=a == b, weights=same(wa[0], wb[0]), state=same(wa[1], wb[1]),
+                         uploaded=host.sharded.uploaded, formula=formula, up_at_step=host.offload.moved["up"],
+                         resident=all(g.own is g.shard for g in shards))
     return out
 
 
@@ -92,6 +102,16 @@ def test_offload_equals_the_engine_without_it_bitwise(world, stage, fraction):
         assert (r["share"] == 1.0) if fraction == 1.0 else (0.5 <= r["share"] < 1.0), r["share"]
 
 
+def test_parameter_offload_equals_the_engine_without_it_and_uploads_each_gather(world):
+    """ZeRO-3 with the parameter shards in host memory (offload_params): the same run bitwise (the shards only
+    move), and the bytes copied up are this rank's shard at every gather: 2 gathers (forward, backward) per
+    unit and micro-batch; the step itself uploads nothing (the update is written into the host shard)."""
+    for rank in world:
+        r = rank["params"]
+        assert r["losses"] and r["weights"] and r["state"] and r["resident"], r
+        assert r["uploaded"] == r["formula"] > 0 and r["up_at_step"] == 0, r
+
+
 def test_offload_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="--offload needs --zero 1, 2 or 3"):
         zero.ZeroEngine(GPT(GPTConfig(vocab_size=100, block_size=16, n_layer=1, n_head=2, n_embd=16)),
@@ -99,6 +119,9 @@ def test_offload_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="the CPU step computes Adam/AdamW, not SGD"):
         zero.ZeroEngine(GPT(GPTConfig(vocab_size=100, block_size=16, n_layer=1, n_head=2, n_embd=16)),
                         torch.optim.SGD, dict(lr=0.1), None, 1, offload=1.0)
+    for stage, share in ((2, 1.0), (3, 0.5)):
+        with pytest.raises(ValueError, match="--offload-params needs --zero 3 and --offload 1"):
+            zero.check_config(stage, torch.optim.AdamW, 1, share, offload_params=True)
 
 
 def _train_runs(corpus, root):
@@ -107,17 +130,20 @@ def _train_runs(corpus, root):
               "--save-every", "2", "--corpus", str(corpus), "--data-cache", str(Path(root) / "cache")]
     train.main([*common, "--zero", "2", "--out-dir", str(Path(root) / "plain")])
     train.main([*common, "--zero", "2", "--offload", "1", "--out-dir", str(Path(root) / "offload")])
+    train.main([*common, "--zero", "3", "--offload", "1", "--offload-params", "--out-dir", str(Path(root) / "params")])
     train.main([*common, "--zero", "3", "--offload", "0.5", "--max-steps", "2", "--out-dir", str(Path(root) / "resumed")])
     train.main([*common, "--zero", "3", "--offload", "0.5", "--resume", "--out-dir", str(Path(root) / "resumed")])
     return True
 
 
 def test_train_with_offload_follows_the_same_curve_and_resumes(corpus, tmp_path):
-    """train.py --offload at dp2: the loss curve of the run without it within the layout tolerance (the CPU
-    kernel and torch.optim.AdamW order the same math differently); a checkpoint of an offloaded run resumes."""
+    """train.py --offload (and --offload-params) at dp2: the loss curve of the run without it within the layout
+    tolerance (the CPU kernel and torch.optim.AdamW order the same math differently); a checkpoint of an
+    offloaded run resumes."""
     dist.launch(_train_runs, 2, corpus, tmp_path, timeout=300)
     curve = lambda name: [json.loads(line)["loss"] for line in open(tmp_path / name / "metrics.jsonl")
                           if "loss" in json.loads(line)]
     rtol = layout_rtol(4, vocab=4096, width=128, depth=9)
     assert curve("offload") == pytest.approx(curve("plain"), rel=rtol)
+    assert curve("params") == pytest.approx(curve("plain"), rel=rtol)  # --offload-params: ZeRO-3's shards too
     assert curve("resumed")[2:] == pytest.approx(curve("plain")[2:], rel=rtol) and len(curve("resumed")) == 4

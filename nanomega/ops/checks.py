@@ -45,7 +45,7 @@ def check(config):
                              f"{c.batch_size} x dp {dp} (world {world} / (tp {c.tp} x pp {c.pp})); "
                              f"pick a global batch divisible by {per_step} or another --batch-size")
         grad_accum = c.global_batch // per_step
-    zero.check_config(c.zero, torch.optim.AdamW, c.pp, c.offload)  # the engine's rules (stage, PP, offload)
+    zero.check_config(c.zero, torch.optim.AdamW, c.pp, c.offload, c.offload_params)  # the engine's rules
     vocab_size = data.get_tokenizer(c.tokenizer).n_vocab
     if c.dry_run and c.model:  # no data is read: the preset's vocabulary, as the planner takes it
         vocab_size = presets.PRESETS[c.model]["vocab_size"]

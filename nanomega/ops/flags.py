@@ -56,6 +56,7 @@ class Config:
     virtual_stages: int
     zero: int
     offload: float
+    offload_params: bool
     dtype: str  # precision, memory and kernels
     recompute: str
     recompute_layers: int | None
@@ -160,6 +161,8 @@ def parser():
     g.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3 (0: plain data parallelism)")
     g.add_argument("--offload", type=float, default=0.0, help="ZeRO-Offload (--zero 1-3): the share (0-1) of the "
                    "fp32 masters and Adam state kept in host memory, stepped by the CPU Adam (nanomega/offload.py)")
+    g.add_argument("--offload-params", action="store_true", help="ZeRO-3 parameter offload (--zero 3 --offload 1): "
+                   "the parameter shards in host memory too, copied up at each gather (nanomega/zero3.py)")
 
     g = p.add_argument_group("precision, memory and kernels")
     g.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (with dynamic loss scaling)")
