@@ -47,7 +47,11 @@ if __name__ == "__main__":
     for r in results[:2]:  # dp rank 0: pipeline stages 0 and 1
         stage = r["coords"][1]
         print(f"rank {r['coords']} (dp, pp, tp):\n{r['table']}")
-        check(f"stage {stage}: pp bytes sent = m b s h x 4", r["bytes"][("send", "pp", "float32")], M * B * S * H * 4)
+        # an end stage talks to one neighbour (stage 0 sends activations forward, the last stage gradients
+        # backward); an interior stage (pp > 2) to two: 2 m b s h x 4 = formulas.pp_comm_bytes
+        n = (stage > 0) + (stage < 1)  # pp = 2 here: both stages are end stages
+        check(f"stage {stage}: pp bytes sent = m b s h x 4 x neighbours ({n}: an end stage)",
+              r["bytes"][("send", "pp", "float32")], n * M * B * S * H * 4)
         check(f"stage {stage}: dp all-reduce = 4 x stage params + 4 (loss) + 3 x 4 (the step-end vote: save, stop, "
               f"a shard in flight)", r["bytes"][("all_reduce", "dp", "float32")], 4 * stage_params[stage] + 4 + 12)
         check(f"stage {stage}: tied embedding all-reduce = 4 V h", r["bytes"][("all_reduce", "emb", "float32")], 4 * V * H)

@@ -15,10 +15,12 @@ def _fmt(v):
     return f"{v:.6g}"
 
 
-def check(name, measured, formula, rtol=0.0, atol=0.0, unit=""):
+def check(name, measured, formula, rtol=0.0, atol=0.0, unit="", labels=("measured", "formula")):
+    """`labels` name the two sides when they are not a measurement and a formula (a planner's value and a
+    paper's, a formula and a published figure): a printed label must say where the number came from."""
     ok = abs(measured - formula) <= atol + rtol * abs(formula)
     tol = f" (rtol {rtol:g})" if rtol else (f" (atol {atol:g})" if atol else "")
-    print(f"check {name}: measured {_fmt(measured)}{unit}, formula {_fmt(formula)}{unit}{tol} -> "
+    print(f"check {name}: {labels[0]} {_fmt(measured)}{unit}, {labels[1]} {_fmt(formula)}{unit}{tol} -> "
           f"{'OK' if ok else 'MISMATCH'}", flush=True)
     if not ok:
         _failed.append(name)

@@ -20,6 +20,8 @@ Formulas (Psi = parameters one rank holds, d/t/p = dp/tp/pp sizes, m = micro-bat
     bubble     (p-1) / (v m + p-1) of the step is idle (v = interleaved model chunks per stage); Narayanan et al.
                quote it against the ideal time instead: (p-1) / (v m), the step's extra time
     FLOPs      6N + 12 L h s per token (PaLM, nanoGPT: QK^T and AV counted without causal halving)
+    collective alpha-beta: ring all-reduce 2(n-1)(alpha + B beta / n); binary tree 2 log2(n)(alpha + B beta)
+    sizing     compute-optimal N = sqrt(C / 6k), D = k N, k ~ 20 tokens per parameter (Chinchilla)
 These are the single home of each formula: train.py's MFU (model_flops_per_token) and the recompute lesson call them too.
 Lesson: lessons/11-planning-a-run.md
 """
@@ -167,6 +169,22 @@ def pp_comm_bytes(b, s, h, t, dtype_bytes, micro_batches, v=1):
 
 
 # ---- time -------------------------------------------------------------------------------------------------
+def collective_seconds(op, n, nbytes, alpha, beta, algo="ring"):
+    """The alpha-beta model of one collective over n ranks, nbytes per rank: alpha seconds per message step
+    (latency), beta seconds per byte on a link (1 / bandwidth). ring: all_reduce = reduce-scatter + all-gather,
+    2(n-1) steps of nbytes/n each; all_gather / reduce_scatter (n-1) steps of nbytes/n. tree (binary, not
+    pipelined): all_reduce = reduce then broadcast, 2 log2(n) steps of the whole nbytes -- fewer steps, more
+    bytes: the tree wins for small messages, the ring for large ones. NCCL pipelines its (double binary) trees,
+    which brings their bandwidth term close to the ring's; this is the textbook version (lesson 17)."""
+    if n == 1:
+        return 0.0
+    if algo == "tree":
+        steps = math.ceil(math.log2(n)) * (2 if op == "all_reduce" else 1)
+        return steps * (alpha + nbytes * beta)
+    steps = (2 if op == "all_reduce" else 1) * (n - 1)
+    return steps * (alpha + nbytes / n * beta)
+
+
 def pipeline_bubble(p, m, v=1):
     """Idle fraction of the step: each stage waits p-1 slots out of v*m + p-1 (a slot = one micro-batch's
     forward + backward of one chunk; interleaving shrinks the slots by v). Time = ideal * (1 + (p-1)/(v m))."""
@@ -204,3 +222,10 @@ def model_flops_per_token(cfg, seq_len=None):
     per_layer = layer_params(h)  # qkv 3h^2+3h, proj h^2+h, fc 4h^2+4h, proj 4h^2+h, 2 LN 4h
     n = L * per_layer + cfg.padded_vocab_size * h + 2 * h + (2 * h if cfg.embed_layernorm else 0)
     return flops_per_token(n, L, h, s)
+
+
+def chinchilla_optimal(compute, tokens_per_param=20.0):
+    """Compute-optimal parameters and tokens for a budget of `compute` FLOPs, from C = 6 N D and D = k N
+    (Hoffmann et al. 2022: k ~ 20 tokens per parameter): N = sqrt(C / 6k), D = k N (lesson 18)."""
+    n = math.sqrt(compute / (6 * tokens_per_param))
+    return n, tokens_per_param * n
