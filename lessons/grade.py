@@ -25,6 +25,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,7 @@ class Exercise:
     lesson: str
     targets: tuple  # "module:attribute" or "module:Class.method": what your file's same-named object replaces
     tests: tuple    # pytest node ids (a prefix selects every parametrization)
+    quick: str      # one node id of them: a first try (--quick), and test_exercises' check that a starter fails
     what: str
 
 
@@ -49,19 +51,23 @@ EXERCISES = {
     "tp-fg": Exercise("03", ("nanomega.tp:CopyToTensorParallel", "nanomega.tp:ReduceFromTensorParallel"),
                       ("tests/test_tp.py::test_layers_match_dense",
                        "tests/test_tp.py::test_gpt_matches_dense_after_adamw_steps"),
+                      "tests/test_tp.py::test_layers_match_dense[tp-2]",
                       "Megatron's f and g: the autograd pair around a column- and a row-parallel linear"),
     "vocab-ce": Exercise("03", ("nanomega.tp_loss:vocab_parallel_cross_entropy",),
                          ("tests/test_tp.py::test_layers_match_dense",
                           "tests/test_tp.py::test_gpt_matches_dense_after_adamw_steps"),
+                         "tests/test_tp.py::test_layers_match_dense[tp-2]",
                          "the cross-entropy of vocabulary-split logits, no rank holding all of them"),
     "1f1b": Exercise("05", ("nanomega.schedules:one_f_one_b",),
                      ("tests/test_pp.py::test_op_orders_literal", "tests/test_pp.py::test_op_orders_many",
                       "tests/test_pp.py::test_unit_clock_bubble_equals_formula"),
+                     "tests/test_pp.py::test_op_orders_literal",
                      "the 1F1B schedule: warm-up, steady state, cool-down"),
     "flat": Exercise("02", ("nanomega.flat:FlatGroup.flatten", "nanomega.flat:FlatGroup.views",
                             "nanomega.flat:FlatGroup.pieces", "nanomega.flat:split_by_size"),
                      ("tests/test_zero.py::test_two_ranks_equal_single_process_bitwise",
                       "tests/test_zero.py::test_fp32_gradients_accumulate_in_the_buffer"),
+                     "tests/test_zero.py::test_two_ranks_equal_single_process_bitwise[gpt-1]",
                      "ZeRO's flat buffers: lay parameters end to end, view them back, find this rank's pieces"),
 }
 
@@ -118,17 +124,28 @@ def substitute_from_env():
         substitute(name, path)
 
 
-def grade(pairs, quiet=False, first_failure=False):
+def check_file(name, path):
+    """Load the student's file here first: a syntax error or a missing name is one line, before any test runs."""
+    student = load_file(path, f"check_{name.replace('-', '_')}")
+    for target in exercise(name).targets:
+        attr = target.rsplit(".", 1)[-1].split(":")[-1]
+        if not hasattr(student, attr):
+            raise ValueError(f"{path} defines no {attr!r}: exercise {name} replaces {target}; keep the starter's names")
+
+
+def grade(pairs, quiet=False, first_failure=False, quick=False):
     """Run the tests of every (exercise, file) pair in one pytest with all substitutions made; print PASS or FAIL
     per test and per exercise. Returns {exercise: passed}. Several pairs share one run (and one spawned world
     per test module): for solutions that all pass; a failure there cannot be told apart, so grade a new
     attempt alone. first_failure: stop at the first failing test (pytest -x; a world that fails is otherwise
-    spawned again for each test that uses it)."""
+    spawned again for each test that uses it). quick: only each exercise's `quick` test. Exercises whose tests
+    lie in different test modules can share a run even when failing: each starter's message names its exercise."""
     pairs = [(name, str(Path(path).resolve())) for name, path in pairs]
     tests = []
     for name, path in pairs:
-        load_file(path, f"check_{name.replace('-', '_')}")  # a syntax error is reported here, in one line
-        tests += [t for t in exercise(name).tests if t not in tests]
+        check_file(name, path)
+        mine = (exercise(name).quick,) if quick else exercise(name).tests
+        tests += [t for t in mine if t not in tests]
     env = dict(os.environ, **{ENV: json.dumps(pairs)})
     env["PYTHONPATH"] = os.pathsep.join([str(HOOK), str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -141,7 +158,8 @@ def grade(pairs, quiet=False, first_failure=False):
         print(f"grader: no test ran (pytest exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
     verdict = {}
     for name, _ in pairs:
-        mine = {t: r for t, r in results.items() if any(t.startswith(s) for s in exercise(name).tests)}
+        wanted = (exercise(name).quick,) if quick else exercise(name).tests
+        mine = {t: r for t, r in results.items() if any(t.startswith(s) for s in wanted)}
         for test, (status, why) in mine.items():
             if not quiet or status != "PASS":
                 print(f"{status} {test}" + (f"  ({why})" if why else ""))
@@ -170,9 +188,11 @@ def _read_report(xml):
 
 
 def _reason(element):
+    """The last error or assert line; prefixed with `rank N failed:` when a spawned rank raised it."""
     text = element.get("message") or element.text or ""
     lines = [ln for ln in text.splitlines() if "Error" in ln or "assert" in ln] or text.splitlines() or [""]
-    return lines[-1].strip().rstrip('"')[:200]
+    rank = re.search(r"rank \d+ failed", text + (element.text or ""))
+    return (f"{rank.group(0)}: " if rank else "") + lines[-1].strip().rstrip('"')[:200]
 
 
 def main(argv):
@@ -183,6 +203,7 @@ def main(argv):
                         help="an exercise and your file (repeat to grade several in one run)")
     parser.add_argument("--predict", metavar="FILE", help="your predictions (lessons/exercises/predict.py's form)")
     parser.add_argument("-x", "--first-failure", action="store_true", help="stop at the first failing test")
+    parser.add_argument("--quick", action="store_true", help="only the first test of each exercise")
     parser.add_argument("--list", action="store_true", help="list the exercises")
     args = parser.parse_args(argv)
     if args.list or not (args.exercise or args.predict):
@@ -190,10 +211,14 @@ def main(argv):
             print(f"{name:>9}  lesson {ex.lesson}  {ex.what}")
         return 0
     ok = True
-    if args.exercise:
-        ok = all(grade(args.exercise, first_failure=args.first_failure).values())
-    if args.predict:
-        sys.path.insert(0, str(LESSONS / "exercises"))
-        import predict
-        ok = predict.grade(args.predict) and ok
+    try:
+        if args.exercise:
+            ok = all(grade(args.exercise, first_failure=args.first_failure, quick=args.quick).values())
+        if args.predict:
+            sys.path.insert(0, str(LESSONS / "exercises"))
+            import predict
+            ok = predict.grade(args.predict) and ok
+    except ValueError as error:  # a wrong name or file: one line, no traceback
+        print(f"error: {error}")
+        return 2
     return 0 if ok else 1
