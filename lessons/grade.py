@@ -15,8 +15,8 @@ rebinds every reference to the old object already held by a loaded nanomega modu
 table such as schedules.SCHEDULES); modules imported later find the new object in its home module. If your file
 cannot be loaded, that interpreter prints why and exits with status 3: never a silent fallback to our code.
 
-The "predict the number" exercises are in lessons/exercises/predict.py: a number you write down, then the
-experiment that measures it, printed as a `check` line.
+The "predict the number" exercises are in lessons/predict.py: a number you write down, then the experiment
+that measures it, printed next to it.
 Lesson: lessons/exercises/README.md
 """
 import dataclasses
@@ -201,7 +201,7 @@ def main(argv):
                                      description="Grade an exercise: your file plugged into our tests.")
     parser.add_argument("--exercise", nargs=2, action="append", metavar=("NAME", "FILE"), default=[],
                         help="an exercise and your file (repeat to grade several in one run)")
-    parser.add_argument("--predict", metavar="FILE", help="your predictions (lessons/exercises/predict.py's form)")
+    parser.add_argument("--predict", metavar="FILE", help="your predictions (lessons/exercises/predictions.py's form)")
     parser.add_argument("-x", "--first-failure", action="store_true", help="stop at the first failing test")
     parser.add_argument("--quick", action="store_true", help="only the first test of each exercise")
     parser.add_argument("--list", action="store_true", help="list the exercises")
@@ -215,8 +215,8 @@ def main(argv):
         if args.exercise:
             ok = all(grade(args.exercise, first_failure=args.first_failure, quick=args.quick).values())
         if args.predict:
-            sys.path.insert(0, str(LESSONS / "exercises"))
-            import predict
+            sys.path.insert(0, str(LESSONS))
+            import predict  # lessons/predict.py
             ok = predict.grade(args.predict) and ok
     except ValueError as error:  # a wrong name or file: one line, no traceback
         print(f"error: {error}")

@@ -1,10 +1,12 @@
 """The exercise grader (lessons/grade.py, run as `python lessons/check.py --exercise NAME FILE`) can pass and fail.
 
-Three runs of check.py, as a student runs it: every solution passes every test its exercise names (one run: the
+Runs of check.py, as a student runs it: every solution passes every test its exercise names (one run: the
 solutions' tests lie in three test modules, one spawned world each); every untouched starter fails with its own
 NotImplementedError (in spawned ranks too: tp-fg's and flat's are raised in the ranks, so the substitution reached
 them), and a 1F1B with a warm-up one forward too long fails the op-order tests. Starters run on each exercise's
 `quick` test: exercises whose tests lie in different modules share a run, each failure naming its exercise.
+The predictions (lessons/predict.py): the solution's are all RIGHT, the starter's are unanswered, a wrong
+bubble is WRONG.
 """
 import os
 import re
@@ -71,3 +73,17 @@ def test_a_file_without_the_names_is_one_line(tmp_path):
         "nanomega.tp:CopyToTensorParallel; keep the starter's names"], out
     rc, _, out = check("--exercise", "no-such", str(empty))
     assert rc == 2 and "choose one of tp-fg, vocab-ce, 1f1b, flat" in out, out
+
+
+def test_predictions_graded_right_and_wrong(tmp_path):
+    rc, _, out = check("--predict", str(EX / "solutions" / "predictions.py"))
+    assert rc == 0 and out.count("-> RIGHT") == 8 and "predictions: 8/8 right" in out, out
+    starter = (EX / "predictions.py").read_text()  # the untouched starter answers nothing
+    assert starter.count(": None,") == 8
+    wrong = tmp_path / "wrong.py"  # the starter with two answers: a wrong bubble, (p-1)/(m+p), and a right one
+    wrong.write_text(starter.replace('"1f1b-bubble": None', '"1f1b-bubble": 3 / 12')
+                     .replace('"gpipe-in-flight": None', '"gpipe-in-flight": 8'))
+    rc, _, out = check("--predict", str(wrong))
+    assert rc == 1 and "predict 1f1b-bubble (lesson 05): yours 0.25, measured 0.272727 -> WRONG" in out, out
+    assert "predict gpipe-in-flight (lesson 05): yours 8, measured 8 -> RIGHT" in out, out
+    assert out.count("no prediction yet") == 6 and "predictions: 1/8 right" in out, out
