@@ -63,6 +63,8 @@ def weights(net):
 def stage(rank, stages):
     """Pipeline stage `rank` of `stages`: the full model built, then cut to its contiguous share of the blocks;
     the first stage keeps the embedding, the last the head (GPT.forward skips a part that is None)."""
+    if CONFIG.n_layer % stages:
+        raise ValueError(f"{CONFIG.n_layer} layers do not split into {stages} stages; run 1, 2 or {CONFIG.n_layer} ranks")
     net = model()
     per = CONFIG.n_layer // stages
     for i in range(CONFIG.n_layer):

@@ -52,7 +52,7 @@ def train(steps=common.STEPS):
 
         def backward(grad):  # the oldest micro-batch in flight; returns d loss / d its input
             x, y = inflight.pop(0)
-            y.backward() if last else y.backward(grad)
+            y.backward(None if last else grad)  # the last stage starts from its loss
             return None if first else x.grad
 
         warmup = min(pp.size - rank - 1, MICRO)

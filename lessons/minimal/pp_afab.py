@@ -5,7 +5,7 @@ Stage k receives micro-batch i's activation (b, s, h) from stage k - 1, runs its
 the last stage computes the loss. When all m forwards are done, the backwards run in the same order, each
 stage receiving d loss / d output from the next stage and sending d loss / d input to the previous one.
 Every stage keeps the activations of all m micro-batches until their backward: memory ∝ m.
-Formula: idle share (the bubble) (p - 1) / (m + p - 1), with backward taking t_b per stage and forward t_f.
+Formula: the idle share of a step (the bubble) is (p - 1) / (m + p - 1): the pipeline fills and drains once.
 The gradients add up over the micro-batches in order 0..m-1 on every stage: bitwise one process doing the same.
 Run:  python lessons/minimal/pp_afab.py
 """
