@@ -2,6 +2,9 @@
 
 Every `check ... -> OK` line a lesson shows must appear verbatim in its script's output
 (tests/test_lessons.py runs each script and asserts this), so lessons cannot rot.
+Run as a script, it grades exercises (lessons/grade.py, lessons/exercises/README.md):
+    python lessons/check.py --exercise tp-fg lessons/exercises/tp_fg.py
+    python lessons/check.py --predict lessons/exercises/predictions.py
 """
 import atexit
 import os
@@ -32,3 +35,10 @@ def _exit_status():
     if _failed:
         print(f"{len(_failed)} check(s) failed: {', '.join(_failed)}", flush=True)
         os._exit(1)
+
+
+if __name__ == "__main__":
+    import sys
+
+    import grade  # lessons/grade.py: this script's folder is on sys.path
+    sys.exit(grade.main(sys.argv[1:]))
