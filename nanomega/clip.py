@@ -33,17 +33,27 @@ def counts(p, replica, grid, over_dp):
         and not (replica and over_dp and grid.dp_rank)
 
 
-def global_norm(grads, grid, over_dp, device):
-    """sqrt(sum g^2) over `grads` (this rank's counted shares), summed over dp (over_dp), tp and pp."""
-    norms = [n for g in grads for n in fp64_norms(g)]
-    sq = torch.zeros(1, dtype=torch.float64, device=device)
-    if norms:
-        sq += torch.stack(norms).square().sum()
+def global_norm(grads, grid, over_dp, device, expert_grads=None):
+    """sqrt(sum g^2) over `grads` (this rank's counted shares), summed over dp (over_dp), tp and pp.
+    expert_grads: the routed experts' shares (ep.py), summed over edp (over_dp) and ep: each expert once."""
+    sq = square_sum(grads, device)
     if over_dp:
         grid.dp.all_reduce(sq)
+    if expert_grads is not None:
+        experts = square_sum(expert_grads, device)
+        if over_dp:
+            grid.edp.all_reduce(experts)
+        sq += grid.ep.all_reduce(experts)
     grid.tp.all_reduce(sq)
     grid.pp.all_reduce(sq)
     return sq.sqrt().item()
+
+
+def square_sum(grads, device):
+    """sum g^2 over the tensors, in fp64 (1-element tensor)."""
+    norms = [n for g in grads for n in fp64_norms(g)]
+    sq = torch.zeros(1, dtype=torch.float64, device=device)
+    return sq + torch.stack(norms).square().sum() if norms else sq
 
 
 def coefficient(norm, max_norm):
