@@ -161,6 +161,10 @@ class MoE(nn.Module):
             return y
         return AuxLossToGrad.apply(y, self.aux_coef * aux.mean() + self.z_coef * z.mean(), self, self.last)
 
+    def swiglus(self):
+        """The SwiGLU MLPs held here (tp.py splits each as the dense one; the router stays replicated)."""
+        return list(self.experts.values()) + ([self.shared] if self.shared is not None else [])
+
     def book(self, stats):
         """Add one micro-batch's statistics (from its backward: once, whatever recompute reran) to the step's."""
         row = torch.cat([stats["aux"].sum().reshape(1).double(), stats["z"].sum().reshape(1).double(),
