@@ -143,9 +143,11 @@ class ZeroEngine:
         self.experts = bucket_groups(experts, bucket_mb, grid.edp, split=row.optimizer, values=values,
                                      device=device) if experts else []
         if not row.parameters:  # now that the buffers hold the values (drawn, for a model built on meta)
-            start_equal(model, self.axis, init, keep=lambda k: not ep.is_expert(k))
-            if experts:
+            if experts:  # the experts' replicas: grid.edp
+                start_equal(model, self.axis, init, keep=lambda k: not ep.is_expert(k))
                 start_equal(model, grid.edp, init, keep=ep.is_expert)
+            else:
+                start_equal(model, self.axis, init)
         keep = "shard" if row.gradients else "full"
         self.buckets = GradBuckets(groups, self.axis, grad_dtype, keep=keep, in_order=not row.parameters,
                                    after_reduce=self.sharded.release if row.parameters else None)

@@ -184,3 +184,25 @@ def test_bias_balancing_drives_loads_toward_uniform(worlds):
     off, on = spread[0.0], spread[max(spread)]
     assert off[0] == on[0] and math.isclose(off[-1], off[0])  # same start; without the bias nothing moves
     assert on[-1] < 1 + 0.5 * (on[0] - 1), on  # the imbalance (max/mean - 1) at least halved
+
+
+def test_mixtral_round_trip_logits():
+    """nanomega's MoE Llama as a transformers Mixtral (built offline from its config) and back: logits within
+    1e-4 (fp32, the same math in another order), the weights back bitwise."""
+    pytest.importorskip("transformers")
+    from nanomega.model import GPTConfig
+    from nanomega.tools import hf_moe
+    cfg = GPTConfig(vocab_size=200, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=48,
+                    arch="llama", n_experts=4, top_k=2, tie_embeddings=False, attention="eager")
+    ours = GPT(cfg, seed=3).eval()
+    weights = {k: v.detach() for k, v in ours.named_parameters()}  # the routing bias is a buffer: not Mixtral's
+    theirs = hf_moe.to_hf(weights, cfg)
+    idx = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = theirs(idx).logits, ours(idx)[..., :cfg.vocab_size]
+    assert (got - want).abs().max().item() < 1e-4
+    cfg2, back = hf_moe.from_hf(theirs)
+    assert (cfg2.n_experts, cfg2.top_k, cfg2.ffn) == (4, 2, 48)
+    rows = {"embed.wte.weight": cfg.vocab_size, "head.lm_head.weight": cfg.vocab_size}  # below the vocab padding
+    assert all(torch.equal(back[k][:rows.get(k)], w[:rows.get(k)]) for k, w in ours.state_dict().items() if k in back)
+    assert len(back) == len(weights)
