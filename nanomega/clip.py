@@ -35,24 +35,33 @@ def counts(p, replica, grid, over_dp):
         and not (replica and over_dp and grid.dp_rank)
 
 
-def global_norm(grads, grid, over_dp, device):
+def global_norm(grads, grid, over_dp, device, expert_grads=None):
     """sqrt(sum g^2) over `grads` (this rank's counted shares), summed over dp (over_dp), tp and pp: a float
-    (one host sync)."""
-    return global_norm_squared(grads, grid, over_dp, device).sqrt().item()
+    (one host sync). expert_grads: the routed experts' shares (ep.py), summed over edp (over_dp) and ep."""
+    return global_norm_squared(grads, grid, over_dp, device, expert_grads).sqrt().item()
 
 
-def global_norm_squared(grads, grid, over_dp, device):
+def global_norm_squared(grads, grid, over_dp, device, expert_grads=None):
     """The same sum of squares, left on the device (fp64, one element): a trainer reads it together with the
-    loss, in the step's one host sync before the update (train.train_step)."""
-    norms = fp64_norms(grads)
-    sq = torch.zeros(1, dtype=torch.float64, device=device)
-    if norms:
-        sq += torch.stack(norms).square().sum()
+    loss, in the step's one host sync before the update (train.train_step). Each expert counted once."""
+    sq = square_sum(grads, device)
     if over_dp:
         grid.dp.all_reduce(sq)
+    if expert_grads is not None:
+        experts = square_sum(expert_grads, device)
+        if over_dp:
+            grid.edp.all_reduce(experts)
+        sq += grid.ep.all_reduce(experts)
     grid.tp.all_reduce(sq)
     grid.pp.all_reduce(sq)
     return sq
+
+
+def square_sum(grads, device):
+    """sum g^2 over the tensors, in fp64 (1-element tensor)."""
+    norms = fp64_norms(grads)
+    sq = torch.zeros(1, dtype=torch.float64, device=device)
+    return sq + torch.stack(norms).square().sum() if norms else sq
 
 
 def coefficient(norm, max_norm):

@@ -30,13 +30,14 @@ from .flat import FlatGroup, split_by_size
 MAX_IN_FLIGHT = 2  # ZeRO-2/3: reductions launched but unfinished, each holding a full-gradient bucket alive
 
 
-def start_equal(model, axis, init="verify"):
+def start_equal(model, axis, init="verify", keep=lambda name: True):
     """Every rank of `axis` starts from dp rank 0's parameters and buffers: "verify" compares 2 fp64 sums per
     tensor (one all-gather, one clear error), "broadcast" copies them from rank 0. A model with parameters
-    still on the meta device has nothing to compare: they are drawn from one seed later (meta.py), alike."""
+    still on the meta device has nothing to compare: they are drawn from one seed later (meta.py), alike.
+    keep(name): the parameters `axis` replicates (experts: only over grid.edp)."""
     if init not in ("verify", "broadcast"):
         raise ValueError(f"init={init!r}: use 'verify' or 'broadcast'")
-    tensors = [p for _, p in model.named_parameters()] + [b for _, b in model.named_buffers()]
+    tensors = [p for k, p in model.named_parameters() if keep(k)] + [b for _, b in model.named_buffers()]
     if axis.size == 1 or any(p.is_meta for p in model.parameters()):
         return
     if init == "broadcast":

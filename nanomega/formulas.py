@@ -19,7 +19,11 @@ Formulas (Psi = parameters one rank holds, d/t/p = dp/tp/pp sizes, m = micro-bat
                all of it /t with SP (llama_activation_bytes_per_layer, checked against autograd's saved tensors)
     bubble     (p-1) / (v m + p-1) of the step is idle (v = interleaved model chunks per stage); Narayanan et al.
                quote it against the ideal time instead: (p-1) / (v m), the step's extra time
-    FLOPs      6N + 12 L h s per token (PaLM, nanoGPT: QK^T and AV counted without causal halving)
+    FLOPs      6N + 12 L h s per token (PaLM, nanoGPT: QK^T and AV counted without causal halving); MoE: N the
+               active parameters (k of E experts, the router, the shared experts)
+    MoE a2a    per MoE layer and micro-batch a rank sends 2 (R_out + R_in) h B bytes (dispatch and combine,
+               forward and backward; R_out rows to other ranks' experts, R_in rows it computed for others) +
+               (ep-1) E/ep 8 bytes of counts; balanced routing: R_out = R_in = T k (ep-1)/ep
     collective alpha-beta: ring all-reduce 2(n-1)(alpha + B beta / n); binary tree 2 log2(n)(alpha + B beta)
     sizing     compute-optimal N = sqrt(C / 6k), D = k N, k ~ 20 tokens per parameter (Chinchilla)
 These are the single home of each formula: train.py's MFU (model_flops_per_token) and the recompute lesson call them too.
@@ -44,6 +48,26 @@ def llama_layer_params(h, f, a, n_kv, t=1):
 
 
 # ---- memory -----------------------------------------------------------------------------------------------
+def moe_layer_params(h, f, a, n_kv, n_experts, top_k, shared=0, t=1):
+    """(total, active per token) parameters of one MoE Llama block on one TP rank: attention and norms as
+    llama_layer_params, E experts of 3hf (split by t), the (E, h) router (replicated), shared experts 3hf each;
+    a token uses k routed experts."""
+    base = llama_layer_params(h, 0, a, n_kv, t) + n_experts * h + shared * 3 * h * f // t
+    return base + n_experts * 3 * h * f // t, base + top_k * 3 * h * f // t
+
+
+def moe_all_to_all_bytes(rows_out, rows_in, h, elem_bytes, ep, experts_per_rank):
+    """Bytes one rank sends in all-to-alls for one MoE layer and micro-batch, forward and backward (ep.py)."""
+    if ep == 1:
+        return 0
+    return 2 * (rows_out + rows_in) * h * elem_bytes + (ep - 1) * experts_per_rank * 8
+
+
+def moe_balanced_rows(tokens, top_k, ep):
+    """Rows a rank sends to other ranks' experts when routing is uniform: T k (ep-1)/ep."""
+    return tokens * top_k * (ep - 1) / ep
+
+
 def zero_state_bytes(n_params, stage, dp, param_bytes=2, grad_bytes=2, optim_bytes=12):
     """(parameter, gradient, optimizer) bytes on one DP rank. Stage 1 shards the optimizer state, 2 also the
     gradients, 3 also the parameters; a shard is ceil(n/dp) elements (flat buffer padded to a multiple of dp)."""
@@ -216,7 +240,8 @@ def model_flops_per_token(cfg, seq_len=None):
     """
     L, h, s = cfg.n_layer, cfg.n_embd, seq_len or cfg.block_size
     if cfg.arch == "llama":  # the head's V x h matrix (tied or not) and the final RMSNorm's h
-        per_layer = llama_layer_params(h, cfg.ffn, cfg.n_head, cfg.kv_heads)
+        per_layer = llama_layer_params(h, cfg.ffn, cfg.n_head, cfg.kv_heads) if not cfg.n_experts else \
+            moe_layer_params(h, cfg.ffn, cfg.n_head, cfg.kv_heads, cfg.n_experts, cfg.top_k, cfg.shared_experts)[1]
         n = L * per_layer + cfg.padded_vocab_size * h + h
         return flops_per_token(n, L, h, s)
     per_layer = layer_params(h)  # qkv 3h^2+3h, proj h^2+h, fc 4h^2+4h, proj 4h^2+h, 2 LN 4h

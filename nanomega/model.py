@@ -11,8 +11,8 @@ LayerNorm scales 1) and a draw that makes element i of a parameter a function of
 so a rank can draw just its slice of a parameter and get the dense model's values bitwise (meta.py).
 Formulas (GPT-2; Llama's: modern.py):
     parameters   N ~= 12 L h^2 + V h   (+ s h learned positions)
-    FLOPs/token  6 N' + 12 L h s        (N' = N without position embeddings; the 12 L h s term is
-                                         QK^T and AV: 2*2*s*h per layer forward, x3 for fwd+bwd)
+    FLOPs/token  6 N' + 12 L h s        (N' = N without position embeddings; 12 L h s: QK^T and AV, 2*2*s*h
+                                         per layer forward, x3 for fwd+bwd; MoE: moe.py)
 Lesson: lessons/01-dense-model.md
 """
 import contextlib
@@ -25,7 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .modern import GatedMLP, RMSNorm, Rotary, ffn_hidden
+from . import moe
+from .modern import RMSNorm, Rotary, ffn_hidden
 
 
 # The model's shape: the GPTConfig fields a checkpoint, a preset and the planner agree on (checkpoint.py,
@@ -35,6 +36,7 @@ SIZES = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
 SHAPE_KEYS = SIZES + ("alibi", "embed_layernorm", "arch", "n_kv_head", "ffn_hidden", "rope_theta", "rope_scaling",
                       "tie_embeddings", "norm_eps")
 ARCHS = ("gpt2", "llama")
+ATTENTION = ("sdpa", "eager", "fused")
 
 
 @dataclass
@@ -57,6 +59,13 @@ class GPTConfig:
     make_vocab_size_divisible_by: int = 128  # Megatron pads V so each TP shard is a multiple of 128
     # eager: the explicit softmax the lessons teach and count bytes of; train.py's --attention defaults to sdpa
     attention: str = "eager"  # sdpa (F.scaled_dot_product_attention), eager, fused (eager + the fused softmax)
+    n_experts: int = 0  # mixture of experts (moe.py; llama): each MLP becomes E routed SwiGLU experts of width ffn
+    top_k: int = 2
+    router: str = "mixtral"  # mixtral: top-k of the logits, softmax over k; deepseek (renormalized), qwen: top-k of E
+    moe_aux_loss: float = 0.01  # Switch/GShard load-balancing loss coefficient
+    moe_z_loss: float = 0.0  # router z-loss coefficient
+    capacity_factor: float = 0.0  # 0: dropless; else assignments per expert and sequence <= ceil(cf s k / E)
+    shared_experts: int = 0  # experts every token runs through (DeepSeek, Qwen2-MoE), as one wider SwiGLU
 
     @property
     def padded_vocab_size(self) -> int:
@@ -99,9 +108,6 @@ class GPTConfig:
         if self.arch == "llama" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"--arch llama: rotary positions need an even head size, got n_embd/n_head = "
                              f"{self.n_embd // self.n_head}")
-
-
-ATTENTION = ("sdpa", "eager", "fused")
 
 
 def bias_gelu(x, bias):
@@ -282,7 +288,7 @@ class Block(nn.Module):
         self.ln_1 = norm(cfg)
         self.attn = CausalSelfAttention(cfg, rotary)
         self.ln_2 = norm(cfg)
-        self.mlp = GatedMLP(cfg.n_embd, cfg.ffn, cfg.dropout) if cfg.arch == "llama" else MLP(cfg)
+        self.mlp = moe.mlp(cfg) if cfg.arch == "llama" else MLP(cfg)  # SwiGLU, or experts (moe.py)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))

@@ -312,11 +312,12 @@ def apply_tensor_parallel(model, tp, sequence_parallel=False, rng=None):
         attn.n_head //= tp.size  # (b, s, 3h/t) viewed as (b, s, 3, n_head/t, head_dim)
         if attn.slopes is not None:
             attn.slopes = attn.slopes.chunk(tp.size)[tp.rank].clone()  # ALiBi: this rank's heads' slopes
-        if hasattr(mlp, "c_fc"):
-            mlp.c_fc, mlp.fc_bias = column(mlp.c_fc.weight, "c_fc.weight"), _shard(mlp.fc_bias, "fc_bias", tp)
-        else:  # Llama: [gate; up], each half split by columns
-            mlp.gate_up = column(mlp.gate_up.weight, "gate_up.weight")
-        mlp.c_proj = row(mlp.c_proj)
+        for m in mlp.swiglus() if hasattr(mlp, "swiglus") else [mlp]:  # MoE: each expert split as one MLP
+            if hasattr(m, "c_fc"):
+                m.c_fc, m.fc_bias = column(m.c_fc.weight, "c_fc.weight"), _shard(m.fc_bias, "fc_bias", tp)
+            else:  # Llama: [gate; up], each half split by columns
+                m.gate_up = column(m.gate_up.weight, "gate_up.weight")
+            m.c_proj = row(m.c_proj)
         if cfg.dropout > 0:
             attn.attn_drop = drop()  # heads differ per rank
             if sp:  # the residual stream is split along the sequence, so its masks must differ too

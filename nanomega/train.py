@@ -29,7 +29,7 @@ import torch
 if __package__ in (None, ""):  # `python nanomega/train.py`: make the package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nanomega import data, dist, flash, fused, meta, pp, precision, recompute, rng, schedules, tp, zero
+from nanomega import data, dist, ep, flash, fused, meta, moe, pp, precision, recompute, rng, schedules, tp, zero
 from nanomega.model import GPT, SHAPE_KEYS
 from nanomega.ops import checks, faults, flags, health, meter, saves
 from nanomega.ops.guard import Guard, Spikes
@@ -68,6 +68,8 @@ def build(config, cfg, grid):
     tracker = rng.model_parallel_seed(config.seed, grid)
     if grid.tp.size > 1:
         tp.apply_tensor_parallel(model, grid.tp, config.sequence_parallel, tracker)
+    if cfg.n_experts:  # this ep rank's experts only (ep.py)
+        ep.apply_expert_parallel(model, grid.ep)
     shared = None
     if grid.pp.size > 1:
         pp.build_stage(model, grid, config.virtual_stages)
@@ -96,6 +98,7 @@ def build(config, cfg, grid):
 
 def forward_backward(model, engine, grid, batches, config, *, loss_scale=1.0, trace=None):
     """Mean loss over this rank's micro-batches; gradients (x loss_scale) left in the engine's buffers."""
+    moe.set_grad_scale(model, loss_scale / len(batches))  # the MoE aux losses' backward: the LM loss's factor
     if grid.pp.size > 1:
         return pp.train_step(model, grid, batches, schedule=config.schedule, no_sync=engine.no_sync,
                              loss_scale=loss_scale, virtual=config.virtual_stages,
@@ -178,7 +181,7 @@ def train(config):
     model, engine, n_params = build(config, cfg, grid)
     scaler = precision.LossScaler.for_dtype(precision.parse_dtype(config.dtype))
     spikes = Spikes(config.on_spike, config.spike_threshold, config.rollback_lr_factor)
-    layout = dict(dp=config.dp, tp=config.tp, pp=config.pp, zero=config.zero, dtype=config.dtype,
+    layout = dict(dp=config.dp, tp=config.tp, pp=config.pp, ep=config.ep, zero=config.zero, dtype=config.dtype,
                   tokenizer=config.tokenizer, tokenizer_sha256=tokenizer[1], virtual_stages=config.virtual_stages,
                   sequence_parallel=config.sequence_parallel)
     copies = flash.Copies(config.out_dir, grid.rank) if config.flash_restore else None  # shared-memory copies
@@ -269,7 +272,7 @@ def start(config, cfg):
     """torch.distributed, the device's matmul mode, the rank grid, and --health-check before anything else."""
     device = dist.init(config.device, config.collective_timeout)
     precision.set_tf32(device, config.tf32)
-    grid = dist.Grid(config.dp, config.pp, config.tp)
+    grid = dist.Grid(config.dp, config.pp, config.tp, ep=config.ep)
     if config.health_check:
         health.gate(grid)
     if grid.rank == grid.world - 1 and config.model:
@@ -323,8 +326,14 @@ def train_step(step, *, config, model, engine, grid, sampler, train_set, scaler,
     info = engine.step(clip_norm=config.grad_clip or None, scaler=scaler, skip=guard.drops(spike), norm=norm)
     sampler.advance()
     guard.finished(step + 1, loss, info)  # --on-nan stop
+    routing = moe.step_stats(model, grid)  # MoE: the step's aux loss and expert loads, the same on every rank
+    if routing and config.moe_bias_balance:
+        moe.update_bias(model, routing["load"], config.moe_bias_balance)
     rec = metrics.row(step=step + 1, loss=loss, lr=lr, grad_norm=info["grad_norm"], skipped=not info["stepped"],
                       seconds=time.perf_counter() - t0)
+    if routing:
+        load = routing["load"]  # (n_layer, E): max load / mean load, 1 when balanced
+        rec.update(moe_aux=routing["aux"], moe_max_load=(load.max(1).values / load.mean(1)).max().item())
     return rec, spike
 
 

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from . import clip, precision
+from . import clip, ep, precision
 from . import offload as offloading
 from .ddp import GradBuckets, bucket_groups, start_equal
 from .flat import Piece, storage_bytes
@@ -137,14 +137,24 @@ class ZeroEngine:
                                              values, device, host=offload_params)
             groups = [g for g in self.sharded.groups if g.trainable]
         whole = [(k, p) for k, p in trainable if not row.parameters or k in replicate]
-        groups += bucket_groups(whole, bucket_mb, self.axis, split=row.optimizer and not row.parameters,
-                                shared=shared, values=values, device=device)
+        experts = [(k, p) for k, p in whole if ep.is_expert(k)]  # routed experts: reduced over grid.edp (ep.py)
+        ep.check_engine(experts, stage, offload)
+        groups += bucket_groups([(k, p) for k, p in whole if not ep.is_expert(k)], bucket_mb, self.axis,
+                                split=row.optimizer and not row.parameters, shared=shared, values=values, device=device)
+        self.experts = bucket_groups(experts, bucket_mb, grid.edp, split=row.optimizer, values=values,
+                                     device=device) if experts else []
         if not row.parameters:  # now that the buffers hold the values (drawn, for a model built on meta)
-            start_equal(model, self.axis, init)
-        self.buckets = GradBuckets(groups, self.axis, grad_dtype, keep="shard" if row.gradients else "full",
-                                   in_order=not row.parameters,
+            if experts:  # the experts' replicas: grid.edp
+                start_equal(model, self.axis, init, keep=lambda k: not ep.is_expert(k))
+                start_equal(model, grid.edp, init, keep=ep.is_expert)
+            else:
+                start_equal(model, self.axis, init)
+        keep = "shard" if row.gradients else "full"
+        self.buckets = GradBuckets(groups, self.axis, grad_dtype, keep=keep, in_order=not row.parameters,
                                    after_reduce=self.sharded.release if row.parameters else None)
-        self.groups = groups
+        if experts:  # the dense buckets and the experts' ones, each over its axis
+            self.buckets = ep.Buckets([self.buckets, GradBuckets(self.experts, grid.edp, grad_dtype, keep=keep)])
+        self.groups = groups = groups + self.experts
         self.norm_over_dp = row.optimizer  # the pieces differ per dp rank: the norm adds theirs
         for g in self.groups:  # fp32 model: the same tensor (no copy); 16-bit model: the fp32 master
             g.master = precision.fp32_master(g.own)
@@ -155,6 +165,8 @@ class ZeroEngine:
         self.norm_pieces = [piece for piece in self.pieces  # this rank's share of the norm: fixed by the layout
                             if piece.group and clip.counts(piece.group.params[piece.index], piece.replica, grid,
                                                            self.norm_over_dp)]
+        self.expert_pieces = [p for p in self.norm_pieces if ep.is_expert(p.name)]  # summed over ep (+ edp)
+        self.norm_pieces = [p for p in self.norm_pieces if not ep.is_expert(p.name)]
 
     def no_sync(self):
         """Micro-batches before the last: no reduction (stages 0-1; ddp.GradBuckets.no_sync)."""
@@ -212,8 +224,12 @@ class ZeroEngine:
         it together with the loss in one host sync, then calls step(norm=...)."""
         self.buckets.finish()  # every micro-batch ran under no_sync (or none ran): reduce now; wait for all
         for g in self.groups:
-            if g.split and self.axis.size > 1:  # whole groups: averaged; slices: sums
-                g.grad_own.div_(self.axis.size)
+            expert = any(g is x for x in self.experts)
+            axis = self.grid.edp if expert else self.axis
+            if g.split and axis.size > 1:  # whole groups: averaged; slices: sums
+                g.grad_own.div_(axis.size)
+            if expert and self.grid.ep.size > 1:  # an expert's sum covers the tokens of edp x ep = dp ranks
+                g.grad_own.div_(self.grid.ep.size)
             precision.unscale_(g.grad_own, scaler)
             if self.shared is not None and g.params[0] is self.shared:  # both pipeline copies of the tied
                 self.grid.embed.all_reduce(g.grad_own)  # embedding take the summed gradient (pp.sum_tied_grad)
@@ -223,7 +239,8 @@ class ZeroEngine:
                 self._grad(piece).float() if piece.group else piece.master.new_zeros(0)
         return clip.global_norm_squared([self._grad(piece).float() if host(piece.group) else piece.master.grad
                                          for piece in self.norm_pieces], self.grid, self.norm_over_dp,
-                                        self.groups[0].device)
+                                        self.groups[0].device,
+                                        [piece.master.grad for piece in self.expert_pieces] if self.experts else None)
 
     def step(self, clip_norm=None, scaler=None, skip=False, norm=None):
         """reduce() (unless the caller did, and passes its norm read on the host), global norm, clip, step the
@@ -261,7 +278,8 @@ class ZeroEngine:
         ends = [t.to(bad.device) for g in self.groups if g.master.numel() for t in torch.aminmax(g.master)]
         if ends:  # (offloaded masters: on the host)
             bad += (~torch.isfinite(torch.stack(ends))).sum()
-        for axis in ([self.axis] if self.norm_over_dp else []) + [self.grid.tp, self.grid.pp]:
+        for axis in ([self.axis] if self.norm_over_dp else []) + [self.grid.tp, self.grid.pp] + \
+                [self.grid.edp, self.grid.ep] * bool(self.experts):  # experts' masters differ per ep (edp) rank
             axis.all_reduce(bad)  # dp only when the masters differ per dp rank (ZeRO-1..3), as the norm
         return bad.item() == 0
 
@@ -274,7 +292,8 @@ class ZeroEngine:
             if not any(g is s for s in skip):
                 precision.write_back(g.master, g.own)
             if g.split and g.shard is None:
-                works.append(self.axis.start("all_gather", g.full, g.own))  # in place: own is full's slice
+                axis = self.grid.edp if any(g is x for x in self.experts) else self.axis
+                works.append(axis.start("all_gather", g.full, g.own))  # in place: own is full's slice
         for w in works:
             if w is not None:
                 w.wait()

@@ -79,8 +79,11 @@ def test_no_import_cycle():
 
 def test_imports_point_down():
     g = graph()
-    assert g["nanomega.model"] == {"nanomega.modern"}, "model.py is the reference: it imports only its block's pieces"
+    assert g["nanomega.model"] == {"nanomega.modern", "nanomega.moe"}, \
+        "model.py is the reference: it imports only its block's pieces"
     assert g["nanomega.modern"] == set(), "modern.py (RoPE, RMSNorm, SwiGLU) imports nothing of ours"
+    assert g["nanomega.moe"] == {"nanomega.modern", "nanomega.ep"} and g["nanomega.ep"] == set(), \
+        "the MoE block's pieces: experts (modern.py) and their all-to-all (ep.py: it receives Axis objects)"
     for name, deps in g.items():
         if name.startswith("nanomega.ops."):
             assert not {d for d in deps if d.startswith("nanomega.tools.")}, f"{name} imports tools/: {deps}"

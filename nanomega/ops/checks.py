@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from nanomega import data, dist, pp, precision, recompute, tp, zero
+from nanomega import data, dist, ep, moe, pp, precision, recompute, tp, zero
 from nanomega.ops import faults, guard, presets, ranges
 from nanomega.ops.flags import model_config, parser
 
@@ -51,6 +51,7 @@ def check(config):
         vocab_size = presets.PRESETS[c.model]["vocab_size"]
     cfg = model_config(c, vocab_size)
     cfg.validate()
+    check_experts(c, cfg, dp)
     tp.check_tensor_parallel(cfg, c.tp, c.sequence_parallel)
     pp.check_args(c.n_layer, c.pp, grad_accum, c.schedule, c.virtual_stages)
     if c.compile and c.zero == 3:
@@ -73,6 +74,20 @@ def check(config):
     return dataclasses.replace(c, dp=dp, grad_accum=grad_accum, global_batch=c.batch_size * grad_accum * dp,
                                vocab_size=vocab_size, fault=fault, hang_timeout=hang_timeout,
                                resume=c.resume or c.resume_from is not None)  # --resume-from implies --resume
+
+
+def check_experts(c, cfg, dp):
+    """MoE and --ep: what moe.py, ep.py and the engine refuse, and what they do not compose with yet."""
+    moe.check(cfg)
+    ep.check(cfg.n_experts, c.ep, dp)
+    ep.check_engine(cfg.n_experts, c.zero, c.offload)
+    if cfg.n_experts and c.sequence_parallel:
+        raise ValueError("--sequence-parallel with --n-experts: the router would see 1/tp of each sequence; leave "
+                         "out --sequence-parallel")
+    if cfg.n_experts and c.resume:
+        raise ValueError("--resume with --n-experts: restoring (and resharding) experts is not built yet; start fresh")
+    if c.moe_bias_balance and not cfg.n_experts:
+        raise ValueError("--moe-bias-balance needs --n-experts")
 
 
 def check_batch_fits(config, n_windows):

@@ -34,6 +34,14 @@ class Config:
     rope_scaling: float
     tie_embeddings: bool
     norm_eps: float
+    n_experts: int  # mixture of experts
+    top_k: int
+    router: str
+    moe_aux_loss: float
+    moe_z_loss: float
+    capacity_factor: float
+    shared_experts: int
+    moe_bias_balance: float
     tokenizer: str  # data
     corpus: str
     text_field: str
@@ -51,6 +59,7 @@ class Config:
     seed: int
     tp: int  # parallelism
     pp: int
+    ep: int
     sequence_parallel: bool
     schedule: str
     virtual_stages: int
@@ -128,6 +137,19 @@ def parser():
                    help="llama: an LM head of its own instead of the token embedding")
     g.add_argument("--norm-eps", type=float, default=1e-5, help="epsilon of every LayerNorm / RMSNorm")
 
+    g = p.add_argument_group("mixture of experts (--arch llama; nanomega/moe.py, nanomega/ep.py)")
+    g.add_argument("--n-experts", type=int, default=0, help="routed SwiGLU experts per block (0: dense MLPs)")
+    g.add_argument("--top-k", type=int, default=2, help="experts per token")
+    g.add_argument("--router", default="mixtral", help="mixtral (top-k of the logits, softmax over k), deepseek "
+                   "(softmax over all, top-k, renormalized) or qwen (the same, not renormalized)")
+    g.add_argument("--moe-aux-loss", type=float, default=0.01, help="load-balancing loss coefficient (Switch)")
+    g.add_argument("--moe-z-loss", type=float, default=0.0, help="router z-loss coefficient (ST-MoE)")
+    g.add_argument("--capacity-factor", type=float, default=0.0, help="assignments per expert and sequence <= "
+                   "ceil(cf s k / E), the rest dropped (0: dropless)")
+    g.add_argument("--shared-experts", type=int, default=0, help="experts every token also runs through")
+    g.add_argument("--moe-bias-balance", type=float, default=0.0, help="DeepSeek-V3's auxiliary-loss-free "
+                   "balancing: the routing bias's step per optimizer step (0: off; DeepSeek-V3: 0.001)")
+
     g = p.add_argument_group("data")
     g.add_argument("--tokenizer", default="shakespeare-4k",
                    help="shakespeare-4k (ours), a tiktoken encoding available offline, or a .tiktoken file")
@@ -155,6 +177,7 @@ def parser():
     g = p.add_argument_group("parallelism")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (dp = world / (tp x pp))")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel size, carved out of dp (experts spread)")
     g.add_argument("--sequence-parallel", action="store_true", help="shard LayerNorm/dropout activations over tp")
     g.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved")
     g.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
@@ -260,4 +283,7 @@ def model_config(config, vocab_size=None):
                      alibi=config.alibi, embed_layernorm=config.embed_layernorm, arch=config.arch,
                      n_kv_head=config.n_kv_head, ffn_hidden=config.ffn_hidden, rope_theta=config.rope_theta,
                      rope_scaling=config.rope_scaling, tie_embeddings=config.tie_embeddings, norm_eps=config.norm_eps,
-                     make_vocab_size_divisible_by=128 * config.tp, attention=config.attention)
+                     make_vocab_size_divisible_by=128 * config.tp, attention=config.attention,
+                     n_experts=config.n_experts, top_k=config.top_k, router=config.router,
+                     moe_aux_loss=config.moe_aux_loss, moe_z_loss=config.moe_z_loss,
+                     capacity_factor=config.capacity_factor, shared_experts=config.shared_experts)

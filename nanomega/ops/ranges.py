@@ -19,9 +19,11 @@ def _at_least(lo):
 
 RULES = {  # flag: (whether value v is allowed under Config c, what it must be: formatted with c)
     **{name: _at_least(1) for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "grad_accum",
-                                       "max_steps", "eval_iters", "log_every", "tp", "pp")},
+                                       "max_steps", "eval_iters", "log_every", "tp", "pp", "ep", "top_k")},
     **{name: _at_least(0) for name in ("eval_every", "save_every", "keep_last", "max_skipped", "n_kv_head",
-                                       "ffn_hidden", "rank", "save_every_minutes", "weight_decay", "grad_clip")},
+                                       "ffn_hidden", "rank", "save_every_minutes", "weight_decay", "grad_clip",
+                                       "n_experts", "shared_experts", "capacity_factor", "moe_aux_loss", "moe_z_loss",
+                                       "moe_bias_balance")},
     "world": _at_least(1),
     # --warmup above --max-steps is allowed: the run only warms up (nothing non-finite), and a shared flag set
     # with a short --max-steps override (the tests' quick runs) does exactly that

@@ -1,0 +1,145 @@
+"""Expert parallelism: experts spread over the ranks of grid.ep; tokens travel to their experts and back (all-to-all).
+
+Idea (GShard; Megatron-Core's alltoall token dispatcher): ep ranks of a data-parallel group hold E/ep experts each
+(expert e on ep rank e // (E/ep)) and different tokens. After routing, each rank
+    permutes     its kept (token, expert) assignments into expert order (a stable sort by expert id)
+    counts       trades the rows per expert: an all-to-all of (ep, E/ep) int64 counts
+    dispatch     sends rank r the rows of r's experts: all_to_all_single with uneven splits (gloo has no list form)
+    computes     the rows it received, regrouped expert-major, one expert at a time (moe.py says why a loop)
+    combine      sends the results back (the splits swapped), unpermutes them and adds each, times its router
+                 weight, into its token's output row (index_add: a token's k experts summed)
+The backward of an all-to-all is the all-to-all with the splits swapped (AllToAll).
+Which group reduces which gradient (dist.layout: dp index d = e_out x ep + e):
+    dense weights   every dp rank holds them: reduced over grid.dp (dp_cp under context parallelism)
+    an expert       held by the dp/ep ranks with the same ep index (grid.edp); its gradient on one of them already
+                    sums the contributions of the tokens of all ep ranks (the all-to-all's backward brought them),
+                    so the sum over edp covers all dp ranks' tokens, and the mean over dp divides by dp = edp x ep
+    the norm        an expert counted once: summed over ep (different experts), and over edp when ZeRO shards it
+Bytes one rank sends per MoE layer and micro-batch (h hidden, 2 or 4 bytes per element, rows = its kept
+assignments to experts of other ranks, R = the rows it receives): forward (rows + R) h B (dispatch + combine),
+backward the same, + (ep - 1) E/ep 8 bytes of counts in forward (formulas.moe_all_to_all_bytes).
+Lesson: lessons/14-experts.md
+"""
+import contextlib
+
+import torch
+
+
+def is_expert(name):
+    """Whether the parameter `name` (its dense name) belongs to a routed expert: held by its ep rank only."""
+    return ".experts." in f".{name}"
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single over `axis` as a function of tensors: rows in_splits[i] to rank i, out_splits[i] from it."""
+
+    @staticmethod
+    def forward(ctx, x, axis, out_splits, in_splits):  # (sum in_splits, h) -> (sum out_splits, h)
+        ctx.axis, ctx.splits = axis, (out_splits, in_splits)
+        out = x.new_empty((sum(out_splits),) + x.shape[1:])
+        return axis.all_to_all(out, x.contiguous(), out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        out = grad.new_empty((sum(in_splits),) + grad.shape[1:])
+        return ctx.axis.all_to_all(out, grad.contiguous(), in_splits, out_splits), None, None, None
+
+
+def run_experts(rows, sizes, experts, first):
+    """rows (n, h) grouped by expert, sizes[j] rows for expert first + j -> (n, h): one expert at a time."""
+    return torch.cat([experts[str(first + j)](chunk) for j, chunk in enumerate(rows.split(sizes))])
+
+
+def dispatch_combine(x, experts, weights, keep, modules, n_experts, ep=None):
+    """sum_j weights[t, j] expert_{experts[t, j]}(x[t]) over the kept assignments. x (T, h); experts, weights,
+    keep (T, k) (keep None: dropless); modules: the experts this rank holds, by global index; ep: their Axis."""
+    T, k = experts.shape
+    token = torch.arange(T, device=x.device).repeat_interleave(k)  # (T k,): the token of each assignment
+    expert, weight = experts.reshape(-1), weights.reshape(-1)
+    if keep is not None:
+        kept = keep.reshape(-1)
+        token, expert, weight = token[kept], expert[kept], weight[kept]
+    order = torch.argsort(expert, stable=True)  # expert-major, token order inside: the same on every layout
+    token, expert, weight = token[order], expert[order], weight[order]
+    counts = torch.bincount(expert, minlength=n_experts)  # (E,) rows per expert
+    rows = x[token]  # (n, h) permuted; its backward scatter-adds into x's gradient
+    if ep is None or ep.size == 1:
+        out = run_experts(rows, counts.tolist(), modules, 0)
+    else:
+        out = exchange(rows, counts, modules, ep)
+    return torch.zeros_like(x).index_add(0, token, out * weight[:, None].to(out.dtype))
+
+
+def exchange(rows, counts, modules, ep):
+    """rows (n, h) in global expert order -> their experts' outputs (n, h), computed on the experts' ranks."""
+    local = counts.numel() // ep.size
+    send = counts.view(ep.size, local)  # (ep, E/ep): rows for each expert of each rank
+    recv = torch.empty_like(send)  # (ep, E/ep): rows each rank sends for each of my experts
+    ep.all_to_all(recv, send)
+    in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+    got = AllToAll.apply(rows, ep, out_splits, in_splits)  # source-major, then my experts
+    starts = (recv.flatten().cumsum(0) - recv.flatten()).view(ep.size, local).tolist()
+    sizes = recv.tolist()
+    regroup = [torch.arange(starts[r][j], starts[r][j] + sizes[r][j]) for j in range(local) for r in range(ep.size)]
+    regroup = torch.cat(regroup).to(rows.device) if regroup else torch.zeros(0, dtype=torch.long)
+    out = run_experts(got[regroup], recv.sum(0).tolist(), modules, ep.rank * local)  # expert-major
+    back = torch.empty_like(out).index_copy(0, regroup, out)  # source-major again
+    return AllToAll.apply(back, ep, in_splits, out_splits)
+
+
+def apply_expert_parallel(model, ep):
+    """Keep, in place, only the experts of ep rank ep.rank in every MoE layer (expert e on rank e // (E/ep)), and
+    give the layers the axis their tokens travel on. Call after tensor parallelism, on the meta model."""
+    for block in model.blocks.values():
+        moe = block.mlp
+        if not hasattr(moe, "experts"):
+            continue
+        local = moe.n_experts // ep.size
+        for key in list(moe.experts.keys()):
+            if int(key) // local != ep.rank:
+                del moe.experts[key]
+        moe.ep = ep
+    return model
+
+
+def check(n_experts, ep, dp):
+    """One line for an expert-parallel layout that cannot run."""
+    if ep > 1 and not n_experts:
+        raise ValueError(f"--ep {ep} needs experts to spread: add --n-experts (a multiple of {ep})")
+    if n_experts and n_experts % ep:
+        raise ValueError(f"--ep {ep} does not divide --n-experts {n_experts}; each ep rank holds n_experts / ep")
+    if dp % ep:
+        raise ValueError(f"--ep {ep} does not divide dp {dp} (world / (tp x pp)): ep is carved out of dp")
+
+
+def check_engine(experts, stage, offload):
+    """One line for what the ZeRO engine does not do with experts (raised before any collective)."""
+    if experts and stage == 3:
+        raise ValueError("--zero 3 with --n-experts: ZeRO-3's units are gathered over dp, the experts live on ep "
+                         "ranks; use --zero 0, 1 or 2")
+    if experts and offload:
+        raise ValueError("--offload with --n-experts is not built; leave out --offload")
+
+
+class Buckets:
+    """Several ddp.GradBuckets (the dense gradients over dp, the experts' over edp) as one."""
+
+    def __init__(self, parts):
+        self.parts = parts
+        self.progress = [state for part in parts for state in part.progress]
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        with contextlib.ExitStack() as stack:
+            for part in self.parts:
+                stack.enter_context(part.no_sync())
+            yield
+
+    def finish(self):
+        for part in self.parts:
+            part.finish()
+
+    def zero_grad(self):
+        for part in self.parts:
+            part.zero_grad()
