@@ -20,8 +20,8 @@ def one_step(corpus, out):
     captured = {}
     real = dist.Grid.__init__
 
-    def keep(self, *a):  # keep a handle on the grid train.main builds
-        real(self, *a)
+    def keep(self, *a, **kw):  # keep a handle on the grid train.main builds
+        real(self, *a, **kw)
         captured["grid"] = self
     dist.Grid.__init__ = keep
     train.main(argv)
@@ -52,8 +52,9 @@ if __name__ == "__main__":
         n = (stage > 0) + (stage < 1)  # pp = 2 here: both stages are end stages
         check(f"stage {stage}: pp bytes sent = m b s h x 4 x neighbours ({n}: an end stage)",
               r["bytes"][("send", "pp", "float32")], n * M * B * S * H * 4)
-        check(f"stage {stage}: dp all-reduce = 4 x stage params + 4 (loss) + 3 x 4 (the step-end vote: save, stop, "
-              f"a shard in flight)", r["bytes"][("all_reduce", "dp", "float32")], 4 * stage_params[stage] + 4 + 12)
+        check(f"stage {stage}: dp all-reduce = 4 x stage params + 4 (loss) + 4 x 4 (the step-end vote: save, stop, "
+              f"a shard in flight, non-finite weights)", r["bytes"][("all_reduce", "dp", "float32")],
+              4 * stage_params[stage] + 4 + 16)
         check(f"stage {stage}: tied embedding all-reduce = 4 V h", r["bytes"][("all_reduce", "emb", "float32")], 4 * V * H)
         check(f"stage {stage}: start-up check of the replicas' weights = dp x 2 fp64 x tensors",
               r["bytes"][("all_gather", "dp", "float64")], 2 * 2 * 8 * stage_tensors[stage])

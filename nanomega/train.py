@@ -323,7 +323,8 @@ def train_step(step, *, config, model, engine, grid, sampler, train_set, scaler,
     total, norm = torch.cat([loss.double(), square.sqrt()]).tolist()  # one host sync for both, before the update
     loss = total / grid.dp.size
     spike = guard.spike(loss)  # the same decision on every rank
-    info = engine.step(clip_norm=config.grad_clip or None, scaler=scaler, skip=guard.drops(spike), norm=norm)
+    info = engine.step(clip_norm=config.grad_clip or None, scaler=scaler, skip=guard.drops(spike), norm=norm,
+                       vote=True)  # the weights' finite check rides the step-boundary vote (saves.Saves)
     sampler.advance()
     guard.finished(step + 1, loss, info)  # --on-nan stop
     routing = moe.step_stats(model, grid)  # MoE: the step's aux loss and expert loads, the same on every rank

@@ -242,11 +242,13 @@ class ZeroEngine:
                                         self.groups[0].device,
                                         [piece.master.grad for piece in self.expert_pieces] if self.experts else None)
 
-    def step(self, clip_norm=None, scaler=None, skip=False, norm=None):
+    def step(self, clip_norm=None, scaler=None, skip=False, norm=None, vote=False):
         """reduce() (unless the caller did, and passes its norm read on the host), global norm, clip, step the
         owned pieces, write the parameters back (all-gather for stages 1-2), zero the gradients.
-        -> dict(grad_norm, stepped). skip=True drops the update (a loss spike, ops/guard.Spikes) like a
-        non-finite one."""
+        -> dict(grad_norm, stepped, finite). skip=True drops the update (a loss spike, ops/guard.Spikes) like a
+        non-finite one. vote=True: the masters' finite check is the caller's, in its step-boundary vote (one
+        host sync for both, train.py): info["nonfinite"] is this rank's count of non-finite masters on the
+        device, and the weights are written back regardless (a non-zero count stops the job before any save)."""
         if norm is None:
             norm = self.reduce(scaler).sqrt().item()
         stepped = math.isfinite(norm) or scaler is None
@@ -263,24 +265,33 @@ class ZeroEngine:
                     if done is not None:
                         done.synchronize()
                 written = self.offload.groups
-            finite = self.masters_finite()  # a finite gradient can still give inf/NaN weights (lr, decay, overflow)
+            # a finite gradient can still give inf/NaN weights (lr, decay, overflow)
+            nonfinite = self.nonfinite_masters() if vote else None
+            finite = vote or self.masters_finite()
             if finite:
                 self.write_back(skip=written)
         self.buckets.zero_grad()  # between steps ZeRO-3 holds no gradient at all
-        return dict(grad_norm=norm, stepped=stepped and finite, finite=finite)
+        info = dict(grad_norm=norm, stepped=stepped and finite, finite=finite)
+        return dict(info, nonfinite=nonfinite) if vote and stepped else info
 
-    def masters_finite(self):
-        """Whether every fp32 master weight of the job is finite, the same answer on every rank (the caller
-        must stop: the update cannot be undone without a copy of the masters and the optimizer state, 12 more
-        bytes per parameter). One read of this rank's masters -- aminmax: a NaN or an infinity reaches the min
-        or the max, no mask allocated -- and a 1-element all-reduce per axis, as the gradient norm's."""
+    def nonfinite_masters(self):
+        """This rank's count of non-finite fp32 masters: one read of them -- aminmax: a NaN or an infinity
+        reaches the min or the max, no mask allocated -- left on the device (1 element, fp32)."""
         bad = torch.zeros(1, device=self.groups[0].device)
         ends = [t.to(bad.device) for g in self.groups if g.master.numel() for t in torch.aminmax(g.master)]
         if ends:  # (offloaded masters: on the host)
             bad += (~torch.isfinite(torch.stack(ends))).sum()
-        for axis in ([self.axis] if self.norm_over_dp else []) + [self.grid.tp, self.grid.pp] + \
-                [self.grid.edp, self.grid.ep] * bool(self.experts):  # experts' masters differ per ep (edp) rank
-            axis.all_reduce(bad)  # dp only when the masters differ per dp rank (ZeRO-1..3), as the norm
+        return bad
+
+    def masters_finite(self):
+        """Whether every fp32 master weight of the job is finite, the same answer on every rank (the caller
+        must stop: the update cannot be undone without a copy of the masters and the optimizer state, 12 more
+        bytes per parameter): nonfinite_masters, then a 1-element all-reduce per axis, as the gradient norm's."""
+        bad = self.nonfinite_masters()
+        # dp only when the masters differ per dp rank (ZeRO-1..3), as the norm; else ep, whose experts differ
+        for axis in ([self.axis] if self.norm_over_dp else [self.grid.ep] if self.experts else []) + \
+                [self.grid.tp, self.grid.pp]:
+            axis.all_reduce(bad)
         return bad.item() == 0
 
     def write_back(self, skip=()):

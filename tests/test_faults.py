@@ -5,6 +5,7 @@ tests/test_lessons.py runs and asserts (bitwise-equal final weights); bench/kill
 import json
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,8 @@ def test_crash_during_checkpoint_write_keeps_previous(corpus, tmp_path, monkeypa
 def test_one_vote_per_step_boundary(grid, tmp_path, monkeypatch):
     """Issue 27 item 8: every step ended with up to three votes, each an all-reduce per grid axis and a blocking
     host sync (--save-every-minutes, the preemption signal, --async-save's shard in flight). Now one vote carries
-    all three: one all-reduce per axis (3: tp, pp, dp), one .tolist()."""
+    all three, and the weights' finite check after the update: one all-reduce per axis (3: tp, pp, dp), one
+    .tolist()."""
     from nanomega.model import GPTConfig
     from nanomega.ops import saves
     calls = []
@@ -81,7 +83,10 @@ def test_one_vote_per_step_boundary(grid, tmp_path, monkeypatch):
     s = saves.Saves(str(tmp_path), GPTConfig(), grid, {}, every=0, every_minutes=10, max_steps=100, async_save=True,
                     keep_last=0, resumed_from=None)
     try:
-        assert s.at_step_end(1, state=None, may_save=True, guard=None) is False  # nothing due, no signal
+        voted = []  # the guard's part: this rank's count of non-finite masters (0), then the verdict
+        guard = types.SimpleNamespace(vote=lambda: 0.0, weights_voted=voted.append)
+        assert s.at_step_end(1, state=None, may_save=True, guard=guard) is False  # nothing due, no signal
+        assert voted == [False]
     finally:
         s.saver.writer.shutdown()
     assert sorted(calls) == ["dp", "pp", "tp"], calls

@@ -129,8 +129,10 @@ def find_checkpoint(out_dir, cfg, *, resume, resume_from, max_steps, tokenizer=N
 
 def grid_votes(grid, *flags):
     """Each flag True on every rank if any rank says so: one all-reduce over the whole grid (per axis) and one
-    host sync for all of them -- the step-boundary votes behind every decision all ranks must take alike."""
-    t = torch.tensor([float(f) for f in flags], device=grid.device)
+    host sync for all of them -- the step-boundary votes behind every decision all ranks must take alike. A
+    flag may be a count still on the device (zero.ZeroEngine.nonfinite_masters): it is not read alone."""
+    t = torch.stack([f.reshape(()).float().to(grid.device) if torch.is_tensor(f) else
+                     torch.tensor(float(f), device=grid.device) for f in flags])
     for axis in (grid.tp, grid.pp, grid.dp):
         axis.all_reduce(t)
     return tuple(v > 0 for v in t.tolist())

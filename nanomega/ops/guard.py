@@ -35,7 +35,8 @@ class Guard:
         guard.spike(loss)         --on-spike's decision, the same on every rank (a vote unless warn)
         guard.drops(spike)        whether engine.step drops this update (--on-spike skip)
         guard.finished(step, loss, info)   --on-nan stop ends the run on a non-finite step; an update that
-                                  made the weights non-finite always ends it, before any save
+                                  made the weights non-finite always ends it, before any save (its count
+                                  rides the step-boundary vote: guard.vote, guard.weights_voted)
     and the loop, at the step boundary: guard.count(stepped, step) (--max-skipped), guard.may_save(),
     `with guard.saving(step) as wrap` around a save (the shard's writes are its beats), guard.paused() around
     an evaluation. Built after resume: the watchdog starts here."""
@@ -43,6 +44,7 @@ class Guard:
     def __init__(self, grid, spikes, *, on_nan, max_skipped, hang_timeout, out_dir, fault=None):
         self.grid, self.spikes, self.on_nan, self.fault, self.injected = grid, spikes, on_nan, fault, None
         self.skips, self.watchdog = Skips(max_skipped), Watchdog(grid, hang_timeout, out_dir)
+        self.nonfinite = (0, 0.0, None)  # (step, grad norm, this rank's count of non-finite masters or None)
 
     @property
     def lr_scale(self):
@@ -68,13 +70,25 @@ class Guard:
         return spike and self.spikes.policy == "skip"
 
     def finished(self, step, loss, info):
+        self.nonfinite = (step, info["grad_norm"], info.get("nonfinite"))  # the vote's: weights_voted
         if not info.get("finite", True):  # before the loop's save: a non-finite checkpoint is never written
-            raise FloatingPointError(f"step {step}: the update made the weights non-finite (grad norm "
-                                     f"{info['grad_norm']:.3g} was finite); stopped before saving, the last "
-                                     f"checkpoint is untouched: lower --lr or --weight-decay and --resume")
+            self.weights_voted(True)
         if self.on_nan == "stop" and not (info["stepped"] and math.isfinite(loss)):
             raise FloatingPointError(f"step {step}: loss {loss} / grad norm {info['grad_norm']} not finite; "
                                      f"stopping (--on-nan stop); the last checkpoint is untouched")
+
+    def vote(self):
+        """This step's count of non-finite masters for the step-boundary vote (Saves.at_step_end): 0 when the
+        engine checked them itself, or did not step."""
+        return self.nonfinite[2] if self.nonfinite[2] is not None else 0.0
+
+    def weights_voted(self, broken):
+        """The vote found non-finite weights on some rank: stop, before any save."""
+        if broken:
+            step, norm, _ = self.nonfinite
+            raise FloatingPointError(f"step {step}: the update made the weights non-finite (grad norm {norm:.3g} "
+                                     f"was finite); stopped before saving, the last checkpoint is untouched: lower "
+                                     f"--lr or --weight-decay and --resume")
 
     def count(self, stepped, step):
         self.skips.update(stepped, step)

@@ -44,8 +44,11 @@ class Saves:
         late = bool(self.every_minutes) and time.time() - self.last >= 60 * self.every_minutes  # clocks differ
         busy = self.saver is not None and self.saver.shard is not None and not self.saver.shard.done()
         # one vote, one host sync: save (any rank's clock says so), stop (a preemption signal), a shard still
-        # being written (the manifest waits) -- every rank must take each decision alike, or the next step hangs
-        due, preempted, busy = faults.grid_votes(self.grid, due or late, faults.preempt_requested(), busy)
+        # being written (the manifest waits), non-finite weights after the update -- every rank must take each
+        # decision alike, or the next step hangs
+        due, preempted, busy, broken = faults.grid_votes(self.grid, due or late, faults.preempt_requested(), busy,
+                                                         guard.vote())
+        guard.weights_voted(broken)  # stops before any save
         if self.saver:  # the manifest of a background save, once every rank has written its shard
             self.saver.poll(lambda _: busy)
         if self.copies:  # the copy of an older checkpoint goes once a newer one is complete
