@@ -173,11 +173,13 @@ class Embedding(nn.Module):
         self.wpe = None if cfg.alibi or cfg.arch == "llama" else nn.Embedding(cfg.block_size, cfg.n_embd)
         self.ln = nn.LayerNorm(cfg.n_embd) if cfg.embed_layernorm else None
         self.drop = nn.Dropout(cfg.dropout)
+        self.positions = None  # context parallelism (cp.py): this rank's tokens' positions; None: 0 .. s-1
 
     def forward(self, idx):  # (b, s) -> (b, s, h)
         x = self.wte(idx)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+            pos = self.positions
+            x = x + self.wpe(torch.arange(idx.shape[1], device=idx.device) if pos is None else pos.to(idx.device))
         if self.ln is not None:
             x = self.ln(x)
         return self.drop(x)
