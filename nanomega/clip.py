@@ -30,7 +30,7 @@ def counts(p, replica, grid, over_dp):
     """Whether this rank's piece of parameter p is its share of the global norm (the table above).
     replica: every dp rank holds this same piece; over_dp: the pieces differ per dp rank (ZeRO-1..3)."""
     return (grid.tp_rank == 0 or tp.is_tensor_parallel(p)) and not pp.is_shared_embedding_copy(p) \
-        and not (replica and over_dp and grid.dp_rank)
+        and not (replica and over_dp and grid.dp_cp.rank)
 
 
 def global_norm(grads, grid, over_dp, device):
@@ -40,7 +40,7 @@ def global_norm(grads, grid, over_dp, device):
     if norms:
         sq += torch.stack(norms).square().sum()
     if over_dp:
-        grid.dp.all_reduce(sq)
+        grid.dp_cp.all_reduce(sq)  # dp's Axis when cp = 1
     grid.tp.all_reduce(sq)
     grid.pp.all_reduce(sq)
     return sq.sqrt().item()

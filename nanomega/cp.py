@@ -51,6 +51,11 @@ def local(x, cp, rank, dim=1):
     return x.index_select(dim, positions(x.shape[dim], cp, rank).to(x.device))
 
 
+def split(tensors, axis):
+    """This cp rank's tokens of a batch's (b, s) tensors (ids, targets); the batch itself when cp = 1."""
+    return tensors if axis.size == 1 else tuple(local(t, axis.size, axis.rank) for t in tensors)
+
+
 def pairs_per_rank(cp, balanced=True):
     """[causal (query chunk, key chunk) pairs of rank c, for c in cp]: a diagonal pair is half a full one."""
     return [sum(1.0 if k < q else 0.5 if k == q else 0.0 for q in chunks_of(c, cp, balanced)
@@ -314,16 +319,14 @@ def check(cfg, cp, method, tp=1):
     """One line for what this context parallelism cannot do, raised before any collective."""
     if method not in METHODS:
         raise ValueError(f"--cp-method {method!r} is not one of {', '.join(METHODS)}")
-    if cp == 1:
-        return
-    if cfg.block_size % (2 * cp):
+    if cp > 1 and cfg.block_size % (2 * cp):
         raise ValueError(f"--cp {cp} needs --block-size {cfg.block_size} divisible by 2 x cp = {2 * cp} "
                          f"(each rank holds a head and a tail chunk)")
-    if cfg.alibi or cfg.dropout > 0:
+    if cp > 1 and (cfg.alibi or cfg.dropout > 0):
         raise ValueError("--cp with --alibi or --dropout > 0: the context-parallel attention core has no ALiBi "
                          "bias and no attention dropout; leave them out")
     kv = max(1, cfg.kv_heads // tp)  # this rank's key/value heads (tp replicates a group when tp > n_kv)
-    if method == "ulysses" and (cfg.n_head // tp % cp or kv % cp):
+    if cp > 1 and method == "ulysses" and (cfg.n_head // tp % cp or kv % cp):
         raise ValueError(f"--cp-method ulysses needs --cp {cp} to divide the heads per tp rank: n_head/tp = "
                          f"{cfg.n_head // tp}, key/value heads {kv}; use --cp-method ring or allgather")
 

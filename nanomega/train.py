@@ -29,7 +29,7 @@ import torch
 if __package__ in (None, ""):  # `python nanomega/train.py`: make the package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nanomega import data, dist, flash, fused, meta, pp, precision, recompute, rng, schedules, tp, zero
+from nanomega import cp, data, dist, flash, fused, meta, pp, precision, recompute, rng, schedules, tp, zero
 from nanomega.model import GPT, SHAPE_KEYS
 from nanomega.ops import checks, faults, flags, health, meter, saves
 from nanomega.ops.guard import Guard, Spikes
@@ -68,6 +68,7 @@ def build(config, cfg, grid):
     tracker = rng.model_parallel_seed(config.seed, grid)
     if grid.tp.size > 1:
         tp.apply_tensor_parallel(model, grid.tp, config.sequence_parallel, tracker)
+    cp.apply_context_parallel(model, grid.cp, config.cp_method)  # attention over the cp axis; positions per chunk
     shared = None
     if grid.pp.size > 1:
         pp.build_stage(model, grid, config.virtual_stages)
@@ -114,7 +115,8 @@ def to_device(tensors, device):
 
 def activation_shape(config, grid):
     """What flows between pipeline stages: (b, s, h), or (b, s/tp, h) with sequence parallelism."""
-    s = config.block_size // grid.tp.size if config.sequence_parallel else config.block_size
+    s = config.block_size // grid.cp.size  # this cp rank's tokens
+    s = s // grid.tp.size if config.sequence_parallel else s
     return (config.batch_size, s, config.n_embd)
 
 
@@ -128,7 +130,7 @@ def evaluate(model, grid, val_set, config):
     n = min(len(val_set), config.eval_iters * config.batch_size * config.grad_accum * grid.dp.size)
     idx = torch.randperm(len(val_set), generator=torch.Generator().manual_seed(config.seed))[:n].numpy()
     mine = idx[grid.dp_rank * n // grid.dp.size:(grid.dp_rank + 1) * n // grid.dp.size]
-    batches = [to_device(val_set.get(mine[i:i + config.batch_size]), grid.device)
+    batches = [to_device(cp.split(val_set.get(mine[i:i + config.batch_size]), grid.cp), grid.device)
                for i in range(0, len(mine), config.batch_size)]
     if not batches:  # fewer windows than dp ranks: this one has none
         loss = 0.0
@@ -138,7 +140,8 @@ def evaluate(model, grid, val_set, config):
         loss = pp.sequence_mean(torch.stack([model(x, y) for x, y in batches]), [len(x) for x, _ in batches])
     model.train()
     total = torch.tensor([loss * len(mine)], dtype=torch.float64, device=grid.device)
-    return grid.dp.all_reduce(total).item() / n  # n >= 1: data.TokenDataset refuses a split shorter than a window
+    # cp ranks hold equal shares of each window's tokens: their means averaged (dp_cp is dp when cp = 1)
+    return grid.dp_cp.all_reduce(total).item() / (n * grid.cp.size)  # n >= 1: data.TokenDataset refuses a split shorter than a window
 
 
 def main(argv=None):
@@ -176,7 +179,7 @@ def train(config):
     spikes = Spikes(config.on_spike, config.spike_threshold, config.rollback_lr_factor)
     layout = dict(dp=config.dp, tp=config.tp, pp=config.pp, zero=config.zero, dtype=config.dtype,
                   tokenizer=config.tokenizer, tokenizer_sha256=tokenizer[1], virtual_stages=config.virtual_stages,
-                  sequence_parallel=config.sequence_parallel)
+                  sequence_parallel=config.sequence_parallel, **({"cp": config.cp} if config.cp > 1 else {}))
     copies = flash.Copies(config.out_dir, grid.rank) if config.flash_restore else None  # shared-memory copies
     step = resume(resume_from, cfg, grid, layout, engine=engine, scaler=scaler, spikes=spikes, sampler=sampler, log=log,
                   copies=copies)
@@ -220,7 +223,7 @@ def dry_run(config):
     (tools/cost.py). Returns dict(engine=..., planner=..., groups, pieces, dp, seconds)."""
     config = checks.check(config)
     cfg = flags.model_config(config)
-    grid = meta.PaperGrid(config.dp, config.pp, config.tp, config.rank)
+    grid = meta.PaperGrid(config.dp, config.pp, config.tp, config.rank, cp=config.cp)
     t0 = time.perf_counter()
     _, engine, _ = build(config, cfg, grid)
     for piece in engine.pieces:  # Adam's state appears at its first step: take one on meta (no values)
@@ -228,7 +231,7 @@ def dry_run(config):
     engine.optimizer.step()
     held, seconds = engine.memory_bytes(), time.perf_counter() - t0
     model = cost.Model.from_shape({k: getattr(cfg, k) for k in SHAPE_KEYS})
-    planned = cost.rank_state_bytes(model, config.tp, config.pp, config.dp, config.zero, config.dtype,
+    planned = cost.rank_state_bytes(model, config.tp, config.pp, config.dp * config.cp, config.zero, config.dtype,
                                     config.virtual_stages)[grid.pp_rank]
     planned = dict(zip(("params", "grads", "optimizer"), planned))
     print(f"dry run: rank {grid.rank} of tp {config.tp} x pp {config.pp} x dp {config.dp} (tp {grid.tp_rank}, "
@@ -247,8 +250,8 @@ def check_memory(config, cfg):
     rank: one rank's parameter, gradient and optimizer bytes as the planner counts them (tools/cost.py; the
     activations come on top) against its share of memory: its GPU's, or the host's split among its ranks."""
     model = cost.Model.from_shape({k: getattr(cfg, k) for k in SHAPE_KEYS})
-    need = max(map(sum, cost.rank_state_bytes(model, config.tp, config.pp, config.dp, config.zero, config.dtype,
-                                              config.virtual_stages)))
+    need = max(map(sum, cost.rank_state_bytes(model, config.tp, config.pp, config.dp * config.cp, config.zero,
+                                              config.dtype, config.virtual_stages)))
     if dist.default_device(config.device).type == "cuda":
         have, where = torch.cuda.get_device_properties(0).total_memory, "a GPU's"
     else:
@@ -265,7 +268,7 @@ def start(config, cfg):
     """torch.distributed, the device's matmul mode, the rank grid, and --health-check before anything else."""
     device = dist.init(config.device, config.collective_timeout)
     precision.set_tf32(device, config.tf32)
-    grid = dist.Grid(config.dp, config.pp, config.tp)
+    grid = dist.Grid(config.dp, config.pp, config.tp, cp=config.cp)
     if config.health_check:
         health.gate(grid)
     if grid.rank == grid.world - 1 and config.model:
@@ -303,14 +306,14 @@ def train_step(step, *, config, model, engine, grid, sampler, train_set, scaler,
     lr = lr_at(step, config) * guard.lr_scale
     engine.set_lr(lr)
     micro = sampler.local_micro_batches(sampler.step, grid.dp_rank, grid.dp.size, config.batch_size, config.grad_accum)
-    batches = [to_device(train_set.get(idx), grid.device) for idx in micro]
+    batches = [to_device(cp.split(train_set.get(idx), grid.cp), grid.device) for idx in micro]  # the same windows on cp
     trace = schedules.Trace(grid.pp_rank) if grid.pp.size > 1 and step == min(1, config.max_steps - 1) else None
     with guard.forward_backward(model, step + 1, data_step=sampler.step + 1):
         loss = forward_backward(model, engine, grid, batches, config, loss_scale=scaler.scale, trace=trace)
     if trace and grid.dp_rank == 0 and grid.tp_rank == 0:  # step 1's pipeline timeline, for nanomega.tools.plot
         save_trace(trace, config.out_dir)
     loss = guard.reported(torch.as_tensor(loss, dtype=torch.float32, device=grid.device).reshape(1))
-    loss = grid.dp.all_reduce(loss).item() / grid.dp.size  # the step's one device sync
+    loss = grid.dp_cp.all_reduce(loss).item() / grid.dp_cp.size  # the step's one device sync (cp: token means)
     spike = guard.spike(loss)  # the same decision on every rank
     info = engine.step(clip_norm=config.grad_clip or None, scaler=scaler, skip=guard.drops(spike))
     sampler.advance()

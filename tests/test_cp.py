@@ -13,16 +13,27 @@ End to end: losses, gradients and (after AdamW) the weight matrices within tests
 zero-initialized bias is left out of the weights: Adam moves each element by ~lr g/|g|, and an element whose
 gradient is a cancelling sum (over cp ranks or over the batch) has no relative bound of its own (test_tp's key bias).
 """
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from nanomega import cp, dist, formulas, tp
+from nanomega import cp, dist, formulas, tp, train
 from nanomega.model import GPT, GPTConfig
 from tolerance import layout_rtol, likely
 
 B, H, KV, S, HD = 2, 4, 2, 32, 8  # the attention operation's shapes: grouped-query, 2 query heads per key head
 STEPS = 3
+CORPUS_CHARS = 100_000  # of the embedded corpus, for conftest's `corpus`
+COMMON = ["--n-layer", "2", "--n-head", "4", "--n-embd", "32", "--block-size", "32", "--dropout", "0", "--batch-size",
+          "2", "--max-steps", "4", "--warmup", "1", "--lr", "3e-3", "--eval-every", "4", "--eval-iters", "1",
+          "--log-every", "100", "--peak-flops", "1e11", "--save-every", "0"]
+TRAIN = {"cp2 x tp2, zero 1, selective recompute": ["--cp", "2", "--tp", "2", "--zero", "1", "--recompute", "selective"],
+         "cp2 x dp2 allgather, zero 2": ["--cp", "2", "--cp-method", "allgather", "--zero", "2"],
+         "cp4 ring": ["--cp", "4"],
+         "cp2 x pp2 ulysses": ["--cp", "2", "--pp", "2", "--cp-method", "ulysses"]}  # each with --global-batch 4
 
 
 def _err(a, b):
@@ -180,3 +191,28 @@ def test_bad_layouts_give_one_clear_line():
         cp.check(_config(), 2, "tree")
     with pytest.raises(ValueError, match=r"^--cp with --alibi or --dropout > 0"):
         cp.check(_config(dropout=0.1), 2, "ring")
+
+
+def _run(corpus, out, *extra):
+    """train.main's per-step losses (and last validation loss) from metrics.jsonl."""
+    train.main([*COMMON, "--corpus", str(corpus), "--data-cache", str(Path(out).parent / "cache"), "--out-dir",
+                str(out), *extra])
+    rows = [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
+    return [r["loss"] for r in rows if "loss" in r] + [r["val_loss"] for r in rows if "val_loss" in r][-1:]
+
+
+def _train_world(corpus, root):
+    return {name: _run(corpus, Path(root) / name.replace(" ", "_").replace(",", ""), "--global-batch", "4", *flags)
+            for name, flags in TRAIN.items()}
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_training_equals_one_process(corpus, tmp_path):
+    """train.py with a cp axis (composed with tp, dp/ZeRO over dp_cp, recompute, pipeline stages) against one
+    process: the same windows, the loss the token mean over whole sequences -- equal within layout_rtol."""
+    dense = _run(corpus, tmp_path / "dense", "--global-batch", "4")
+    assert dense[3] < dense[0] - 0.05  # it trains: the comparison can tell curves apart
+    got = dist.launch(_train_world, 4, corpus, str(tmp_path), timeout=300)[3]  # the last rank logs
+    tol = layout_rtol(5, 4096, 128, 2)
+    for name in TRAIN:
+        assert got[name] == pytest.approx(dense, rel=tol), name
