@@ -216,3 +216,15 @@ def test_training_equals_one_process(corpus, tmp_path):
     tol = layout_rtol(5, 4096, 128, 2)
     for name in TRAIN:
         assert got[name] == pytest.approx(dense, rel=tol), name
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--cp", "3"], "world size 4 is not divisible by --tp 1 x --pp 1 x --cp 3; launch a multiple of 3 processes"),
+    (["--cp", "2", "--tp", "2", "--cp-method", "ulysses"], "--cp-method ulysses needs --cp 2 to divide the heads"),
+    (["--cp", "4", "--block-size", "12"], "--cp 4 needs --block-size 12 divisible by 2 x cp = 8")])
+def test_train_flags_refused_before_any_collective(argv, message, monkeypatch, tmp_path):
+    from nanomega.ops import checks, flags
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError) as err:
+        checks.check(flags.parse([*argv, "--n-head", "2", "--n-embd", "32", "--out-dir", str(tmp_path)]))
+    assert message in str(err.value) and "\n" not in str(err.value)
