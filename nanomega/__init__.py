@@ -3,7 +3,7 @@
 Read the concepts in the lessons' order (lessons/README.md); each module's docstring gives its Idea, its
 Formula and its lesson:
 
-    00  dist.py                  the rank grid (dp, pp, tp) and the Axis every collective goes through, in bytes
+    00  dist.py                  the rank grid (dp, pp, cp, tp) and the Axis every collective goes through, in bytes
     01  model.py                 the dense GPT: the reference every sharded form is tested against
         modern.py                the Llama block's pieces: rotary positions, RMSNorm, SwiGLU, grouped-query (lesson 13)
         data.py                  text -> tokens -> this rank's resumable batches
@@ -25,6 +25,7 @@ Formula and its lesson:
     10  checkpoint.py, reshard.py  sharded checkpoints; any layout loads any other
         flash.py                 each rank's newest shard also in shared memory: a restart reads it from there
     11  formulas.py              the closed forms (FLOPs, bytes, activations) the planner and the tests use
+    15  cp.py                    context parallelism: ring, all-gather and Ulysses attention over a cp axis
 
 Beside the concepts, two folders a student may skip:
     ops/    running a job: flags and their checks, failure handling, health check, meter (MFU, memory)

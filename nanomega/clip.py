@@ -32,7 +32,7 @@ def counts(p, replica, grid, over_dp):
     """Whether this rank's piece of parameter p is its share of the global norm (the table above).
     replica: every dp rank holds this same piece; over_dp: the pieces differ per dp rank (ZeRO-1..3)."""
     return (grid.tp_rank == 0 or tp.is_tensor_parallel(p)) and not pp.is_shared_embedding_copy(p) \
-        and not (replica and over_dp and grid.dp_rank)
+        and not (replica and over_dp and grid.dp_cp.rank)
 
 
 def global_norm(grads, grid, over_dp, device, expert_grads=None):
@@ -46,7 +46,7 @@ def global_norm_squared(grads, grid, over_dp, device, expert_grads=None):
     loss, in the step's one host sync before the update (train.train_step). Each expert counted once."""
     sq = square_sum(grads, device)
     if over_dp:
-        grid.dp.all_reduce(sq)
+        grid.dp_cp.all_reduce(sq)  # dp's Axis when cp = 1
     if expert_grads is not None:
         experts = square_sum(expert_grads, device)
         if over_dp:

@@ -186,6 +186,25 @@ def tp_comm_bytes_per_layer(b, s, h, t, dtype_bytes=2, sequence_parallel=False, 
     return forward + backward + (forward if recompute == "full" else 0)
 
 
+def cp_comm_bytes_per_layer(method, c, b, s, hd, heads, kv_heads, dtype_bytes=2, grad_bytes=4):
+    """(forward, backward) bytes one rank puts on the wire in one layer's attention under context parallelism
+    over c ranks (cp.py), s the whole sequence, heads/kv_heads this rank's (after tp). B_kv = b (s/c) n_kv hd:
+    ring       K and V sent c-1 times forward; backward K/V again and their gradients c times (home included)
+    allgather  all-gather of K and V ((c-1)/c of c shards); backward the gather again + a reduce-scatter of dK/dV
+    ulysses    all-to-all (c-1)/c of q, k, v and the output forward; the conjugates backward
+    The gradients travel in grad_bytes (fp32: cp.py accumulates dK/dV in fp32 whatever the model dtype)."""
+    if c == 1:
+        return 0, 0
+    kv = 2 * b * (s // c) * kv_heads * hd  # K and V of this rank's tokens, elements
+    if method == "ring":
+        return (c - 1) * kv * dtype_bytes, (c - 1) * kv * grad_bytes + c * kv * grad_bytes
+    if method == "allgather":
+        return (c - 1) * kv * dtype_bytes, (c - 1) * kv * (dtype_bytes + grad_bytes)
+    q = b * (s // c) * heads * hd
+    moved = (c - 1) * (2 * q + kv) * dtype_bytes // c
+    return moved, moved
+
+
 def pp_comm_bytes(b, s, h, t, dtype_bytes, micro_batches, v=1):
     """Activation forward, its gradient backward, per micro-batch and model chunk; each TP rank sends its 1/t
     slice (SP shards it anyway; without SP, Megatron's scatter/gather optimisation, Narayanan et al. 2021)."""

@@ -319,3 +319,10 @@ def apply_fused(gpt: nn.Module) -> bool:
         if hasattr(module, "swiglu"):  # modern.GatedMLP and any tensor-parallel MLP built like it
             module.swiglu = swiglu
     return True
+
+
+def apply_fused_softmax(gpt: nn.Module) -> None:
+    """--attention fused: only the eager attention core's scale-mask-softmax becomes the fused kernel."""
+    for module in gpt.modules():
+        if hasattr(module, "scale_mask_softmax"):
+            module.scale_mask_softmax = causal_softmax

@@ -57,8 +57,7 @@ class GPTConfig:
     tie_embeddings: bool = True  # the LM head is the token embedding (GPT-2, Llama 3.2 1B) or its own matrix
     norm_eps: float = 1e-5
     make_vocab_size_divisible_by: int = 128  # Megatron pads V so each TP shard is a multiple of 128
-    # eager: the explicit softmax the lessons teach and count bytes of; train.py's --attention defaults to sdpa
-    attention: str = "eager"  # sdpa (F.scaled_dot_product_attention), eager, fused (eager + the fused softmax)
+    attention: str = "eager"  # eager (the lessons' explicit softmax; train.py's default: sdpa), sdpa, fused
     n_experts: int = 0  # mixture of experts (moe.py; llama): each MLP becomes E routed SwiGLU experts of width ffn
     top_k: int = 2
     router: str = "mixtral"  # mixtral: top-k of the logits, softmax over k; deepseek (renormalized), qwen: top-k of E
@@ -179,11 +178,13 @@ class Embedding(nn.Module):
         self.wpe = None if cfg.alibi or cfg.arch == "llama" else nn.Embedding(cfg.block_size, cfg.n_embd)
         self.ln = nn.LayerNorm(cfg.n_embd) if cfg.embed_layernorm else None
         self.drop = nn.Dropout(cfg.dropout)
+        self.positions = None  # this rank's tokens' positions under context parallelism (cp.py); None: 0 .. s-1
 
     def forward(self, idx):  # (b, s) -> (b, s, h)
         x = self.wte(idx)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+            pos = torch.arange(idx.shape[1], device=idx.device) if self.positions is None else self.positions
+            x = x + self.wpe(pos.to(idx.device))
         if self.ln is not None:
             x = self.ln(x)
         return self.drop(x)
@@ -308,9 +309,8 @@ class Head(nn.Module):
 
 
 def cross_entropy(logits, targets, vocab_size=None):
-    """Mean token loss in fp32 (BLOOM: never the loss in half precision); -1 marks ignored targets.
-    The padded vocabulary rows (ids >= vocab_size, there only so tp can split V) are left out of the softmax:
-    no token is ever one, so the loss is GPT-2's over its 50,257 tokens, not over 50,304."""
+    """Mean token loss in fp32 (BLOOM: never the loss in half precision); -1 marks ignored targets. The padded
+    vocabulary rows (there only so tp can split V) are left out: GPT-2's loss over 50,257 tokens, not 50,304."""
     return F.cross_entropy(logits[..., :vocab_size].float().flatten(0, -2), targets.flatten(), ignore_index=-1)
 
 

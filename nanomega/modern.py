@@ -59,6 +59,7 @@ class Rotary:
     def __init__(self, head_dim, theta=10000.0, scaling=1.0):
         self.inv_freq = rope_frequencies(head_dim, theta, scaling)  # (hd/2,)
         self.tables = {}  # (device, dtype) -> (cos, sin), each (s_max, hd)
+        self.positions = None  # context parallelism (cp.py): this rank's tokens' positions (CPU); None: 0 .. s-1
 
     def table(self, s, device, dtype):
         cos_sin = self.tables.get((device, dtype))
@@ -69,7 +70,10 @@ class Rotary:
         return cos_sin[0][:s], cos_sin[1][:s]
 
     def __call__(self, x):  # (b, heads, s, hd) -> the same, rotated
-        cos, sin = self.table(x.shape[-2], x.device, x.dtype)
+        pos = self.positions
+        cos, sin = self.table(x.shape[-2] if pos is None else int(pos.max()) + 1, x.device, x.dtype)
+        if pos is not None:  # the rows of this rank's chunks
+            cos, sin = cos[pos.to(x.device)], sin[pos.to(x.device)]
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 

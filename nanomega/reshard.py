@@ -62,7 +62,7 @@ def export_by_name(engine, copies=False, copy=True):
     out, grid = [], engine.grid
     take = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())
     for piece in held(engine):
-        if not copies and piece.replica and grid.dp_rank != 0:
+        if not copies and piece.replica and grid.dp_cp.rank != 0:  # one of the dp x cp replicas
             continue
         p = piece.group.params[piece.index] if piece.group else None
         if not copies and p is not None and p is engine.shared and not grid.first_stage:

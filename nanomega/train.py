@@ -29,7 +29,7 @@ import torch
 if __package__ in (None, ""):  # `python nanomega/train.py`: make the package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nanomega import data, dist, ep, flash, fused, meta, moe, pp, precision, recompute, rng, schedules, tp, zero
+from nanomega import cp, data, dist, ep, flash, fused, meta, moe, pp, precision, recompute, rng, schedules, tp, zero
 from nanomega.model import GPT, SHAPE_KEYS
 from nanomega.ops import checks, faults, flags, health, meter, saves
 from nanomega.ops.guard import Guard, Spikes
@@ -70,6 +70,7 @@ def build(config, cfg, grid):
         tp.apply_tensor_parallel(model, grid.tp, config.sequence_parallel, tracker)
     if cfg.n_experts:  # this ep rank's experts only (ep.py)
         ep.apply_expert_parallel(model, grid.ep)
+    cp.apply_context_parallel(model, grid.cp, config.cp_method)  # attention over the cp axis; positions per chunk
     shared = None
     if grid.pp.size > 1:
         pp.build_stage(model, grid, config.virtual_stages)
@@ -78,17 +79,14 @@ def build(config, cfg, grid):
     if config.fused:
         fused.apply_fused(model)
     if config.attention == "fused":  # the eager core with our fused scale-mask-softmax kernel
-        for module in model.modules():
-            if hasattr(module, "scale_mask_softmax"):
-                module.scale_mask_softmax = fused.causal_softmax
+        fused.apply_fused_softmax(model)
     precision.cast_model(model, precision.parse_dtype(config.dtype))
     init = meta.Init(cfg, config.seed, grid.tp_rank, grid.tp.size)  # the dense init, seen from this tp rank
     meta.materialize(model, init, grid.device, params=False)  # buffers; the engine draws the parameters
     if config.compile:  # per block, as torchtitan: small graphs compile fast; names and hooks of the module stay
         for block in model.blocks.values():
             block.compile()
-    # fused AdamW on CUDA: one kernel for all tensors (foreach: several per line of the formula); the CPU keeps
-    # foreach, whose arithmetic every test and fingerprint of this project was recorded with
+    # fused AdamW on CUDA (one kernel for all tensors); the CPU keeps foreach, the arithmetic of every fingerprint
     options = dict(betas=(0.9, 0.95), fused=True) if grid.device.type == "cuda" else dict(betas=(0.9, 0.95))
     engine = zero.ZeroEngine(model, torch.optim.AdamW, zero.weight_decay_groups(config.weight_decay, **options),
                              grid, config.zero, shared=shared, values=init.values, offload=config.offload,
@@ -121,7 +119,8 @@ def to_device(tensors, device):
 
 def activation_shape(config, grid):
     """What flows between pipeline stages: (b, s, h), or (b, s/tp, h) with sequence parallelism."""
-    s = config.block_size // grid.tp.size if config.sequence_parallel else config.block_size
+    s = config.block_size // grid.cp.size  # this cp rank's tokens
+    s = s // grid.tp.size if config.sequence_parallel else s
     return (config.batch_size, s, config.n_embd)
 
 
@@ -135,7 +134,7 @@ def evaluate(model, grid, val_set, config):
     n = min(len(val_set), config.eval_iters * config.batch_size * config.grad_accum * grid.dp.size)
     idx = torch.randperm(len(val_set), generator=torch.Generator().manual_seed(config.seed))[:n].numpy()
     mine = idx[grid.dp_rank * n // grid.dp.size:(grid.dp_rank + 1) * n // grid.dp.size]
-    batches = [to_device(val_set.get(mine[i:i + config.batch_size]), grid.device)
+    batches = [to_device(cp.split(val_set.get(mine[i:i + config.batch_size]), grid.cp), grid.device)
                for i in range(0, len(mine), config.batch_size)]
     if not batches:  # fewer windows than dp ranks: this one has none
         loss = 0.0
@@ -145,7 +144,8 @@ def evaluate(model, grid, val_set, config):
         loss = pp.sequence_mean(torch.stack([model(x, y) for x, y in batches]), [len(x) for x, _ in batches])
     model.train()
     total = torch.tensor([loss * len(mine)], dtype=torch.float64, device=grid.device)
-    return grid.dp.all_reduce(total).item() / n  # n >= 1: data.TokenDataset refuses a split shorter than a window
+    # cp ranks hold equal shares of each window's tokens: their means averaged (dp_cp is dp when cp = 1)
+    return grid.dp_cp.all_reduce(total).item() / (n * grid.cp.size)  # n >= 1: data.TokenDataset refuses a split shorter than a window
 
 
 def main(argv=None):
@@ -183,7 +183,7 @@ def train(config):
     spikes = Spikes(config.on_spike, config.spike_threshold, config.rollback_lr_factor)
     layout = dict(dp=config.dp, tp=config.tp, pp=config.pp, ep=config.ep, zero=config.zero, dtype=config.dtype,
                   tokenizer=config.tokenizer, tokenizer_sha256=tokenizer[1], virtual_stages=config.virtual_stages,
-                  sequence_parallel=config.sequence_parallel)
+                  sequence_parallel=config.sequence_parallel, **({"cp": config.cp} if config.cp > 1 else {}))
     copies = flash.Copies(config.out_dir, grid.rank) if config.flash_restore else None  # shared-memory copies
     step = resume(resume_from, cfg, grid, layout, engine=engine, scaler=scaler, spikes=spikes, sampler=sampler, log=log,
                   copies=copies)
@@ -227,7 +227,7 @@ def dry_run(config):
     (tools/cost.py). Returns dict(engine=..., planner=..., groups, pieces, dp, seconds)."""
     config = checks.check(config)
     cfg = flags.model_config(config)
-    grid = meta.PaperGrid(config.dp, config.pp, config.tp, config.rank)
+    grid = meta.PaperGrid(config.dp, config.pp, config.tp, config.rank, cp=config.cp)
     t0 = time.perf_counter()
     _, engine, _ = build(config, cfg, grid)
     for piece in engine.pieces:  # Adam's state appears at its first step: take one on meta (no values)
@@ -235,7 +235,7 @@ def dry_run(config):
     engine.optimizer.step()
     held, seconds = engine.memory_bytes(), time.perf_counter() - t0
     model = cost.Model.from_shape({k: getattr(cfg, k) for k in SHAPE_KEYS})
-    planned = cost.rank_state_bytes(model, config.tp, config.pp, config.dp, config.zero, config.dtype,
+    planned = cost.rank_state_bytes(model, config.tp, config.pp, config.dp * config.cp, config.zero, config.dtype,
                                     config.virtual_stages)[grid.pp_rank]
     planned = dict(zip(("params", "grads", "optimizer"), planned))
     print(f"dry run: rank {grid.rank} of tp {config.tp} x pp {config.pp} x dp {config.dp} (tp {grid.tp_rank}, "
@@ -254,8 +254,8 @@ def check_memory(config, cfg):
     rank: one rank's parameter, gradient and optimizer bytes as the planner counts them (tools/cost.py; the
     activations come on top) against its share of memory: its GPU's, or the host's split among its ranks."""
     model = cost.Model.from_shape({k: getattr(cfg, k) for k in SHAPE_KEYS})
-    need = max(map(sum, cost.rank_state_bytes(model, config.tp, config.pp, config.dp, config.zero, config.dtype,
-                                              config.virtual_stages)))
+    need = max(map(sum, cost.rank_state_bytes(model, config.tp, config.pp, config.dp * config.cp, config.zero,
+                                              config.dtype, config.virtual_stages)))
     if dist.default_device(config.device).type == "cuda":
         have, where = torch.cuda.get_device_properties(0).total_memory, "a GPU's"
     else:
@@ -272,7 +272,7 @@ def start(config, cfg):
     """torch.distributed, the device's matmul mode, the rank grid, and --health-check before anything else."""
     device = dist.init(config.device, config.collective_timeout)
     precision.set_tf32(device, config.tf32)
-    grid = dist.Grid(config.dp, config.pp, config.tp, ep=config.ep)
+    grid = dist.Grid(config.dp, config.pp, config.tp, cp=config.cp, ep=config.ep)
     if config.health_check:
         health.gate(grid)
     if grid.rank == grid.world - 1 and config.model:
@@ -311,17 +311,17 @@ def train_step(step, *, config, model, engine, grid, sampler, train_set, scaler,
     lr = lr_at(step, config) * guard.lr_scale
     engine.set_lr(lr)
     micro = sampler.local_micro_batches(sampler.step, grid.dp_rank, grid.dp.size, config.batch_size, config.grad_accum)
-    batches = [to_device(train_set.get(idx), grid.device) for idx in micro]
+    batches = [to_device(cp.split(train_set.get(idx), grid.cp), grid.device) for idx in micro]  # the same windows on cp
     trace = schedules.Trace(grid.pp_rank) if grid.pp.size > 1 and step == min(1, config.max_steps - 1) else None
     with guard.forward_backward(model, step + 1, data_step=sampler.step + 1):
         loss = forward_backward(model, engine, grid, batches, config, loss_scale=scaler.scale, trace=trace)
     if trace and grid.dp_rank == 0 and grid.tp_rank == 0:  # step 1's pipeline timeline, for nanomega.tools.plot
         save_trace(trace, config.out_dir)
-    loss = grid.dp.all_reduce(guard.reported(torch.as_tensor(loss, dtype=torch.float32, device=grid.device)
-                                             .reshape(1)))
+    loss = grid.dp_cp.all_reduce(guard.reported(torch.as_tensor(loss, dtype=torch.float32, device=grid.device)
+                                                .reshape(1)))  # cp: the token mean of the whole sequence
     square = engine.reduce(scaler)  # the gradient norm's square, on the device
     total, norm = torch.cat([loss.double(), square.sqrt()]).tolist()  # one host sync for both, before the update
-    loss = total / grid.dp.size
+    loss = total / grid.dp_cp.size
     spike = guard.spike(loss)  # the same decision on every rank
     info = engine.step(clip_norm=config.grad_clip or None, scaler=scaler, skip=guard.drops(spike), norm=norm,
                        vote=True)  # the weights' finite check rides the step-boundary vote (saves.Saves)

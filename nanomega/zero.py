@@ -95,7 +95,8 @@ def weight_decay_groups(weight_decay, **options):
 
 
 class ZeroEngine:
-    """Owns the gradient buffers, the fp32 master weights and the optimizer of `model` over grid.dp.
+    """Owns the gradient buffers, the fp32 master weights and the optimizer of `model` over grid.dp_cp
+    (the replicas of a weight: dp, and cp, whose ranks hold the same weights and other tokens of the sequences).
 
     optim: optimizer kwargs (one group), or param_groups_fn(named trainable params) -> [dict(params=[names],
     **options)]. wrap (stage 3): the modules gathered as units (default zero3.default_wrap). replicate
@@ -128,7 +129,7 @@ class ZeroEngine:
         values = values if grid.device.type != "meta" else None  # a dry run: shapes only, nothing to draw
         device = grid.device if values is not None else None  # else: where the parameters are
         specs = self._param_groups(optim, trainable)  # before ZeRO-3 swaps the parameters for empty tensors
-        self.module, self.grid, self.axis, self.stage, self.shared = model, grid, grid.dp, stage, shared
+        self.module, self.grid, self.axis, self.stage, self.shared = model, grid, grid.dp_cp, stage, shared
         row = STAGE[stage]  # the one place the stage's row is read
         self.sharded, groups = None, []
         if row.parameters:  # ZeRO-3: units of shards (zero3.py); the replicated parameters in buckets below

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from nanomega import data, dist, ep, moe, pp, precision, recompute, tp, zero
+from nanomega import cp, data, dist, ep, moe, pp, precision, recompute, tp, zero
 from nanomega.ops import faults, guard, presets, ranges
 from nanomega.ops.flags import model_config, parser
 
@@ -33,11 +33,13 @@ def check(config):
     if not c.dry_run and (c.rank or c.world is not None):
         raise ValueError("--rank and --world are for --dry-run (torchrun sets both for a real run); add --dry-run "
                          "or leave them out")
-    world = (c.world or c.tp * c.pp) if c.dry_run else world_size()
-    if world % (c.tp * c.pp):
-        raise ValueError(f"world size {world} is not divisible by --tp {c.tp} x --pp {c.pp}; "
-                         f"launch a multiple of {c.tp * c.pp} processes")
-    dp, grad_accum = world // (c.tp * c.pp), c.grad_accum
+    model_ranks = c.tp * c.pp * c.cp  # the ranks one replica of the model spans
+    world = (c.world or model_ranks) if c.dry_run else world_size()
+    if world % model_ranks:
+        cp_flag = f" x --cp {c.cp}" if c.cp > 1 else ""
+        raise ValueError(f"world size {world} is not divisible by --tp {c.tp} x --pp {c.pp}{cp_flag}; "
+                         f"launch a multiple of {model_ranks} processes")
+    dp, grad_accum = world // model_ranks, c.grad_accum
     if c.global_batch is not None:  # the global batch is the invariant; accumulation follows the world
         per_step = c.batch_size * dp
         if c.global_batch < 1 or c.global_batch % per_step:
@@ -54,6 +56,10 @@ def check(config):
     check_experts(c, cfg, dp)
     tp.check_tensor_parallel(cfg, c.tp, c.sequence_parallel)
     pp.check_args(c.n_layer, c.pp, grad_accum, c.schedule, c.virtual_stages)
+    cp.check(cfg, c.cp, c.cp_method, c.tp)
+    if c.cp > 1 and c.sequence_parallel and (c.block_size // c.cp) % c.tp:
+        raise ValueError(f"--cp {c.cp} with --sequence-parallel needs --block-size / cp = {c.block_size // c.cp} "
+                         f"divisible by --tp {c.tp}")
     if c.compile and c.zero == 3:
         raise ValueError("--compile with --zero 3: ZeRO-3's hooks free and re-gather parameter storage inside "
                          "each block, which torch.compile cannot trace; use --zero 2 or leave out --compile")
@@ -81,9 +87,10 @@ def check_experts(c, cfg, dp):
     moe.check(cfg)
     ep.check(cfg.n_experts, c.ep, dp)
     ep.check_engine(cfg.n_experts, c.zero, c.offload)
-    if cfg.n_experts and c.sequence_parallel:
-        raise ValueError("--sequence-parallel with --n-experts: the router would see 1/tp of each sequence; leave "
-                         "out --sequence-parallel")
+    if cfg.n_experts and (c.sequence_parallel or c.cp > 1):
+        flag = "--sequence-parallel" if c.sequence_parallel else f"--cp {c.cp}"
+        raise ValueError(f"{flag} with --n-experts: the router and its per-sequence balance loss would see part of "
+                         f"each sequence; leave out {flag}")
     if cfg.n_experts and c.resume:
         raise ValueError("--resume with --n-experts: restoring (and resharding) experts is not built yet; start fresh")
     if c.moe_bias_balance and not cfg.n_experts:

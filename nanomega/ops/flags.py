@@ -61,6 +61,8 @@ class Config:
     pp: int
     ep: int
     sequence_parallel: bool
+    cp: int
+    cp_method: str
     schedule: str
     virtual_stages: int
     zero: int
@@ -99,7 +101,7 @@ class Config:
     dry_run: bool  # dry run
     rank: int
     world: int | None
-    # derived by check: dp = world / (tp x pp); the tokenizer's vocabulary; --inject-fault as (kind, rank, step);
+    # derived by check: dp = world / (tp x pp x cp); the tokenizer's vocabulary; --inject-fault as (kind, rank, step);
     # (and in the fields above: grad_accum from --global-batch, global_batch, hang_timeout's default, resume)
     dp: int = 1
     vocab_size: int = 4096
@@ -179,6 +181,10 @@ def parser():
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (dp = world / (tp x pp))")
     g.add_argument("--ep", type=int, default=1, help="expert-parallel size, carved out of dp (experts spread)")
     g.add_argument("--sequence-parallel", action="store_true", help="shard LayerNorm/dropout activations over tp")
+    g.add_argument("--cp", type=int, default=1, help="context-parallel size: each sequence split over cp ranks, "
+                   "attention included (nanomega/cp.py; dp = world / (tp x pp x cp))")
+    g.add_argument("--cp-method", default="ring", help="ring (K/V passed rank to rank), allgather (Llama 3's) or "
+                   "ulysses (all-to-all to head shards: cp must divide the heads per tp rank)")
     g.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved")
     g.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
     g.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3 (0: plain data parallelism)")

@@ -19,7 +19,7 @@ def _at_least(lo):
 
 RULES = {  # flag: (whether value v is allowed under Config c, what it must be: formatted with c)
     **{name: _at_least(1) for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "grad_accum",
-                                       "max_steps", "eval_iters", "log_every", "tp", "pp", "ep", "top_k")},
+                                       "max_steps", "eval_iters", "log_every", "tp", "pp", "ep", "top_k", "cp")},
     **{name: _at_least(0) for name in ("eval_every", "save_every", "keep_last", "max_skipped", "n_kv_head",
                                        "ffn_hidden", "rank", "save_every_minutes", "weight_decay", "grad_clip",
                                        "n_experts", "shared_experts", "capacity_factor", "moe_aux_loss", "moe_z_loss",
