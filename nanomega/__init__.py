@@ -12,6 +12,7 @@ Formula and its lesson:
         zero.py                  ZeRO-1/2: the optimizer over this rank's pieces
         zero3.py                 ZeRO-3: parameter units gathered on demand
         clip.py                  the global gradient norm over dp, tp and pp: each element counted once
+        offload.py               ZeRO-Offload: optimizer state (and ZeRO-3's parameter shards) in host memory
     03  tp.py, rng.py            tensor parallelism (Megatron's f/g) and its dropout RNG
         tp_loss.py               the cross-entropy of vocabulary-split logits: no rank holds them all
     04  tp.py                    sequence parallelism (the same file: all-gather / reduce-scatter for f/g)
@@ -25,10 +26,12 @@ Formula and its lesson:
     10  checkpoint.py, reshard.py  sharded checkpoints; any layout loads any other
         flash.py                 each rank's newest shard also in shared memory: a restart reads it from there
     11  formulas.py              the closed forms (FLOPs, bytes, activations) the planner and the tests use
+    14  moe.py                   mixture of experts: the router, balancing, capacity, shared experts
+        ep.py                    expert parallelism: tokens to their experts' ranks and back (all-to-all)
     15  cp.py                    context parallelism: ring, all-gather and Ulysses attention over a cp axis
 
 Beside the concepts, two folders a student may skip:
     ops/    running a job: flags and their checks, failure handling, health check, meter (MFU, memory)
     tools/  commands around training: planner, HF interchange, plots, sampling, corpus and tokenizer preparation
-Imports point down: tools -> ops -> concepts; model.py imports only modern.py, which imports nothing of ours.
+Imports point down: tools -> ops -> concepts; model.py imports only modern.py and moe.py (the block's pieces).
 """
