@@ -6,14 +6,16 @@ below on this machine's CPU, draws them with nanomega.tools.plot and writes less
     python scripts/figures.py 07_memory_recompute.png   # only these figures (and only the runs they draw)
 
 RUNS are train.py command lines; FIGURES say which runs each picture overlays and which of nanomega.tools.plot's files
-(loss.png, throughput.png, timeline_<run>.png) it keeps, under which name. tests/test_figures.py checks that the
-lessons and the README reference exactly these files and that every run's flags pass train.py's checks.
+(loss.png, throughput.png, timeline_<run>.png) it keeps, under which name; SCRIPTED: figures a lesson's experiment
+draws. tests/test_figures.py checks that the lessons and the README reference exactly these files and that every
+run's flags pass train.py's checks.
 Timings in the throughput panels are this CPU's (the script prints which one): read them next to it.
 Needs the `plot` extra (matplotlib).
 """
 import argparse
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -74,6 +76,9 @@ FIGURES = {
                             ["dense", "dp2-zero1", "tp2-sp", "pp2-1f1b"], "loss.png"),
 }
 
+# figures a lesson's own experiment draws (`python SCRIPT --figure PATH`), not from training runs
+SCRIPTED = {"14_expert_loads.png": "lessons/14_experts.py"}
+
 
 def flags(name, root):
     """train.py's command line of run `name`, its out-dir under root; one token cache shared by all runs."""
@@ -114,28 +119,31 @@ def draw(root, figures, folder=FOLDER):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("figures", nargs="*", help=f"only these (default: all): {', '.join(FIGURES)}")
+    p.add_argument("figures", nargs="*", help=f"only these (default: all): {', '.join([*FIGURES, *SCRIPTED])}")
     p.add_argument("--keep", default=None, help="keep the runs' out-dirs here (default: a temporary folder)")
     args = p.parse_args(argv)
-    unknown = sorted(set(args.figures) - set(FIGURES))
+    unknown = sorted(set(args.figures) - set(FIGURES) - set(SCRIPTED))
     if unknown:
-        sys.exit(f"scripts/figures.py: no figure {', '.join(unknown)}; choose from {', '.join(FIGURES)}")
+        sys.exit(f"scripts/figures.py: no figure {', '.join(unknown)}; choose from {', '.join([*FIGURES, *SCRIPTED])}")
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         sys.exit("scripts/figures.py needs matplotlib: pip install 'nanomega[plot]'")
     root = Path(args.keep or tempfile.mkdtemp(prefix="figures-"))
-    figures = args.figures or list(FIGURES)
+    chosen = args.figures or [*FIGURES, *SCRIPTED]
+    figures, scripted = [f for f in chosen if f in FIGURES], [f for f in chosen if f in SCRIPTED]
     runs = [name for name in RUNS if any(name in FIGURES[f][0] for f in figures)]
     t0 = time.time()
     try:
         train_all(root, runs)
         draw(root, figures)
+        for figure in scripted:
+            subprocess.run([sys.executable, str(ROOT / SCRIPTED[figure]), "--figure", str(FOLDER / figure)], check=True)
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
-    print(f"{len(figures)} figures ({len(runs)} runs) in {time.time() - t0:.0f} s on {fused.cpu_summary()}, "
-          f"{os.cpu_count()} cores")
+    print(f"{len(figures) + len(scripted)} figures ({len(runs)} runs) in {time.time() - t0:.0f} s on "
+          f"{fused.cpu_summary()}, {os.cpu_count()} cores")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def referenced():
 
 def test_documents_show_exactly_the_scripts_figures():
     refs = referenced()
-    made = set(figures.FIGURES)
+    made = set(figures.FIGURES) | set(figures.SCRIPTED)
     assert sorted(set(refs) - made) == [], "shown but not made by scripts/figures.py"
     assert sorted(made - set(refs)) == [], "made by scripts/figures.py but shown nowhere"
     on_disk = {p.name for p in figures.FOLDER.glob("*.png")}
@@ -49,6 +49,11 @@ def test_documents_show_exactly_the_scripts_figures():
 def test_the_reference_scan_can_fail(tmp_path):
     text = "![a](figures/x.png) and ![b](../lessons/figures/y.png)"
     assert IMAGE.findall(text) == ["figures/x.png", "../lessons/figures/y.png"]
+
+
+def test_scripted_figures_come_from_a_lesson_script_with_a_figure_flag():
+    for name, script in figures.SCRIPTED.items():
+        assert "--figure" in (ROOT / script).read_text() and name not in figures.FIGURES, name
 
 
 def test_every_figure_draws_runs_the_script_trains():
