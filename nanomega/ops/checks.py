@@ -84,8 +84,6 @@ def check_experts(c, cfg, dp):
     if cfg.n_experts and c.sequence_parallel:
         raise ValueError("--sequence-parallel with --n-experts: the router would see 1/tp of each sequence; leave "
                          "out --sequence-parallel")
-    if cfg.n_experts and c.resume:
-        raise ValueError("--resume with --n-experts: restoring (and resharding) experts is not built yet; start fresh")
     if c.moe_bias_balance and not cfg.n_experts:
         raise ValueError("--moe-bias-balance needs --n-experts")
 
