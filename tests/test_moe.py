@@ -11,6 +11,9 @@ Claims, each its own test (two spawned worlds shared by all: one rank for the re
     all-to-all  the bytes Axis counted for one micro-batch = formulas.moe_all_to_all_bytes of its routing
     capacity    the dropless run drops nothing; capacity factor 1 drops some assignments, identically in every layout
     bias        DeepSeek-V3's bias alone (lr 0, aux loss 0) drives the loads toward uniform
+    recompute   --recompute full and selective: losses, norms, aux losses and loads bitwise those without (the same
+                kernels on the same shapes; the statistics booked in backward, once, however often the forward ran;
+                a booking per forward doubles the loads); full recompute also under ep2 x pp2 (the all-to-alls rerun)
 Tolerance: layout_rtol with V = 256, width 64 (the expert hidden f), depth 2 x 4 + 1, STEPS steps.
 """
 import dataclasses
@@ -34,7 +37,7 @@ CAPACITY = BASE + ["--capacity-factor", "1.0", "--router", "deepseek", "--shared
 # (name, flags, dp, pp, tp, ep, batch-size, grad-accum): GLOBAL = batch x accum x dp sequences per step
 LAYOUTS = [("dp4-ep2-zero1", DROPLESS, 4, 1, 1, 2, 1, 2, 1),
            ("dp2-ep2-tp2", DROPLESS, 2, 1, 2, 2, 2, 2, 0),
-           ("dp2-ep2-pp2", CAPACITY, 2, 2, 1, 2, 2, 2, 1)]
+           ("dp2-ep2-pp2", CAPACITY + ["--recompute", "full"], 2, 2, 1, 2, 2, 2, 1)]
 
 
 def batch():
@@ -93,7 +96,17 @@ def references():
     """World of one: each config with one micro-batch of 8, and the dropless one with four of 2 (accumulation);
     the bias-balancing run."""
     return dict(dropless=run(DROPLESS, 1, 1, 1, 1, GLOBAL, 1, 0), capacity=run(CAPACITY, 1, 1, 1, 1, GLOBAL, 1, 0),
-                accum=run(DROPLESS, 1, 1, 1, 1, 2, 4, 0), bias=balancing())
+                accum=run(DROPLESS, 1, 1, 1, 1, 2, 4, 0), bias=balancing(),
+                full=run(CAPACITY + ["--recompute", "full"], 1, 1, 1, 1, 2, 4, 0), rerun=whole_rerun(),
+                selective=run(DROPLESS + ["--recompute", "selective"], 1, 1, 1, 1, GLOBAL, 1, 0),
+                accum_capacity=run(CAPACITY, 1, 1, 1, 1, 2, 4, 0))
+
+
+def whole_rerun():
+    """Full recompute with torch's early stop off: the backward reruns each block's forward to its end (the MoE's
+    statistics included), as Megatron's recompute does; early stop would end the rerun at the last saved tensor."""
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        return run(CAPACITY + ["--recompute", "full"], 1, 1, 1, 1, 2, 4, 0)
 
 
 def layouts():
@@ -184,6 +197,13 @@ def test_bias_balancing_drives_loads_toward_uniform(worlds):
     off, on = spread[0.0], spread[max(spread)]
     assert off[0] == on[0] and math.isclose(off[-1], off[0])  # same start; without the bias nothing moves
     assert on[-1] < 1 + 0.5 * (on[0] - 1), on  # the imbalance (max/mean - 1) at least halved
+
+
+def test_recompute_changes_nothing(worlds):
+    ref, _ = worlds
+    for mode, want in (("full", ref["accum_capacity"]), ("rerun", ref["accum_capacity"]), ("selective", ref["dropless"])):
+        for key in ("losses", "norms", "aux", "loads"):
+            assert ref[mode][key] == want[key], (mode, key, ref[mode][key], want[key])
 
 
 def test_mixtral_round_trip_logits():
