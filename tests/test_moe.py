@@ -226,3 +226,33 @@ def test_mixtral_round_trip_logits():
     rows = {"embed.wte.weight": cfg.vocab_size, "head.lm_head.weight": cfg.vocab_size}  # below the vocab padding
     assert all(torch.equal(back[k][:rows.get(k)], w[:rows.get(k)]) for k, w in ours.state_dict().items() if k in back)
     assert len(back) == len(weights)
+
+
+def test_mixtral_folder_through_the_hf_command_line(tmp_path, capsys):
+    """`python -m nanomega.tools.hf import` of a Mixtral folder -> a step-0 checkpoint holding its weights bitwise;
+    `export` of that checkpoint -> a Mixtral folder with the same logits; load_pretrained reads it (within 1e-4);
+    a checkpoint routed with --moe-bias-balance's biases is refused (a Mixtral has no field for them)."""
+    transformers = pytest.importorskip("transformers")
+    from nanomega import checkpoint, reshard
+    from nanomega.model import GPTConfig
+    from nanomega.tools import hf, hf_moe
+    cfg = GPTConfig(vocab_size=200, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=48,
+                    arch="llama", n_experts=4, top_k=2, tie_embeddings=False, attention="eager")
+    src, out, dst = tmp_path / "src", tmp_path / "ckpt", tmp_path / "dst"
+    theirs = hf_moe.to_hf({k: v.detach() for k, v in GPT(cfg, seed=3).named_parameters()}, cfg)
+    theirs.save_pretrained(src)
+    hf.main(["import", str(src), "--out-dir", str(out)])
+    assert "--n-experts 4" in capsys.readouterr().out  # the flags that resume it (model.SHAPE_KEYS)
+    _, back = hf_moe.from_hf(theirs)
+    saved = reshard.full_weights(checkpoint.latest(out))
+    assert saved.keys() == back.keys() and all(torch.equal(saved[k], back[k]) for k in back)
+    hf.main(["export", "--out-dir", str(out), "--to", str(dst)])
+    idx = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    again = transformers.MixtralForCausalLM.from_pretrained(dst, local_files_only=True).eval()
+    with torch.no_grad():
+        want = theirs(idx).logits
+        assert torch.equal(again(idx).logits, want)
+        assert (hf.load_pretrained(dst)(idx)[..., :cfg.vocab_size] - want).abs().max().item() < 1e-4
+    with pytest.raises(ValueError, match="--moe-bias-balance"):
+        hf_moe.check(cfg, torch.tensor([[0.0, 0.001, 0.0, 0.0]]))
+    hf_moe.check(cfg, torch.zeros(2, 4))
