@@ -8,6 +8,7 @@ One spawned world of 2 (dp2 ep2: each rank holds 2 of the 4 experts), three runs
                state sharded over dp): losses within tolerance.layout_rtol of `full` (the expert gradients are
                summed in another order), the routing biases equal (integer loads: the same routing)
     pp2        the same at pp 2 (each stage restores and saves its own layer's bias: a table gathered over pp)
+tools/sample.py loads the biases with the weights (a model routed without them samples otherwise).
 Saving at ZeRO-0 also checks that an expert held by dp rank 1 is saved (its replicas are its edp ranks).
 """
 import json
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as td
 
 from nanomega import checkpoint, dist, reshard, train
+from nanomega.tools import sample
 from tolerance import layout_rtol
 
 CORPUS_CHARS = 100_000
@@ -71,3 +73,5 @@ def test_moe_resume_bitwise_and_reshard_to_ep1(corpus, tmp_path):
         assert abs(ep1[s] - full[s]) <= RTOL * full[s], (s, ep1, full, RTOL)
         assert abs(pp2[s] - full[s]) <= RTOL * full[s], (s, pp2, full, RTOL)
     assert w_ep1.keys() == w_full.keys() and torch.equal(b_ep1, b_full) and torch.equal(b_pp2, b_full)
+    model, _ = sample.load_model(tmp_path / "full")  # sampling routes as training did: the biases come along
+    assert torch.equal(torch.stack([model.blocks[str(i)].mlp.expert_bias for i in range(2)]), b_full)
