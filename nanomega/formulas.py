@@ -52,8 +52,13 @@ def moe_layer_params(h, f, a, n_kv, n_experts, top_k, shared=0, t=1):
     """(total, active per token) parameters of one MoE Llama block on one TP rank: attention and norms as
     llama_layer_params, E experts of 3hf (split by t), the (E, h) router (replicated), shared experts 3hf each;
     a token uses k routed experts."""
-    base = llama_layer_params(h, 0, a, n_kv, t) + n_experts * h + shared * 3 * h * f // t
-    return base + n_experts * 3 * h * f // t, base + top_k * 3 * h * f // t
+    base = llama_layer_params(h, 0, a, n_kv, t) + n_experts * h + moe_expert_params(h, f, shared, t)
+    return base + moe_expert_params(h, f, n_experts, t), base + moe_expert_params(h, f, top_k, t)
+
+
+def moe_expert_params(h, f, n_experts, t=1):
+    """n_experts SwiGLU experts of width f on one TP rank: gate, up and down 3hf each, split by t."""
+    return n_experts * 3 * h * f // t
 
 
 def moe_all_to_all_bytes(rows_out, rows_in, h, elem_bytes, ep, experts_per_rank):

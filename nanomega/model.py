@@ -34,7 +34,7 @@ from .modern import RMSNorm, Rotary, ffn_hidden
 # (set by --tp, undone by resharding) are not part of it.
 SIZES = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
 SHAPE_KEYS = SIZES + ("alibi", "embed_layernorm", "arch", "n_kv_head", "ffn_hidden", "rope_theta", "rope_scaling",
-                      "tie_embeddings", "norm_eps")
+                      "tie_embeddings", "norm_eps", "n_experts", "top_k", "shared_experts")
 ARCHS = ("gpt2", "llama")
 ATTENTION = ("sdpa", "eager", "fused")
 

@@ -215,3 +215,25 @@ def update_bias(model, loads, rate):
     for i, moe in layers(model).items():
         load = loads[i].to(moe.expert_bias.device)
         moe.expert_bias += rate * torch.sign(load.mean() - load).to(moe.expert_bias.dtype)
+
+
+@torch.no_grad()
+def bias_table(model, grid):
+    """Collective over pp: every MoE layer's DeepSeek-V3 bias as one (n_layer, E) fp32 table on the CPU, the same
+    on every rank (each stage fills its own layers' rows; a layer lives on one stage), so that a checkpoint
+    resumed under another pp, ep, tp or dp size finds every layer's bias in any one shard. None without experts."""
+    if not model.cfg.n_experts:
+        return None
+    table = torch.zeros(model.cfg.n_layer, model.cfg.n_experts, dtype=torch.float32, device=grid.device)
+    for i, moe in layers(model).items():
+        table[i] = moe.expert_bias.float()  # bf16 -> fp32: exact, and back on restore
+    return grid.pp.all_reduce(table).cpu()
+
+
+@torch.no_grad()
+def load_bias_table(model, table):
+    """The rows of bias_table's table for the MoE layers this rank holds (a checkpoint without one: left as is)."""
+    if table is None:
+        return
+    for i, moe in layers(model).items():
+        moe.expert_bias.copy_(table[i])

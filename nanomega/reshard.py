@@ -20,7 +20,7 @@ from collections import defaultdict
 
 import torch
 
-from nanomega import checkpoint, pp, tp
+from nanomega import checkpoint, ep, pp, tp
 from nanomega.flat import Piece
 from nanomega.model import GPTConfig
 
@@ -57,13 +57,14 @@ def held(engine):
 def export_by_name(engine, copies=False, copy=True):
     """This rank's share of every parameter by name: [dict(name, shape, start, end, master (fp32), state
     {key: 1-D slice, or the scalar})]. Over the job each parameter is exported once: dp replicas (dp rank
-    > 0) and the last pipeline stage's copy of the tied embedding export nothing, unless copies=True.
-    copy=False: the tensors are views of live buffers (fp32 models), to be copied before the next step."""
+    > 0; a routed expert's: edp rank > 0) and the last pipeline stage's copy of the tied embedding export
+    nothing, unless copies=True. copy=False: the tensors are views of live buffers (fp32 models), to be copied
+    before the next step."""
     out, grid = [], engine.grid
     take = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())
     for piece in held(engine):
-        if not copies and piece.replica and grid.dp_cp.rank != 0:  # one of the dp x cp replicas
-            continue
+        if not copies and piece.replica and (grid.edp.rank if ep.is_expert(piece.name) else grid.dp_cp.rank) != 0:
+            continue  # one of the dp x cp replicas; a routed expert's are its edp ranks (dp peers hold others: ep.py)
         p = piece.group.params[piece.index] if piece.group else None
         if not copies and p is not None and p is engine.shared and not grid.first_stage:
             continue

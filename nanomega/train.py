@@ -33,7 +33,7 @@ from nanomega import cp, data, dist, ep, flash, fused, meta, moe, pp, precision,
 from nanomega.model import GPT, SHAPE_KEYS
 from nanomega.ops import checks, faults, flags, health, meter, saves
 from nanomega.ops.guard import Guard, Spikes
-from nanomega.tools import corpus, cost
+from nanomega.tools import corpus, cost, cost_moe
 
 
 def lr_at(step, config):
@@ -144,8 +144,8 @@ def evaluate(model, grid, val_set, config):
         loss = pp.sequence_mean(torch.stack([model(x, y) for x, y in batches]), [len(x) for x, _ in batches])
     model.train()
     total = torch.tensor([loss * len(mine)], dtype=torch.float64, device=grid.device)
-    # cp ranks hold equal shares of each window's tokens: their means averaged (dp_cp is dp when cp = 1)
-    return grid.dp_cp.all_reduce(total).item() / (n * grid.cp.size)  # n >= 1: data.TokenDataset refuses a split shorter than a window
+    # cp ranks: equal shares of each window's tokens, means averaged; n >= 1 (TokenDataset refuses less)
+    return grid.dp_cp.all_reduce(total).item() / (n * grid.cp.size)
 
 
 def main(argv=None):
@@ -227,7 +227,7 @@ def dry_run(config):
     (tools/cost.py). Returns dict(engine=..., planner=..., groups, pieces, dp, seconds)."""
     config = checks.check(config)
     cfg = flags.model_config(config)
-    grid = meta.PaperGrid(config.dp, config.pp, config.tp, config.rank, cp=config.cp)
+    grid = meta.PaperGrid(config.dp, config.pp, config.tp, config.rank, cp=config.cp, ep=config.ep)
     t0 = time.perf_counter()
     _, engine, _ = build(config, cfg, grid)
     for piece in engine.pieces:  # Adam's state appears at its first step: take one on meta (no values)
@@ -235,8 +235,8 @@ def dry_run(config):
     engine.optimizer.step()
     held, seconds = engine.memory_bytes(), time.perf_counter() - t0
     model = cost.Model.from_shape({k: getattr(cfg, k) for k in SHAPE_KEYS})
-    planned = cost.rank_state_bytes(model, config.tp, config.pp, config.dp * config.cp, config.zero, config.dtype,
-                                    config.virtual_stages)[grid.pp_rank]
+    planned = cost_moe.rank_state_bytes(model, config.tp, config.pp, config.dp * config.cp, config.zero, config.dtype,
+                                        config.virtual_stages, ep=config.ep)[grid.pp_rank]  # experts / ep
     planned = dict(zip(("params", "grads", "optimizer"), planned))
     print(f"dry run: rank {grid.rank} of tp {config.tp} x pp {config.pp} x dp {config.dp} (tp {grid.tp_rank}, "
           f"stage {grid.pp_rank}, dp {grid.dp_rank}), ZeRO-{config.zero}, {config.dtype}: built on meta in "
@@ -254,8 +254,8 @@ def check_memory(config, cfg):
     rank: one rank's parameter, gradient and optimizer bytes as the planner counts them (tools/cost.py; the
     activations come on top) against its share of memory: its GPU's, or the host's split among its ranks."""
     model = cost.Model.from_shape({k: getattr(cfg, k) for k in SHAPE_KEYS})
-    need = max(map(sum, cost.rank_state_bytes(model, config.tp, config.pp, config.dp * config.cp, config.zero,
-                                              config.dtype, config.virtual_stages)))
+    need = max(map(sum, cost_moe.rank_state_bytes(model, config.tp, config.pp, config.dp * config.cp, config.zero,
+                                                  config.dtype, config.virtual_stages, ep=config.ep)))  # experts / ep
     if dist.default_device(config.device).type == "cuda":
         have, where = torch.cuda.get_device_properties(0).total_memory, "a GPU's"
     else:

@@ -34,6 +34,7 @@ TRAIN = [
     (["--data-cache", "{file}"], "error: --data-cache {file}: {file} is a file, not a directory"),
     (["--n-embd", "10000000"], "GB per rank for its weights, gradients and optimizer state alone, more than"),
     (["--tp", "3"], "error: world size 2 is not divisible by --tp 3 x --pp 1"),
+    (["--n-experts", "4", "--ep", "2"], "error: --n-experts replaces the Llama block's SwiGLU MLP by experts"),
 ]
 
 
@@ -124,3 +125,30 @@ def test_bad_tool_input_is_one_line(tmp_path, argv, want):
     p = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and len(p.stderr.strip().splitlines()) == 1 and want in p.stderr, p.stderr[-2000:]
     assert time.perf_counter() - t0 < 20 and sorted(tmp_path.iterdir()) == []
+
+
+# The pure checks (ops/checks.py), in-process: each refusal is one ValueError line naming the flag, raised before
+# any collective (a row costs milliseconds; TRAIN above shows, once per kind, that such a line is what rank 0
+# prints and rank 1 keeps quiet). (flags after TINY, WORLD_SIZE, the line)
+MOE = ["--arch", "llama", "--n-experts", "4"]
+CHECKS = [
+    (["--n-experts", "4"], 1, "--n-experts replaces the Llama block's SwiGLU MLP by experts; add --arch llama"),
+    ([*MOE, "--ep", "3"], 3, "--ep 3 does not divide --n-experts 4"),
+    ([*MOE, "--ep", "2"], 1, "--ep 2 does not divide dp 1"),
+    (["--arch", "llama", "--ep", "2"], 2, "--ep 2 needs experts to spread: add --n-experts"),
+    ([*MOE, "--zero", "3"], 2, "--zero 3 with --n-experts"),
+    ([*MOE, "--zero", "1", "--offload", "1"], 1, "--offload with --n-experts is not built"),
+    ([*MOE, "--tp", "2", "--sequence-parallel"], 2, "--sequence-parallel with --n-experts"),
+    (["--arch", "llama", "--moe-bias-balance", "0.01"], 1, "--moe-bias-balance needs --n-experts"),
+    (["--arch", "llama", "--shared-experts", "1"], 1, "--shared-experts needs --n-experts"),
+    ([*MOE, "--top-k", "5"], 1, "--top-k 5 in [1, n_experts]"),
+]
+
+
+@pytest.mark.parametrize("extra,world,want", CHECKS, ids=[" ".join(e) for e, _, _ in CHECKS])
+def test_bad_moe_flags_are_one_line_from_the_checks(extra, world, want, monkeypatch):
+    from nanomega.ops import checks, flags
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ValueError) as refused:
+        checks.check(flags.parse([*TINY, "--device", "cpu", *extra]))
+    assert want in str(refused.value) and len(str(refused.value).splitlines()) == 1, str(refused.value)

@@ -284,7 +284,7 @@ REFUSED = {  # name: (what config.json or tokenizer.json says, a word of the one
     "rope-type": (dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)),
                   "rope_type 'yarn'"),
     "llama3-constants": (dict(rope_scaling=dict(LLAMA3_ROPE, low_freq_factor=2.0)), "low_freq_factor 2.0"),
-    "model-type": ("mistral", "model_type 'mistral' (nanomega: gpt2 or llama)"),
+    "model-type": ("mistral", "model_type 'mistral' (nanomega: gpt2, llama or mixtral)"),
     "llama3-tokenizer": (LLAMA3_SPLIT, "instead of GPT-2's pattern"),
     "sentencepiece": ({"type": "Metaspace", "replacement": "\u2581"}, "pre-tokenizes with Metaspace"),
 }

@@ -171,6 +171,17 @@ def test_planner_bytes_are_the_engine_bytes_of_the_first_and_last_rank(model, tp
         assert_planner_is_engine(dry_run([*base, "--rank", str(rank)]))
 
 
+def test_planner_counts_the_experts_one_ep_rank_holds():
+    """Mixtral 8x7B at ep 4 (tools/cost_moe.py): each rank holds 2 of the 8 experts of its layers, their ZeRO-1
+    state sharded over edp = dp / ep; the dense part over dp. ep 1 (every expert everywhere): OTHERS' row."""
+    base = ["--model", "mixtral-8x7b", "--tp", "2", "--pp", "2", "--world", "32", "--zero", "1", "--ep", "4",
+            "--dtype", "bf16", "--grad-accum", "2"]
+    for rank in (0, 31):
+        res = dry_run([*base, "--rank", str(rank)])
+        assert_planner_is_engine(res)
+        assert res["engine"]["params"] < 7e9  # a quarter of the experts: 23.4 GB at ep 1
+
+
 def test_a_dry_run_allocates_nothing_and_a_paper_grid_refuses_collectives():
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # bytes (Linux reports KiB)
     res = dry_run(["--model", "megatron-1t", "--tp", "8", "--pp", "64", "--world", "3072", "--dtype", "bf16"])

@@ -11,6 +11,9 @@ Claims, each its own test (two spawned worlds shared by all: one rank for the re
     all-to-all  the bytes Axis counted for one micro-batch = formulas.moe_all_to_all_bytes of its routing
     capacity    the dropless run drops nothing; capacity factor 1 drops some assignments, identically in every layout
     bias        DeepSeek-V3's bias alone (lr 0, aux loss 0) drives the loads toward uniform
+    recompute   --recompute full and selective: losses, norms, aux losses and loads bitwise those without (the same
+                kernels on the same shapes; the statistics booked in backward, once, however often the forward ran;
+                a booking per forward doubles the loads); full recompute also under ep2 x pp2 (the all-to-alls rerun)
 Tolerance: layout_rtol with V = 256, width 64 (the expert hidden f), depth 2 x 4 + 1, STEPS steps.
 """
 import dataclasses
@@ -34,7 +37,7 @@ CAPACITY = BASE + ["--capacity-factor", "1.0", "--router", "deepseek", "--shared
 # (name, flags, dp, pp, tp, ep, batch-size, grad-accum): GLOBAL = batch x accum x dp sequences per step
 LAYOUTS = [("dp4-ep2-zero1", DROPLESS, 4, 1, 1, 2, 1, 2, 1),
            ("dp2-ep2-tp2", DROPLESS, 2, 1, 2, 2, 2, 2, 0),
-           ("dp2-ep2-pp2", CAPACITY, 2, 2, 1, 2, 2, 2, 1)]
+           ("dp2-ep2-pp2", CAPACITY + ["--recompute", "full"], 2, 2, 1, 2, 2, 2, 1)]
 
 
 def batch():
@@ -93,7 +96,17 @@ def references():
     """World of one: each config with one micro-batch of 8, and the dropless one with four of 2 (accumulation);
     the bias-balancing run."""
     return dict(dropless=run(DROPLESS, 1, 1, 1, 1, GLOBAL, 1, 0), capacity=run(CAPACITY, 1, 1, 1, 1, GLOBAL, 1, 0),
-                accum=run(DROPLESS, 1, 1, 1, 1, 2, 4, 0), bias=balancing())
+                accum=run(DROPLESS, 1, 1, 1, 1, 2, 4, 0), bias=balancing(),
+                full=run(CAPACITY + ["--recompute", "full"], 1, 1, 1, 1, 2, 4, 0), rerun=whole_rerun(),
+                selective=run(DROPLESS + ["--recompute", "selective"], 1, 1, 1, 1, GLOBAL, 1, 0),
+                accum_capacity=run(CAPACITY, 1, 1, 1, 1, 2, 4, 0))
+
+
+def whole_rerun():
+    """Full recompute with torch's early stop off: the backward reruns each block's forward to its end (the MoE's
+    statistics included), as Megatron's recompute does; early stop would end the rerun at the last saved tensor."""
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        return run(CAPACITY + ["--recompute", "full"], 1, 1, 1, 1, 2, 4, 0)
 
 
 def layouts():
@@ -186,6 +199,13 @@ def test_bias_balancing_drives_loads_toward_uniform(worlds):
     assert on[-1] < 1 + 0.5 * (on[0] - 1), on  # the imbalance (max/mean - 1) at least halved
 
 
+def test_recompute_changes_nothing(worlds):
+    ref, _ = worlds
+    for mode, want in (("full", ref["accum_capacity"]), ("rerun", ref["accum_capacity"]), ("selective", ref["dropless"])):
+        for key in ("losses", "norms", "aux", "loads"):
+            assert ref[mode][key] == want[key], (mode, key, ref[mode][key], want[key])
+
+
 def test_mixtral_round_trip_logits():
     """nanomega's MoE Llama as a transformers Mixtral (built offline from its config) and back: logits within
     1e-4 (fp32, the same math in another order), the weights back bitwise."""
@@ -206,3 +226,33 @@ def test_mixtral_round_trip_logits():
     rows = {"embed.wte.weight": cfg.vocab_size, "head.lm_head.weight": cfg.vocab_size}  # below the vocab padding
     assert all(torch.equal(back[k][:rows.get(k)], w[:rows.get(k)]) for k, w in ours.state_dict().items() if k in back)
     assert len(back) == len(weights)
+
+
+def test_mixtral_folder_through_the_hf_command_line(tmp_path, capsys):
+    """`python -m nanomega.tools.hf import` of a Mixtral folder -> a step-0 checkpoint holding its weights bitwise;
+    `export` of that checkpoint -> a Mixtral folder with the same logits; load_pretrained reads it (within 1e-4);
+    a checkpoint routed with --moe-bias-balance's biases is refused (a Mixtral has no field for them)."""
+    transformers = pytest.importorskip("transformers")
+    from nanomega import checkpoint, reshard
+    from nanomega.model import GPTConfig
+    from nanomega.tools import hf, hf_moe
+    cfg = GPTConfig(vocab_size=200, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=48,
+                    arch="llama", n_experts=4, top_k=2, tie_embeddings=False, attention="eager")
+    src, out, dst = tmp_path / "src", tmp_path / "ckpt", tmp_path / "dst"
+    theirs = hf_moe.to_hf({k: v.detach() for k, v in GPT(cfg, seed=3).named_parameters()}, cfg)
+    theirs.save_pretrained(src)
+    hf.main(["import", str(src), "--out-dir", str(out)])
+    assert "--n-experts 4" in capsys.readouterr().out  # the flags that resume it (model.SHAPE_KEYS)
+    _, back = hf_moe.from_hf(theirs)
+    saved = reshard.full_weights(checkpoint.latest(out))
+    assert saved.keys() == back.keys() and all(torch.equal(saved[k], back[k]) for k in back)
+    hf.main(["export", "--out-dir", str(out), "--to", str(dst)])
+    idx = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    again = transformers.MixtralForCausalLM.from_pretrained(dst, local_files_only=True).eval()
+    with torch.no_grad():
+        want = theirs(idx).logits
+        assert torch.equal(again(idx).logits, want)
+        assert (hf.load_pretrained(dst)(idx)[..., :cfg.vocab_size] - want).abs().max().item() < 1e-4
+    with pytest.raises(ValueError, match="--moe-bias-balance"):
+        hf_moe.check(cfg, torch.tensor([[0.0, 0.001, 0.0, 0.0]]))
+    hf_moe.check(cfg, torch.zeros(2, 4))

@@ -443,3 +443,51 @@ def test_offload_moves_the_optimizer_state_off_the_gpu_and_adds_its_time():
         n = -(-max(cost.stage_params(model, 4, 8)) // 2)  # the rank's optimizer elements: ZeRO-1 over dp 2
         extra = formulas.offload_seconds(share * n, 4, 2, gpu.pcie_bw, gpu.host_bw)
         assert b.step_s - a.step_s == pytest.approx(extra) and extra == pytest.approx(share * n * 28 / gpu.host_bw)
+
+
+MIXTRAL = C.MODELS["mixtral-8x7b"]
+
+
+def test_mixtral_8x7b_total_and_active_parameters():
+    """Jiang et al. 2024 (Mixtral of Experts): 46.7B parameters, 12.9B active per token (2 of 8 experts)."""
+    from nanomega.tools import cost_moe
+    total, active = cost_moe.params(MIXTRAL)
+    assert total == pytest.approx(46.7e9, rel=0.01) and active == pytest.approx(12.9e9, rel=0.01)
+    assert C.n_params(MIXTRAL) == total  # the header's count: every expert
+    # active = the dense stand-in's parameters (a 2f-wide MLP) + the routers (E h per layer): 6 N_active FLOPs
+    assert active == C.n_params(cost_moe.stand_in(MIXTRAL)) + 32 * 8 * 4096
+
+
+def test_moe_planner_memory_dp_bytes_and_all_to_all():
+    """Experts / ep per GPU (ZeRO-0: state x 1/ep; ZeRO-1: the optimizer state sharded over edp = dp/ep, so the
+    same per GPU whatever ep); the all-to-all per step = m x layers x formulas.moe_all_to_all_bytes of uniform
+    routing, on NVLink while an ep group fits in a node; ZeRO-3, offload and SP refused as the trainer does."""
+    from nanomega.tools import cost_moe
+    gpu, run = C.GPUS["h100-80gb"], C.Run(global_batch=256, sp=False, attention="sdpa", zero=(0, 1, 2, 3))
+    held = {ep: cost_moe.expert_state_bytes(MIXTRAL, 1, 4, 16, 0, ep=ep) for ep in (1, 8)}
+    assert held[1] == 8 * held[8] == 8 * 8 * 3 * 4096 * 14336 * 18  # 8 layers of 8 experts a stage, 18 B a parameter
+    z1 = {ep: cost_moe.rank_state_bytes(MIXTRAL, 1, 4, 16, 1, ep=ep)[0] for ep in (1, 8)}
+    assert z1[1][2] == z1[8][2] and z1[8][0] < z1[1][0] / 4  # optimizer state the same; weights ~ 1/ep
+    est = cost_moe.evaluate(MIXTRAL, gpu, 64, 1, 4, 1, run, ep=8)
+    step, dp_b, a2a_b, a2a_s = cost_moe.step_seconds(MIXTRAL, gpu, 64, 1, 4, 1, run, ep=8)
+    m, rows = 256 // 16, 7 / 8 * 2 * MIXTRAL.seq_len  # micro-batches, rows sent per micro-batch and layer
+    assert a2a_b == m * 8 * (2 * 2 * rows * 4096 * 2 + 7 * 1 * 8) and est.step_s == step and est.dp_comm == dp_b
+    # an ep group: 8 ranks 4 apart (tp x pp = 4), 2 in a node: 6 of the 7 others' bytes leave it, 1 on NVLink
+    assert a2a_s == pytest.approx(a2a_b / m * (m + 3) * (6 / 7 / gpu.inter_bw + 1 / 7 / gpu.intra_bw))
+    assert cost_moe.step_seconds(MIXTRAL, gpu, 64, 1, 4, 1, run, ep=1)[2:] == (0, 0.0)
+    assert {e.zero for e in P.plan(MIXTRAL, gpu, 64, run, ep=8)} == {0, 1, 2}
+    assert "--no-sp" in P.layout_error(MIXTRAL, gpu, 64, 2, 1, 1, C.Run(sp=True), ep=8)
+
+
+def test_cli_plans_mixtral_with_expert_parallelism(capsys):
+    P.main(["--model", "mixtral-8x7b", "--gpus", "64", "--gpu", "h100-80gb", "--ep", "8", "--seq", "4096",
+            "--global-batch", "1024", "--top", "2"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("mixtral-8x7b: 46,702,792,704 parameters") and ", SP" not in out[0]
+    assert out[-1].startswith("experts: 8 per layer, top-2: 12,879,925,248 of 46,702,792,704 parameters active")
+    assert "ep 8: 1 per GPU and layer" in out[-1]
+    with pytest.raises(SystemExit) as e:
+        P.main(["--model", "mixtral-8x7b", "--gpus", "64", "--ep", "3", "--tp", "1", "--pp", "1"])
+    assert str(e.value) == "plan: --ep 3 must divide --n-experts 8 and dp 64 (ep is carved out of dp)"
+    with pytest.raises(SystemExit, match="needs a Llama model"):
+        P.main(["--model", "gpt3-175b", "--gpus", "64", "--n-experts", "8"])

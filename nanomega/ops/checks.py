@@ -91,8 +91,6 @@ def check_experts(c, cfg, dp):
         flag = "--sequence-parallel" if c.sequence_parallel else f"--cp {c.cp}"
         raise ValueError(f"{flag} with --n-experts: the router and its per-sequence balance loss would see part of "
                          f"each sequence; leave out {flag}")
-    if cfg.n_experts and c.resume:
-        raise ValueError("--resume with --n-experts: restoring (and resharding) experts is not built yet; start fresh")
     if c.moe_bias_balance and not cfg.n_experts:
         raise ValueError("--moe-bias-balance needs --n-experts")
 

@@ -9,14 +9,15 @@ the planner takes the vocabulary too. Explicit shape flags override a preset in 
 Sources: GPT-2 (Radford et al. 2019; nanoGPT's sizes), GPT-3 Table 2.1 (1.3B: 16 heads of 128, since the
 table's 24 heads do not divide 2048), OPT, BLOOM (70 layers, 14336, 112 heads, 250,880 padded vocabulary,
 ALiBi, embedding LayerNorm), MT-NLG (Korthikanti et al. Table 3), Megatron-LM 2021 Table 1 (V = 51,200),
-Llama 3 (Grattafiori et al. 2024; ffn widths by modern.ffn_hidden's rule, written out).
+Llama 3 (Grattafiori et al. 2024; ffn widths by modern.ffn_hidden's rule, written out), Mixtral 8x7B.
 Lessons: lessons/01-dense-model.md (the model), lessons/11-planning-a-run.md (the planner).
 """
 from nanomega.model import SHAPE_KEYS
 
 
 def _shape(n_layer, n_embd, n_head, vocab_size, block_size, alibi=False, embed_layernorm=False, arch="gpt2",
-           n_kv_head=0, ffn_hidden=0, rope_theta=10000.0, rope_scaling=1.0, tie_embeddings=True, norm_eps=1e-5):
+           n_kv_head=0, ffn_hidden=0, rope_theta=10000.0, rope_scaling=1.0, tie_embeddings=True, norm_eps=1e-5,
+           n_experts=0, top_k=2, shared_experts=0):
     """One row, in the papers' column order, as {key: value} over model.SHAPE_KEYS (a key added there and not
     here fails at import)."""
     row = locals()
@@ -49,6 +50,10 @@ PRESETS = {
     # pre-trained at 8,192 tokens (3.1 extends to 131,072 with --rope-scaling 8)
     "llama3-8b": _llama(32, 4096, 32, 8, 14336), "llama3-70b": _llama(80, 8192, 64, 8, 28672),
     "llama3-405b": _llama(126, 16384, 128, 8, 53248),
+    # Mixtral 8x7B (Jiang et al. 2024; its config.json): Mistral 7B's block with 8 SwiGLU experts, 2 per token,
+    # 32,000 tokens, 32,768-token context, rope theta 1e6: 46.7B parameters, 12.9B active per token
+    "mixtral-8x7b": _llama(32, 4096, 32, 8, 14336, vocab_size=32000, block_size=32768, rope_theta=1e6, n_experts=8,
+                           top_k=2),
     # trains on a 2-core CPU in minutes: 4 query heads sharing 2 key/value heads, a tied head
     "llama-small": _shape(4, 128, 4, 4096, 128, arch="llama", n_kv_head=2, ffn_hidden=352),
 }

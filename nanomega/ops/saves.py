@@ -11,15 +11,17 @@ Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks
 """
 import time
 
-from nanomega import checkpoint, reshard, rng
+from nanomega import checkpoint, moe, reshard, rng
 from nanomega.ops import faults
 
 
 def rank_state(engine, sampler, scaler, step, grid, spikes=None, copy=True):
     """What this rank writes: its pieces of every parameter by name (any layout can load them), data position,
-    loss scale, RNG (this device's), the lr scale and skipped data windows of rollbacks. copy=False: views of
-    the live tensors, for AsyncSaver, which copies them once into its reused buffers."""
+    loss scale, RNG (this device's), the lr scale and skipped data windows of rollbacks, and (MoE) every layer's
+    routing bias (a buffer, not a parameter: collective over pp, moe.bias_table). copy=False: views of the live
+    tensors, for AsyncSaver, which copies them once into its reused buffers."""
     return dict(universal=reshard.pieces(engine, grid, copy), spikes=spikes and spikes.state_dict(),
+                moe_bias=moe.bias_table(engine.module, grid),
                 sampler=sampler.state_dict(), scaler=scaler.state_dict(), step=step, **rng.save_state(grid.device))
 
 
@@ -95,6 +97,7 @@ def restore(folder, cfg, grid, layout, *, engine, scaler, spikes, sampler=None, 
     if not fresh:
         scaler.load_state_dict(state["scaler"])
     spikes.load_state_dict(state.get("spikes"))
+    moe.load_bias_table(engine.module, state.get("moe_bias"))  # the same table in every shard: any layout
     if state.get("same_layout"):  # the RNG streams (CPU and CUDA) continue exactly; a new layout reseeds them
         rng.restore_state(state, grid.device)
     return state

@@ -2,26 +2,23 @@
 
 Idea: put the closed forms of formulas.py together for a model shape, a GPU and a tp x pp x dp x ZeRO layout.
 It is a model, not a measurement; tools/plan.py searches the layouts with it and is the command line.
-    layout     the trainer's: stages split as pp.stage_layers (extra layers on the front stages), the embedding
-               on the first stage and the LM head on the last (tied: a copy of the embedding when pp > 1;
-               untied, as Llama 3: its own matrix); ranks in the trainer's grid order (dp, pp, tp),
-               tp fastest (dist.Grid): a tp group is tp neighbouring ranks, so tp must divide the GPUs of a node
-               to stay on NVLink; a pipeline is tp*pp neighbours; a dp group strides over pipelines
-    memory     the heaviest stage's parameters, gradients, optimizer state and the activations of the
-               micro-batches it holds at its peak; fits if <= usable (0.9) x GPU memory. The block is GPT-2's
-               or Llama's (Model.arch): formulas.layer_params / llama_layer_params, activation_bytes_per_layer /
-               llama_activation_bytes_per_layer
+    layout     the trainer's: stages split as pp.stage_layers (extra layers on the front stages), the embedding on
+               the first stage and the LM head on the last (tied: a copy of the embedding when pp > 1; untied, as
+               Llama 3: its own matrix); ranks in the trainer's grid order (dp, pp, tp), tp fastest (dist.Grid): a
+               tp group is tp neighbouring ranks, so tp must divide the GPUs of a node to stay on NVLink; a pipeline
+               is tp*pp neighbours; a dp group strides over pipelines
+    memory     the heaviest stage's parameters, gradients, optimizer state and its micro-batches' activations at
+               their peak; fits if <= usable (0.9) x GPU memory. Blocks: GPT-2, Llama, Llama + experts (cost_moe.py)
     time       one micro-batch through the slowest stage (its layers, the head on the last) + its pipeline
                sends, times (m + (p-1)/v) slots, + the dp bytes / link (no overlap, as Megatron-LM 2021). A layer:
                    matmul FLOPs / (peak x MATMUL)
                    + (ELEM bytes x bsh [/t with SP] + SCORE bytes x b(a/t)s^2) / HBM bandwidth
                    + tp bytes / NVLink
-               with one set of constants (TIME) fitted on published runs (lessons/11-planning-a-run.md). Matmul
-               FLOPs are the block's own (Llama: q, o 2h^2, k, v 2h^2 n_kv/a, SwiGLU 3hf; GPT-2 12h^2);
-               Run.attention "sdpa" (FlashAttention) never writes the scores to HBM: no SCORE term, but its
-               backward recomputes QK^T (2bs^2h/t more matmul FLOPs). ELEM was fitted on GPT-2's LayerNorms,
-               dropouts and bias-GeLU and is applied unchanged to Llama's RMSNorms, rotary and SwiGLU (~1% of a
-               405B layer's time: not worth a constant of its own)
+               with one set of constants (TIME) fitted on published runs (lessons/11-planning-a-run.md). Matmul FLOPs
+               are the block's own (Llama: q, o 2h^2, k, v 2h^2 n_kv/a, SwiGLU 3hf; GPT-2 12h^2); Run.attention "sdpa"
+               (FlashAttention) never writes the scores to HBM: no SCORE term, but its backward recomputes QK^T
+               (2bs^2h/t more matmul FLOPs). ELEM was fitted on GPT-2's LayerNorms, dropouts and bias-GeLU and is
+               applied unchanged to Llama's RMSNorms, rotary and SwiGLU (~1% of a 405B layer's time)
     report     TFLOP/s per GPU counting recompute (Megatron's eq. 3 accounting, as papers report it);
                MFU = tokens x (6N + 12Lhs) / (step x GPUs x datasheet peak); days with the batch ramp-up
 Lesson: lessons/11-planning-a-run.md
@@ -30,7 +27,7 @@ from dataclasses import dataclass
 
 from nanomega.formulas import (activation_bytes_per_layer, dp_comm_bytes, flops_per_token,
                                inflight_microbatches, layer_params, llama_activation_bytes_per_layer,
-                               llama_layer_params, offload_seconds, pipeline_bubble, pp_comm_bytes,
+                               llama_layer_params, moe_layer_params, offload_seconds, pipeline_bubble, pp_comm_bytes,
                                tp_comm_bytes_per_layer, zero_state_bytes)
 from nanomega.model import SHAPE_KEYS, GPTConfig
 from nanomega.ops.presets import PRESETS
@@ -53,6 +50,9 @@ class Model:
     rope_scaling: float = 1.0
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
+    n_experts: int = 0  # mixture of experts (llama): E SwiGLU experts of width ffn per block, top_k per token,
+    top_k: int = 2  # and shared ones every token runs through (tools/cost_moe.py: active parameters, ep, all-to-all)
+    shared_experts: int = 0
 
     @classmethod
     def from_shape(cls, shape):
@@ -154,11 +154,11 @@ def layers_per_stage(model, pp, v=1, split="trainer"):
 
 
 def block_params(model, tp=1):
-    """One layer on one TP rank: GPT-2's block or Llama's (k/v whole on every rank when tp does not divide
-    the key/value heads, tp.kv_replicated)."""
-    if model.llama:
-        return llama_layer_params(model.n_embd, model.ffn, model.n_head, model.kv_heads, tp)
-    return layer_params(model.n_embd, tp)
+    """One layer on one TP rank: GPT-2's, Llama's (tp.kv_replicated) or Llama's with all E experts (not / ep)."""
+    h, f, a, kv = model.n_embd, model.ffn, model.n_head, model.kv_heads
+    if model.n_experts:
+        return moe_layer_params(h, f, a, kv, model.n_experts, model.top_k, model.shared_experts, tp)[0]
+    return llama_layer_params(h, f, a, kv, tp) if model.llama else layer_params(h, tp)
 
 
 def stage_params(model, tp=1, pp=1, v=1, split="trainer"):

@@ -1,4 +1,4 @@
-"""Hugging Face in and out: a nanomega checkpoint <-> a transformers `GPT2LMHeadModel` or `LlamaForCausalLM` folder.
+"""Hugging Face in and out: a nanomega checkpoint <-> a transformers GPT-2, Llama or Mixtral (tools/hf_moe.py) folder.
 
     python -m nanomega.tools.hf export --out-dir out --to mine    # any layout -> config.json + model.safetensors
     python -m nanomega.tools.hf import mine --out-dir ft          # -> a step-0 checkpoint: train.py --resume
@@ -37,8 +37,8 @@ import torch
 from nanomega import checkpoint, data, reshard
 from nanomega.ops import faults
 from nanomega.model import GPT, SHAPE_KEYS, SIZES, GPTConfig
-from nanomega.modern import LLAMA3_HIGH_FREQ, LLAMA3_LOW_FREQ, LLAMA3_ORIGINAL_CONTEXT
-from nanomega.tools import tokenizer
+from nanomega.tools import hf_moe, tokenizer
+from nanomega.tools.hf_llama import LLAMA3_ROPE, llama_config, llama_name_map
 
 # nanomega name -> transformers GPT2LMHeadModel name, per block ({i}); Conv1D weights are transposed
 _BLOCK = {k: k for k in ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.c_attn.weight",
@@ -47,16 +47,7 @@ _BLOCK = {k: k for k in ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias",
 _TOP = {"embed.wte.weight": "transformer.wte.weight", "embed.wpe.weight": "transformer.wpe.weight",
         "head.ln_f.weight": "transformer.ln_f.weight", "head.ln_f.bias": "transformer.ln_f.bias"}
 _CONV1D = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
-# nanomega name -> transformers LlamaForCausalLM names, per block (model.layers.{i}.); two names: stacked by rows
-_LLAMA_BLOCK = {"ln_1.weight": ("input_layernorm.weight",), "ln_2.weight": ("post_attention_layernorm.weight",),
-                "attn.q_proj.weight": ("self_attn.q_proj.weight",), "attn.c_proj.weight": ("self_attn.o_proj.weight",),
-                "attn.kv_proj.weight": ("self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-                "mlp.gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-                "mlp.c_proj.weight": ("mlp.down_proj.weight",)}
 _PADDED = ("embed.wte.weight", "head.lm_head.weight")  # (V padded, h) here, (V, h) in transformers
-# Llama 3.1's RoPE constants as transformers names them; nanomega computes these values only (modern.py)
-_LLAMA3 = {"low_freq_factor": LLAMA3_LOW_FREQ, "high_freq_factor": LLAMA3_HIGH_FREQ,
-           "original_max_position_embeddings": LLAMA3_ORIGINAL_CONTEXT}
 
 
 def _require():
@@ -76,16 +67,6 @@ def name_map(n_layer):
     return names
 
 
-def llama_name_map(n_layer, tied=True):
-    """{nanomega parameter name: (transformers names)} for a Llama of n_layer blocks; a tied head has no name."""
-    names = {"embed.wte.weight": ("model.embed_tokens.weight",), "head.ln_f.weight": ("model.norm.weight",)}
-    if not tied:
-        names["head.lm_head.weight"] = ("lm_head.weight",)
-    for i in range(n_layer):
-        names.update({f"blocks.{i}.{a}": tuple(f"model.layers.{i}.{n}" for n in b) for a, b in _LLAMA_BLOCK.items()})
-    return names
-
-
 def check_gpt2(cfg: GPTConfig):
     if cfg.alibi or cfg.embed_layernorm:
         what = "ALiBi attention" if cfg.alibi else "an embedding LayerNorm"
@@ -93,44 +74,15 @@ def check_gpt2(cfg: GPTConfig):
                          f"as a GPT2LMHeadModel; train without --alibi/--embed-layernorm to export")
 
 
-def llama_config(c: dict) -> GPTConfig:
-    """The GPTConfig of a transformers Llama config (config.json's dict, as transformers 4 or 5 writes it); every
-    field nanomega cannot compute is named in one ValueError line."""
-    h, nh = c["hidden_size"], c["num_attention_heads"]
-    nkv = c.get("num_key_value_heads") or nh
-    key = "rope_parameters" if c.get("rope_parameters") else "rope_scaling"  # transformers 5 / 4
-    rope = c.get(key) or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    bad = [(c.get("attention_bias"), "attention_bias true (nanomega's Llama has no biases)"),
-           (c.get("mlp_bias"), "mlp_bias true (nanomega's Llama has no biases)"),
-           (c.get("hidden_act", "silu") != "silu", f"hidden_act {c.get('hidden_act')!r} (nanomega: silu)"),
-           (h % nh or c.get("head_dim") not in (None, h // nh),
-            f"head_dim {c.get('head_dim')} (nanomega: hidden_size / num_attention_heads = {h / nh:g})"),
-           (nh % nkv, f"num_key_value_heads {nkv} (nanomega: a divisor of num_attention_heads {nh})"),
-           (kind not in ("default", "llama3"), f"{key} rope_type {kind!r} (nanomega: none or 'llama3')"),
-           (rope.get("partial_rotary_factor", 1.0) != 1.0,
-            f"{key} partial_rotary_factor {rope.get('partial_rotary_factor')} (nanomega: 1)")]
-    if kind == "llama3":
-        bad += [(rope.get(k) != v, f"{key} {k} {rope.get(k)} (nanomega's llama3 rule: {v:g})")
-                for k, v in _LLAMA3.items()]
-    bad = [why for is_bad, why in bad if is_bad]
-    if bad:
-        raise ValueError(f"this Llama differs from nanomega's: {'; '.join(bad)}; it cannot be imported exactly")
-    theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))  # transformers' defaults where a field is absent
-    return GPTConfig(arch="llama", vocab_size=c["vocab_size"], block_size=c.get("max_position_embeddings", 2048),
-                     n_layer=c["num_hidden_layers"], n_head=nh, n_kv_head=nkv, n_embd=h,
-                     ffn_hidden=c["intermediate_size"], rope_theta=float(theta),
-                     rope_scaling=float(rope["factor"]) if kind == "llama3" else 1.0,
-                     tie_embeddings=bool(c.get("tie_word_embeddings", False)), norm_eps=c.get("rms_norm_eps", 1e-6))
-
-
 def to_hf(weights, cfg: GPTConfig):
     """transformers GPT2LMHeadModel or LlamaForCausalLM (by cfg.arch) from nanomega full weights {name: tensor}
     (fp32; padded rows dropped)."""
     transformers = _require()
     v = cfg.vocab_size
+    if cfg.n_experts:  # a Llama with experts: Mixtral
+        return hf_moe.to_hf(weights, cfg)
     if cfg.arch == "llama":
-        rope = None if cfg.rope_scaling == 1.0 else dict(rope_type="llama3", factor=cfg.rope_scaling, **_LLAMA3)
+        rope = None if cfg.rope_scaling == 1.0 else dict(rope_type="llama3", factor=cfg.rope_scaling, **LLAMA3_ROPE)
         hf_cfg = transformers.LlamaConfig(
             vocab_size=v, hidden_size=cfg.n_embd, intermediate_size=cfg.ffn, num_hidden_layers=cfg.n_layer,
             num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads, head_dim=cfg.n_embd // cfg.n_head,
@@ -164,6 +116,8 @@ def to_hf(weights, cfg: GPTConfig):
 def from_hf(model):
     """(GPTConfig, nanomega full weights) from a transformers GPT2LMHeadModel or LlamaForCausalLM; refuses what
     nanomega cannot compute."""
+    if model.config.model_type == "mixtral":
+        return hf_moe.from_hf(model)
     if model.config.model_type == "llama":
         cfg = llama_config(model.config.to_dict())
         theirs = model.state_dict()
@@ -200,15 +154,15 @@ def _pad_vocab(weights, cfg):
 
 
 def hf_config(src):
-    """config.json of a transformers folder, as a dict; the model types nanomega reads: gpt2, llama."""
+    """config.json of a transformers folder, as a dict; the model types nanomega reads: gpt2, llama, mixtral."""
     path = Path(src) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{src} has no config.json: not a transformers model folder")
     c = json.loads(path.read_text())
-    if c.get("model_type") not in ("gpt2", "llama"):
-        raise ValueError(f"{path}: model_type {c.get('model_type')!r} (nanomega: gpt2 or llama)")
-    if c["model_type"] == "llama":
-        llama_config(c)  # refused before a weight is read
+    if c.get("model_type") not in ("gpt2", "llama", "mixtral"):
+        raise ValueError(f"{path}: model_type {c.get('model_type')!r} (nanomega: gpt2, llama or mixtral)")
+    if c["model_type"] != "gpt2":  # refused before a weight is read
+        (hf_moe.mixtral_config if c["model_type"] == "mixtral" else llama_config)(c)
     return c
 
 
@@ -216,7 +170,8 @@ def read_hf(src):
     """(GPTConfig, nanomega full weights) of a transformers GPT-2 or Llama folder."""
     transformers = _require()
     kind = hf_config(src)["model_type"]
-    model_class = transformers.LlamaForCausalLM if kind == "llama" else transformers.GPT2LMHeadModel
+    model_class = dict(llama=transformers.LlamaForCausalLM, mixtral=transformers.MixtralForCausalLM,
+                       gpt2=transformers.GPT2LMHeadModel)[kind]
     try:
         model = model_class.from_pretrained(src, local_files_only=True, dtype=torch.float32)
     except Exception as e:  # a truncated or missing weights file: the library's own error type, as one line
@@ -240,6 +195,7 @@ def load_pretrained(src, attention="eager") -> GPT:
         model = GPT(cfg, seed=0)
     if cfg.tie_embeddings:
         weights["head.lm_head.weight"] = weights["embed.wte.weight"]
+    weights |= {k: b for k, b in model.state_dict().items() if k.endswith("expert_bias")}  # Mixtral has none: 0
     model.load_state_dict(weights, assign=True)
     if cfg.tie_embeddings:  # assign leaves two Parameters on one tensor: make them one again, as GPT() ties them
         model.head.lm_head.weight = model.embed.wte.weight
@@ -247,11 +203,13 @@ def load_pretrained(src, attention="eager") -> GPT:
 
 
 def export(out_dir, to):
-    """Write the latest checkpoint of out_dir as a transformers GPT-2 or Llama folder `to`; returns its path."""
+    """Write the latest checkpoint of out_dir as a transformers GPT-2, Llama or Mixtral folder `to`; returns it."""
     folder, cfg, tok_name, skipped = checkpoint.saved_model(out_dir)  # the newest that verifies
     for reason in skipped:
         faults.say(f"export: skipped {reason}")
     check_gpt2(cfg)  # before reading any shard (a Llama has no ALiBi: validate refuses it)
+    if cfg.n_experts:  # what a Mixtral cannot hold, before reading the weights: the routing bias is in rank 0's shard
+        hf_moe.check(cfg, checkpoint.load_shard(folder, 0).get("moe_bias"))
     model = to_hf(reshard.full_weights(folder), cfg)
     model.save_pretrained(to)  # config.json + model.safetensors (safe serialization is the default)
     tok = tokenizer.to_hf(data.get_tokenizer(tok_name))
@@ -278,7 +236,7 @@ def import_(src, out_dir):
         raise ValueError(f"--out-dir {out_dir} already holds a checkpoint; choose an empty --out-dir")
     # a Llama whose tokenizer --tokenizer cannot reproduce would fine-tune on ids it was not trained on: refused.
     # (GPT-2 as before: without a readable tokenizer the printed command asks for one.)
-    why = tokenizer.from_hf(src)[1] if hf_config(src)["model_type"] == "llama" else None
+    why = tokenizer.from_hf(src)[1] if hf_config(src)["model_type"] != "gpt2" else None
     if why:
         raise ValueError(f"{src}: {why}; nanomega's --tokenizer is byte-level BPE with GPT-2's pattern "
                          f"(data.get_tokenizer); nanomega.tools.hf.load_pretrained(folder) still reads the weights")
@@ -311,10 +269,11 @@ def train_flags(cfg: GPTConfig):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("export", help="checkpoint (any layout) -> transformers GPT-2 or Llama folder")
+    e = sub.add_parser("export", help="checkpoint (any layout) -> transformers GPT-2, Llama or Mixtral folder")
     e.add_argument("--out-dir", default="out")
     e.add_argument("--to", required=True, help="the folder to write (config.json, model.safetensors, tokenizer)")
-    i = sub.add_parser("import", help="transformers GPT-2 or Llama folder -> step-0 checkpoint for train.py --resume")
+    i = sub.add_parser("import", help="transformers GPT-2, Llama or Mixtral folder -> step-0 checkpoint for "
+                       "train.py --resume")
     i.add_argument("src")
     i.add_argument("--out-dir", required=True)
     args = p.parse_args(argv)

@@ -6,7 +6,9 @@ Everything outside the MLP maps as hf.py's Llama. Per block i (transformers 5 st
     blocks.i.mlp.router.weight             (E, h)     model.layers.i.mlp.gate.weight
     blocks.i.mlp.experts.e.gate_up.weight  (2f, h)    model.layers.i.mlp.experts.gate_up_proj[e]   [gate; up]
     blocks.i.mlp.experts.e.c_proj.weight   (h, f)     model.layers.i.mlp.experts.down_proj[e]
-Refused: a sliding window (nanomega's attention is full causal), router jitter noise.
+Refused on import: a sliding window (nanomega's attention is full causal), router jitter noise; on export (check):
+another router, shared experts, a capacity factor, DeepSeek-V3's routing biases (--moe-bias-balance).
+`python -m nanomega.tools.hf import / export` reads and writes a Mixtral folder through this module.
 The training-only settings (aux loss coefficient) travel as router_aux_loss_coef.
 Lesson: lessons/14-experts.md
 """
@@ -15,7 +17,7 @@ import dataclasses
 import torch
 
 from nanomega.model import GPTConfig
-from nanomega.tools.hf import llama_config, llama_name_map
+from nanomega.tools.hf_llama import llama_config, llama_name_map
 
 
 def mixtral_config(c: dict) -> GPTConfig:
@@ -34,11 +36,19 @@ def dense_names(n_layer, tied):
     return {k: v for k, v in llama_name_map(n_layer, tied).items() if ".mlp." not in k}
 
 
+def check(cfg: GPTConfig, bias=None):
+    """One line for an MoE model a Mixtral cannot hold; bias: the checkpoint's (n_layer, E) routing biases."""
+    if cfg.router != "mixtral" or cfg.shared_experts or cfg.capacity_factor:
+        raise ValueError("Mixtral routes with --router mixtral, no --shared-experts, no --capacity-factor")
+    if bias is not None and bias.abs().sum() > 0:
+        raise ValueError("this checkpoint routes with --moe-bias-balance's biases (DeepSeek-V3), which a Mixtral "
+                         "has no field for: its export would route otherwise; train without --moe-bias-balance")
+
+
 def to_hf(weights, cfg: GPTConfig):
     """transformers MixtralForCausalLM from nanomega full weights {name: tensor} of an MoE Llama (fp32)."""
     import transformers
-    if cfg.router != "mixtral" or cfg.shared_experts or cfg.capacity_factor:
-        raise ValueError("Mixtral routes with --router mixtral, no --shared-experts, no --capacity-factor")
+    check(cfg)
     v = cfg.vocab_size
     hf_cfg = transformers.MixtralConfig(
         vocab_size=v, hidden_size=cfg.n_embd, intermediate_size=cfg.ffn, num_hidden_layers=cfg.n_layer,

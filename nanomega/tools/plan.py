@@ -6,6 +6,7 @@ and recommend the first; when none fits, name the smallest cluster that would.
 CLI: python -m nanomega.tools.plan --model gpt3-175b --gpus 1024 --gpu a100-80gb --global-batch 1536 [--top 10]
      python -m nanomega.tools.plan --model llama3-405b --gpus 8192 --gpu h100-80gb --global-batch 2048
      pin a layout with --tp --pp --dp --zero --micro-batch; --json for machine-readable estimates
+     python -m nanomega.tools.plan --model mixtral-8x7b --gpus 64 --gpu h100-80gb --ep 8   # experts: cost_moe.py
 Lesson: lessons/11-planning-a-run.md
 """
 import argparse
@@ -13,13 +14,14 @@ import json
 import math
 from dataclasses import asdict, replace
 
-from nanomega.tools.cost import GPUS, MODELS, PRECISIONS, Model, Run, evaluate, n_params
+from nanomega.tools import cost_moe
+from nanomega.tools.cost import GPUS, MODELS, PRECISIONS, Model, Run, n_params
 from nanomega.zero import pipeline_error
 
 
 # ---- the layouts ------------------------------------------------------------------------------------------
-def layout_error(model, gpu, gpus, tp, pp, zero, run, global_batch=None):
-    """Why (tp, pp, zero) cannot run, in one line naming the flag, or None."""
+def layout_error(model, gpu, gpus, tp, pp, zero, run, global_batch=None, ep=1):
+    """Why (tp, pp, zero) cannot run (with experts over ep ranks), in one line naming the flag, or None."""
     batch = run.global_batch if global_batch is None else global_batch
     node = min(gpu.per_node, gpus)
     if tp < 1 or pp < 1:
@@ -49,37 +51,38 @@ def layout_error(model, gpu, gpus, tp, pp, zero, run, global_batch=None):
         return pipeline_error(zero, pp)
     if run.schedule == "interleaved" and pp > 1 and (model.n_layer % (pp * run.chunks) or (batch // unit) % pp):
         return f"interleaved needs --pp x --chunks | {model.n_layer} layers and --pp | {batch // unit} micro-batches"
-    return None
+    return cost_moe.layout_error(model, gpus, tp, pp, zero, run, ep)
 
 
-def layouts(model, gpu, gpus, run, tp=None, pp=None, dp=None):
+def layouts(model, gpu, gpus, run, tp=None, pp=None, dp=None, ep=1):
     """(tp, pp, zero) that can run, within the pins; no ZeRO at dp = 1 when ZeRO-0 is on the list."""
     for t in [tp] if tp else range(1, min(gpu.per_node, gpus) + 1):
         for p in [pp] if pp else range(1, model.n_layer + 1):
             for zero in run.zero:
-                if layout_error(model, gpu, gpus, t, p, zero, run) or (dp and gpus // (t * p) != dp):
+                if layout_error(model, gpu, gpus, t, p, zero, run, ep=ep) or (dp and gpus // (t * p) != dp):
                     continue
                 if not (zero > 0 and gpus // (t * p) == 1 and 0 in run.zero):
                     yield t, p, zero
 
 
-def plan(model, gpu, gpus, run=Run(), tp=None, pp=None, dp=None):
+def plan(model, gpu, gpus, run=Run(), tp=None, pp=None, dp=None, ep=1):
     """Every layout's Estimate (within the pins): those that fit first, each group ranked by step time."""
-    ests = [evaluate(model, gpu, gpus, t, p, z, run) for t, p, z in layouts(model, gpu, gpus, run, tp, pp, dp)]
+    ests = [cost_moe.evaluate(model, gpu, gpus, t, p, z, run, ep)
+            for t, p, z in layouts(model, gpu, gpus, run, tp, pp, dp, ep)]
     return sorted(ests, key=lambda e: (not e.fits, e.step_s))
 
 
-def smallest_cluster(model, gpu, run=Run(), limit=2**20):
+def smallest_cluster(model, gpu, run=Run(), limit=2**20, ep=1):
     """Fewest GPUs (1, 2, 4 .. a node, then whole nodes) with a layout that fits, and its best layout. Doubles
     until one fits, then scans every size below, since divisibility makes fitting not monotone in size."""
     hi = gpu.per_node
-    while not any(e.fits for e in plan(model, gpu, hi, run)):
+    while not any(e.fits for e in plan(model, gpu, hi, run, ep=ep)):
         hi *= 2
         if hi > limit:
             return None
     sizes = [2**k for k in range(gpu.per_node.bit_length()) if 2**k < gpu.per_node]
     for g in sizes + list(range(gpu.per_node, hi + 1, gpu.per_node)):
-        fit = [e for e in plan(model, gpu, g, run) if e.fits]
+        fit = [e for e in plan(model, gpu, g, run, ep=ep) if e.fits]
         if fit:
             return g, fit[0]
 
@@ -87,6 +90,17 @@ def smallest_cluster(model, gpu, run=Run(), limit=2**20):
 # ---- command line -----------------------------------------------------------------------------------------
 def describe(e):
     return f"tp={e.tp} pp={e.pp} dp={e.dp} zero={e.zero}"
+
+
+def experts_line(model, gpu, gpus, e, run, ep):
+    """What the experts cost in layout e (tools/cost_moe.py): active parameters, expert memory, all-to-all."""
+    total, active = cost_moe.params(model)
+    v = run.chunks if run.schedule == "interleaved" and e.pp > 1 else 1
+    held = cost_moe.expert_state_bytes(model, e.tp, e.pp, e.dp, e.zero, run.dtype, v, run.split, ep)
+    _, _, a2a_b, a2a_s = cost_moe.step_seconds(model, gpu, gpus, e.tp, e.pp, e.zero, run, ep)
+    return (f"experts: {model.n_experts} per layer, top-{model.top_k}: {active:,} of {total:,} parameters active per "
+            f"token ({active / total:.1%}); ep {ep}: {model.n_experts // ep} per GPU and layer, their state "
+            f"{held / 1e9:.1f} GB/GPU; all-to-all {a2a_b / 1e9:.2f} GB/GPU/step, {a2a_s:.3f} s of the {e.step_s:.3g} s")
 
 
 def as_json(e, run, gpu):
@@ -119,6 +133,9 @@ def parse(argv=None):
     ap.add_argument("--model", help=f"preset: {', '.join(MODELS)}; or give --layers --hidden --heads --vocab --seq")
     for flag in ("--layers", "--hidden", "--heads", "--vocab", "--seq"):
         ap.add_argument(flag, type=int, help="model shape (overrides the preset's value)")
+    ap.add_argument("--n-experts", type=int, help="routed experts per block (--arch llama presets; 0: dense)")
+    ap.add_argument("--top-k", type=int, help="experts per token (default: the preset's, else 2)")
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel size, carved out of dp (experts / ep per GPU)")
     ap.add_argument("--gpus", type=int, required=True)
     ap.add_argument("--gpu", default="a100-80gb", choices=list(GPUS))
     ap.add_argument("--inter-bw", type=float, help="GB/s each GPU sends to other nodes (default: the GPU preset's)")
@@ -159,6 +176,10 @@ def main(argv=None):
     if args.model is None and len(given) < len(flags):
         raise SystemExit(f"plan: without --model give {' '.join(f for k, f in flags.items() if k not in given)}")
     model = replace(MODELS[args.model], **given) if args.model else Model(**given)
+    moe = {k: getattr(args, k) for k in ("n_experts", "top_k") if getattr(args, k) is not None}
+    model = replace(model, **moe)
+    if model.n_experts and (not model.llama or model.n_experts < 2 or not 1 <= model.top_k <= model.n_experts):
+        raise SystemExit("plan: --n-experts >= 2 needs a Llama model (a llama preset) and --top-k in [1, n_experts]")
     if min(given.values(), default=1) < 1 or model.n_embd % model.n_head:
         raise SystemExit("plan: model sizes must be >= 1 and --hidden a multiple of --heads")
     gpu, name = GPUS[args.gpu], args.model or "model"
@@ -179,14 +200,15 @@ def main(argv=None):
                             and (args.global_batch - args.rampup[0]) % args.rampup[1] == 0):
         raise SystemExit(f"plan: --rampup {' '.join(map(str, args.rampup))}: need 0 < START < --global-batch, "
                          f"INC > 0 dividing --global-batch - START, SAMPLES > 0")
-    run = Run(args.global_batch, args.micro_batch, args.dtype, args.recompute, not args.no_sp, args.schedule,
+    run = Run(args.global_batch, args.micro_batch, args.dtype, args.recompute, not (args.no_sp or model.n_experts),
+              args.schedule,
               args.chunks, ((1, 2, 3) if args.offload else (0, 1, 2, 3)) if args.zero == "all" else (int(args.zero),),
               args.usable, args.tokens,
               tuple(args.rampup) if args.rampup else None, args.attention or ("sdpa" if model.llama else "eager"),
               offload=args.offload)
     pinned = (args.tp, args.pp, args.dp)
     if args.tp and args.pp:  # a pinned layout that cannot run: say exactly why
-        errors = [layout_error(model, gpu, args.gpus, args.tp, args.pp, z, run) for z in run.zero]
+        errors = [layout_error(model, gpu, args.gpus, args.tp, args.pp, z, run, ep=args.ep) for z in run.zero]
         why = errors[0] if all(errors) else None
         if args.dp and args.dp * args.tp * args.pp != args.gpus:
             why = f"--dp {args.dp} x --tp {args.tp} x --pp {args.pp} != --gpus {args.gpus}"
@@ -194,7 +216,7 @@ def main(argv=None):
             raise SystemExit(f"plan: {why}")
     if run.rampup:
         unit_ok = lambda e: all((x % (e.dp * run.micro_batch)) == 0 for x in run.rampup[:2])
-    ests = plan(model, gpu, args.gpus, run, *pinned)
+    ests = plan(model, gpu, args.gpus, run, *pinned, ep=args.ep)
     if run.rampup and ests and not any(unit_ok(e) for e in ests):
         e = ests[0]
         raise SystemExit(f"plan: --rampup START and INC must be multiples of dp {e.dp} x --micro-batch "
@@ -215,7 +237,7 @@ def main(argv=None):
         why = (f"{name} needs {least.memory / 1e9:.1f} GB/GPU at least ({describe(least)})" if ests else
                f"{args.gpus} GPUs do not split as tp x pp x dp (tp | {min(gpu.per_node, args.gpus)} GPUs of a node "
                f"and {model.n_head} heads, pp <= {model.n_layer} layers, dp x micro-batch | global batch)")
-        found = None if any(pinned) else smallest_cluster(model, gpu, run)
+        found = None if any(pinned) else smallest_cluster(model, gpu, run, ep=args.ep)
         hint = (f"the smallest cluster that fits is {found[0]} x {args.gpu} ({describe(found[1])}, "
                 f"{found[1].memory / 1e9:.1f} GB/GPU)" if found else
                 "unpin the layout" if any(pinned) else
@@ -229,6 +251,8 @@ def main(argv=None):
         return
     print(table(fit[:args.top], run))
     print(f"recommended: {describe(fit[0])} ({len(fit)} of {len(ests)} layouts fit)")
+    if model.n_experts:
+        print(experts_line(model, gpu, args.gpus, fit[0], run, args.ep))
 
 
 def cli():

@@ -14,7 +14,7 @@ import torch
 if __package__ in (None, ""):  # `python nanomega/tools/sample.py`: make the package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from nanomega import checkpoint, data, reshard
+from nanomega import checkpoint, data, moe, reshard
 from nanomega.ops import faults
 from nanomega.model import GPT
 
@@ -48,7 +48,10 @@ def load_model(out_dir):
     weights = reshard.full_weights(folder)  # saved under any tp x pp x dp x ZeRO layout
     if cfg.tie_embeddings:
         weights["head.lm_head.weight"] = weights["embed.wte.weight"]
+    weights |= {k: b for k, b in model.state_dict().items() if k.endswith("expert_bias")}  # buffers, set below
     model.load_state_dict(weights, assign=True)
+    if cfg.n_experts:  # the routing biases: buffers, saved beside the pieces (moe.bias_table)
+        moe.load_bias_table(model, checkpoint.load_shard(folder, 0).get("moe_bias"))
     return model, tokenizer
 
 
