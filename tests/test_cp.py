@@ -14,13 +14,14 @@ zero-initialized bias is left out of the weights: Adam moves each element by ~lr
 gradient is a cancelling sum (over cp ranks or over the batch) has no relative bound of its own (test_tp's key bias).
 """
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from nanomega import cp, dist, formulas, tp, train
+from nanomega import checkpoint, cp, dist, formulas, reshard, tp, train
 from nanomega.model import GPT, GPTConfig
 from tolerance import layout_rtol, likely
 
@@ -201,21 +202,68 @@ def _run(corpus, out, *extra):
     return [r["loss"] for r in rows if "loss" in r] + [r["val_loss"] for r in rows if "val_loss" in r][-1:]
 
 
+SAVED = "cp2 x dp2 allgather, zero 2"  # saved at step 2 (its optimizer state sharded over dp_cp = 4 ranks)
+
+
+def _resume_copy(root, name, into):
+    """A fresh out-dir `into` holding only `name`'s step-2 checkpoint (rank 0 copies, every rank waits)."""
+    out = Path(root) / into
+    world = torch.distributed.is_initialized()
+    if not world or torch.distributed.get_rank() == 0:
+        (out / "ckpt").mkdir(parents=True)
+        shutil.copytree(Path(root) / _dir(name) / "ckpt" / "step_000002", out / "ckpt" / "step_000002")
+        (out / "ckpt" / "latest").write_text("step_000002")
+    if world:
+        torch.distributed.barrier()
+    return out
+
+
+def _dir(name):
+    return name.replace(" ", "_").replace(",", "")
+
+
 def _train_world(corpus, root):
-    return {name: _run(corpus, Path(root) / name.replace(" ", "_").replace(",", ""), "--global-batch", "4", *flags)
-            for name, flags in TRAIN.items()}
+    got = {name: _run(corpus, Path(root) / _dir(name), "--global-batch", "4", *flags,
+                      *(["--save-every", "2"] if name == SAVED else [])) for name, flags in TRAIN.items()}
+    out = _resume_copy(root, SAVED, "resumed")  # the same layout resumes it: steps 3-4 bitwise
+    got["resumed"] = _run(corpus, out, "--global-batch", "4", *TRAIN[SAVED], "--save-every", "2", "--resume")
+    return got
 
 
-@pytest.mark.usefixtures("one_thread")
-def test_training_equals_one_process(corpus, tmp_path):
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory, one_thread):
+    """One process's curve, and the 4-rank world's: every TRAIN layout, and SAVED resumed from its step 2."""
+    root = tmp_path_factory.mktemp("train")
+    dense = _run(corpus, root / "dense", "--global-batch", "4")
+    return root, dense, dist.launch(_train_world, 4, corpus, str(root), timeout=300)[3]  # the last rank logs
+
+
+def test_training_equals_one_process(trained):
     """train.py with a cp axis (composed with tp, dp/ZeRO over dp_cp, recompute, pipeline stages) against one
     process: the same windows, the loss the token mean over whole sequences -- equal within layout_rtol."""
-    dense = _run(corpus, tmp_path / "dense", "--global-batch", "4")
+    _, dense, got = trained
     assert dense[3] < dense[0] - 0.05  # it trains: the comparison can tell curves apart
-    got = dist.launch(_train_world, 4, corpus, str(tmp_path), timeout=300)[3]  # the last rank logs
     tol = layout_rtol(5, 4096, 128, 2)
     for name in TRAIN:
         assert got[name] == pytest.approx(dense, rel=tol), name
+
+
+def test_cp_checkpoint_resumes_bitwise_and_under_cp1(trained, corpus):
+    """A cp2 x dp2 ZeRO-2 run saved at step 2 and resumed in its own layout is the uninterrupted run bitwise
+    (steps 3-4, the final validation loss, the final weights); resumed by one process (cp 1, dp 1, ZeRO-0:
+    weights are replicated over cp, so it is a dp_cp change of 4 -> 1, resharded) it continues the same curve
+    within layout_rtol, and its final weights match within test_layouts' bound (Adam's lr g/sqrt(v) on a
+    near-zero gradient: 1e-4 absolute, 3% of one step of lr 3e-3)."""
+    root, dense, got = trained
+    assert len(got["resumed"]) == 3 and got["resumed"] == got[SAVED][2:]
+    straight = reshard.full_weights(checkpoint.latest(root / _dir(SAVED)))
+    resumed = reshard.full_weights(checkpoint.latest(root / "resumed"))
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+    one = _run(corpus, _resume_copy(root, SAVED, "cp1"), "--global-batch", "4", "--save-every", "2", "--resume")
+    assert one == pytest.approx(got[SAVED][2:], rel=layout_rtol(5, 4096, 128, 2))
+    single = reshard.full_weights(checkpoint.latest(root / "cp1"))
+    for k in straight:
+        torch.testing.assert_close(single[k], straight[k], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("argv,message", [
