@@ -28,6 +28,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .modern import document_mask
+
 METHODS = ("ring", "allgather", "ulysses")
 WORK = {"pairs": 0.0, "flops": 0}  # attention work this process did (tests and the lesson reset and read it)
 
@@ -292,10 +294,7 @@ def ulysses(q, k, v, axis, layout, scale):
     """All-to-all to head shards, attention over the whole sequence with H/cp heads, all-to-all back."""
     order = [c for j in range(axis.size) for c in layout.chunks(j)]  # the chunks in rank order
     q, k, v = (SwapSharding.apply(t, axis, order, True) for t in (q, k, v))
-    mask = None
-    if layout.docs is not None:  # (b, 1, s, s): causal and inside one document
-        causal = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool, device=q.device).tril()
-        mask = (layout.docs[:, None, :, None] == layout.docs[:, None, None, :]) & causal
+    mask = None if layout.docs is None else document_mask(layout.docs)  # (b, 1, s, s): causal, one document
     WORK["flops"] += 4 * q.shape[0] * q.shape[1] * q.shape[2] ** 2 * q.shape[3] // 2
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                        enable_gqa=k.shape[1] != q.shape[1])
@@ -333,8 +332,9 @@ def check(cfg, cp, method, tp=1):
 
 def apply_context_parallel(model, axis, method="ring"):
     """In place: every attention core attends over the cp axis, and the positions (learned or rotary) are
-    this rank's chunks' (positions). The model then takes this rank's tokens (local) and returns the mean loss
-    over them; weights are unchanged (replicated over cp: their gradients are summed over dp_cp, zero.py)."""
+    this rank's chunks' (positions). The model then takes this rank's tokens (local), and the whole windows'
+    document ids (b, s) if any (documents.py), and returns the mean loss over its tokens; weights are unchanged
+    (replicated over cp: their gradients are summed over dp_cp, zero.py)."""
     if axis.size == 1:
         return model
     check(model.cfg, axis.size, method)
@@ -345,5 +345,5 @@ def apply_context_parallel(model, axis, method="ring"):
         attn = block.attn
         if attn.rotary is not None:
             attn.rotary.positions = pos  # one Rotary shared by every layer
-        attn.core = lambda q, k, v: attention(q, k, v, axis, method)  # an instance attribute: recompute wraps it
+        attn.core = lambda q, k, v, docs=None: attention(q, k, v, axis, method, docs)  # recompute wraps it too
     return model
