@@ -18,7 +18,7 @@ Causal load balancing: the sequence is cut into 2 cp chunks and rank c holds chu
 tail), so every rank's queries see as many earlier keys: (2cp - 1) + 1 chunk pairs of work each, where
 contiguous chunks give rank c c + 1/2 pairs (the last rank waits for 2cp - 1). `pairs_per_rank` counts it.
 Formulas (one home: formulas.py): bytes per layer one rank sends, B_kv = b s/cp n_kv hd bytes (its K or V):
-    ring fwd (cp-1) 2 B_kv   bwd (cp-1) 2 B_kv (K/V again) + cp 2 B_kv (dK/dV, home included)
+    ring fwd (cp-1) 2 B_kv   bwd (cp-1) 2 B_kv (K/V again) + cp 2 B_kv (dK/dV in fp32, home included)
     allgather fwd (cp-1)/cp x cp 2 B_kv (wire)   bwd the same gather + a reduce-scatter of dK/dV
     ulysses 4 all-to-alls (q, k, v, out) of (cp-1)/cp of their bytes, forward and backward
 Lesson: lessons/15-long-context.md
@@ -209,19 +209,19 @@ class RingAttention(torch.autograd.Function):
         q, k, v, saved = _saved(ctx, dout)
         axis, n, r = ctx.axis, ctx.axis.size, ctx.axis.rank
         kv, dq, acc = torch.stack((k, v)), torch.zeros(q.shape, dtype=torch.float32, device=q.device), None
-        for t in range(n):  # K/V go round again; their gradient (acc) travels one step behind them
-            out_msg = ([kv] if t < n - 1 else []) + ([acc] if acc is not None else [])
-            buf = torch.empty((len(out_msg),) + kv.shape, dtype=torch.float32, device=kv.device)
-            works = axis.p2p([(torch.stack([m.float() for m in out_msg]), (r + 1) % n)],
-                             [(buf, (r - 1) % n)], wait=False) if out_msg and n > 1 else []
+        for t in range(n):  # K/V go round again (model dtype); their gradient (acc, fp32) one step behind them
+            sends = ([kv] if t < n - 1 else []) + ([acc] if acc is not None else [])  # matched in order per peer
+            recvs = [torch.empty_like(m) for m in sends]  # the previous rank sends the same kinds and shapes
+            works = axis.p2p([(m, (r + 1) % n) for m in sends], [(m, (r - 1) % n) for m in recvs],
+                             wait=False) if n > 1 else []
             mine = attend_backward(saved, kv, (r - t) % n, ctx.layout, ctx.scale, dq)
             for work in works:
                 work.wait()
             if t > 0:  # what the ranks before added for this block, from the message just received
-                mine += buf[-1]
+                mine += recvs[-1]
             acc = mine
             if t < n - 1:
-                kv = buf[0].to(kv.dtype)
+                kv = recvs[0]
         if n > 1:  # after cp steps each block's gradient is complete one rank before home: one last hop
             home = torch.empty_like(acc)
             axis.p2p([(acc, (r + 1) % n)], [(home, (r - 1) % n)])

@@ -80,6 +80,17 @@ def _op(grid, axis, method, docs=False):
                 scores=scores)
 
 
+def _bf16_bytes(grid, axis, method):
+    """Bytes this rank sends in one bf16 attention, forward and backward, and the dtypes of out, dq and dk."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, n, S // axis.size, HD, generator=gen).bfloat16().requires_grad_() for n in (H, KV, KV))
+    grid.log.reset()
+    out = cp.attention(q, k, v, axis, method)
+    fwd = grid.log.wire_bytes("cp")
+    out.backward(torch.randn(out.shape, generator=gen).bfloat16())
+    return dict(fwd=fwd, bwd=grid.log.wire_bytes("cp") - fwd, dtypes={out.dtype, q.grad.dtype, k.grad.dtype})
+
+
 def _config(**kw):
     return GPTConfig(vocab_size=200, block_size=16, n_layer=2, n_head=4, n_embd=32, **kw)
 
@@ -130,9 +141,11 @@ def _world():
     for method in ("ring", "allgather"):
         res[("op", 4, method)] = _op(g4, g4.cp, method)
         res[("docs", 4, method)] = _op(g4, g4.cp, method, docs=True)
+        res[("bf16", 4, method)] = _bf16_bytes(g4, g4.cp, method)
     for method in cp.METHODS:
         res[("op", 2, method)] = _op(g2, g2.cp, method)
         res[("docs", 2, method)] = _op(g2, g2.cp, method, docs=True)
+        res[("bf16", 2, method)] = _bf16_bytes(g2, g2.cp, method)
     method = "ring" if g2.dp_rank == 0 else "ulysses"  # the two dp replicas run different cases side by side
     res[("gpt", 2, method)] = _gpt_vs_dense(g2, method)
     res[("gpt", 2, "allgather", "llama")] = _gpt_vs_dense(g2, "allgather", arch="llama", n_kv_head=2, ffn_hidden=64)
@@ -167,13 +180,17 @@ def test_attention_equals_full_attention(world, case, kind):
 
 @pytest.mark.parametrize("case", [(4, "ring"), (4, "allgather"), (2, "ring"), (2, "allgather"), (2, "ulysses")],
                          ids=str)
-def test_bytes_equal_the_formula(world, case):
+@pytest.mark.parametrize("kind,dtype_bytes", [("op", 4), ("bf16", 2)])
+def test_bytes_equal_the_formula(world, case, kind, dtype_bytes):
+    """fp32, and bf16: K, V (q, out for Ulysses) travel in bf16, dK/dV (ring, allgather) in fp32 (grad_bytes 4)."""
     n, method = case
+    assert sum((kind,) + case in res for res in world) == 4  # every rank of the world ran it
     for res in world:
-        if ("op",) + case not in res:
+        if (kind,) + case not in res:
             continue
-        got = res[("op",) + case]
-        assert (got["fwd"], got["bwd"]) == formulas.cp_comm_bytes_per_layer(method, n, B, S, HD, H, KV, 4, 4), got
+        got = res[(kind,) + case]
+        assert (got["fwd"], got["bwd"]) == formulas.cp_comm_bytes_per_layer(method, n, B, S, HD, H, KV, dtype_bytes, 4)
+        assert kind == "op" or got["dtypes"] == {torch.bfloat16}, got
 
 
 @pytest.mark.parametrize("n", [2, 4])
