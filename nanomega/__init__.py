@@ -29,6 +29,7 @@ Formula and its lesson:
     14  moe.py                   mixture of experts: the router, balancing, capacity, shared experts
         ep.py                    expert parallelism: tokens to their experts' ranks and back (all-to-all)
     15  cp.py                    context parallelism: ring, all-gather and Ulysses attention over a cp axis
+        documents.py             --document-mask: packed documents attend only inside themselves (ids per window)
 
 Beside the concepts, two folders a student may skip:
     ops/    running a job: flags and their checks, failure handling, health check, meter (MFU, memory)

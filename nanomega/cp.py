@@ -18,7 +18,7 @@ Causal load balancing: the sequence is cut into 2 cp chunks and rank c holds chu
 tail), so every rank's queries see as many earlier keys: (2cp - 1) + 1 chunk pairs of work each, where
 contiguous chunks give rank c c + 1/2 pairs (the last rank waits for 2cp - 1). `pairs_per_rank` counts it.
 Formulas (one home: formulas.py): bytes per layer one rank sends, B_kv = b s/cp n_kv hd bytes (its K or V):
-    ring fwd (cp-1) 2 B_kv   bwd (cp-1) 2 B_kv (K/V again) + cp 2 B_kv (dK/dV, home included)
+    ring fwd (cp-1) 2 B_kv   bwd (cp-1) 2 B_kv (K/V again) + cp 2 B_kv (dK/dV in fp32, home included)
     allgather fwd (cp-1)/cp x cp 2 B_kv (wire)   bwd the same gather + a reduce-scatter of dK/dV
     ulysses 4 all-to-alls (q, k, v, out) of (cp-1)/cp of their bytes, forward and backward
 Lesson: lessons/15-long-context.md
@@ -27,6 +27,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from .modern import document_mask
 
 METHODS = ("ring", "allgather", "ulysses")
 WORK = {"pairs": 0.0, "flops": 0}  # attention work this process did (tests and the lesson reset and read it)
@@ -207,19 +209,19 @@ class RingAttention(torch.autograd.Function):
         q, k, v, saved = _saved(ctx, dout)
         axis, n, r = ctx.axis, ctx.axis.size, ctx.axis.rank
         kv, dq, acc = torch.stack((k, v)), torch.zeros(q.shape, dtype=torch.float32, device=q.device), None
-        for t in range(n):  # K/V go round again; their gradient (acc) travels one step behind them
-            out_msg = ([kv] if t < n - 1 else []) + ([acc] if acc is not None else [])
-            buf = torch.empty((len(out_msg),) + kv.shape, dtype=torch.float32, device=kv.device)
-            works = axis.p2p([(torch.stack([m.float() for m in out_msg]), (r + 1) % n)],
-                             [(buf, (r - 1) % n)], wait=False) if out_msg and n > 1 else []
+        for t in range(n):  # K/V go round again (model dtype); their gradient (acc, fp32) one step behind them
+            sends = ([kv] if t < n - 1 else []) + ([acc] if acc is not None else [])  # matched in order per peer
+            recvs = [torch.empty_like(m) for m in sends]  # the previous rank sends the same kinds and shapes
+            works = axis.p2p([(m, (r + 1) % n) for m in sends], [(m, (r - 1) % n) for m in recvs],
+                             wait=False) if n > 1 else []
             mine = attend_backward(saved, kv, (r - t) % n, ctx.layout, ctx.scale, dq)
             for work in works:
                 work.wait()
             if t > 0:  # what the ranks before added for this block, from the message just received
-                mine += buf[-1]
+                mine += recvs[-1]
             acc = mine
             if t < n - 1:
-                kv = buf[0].to(kv.dtype)
+                kv = recvs[0]
         if n > 1:  # after cp steps each block's gradient is complete one rank before home: one last hop
             home = torch.empty_like(acc)
             axis.p2p([(acc, (r + 1) % n)], [(home, (r - 1) % n)])
@@ -292,10 +294,7 @@ def ulysses(q, k, v, axis, layout, scale):
     """All-to-all to head shards, attention over the whole sequence with H/cp heads, all-to-all back."""
     order = [c for j in range(axis.size) for c in layout.chunks(j)]  # the chunks in rank order
     q, k, v = (SwapSharding.apply(t, axis, order, True) for t in (q, k, v))
-    mask = None
-    if layout.docs is not None:  # (b, 1, s, s): causal and inside one document
-        causal = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool, device=q.device).tril()
-        mask = (layout.docs[:, None, :, None] == layout.docs[:, None, None, :]) & causal
+    mask = None if layout.docs is None else document_mask(layout.docs)  # (b, 1, s, s): causal, one document
     WORK["flops"] += 4 * q.shape[0] * q.shape[1] * q.shape[2] ** 2 * q.shape[3] // 2
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                        enable_gqa=k.shape[1] != q.shape[1])
@@ -333,8 +332,9 @@ def check(cfg, cp, method, tp=1):
 
 def apply_context_parallel(model, axis, method="ring"):
     """In place: every attention core attends over the cp axis, and the positions (learned or rotary) are
-    this rank's chunks' (positions). The model then takes this rank's tokens (local) and returns the mean loss
-    over them; weights are unchanged (replicated over cp: their gradients are summed over dp_cp, zero.py)."""
+    this rank's chunks' (positions). The model then takes this rank's tokens (local), and the whole windows'
+    document ids (b, s) if any (documents.py), and returns the mean loss over its tokens; weights are unchanged
+    (replicated over cp: their gradients are summed over dp_cp, zero.py)."""
     if axis.size == 1:
         return model
     check(model.cfg, axis.size, method)
@@ -345,5 +345,5 @@ def apply_context_parallel(model, axis, method="ring"):
         attn = block.attn
         if attn.rotary is not None:
             attn.rotary.positions = pos  # one Rotary shared by every layer
-        attn.core = lambda q, k, v: attention(q, k, v, axis, method)  # an instance attribute: recompute wraps it
+        attn.core = lambda q, k, v, docs=None: attention(q, k, v, axis, method, docs)  # recompute wraps it too
     return model

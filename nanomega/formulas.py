@@ -197,12 +197,13 @@ def cp_comm_bytes_per_layer(method, c, b, s, hd, heads, kv_heads, dtype_bytes=2,
     ring       K and V sent c-1 times forward; backward K/V again and their gradients c times (home included)
     allgather  all-gather of K and V ((c-1)/c of c shards); backward the gather again + a reduce-scatter of dK/dV
     ulysses    all-to-all (c-1)/c of q, k, v and the output forward; the conjugates backward
-    The gradients travel in grad_bytes (fp32: cp.py accumulates dK/dV in fp32 whatever the model dtype)."""
+    K, V, q and the output travel in dtype_bytes (the model's); dK/dV of ring and allgather in grad_bytes (fp32:
+    cp.py accumulates them in fp32 whatever the model dtype: a bf16 partial sum would round at every hop)."""
     if c == 1:
         return 0, 0
     kv = 2 * b * (s // c) * kv_heads * hd  # K and V of this rank's tokens, elements
     if method == "ring":
-        return (c - 1) * kv * dtype_bytes, (c - 1) * kv * grad_bytes + c * kv * grad_bytes
+        return (c - 1) * kv * dtype_bytes, (c - 1) * kv * dtype_bytes + c * kv * grad_bytes
     if method == "allgather":
         return (c - 1) * kv * dtype_bytes, (c - 1) * kv * (dtype_bytes + grad_bytes)
     q = b * (s // c) * heads * hd

@@ -119,3 +119,10 @@ class PaperGrid:
         self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = self.dp.rank, self.pp.rank, self.cp.rank, self.tp.rank
         self.all = PaperAxis("all", range(world), rank)
         self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == pp - 1
+
+    def __repr__(self):
+        """--dry-run's header: rank R of tp T x pp P [x cp C] x dp D [(ep E)] (tp t, stage p[, cp c], dp d[, ep e])."""
+        cp, ep = self.cp.size > 1, self.ep.size > 1
+        return (f"rank {self.rank} of tp {self.tp.size} x pp {self.pp.size}" + f" x cp {self.cp.size}" * cp
+                + f" x dp {self.dp.size}" + f" (ep {self.ep.size})" * ep + f" (tp {self.tp_rank}, stage {self.pp_rank}"
+                + f", cp {self.cp_rank}" * cp + f", dp {self.dp_rank}" + f", ep {self.ep.rank}" * ep + ")")

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import moe
-from .modern import RMSNorm, Rotary, ffn_hidden
+from .modern import RMSNorm, Rotary, document_mask, ffn_hidden
 
 
 # The model's shape: the GPTConfig fields a checkpoint, a preset and the planner agree on (checkpoint.py,
@@ -185,9 +185,7 @@ class Embedding(nn.Module):
         if self.wpe is not None:
             pos = torch.arange(idx.shape[1], device=idx.device) if self.positions is None else self.positions
             x = x + self.wpe(pos.to(idx.device))
-        if self.ln is not None:
-            x = self.ln(x)
-        return self.drop(x)
+        return self.drop(x if self.ln is None else self.ln(x))
 
 
 class CausalSelfAttention(nn.Module):
@@ -209,12 +207,12 @@ class CausalSelfAttention(nn.Module):
         self.scale_mask_softmax = causal_softmax  # "fused" attention: train.py swaps in fused.causal_softmax
         self.attention = cfg.attention
 
-    def forward(self, x):  # under sequence parallelism x is (b, s/tp, h), gathered inside the projections
+    def forward(self, x, docs=None):  # under sequence parallelism x is (b, s/tp, h), gathered in the projections
         q, k, v = self.project(x)  # (b, nh, s, hd), (b, n_kv, s, hd), (b, n_kv, s, hd)
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
         b, s = q.shape[0], q.shape[2]
-        y = self.core(q, k, v).transpose(1, 2).reshape(b, s, self.n_head * self.head_dim)
+        y = self.core(q, k, v, docs).transpose(1, 2).reshape(b, s, self.n_head * self.head_dim)
         return self.resid_drop(self.c_proj(y))
 
     def project(self, x):
@@ -227,13 +225,13 @@ class CausalSelfAttention(nn.Module):
         k, v = self.kv_proj(x).view(b, s, 2, self.n_kv_head, self.head_dim).permute(2, 0, 3, 1, 4)
         return q.view(b, s, self.n_head, self.head_dim).transpose(1, 2), k, v
 
-    def core(self, q, k, v):
-        """softmax(q k^T / sqrt(d) [+ alibi], causal) v -- the part selective recompute recomputes. k, v may have
-        fewer heads than q (grouped-query attention): each serves n_head / n_kv consecutive query heads.
+    def core(self, q, k, v, docs=None):
+        """softmax(q k^T / sqrt(d) [+ alibi], causal [, in one document: docs]) v -- what selective recompute
+        recomputes. k, v may have fewer heads than q (grouped-query): each serves n_head / n_kv query heads.
         sdpa: one F.scaled_dot_product_attention call (FlashAttention / memory-efficient kernels on CUDA, a
         fused kernel on CPU): the (b, nh, s, s) scores are never stored. eager / fused: the explicit form."""
         if self.attention == "sdpa":
-            return self.sdpa_core(q, k, v)
+            return self.sdpa_core(q, k, v, docs)
         scale = 1.0 / math.sqrt(self.head_dim)
         if k.shape[1] != q.shape[1]:  # grouped-query: query head i reads key/value head i // (nh / n_kv)
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
@@ -242,6 +240,8 @@ class CausalSelfAttention(nn.Module):
         scores = q @ k.transpose(-2, -1)  # (b, nh, s, s)
         if self.slopes is not None:  # bias -slope*(i-j), divided by scale as the softmax rescales all
             scores = scores + self.alibi_bias(q.shape[-2], scores.dtype) / scale
+        if docs is not None:  # other documents' keys: the dtype's most negative finite (a fused softmax takes no inf)
+            scores = scores.masked_fill(~document_mask(docs), torch.finfo(scores.dtype).min)
         probs = self.attn_drop(self.scale_mask_softmax(scores, scale))
         return probs @ v  # (b, nh, s, hd)
 
@@ -251,13 +251,14 @@ class CausalSelfAttention(nn.Module):
         dist = (pos[None, :] - pos[:, None]).to(dtype)  # (s, s): j - i <= 0 where unmasked
         return self.slopes.to(dtype)[:, None, None] * dist
 
-    def sdpa_core(self, q, k, v):
-        drop = self.attn_drop.p if self.training else 0.0
-        mask = None
+    def sdpa_core(self, q, k, v, docs=None):
+        drop, mask = (self.attn_drop.p if self.training else 0.0), None
         if self.slopes is not None:  # ALiBi: an additive float mask, the causal -inf included
             s = q.shape[-2]
             future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)  # key j > query i
             mask = self.alibi_bias(s, q.dtype).masked_fill(future, float("-inf"))
+        if docs is not None:  # --document-mask: causal and inside one document (and ALiBi's bias, if any)
+            mask = document_mask(docs) if mask is None else mask.masked_fill(~document_mask(docs), float("-inf"))
         # tensor parallel dropout (rng.TrackedDropout): each rank's heads draw from its own stream
         fork = getattr(self.attn_drop, "rng", None)
         with fork.fork() if fork is not None and drop > 0 else contextlib.nullcontext():
@@ -291,8 +292,8 @@ class Block(nn.Module):
         self.ln_2 = norm(cfg)
         self.mlp = moe.mlp(cfg) if cfg.arch == "llama" else MLP(cfg)  # SwiGLU, or experts (moe.py)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x, docs=None):  # docs: (b, s) document ids (--document-mask) or None
+        x = x + self.attn(self.ln_1(x), docs)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -339,12 +340,10 @@ class GPT(nn.Module):
             if not p.is_meta:
                 p.copy_(draw(seed, name, init_std(name, self.cfg.n_layer), 0, p.numel()).view_as(p))
 
-    def forward(self, x, targets=None):
-        """x: token ids (b, s) on the first stage, hidden states (b, s, h) on later pipeline stages."""
+    def forward(self, x, targets=None, docs=None):
+        """x: token ids (b, s) on the first stage, hidden states (b, s, h) later; docs: (b, s) document ids or None."""
         if self.embed is not None:
             x = self.embed(x)
         for block in self.blocks.values():
-            x = block(x)
-        if self.head is None:
-            return x
-        return self.head(x, targets)
+            x = block(x, docs)
+        return x if self.head is None else self.head(x, targets)

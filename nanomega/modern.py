@@ -10,6 +10,8 @@ Idea: four small changes, each buying something measurable (lesson 13 prints eac
              to a multiple, Llama's rule: ffn_hidden) keeps 3hf = 8h^2, GPT-2's MLP parameters and FLOPs
     GQA      (Ainslie et al. 2023) n_kv < n_head key/value heads, each shared by n_head/n_kv query heads: the
              k/v projections and the KV cache shrink by n_head/n_kv (MQA: n_kv = 1)
+    documents (Llama 3) packed documents attend only inside themselves: the causal mask and a block-diagonal
+             one (document_mask; --document-mask, documents.py), for any block, gpt2's too
 model.py composes them into its one block when GPTConfig.arch == "llama"; fused.py swaps in one-pass kernels
 for rms_norm and swiglu; tp.py splits q by heads, k/v by key/value heads (or replicates a kv group when tp
 exceeds n_kv), gate/up by columns and down by rows.
@@ -116,3 +118,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x):
         return self.drop(self.c_proj(self.swiglu(self.gate_up(x))))
+
+
+def document_mask(docs):
+    """(b, 1, s, s) bool, True where query i may attend key j: j <= i and both in one document (docs (b, s)
+    document ids). Positions stay absolute: the mask alone keeps packed documents apart."""
+    causal = torch.ones(docs.shape[1], docs.shape[1], dtype=torch.bool, device=docs.device).tril()
+    return (docs[:, None, :, None] == docs[:, None, None, :]) & causal

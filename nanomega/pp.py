@@ -123,18 +123,19 @@ def sync_tied_grads(model, grid):
     sum_tied_grad(weight.grad, grid)
 
 
-def forward_chunk(model, x, targets, layers, first, last):
-    """One model chunk: (embedding) -> blocks in `layers` -> (head and loss). x: ids (b, s) or (b, s, h)."""
+def forward_chunk(model, x, targets, layers, first, last, docs=None):
+    """One model chunk: (embedding) -> blocks in `layers` -> (head and loss). x: ids (b, s) or (b, s, h); docs:
+    the micro-batch's document ids (b, s) (--document-mask; every stage has its batch) or None."""
     if first:
         x = model.embed(x)
     for i in layers:
-        x = model.blocks[str(i)](x)
+        x = model.blocks[str(i)](x, docs)
     return model.head(x, targets) if last else x
 
 
 def train_step(model, grid, micro_batches, schedule="1f1b", no_sync=contextlib.nullcontext, loss_scale=1.0,
                virtual=1, act_shape=None, trace=None, deallocate=True):
-    """Forward and backward of all micro-batches [(x, y), ...] on this stage, in the schedule's order.
+    """Forward and backward of all micro-batches [(x, y) or (x, y, docs), ...] on this stage, in the schedule's order.
 
     The loss is the mean over micro-batches (each backward starts from loss_i / m * loss_scale). Returns that
     mean loss (unscaled) on every rank: the last stage broadcasts the micro-batches' losses over the pp axis.
@@ -156,7 +157,7 @@ def forward_only(model, grid, micro_batches, act_shape=None, virtual=1):
     virtual: the number of chunks build_stage cut this stage into (_run checks the layers match it)."""
     rounds = schedules.forward_only(grid.pp.size, grid.pp_rank, len(micro_batches), virtual)
     losses = _run(model, grid, rounds, micro_batches, virtual, act_shape)
-    return sequence_mean(losses, [len(x) for x, _ in micro_batches])
+    return sequence_mean(losses, [len(batch[0]) for batch in micro_batches])
 
 
 def sequence_mean(losses, sizes) -> float:
@@ -202,10 +203,10 @@ def _run(model, grid, rounds, micro_batches, virtual, act_shape, no_sync=context
         vs = step.chunk * p + rank
         with trace.span(step, sync) if trace else contextlib.nullcontext():
             if step.kind == "F":
-                x, y = micro_batches[step.mb]
+                x, y, *docs = micro_batches[step.mb]
                 x = x if vs == 0 else inbox.pop(recv_msg(step, p, rank, virtual)).requires_grad_()
                 layers = chunk_layers(n_layer, p, rank, step.chunk, virtual)
-                out = forward_chunk(model, x, y if vs == last_vs else None, layers, vs == 0, vs == last_vs)
+                out = forward_chunk(model, x, y if vs == last_vs else None, layers, vs == 0, vs == last_vs, *docs)
                 if vs == last_vs:
                     losses.append(out.detach())
                     out = out / m * loss_scale

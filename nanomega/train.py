@@ -29,7 +29,8 @@ import torch
 if __package__ in (None, ""):  # `python nanomega/train.py`: make the package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nanomega import cp, data, dist, ep, flash, fused, meta, moe, pp, precision, recompute, rng, schedules, tp, zero
+from nanomega import (cp, data, dist, documents, ep, flash, fused, meta, moe, pp, precision, recompute, rng, schedules,
+                      tp, zero)
 from nanomega.model import GPT, SHAPE_KEYS
 from nanomega.ops import checks, faults, flags, health, meter, saves
 from nanomega.ops.guard import Guard, Spikes
@@ -102,9 +103,9 @@ def forward_backward(model, engine, grid, batches, config, *, loss_scale=1.0, tr
                              loss_scale=loss_scale, virtual=config.virtual_stages,
                              act_shape=activation_shape(config, grid), trace=trace)
     total = torch.zeros((), dtype=torch.float64, device=grid.device)  # summed on the device: no sync per micro-batch
-    for i, (x, y) in enumerate(batches):
+    for i, batch in enumerate(batches):  # (x, y), or (x, y, document ids)
         with engine.no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
-            loss = model(x, y)
+            loss = model(*batch)
             (loss * (loss_scale / len(batches))).backward()
         total += loss.detach().double() / len(batches)
     return total
@@ -134,14 +135,14 @@ def evaluate(model, grid, val_set, config):
     n = min(len(val_set), config.eval_iters * config.batch_size * config.grad_accum * grid.dp.size)
     idx = torch.randperm(len(val_set), generator=torch.Generator().manual_seed(config.seed))[:n].numpy()
     mine = idx[grid.dp_rank * n // grid.dp.size:(grid.dp_rank + 1) * n // grid.dp.size]
-    batches = [to_device(cp.split(val_set.get(mine[i:i + config.batch_size]), grid.cp), grid.device)
+    batches = [to_device(documents.batch(val_set, mine[i:i + config.batch_size], grid.cp, config.eot), grid.device)
                for i in range(0, len(mine), config.batch_size)]
     if not batches:  # fewer windows than dp ranks: this one has none
         loss = 0.0
     elif grid.pp.size > 1:  # every stage holds the same batches: each receive is sized by its micro-batch's rows
         loss = pp.forward_only(model, grid, batches, activation_shape(config, grid), virtual=config.virtual_stages)
     else:
-        loss = pp.sequence_mean(torch.stack([model(x, y) for x, y in batches]), [len(x) for x, _ in batches])
+        loss = pp.sequence_mean(torch.stack([model(*b) for b in batches]), [len(b[0]) for b in batches])
     model.train()
     total = torch.tensor([loss * len(mine)], dtype=torch.float64, device=grid.device)
     # cp ranks: equal shares of each window's tokens, means averaged; n >= 1 (TokenDataset refuses less)
@@ -238,9 +239,8 @@ def dry_run(config):
     planned = cost_moe.rank_state_bytes(model, config.tp, config.pp, config.dp * config.cp, config.zero, config.dtype,
                                         config.virtual_stages, ep=config.ep)[grid.pp_rank]  # experts / ep
     planned = dict(zip(("params", "grads", "optimizer"), planned))
-    print(f"dry run: rank {grid.rank} of tp {config.tp} x pp {config.pp} x dp {config.dp} (tp {grid.tp_rank}, "
-          f"stage {grid.pp_rank}, dp {grid.dp_rank}), ZeRO-{config.zero}, {config.dtype}: built on meta in "
-          f"{seconds:.1f} s\n{'':12} {'engine GB':>12} {'planner GB':>12} {'engine - planner (B)':>21}")
+    print(f"dry run: {grid}, ZeRO-{config.zero}, {config.dtype}: built on meta in {seconds:.1f} s\n{'':12} "
+          f"{'engine GB':>12} {'planner GB':>12} {'engine - planner (B)':>21}")  # grid: meta.PaperGrid's repr
     for k in planned:
         print(f"{k:<12} {held[k] / 1e9:12.3f} {planned[k] / 1e9:12.3f} {held[k] - planned[k]:21,}")
     print(f"(the difference: flat buffers padded to a multiple of dp in each of {len(engine.groups)} groups, and "
@@ -311,7 +311,7 @@ def train_step(step, *, config, model, engine, grid, sampler, train_set, scaler,
     lr = lr_at(step, config) * guard.lr_scale
     engine.set_lr(lr)
     micro = sampler.local_micro_batches(sampler.step, grid.dp_rank, grid.dp.size, config.batch_size, config.grad_accum)
-    batches = [to_device(cp.split(train_set.get(idx), grid.cp), grid.device) for idx in micro]  # the same windows on cp
+    batches = [to_device(documents.batch(train_set, idx, grid.cp, config.eot), grid.device) for idx in micro]
     trace = schedules.Trace(grid.pp_rank) if grid.pp.size > 1 and step == min(1, config.max_steps - 1) else None
     with guard.forward_backward(model, step + 1, data_step=sampler.step + 1):
         loss = forward_backward(model, engine, grid, batches, config, loss_scale=scaler.scale, trace=trace)

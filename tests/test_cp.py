@@ -13,14 +13,16 @@ End to end: losses, gradients and (after AdamW) the weight matrices within tests
 zero-initialized bias is left out of the weights: Adam moves each element by ~lr g/|g|, and an element whose
 gradient is a cancelling sum (over cp ranks or over the batch) has no relative bound of its own (test_tp's key bias).
 """
+import gzip
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from nanomega import cp, dist, formulas, tp, train
+from nanomega import checkpoint, cp, dist, documents, formulas, reshard, tp, train
 from nanomega.model import GPT, GPTConfig
 from tolerance import layout_rtol, likely
 
@@ -34,6 +36,9 @@ TRAIN = {"cp2 x tp2, zero 1, selective recompute": ["--cp", "2", "--tp", "2", "-
          "cp2 x dp2 allgather, zero 2": ["--cp", "2", "--cp-method", "allgather", "--zero", "2"],
          "cp4 ring": ["--cp", "4"],
          "cp2 x pp2 ulysses": ["--cp", "2", "--pp", "2", "--cp-method", "ulysses"]}  # each with --global-batch 4
+DOCS = {"cp2 x pp2 ulysses, documents": ["--cp", "2", "--pp", "2", "--cp-method", "ulysses", "--document-mask"],
+        "cp2 x tp2 ring, full recompute, documents": ["--cp", "2", "--tp", "2", "--recompute", "full",
+                                                      "--document-mask"]}  # on docs_corpus
 
 
 def _err(a, b):
@@ -75,13 +80,25 @@ def _op(grid, axis, method, docs=False):
                 scores=scores)
 
 
+def _bf16_bytes(grid, axis, method):
+    """Bytes this rank sends in one bf16 attention, forward and backward, and the dtypes of out, dq and dk."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, n, S // axis.size, HD, generator=gen).bfloat16().requires_grad_() for n in (H, KV, KV))
+    grid.log.reset()
+    out = cp.attention(q, k, v, axis, method)
+    fwd = grid.log.wire_bytes("cp")
+    out.backward(torch.randn(out.shape, generator=gen).bfloat16())
+    return dict(fwd=fwd, bwd=grid.log.wire_bytes("cp") - fwd, dtypes={out.dtype, q.grad.dtype, k.grad.dtype})
+
+
 def _config(**kw):
     return GPTConfig(vocab_size=200, block_size=16, n_layer=2, n_head=4, n_embd=32, **kw)
 
 
-def _gpt_vs_dense(grid, method="ring", **kw):
+def _gpt_vs_dense(grid, method="ring", docs=False, **kw):
     """The cp (x tp) GPT and the dense GPT from one seed, over STEPS AdamW steps: losses (the token mean over
-    the whole sequences: the cp ranks' means averaged) and every weight, sliced by tp."""
+    the whole sequences: the cp ranks' means averaged) and every weight, sliced by tp. docs: token 0 ends a
+    document (~1 token in 6), both models take the windows' document ids (documents.ids)."""
     cfg = _config(make_vocab_size_divisible_by=128 * grid.tp.size, **kw)
     torch.manual_seed(1)
     dense = GPT(cfg)
@@ -94,10 +111,13 @@ def _gpt_vs_dense(grid, method="ring", **kw):
     gen, err = torch.Generator().manual_seed(2), dict(loss=0.0, grad=0.0, weight=0.0)
     for _ in range(STEPS):
         idx = torch.randint(cfg.vocab_size, (2, cfg.block_size + 1), generator=gen)
+        if docs:
+            idx[torch.rand(idx.shape, generator=gen) < 1 / 6] = 0
         x, y = idx[:, :-1], idx[:, 1:]
-        ref = dense(x, y)
+        ids = documents.ids(x, 0) if docs else None
+        ref = dense(x, y, ids)
         ref.backward()
-        loss = par(cp.local(x, grid.cp.size, grid.cp.rank), cp.local(y, grid.cp.size, grid.cp.rank))
+        loss = par(cp.local(x, grid.cp.size, grid.cp.rank), cp.local(y, grid.cp.size, grid.cp.rank), ids)
         loss.backward()
         for p in par.parameters():  # what zero.py does over dp_cp: the cp ranks' gradients averaged
             grid.cp.all_reduce(p.grad).div_(grid.cp.size)
@@ -121,13 +141,18 @@ def _world():
     for method in ("ring", "allgather"):
         res[("op", 4, method)] = _op(g4, g4.cp, method)
         res[("docs", 4, method)] = _op(g4, g4.cp, method, docs=True)
+        res[("bf16", 4, method)] = _bf16_bytes(g4, g4.cp, method)
     for method in cp.METHODS:
         res[("op", 2, method)] = _op(g2, g2.cp, method)
         res[("docs", 2, method)] = _op(g2, g2.cp, method, docs=True)
+        res[("bf16", 2, method)] = _bf16_bytes(g2, g2.cp, method)
     method = "ring" if g2.dp_rank == 0 else "ulysses"  # the two dp replicas run different cases side by side
     res[("gpt", 2, method)] = _gpt_vs_dense(g2, method)
     res[("gpt", 2, "allgather", "llama")] = _gpt_vs_dense(g2, "allgather", arch="llama", n_kv_head=2, ffn_hidden=64)
     res[("gpt", "2x2")] = _gpt_vs_dense(g22, "ring")
+    res[("gpt-docs", 2, method)] = _gpt_vs_dense(g2, method, docs=True)  # ring (dp 0) and ulysses (dp 1)
+    res[("gpt-docs", 2, "allgather", "llama")] = _gpt_vs_dense(g2, "allgather", docs=True, arch="llama", n_kv_head=2,
+                                                               ffn_hidden=64)
     return res
 
 
@@ -155,13 +180,17 @@ def test_attention_equals_full_attention(world, case, kind):
 
 @pytest.mark.parametrize("case", [(4, "ring"), (4, "allgather"), (2, "ring"), (2, "allgather"), (2, "ulysses")],
                          ids=str)
-def test_bytes_equal_the_formula(world, case):
+@pytest.mark.parametrize("kind,dtype_bytes", [("op", 4), ("bf16", 2)])
+def test_bytes_equal_the_formula(world, case, kind, dtype_bytes):
+    """fp32, and bf16: K, V (q, out for Ulysses) travel in bf16, dK/dV (ring, allgather) in fp32 (grad_bytes 4)."""
     n, method = case
+    assert sum((kind,) + case in res for res in world) == 4  # every rank of the world ran it
     for res in world:
-        if ("op",) + case not in res:
+        if (kind,) + case not in res:
             continue
-        got = res[("op",) + case]
-        assert (got["fwd"], got["bwd"]) == formulas.cp_comm_bytes_per_layer(method, n, B, S, HD, H, KV, 4, 4), got
+        got = res[(kind,) + case]
+        assert (got["fwd"], got["bwd"]) == formulas.cp_comm_bytes_per_layer(method, n, B, S, HD, H, KV, dtype_bytes, 4)
+        assert kind == "op" or got["dtypes"] == {torch.bfloat16}, got
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -173,7 +202,8 @@ def test_work_per_rank_is_balanced(world, n):
 
 
 @pytest.mark.parametrize("key", [("gpt", 2, "ring"), ("gpt", 2, "ulysses"), ("gpt", 2, "allgather", "llama"),
-                                 ("gpt", "2x2")], ids=str)
+                                 ("gpt", "2x2"), ("gpt-docs", 2, "ring"), ("gpt-docs", 2, "ulysses"),
+                                 ("gpt-docs", 2, "allgather", "llama")], ids=str)
 def test_gpt_equals_dense_over_steps(world, key):
     tol = layout_rtol(STEPS, 200, 128, 2)
     assert sum(key in res for res in world) >= 2
@@ -201,21 +231,93 @@ def _run(corpus, out, *extra):
     return [r["loss"] for r in rows if "loss" in r] + [r["val_loss"] for r in rows if "val_loss" in r][-1:]
 
 
-def _train_world(corpus, root):
-    return {name: _run(corpus, Path(root) / name.replace(" ", "_").replace(",", ""), "--global-batch", "4", *flags)
-            for name, flags in TRAIN.items()}
+SAVED = "cp2 x dp2 allgather, zero 2"  # saved at step 2 (its optimizer state sharded over dp_cp = 4 ranks)
 
 
-@pytest.mark.usefixtures("one_thread")
-def test_training_equals_one_process(corpus, tmp_path):
+def _resume_copy(root, name, into):
+    """A fresh out-dir `into` holding only `name`'s step-2 checkpoint (rank 0 copies, every rank waits)."""
+    out = Path(root) / into
+    world = torch.distributed.is_initialized()
+    if not world or torch.distributed.get_rank() == 0:
+        (out / "ckpt").mkdir(parents=True)
+        shutil.copytree(Path(root) / _dir(name) / "ckpt" / "step_000002", out / "ckpt" / "step_000002")
+        (out / "ckpt" / "latest").write_text("step_000002")
+    if world:
+        torch.distributed.barrier()
+    return out
+
+
+def _dir(name):
+    return name.replace(" ", "_").replace(",", "")
+
+
+def _train_world(corpus, docs_corpus, root):
+    got = {name: _run(docs_corpus, Path(root) / _dir(name), "--global-batch", "4", *flags) for name, flags in DOCS.items()}
+    got |= {name: _run(corpus, Path(root) / _dir(name), "--global-batch", "4", *flags,
+                      *(["--save-every", "2"] if name == SAVED else [])) for name, flags in TRAIN.items()}
+    out = _resume_copy(root, SAVED, "resumed")  # the same layout resumes it: steps 3-4 bitwise
+    got["resumed"] = _run(corpus, out, "--global-batch", "4", *TRAIN[SAVED], "--save-every", "2", "--resume")
+    return got
+
+
+@pytest.fixture(scope="module")
+def docs_corpus(tmp_path_factory):
+    """Short documents: every line of the embedded corpus's first CORPUS_CHARS characters a .jsonl document
+    (~10 tokens: ~3 per 32-token window), each ended by <|endoftext|> when prepared (tools/corpus.py)."""
+    text = gzip.open(Path(__file__).resolve().parent.parent / "data" / "shakespeare.txt.gz", "rt").read(CORPUS_CHARS)
+    path = tmp_path_factory.mktemp("docs") / "lines.jsonl"
+    path.write_text("".join(json.dumps({"text": line}) + "\n" for line in text.split("\n") if line.strip()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, docs_corpus, tmp_path_factory, one_thread):
+    """One process's curves (plain; documents with and without --document-mask) and the 4-rank world's: every
+    TRAIN layout, SAVED resumed from its step 2, and the DOCS layouts."""
+    root = tmp_path_factory.mktemp("train")
+    dense = {name: _run(data, root / name, "--global-batch", "4", *flags) for name, data, flags in [
+        ("dense", corpus, []), ("documents", docs_corpus, ["--document-mask"]), ("packed", docs_corpus, [])]}
+    return root, dense, dist.launch(_train_world, 4, corpus, docs_corpus, str(root), timeout=300)[3]  # the last rank logs
+
+
+def test_training_equals_one_process(trained):
     """train.py with a cp axis (composed with tp, dp/ZeRO over dp_cp, recompute, pipeline stages) against one
     process: the same windows, the loss the token mean over whole sequences -- equal within layout_rtol."""
-    dense = _run(corpus, tmp_path / "dense", "--global-batch", "4")
-    assert dense[3] < dense[0] - 0.05  # it trains: the comparison can tell curves apart
-    got = dist.launch(_train_world, 4, corpus, str(tmp_path), timeout=300)[3]  # the last rank logs
+    _, dense, got = trained
+    assert dense["dense"][3] < dense["dense"][0] - 0.05  # it trains: the comparison can tell curves apart
     tol = layout_rtol(5, 4096, 128, 2)
     for name in TRAIN:
-        assert got[name] == pytest.approx(dense, rel=tol), name
+        assert got[name] == pytest.approx(dense["dense"], rel=tol), name
+
+
+def test_document_mask_training_equals_one_process(trained):
+    """--document-mask end to end (the ids built from each window's <|endoftext|> tokens, carried with the batch
+    through the pipeline, full recompute and the cp cores) on packed short documents: cp2 x pp2 Ulysses and
+    cp2 x tp2 ring equal one process with the mask within layout_rtol; without it the curve differs."""
+    _, dense, got = trained
+    tol = layout_rtol(5, 4096, 128, 2)
+    moved = max(abs(a / b - 1) for a, b in zip(dense["packed"], dense["documents"]))
+    assert moved > 3 * tol  # the mask moves the curve (8x tol here, by the validation loss): a lost mask fails
+    for name in DOCS:
+        assert got[name] == pytest.approx(dense["documents"], rel=tol), name
+
+
+def test_cp_checkpoint_resumes_bitwise_and_under_cp1(trained, corpus):
+    """A cp2 x dp2 ZeRO-2 run saved at step 2 and resumed in its own layout is the uninterrupted run bitwise
+    (steps 3-4, the final validation loss, the final weights); resumed by one process (cp 1, dp 1, ZeRO-0:
+    weights are replicated over cp, so it is a dp_cp change of 4 -> 1, resharded) it continues the same curve
+    within layout_rtol, and its final weights match within test_layouts' bound (Adam's lr g/sqrt(v) on a
+    near-zero gradient: 1e-4 absolute, 3% of one step of lr 3e-3)."""
+    root, _, got = trained
+    assert len(got["resumed"]) == 3 and got["resumed"] == got[SAVED][2:]
+    straight = reshard.full_weights(checkpoint.latest(root / _dir(SAVED)))
+    resumed = reshard.full_weights(checkpoint.latest(root / "resumed"))
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+    one = _run(corpus, _resume_copy(root, SAVED, "cp1"), "--global-batch", "4", "--save-every", "2", "--resume")
+    assert one == pytest.approx(got[SAVED][2:], rel=layout_rtol(5, 4096, 128, 2))
+    single = reshard.full_weights(checkpoint.latest(root / "cp1"))
+    for k in straight:
+        torch.testing.assert_close(single[k], straight[k], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -228,3 +330,16 @@ def test_train_flags_refused_before_any_collective(argv, message, monkeypatch, t
     with pytest.raises(ValueError) as err:
         checks.check(flags.parse([*argv, "--n-head", "2", "--n-embd", "32", "--out-dir", str(tmp_path)]))
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("argv,header", [
+    (["--cp", "2", "--tp", "2", "--world", "8", "--rank", "5"],
+     "dry run: rank 5 of tp 2 x pp 1 x cp 2 x dp 2 (tp 1, stage 0, cp 0, dp 1), ZeRO-1, fp32"),
+    (["--arch", "llama", "--n-experts", "4", "--ep", "2", "--world", "4", "--rank", "3"],
+     "dry run: rank 3 of tp 1 x pp 1 x dp 4 (ep 2) (tp 0, stage 0, dp 3, ep 1), ZeRO-1, fp32"),
+    (["--tp", "2", "--pp", "2", "--world", "8", "--rank", "7"],  # no cp, no ep: the line as lessons 09 quotes it
+     "dry run: rank 7 of tp 2 x pp 2 x dp 2 (tp 1, stage 1, dp 1), ZeRO-1, fp32")])
+def test_dry_run_header_names_every_axis(argv, header, capsys, tmp_path):
+    train.main([*argv, "--dry-run", "--zero", "1", "--n-layer", "2", "--n-head", "4", "--n-embd", "32", "--block-size",
+                "32", "--out-dir", str(tmp_path)])
+    assert capsys.readouterr().out.startswith(header + ": built on meta in ")

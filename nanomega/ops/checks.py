@@ -49,6 +49,7 @@ def check(config):
         grad_accum = c.global_batch // per_step
     zero.check_config(c.zero, torch.optim.AdamW, c.pp, c.offload, c.offload_params)  # the engine's rules
     vocab_size = data.get_tokenizer(c.tokenizer).n_vocab
+    eot = data.get_tokenizer(c.tokenizer).eot_token if c.document_mask else None  # documents.ids counts them
     if c.dry_run and c.model:  # no data is read: the preset's vocabulary, as the planner takes it
         vocab_size = presets.PRESETS[c.model]["vocab_size"]
     cfg = model_config(c, vocab_size)
@@ -78,7 +79,7 @@ def check(config):
     if not c.dry_run:
         warn_spanning(c.tp, world)
     return dataclasses.replace(c, dp=dp, grad_accum=grad_accum, global_batch=c.batch_size * grad_accum * dp,
-                               vocab_size=vocab_size, fault=fault, hang_timeout=hang_timeout,
+                               vocab_size=vocab_size, fault=fault, hang_timeout=hang_timeout, eot=eot,
                                resume=c.resume or c.resume_from is not None)  # --resume-from implies --resume
 
 

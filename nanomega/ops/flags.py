@@ -47,6 +47,7 @@ class Config:
     text_field: str
     data: str | None
     data_cache: str | None
+    document_mask: bool
     batch_size: int
     grad_accum: int
     global_batch: int | None
@@ -106,6 +107,7 @@ class Config:
     dp: int = 1
     vocab_size: int = 4096
     fault: tuple | None = None
+    eot: int | None = None  # --document-mask: the tokenizer's end-of-text id, which ends each document
 
 
 class Parser(argparse.ArgumentParser):
@@ -160,6 +162,8 @@ def parser():
     g.add_argument("--text-field", default="text", help="the JSON field with a document's text (.jsonl)")
     g.add_argument("--data", default=None, help="shards prepared by `python -m nanomega.tools.corpus` (instead of --corpus)")
     g.add_argument("--data-cache", default=None, help="tokenized memmaps (default: OUT/data)")
+    g.add_argument("--document-mask", action="store_true", help="a token attends only inside its own document "
+                   "of the packed window (documents end with <|endoftext|>; nanomega/documents.py)")
     g.add_argument("--batch-size", type=int, default=16, help="micro-batch size")
     g.add_argument("--grad-accum", "--microbatches", dest="grad_accum", type=int, default=1,
                    help="micro-batches per step per data-parallel rank (the pipeline's m)")
