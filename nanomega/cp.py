@@ -270,7 +270,7 @@ def _seq_to_heads(x, axis, order):
 
 def _heads_to_seq(x, axis, order):
     """The inverse of _seq_to_heads."""
-    n, (b, hl, s, hd) = axis.size, x.shape
+    n = axis.size  # x: (b, H/cp, s, hd)
     ranked = x.unflatten(2, (len(order), -1))[:, :, order].flatten(2, 3).unflatten(2, (n, -1))  # (b, H/cp, cp, s_l, hd)
     send = ranked.movedim(2, 0).contiguous()  # (cp, b, H/cp, s_l, hd): rank j's tokens go back to rank j
     got = axis.all_to_all(torch.empty_like(send), send)  # (cp, b, H/cp, s_l, hd): head group i from rank i
