@@ -12,6 +12,10 @@ disturbed repeat) and the median. Bytes per element and step (cpu_adam.py's form
 (CPUAdamW, torch fused), 80 for foreach; GB/s = bytes / min. The load average of the machine (2 cores shared with
 other jobs) is printed before and after.
 Issue 32: CPUAdamW should beat foreach, and fused where the CPU build has it, at 1 and 2 threads.
+A second table times ZeRO-Offload's whole host step of a bf16 model (offload.py): the clip coefficient applied to
+the gradient, AdamW, the new weights rounded to bf16 for the upload -- one pass of CPUAdamW's kernel (30 bytes
+per element) against torch's optimizers with the scaling and the cast as passes of their own (42 with fused; 38
+with the scaling inside fused's pass through GradScaler's grad_scale hook, which writes the gradient back).
 """
 import argparse
 import datetime
@@ -68,7 +72,69 @@ def bench(n, tensors, threads, repeats):
     for p in params:
         p.grad = torch.randn_like(p)
     opts = optimizers(params)
-    for step, _ in opts.values():  # warm: state allocated, pages touched, threads started
+    times = interleaved(opts, repeats)
+    return times, {name: nbytes for name, (_, nbytes) in opts.items()}
+
+
+CLIP = 0.37  # the clip coefficient of the offload step (any value < 1: the gradient is scaled)
+OFFLOAD_BYTES = dict(kernel=FUSED_BYTES + 2, fused=8 + FUSED_BYTES + 6, scaled=FUSED_BYTES + 4 + 6,
+                     foreach=8 + FOREACH_BYTES + 6)  # + grad *= c (8), + the bf16 cast (4 read, 2 written)
+
+
+def offload_steps(params, out, lr=1e-3):
+    """ZeRO-Offload's host step of a bf16 model (nanomega/offload.py): the gradient times the clip coefficient,
+    AdamW, the new weights rounded to bf16 for the upload. name -> (step function, bytes per element)."""
+    def kernel(opt):
+        def step():
+            for p, o in zip(params, out):
+                state = opt.state[p]
+                if not state:
+                    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                state["step"] += 1
+                cpu_adam.adam_step(p.data, p.grad, state["exp_avg"], state["exp_avg_sq"], lr=lr, beta1=0.9,
+                                   beta2=0.999, eps=1e-8, weight_decay=1e-2, step=state["step"].item(),
+                                   grad_scale=CLIP, out=o)
+        return step
+
+    def separate(opt):  # torch's pieces, one pass each: the scaling, the optimizer, the cast
+        def step():
+            torch._foreach_mul_([p.grad for p in params], CLIP)
+            opt.step()
+            torch._foreach_copy_(out, [p.detach() for p in params])
+        return step
+
+    def grad_scale(opt):  # the scaling inside torch's fused pass (GradScaler's hook: it divides by grad_scale)
+        opt.grad_scale, opt.found_inf = torch.tensor(1 / CLIP), torch.tensor(0.0)
+
+        def step():
+            opt.step()
+            torch._foreach_copy_(out, [p.detach() for p in params])
+        return step
+
+    steps = {"CPUAdamW, one pass": (kernel(cpu_adam.CPUAdamW(params, lr=lr)), OFFLOAD_BYTES["kernel"]),
+             "torch foreach: grad *= c; step; cast": (separate(torch.optim.AdamW(params, lr=lr, foreach=True)),
+                                                      OFFLOAD_BYTES["foreach"])}
+    if fused_available() is None:
+        steps["torch fused: grad *= c; step; cast"] = (separate(torch.optim.AdamW(params, lr=lr, fused=True)),
+                                                       OFFLOAD_BYTES["fused"])
+        steps["torch fused(grad_scale=1/c); cast"] = (grad_scale(torch.optim.AdamW(params, lr=lr, fused=True)),
+                                                      OFFLOAD_BYTES["scaled"])
+    return steps
+
+
+def bench_offload(n, tensors, threads, repeats):
+    torch.set_num_threads(threads)
+    params = [torch.nn.Parameter(t) for t in torch.randn(n).chunk(tensors)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    out = [torch.empty(p.shape, dtype=torch.bfloat16) for p in params]
+    opts = offload_steps(params, out)
+    return interleaved(opts, repeats), {name: nbytes for name, (_, nbytes) in opts.items()}
+
+
+def interleaved(opts, repeats):
+    """Each step once untimed (state allocated, pages touched, threads started), then all of them in turn."""
+    for step, _ in opts.values():
         step()
     times = {name: [] for name in opts}
     for _ in range(repeats):
@@ -76,7 +142,15 @@ def bench(n, tensors, threads, repeats):
             t0 = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - t0)
-    return times, {name: nbytes for name, (_, nbytes) in opts.items()}
+    return times
+
+
+def table(n, threads, times, nbytes):
+    ours = min(next(iter(times.values())))  # CPUAdamW on the path it takes by default
+    for name, ts in times.items():
+        best = min(ts)
+        print(f"| {name} | {threads} | {1e3 * best:.1f} | {1e3 * statistics.median(ts):.1f} | "
+              f"{nbytes[name] * n / best / 1e9:.1f} | {best / ours:.2f}x |", flush=True)
 
 
 def main(argv=None):
@@ -96,12 +170,13 @@ def main(argv=None):
     print("| optimizer | threads | min ms | median ms | GB/s (min) | time / CPUAdamW's (min) |")
     print("|---|---|---|---|---|---|")
     for threads in args.threads:
-        times, nbytes = bench(n, args.tensors, threads, args.repeats)
-        ours = min(next(iter(times.values())))  # CPUAdamW on the path it takes by default
-        for name, ts in times.items():
-            best = min(ts)
-            print(f"| {name} | {threads} | {1e3 * best:.1f} | {1e3 * statistics.median(ts):.1f} | "
-                  f"{nbytes[name] * n / best / 1e9:.1f} | {best / ours:.2f}x |", flush=True)
+        table(n, threads, *bench(n, args.tensors, threads, args.repeats))
+    print(f"\nZeRO-Offload's host step of a bf16 model (offload.py): gradient x clip coefficient {CLIP}, AdamW, "
+          f"the new weights rounded to bf16 for the upload")
+    print("| step | threads | min ms | median ms | GB/s (min) | time / CPUAdamW's (min) |")
+    print("|---|---|---|---|---|---|")
+    for threads in args.threads:
+        table(n, threads, *bench_offload(n, args.tensors, threads, args.repeats))
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -16,6 +16,9 @@ Formula (torch.optim.AdamW's; step t counts from 1; every element on its own):
 Bytes per element and step (fp32): fused 16 read + 12 written = 28. torch's for-loop and foreach paths 80:
   p*=(8) m.lerp_(g)(12) v*=(8) v.addcmul_(g,g)(12) sqrt(8) /bc2(8) +eps(8) p.addcdiv_(m,denom)(16);
   torch's fused=True (on the CPU in this project's torch 2.13) is one pass too: 28, the same memory floor.
+  ZeRO-Offload's host step (offload.py) also scales the gradient by the clip coefficient and rounds the new
+  weights to bf16 for the upload: inside this pass (adam_step's grad_scale, out) 30 bytes; as passes of their
+  own around any optimizer 28 + 8 + 6 = 42 -- where the kernel beats torch's fused one (bench/RESULTS.md).
 Rounding: the kernel rounds after every +, -, *, / and sqrt, in the order reference_step writes them as PyTorch
 ops, so the two agree to the bit on every ISA path; torch.optim.AdamW orders the same math otherwise (lerp,
 addcmul, addcdiv) and agrees within a few roundings per step (tests/test_cpu_adam.py derives the bound).
@@ -42,12 +45,12 @@ def isa(forced: str = "") -> str:
     return ext.adam_isa(forced) if ext is not None else "pytorch"
 
 
-def coefficients(lr, beta1, beta2, eps, weight_decay, step) -> dict:
+def coefficients(lr, beta1, beta2, eps, weight_decay, step, grad_scale=1.0) -> dict:
     """The step's scalars as the kernel forms them: in double (Python floats, as torch.optim.AdamW forms
     them), then each rounded to fp32 once, as PyTorch rounds a Python scalar for an op on fp32 tensors."""
     exact = dict(decay=1 - lr * weight_decay, l2=weight_decay, beta1=beta1, one_minus_beta1=1 - beta1,
                  beta2=beta2, one_minus_beta2=1 - beta2, step_size=lr / (1 - beta1 ** step),
-                 bc2_sqrt=(1 - beta2 ** step) ** 0.5, eps=eps)
+                 bc2_sqrt=(1 - beta2 ** step) ** 0.5, eps=eps, grad_scale=grad_scale)
     return {k: torch.tensor(v, dtype=torch.float32).item() for k, v in exact.items()}
 
 
@@ -66,34 +69,41 @@ def sqrt_rounded(v):
 
 @torch.no_grad()
 def reference_step(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
-                   decoupled=True):
+                   decoupled=True, grad_scale=1.0, out=None):
     """One step in place in PyTorch ops, EXACTLY the kernel's arithmetic: each op below is one IEEE rounding
     in fp32 (the scalars are fp32 values already, so no op rounds them again; the square root is rounded as
-    IEEE rounds it, which torch.sqrt does not), in the kernel's order."""
-    c = coefficients(lr, beta1, beta2, eps, weight_decay, step)
-    p, g = param, grad
+    IEEE rounds it, which torch.sqrt does not), in the kernel's order. grad_scale: the gradient times it first
+    (the clip coefficient; grad itself is not changed); out: a bf16 tensor that receives the new param."""
+    c = coefficients(lr, beta1, beta2, eps, weight_decay, step, grad_scale)
+    p, g = param, grad * c["grad_scale"]  # times 1.0: the same bits
     if decoupled:
         p = param * c["decay"]
     else:
-        g = grad + c["l2"] * param
+        g = g + c["l2"] * param
     m = c["beta1"] * exp_avg + c["one_minus_beta1"] * g
     v = c["beta2"] * exp_avg_sq + c["one_minus_beta2"] * (g * g)
     denom = sqrt_rounded(v) / c["bc2_sqrt"] + c["eps"]
     param.copy_(p - (c["step_size"] * m) / denom)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
+    if out is not None:
+        out.copy_(param)  # round to nearest even (finite values: the kernel's bits)
 
 
 def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, decoupled=True,
-              isa=""):
+              isa="", grad_scale=1.0, out=None):
     """One Adam(W) step of one contiguous fp32 CPU tensor and its state, in place: the C++ kernel (isa: force
-    a path), or reference_step when the extension cannot be built. -> the path that ran."""
+    a path), or reference_step when the extension cannot be built. -> the path that ran.
+    ZeRO-Offload's host step in the same one pass (offload.py): grad_scale, the clip coefficient the gradient is
+    multiplied by first; out, a contiguous bf16 CPU tensor like param that receives the new weights rounded for
+    the upload. 30 bytes per element instead of 28 + 8 (grad.mul_) + 6 (out.copy_(param))."""
     ext = fused.extension()
     if ext is None:
         reference_step(param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                       weight_decay=weight_decay, step=step, decoupled=decoupled)
+                       weight_decay=weight_decay, step=step, decoupled=decoupled, grad_scale=grad_scale, out=out)
         return "pytorch"
-    return ext.adam_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, decoupled, isa)
+    return ext.adam_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, decoupled, isa,
+                         grad_scale, out)
 
 
 def check_param(p, where):

@@ -157,8 +157,10 @@ def inflight_microbatches(p, m, schedule="1f1b", v=1):
 def offload_seconds(n, grad_bytes, param_bytes, pcie_bw, host_bw, adam_bytes=28):
     """ZeRO-Offload's step on one GPU with n optimizer elements in host memory (offload.py): gradients down and
     weights up over PCIe, n (g + p) bytes, and the CPU Adam's one pass through host memory, n x 28 bytes
-    (cpu_adam.py). offload.py pipelines them group by group, so the slower of the two sets the time."""
-    return max(n * (grad_bytes + param_bytes) / pcie_bw, n * adam_bytes / host_bw)
+    (cpu_adam.py), + p bytes when the model is not fp32 (the pass also writes the weights rounded for the upload).
+    offload.py pipelines them group by group, so the slower of the two sets the time."""
+    host = adam_bytes + (param_bytes if param_bytes < 4 else 0)
+    return max(n * (grad_bytes + param_bytes) / pcie_bw, n * host / host_bw)
 
 
 # ---- communication (bytes one rank sends per step; a ring receives as much as it sends) ------------------

@@ -18,7 +18,8 @@ Formula (P parameters on this rank after ZeRO's 1/N, fully offloaded, bf16 model
     device bytes   2 P (weights) + 4 P (gradients)           instead of 2 + 4 + 12 (zero.py)
     host bytes     12 P (master, m, v) + 4 P (pinned gradient buffers) + 2 P (the weights cast for the upload)
     PCIe per step  4 P down (fp32 gradients) + 2 P up (bf16 weights): 6 P bytes, each way overlapping the CPU step
-    CPU step       28 P bytes through host memory (cpu_adam.py): ~P x 28 / (host memory bandwidth)
+    CPU step       30 P bytes through host memory: cpu_adam.py's one pass (28) also applies the clip coefficient
+                   and writes the bf16 weights (2); as three passes (grad *= c; AdamW; cast) it would be 42
 Lesson: lessons/02-data-parallel-and-zero.md (section "Beyond the device: ZeRO-Offload")
 """
 import torch
@@ -55,7 +56,8 @@ class Offload:
             g.master = torch.empty(g.own.shape, dtype=torch.float32, pin_memory=pinned).copy_(g.own)
             self.grads[id(g)] = torch.empty(g.own.shape, dtype=g.grad_own.dtype, pin_memory=pinned)
             self.staged[id(g)] = g.master if g.own.dtype == torch.float32 else \
-                torch.empty(g.own.shape, dtype=g.own.dtype, pin_memory=pinned)  # cast on the host: 2 bytes cross
+                torch.empty(g.own.shape, dtype=g.own.dtype, pin_memory=pinned).copy_(g.master)  # 2 bytes cross
+            # (copied once: the padding between pieces, which no step writes, goes up as it came)
         self.stream = torch.cuda.Stream(device) if pinned else None  # the copies', beside the compute stream
         self.moved = dict(down=0, up=0)  # bytes copied device -> host and host -> device (lessons/02_zero.py)
         self.by_group = None
@@ -93,23 +95,24 @@ class Offload:
             if downs[i] is not None:
                 downs[i].synchronize()
             grad = self.grads[id(g)] if self.grads[id(g)].dtype == torch.float32 else self.grads[id(g)].float()
-            if coefficient != 1.0:
-                grad.mul_(coefficient)  # clip.clip_'s scaling, on the host copy
-            for piece in by_group[id(g)]:
-                self._adam(piece, grad[piece.at:piece.at + piece.end - piece.start], optimizer,
-                           optimizer.param_groups[group_of[piece.name]])
-            if id(g) in self.resident:  # the write-back's rounding into the host shard: nothing crosses now
-                g.own.copy_(g.master)
-                continue
-            staged = self.staged[id(g)]
-            if staged is not g.master:
-                staged.copy_(g.master)  # the write-back's rounding to the model's dtype, on the host
-            ups.append(self._copy(g.own, staged, "up"))
+            # the write-back's rounding to the model's dtype, on the host: into the host shard itself (resident:
+            # nothing crosses now) or into the staging buffer that goes up; bf16 inside the kernel's pass
+            staged = g.own if id(g) in self.resident else self.staged[id(g)]
+            fused_out = staged.dtype == torch.bfloat16
+            for piece in by_group[id(g)]:  # clip.clip_'s scaling (coefficient) inside the kernel's pass as well
+                at = slice(piece.at, piece.at + piece.end - piece.start)
+                self._adam(piece, grad[at], optimizer, optimizer.param_groups[group_of[piece.name]], coefficient,
+                           staged[at] if fused_out else None)
+            if not fused_out and staged is not g.master:
+                staged.copy_(g.master)  # an fp16 model: the rounding as a pass of its own
+            if id(g) not in self.resident:
+                ups.append(self._copy(g.own, staged, "up"))
         return ups
 
     @staticmethod
-    def _adam(piece, grad, optimizer, group):
-        """torch.optim.AdamW's update of one piece by the CPU kernel, its state in the engine's optimizer."""
+    def _adam(piece, grad, optimizer, group, grad_scale, out):
+        """torch.optim.AdamW's update of one piece by the CPU kernel, its state in the engine's optimizer; its
+        gradient times grad_scale first, the new weights also rounded into `out` (bf16) if given."""
         m = piece.master
         state = optimizer.state[m]
         if not state:  # as torch.optim.AdamW creates it: a 0-d fp32 step, m and v like the parameter
@@ -118,7 +121,8 @@ class Offload:
         beta1, beta2 = group["betas"]
         cpu_adam.adam_step(m.reshape(-1), grad, state["exp_avg"].reshape(-1), state["exp_avg_sq"].reshape(-1),
                            lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                           weight_decay=group["weight_decay"], step=state["step"].item(),
+                           weight_decay=group["weight_decay"], step=state["step"].item(), grad_scale=grad_scale,
+                           out=None if out is None else out.reshape(-1),
                            decoupled=group.get("decoupled_weight_decay",  # torch < 2.6 has no such key
                                                isinstance(optimizer, (torch.optim.AdamW, cpu_adam.CPUAdamW))))
 

@@ -93,6 +93,36 @@ def test_kernel_equals_reference_bitwise(ext, isa, decoupled, wd):
                                     f"from reference_step")
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_offload_step_scale_and_bf16_out_equal_reference_bitwise(ext, isa):
+    """ZeRO-Offload's host step in one pass: the clip coefficient applied to the gradient and the new weights
+    rounded into a bf16 buffer by the kernel equal reference_step's separate ops (grad * c; .copy_ into bf16),
+    bit for bit, on every path; the bf16 rounding is to nearest EVEN (the ties below: an fp32 whose low 16 bits
+    are 0x8000 rounds to the even neighbour), and a NaN stays a NaN."""
+    if isa not in ext.adam_isas():
+        pytest.skip(f"this CPU cannot run the {isa} path ({fused.cpu_summary()})")
+    n = 100003
+    ties = torch.tensor([0x3F808000, 0x3F818000, -0x40800000 + 0x8000], dtype=torch.int32).view(torch.float32)
+    for decoupled in (True, False):
+        p = torch.randn(n, generator=torch.Generator().manual_seed(7))
+        state, ref = [p, torch.zeros(n), torch.zeros(n)], [p.clone(), torch.zeros(n), torch.zeros(n)]
+        out, want = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+        for step, g in enumerate(gradients(n, 3, seed=8), 1):
+            hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=step, decoupled=decoupled)
+            ext.adam_step(*state[:1], g, *state[1:], 1e-3, 0.9, 0.999, 1e-8, 0.1, step, decoupled, isa, 0.37, out)
+            cpu_adam.reference_step(ref[0], g, ref[1], ref[2], **hyper, grad_scale=0.37, out=want)
+            for name, got, exp in zip(("param", "exp_avg", "exp_avg_sq", "out"), [*state, out], [*ref, want]):
+                same = got.view(torch.int16 if got.dtype == torch.bfloat16 else torch.int32) == \
+                    exp.view(torch.int16 if exp.dtype == torch.bfloat16 else torch.int32)
+                assert same.all(), f"{isa} step {step} {name}: {(~same).sum().item()} elements differ"
+    # ties and a NaN through the kernel: lr 0 and wd 0 leave p as it was, so out is p rounded
+    p = torch.cat([ties, torch.tensor([float("nan"), 1.0])])
+    out = torch.empty(len(p), dtype=torch.bfloat16)
+    ext.adam_step(p, torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p), 0.0, 0.9, 0.999, 1e-8, 0.0, 1,
+                  True, isa, 1.0, out)
+    assert out[:3].view(torch.int16).tolist() == [0x3F80, 0x3F82, -0x4080] and out[3].isnan() and out[4] == 1
+
+
 def test_bitwise_check_sees_one_rounding(ext):
     """The bitwise test can fail: DeepSpeed's order, sqrt(v) times a rounded 1/sqrt(bc2) instead of divided by
     sqrt(bc2) (one rounding moved, the rest as reference_step), differs from the kernel in some elements."""

@@ -28,11 +28,19 @@
 // step is memory-bound (measured: the loop without its sqrt and divisions takes as long).
 // (sqrt is __builtin_sqrtf: std::sqrt is an inline function compiled under the command line's -ffast-math,
 // which GCC will not inline into code with other math flags -- it would be a call per element.)
+//
+// The offload step's two neighbours ride the same pass (as DeepSpeed's cpu_adam writes its fp16 copy):
+// grad_scale (the clip coefficient, g <- g * scale, as grad.mul_(scale) on fp32) and `out`, the updated
+// parameter rounded to bf16 for the upload to the device (round to nearest even, as torch's .to(bfloat16)).
+// Done as separate passes they read and write the gradient (8 bytes) and read the master, write the bf16 copy
+// (6 bytes): 28 + 14 = 42 bytes per element; inside the kernel 28 + 2 = 30.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <optional>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -68,16 +76,18 @@ struct Coefs {
   float step_size;        // lr / (1 - beta1^step)
   float bc2_sqrt;         // (1 - beta2^step)^0.5, pow as Python's ** (not sqrt: its last bit can differ)
   float eps;
+  float grad_scale;       // the clip coefficient applied to g first (1: none)
 };
 
-Coefs coefs(double lr, double beta1, double beta2, double eps, double weight_decay, double step) {
+Coefs coefs(double lr, double beta1, double beta2, double eps, double weight_decay, double step,
+            double grad_scale) {
   const double bc1 = 1.0 - __builtin_pow(beta1, step);
   const double bc2 = 1.0 - __builtin_pow(beta2, step);
   return Coefs{static_cast<float>(1.0 - lr * weight_decay), static_cast<float>(weight_decay),
                static_cast<float>(beta1), static_cast<float>(1.0 - beta1),
                static_cast<float>(beta2), static_cast<float>(1.0 - beta2),
                static_cast<float>(lr / bc1), static_cast<float>(__builtin_pow(bc2, 0.5)),
-               static_cast<float>(eps)};
+               static_cast<float>(eps), static_cast<float>(grad_scale)};
 }
 
 // THE formula, for elements [0, n). Every line is one rounding per operation, in the order written (the
@@ -85,15 +95,16 @@ Coefs coefs(double lr, double beta1, double beta2, double eps, double weight_dec
 // Each path below is this loop inlined and compiled for its ISA. A function may inline only code built for a
 // subset of its own instruction set, and the AVX2 path excludes AVX-512, so the loop itself is declared for
 // the build's -march less AVX-512: a subset of all three paths' sets.
-template <bool kDecoupled>
+template <bool kDecoupled, bool kOut>
 __attribute__((always_inline)) NANOMEGA_BELOW_AVX512 inline void adam_range(
-    float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v, int64_t n,
-    const Coefs& c) {
+    float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v,
+    uint16_t* __restrict out, int64_t n, const Coefs& c) {
   // locals, not c.x in the loop: a store through p could alias the struct, which blocks vectorizing
   const float decay = c.decay, l2 = c.l2, b1 = c.beta1, omb1 = c.one_minus_beta1, b2 = c.beta2,
-              omb2 = c.one_minus_beta2, step_size = c.step_size, bc2_sqrt = c.bc2_sqrt, eps = c.eps;
+              omb2 = c.one_minus_beta2, step_size = c.step_size, bc2_sqrt = c.bc2_sqrt, eps = c.eps,
+              scale = c.grad_scale;
   for (int64_t i = 0; i < n; ++i) {
-    float pi = p[i], gi = g[i];
+    float pi = p[i], gi = g[i] * scale;  // x * 1.0f is x, bit for bit: an unclipped step is unchanged
     if constexpr (kDecoupled) {
       pi = pi * decay;        // AdamW: decoupled decay
     } else {
@@ -102,37 +113,45 @@ __attribute__((always_inline)) NANOMEGA_BELOW_AVX512 inline void adam_range(
     const float mi = b1 * m[i] + omb1 * gi;
     const float vi = b2 * v[i] + omb2 * (gi * gi);
     const float denom = __builtin_sqrtf(vi) / bc2_sqrt + eps;
-    p[i] = pi - (step_size * mi) / denom;
+    const float pn = pi - (step_size * mi) / denom;
+    p[i] = pn;
     m[i] = mi;
     v[i] = vi;
+    if constexpr (kOut) {  // bf16: the top 16 bits, rounded to nearest even by adding 0x7FFF + the kept lsb
+      uint32_t bits;
+      __builtin_memcpy(&bits, &pn, 4);
+      const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+      out[i] = static_cast<uint16_t>(pn != pn ? 0x7FC0u : rounded);  // a NaN stays a (quiet) NaN
+    }
   }
 }
 
-using RangeFn = void (*)(float*, const float*, float*, float*, int64_t, const Coefs&);
+using RangeFn = void (*)(float*, const float*, float*, float*, uint16_t*, int64_t, const Coefs&);
 
 // the fallback: one float at a time, whatever -march the build had (no vector registers: the reading of
 // the formula a student would write; on x86 only CPUs without AVX2 take it, unless forced)
-template <bool kDecoupled>
+template <bool kDecoupled, bool kOut>
 __attribute__((optimize("no-tree-vectorize"))) void range_scalar(float* p, const float* g, float* m, float* v,
-                                                                  int64_t n, const Coefs& c) {
-  adam_range<kDecoupled>(p, g, m, v, n, c);
+    uint16_t* out, int64_t n, const Coefs& c) {
+  adam_range<kDecoupled, kOut>(p, g, m, v, out, n, c);
 }
 
 #ifdef NANOMEGA_X86
 // 8 floats per vmulps/vaddps/vdivps/vsqrtps on ymm registers (AVX2; the loop needs only AVX's float ops,
 // but AVX2 is what DeepSpeed's AVX256 build and CPUs since 2013 have). no-avx512f: a target attribute adds
 // to the command line's -march, and -march=native on an AVX-512 CPU would otherwise vectorize this on zmm.
-template <bool kDecoupled>
+template <bool kDecoupled, bool kOut>
 __attribute__((target("avx2,no-avx512f"))) void range_avx2(float* p, const float* g, float* m, float* v,
-                                                           int64_t n, const Coefs& c) {
-  adam_range<kDecoupled>(p, g, m, v, n, c);
+    uint16_t* out, int64_t n, const Coefs& c) {
+  adam_range<kDecoupled, kOut>(p, g, m, v, out, n, c);
 }
 
 // 16 floats per instruction on zmm registers; GCC's default tuning would use 256-bit vectors even here
-template <bool kDecoupled>
+template <bool kDecoupled, bool kOut>
 __attribute__((target("avx512f,prefer-vector-width=512"))) void range_avx512(float* p, const float* g, float* m,
-                                                                             float* v, int64_t n, const Coefs& c) {
-  adam_range<kDecoupled>(p, g, m, v, n, c);
+                                                                             float* v, uint16_t* out, int64_t n,
+                                                                             const Coefs& c) {
+  adam_range<kDecoupled, kOut>(p, g, m, v, out, n, c);
 }
 #endif
 
@@ -145,18 +164,21 @@ __attribute__((target("avx512f,prefer-vector-width=512"))) void range_avx512(flo
 // ---- which path runs ----
 struct Path {
   const char* name;
-  RangeFn adamw, adam;
+  RangeFn fn[2][2];  // [decoupled][with a bf16 out]
 };
+
+#define NANOMEGA_PATH(name, f) \
+  Path { name, {{&f<false, false>, &f<false, true>}, {&f<true, false>, &f<true, true>}} }
 
 // the paths this CPU executes, fastest first
 std::vector<Path> paths() {
   std::vector<Path> out;
 #ifdef NANOMEGA_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) out.push_back({"avx512", &range_avx512<true>, &range_avx512<false>});
-  if (__builtin_cpu_supports("avx2")) out.push_back({"avx2", &range_avx2<true>, &range_avx2<false>});
+  if (__builtin_cpu_supports("avx512f")) out.push_back(NANOMEGA_PATH("avx512", range_avx512));
+  if (__builtin_cpu_supports("avx2")) out.push_back(NANOMEGA_PATH("avx2", range_avx2));
 #endif
-  out.push_back({"scalar", &range_scalar<true>, &range_scalar<false>});
+  out.push_back(NANOMEGA_PATH("scalar", range_scalar));
   return out;
 }
 
@@ -193,28 +215,36 @@ void check(const at::Tensor& t, const char* what, const at::Tensor& param) {
               param.numel());
 }
 
-// One Adam(W) step of param in place (and of exp_avg, exp_avg_sq); -> the name of the path that ran
+// One Adam(W) step of param in place (and of exp_avg, exp_avg_sq), its gradient scaled by grad_scale first,
+// the updated param also written to `out` in bf16 if given; -> the name of the path that ran
 std::string adam_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
                       double lr, double beta1, double beta2, double eps, double weight_decay, double step,
-                      bool decoupled, const std::string& isa) {
+                      bool decoupled, const std::string& isa, double grad_scale,
+                      const std::optional<at::Tensor>& out) {
   check(param, "param", param);
   check(grad, "grad", param);
   check(exp_avg, "exp_avg", param);
   check(exp_avg_sq, "exp_avg_sq", param);
   TORCH_CHECK(step >= 1, "cpu adam: step counts from 1, got ", step);
+  if (out.has_value()) {
+    TORCH_CHECK(out->device().is_cpu() && out->scalar_type() == at::kBFloat16 && out->is_contiguous() &&
+                    out->numel() == param.numel(), "cpu adam: out must be a contiguous bfloat16 CPU tensor of ",
+                param.numel(), " elements, got ", out->device(), " ", out->scalar_type(), " of ", out->numel());
+  }
   const Path path = resolve(isa);
-  const RangeFn range = decoupled ? path.adamw : path.adam;
-  const Coefs c = coefs(lr, beta1, beta2, eps, weight_decay, step);
+  const RangeFn range = path.fn[decoupled][out.has_value()];
+  const Coefs c = coefs(lr, beta1, beta2, eps, weight_decay, step, grad_scale);
   float* p = param.data_ptr<float>();
   const float* g = grad.const_data_ptr<float>();
   float* m = exp_avg.data_ptr<float>();
   float* v = exp_avg_sq.data_ptr<float>();
+  uint16_t* o = out.has_value() ? reinterpret_cast<uint16_t*>(out->data_ptr<at::BFloat16>()) : nullptr;
   const int64_t n = param.numel();
   // one task per chunk; at::parallel_for hands each thread a contiguous run of chunks. Elements never
   // interact, so the bits do not depend on the thread count or on where a chunk (or a vector) begins.
   at::parallel_for(0, (n + kChunk - 1) / kChunk, 1, [&](int64_t c0, int64_t c1) {
     const int64_t begin = c0 * kChunk, end = std::min(n, c1 * kChunk);
-    range(p + begin, g + begin, m + begin, v + begin, end - begin, c);
+    range(p + begin, g + begin, m + begin, v + begin, o != nullptr ? o + begin : nullptr, end - begin, c);
   });
   return path.name;
 }
@@ -224,11 +254,13 @@ std::string adam_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp
 void bind(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("adam_step", &adam_step,
-        "(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, decoupled, isa) -> path: "
-        "one Adam (decoupled=False: L2) or AdamW step in place over contiguous fp32 CPU tensors",
+        "(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, decoupled, isa, grad_scale, "
+        "out) -> path: one Adam (decoupled=False: L2) or AdamW step in place over contiguous fp32 CPU tensors, "
+        "the gradient times grad_scale, the new param also rounded into out (bf16) if given",
         py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("lr"),
         py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"),
-        py::arg("decoupled") = true, py::arg("isa") = "");
+        py::arg("decoupled") = true, py::arg("isa") = "", py::arg("grad_scale") = 1.0,
+        py::arg("out") = std::nullopt);
   m.def("adam_isa", &isa_name, "(isa='') -> the path adam_step takes: avx512, avx2 or scalar", py::arg("isa") = "");
   m.def("adam_isas", &isa_names, "() -> the paths this CPU executes, fastest first");
 }
