@@ -167,16 +167,13 @@ def main(argv=None):
     print(f"torch.optim.AdamW(fused=True) on CPU: {'available' if reason is None else 'not available: ' + reason}")
     print(f"{n:,} fp32 parameters in {args.tensors} tensor(s); load average before: "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print("| optimizer | threads | min ms | median ms | GB/s (min) | time / CPUAdamW's (min) |")
-    print("|---|---|---|---|---|---|")
-    for threads in args.threads:
-        table(n, threads, *bench(n, args.tensors, threads, args.repeats))
-    print(f"\nZeRO-Offload's host step of a bf16 model (offload.py): gradient x clip coefficient {CLIP}, AdamW, "
-          f"the new weights rounded to bf16 for the upload")
-    print("| step | threads | min ms | median ms | GB/s (min) | time / CPUAdamW's (min) |")
-    print("|---|---|---|---|---|---|")
-    for threads in args.threads:
-        table(n, threads, *bench_offload(n, args.tensors, threads, args.repeats))
+    offload = (f"\nZeRO-Offload's host step of a bf16 model (offload.py): the gradient x clip coefficient {CLIP}, "
+               f"AdamW, the new weights rounded to bf16 for the upload")
+    for title, run in (("\n| optimizer", bench), (offload + "\n| host step", bench_offload)):
+        print(f"{title} | threads | min ms | median ms | GB/s (min) | time / CPUAdamW's (min) |")
+        print("|---|---|---|---|---|---|")
+        for threads in args.threads:
+            table(n, threads, *run(n, args.tensors, threads, args.repeats))
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
