@@ -216,6 +216,20 @@ def test_intact_copy_is_read_a_damaged_one_falls_back(corpus, reference, tmp_pat
     assert not os.path.exists(flash.folder(out))  # a normal end removes the copies
 
 
+def test_rollback_takes_the_fast_path(corpus, tmp_path, monkeypatch):
+    """--on-spike rollback with --flash-restore: the checkpoint found by one vote and reloaded from the copy
+    (no full discovery, no shard file loaded from the out-dir), the same run as the rollback without the flag."""
+    flags = ["--inject-fault", "spike:0:4", "--on-spike", "rollback", "--rollback-lr-factor", "0.5"]
+    run(corpus, tmp_path / "plain", *flags)
+    full, loaded = [], []
+    find_resume, load_shard = checkpoint.find_resume, checkpoint.load_shard
+    monkeypatch.setattr(checkpoint, "find_resume", lambda *a, **k: full.append(a) or find_resume(*a, **k))
+    monkeypatch.setattr(checkpoint, "load_shard", lambda f, r, path=None: loaded.append(path) or load_shard(f, r, path))
+    run(corpus, tmp_path / "flash", "--flash-restore", *flags)
+    assert full == [] and loaded and all(p and p.startswith(flash.folder(tmp_path / "flash")) for p in loaded), loaded
+    assert same_weights(tmp_path / "flash" / "ckpt" / "step_000006", tmp_path / "plain" / "ckpt" / "step_000006")
+
+
 def test_another_layout_reads_the_disk(corpus, tmp_path, monkeypatch, capsys):
     """Copies intact, but the resume runs at ZeRO-1 (another layout: resharded): every shard from disk, and the
     same result as the same resume of a copy of the out-dir that never had copies in shared memory."""
