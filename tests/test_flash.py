@@ -7,10 +7,13 @@ shared memory (/dev/shm); a restarted rank reads its shard from there when step 
   rank to the full discovery (a garbled disk shard skipped, said so), bitwise equal;
 - in-process: with an intact copy neither discovery nor the restore opens a shard file of the out-dir (an audit
   hook; a garbled disk shard changes nothing), a copy with one flipped byte (or none) falls back to the full
-  discovery, so does a resume under another layout; bitwise each time;
+  discovery, so does a resume under another layout; bitwise each time; a ZeRO-0 replica (2 spawned ranks)
+  verifies the peer shard it reads before the vote; --on-spike rollback takes the fast path too;
 - Copies: the previous copy stays until the newer checkpoint's manifest exists; no room in /dev/shm is one line.
 """
+import contextlib
 import errno
+import io
 import json
 import os
 import shutil
@@ -22,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega import checkpoint, flash, reshard, train
+from nanomega import checkpoint, dist, flash, reshard, train
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -228,6 +231,31 @@ def test_rollback_takes_the_fast_path(corpus, tmp_path, monkeypatch):
     run(corpus, tmp_path / "flash", "--flash-restore", *flags)
     assert full == [] and loaded and all(p and p.startswith(flash.folder(tmp_path / "flash")) for p in loaded), loaded
     assert same_weights(tmp_path / "flash" / "ckpt" / "step_000006", tmp_path / "plain" / "ckpt" / "step_000006")
+
+
+def _zero0_world(corpus, root):
+    """One rank of a 2-rank ZeRO-0 world: a run preempted at step 5 whose copies stay (as for a restart), its
+    --resume to step 6, and an uninterrupted run to 6. Returns (the resume's stdout, (out, plain))."""
+    out, plain = Path(root) / "out", Path(root) / "plain"
+    flash.drop = lambda out_dir, rank: None  # this process only: the copies of the first run stay
+    run(corpus, out, "--flash-restore", "--inject-fault", "sigterm:0:5")  # preempted: all ranks save step 5, exit
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        run(corpus, out, "--flash-restore", "--resume")
+    run(corpus, plain)
+    return printed.getvalue(), (str(out), str(plain))
+
+
+def test_zero0_replica_verifies_the_peer_shard_it_reads(corpus, tmp_path):
+    """ZeRO-0, dp 2: rank 1 saved no pieces (a replica) and reads rank 0's shard; the fast discovery still takes
+    every rank's own copy, rank 1 verifies that peer shard on disk before the vote (and says so)."""
+    results = dist.launch(_zero0_world, 2, str(corpus), str(tmp_path), timeout=240)
+    printed, (out, plain) = results[1]  # the last rank logs
+    assert "resume: step_000005 verified by each rank from its shared-memory copy (1 rank(s) also read a peer's " \
+           "shard from storage)" in printed and "restored from shared memory: 2 of 2 ranks" in printed, printed
+    assert same_weights(Path(out) / "ckpt" / "step_000006", Path(plain) / "ckpt" / "step_000006")
+    for rank in (0, 1):
+        flash.drop(out, rank)
 
 
 def test_another_layout_reads_the_disk(corpus, tmp_path, monkeypatch, capsys):
