@@ -1,12 +1,17 @@
 """Flash restore (issue 32): the time to restore one rank's checkpoint shard from its copy in shared memory
 (/dev/shm) vs from the disk, with the page cache dropped (root: `sync; echo 3 > /proc/sys/vm/drop_caches`) and
-warm; what the copy costs at each save; and what discovery (which still verifies every shard on disk) costs.
+warm; what the copy costs at each save; and what discovery costs: the fast one of --flash-restore (the manifest,
+a stat of each shard, this rank's copy hashed and checked finite in memory: flash.look) vs the full one
+(checkpoint.find_resume: every shard hashed and loaded on disk, on every rank).
 
     python bench/bench_flash.py                      # a ~370 MB shard: 4 layers x 768 wide, fp32 + AdamW
     python bench/bench_flash.py --n-layer 8          # ~740 MB
+    python bench/bench_flash.py --world 8            # discovery over a checkpoint of 8 such shards
 
 Every timing is the median of --repeats runs of the real code path: reshard.load (verify, read, rebuild, import
-into a ZeRO engine) with and without flash.Copies.find, and the file part alone (verify + read every byte).
+into a ZeRO engine) with and without flash.Copies.find, and the file part alone (verify + read every byte); the
+copy's hash is not memoized across repeats (Copies.verified cleared). Discovery runs on a checkpoint of --world
+shards (rank 0's, written --world times: the bytes a --world-rank job's discovery hashes on every rank).
 """
 import argparse
 import os
@@ -15,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -64,6 +70,7 @@ def main():
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=768)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--world", type=int, default=4, help="shards in the checkpoint discovery verifies")
     p.add_argument("--out", default=None, help="the out-dir (default: a new folder under /tmp, on its disk)")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -105,18 +112,27 @@ def main():
         def shm_file():
             touch(checkpoint.load_shard(folder, 0, copies.find(manifest, name)))
 
+        fresh = copies.verified.clear  # each repeat hashes the copy, as a restarted process does
         rows = [("file: verify + read", {
-            "shm": timed(shm_file, args.repeats),
+            "shm": timed(shm_file, args.repeats, fresh),
             "disk, cold": timed(disk_file, args.repeats, drop_caches) if cold else None,
             "disk, page-cached": timed(disk_file, args.repeats)})]
         rows.append(("reshard.load (+ rebuild, import)", {
-            "shm": timed(lambda: reshard.load(folder, cfg, engine, grid, layout, copies.find), args.repeats),
+            "shm": timed(lambda: reshard.load(folder, cfg, engine, grid, layout, copies.find), args.repeats, fresh),
             "disk, cold": timed(lambda: reshard.load(folder, cfg, engine, grid, layout), args.repeats, drop_caches)
             if cold else None,
             "disk, page-cached": timed(lambda: reshard.load(folder, cfg, engine, grid, layout), args.repeats)}))
         assert reshard.load(folder, cfg, engine, grid, layout, copies.find)["copies"] == [name]
-        rows.append(("discovery: find_resume (every shard on disk)", {
-            "shm": None,
+        for rank in range(1, args.world):  # the other ranks' shards (rank 0's bytes: the same size and work)
+            checkpoint.write_shard(out, 1, state, rank)
+        world = types.SimpleNamespace(rank=0, world=args.world, barrier=lambda: None)  # write_manifest's grid
+        checkpoint.write_manifest(out, folder, 1, cfg, world, layout)  # now a checkpoint of --world shards
+
+        def fast():  # one rank's fast discovery: the manifest, a stat of each shard, its copy hashed, finite
+            assert flash.look(out, cfg, copies, layout, args.world)[0].copy == copies.base(1) + ".pt"
+
+        rows.append((f"discovery, {args.world} shards: flash.look / find_resume", {
+            "shm": timed(fast, args.repeats, fresh),
             "disk, cold": timed(lambda: checkpoint.find_resume(out, cfg), args.repeats, drop_caches) if cold else None,
             "disk, page-cached": timed(lambda: checkpoint.find_resume(out, cfg), args.repeats)}))
         print(f"{'median of ' + str(args.repeats):<46} {'shm':>8} {'disk, cold':>11} {'disk, cached':>13}")

@@ -12,16 +12,23 @@ holds its copy. On resume under the same layout, a rank whose copy is for the ch
 hash to the manifest's sha256 of its own shard reads it from memory; anything else -- no copy, another step,
 a flipped byte, another layout (other ranks' shards), another host (another /dev/shm) -- reads the disk.
 The bytes are the disk shard's, so the restore is the same by construction (tests/test_flash.py checks it).
-Discovery is unchanged: it still verifies every shard on disk, since every rank must reach the same verdict
-on a folder and a copy is one rank's.
+Discovery reads no shard either (look, then agree): before any collective each rank takes the newest folder
+with a manifest and reads only that manifest and a stat of every shard (present, with its size; saved under
+this layout), then hashes ITS OWN shard's copy against the manifest and checks it holds finite values; once the
+grid exists one vote counts the ranks whose copy verified (and, where a rank also reads a peer's shard -- a
+ZeRO-0 replica, the last pipeline stage's tied embedding -- that shard on disk). All of them: every shard of
+the folder was verified by its owner, the verdict full discovery reaches by hashing every shard on every rank,
+and each rank loads its own copy. Any rank short: every rank runs the full discovery (faults.find_checkpoint).
 Memory: one shard per rank (two while a save is in flight), in RAM that /dev/shm takes from the host. A job
 that ends normally (or fails with no torchrun restart to follow) removes its copies; copies of an out-dir
 that no longer exists are swept when a --flash-restore job starts; those of a job killed whole (its agent
 SIGKILLed) stay until its out-dir's next job ends, the out-dir goes, or the host reboots.
-Formula: restore time ~ hash + read of one shard at memory bandwidth, instead of at storage bandwidth.
+Formula: restore time ~ hash + read of one shard at memory bandwidth, instead of (discovery: every shard, then
+the own one again) at storage bandwidth.
 Lesson: lessons/10-checkpoints-and-failures.md
 """
 import contextlib
+import dataclasses
 import glob
 import hashlib
 import json
@@ -31,7 +38,7 @@ import sys
 
 import torch
 
-from nanomega import checkpoint
+from nanomega import checkpoint, reshard
 from nanomega.data import sha256_file
 
 SHM = "/dev/shm"
@@ -77,6 +84,7 @@ class Copies:
         self.out_dir, self.rank = os.path.realpath(out_dir), rank
         self.folder, self.prefix = folder(out_dir), prefix(out_dir, rank)
         self.off = None  # the error that turned copies off for this job (no room in /dev/shm, ...)
+        self.verified = {}  # (step, sha256) -> the copy find verified: discovery's hash serves the restore too
         sweep()
 
     def base(self, step):
@@ -131,6 +139,7 @@ class Copies:
                 self.remove(s)
 
     def remove(self, step):
+        self.verified = {k: v for k, v in self.verified.items() if k[0] != step}
         for ext in (".json", ".pt"):  # the json first: a copy without it is not used
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self.base(step) + ext)
@@ -141,14 +150,19 @@ class Copies:
         step, digest = manifest["step"], manifest["shards"].get(name)
         if name != checkpoint.shard_name(self.rank) or digest is None:
             return None  # another rank's shard (another layout): the disk
+        if (step, digest) in self.verified:  # hashed already (look, then the restore): only this rank writes it
+            return self.verified[step, digest]
         base = self.base(step)
         try:
             made = json.load(open(base + ".json"))
             if made["step"] != step or made["sha256"] != digest or os.path.getsize(base + ".pt") != made["size"]:
                 return None
-            return base + ".pt" if sha256_file(base + ".pt") == digest else None
+            if sha256_file(base + ".pt") != digest:
+                return None
         except (OSError, ValueError, KeyError, TypeError):
             return None
+        self.verified[step, digest] = base + ".pt"
+        return base + ".pt"
 
     def reset(self, step=None):
         """After a restore from this rank's copy of `step` (None: a fresh start, or a restore from disk): every
@@ -159,9 +173,61 @@ class Copies:
         self.leftovers()
 
 
-def count(grid, used):
-    """How many ranks of the grid restored from their copy (a 1-element all-reduce over every axis)."""
-    t = torch.tensor([float(used)], device=grid.device)
-    for axis in (grid.tp, grid.pp, grid.dp):
-        axis.all_reduce(t)
-    return int(t.item())
+def count(grid, *flags):
+    """For each flag, how many ranks of the grid say yes (one all-reduce over the world: grid.all, cp ranks too)."""
+    t = torch.tensor([float(f) for f in flags], device=grid.device)
+    grid.all.all_reduce(t)
+    return tuple(int(v) for v in t.tolist())
+
+
+@dataclasses.dataclass
+class Found:
+    """Fast discovery's pick before the grid's vote: the newest folder with a manifest (all its shards present
+    with their sizes, saved under this layout), this rank's verified, finite copy of its own shard in it (or
+    None), the folders skipped on the way (no manifest), and `full`: the full discovery, which every rank runs
+    instead when any rank's verdict is no (faults.find_checkpoint sets it)."""
+    folder: str
+    manifest: dict
+    copy: str | None
+    skipped: list
+    full: object = None
+
+
+def look(out_dir, cfg, copies, layout, world):
+    """Before any collective: (Found, None), or (None, why) when a manifest alone sends every rank to the full
+    discovery (every rank reads the same manifest: the same verdict everywhere). Reads manifests, stats the
+    shards on disk, and hashes only this rank's copy in shared memory; opens no shard file of the out-dir."""
+    skipped = []
+    for _, folder in checkpoint.step_folders(out_dir):
+        name = os.path.basename(folder)
+        try:
+            manifest = checkpoint.read_manifest(folder, cfg, verify=set())  # the json; each shard's presence, size
+        except checkpoint.CorruptCheckpoint as e:
+            if os.path.isfile(os.path.join(folder, "manifest.json")):
+                return None, f"{name}: {e}"  # damaged: the full discovery names it and falls back past it
+            skipped.append(f"{name}: {e}")  # a save that did not finish: skipped alike by the full discovery
+            continue
+        if manifest["layout"] != layout or manifest["world"] != world:
+            return None, f"{name} was saved under another layout (resharding reads other ranks' shards)"
+        path = copies.find(manifest, checkpoint.shard_name(copies.rank))
+        if path and checkpoint.nonfinite(checkpoint.load_shard(folder, copies.rank, path)):
+            path = None  # a diverged step's copy hashes fine: the full discovery refuses its folder, and says so
+        return Found(folder, manifest, path, skipped), None
+    return None, "no step folder holds a manifest"
+
+
+def agree(found, cfg, grid, engine):
+    """After the grid exists, on every rank (collective): (how many ranks verified every shard they will load --
+    their own from its copy, and a peer's they also read (reshard.needed_by) on disk --, how many read a peer's
+    shard from storage). One vote over the grid; found None: this rank says no."""
+    if found is None:  # this rank found nothing to verify (--on-spike rollback: a manifest written meanwhile)
+        return count(grid, False, False)
+    own = checkpoint.shard_name(grid.rank)
+    peers = set(reshard.needed_by(found.manifest, cfg, engine, grid)) - {own}
+    ok = found.copy is not None
+    if ok and peers:
+        try:
+            checkpoint.read_manifest(found.folder, cfg, verify=peers)
+        except checkpoint.CorruptCheckpoint:
+            ok = False
+    return count(grid, ok, ok and bool(peers))

@@ -206,6 +206,21 @@ def _needed(engine, grid, saved_tp, saved_replicate_kv=False):
     return need
 
 
+def shards_needed(manifest, need):
+    """The shards (names) of the checkpoint `manifest` describes that hold a piece of `need` (_needed: what this
+    rank will hold); every shard for a checkpoint without the manifest's piece index."""
+    index = manifest.get("pieces")
+    return [f for f in manifest["shards"] if index is None or _overlaps(index[f], need)]
+
+
+def needed_by(manifest, cfg, engine, grid):
+    """The shards this rank reads to load the checkpoint `manifest` describes (flash.agree asks it before any
+    load: under the same layout its own, plus a peer's for what it holds but did not save -- a ZeRO-0 dp
+    replica's pieces, the last pipeline stage's tied embedding)."""
+    saved_tp = manifest["layout"].get("tp", 1)
+    return shards_needed(manifest, _needed(engine, grid, saved_tp, tp.kv_replicated(cfg, saved_tp)))
+
+
 def _overlaps(pieces, need):
     return any(b is None or (s < b and a < e) for name, q, s, e in pieces for a, b in need.get((name, q), ()))
 
@@ -223,8 +238,7 @@ def load(folder, cfg, engine, grid, layout, copy_of=None):
     saved_tp = manifest["layout"].get("tp", 1)
     saved_kv, kv = tp.kv_replicated(cfg, saved_tp), tp.kv_replicated(cfg, grid.tp.size)
     need = _needed(engine, grid, saved_tp, saved_kv)
-    index = manifest.get("pieces")
-    files = [f for f in manifest["shards"] if index is None or _overlaps(index[f], need)]
+    files = shards_needed(manifest, need)
     own = checkpoint.shard_name(grid.rank if same else 0)
     copies = {own: path} if same and copy_of and (path := copy_of(manifest, own)) else {}
     checkpoint.read_manifest(folder, cfg, verify=(set(files) | {own}) - set(copies))

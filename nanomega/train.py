@@ -171,9 +171,12 @@ def train(config):
     check_memory(config, cfg)
     faults.claim_out_dir(config.out_dir, config.data_cache)  # one job per out-dir (a lock); a killed one's leftovers
     tokenizer = (config.tokenizer, data.tokenizer_sha256(data.get_tokenizer(config.tokenizer)))
-    resume_from = faults.find_checkpoint(config.out_dir, cfg, resume=config.resume, resume_from=config.resume_from,
-                                         max_steps=config.max_steps, tokenizer=tokenizer,  # the newest verified one
-                                         allow_tokenizer_change=config.allow_tokenizer_change)
+    layout = saves.layout(config, tokenizer[1])  # what a checkpoint records of this job's layout
+    copies = flash.Copies(config.out_dir, faults.rank()) if config.flash_restore else None  # shared-memory copies
+    found = faults.find_checkpoint(config.out_dir, cfg, resume=config.resume, resume_from=config.resume_from,
+                                   max_steps=config.max_steps, tokenizer=tokenizer,  # the newest verified one
+                                   allow_tokenizer_change=config.allow_tokenizer_change,
+                                   fast=copies and (copies, layout, checks.world_size()))  # or a flash.Found
     grid = start(config, cfg)
     log = grid.rank == grid.world - 1  # the last rank: last pipeline stage, where the loss lives
     train_set, val_set = load_data(config, grid.world, log)
@@ -182,12 +185,8 @@ def train(config):
     model, engine, n_params = build(config, cfg, grid)
     scaler = precision.LossScaler.for_dtype(precision.parse_dtype(config.dtype))
     spikes = Spikes(config.on_spike, config.spike_threshold, config.rollback_lr_factor)
-    layout = dict(dp=config.dp, tp=config.tp, pp=config.pp, ep=config.ep, zero=config.zero, dtype=config.dtype,
-                  tokenizer=config.tokenizer, tokenizer_sha256=tokenizer[1], virtual_stages=config.virtual_stages,
-                  sequence_parallel=config.sequence_parallel, **({"cp": config.cp} if config.cp > 1 else {}))
-    copies = flash.Copies(config.out_dir, grid.rank) if config.flash_restore else None  # shared-memory copies
-    step = resume(resume_from, cfg, grid, layout, engine=engine, scaler=scaler, spikes=spikes, sampler=sampler, log=log,
-                  copies=copies)
+    step, resume_from = resume(found, cfg, grid, layout, engine=engine, scaler=scaler, spikes=spikes, sampler=sampler,
+                               log=log, copies=copies)
 
     metrics = meter.open_log(config, cfg, grid, step, n_params=n_params, log=log)  # the start-up lines; MFU's peak
     guard = Guard(grid, spikes, on_nan=config.on_nan, max_skipped=config.max_skipped, fault=config.fault,
@@ -211,7 +210,7 @@ def train(config):
         guard.count(not rec["skipped"], step)  # --max-skipped ("skipped" is the same on every rank: a reduced norm)
         if spike and config.on_spike == "rollback":
             step = saves.roll_back(config.out_dir, cfg, grid, layout, engine=engine, scaler=scaler, spikes=spikes,
-                                   step=step)
+                                   step=step, copies=copies)
             metrics.reopen(step)  # the rows since that checkpoint are redone
             continue
         state = functools.partial(saves.rank_state, engine, sampler, scaler, step, grid, spikes)  # built only to save
@@ -282,24 +281,25 @@ def start(config, cfg):
     return grid
 
 
-def resume(folder, cfg, grid, layout, *, engine, scaler, spikes, sampler, log, copies=None):
-    """The step to start from: 0, or that of the checkpoint found (faults.find_checkpoint), loaded into this rank
-    (--flash-restore: its own shard from its copy in shared memory where that holds the same bytes)."""
+def resume(found, cfg, grid, layout, *, engine, scaler, spikes, sampler, log, copies=None):
+    """(the step to start from: 0, or that of the checkpoint found, its folder), loaded into this rank (--flash-restore:
+    its own shard from its copy in shared memory where that holds the same bytes; the grid's vote: faults.settle)."""
+    folder = faults.settle(found, cfg, grid, engine, log)  # --flash-restore: one vote on the fast discovery
     if not folder:
         if copies:
             copies.reset()  # a fresh start: any copy left in shared memory is of no use
-        return 0
+        return 0, None
     state = saves.restore(folder, cfg, grid, layout, engine=engine, scaler=scaler, spikes=spikes, sampler=sampler,
                           copies=copies)
     if log:
         print(f"resumed from {folder} at step {state['step']}" + ("" if state.get("same_layout") else " (resharded)"))
     if copies:
         copies.reset(state["step"] if state["copies"] else None)  # only a copy that served may serve again
-        used = flash.count(grid, bool(state["copies"]))  # collective: every rank with --flash-restore is here
+        used, = flash.count(grid, bool(state["copies"]))  # collective: every rank with --flash-restore is here
         if log:
             print(f"restored from shared memory: {used} of {grid.world} ranks" +
                   (f" ({grid.world - used} read the disk)" if used < grid.world else ""))
-    return state["step"]
+    return state["step"], folder
 
 
 def train_step(step, *, config, model, engine, grid, sampler, train_set, scaler, guard, metrics):

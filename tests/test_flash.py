@@ -1,13 +1,19 @@
 """Flash restore (issue 32, nanomega/flash.py): each rank's newest checkpoint shard also kept, byte for byte, in
 shared memory (/dev/shm); a restarted rank reads its shard from there when step and sha256 match, else from disk.
 
-- a SIGKILLed rank under torchrun --max-restarts: both ranks restore from shared memory (the log line says so),
-  the job ends bitwise equal to an uninterrupted run without the flag, and the copies are gone at its end;
-- in-process: an intact copy is read instead of the disk (the restore neither hashes nor opens the disk shard),
-  a copy with one flipped byte falls back to the disk, so does a resume under another layout; bitwise each time;
+- a SIGKILLed rank under torchrun --max-restarts: both ranks find (fast discovery, one vote) and restore from
+  shared memory (the log lines say so), the job ends bitwise equal to an uninterrupted run without the flag, and
+  the copies are gone at its end; a job killed whole, restarted with one rank's copy gone: the vote sends every
+  rank to the full discovery (a garbled disk shard skipped, said so), bitwise equal;
+- in-process: with an intact copy neither discovery nor the restore opens a shard file of the out-dir (an audit
+  hook; a garbled disk shard changes nothing), a copy with one flipped byte (or none) falls back to the full
+  discovery, so does a resume under another layout; bitwise each time; a ZeRO-0 replica (2 spawned ranks)
+  verifies the peer shard it reads before the vote; --on-spike rollback takes the fast path too;
 - Copies: the previous copy stays until the newer checkpoint's manifest exists; no room in /dev/shm is one line.
 """
+import contextlib
 import errno
+import io
 import json
 import os
 import shutil
@@ -19,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega import checkpoint, flash, reshard, train
+from nanomega import checkpoint, dist, flash, reshard, train
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -70,10 +76,56 @@ def test_sigkilled_rank_restores_from_shared_memory(corpus, tmp_path):
         job.wait()
     assert job.returncode == 0, log[-3000:]
     assert log.count("resumed from") == 1 and "restored from shared memory: 2 of 2 ranks\n" in log, log[-3000:]
+    assert "verified by each rank from its shared-memory copy (no shard read from storage)\n" in log, log[-3000:]
     reference = kill_resume.reference(corpus, tmp_path, 2, 10, extra)  # never killed, no --flash-restore
     assert same_weights(checkpoint.latest(out), checkpoint.latest(reference))
     assert {n[:10] for n in seen if n.endswith(".pt")} == {"rank_00000", "rank_00001"}  # the copies existed ...
     assert not os.path.exists(flash.folder(out))  # ... and went at the job's normal end
+
+
+def gone(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in "ZX"  # a zombie is gone too
+    except OSError:
+        return True
+
+
+def test_one_rank_without_its_copy_sends_every_rank_to_full_discovery(corpus, tmp_path):
+    """The vote: a 2-rank ZeRO-1 torchrun job is killed whole (its agent SIGKILLed: the copies stay in /dev/shm);
+    rank 1's copy is removed and rank 0's disk shard of the newest checkpoint garbled (its copy intact). Rank 0
+    alone would pass the fast discovery; the vote sends both ranks to the full one, which skips that folder as
+    corrupt and resumes from the one before, bitwise equal to an uninterrupted run."""
+    extra = ["--zero", "1"]
+    out = tmp_path / "whole" / "out"
+    job = kill_resume.torchrun(corpus, out, 2, 10, [*extra, "--flash-restore"], restarts=0)
+    try:
+        while kill_resume.logged_step(out) < 5 and job.poll() is None:
+            time.sleep(0.05)
+        workers = kill_resume.worker_pids(job.pid)
+        assert len(workers) == 2, "the workers were not found"
+        os.kill(job.pid, signal.SIGKILL)  # the agent: its workers die with it (faults.die_with_parent)
+        job.communicate(timeout=60)
+        deadline = time.time() + 30
+        while not all(gone(p) for p in workers.values()) and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        job.kill()
+        job.wait()
+    newest = checkpoint.latest(out)
+    step = checkpoint.read_manifest_json(newest)["step"]
+    name = os.path.basename(newest)
+    for path in Path(flash.folder(out)).glob("rank_00001.step_*"):
+        path.unlink()  # rank 1 has no copy
+    garble(newest)  # rank 0's copy still verifies; its disk shard does not
+    resumed = kill_resume.torchrun(corpus, out, 2, 10, [*extra, "--flash-restore"], restarts=0)
+    log, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, log[-3000:]
+    assert f"1 of 2 ranks could not verify their shard of {name} from shared memory" in log, log[-3000:]
+    assert f"resume: skipped {name}: shard {newest}/rank_00000.pt is missing or does not match" in log, log[-3000:]
+    assert f"resumed from {out}/ckpt/step_{step - 2:06d} at step {step - 2}" in log, log[-3000:]
+    reference = kill_resume.reference(corpus, tmp_path, 2, 10, extra)  # never killed, no --flash-restore
+    assert same_weights(checkpoint.latest(out), checkpoint.latest(reference))
+    assert not os.path.exists(flash.folder(out))
 
 
 def failed_run(corpus, out, monkeypatch, *extra):
@@ -86,10 +138,13 @@ def failed_run(corpus, out, monkeypatch, *extra):
 
 
 class Reads:
-    """What the restore (reshard.load) reads: the shards it verifies on disk and the file of each shard it loads."""
+    """What a resume reads: the shards the restore verifies on disk (reshard.load's read_manifest), the file of each
+    shard loaded, and every shard file of the out-dir opened at all (an audit hook sees each open(): a hash, a
+    torch.load) -- the proof that the fast discovery and its restore read no shard from storage."""
 
-    def __init__(self, monkeypatch):
-        self.verified, self.loaded = [], []
+    def __init__(self, monkeypatch, out):
+        self.verified, self.loaded, self.opened = [], [], []
+        self.before = {str(p) for p in Path(out, "ckpt").glob("step_*/rank_*.pt")}  # the shards a resume may pick
         read_manifest, load_shard = checkpoint.read_manifest, checkpoint.load_shard
 
         def spy_read_manifest(folder, cfg, verify=None):
@@ -101,10 +156,30 @@ class Reads:
             return load_shard(folder, rank, path)
         monkeypatch.setattr(checkpoint, "read_manifest", spy_read_manifest)
         monkeypatch.setattr(checkpoint, "load_shard", spy_load_shard)
+        monkeypatch.setattr(Reads, "watching", self)
+
+    watching = None  # the Reads the audit hook reports to (one hook for the session: hooks cannot be removed)
+
+    @staticmethod
+    def hook(event, args):
+        if event == "open" and Reads.watching and isinstance(args[0], (str, os.PathLike)):
+            if os.fspath(args[0]) in Reads.watching.before:
+                Reads.watching.opened.append(os.fspath(args[0]))
 
 
-@pytest.mark.parametrize("case", ["intact", "flipped", "intact-async"])
+sys.addaudithook(Reads.hook)
+
+
+def garble(folder):
+    """Every shard file of a checkpoint folder overwritten with other bytes of the same size (a stat passes)."""
+    for shard in Path(folder).glob("rank_*.pt"):
+        shard.write_bytes(bytes(255 - b for b in shard.read_bytes()))
+
+
+@pytest.mark.parametrize("case", ["intact", "flipped", "intact-async", "disk-garbled", "disk-garbled-no-copy"])
 def test_intact_copy_is_read_a_damaged_one_falls_back(corpus, reference, tmp_path, monkeypatch, capsys, case):
+    """An intact copy: discovery and restore open no shard file of the out-dir (a garbled disk shard changes
+    nothing); a copy with a flipped byte, or none: the full discovery, which skips a garbled folder and says so."""
     out = tmp_path / "out"
     extra = ["--async-save"] if case.endswith("async") else []
     kept = failed_run(corpus, out, monkeypatch, *extra)
@@ -115,18 +190,72 @@ def test_intact_copy_is_read_a_damaged_one_falls_back(corpus, reference, tmp_pat
         data = bytearray(open(copy, "rb").read())
         data[len(data) // 2] ^= 0xFF  # one flipped byte: same size, same json, another sha256
         open(copy, "wb").write(data)
-    reads = Reads(monkeypatch)
+    if case.startswith("disk-garbled"):
+        garble(out / "ckpt" / f"step_{step:06d}")  # after the copies were made; sizes kept
+    if case.endswith("no-copy"):
+        os.remove(copy)
+    reads = Reads(monkeypatch, out)
     capsys.readouterr()
     rec = run(corpus, out, "--flash-restore", "--resume", *extra)
-    printed, verified, loaded = capsys.readouterr().out, reads.verified[-1], list(reads.loaded)
-    assert rec["step"] == 6 and same_weights(out / "ckpt" / "step_000006", reference)  # bitwise either way
+    printed, verified, loaded, opened = capsys.readouterr(), reads.verified, list(reads.loaded), reads.opened
+    printed = printed.out + printed.err
+    assert rec["step"] == 6 and same_weights(out / "ckpt" / "step_000006", reference)  # bitwise each time
+    name = f"step_{step:06d}"
+    if case in ("flipped", "disk-garbled-no-copy"):
+        assert f"full discovery (every shard verified on disk): 1 of 1 ranks could not verify their shard of {name}" \
+            in printed, printed
+        assert str(out / "ckpt" / name / "rank_00000.pt") in opened  # hashed on disk
     if case == "flipped":
         assert "restored from shared memory: 0 of 1 ranks (1 read the disk)" in printed, printed
-        assert verified == {"rank_00000.pt"} and loaded == [str(out / "ckpt" / f"step_{step:06d}" / "rank_00000.pt")]
-    else:  # the restore neither verified nor opened its shard on disk: its copy's bytes hash to the manifest's
+        assert verified[-1] == {"rank_00000.pt"} and loaded[-1] == str(out / "ckpt" / name / "rank_00000.pt")
+    elif case == "disk-garbled-no-copy":  # the full discovery skips the garbled folder, names it, resumes before it
+        assert f"resume: skipped {name}: shard {out / 'ckpt' / name / 'rank_00000.pt'} is missing or does not " \
+               f"match its checksum" in printed and f"resumed from {out / 'ckpt' / 'step_000002'} at step 2" in printed
+    else:  # neither discovery nor the restore opened a shard file of the out-dir: the copy's bytes hash to the manifest's
+        assert f"resume: {name} verified by each rank from its shared-memory copy (no shard read from storage)\n" \
+            in printed and f"resumed from {out / 'ckpt' / name} at step {step}" in printed, printed
         assert "restored from shared memory: 1 of 1 ranks\n" in printed, printed
-        assert verified == set() and loaded == [copy]
+        assert opened == [] and set(loaded) == {copy} and all(v == set() for v in verified), (opened, loaded)
     assert not os.path.exists(flash.folder(out))  # a normal end removes the copies
+
+
+def test_rollback_takes_the_fast_path(corpus, tmp_path, monkeypatch):
+    """--on-spike rollback with --flash-restore: the checkpoint found by one vote and reloaded from the copy
+    (no full discovery, no shard file loaded from the out-dir), the same run as the rollback without the flag."""
+    flags = ["--inject-fault", "spike:0:4", "--on-spike", "rollback", "--rollback-lr-factor", "0.5"]
+    run(corpus, tmp_path / "plain", *flags)
+    full, loaded = [], []
+    find_resume, load_shard = checkpoint.find_resume, checkpoint.load_shard
+    monkeypatch.setattr(checkpoint, "find_resume", lambda *a, **k: full.append(a) or find_resume(*a, **k))
+    monkeypatch.setattr(checkpoint, "load_shard", lambda f, r, path=None: loaded.append(path) or load_shard(f, r, path))
+    run(corpus, tmp_path / "flash", "--flash-restore", *flags)
+    assert full == [] and loaded and all(p and p.startswith(flash.folder(tmp_path / "flash")) for p in loaded), loaded
+    assert same_weights(tmp_path / "flash" / "ckpt" / "step_000006", tmp_path / "plain" / "ckpt" / "step_000006")
+
+
+def _zero0_world(corpus, root):
+    """One rank of a 2-rank ZeRO-0 world: a run preempted at step 5 whose copies stay (as for a restart), its
+    --resume to step 6, and an uninterrupted run to 6. Returns (the resume's stdout, (out, plain))."""
+    out, plain = Path(root) / "out", Path(root) / "plain"
+    flash.drop = lambda out_dir, rank: None  # this process only: the copies of the first run stay
+    run(corpus, out, "--flash-restore", "--inject-fault", "sigterm:0:5")  # preempted: all ranks save step 5, exit
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        run(corpus, out, "--flash-restore", "--resume")
+    run(corpus, plain)
+    return printed.getvalue(), (str(out), str(plain))
+
+
+def test_zero0_replica_verifies_the_peer_shard_it_reads(corpus, tmp_path):
+    """ZeRO-0, dp 2: rank 1 saved no pieces (a replica) and reads rank 0's shard; the fast discovery still takes
+    every rank's own copy, rank 1 verifies that peer shard on disk before the vote (and says so)."""
+    results = dist.launch(_zero0_world, 2, str(corpus), str(tmp_path), timeout=240)
+    printed, (out, plain) = results[1]  # the last rank logs
+    assert "resume: step_000005 verified by each rank from its shared-memory copy (1 rank(s) also read a peer's " \
+           "shard from storage)" in printed and "restored from shared memory: 2 of 2 ranks" in printed, printed
+    assert same_weights(Path(out) / "ckpt" / "step_000006", Path(plain) / "ckpt" / "step_000006")
+    for rank in (0, 1):
+        flash.drop(out, rank)
 
 
 def test_another_layout_reads_the_disk(corpus, tmp_path, monkeypatch, capsys):
@@ -135,7 +264,7 @@ def test_another_layout_reads_the_disk(corpus, tmp_path, monkeypatch, capsys):
     out, plain = tmp_path / "out", tmp_path / "plain"
     failed_run(corpus, out, monkeypatch)
     shutil.copytree(out, plain, ignore=shutil.ignore_patterns(".lock"))
-    reads = Reads(monkeypatch)
+    reads = Reads(monkeypatch, out)
     capsys.readouterr()
     run(corpus, out, "--flash-restore", "--resume", "--zero", "1")
     printed, loaded = capsys.readouterr().out, list(reads.loaded)

@@ -6,7 +6,8 @@ failures are routine, so every one must cost at most one checkpoint interval and
                            (claim_out_dir, a step of train.py's recipe, after the pure checks of flags.py)
     resume                 find_checkpoint: newest verified folder (checkpoint.find_resume), naming what it skipped
                            and why, chosen before any collective; metrics.jsonl rows after the resumed step are
-                           replaced, not duplicated
+                           replaced, not duplicated; --flash-restore: each rank verifies only its own shard, from
+                           its copy in shared memory, and settle() puts that to one vote (flash.py)
     orphans                a worker asks the kernel for SIGKILL when its torchrun agent dies (PR_SET_PDEATHSIG)
     preemption             SIGTERM/SIGUSR1 set a flag; all ranks agree at the next step boundary (grid_agrees, an
                            all-reduce), checkpoint and exit 0 (Slurm sends SIGUSR1 before the end of an allocation)
@@ -93,38 +94,81 @@ def clean_prepare(folder):
     return gone
 
 
-def find_checkpoint(out_dir, cfg, *, resume, resume_from, max_steps, tokenizer=None, allow_tokenizer_change=False):
+def find_checkpoint(out_dir, cfg, *, resume, resume_from, max_steps, tokenizer=None, allow_tokenizer_change=False,
+                    fast=None):
     """The next step of the recipe: the checkpoint to resume from (or None), chosen before any collective.
 
     A checkpoint in out_dir without --resume is refused (nothing is overwritten); so is one at or past
     --max-steps (nothing to do is an error, not a silent no-op), and one trained with another tokenizer
     (tokenizer: (name, data.tokenizer_sha256) of --tokenizer; the same vocabulary size with other ids would
     resume silently into nonsense) unless allow_tokenizer_change. --resume-from STEP: rank 0 moves the
-    newer checkpoints aside to OUT/ckpt/abandoned/ (kept, not deleted)."""
+    newer checkpoints aside to OUT/ckpt/abandoned/ (kept, not deleted).
+    fast: (flash.Copies, layout, world) under --flash-restore: when the newest complete folder passes every
+    check a manifest allows (flash.look) and none of the refusals above, a flash.Found -- no shard file read --
+    for settle() to put to the grid's vote; otherwise (and with --resume-from) the full discovery, here."""
     folder = checkpoint.latest(out_dir)
     if folder and not resume:
         raise ValueError(f"--out-dir {out_dir} already holds a checkpoint ({folder}); "
                          f"pass --resume to continue it or choose another --out-dir")
     if not resume:
         return None
+    if fast and folder:
+        found, why = flash.look(out_dir, cfg, *fast) if resume_from is None else (None, "--resume-from")
+        if found and not refusal(found.folder, found.manifest, max_steps, tokenizer, allow_tokenizer_change):
+            found.full = lambda: find_checkpoint(out_dir, cfg, resume=True, resume_from=None, max_steps=max_steps,
+                                                 tokenizer=tokenizer, allow_tokenizer_change=allow_tokenizer_change)
+            return found
+        if rank() == fast[2] - 1:  # the last rank, as train.py's log lines
+            print(f"resume: full discovery (every shard verified on disk): {why or 'the newest one is refused'}",
+                  flush=True)
     folder, skipped = checkpoint.find_resume(out_dir, cfg, resume_from)
     for reason in skipped:
         say(f"resume: skipped {reason}")
     if folder is None:
         return None
-    manifest = checkpoint.read_manifest(folder, cfg)
+    manifest = checkpoint.read_manifest_json(folder)  # find_resume verified it
+    problem = refusal(folder, manifest, max_steps, tokenizer, allow_tokenizer_change)
+    if problem:
+        raise ValueError(problem)
+    if resume_from is not None and rank() == 0:
+        for moved in checkpoint.set_aside_newer(out_dir, manifest["step"]):
+            say(f"resume: moved {moved} (newer than step {manifest['step']}) to {out_dir}/ckpt/abandoned/")
+    return folder
+
+
+def refusal(folder, manifest, max_steps, tokenizer, allow_tokenizer_change):
+    """Why the checkpoint found in `folder` may not be resumed (another tokenizer, nothing left to train), or None."""
     step, saved = manifest["step"], manifest["layout"].get("tokenizer_sha256")
     if tokenizer and saved and saved != tokenizer[1] and not allow_tokenizer_change:
-        raise ValueError(f"--resume: the checkpoint in {folder} was trained with --tokenizer "
-                         f"{manifest['layout'].get('tokenizer')}, not this --tokenizer {tokenizer[0]} (another "
-                         f"token table); pass that one, or --allow-tokenizer-change to fine-tune with this one")
+        return (f"--resume: the checkpoint in {folder} was trained with --tokenizer "
+                f"{manifest['layout'].get('tokenizer')}, not this --tokenizer {tokenizer[0]} (another "
+                f"token table); pass that one, or --allow-tokenizer-change to fine-tune with this one")
     if step >= max_steps:
-        raise ValueError(f"--max-steps {max_steps} is at or below the checkpoint's step {step} ({folder}); "
-                         f"raise --max-steps to train on")
-    if resume_from is not None and rank() == 0:
-        for moved in checkpoint.set_aside_newer(out_dir, step):
-            say(f"resume: moved {moved} (newer than step {step}) to {out_dir}/ckpt/abandoned/")
-    return folder
+        return (f"--max-steps {max_steps} is at or below the checkpoint's step {step} ({folder}); "
+                f"raise --max-steps to train on")
+    return None
+
+
+def settle(found, cfg, grid, engine, log):
+    """After the grid exists, on every rank: the folder to resume from. A flash.Found goes to one vote over the
+    grid (flash.agree): every rank verified its own shard from its copy -> that folder, each rank loading its
+    copy; any rank short -> every rank runs the full discovery. Anything else is find_checkpoint's answer."""
+    if not isinstance(found, flash.Found):
+        return found
+    verified, peers = flash.agree(found, cfg, grid, engine)
+    name = os.path.basename(found.folder)
+    if verified == grid.world:
+        for reason in found.skipped:
+            say(f"resume: skipped {reason}")
+        if log:
+            print(f"resume: {name} verified by each rank from its shared-memory copy (" +
+                  (f"{peers} rank(s) also read a peer's shard from storage)" if peers else
+                   "no shard read from storage)"), flush=True)
+        return found.folder
+    if log:
+        print(f"resume: full discovery (every shard verified on disk): {grid.world - verified} of {grid.world} "
+              f"ranks could not verify their shard of {name} from shared memory", flush=True)
+    return found.full()
 
 
 def grid_votes(grid, *flags):

@@ -11,8 +11,16 @@ Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks
 """
 import time
 
-from nanomega import checkpoint, moe, reshard, rng
+from nanomega import checkpoint, flash, moe, reshard, rng
 from nanomega.ops import faults
+
+
+def layout(config, tokenizer_sha256):
+    """What a checkpoint records of the job's layout (manifest["layout"]): a resume under the same one loads each
+    rank's own shard and continues its RNG streams; under another one it reshards (reshard.py)."""
+    return dict(dp=config.dp, tp=config.tp, pp=config.pp, ep=config.ep, zero=config.zero, dtype=config.dtype,
+                tokenizer=config.tokenizer, tokenizer_sha256=tokenizer_sha256, virtual_stages=config.virtual_stages,
+                sequence_parallel=config.sequence_parallel, **({"cp": config.cp} if config.cp > 1 else {}))
 
 
 def rank_state(engine, sampler, scaler, step, grid, spikes=None, copy=True):
@@ -103,12 +111,16 @@ def restore(folder, cfg, grid, layout, *, engine, scaler, spikes, sampler=None, 
     return state
 
 
-def roll_back(out_dir, cfg, grid, layout, *, engine, scaler, spikes, step):
+def roll_back(out_dir, cfg, grid, layout, *, engine, scaler, spikes, step, copies=None):
     """--on-spike rollback: reload the newest verified checkpoint, but not the sampler's position (the data
-    since that checkpoint is skipped); returns the step to continue from."""
-    folder, _ = checkpoint.find_resume(out_dir, cfg)
+    since that checkpoint is skipped); returns the step to continue from. Every rank is here (after a vote):
+    with --flash-restore the fast discovery's vote (flash.look, flash.agree) may spare the full one, and each
+    rank reloads its own shard from its copy."""
+    found = flash.look(out_dir, cfg, copies, layout, grid.world)[0] if copies else None
+    fast = copies is not None and flash.agree(found, cfg, grid, engine)[0] == grid.world  # every rank votes
+    folder = found.folder if fast else checkpoint.find_resume(out_dir, cfg)[0]
     if folder is None:
         raise FloatingPointError(f"step {step}: loss spike and no checkpoint to roll back to; use --save-every")
-    state = restore(folder, cfg, grid, layout, engine=engine, scaler=scaler, spikes=spikes)
+    state = restore(folder, cfg, grid, layout, engine=engine, scaler=scaler, spikes=spikes, copies=copies)
     spikes.rolled_back(state["step"], step)
     return state["step"]
