@@ -209,8 +209,7 @@ def train(config):
         metrics.log_step(rec, spike=spike)
         guard.count(not rec["skipped"], step)  # --max-skipped ("skipped" is the same on every rank: a reduced norm)
         if spike and config.on_spike == "rollback":
-            step = saves.roll_back(config.out_dir, cfg, grid, layout, engine=engine, scaler=scaler, spikes=spikes,
-                                   step=step, copies=copies)
+            step = checkpoints.roll_back(guard, step, engine=engine, scaler=scaler, spikes=spikes)
             metrics.reopen(step)  # the rows since that checkpoint are redone
             continue
         state = functools.partial(saves.rank_state, engine, sampler, scaler, step, grid, spikes)  # built only to save

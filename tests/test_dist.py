@@ -12,6 +12,7 @@ import torch
 import torch.distributed as td
 
 from nanomega import dist, train
+from nanomega.ops import faults
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CORPUS_CHARS = 50_000  # of the embedded corpus, for conftest's `corpus`
@@ -47,6 +48,8 @@ def _cp_ep_world():
         g = dist.Grid(*layout)
         out[layout] = (list(made), {a: (getattr(g, a).name, getattr(g, a).ranks) for a in
                                     ("dp", "cp", "dp_cp", "ep", "edp")}, g.ep.group is g.dp.group, g.edp is g.dp_cp)
+        # a step-boundary vote (save, stop, spike) reaches every rank: rank 3 alone says yes (a cp neighbour)
+        out["votes", layout] = [faults.grid_agrees(g, g.rank == 3), faults.grid_agrees(g, False)]
     # all_to_all with uneven splits over ep = 4: rank r sends (r + i) % 3 + 1 rows of 3 floats to rank i
     r, splits = g.rank, [(g.rank + i) % 3 + 1 for i in range(4)]
     t = torch.cat([torch.full((n, 3), 100.0 * r + i) for i, n in enumerate(splits)])
@@ -109,6 +112,8 @@ def test_cp_and_ep_axes():
     for rank, res in enumerate(out):
         got, want, counted, formula = res.pop("a2a")
         assert got == want and counted == formula, (rank, got, want, counted, formula)  # bytes that leave the rank
+        for layout in CP_EP:
+            assert res.pop(("votes", layout)) == [True, False], (rank, layout)  # the cp ranks vote too
         for (dp, pp, tp, cp, ep), (made, axes, shared, edp_is_dpcp) in res.items():
             assert len(made) == len(set(map(tuple, made))), made  # no group twice
             assert axes["cp"][1] == [r for r in range(4) if r // cp == rank // cp]  # cp neighbours (tp = 1)

@@ -338,6 +338,11 @@ def test_spike_skip_and_rollback(corpus, reference, tmp_path, capsys):
     assert state["spikes"] == dict(lr_scale=0.5, windows=[(3, 4)]) and state["sampler"] != \
         checkpoint.load_shard(reference / "ckpt" / "step_000006", 0)["sampler"]  # two batches further on
     assert same_weights(out / "ckpt" / "step_000002", reference / "ckpt" / "step_000002")
+    # --async-save: the rollback first completes the save in flight (its manifest is written in the background),
+    # then the same run: the same checkpoint at step 6
+    run(corpus, tmp_path / "async", "--inject-fault", "spike:0:4", "--on-spike", "rollback", "--rollback-lr-factor",
+        "0.5", "--async-save")
+    assert same_weights(tmp_path / "async" / "ckpt" / "step_000006", out / "ckpt" / "step_000006")
 
 
 def test_async_save_matches_and_a_failed_write_keeps_the_previous(corpus, reference, tmp_path, monkeypatch, grid):

@@ -177,7 +177,7 @@ def grid_votes(grid, *flags):
     flag may be a count still on the device (zero.ZeroEngine.nonfinite_masters): it is not read alone."""
     t = torch.stack([f.reshape(()).float().to(grid.device) if torch.is_tensor(f) else
                      torch.tensor(float(f), device=grid.device) for f in flags])
-    for axis in (grid.tp, grid.pp, grid.dp):
+    for axis in (grid.tp, grid.pp, grid.dp_cp):  # dp_cp: the cp ranks too (it is dp itself when cp = 1)
         axis.all_reduce(t)
     return tuple(v > 0 for v in t.tolist())
 

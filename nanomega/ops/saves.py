@@ -93,6 +93,13 @@ class Saves:
             if self.copies:
                 self.copies.prune()
 
+    def roll_back(self, guard, step, *, engine, scaler, spikes):
+        """--on-spike rollback (roll_back below), once a background save is complete: rank 0 writes its manifest
+        in the background, so before that every rank could see another newest checkpoint."""
+        self.close(guard, step)
+        return roll_back(self.out_dir, self.cfg, self.grid, self.layout, engine=engine, scaler=scaler,
+                         spikes=spikes, step=step, copies=self.copies)
+
 
 def restore(folder, cfg, grid, layout, *, engine, scaler, spikes, sampler=None, copies=None):
     """Load a checkpoint into this rank's engine, loss scaler, RNG (same layout) and, if given, sampler.
