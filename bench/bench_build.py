@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nanomega import dist, train, tp, zero  # noqa: E402
+from nanomega import dist, tp, train, worlds, zero  # noqa: E402
 from nanomega.model import GPT  # noqa: E402
 from nanomega.ops import checks, flags  # noqa: E402
 
@@ -60,7 +60,7 @@ def main():
     rows = {}
     for layout in LAYOUTS:
         for kind in ("dense", "sharded"):
-            rows[(layout, kind)] = dist.launch(build, 4, kind, layout, timeout=1800)
+            rows[(layout, kind)] = worlds.launch(build, 4, kind, layout, timeout=1800)
             r0 = rows[(layout, kind)][0]
             peaks = " ".join(f"{r['peak'] / 1e9:5.2f}" for r in rows[(layout, kind)])
             print(f"{layout:>10} {kind:>8}: peak build RSS per rank (GB) {peaks} | engine holds "

@@ -22,7 +22,7 @@ import time
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from nanomega import dist, pp, recompute
+from nanomega import dist, pp, recompute, worlds
 from nanomega.model import GPT, GPTConfig, cross_entropy
 from nanomega.schedules import Trace, bubble_fraction
 
@@ -123,9 +123,9 @@ def main():
     m, p = args.microbatches, 2
     print(f"model {CFG}, micro-batch {MB}x{SEQ}, m={m}, p={p}, 1 thread per rank, torch {torch.__version__}, "
           f"load average before {os.getloadavg()[0]:.1f}")
-    timing = dist.launch(time_world, p, m, args.steps, timeout=1200)
+    timing = worlds.launch(time_world, p, m, args.steps, timeout=1200)
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by the spawned ranks' allocator at start-up
-    memory = dist.launch(memory_world, p, m, timeout=1200)
+    memory = worlds.launch(memory_world, p, m, timeout=1200)
     mib = 2 ** 20
     print(f"load average after {os.getloadavg()[0]:.1f} (other processes on these 2 cores skew the times)")
     for schedule in TORCH_SCHEDULES:

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 from bench_pp import rss_peak_rise, timed
-from nanomega import dist, tp
+from nanomega import dist, tp, worlds
 from nanomega.model import GPT, GPTConfig
 
 CFG = dict(vocab_size=4096, block_size=256, n_layer=4, n_head=8, n_embd=512, make_vocab_size_divisible_by=256)
@@ -120,9 +120,9 @@ def main():
     args = ap.parse_args()
     print(f"model {CFG}, micro-batch {MB}x{CFG['block_size']}, tp=2, 1 thread per rank, torch {torch.__version__}, "
           f"load average before {os.getloadavg()[0]:.1f}")
-    timing = dist.launch(time_world, 2, args.steps, timeout=1800)[0]
+    timing = worlds.launch(time_world, 2, args.steps, timeout=1800)[0]
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by the spawned ranks' allocator at start-up
-    memory = dist.launch(memory_world, 2, timeout=1200)
+    memory = worlds.launch(memory_world, 2, timeout=1200)
     print(f"load average after {os.getloadavg()[0]:.1f} (other processes on these 2 cores skew the times)")
     mib = 2 ** 20
     for name in NAMES:

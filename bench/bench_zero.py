@@ -30,7 +30,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from bench_pp import timed
-from nanomega import dist
+from nanomega import dist, worlds
 from nanomega.flat import storage_bytes
 from nanomega.model import GPT, GPTConfig
 from nanomega.zero import ZeroEngine, weight_decay_groups
@@ -132,9 +132,9 @@ def main():
     print(f"model {CFG} ({n_params / 1e6:.1f}M parameters), micro-batch {MB}x{CFG['block_size']} per rank, dp=2, "
           f"fp32, 1 thread per rank, torch {torch.__version__}, load average before {os.getloadavg()[0]:.1f}")
     timing = {name: float("nan") for name in NAMES} if args.memory_only else \
-        dist.launch(time_world, 2, args.steps, timeout=3000)[0]
+        worlds.launch(time_world, 2, args.steps, timeout=3000)[0]
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by the spawned ranks' allocator at start-up
-    per_name = {name: dist.launch(memory_world, 2, name, timeout=1800) for name in NAMES}
+    per_name = {name: worlds.launch(memory_world, 2, name, timeout=1800) for name in NAMES}
     memory = [{name: ranks[r] for name, ranks in per_name.items()} for r in range(2)]
     print(f"load average after {os.getloadavg()[0]:.1f} (other processes on these 2 cores skew the times)")
     mib, ddp = 2 ** 20, "torch DDP"

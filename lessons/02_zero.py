@@ -10,7 +10,7 @@ counted by the engine's Offload: its bf16 gradient slice down, its bf16 weight s
 import torch
 
 from check import check
-from nanomega import dist
+from nanomega import dist, worlds
 from nanomega.dist import RING
 from nanomega.model import GPT, GPTConfig
 from nanomega.precision import cast_model
@@ -91,4 +91,4 @@ if __name__ == "__main__":
         print("formula per rank: " + ", ".join(f"ZeRO-{s} {sum(PER_PARAM[s](n)):.2f}" for s in range(4))
               + f" bytes/param at N={n}")
     for world in (2, 4):
-        report(world, dist.launch(run_stages, world, world, timeout=300)[0], psi)
+        report(world, worlds.launch(run_stages, world, world, timeout=300)[0], psi)

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from check import check
-from nanomega import dist, tp
+from nanomega import dist, tp, worlds
 from nanomega.model import GPT, GPTConfig
 from nanomega.rng import model_parallel_seed
 
@@ -96,7 +96,7 @@ def activation_formula(t, sp):
 def run(sps):
     """Launch the world; print the setting and each TP model's loss next to the dense one's. Returns rank 0's
     results (rank 0 of every grid: all tp ranks measure alike)."""
-    res = dist.launch(world, 4, sps, timeout=600)[0]
+    res = worlds.launch(world, 4, sps, timeout=600)[0]
     print(f"b={B_} s={S} h={H} a={A} L={L}, fp32: one (b, s, h) activation is B = {S * B_ * H * E:,} bytes\n")
     for sp in sps:
         for t in (2, 4):

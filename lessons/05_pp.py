@@ -3,7 +3,7 @@ wall-clock timelines of GPipe and 1F1B, and the activation memory each schedule 
 import torch
 
 from check import check
-from nanomega import dist, pp, recompute
+from nanomega import dist, pp, recompute, worlds
 from nanomega.model import GPT, GPTConfig
 from nanomega.schedules import Trace, bubble_fraction, draw_timeline, simulate
 
@@ -43,7 +43,7 @@ if __name__ == "__main__":
               rtol=1e-9)
 
     print(f"\n--- real run: 4 gloo ranks on this CPU, {CFG.n_layer} blocks h={CFG.n_embd}, micro-batch {MB}x{SEQ} ---")
-    results = dist.launch(stage_run, P, M, timeout=600)
+    results = worlds.launch(stage_run, P, M, timeout=600)
     act = MB * SEQ * CFG.n_embd * 4  # one stage output (mb, s, h) in fp32
     for schedule in ("gpipe", "1f1b"):
         runs = [r[(schedule, M, True)] for r in results]

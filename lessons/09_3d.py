@@ -6,7 +6,7 @@ import tempfile
 import torch
 
 from check import check
-from nanomega import dist, train
+from nanomega import dist, train, worlds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, S, H, M = 2, 32, 64, 4  # micro-batch, sequence, hidden, micro-batches per step
@@ -39,7 +39,7 @@ if __name__ == "__main__":
     tmp = tempfile.mkdtemp()
     corpus = os.path.join(tmp, "small.txt")
     open(corpus, "w").write(gzip.open(os.path.join(ROOT, "data", "shakespeare.txt.gz"), "rt").read(200_000))
-    results = dist.launch(one_step, 4, corpus, os.path.join(tmp, "out"))
+    results = worlds.launch(one_step, 4, corpus, os.path.join(tmp, "out"))
     V, L = 4096, 4
     layer = 12 * H * H + 13 * H
     stage_params = [V * H + S * H + L // 2 * layer, L // 2 * layer + 2 * H + V * H]  # embed+2 | 2+LN+head copy

@@ -8,7 +8,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from check import check  # noqa: E402
-from nanomega import dist, formulas, moe, train  # noqa: E402
+from nanomega import dist, formulas, moe, train, worlds  # noqa: E402
 from nanomega.model import GPT, GPTConfig  # noqa: E402
 from nanomega.ops import flags  # noqa: E402
 
@@ -84,8 +84,9 @@ def main(figure=None):
     w_mixtral, e_mixtral, _ = moe.route(logits, 2, "mixtral")
     w_deepseek, e_deepseek, _ = moe.route(logits, 2, "deepseek")
     check("mixtral vs deepseek (renormalized): same experts", int((e_mixtral != e_deepseek).sum()), 0)
-    check("mixtral vs deepseek (renormalized): same weights", (w_mixtral - w_deepseek).abs().max().item(), 0.0,
-          atol=1e-6)
+    # a few ulps apart (the two softmaxes round differently, by CPU): count the weights that differ by more
+    check("mixtral vs deepseek (renormalized): weights more than 1e-6 apart",
+          int(((w_mixtral - w_deepseek).abs() > 1e-6).sum()), 0)
     # 3. the aux loss: 1 when balanced, E when one expert takes every token
     s, E = 64, 8
     uniform = torch.full((1, s, E), 1 / E)
@@ -104,11 +105,11 @@ def main(figure=None):
           f"{1 - moe.within_capacity(experts, E, moe.capacity(1.25, s, 2, E)).float().mean().item():.1%}; "
           f"cf 0 (dropless): 0%")
     # 5. the all-to-all of dp2 x ep2, rank by rank
-    for rank, (measured, want, rows, balanced) in enumerate(dist.launch(all_to_all, 2)):
+    for rank, (measured, want, rows, balanced) in enumerate(worlds.launch(all_to_all, 2)):
         check(f"rank {rank} all-to-all bytes (2 layers, fwd + bwd) vs formula", measured, want)
         print(f"rank {rank}: {rows} rows sent to the other rank's experts; uniform routing would send {balanced:.0f}")
     # 6. balancing by the bias alone (no aux loss, frozen weights): the loads over 40 steps on one batch
-    (off, off_loads), (on, on_loads) = dist.launch(run_both, 1)[0]
+    (off, off_loads), (on, on_loads) = worlds.launch(run_both, 1)[0]
     print(f"max/mean expert load, no balancing: step 1 {off[0]:.2f}, last 10 steps {sum(off[-10:]) / 10:.2f}; "
           f"bias {RATE}: {on[0]:.2f} -> {sum(on[-10:]) / 10:.2f}")
     check("the bias brings the loads closer to uniform (last 10 steps' max/mean load, ratio < 1)",

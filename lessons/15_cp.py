@@ -10,7 +10,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from check import check  # noqa: E402
-from nanomega import cp, dist, formulas  # noqa: E402
+from nanomega import cp, dist, formulas, worlds  # noqa: E402
 from tolerance import likely  # noqa: E402
 
 CP, B, H, KV, S, HD = 4, 1, 4, 4, 256, 16  # 4 key/value heads: Ulysses at cp 4 needs cp | n_kv
@@ -46,7 +46,7 @@ def run():
 
 
 if __name__ == "__main__":
-    ranks = dist.launch(run, CP)
+    ranks = worlds.launch(run, CP)
     print(f"== attention over cp = {CP} ranks: b {B}, {H} heads, {KV} key/value heads, s {S}, head size {HD}, fp32")
     for method in cp.METHODS:
         worst = max(r[method]["err"] for r in ranks)

@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from check import check  # noqa: E402
-from nanomega import dist, formulas  # noqa: E402
+from nanomega import dist, formulas, worlds  # noqa: E402
 
 WORLD, ELEMS = 4, 4096  # ranks; fp32 elements per rank (B = 16 KiB), divisible by WORLD
 
@@ -80,7 +80,7 @@ def experiment():
 
 
 if __name__ == "__main__":
-    results = dist.launch(experiment, WORLD)
+    results = worlds.launch(experiment, WORLD)
     res, sent, times = results[0]
     for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "ring_all_reduce", "all_to_all"):
         check(f"{op} result on every rank (1 = right)", int(all(rr[0][op] for rr in results)), 1)

@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from check import check  # noqa: E402
-from nanomega import dist  # noqa: E402
+from nanomega import dist, worlds  # noqa: E402
 from nanomega.model import GPT, GPTConfig  # noqa: E402
 
 V, S, L, A, H, B = 512, 64, 2, 4, 128, 4  # vocabulary, sequence, layers, heads, hidden, micro-batch per rank
@@ -64,7 +64,7 @@ def profiled(trace_dir):
 
 if __name__ == "__main__":
     trace_dir = tempfile.mkdtemp(prefix="nanomega-trace-")
-    r = dist.launch(profiled, 2, trace_dir)[0]
+    r = worlds.launch(profiled, 2, trace_dir)[0]
     print("rank 0, one step, top ops by self CPU time (this CPU's; yours differ):")
     print(r["table"])
     print("phases, ms: " + ", ".join(f"{k} {v:.1f}" for k, v in r["phases"].items()))

@@ -4,16 +4,19 @@ Idea: a "re-implement this function" exercise names the functions of nanomega it
 existing tests that exercise them. The grader runs those tests in a fresh `python -m pytest` with your file
 substituted for ours, and prints PASS or FAIL per test: your version passes or fails the SAME tests as ours.
 
-How the substitution reaches every process. The tests of distributed code run in spawned worlds
-(nanomega.dist.launch uses multiprocessing's spawn: each rank is a new interpreter that imports the test module
-and nanomega afresh), and some run torchrun subprocesses, so patching the pytest process alone would grade our
-code in the ranks. Instead the grader puts lessons/exercises/hook/ first on PYTHONPATH and names the
-substitution in $NANOMEGA_EXERCISE. Python imports `sitecustomize` at the start of EVERY interpreter, the
-spawned ranks and torchrun's workers included (they inherit the environment), and hook/sitecustomize.py calls
-substitute_from_env() below before any test code runs. It imports the target module, swaps the attribute, and
+How the substitution reaches every process. The tests of distributed code run in local worlds
+(nanomega.worlds.launch: each rank is forked from a forkserver, a new interpreter that imported nanomega once),
+and some run torchrun subprocesses, so patching the pytest process alone would grade our code in the ranks.
+Instead the grader puts lessons/exercises/hook/ first on PYTHONPATH and names the substitution in
+$NANOMEGA_EXERCISE. Python imports `sitecustomize` at the start of EVERY interpreter, the forkserver (whose
+forked ranks inherit its modules) and torchrun's workers included (they inherit the environment), and
+hook/sitecustomize.py calls substitute_from_env() below before any test code runs. It imports the target module, swaps the attribute, and
 rebinds every reference to the old object already held by a loaded nanomega module (a `from x import f`, or a
 table such as schedules.SCHEDULES); modules imported later find the new object in its home module. If your file
 cannot be loaded, that interpreter prints why and exits with status 3: never a silent fallback to our code.
+The verdicts come back through hook/nanomega_grade_report.py, a pytest plugin that writes each test's outcome
+and what it raised (a local rank's nanomega.worlds.RankFailed: its rank, type and message) as JSON lines;
+nothing is read from pytest's printed or XML wording, which changes between releases.
 
 The "predict the number" exercises are in lessons/predict.py: a number you write down, then the experiment
 that measures it, printed next to it.
@@ -25,17 +28,16 @@ import importlib
 import importlib.util
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 LESSONS = Path(__file__).resolve().parent
 ROOT = LESSONS.parent
 HOOK = LESSONS / "exercises" / "hook"
 ENV = "NANOMEGA_EXERCISE"
+REPORT = "NANOMEGA_GRADE_REPORT"  # where the grader's pytest plugin writes its lines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,10 +152,12 @@ def grade(pairs, quiet=False, first_failure=False, quick=False):
     env["PYTHONPATH"] = os.pathsep.join([str(HOOK), str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     env.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
-        xml = Path(tmp) / "report.xml"
+        report = Path(tmp) / "report.jsonl"  # written by hook/nanomega_grade_report.py, one line per test phase
+        env[REPORT] = str(report)
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               f"--junitxml={xml}", *(["-x"] if first_failure else []), *tests], cwd=ROOT, env=env, capture_output=True, text=True)
-        results = _read_report(xml) if xml.exists() else {}
+                               "-p", "nanomega_grade_report", *(["-x"] if first_failure else []), *tests],
+                              cwd=ROOT, env=env, capture_output=True, text=True)
+        results = read_report(report) if report.exists() else {}
     if not results:
         print(f"grader: no test ran (pytest exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
     verdict = {}
@@ -170,29 +174,21 @@ def grade(pairs, quiet=False, first_failure=False, quick=False):
     return verdict
 
 
-def _read_report(xml):
-    """{node id: (PASS | FAIL | SKIP, first line of the reason)} from pytest's JUnit XML."""
+def read_report(path):
+    """{node id: (PASS | FAIL | SKIP, the reason)} from the grader plugin's lines: a test fails when any of its
+    phases failed (setup, call or teardown; the first failure's reason), is skipped when one was skipped (a
+    skipped test graded nothing: not a pass), and passes otherwise."""
     out = {}
-    for case in ET.parse(xml).iter("testcase"):
-        module = case.get("classname", "").replace(".", "/")
-        node = f"{module}.py::{case.get('name')}"
-        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
-        skip = case.find("skipped")
-        if bad is not None:
-            out[node] = ("FAIL", _reason(bad))
-        elif skip is not None:  # a skipped test graded nothing: not a pass
-            out[node] = ("SKIP", _reason(skip))
+    for line in path.read_text().splitlines():
+        phase = json.loads(line)
+        status, _ = out.get(phase["node"], ("PASS", ""))
+        if phase["outcome"] == "failed" and status != "FAIL":
+            out[phase["node"]] = ("FAIL", phase["reason"])
+        elif phase["outcome"] == "skipped" and status == "PASS":
+            out[phase["node"]] = ("SKIP", phase["reason"])
         else:
-            out[node] = ("PASS", "")
+            out.setdefault(phase["node"], ("PASS", ""))
     return out
-
-
-def _reason(element):
-    """The last error or assert line; prefixed with `rank N failed:` when a spawned rank raised it."""
-    text = element.get("message") or element.text or ""
-    lines = [ln for ln in text.splitlines() if "Error" in ln or "assert" in ln] or text.splitlines() or [""]
-    rank = re.search(r"rank \d+ failed", text + (element.text or ""))
-    return (f"{rank.group(0)}: " if rank else "") + lines[-1].strip().rstrip('"')[:200]
 
 
 def main(argv):

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from nanomega import dist, schedules, tp
+from nanomega import dist, schedules, tp, worlds
 from nanomega.model import GPT, GPTConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "minimal"))  # the minimal track, in the ranks too
@@ -86,7 +86,7 @@ def grade(path):
     if not isinstance(given, dict) or set(given) - set(QUESTIONS):
         raise ValueError(f"{path}: PREDICTIONS must be a dict with keys among {', '.join(QUESTIONS)}")
     answered = {k: v for k, v in given.items() if v is not None}
-    world = dist.launch(_world, 2)[0] if any(QUESTIONS[k][1] == "world" for k in answered) else {}
+    world = worlds.launch(_world, 2)[0] if any(QUESTIONS[k][1] == "world" for k in answered) else {}
     right = 0
     for name, (lesson, how) in QUESTIONS.items():
         if name not in answered:

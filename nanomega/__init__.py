@@ -4,6 +4,7 @@ Read the concepts in the lessons' order (lessons/README.md); each module's docst
 Formula and its lesson:
 
     00  dist.py                  the rank grid (dp, pp, cp, tp) and the Axis every collective goes through, in bytes
+        worlds.py                local worlds: N CPU ranks on this machine (tests, lessons, bench)
     01  model.py                 the dense GPT: the reference every sharded form is tested against
         modern.py                the Llama block's pieces: rotary positions, RMSNorm, SwiGLU, grouped-query (lesson 13)
         data.py                  text -> tokens -> this rank's resumable batches

@@ -15,13 +15,11 @@ import datetime
 import os
 import pickle
 import socket
-import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 # One-tensor collectives: newer torch (2.13 here) names them all_gather_single / reduce_scatter_single
 # (pytorch#186123; the old names stay as deprecated wrappers); torch 2.11 and older have only
@@ -298,47 +296,3 @@ def shutdown():
     gloo rank destroying its group while a peer on another host still used it made that peer abort at exit."""
     dist.barrier()
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, fn, args, queue, threads):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(threads)  # ranks share the cores: oversubscription makes everything crawl
-    try:
-        init(device="cpu", timeout_s=120)
-        queue.put((rank, "ok", fn(*args)))
-    except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def launch(fn, world, *args, timeout=300, threads=1):
-    """Run fn(*args) on `world` spawned CPU ranks (tests, lessons, bench); return the ranks' results. spawn, not
-    fork (fork hangs with OpenMP); a free port per world; the first error or the timeout kills all."""
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue, threads), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        while len(results) < world:
-            rank, status, value = queue.get(timeout=timeout)
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(world)]

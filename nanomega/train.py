@@ -152,7 +152,7 @@ def evaluate(model, grid, val_set, config):
 def main(argv=None):
     """Train as the command line says. The process group this call started (torchrun's, or a world of one) is
     ended after a clean end (dist.shutdown; NCCL warns about communicators left at exit); a launcher's (tests:
-    dist.launch) is left to it, and after an error the entrypoint still needs the store (faults.lost_ranks)."""
+    worlds.launch) is left to it, and after an error the entrypoint still needs the store (faults.lost_ranks)."""
     config = flags.parse(argv)  # the command line, read once into a frozen Config (nanomega/ops/flags.py)
     if config.dry_run:
         return dry_run(config)

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nanomega import dist, fused  # noqa: E402
+from nanomega import fused, worlds  # noqa: E402
 
 FOLDER = ROOT / "lessons" / "figures"
 DPI = 72  # a few tens of KB per PNG, still readable on GitHub
@@ -99,11 +99,11 @@ def train_all(root, names):
     for name in names:
         world, _, fresh = RUNS[name]
         if fresh:
-            dist.launch(_train, world, root, [name], timeout=600)
+            worlds.launch(_train, world, root, [name], timeout=600)
         else:
             shared.setdefault(world, []).append(name)
     for world, names in sorted(shared.items()):
-        dist.launch(_train, world, root, names, timeout=1200)
+        worlds.launch(_train, world, root, names, timeout=1200)
 
 
 def draw(root, figures, folder=FOLDER):

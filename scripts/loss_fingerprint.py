@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from nanomega import checkpoint, dist, reshard, train  # noqa: E402
+from nanomega import checkpoint, reshard, train, worlds  # noqa: E402
 from test_layouts import COMMON, LAYOUTS_4, LAYOUTS_8  # noqa: E402
 
 PAIR = ["--batch-size", "2", "--grad-accum", "2", "--grad-clip", "0.5", "--weight-decay", "0.1"]
@@ -61,9 +61,9 @@ def main(path):
     root = Path(tempfile.mkdtemp(prefix="fingerprint-"))
     corpus = root / "small.txt"
     corpus.write_text(gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(200_000))
-    dist.launch(run, 1, corpus, root, [("dense", ["--batch-size", "2", "--grad-accum", "4"])], timeout=600)
+    worlds.launch(run, 1, corpus, root, [("dense", ["--batch-size", "2", "--grad-accum", "4"])], timeout=600)
     for world, layouts in ((2, LAYOUTS_2), (4, LAYOUTS_4), (8, LAYOUTS_8)):
-        dist.launch(run, world, corpus, root, layouts, timeout=900)
+        worlds.launch(run, world, corpus, root, layouts, timeout=900)
     names = ["dense"] + [name for layouts in (LAYOUTS_2, LAYOUTS_4, LAYOUTS_8) for name, _ in layouts]
     result = {name: fingerprint(root / name) for name in names}
     Path(path).write_text(json.dumps(result, indent=1) + "\n")

@@ -1,4 +1,5 @@
 import gzip
+import importlib.metadata
 import os
 from pathlib import Path
 
@@ -48,6 +49,16 @@ def pytest_configure(config):
         os.environ.setdefault("NANOMEGA_DEVICE", "cpu")
 
 
+VERSIONS = ("torch", "numpy", "tiktoken", "pytest", "transformers")  # what a fresh install resolved
+
+
+def _version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
 def pytest_sessionstart(session):
     """The CPU the suite runs on, printed first even under -q: tolerances are derived (tests/tolerance.py),
     but a failure report should still say which vector ISA and kernels produced it (ATEN_CPU_CAPABILITY
@@ -59,3 +70,4 @@ def pytest_sessionstart(session):
     if reporter is not None:
         reporter.write_line(f"cpu: {fused.cpu_summary()}; {torch.get_num_threads()} threads; "
                             f"emulating: {forced or 'nothing (native)'}")
+        reporter.write_line("versions: " + ", ".join(f"{name} {_version(name)}" for name in VERSIONS))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega import dist, fused, tp, train
+from nanomega import dist, fused, tp, train, worlds
 from nanomega.model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,7 +90,7 @@ def test_same_losses_dense_and_tp2_sp(corpus, tmp_path):
     assert len(ref) == 5 and ref[-1] < ref[0] - 0.05  # it trains: the comparison can tell curves apart
     for kind in ("sdpa", "fused"):
         assert dense[kind] == pytest.approx(ref, rel=RTOL), kind
-    (losses, reduced), _ = dist.launch(_sp_world, 2, corpus, str(tmp_path), timeout=600)
+    (losses, reduced), _ = worlds.launch(_sp_world, 2, corpus, str(tmp_path), timeout=600)
     for kind, curve in losses.items():
         assert curve == pytest.approx(ref, rel=RTOL), kind
     assert reduced == {"float32"}  # no bf16 all-reduce of SP gradients

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from nanomega import checkpoint, dist, reshard, rng, zero
+from nanomega import checkpoint, dist, reshard, rng, worlds, zero
 from nanomega.model import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -93,7 +93,7 @@ def _save_and_reload(tmp):
 
 
 def test_each_rank_reads_only_the_shards_it_needs(tmp_path):
-    results = dist.launch(_save_and_reload, 2, str(tmp_path))
+    results = worlds.launch(_save_and_reload, 2, str(tmp_path))
     both = ["rank_00000.pt", "rank_00001.pt"]
     for rank, res in enumerate(results):
         assert all(equal for _, _, equal in res.values()), res  # and every load is exact

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanomega import checkpoint, cp, dist, documents, formulas, reshard, tp, train
+from nanomega import checkpoint, cp, dist, documents, formulas, reshard, tp, train, worlds
 from nanomega.model import GPT, GPTConfig
 from tolerance import layout_rtol, likely
 
@@ -158,7 +158,7 @@ def _world():
 
 @pytest.fixture(scope="module")
 def world():
-    return dist.launch(_world, 4, timeout=240)
+    return worlds.launch(_world, 4, timeout=240)
 
 
 def _bound(n, res, grad=False):
@@ -277,7 +277,7 @@ def trained(corpus, docs_corpus, tmp_path_factory, one_thread):
     root = tmp_path_factory.mktemp("train")
     dense = {name: _run(data, root / name, "--global-batch", "4", *flags) for name, data, flags in [
         ("dense", corpus, []), ("documents", docs_corpus, ["--document-mask"]), ("packed", docs_corpus, [])]}
-    return root, dense, dist.launch(_train_world, 4, corpus, docs_corpus, str(root), timeout=300)[3]  # the last rank logs
+    return root, dense, worlds.launch(_train_world, 4, corpus, docs_corpus, str(root), timeout=300)[3]  # the last rank logs
 
 
 def test_training_equals_one_process(trained):

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as td
 
-from nanomega import dist, train
+from nanomega import dist, train, worlds
 from nanomega.ops import faults
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -86,7 +86,7 @@ def _groups_world():
 def test_one_rank_axes_make_no_process_group():
     """Before: 12 new_group calls for (4, 1, 1) (tp, pp and the embedding's four one-rank slices each), now 0;
     and (1, 2, 2) makes 4, not 6 (its embedding groups are its pipeline groups: no second communicator)."""
-    results = dist.launch(_groups_world, 4, timeout=300)
+    results = worlds.launch(_groups_world, 4, timeout=300)
     for out in results:
         for (dp, pp, tp), (made, axes, counts, timeout) in out.items():
             # one group per distinct set of ranks: pp = 2's embedding groups are its pipeline groups
@@ -102,13 +102,13 @@ def test_one_rank_axes_make_no_process_group():
                     assert counts[("all_gather", name, "float32")] == [1, 16 * a["size"]]
             assert {axis for _, axis, _ in counts} == {n for n, a in axes.items() if a["size"] > 1}
             if timeout is not None:
-                assert timeout == datetime.timedelta(seconds=120)  # the world's (dist.launch), not gloo's 30 min
+                assert timeout == datetime.timedelta(seconds=120)  # the world's (worlds.launch), not gloo's 30 min
 
 
 def test_cp_and_ep_axes():
     """cp = 1 / ep = 1: dp_cp and edp are dp's Axis (its name; ZeRO's byte logs unchanged). ep = dp: one group
     under two names (a second NCCL communicator for the same ranks would never be needed)."""
-    out = dist.launch(_cp_ep_world, 4, timeout=120)
+    out = worlds.launch(_cp_ep_world, 4, timeout=120)
     for rank, res in enumerate(out):
         got, want, counted, formula = res.pop("a2a")
         assert got == want and counted == formula, (rank, got, want, counted, formula)  # bytes that leave the rank
@@ -125,7 +125,7 @@ def test_cp_and_ep_axes():
 def test_train_main_ends_the_process_group_it_started(corpus, tmp_path):
     """torchrun or a plain run: train.main starts the group, so it destroys it after a clean end (NCCL warns
     about communicators left at exit, and a later in-process run would find a stale world). A group that was
-    there before (a launcher's: dist.launch, a test's) is left as it was."""
+    there before (a launcher's: worlds.launch, a test's) is left as it was."""
     argv = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "2",
             "--max-steps", "1", "--eval-every", "0", "--peak-flops", "1e11", "--device", "cpu",
             "--corpus", str(corpus), "--data-cache", str(tmp_path / "cache")]

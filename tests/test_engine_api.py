@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from nanomega import dist
+from nanomega import dist, worlds
 from nanomega.ddp import DistributedDataParallel
 from nanomega.zero import ZeroEngine
 from nanomega.zero3 import FullyShardedDataParallel
@@ -91,7 +91,7 @@ def _world(world):
 
 @pytest.fixture(scope="module")
 def world2():
-    return dist.launch(_world, 2, 2, timeout=300)
+    return worlds.launch(_world, 2, 2, timeout=300)
 
 
 def test_buffers_broadcast_or_verified(world2):

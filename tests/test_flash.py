@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega import checkpoint, dist, flash, reshard, train
+from nanomega import checkpoint, flash, reshard, train, worlds
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -249,7 +249,7 @@ def _zero0_world(corpus, root):
 def test_zero0_replica_verifies_the_peer_shard_it_reads(corpus, tmp_path):
     """ZeRO-0, dp 2: rank 1 saved no pieces (a replica) and reads rank 0's shard; the fast discovery still takes
     every rank's own copy, rank 1 verifies that peer shard on disk before the vote (and says so)."""
-    results = dist.launch(_zero0_world, 2, str(corpus), str(tmp_path), timeout=240)
+    results = worlds.launch(_zero0_world, 2, str(corpus), str(tmp_path), timeout=240)
     printed, (out, plain) = results[1]  # the last rank logs
     assert "resume: step_000005 verified by each rank from its shared-memory copy (1 rank(s) also read a peer's " \
            "shard from storage)" in printed and "restored from shared memory: 2 of 2 ranks" in printed, printed

@@ -28,7 +28,7 @@ import torch
 pytest.importorskip("transformers", reason="the hf extra (transformers, safetensors) is not installed")
 import transformers  # noqa: E402
 
-from nanomega import data, dist, train  # noqa: E402
+from nanomega import data, train, worlds  # noqa: E402
 from nanomega.model import GPT  # noqa: E402
 from nanomega.tools import hf, sample, tokenizer
 
@@ -118,7 +118,7 @@ def test_import_finetune_tp2_sample_export(setup):
             train.main([*SMALL, "--corpus", str(corpus), "--tokenizer", tok, "--out-dir", str(out),
                         "--data-cache", str(root / "cache"), "--resume"])
         else:
-            dist.launch(run_tp2, 2, corpus, out, tok, timeout=240)
+            worlds.launch(run_tp2, 2, corpus, out, tok, timeout=240)
         runs[name] = [json.loads(line)["loss"] for line in open(out / "metrics.jsonl")]
     assert len(runs["dense"]) == 2 and runs["tp2"] == pytest.approx(runs["dense"], rel=1e-5)  # fp32 order
 
@@ -261,7 +261,7 @@ def test_llama_import_finetune_tp2_sample_export(setup, capsys):
         if name == "llama-dense":
             train.main(argv)
         else:
-            dist.launch(train_tp2, 2, argv, timeout=240)
+            worlds.launch(train_tp2, 2, argv, timeout=240)
         runs[name] = [json.loads(line)["loss"] for line in open(out / "metrics.jsonl")]
     assert len(runs["llama-dense"]) == 2 and runs["llama-tp2"] == pytest.approx(runs["llama-dense"], rel=1e-5)
 

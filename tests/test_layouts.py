@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as td
 
-from nanomega import checkpoint, dist, reshard, train
+from nanomega import checkpoint, reshard, train, worlds
 from tolerance import layout_rtol
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,7 +86,7 @@ def assert_same_curve(out, dense_out):
 
 
 def test_four_rank_layouts_match_dense_and_reshard(corpus, dense, tmp_path):
-    dist.launch(run_layouts, 4, corpus, tmp_path, LAYOUTS_4, "tp2-pp2-gpipe", timeout=600)
+    worlds.launch(run_layouts, 4, corpus, tmp_path, LAYOUTS_4, "tp2-pp2-gpipe", timeout=600)
     for name, _ in LAYOUTS_4:
         assert_same_curve(tmp_path / name, dense)
     # saved at tp2 pp2 dp1 zero0, resumed at tp1 pp1 dp4 zero3: steps 3-4 match the dense run
@@ -104,6 +104,6 @@ def test_four_rank_layouts_match_dense_and_reshard(corpus, dense, tmp_path):
 
 
 def test_eight_rank_layouts_match_dense(corpus, dense, tmp_path):
-    dist.launch(run_layouts, 8, corpus, tmp_path, LAYOUTS_8, timeout=600)
+    worlds.launch(run_layouts, 8, corpus, tmp_path, LAYOUTS_8, timeout=600)
     for name, _ in LAYOUTS_8:
         assert_same_curve(tmp_path / name, dense)

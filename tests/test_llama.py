@@ -12,7 +12,7 @@ std-0.02 weights, 3% of one Adam step at lr 3e-3).
 import pytest
 import torch
 
-from nanomega import checkpoint, dist, reshard, train
+from nanomega import checkpoint, reshard, train, worlds
 from test_layouts import curve, flags, run_layouts
 from tolerance import layout_rtol
 
@@ -60,13 +60,13 @@ def assert_same_run(out, dense_out, first_step=1):
 
 
 def test_two_rank_layouts_match_the_dense_llama(corpus, dense, tmp_path):
-    dist.launch(run_layouts, 2, corpus, tmp_path, LAYOUTS_2, None, COMMON, timeout=600)
+    worlds.launch(run_layouts, 2, corpus, tmp_path, LAYOUTS_2, None, COMMON, timeout=600)
     for name, _ in LAYOUTS_2:
         assert_same_run(tmp_path / name, dense)
 
 
 def test_four_rank_layouts_and_a_replicated_kv_reshard_match_the_dense_llama(corpus, dense, tmp_path):
-    dist.launch(run_layouts, 4, corpus, tmp_path, LAYOUTS_4, "tp4-full", COMMON, RESUME, timeout=600)
+    worlds.launch(run_layouts, 4, corpus, tmp_path, LAYOUTS_4, "tp4-full", COMMON, RESUME, timeout=600)
     for name, _ in LAYOUTS_4:
         assert_same_run(tmp_path / name, dense)
     assert_same_run(tmp_path / "resumed", dense, first_step=3)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega import dist
+from nanomega import worlds
 from tolerance import layout_rtol
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "lessons" / "minimal"))
@@ -39,7 +39,7 @@ def _world():
 
 @pytest.fixture(scope="module")
 def world():
-    return dist.launch(_world, 2, timeout=240)
+    return worlds.launch(_world, 2, timeout=240)
 
 
 @pytest.mark.parametrize("name", DP)

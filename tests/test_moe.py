@@ -22,7 +22,7 @@ import math
 import pytest
 import torch
 
-from nanomega import dist, formulas, moe, tp, train
+from nanomega import dist, formulas, moe, tp, train, worlds
 from nanomega.model import GPT
 from nanomega.ops import flags
 from tolerance import layout_rtol
@@ -136,9 +136,9 @@ def balancing(steps=12, rate=0.005):
 
 
 @pytest.fixture(scope="module")
-def worlds():
-    ref = dist.launch(references, 1)[0]
-    return ref, dist.launch(layouts, 4)
+def runs():
+    ref = worlds.launch(references, 1)[0]
+    return ref, worlds.launch(layouts, 4)
 
 
 def by_layout(results):
@@ -151,8 +151,8 @@ def reference_for(name, ref):
     return ref["capacity"] if "pp2" in name else ref["dropless"]
 
 
-def test_routing_identical(worlds):
-    ref, results = worlds
+def test_routing_identical(runs):
+    ref, results = runs
     for name, (res, _) in by_layout(results).items():
         for step, (got, want) in enumerate(zip(res["loads"], reference_for(name, ref)["loads"])):
             assert got == want, f"{name} step {step + 1}: expert loads {got} != {want}"
@@ -161,8 +161,8 @@ def test_routing_identical(worlds):
     assert all(sum(layer) == assigned for layer in ref["dropless"]["loads"][0])
 
 
-def test_losses_and_norms_match_single_process(worlds):
-    ref, results = worlds
+def test_losses_and_norms_match_single_process(runs):
+    ref, results = runs
     for name, (res, _) in by_layout(results).items():
         want = reference_for(name, ref)
         for key in ("losses", "norms"):
@@ -170,8 +170,8 @@ def test_losses_and_norms_match_single_process(worlds):
                 assert abs(got - w) <= RTOL * abs(w), f"{name} {key}: {res[key]} vs {want[key]} (rtol {RTOL:.2g})"
 
 
-def test_aux_loss_same_across_layouts_and_accumulation(worlds):
-    ref, results = worlds
+def test_aux_loss_same_across_layouts_and_accumulation(runs):
+    ref, results = runs
     for got, want in zip(ref["accum"]["aux"], ref["dropless"]["aux"]):
         assert abs(got - want) <= RTOL * want, (ref["accum"]["aux"], ref["dropless"]["aux"])
     for name, (res, _) in by_layout(results).items():
@@ -179,28 +179,28 @@ def test_aux_loss_same_across_layouts_and_accumulation(worlds):
             assert abs(got - want) <= RTOL * want, (name, res["aux"])
 
 
-def test_sharded_build_is_the_dense_model(worlds):
-    _, results = worlds
+def test_sharded_build_is_the_dense_model(runs):
+    _, results = runs
     assert all(r["same"] for _, ranks in by_layout(results).values() for r in ranks)
 
 
-def test_all_to_all_bytes_match_formula(worlds):
-    _, results = worlds
+def test_all_to_all_bytes_match_formula(runs):
+    _, results = runs
     for r in by_layout(results)["dp4-ep2-zero1"][1]:
         measured, want = r["a2a"]
         assert measured == want > 0, (r["rank"], measured, want)
 
 
-def test_bias_balancing_drives_loads_toward_uniform(worlds):
-    ref, _ = worlds
+def test_bias_balancing_drives_loads_toward_uniform(runs):
+    ref, _ = runs
     spread = ref["bias"]
     off, on = spread[0.0], spread[max(spread)]
     assert off[0] == on[0] and math.isclose(off[-1], off[0])  # same start; without the bias nothing moves
     assert on[-1] < 1 + 0.5 * (on[0] - 1), on  # the imbalance (max/mean - 1) at least halved
 
 
-def test_recompute_changes_nothing(worlds):
-    ref, _ = worlds
+def test_recompute_changes_nothing(runs):
+    ref, _ = runs
     for mode, want in (("full", ref["accum_capacity"]), ("rerun", ref["accum_capacity"]), ("selective", ref["dropless"])):
         for key in ("losses", "norms", "aux", "loads"):
             assert ref[mode][key] == want[key], (mode, key, ref[mode][key], want[key])

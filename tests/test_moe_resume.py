@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as td
 
-from nanomega import checkpoint, dist, reshard, train
+from nanomega import checkpoint, reshard, train, worlds
 from nanomega.tools import sample
 from tolerance import layout_rtol
 
@@ -58,7 +58,7 @@ def last(out):
 
 
 def test_moe_resume_bitwise_and_reshard_to_ep1(corpus, tmp_path):
-    dist.launch(runs, 2, corpus, tmp_path, timeout=600)
+    worlds.launch(runs, 2, corpus, tmp_path, timeout=600)
     full, resumed, ep1, pp2 = (losses(tmp_path / n) for n in ("full", "resumed", "ep1", "pp2"))
     (w_full, b_full), (w_res, b_res), (w_ep1, b_ep1), (_, b_pp2) = (last(tmp_path / n) for n in
                                                                      ("full", "resumed", "ep1", "pp2"))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from nanomega import dist, train
+from nanomega import dist, train, worlds
 from nanomega.ops import checks, faults
 from tolerance import layout_rtol
 
@@ -145,7 +145,7 @@ def _lost_rank_world():
 
 
 def test_lost_rank_is_named_and_groups_inherit_the_timeout():
-    (t0, solo_group, line), _ = dist.launch(_lost_rank_world, 2, timeout=60)
-    world = dist.datetime.timedelta(seconds=120)  # dist.launch's init timeout
+    (t0, solo_group, line), _ = worlds.launch(_lost_rank_world, 2, timeout=60)
+    world = dist.datetime.timedelta(seconds=120)  # worlds.launch's init timeout
     assert t0 == world and solo_group is None  # not new_group's default (30 min for gloo); one rank: no group
     assert line.startswith("rank(s) 1 on ") and "unreachable" in line and "\n" not in line, line

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega import cpu_adam, dist, reshard, train, zero
+from nanomega import cpu_adam, dist, reshard, train, worlds, zero
 from nanomega.model import GPT, GPTConfig
 from tolerance import layout_rtol
 
@@ -100,7 +100,7 @@ def _world():
 
 @pytest.fixture(scope="module")
 def world():
-    return dist.launch(_world, 2, timeout=300)
+    return worlds.launch(_world, 2, timeout=300)
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
@@ -162,7 +162,7 @@ def test_train_with_offload_follows_the_same_curve_and_resumes(corpus, tmp_path)
     """train.py --offload (and --offload-params) at dp2: the loss curve of the run without it within the layout
     tolerance (the CPU kernel and torch.optim.AdamW order the same math differently); a checkpoint of an
     offloaded run resumes."""
-    dist.launch(_train_runs, 2, corpus, tmp_path, timeout=300)
+    worlds.launch(_train_runs, 2, corpus, tmp_path, timeout=300)
     curve = lambda name: [json.loads(line)["loss"] for line in open(tmp_path / name / "metrics.jsonl")
                           if "loss" in json.loads(line)]
     rtol = layout_rtol(4, vocab=4096, width=128, depth=9)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from nanomega import dist, train
+from nanomega import train, worlds
 from tolerance import layout_rtol
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,7 +66,7 @@ def dense(corpus, tmp_path_factory):
 
 
 def test_pp2_and_interleaved_evaluate_a_ragged_last_micro_batch_as_dense(corpus, dense, tmp_path):
-    dist.launch(run_all, 2, corpus, tmp_path, PP2, timeout=300)
+    worlds.launch(run_all, 2, corpus, tmp_path, PP2, timeout=300)
     for name, _ in PP2:
         got = val_losses(tmp_path / name)
         assert got[0] == dense[0], (name, got, dense)  # the dense ops per micro-batch, the same mean: bitwise
@@ -74,7 +74,7 @@ def test_pp2_and_interleaved_evaluate_a_ragged_last_micro_batch_as_dense(corpus,
 
 
 def test_block_1024_tp_sp_pp_dp_evaluates_a_ragged_last_micro_batch_as_dense(corpus, dense, tmp_path):
-    dist.launch(run_all, 8, corpus, tmp_path, [("tp2-sp-pp2-dp2", TP_PP_DP)], timeout=600)
+    worlds.launch(run_all, 8, corpus, tmp_path, [("tp2-sp-pp2-dp2", TP_PP_DP)], timeout=600)
     got = val_losses(tmp_path / "tp2-sp-pp2-dp2")
     assert got == [pytest.approx(d, rel=r) for d, r in zip(dense, RTOL)], (got, dense)
 

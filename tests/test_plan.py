@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from nanomega import dist, formulas as F
+from nanomega import dist, formulas as F, worlds
 from nanomega.dist import RING
 from nanomega.model import GPT, GPTConfig
 from nanomega.precision import cast_model
@@ -215,7 +215,7 @@ def test_llama_tensor_parallel_activations_and_bytes_per_layer():
     column-parallel inputs (q_proj and kv_proj gather apart) + the replicated gradients it all-reduces in fp32:
     the RMSNorm scales under SP (2h), and the whole k/v weight when it is held whole (2 n_kv (h/a) h)."""
     s, b, h, a, n_kv, f = 32, 2, 64, 4, 2, 96
-    res = dist.launch(_llama_tp_world, 4, timeout=300)
+    res = worlds.launch(_llama_tp_world, 4, timeout=300)
     own = dict(act=4, norm=8, swiglu=4, scores=4, mask=1)
     for rank in res:
         for (t, sp, attention), (saved, wire) in rank.items():

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from nanomega import dist, formulas
+from nanomega import formulas, worlds
 from nanomega.dist import RING
 from nanomega.model import GPT
 
@@ -17,7 +17,7 @@ zero_lesson = importlib.import_module("02_zero")  # its run_stages measures one 
 
 @pytest.fixture(scope="module")
 def measured():
-    return dist.launch(zero_lesson.run_stages, 2, 2, timeout=300)[0]
+    return worlds.launch(zero_lesson.run_stages, 2, 2, timeout=300)[0]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

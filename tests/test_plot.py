@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
 
-from nanomega import dist, train  # noqa: E402
+from nanomega import train, worlds  # noqa: E402
 from nanomega.tools import plot
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,7 +25,7 @@ def test_plots_of_a_pipeline_run_and_the_dense_one(tmp_path):
     corpus = tmp_path / "small.txt"
     corpus.write_text(gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(100_000))
     run(corpus, tmp_path / "dense", [])
-    dist.launch(run, 2, corpus, tmp_path / "pp2", ["--pp", "2"], timeout=240)
+    worlds.launch(run, 2, corpus, tmp_path / "pp2", ["--pp", "2"], timeout=240)
     traces = plot.read_traces(tmp_path / "pp2")
     assert [t.rank for t in traces] == [0, 1]
     for t in traces:  # step 1 under 1F1B: each stage ran every micro-batch forward and backward once

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from nanomega import dist, pp, recompute, schedules
+from nanomega import dist, pp, recompute, schedules, worlds
 from nanomega.model import GPT, GPTConfig
 from nanomega.schedules import Op, Trace, bubble_fraction, draw_timeline, ops_in_order, simulate
 from tolerance import layout_rtol
@@ -229,7 +229,7 @@ LAYOUTS = [
 
 def test_pipeline_equals_dense():
     act_bytes = MB * SEQ * 32 * 4
-    for rank_results in dist.launch(_world, 4, LAYOUTS, timeout=300):
+    for rank_results in worlds.launch(_world, 4, LAYOUTS, timeout=300):
         for (dp, p, cases, _), (rank, case_results, mem, evals) in zip(LAYOUTS, rank_results):
             # forward_only: the dense ops, in the same order; and the mean per sequence, a ragged last
             # micro-batch weighted by its rows (the plain mean over micro-batches was 1.3e-4 off at pp 4 and

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from nanomega import dist, pp, recompute, tp
+from nanomega import dist, pp, recompute, tp, worlds
 from nanomega.model import GPT, GPTConfig
 from nanomega.precision import cast_model
 from nanomega.formulas import activation_bytes_per_layer
@@ -250,7 +250,7 @@ def _world():
 
 @pytest.fixture(scope="module")
 def world():
-    return dist.launch(_world, 2, timeout=240)
+    return worlds.launch(_world, 2, timeout=240)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

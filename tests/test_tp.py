@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanomega import dist, recompute, tp, tp_loss
+from nanomega import dist, recompute, tp, tp_loss, worlds
 from nanomega.model import GPT, GPTConfig
 from nanomega.rng import TrackedDropout, model_parallel_seed
 from tolerance import likely
@@ -226,7 +226,7 @@ def _world():
 
 @pytest.fixture(scope="module")
 def world():
-    return dist.launch(_world, 4, timeout=240)
+    return worlds.launch(_world, 4, timeout=240)
 
 
 @pytest.mark.parametrize("t", [2, 4])

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanomega import clip, dist, pp, reshard
+from nanomega import clip, dist, pp, reshard, worlds
 from nanomega.dist import RING
 from nanomega.model import GPT, GPTConfig
 from nanomega.precision import cast_model
@@ -390,12 +390,12 @@ def _bf16(grid):
 
 @pytest.fixture(scope="module")
 def world2():
-    return dist.launch(_world, 2, 2, timeout=300)
+    return worlds.launch(_world, 2, 2, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def world3(world2):
-    return dist.launch(_world, 3, 3, world2[0]["checkpoint"], timeout=300)
+    return worlds.launch(_world, 3, 3, world2[0]["checkpoint"], timeout=300)
 
 
 @pytest.mark.parametrize("kind,stage", CASES)

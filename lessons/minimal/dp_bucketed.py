@@ -12,7 +12,7 @@ Run:  python lessons/minimal/dp_bucketed.py
 """
 import torch
 
-from nanomega import dist
+from nanomega import dist, worlds
 import common
 
 CAP = 64 * 1024  # bytes per bucket: small, so this small model gets several buckets
@@ -78,7 +78,7 @@ def train(steps=common.STEPS):
 
 
 if __name__ == "__main__":
-    out = dist.launch(train, 2, 10)[0]
+    out = worlds.launch(train, 2, 10)[0]
     for step, loss in enumerate(out["losses"]):
         print(f"step {step} loss {loss:.4f}")
     print(f"{out['calls']} all-reduces of gradients per step ({out['buckets']} buckets of <= {CAP:,} bytes)")

@@ -10,7 +10,7 @@ Run:  python lessons/minimal/dp_naive.py   (2 ranks on this CPU; prints each ste
 """
 import torch
 
-from nanomega import dist
+from nanomega import dist, worlds
 import common
 
 
@@ -36,7 +36,7 @@ def train(steps=common.STEPS):
 
 
 if __name__ == "__main__":
-    out = dist.launch(train, 2, 10)[0]
+    out = worlds.launch(train, 2, 10)[0]
     for step, loss in enumerate(out["losses"]):
         print(f"step {step} loss {loss:.4f}")
     print(f"all-reduced per step: {out['bytes_per_step']:,.0f} bytes = 4 x {out['params']:,} parameters + 4 (the loss)")

@@ -14,7 +14,7 @@ Run:  python lessons/minimal/pp_1f1b.py
 """
 import torch
 
-from nanomega import dist
+from nanomega import dist, worlds
 import common
 
 MICRO = 4  # micro-batches per step
@@ -77,7 +77,7 @@ def train(steps=common.STEPS):
 
 
 if __name__ == "__main__":
-    outs = dist.launch(train, 2, 10)
+    outs = worlds.launch(train, 2, 10)
     for step, loss in enumerate(outs[0]["losses"]):
         print(f"step {step} loss {loss:.4f}")
     print("micro-batches in flight at most, per stage:", [o["peak_in_flight"] for o in outs],

@@ -11,7 +11,7 @@ Run:  python lessons/minimal/pp_afab.py
 """
 import torch
 
-from nanomega import dist
+from nanomega import dist, worlds
 import common
 
 MICRO = 4  # micro-batches per step
@@ -58,6 +58,6 @@ def train(steps=common.STEPS):
 
 
 if __name__ == "__main__":
-    out = dist.launch(train, 2, 10)[0]
+    out = worlds.launch(train, 2, 10)[0]
     for step, loss in enumerate(out["losses"]):
         print(f"step {step} loss {loss:.4f}")

@@ -14,7 +14,7 @@ Run:  python lessons/minimal/zero1.py
 """
 import torch
 
-from nanomega import dist
+from nanomega import dist, worlds
 import common
 
 
@@ -54,7 +54,7 @@ def train(steps=common.STEPS):
 
 
 if __name__ == "__main__":
-    out = dist.launch(train, 2, 10)[0]
+    out = worlds.launch(train, 2, 10)[0]
     for step, loss in enumerate(out["losses"]):
         print(f"step {step} loss {loss:.4f}")
     print(f"AdamW state on this rank: {out['state_bytes']:,} bytes = 8 x {out['params']:,} parameters / 2 (+ padding)")
