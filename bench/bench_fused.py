@@ -100,7 +100,9 @@ def compiled(fn, inputs, grad):
         return None, 0.0, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
 
 
-def run(threads, repeats, ops=("gpt2",), compile=True):
+def run(threads, repeats, ops=("gpt2",), compile=True, budget_s=2.0):
+    """Rows of (op, threads, best ms per implementation, compile seconds, compile error): the minimum of at
+    least `repeats` timed steps, more while they fit in budget_s per op (cheap ops: more tries at a quiet moment)."""
     torch.set_num_threads(threads)
     torch._dynamo.reset()  # inductor bakes the thread count into its kernels: compile again per count
     rows = []
@@ -115,7 +117,7 @@ def run(threads, repeats, ops=("gpt2",), compile=True):
         times = {k: [] for k in impls}
         for _ in range(2):  # warm-up: caches, allocator, OpenMP pool
             warm = max(step(fn, inputs, grad) for fn in impls.values())
-        for _ in range(min(200, max(repeats, int(2.0 / warm)))):  # cheap ops: more tries at a quiet moment
+        for _ in range(min(200, max(repeats, int(budget_s / warm)))):
             for k, fn in impls.items():
                 times[k].append(step(fn, inputs, grad))
         best = {k: min(v) * 1e3 for k, v in times.items()}

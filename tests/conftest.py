@@ -40,6 +40,54 @@ def grid():
         torch.distributed.destroy_process_group()
 
 
+# The quick tier, `python -m pytest -m quick` (README: about 2 minutes on 2 cores with the build cache warm): every
+# technique once, for the inner loop; the whole suite stays the gate. Node-id prefixes; a prefix that selects
+# nothing in a collected module is an error (a renamed test must be renamed here too).
+QUICK = {
+    "the grid, layouts": "tests/test_dist.py::test_layout_partitions_the_world",
+    "the dense GPT and Llama": "tests/test_model.py",
+    "data, resumable": "tests/test_data.py::test_resume_continues_the_uninterrupted_stream",
+    "flags and ranges": "tests/test_args.py",
+    "DP and ZeRO 0-3 == one process": "tests/test_zero.py::test_two_ranks_equal_single_process_bitwise[gpt-",
+    "checkpoint, reshard by name": "tests/test_zero.py::test_save_load_continue_and_reshard_by_name[gpt-",
+    "TP and SP == dense, bytes": "tests/test_tp.py::test_layers_match_dense",
+    "pipeline schedules": "tests/test_pp.py::test_op_orders_literal",
+    "pipeline == dense": "tests/test_pp.py::test_pipeline_equals_dense",
+    "mixed precision": "tests/test_precision.py::test_matmuls_in_half_softmax_and_loss_in_fp32",
+    "recompute": "tests/test_recompute.py::test_every_mode_is_bitwise_no_recompute",
+    "fused kernels": "tests/test_fused.py::test_gpt_with_fused_matches_gpt",
+    "CPU Adam": "tests/test_cpu_adam.py::test_kernel_equals_reference_bitwise",
+    "offload": "tests/test_offload.py::test_offload_equals_the_engine_without_it_bitwise[2-",
+    "meta-device build": "tests/test_meta.py::test_every_rank_draws_the_slice_of_the_dense_model",
+    "flash restore": "tests/test_flash.py::test_intact_copy_is_read_a_damaged_one_falls_back",
+    "faults": "tests/test_faults.py::test_nan_step_is_skipped_or_stops",
+    "experts and EP == one process": "tests/test_moe.py::test_losses_and_norms_match_single_process",
+    "HF interchange": "tests/test_moe.py::test_mixtral_round_trip_logits",
+    "context parallel == full attention": "tests/test_cp.py::test_attention_equals_full_attention[op-(2, 'ring')]",
+    "document masks": "tests/test_documents.py",
+    "the planner": "tests/test_plan.py::test_cli_plans_llama3_405b",
+    "the training loop": "tests/test_train.py::test_resume_without_checkpoint_starts_fresh",
+    "house rules": "tests/test_house.py",
+    "lessons' references": "tests/test_lessons.py::test_references_resolve",
+    "the exercise grader": "tests/test_exercises.py::test_a_file_without_the_names_is_one_line",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark QUICK's tests `quick`; a QUICK prefix whose module was collected but which selects nothing is an error."""
+    matched = set()
+    for item in items:
+        for prefix in QUICK.values():
+            if item.nodeid == prefix or item.nodeid.startswith(prefix if prefix.endswith(("[", "-")) else
+                                                                prefix + ("::" if "::" not in prefix else "[")):
+                item.add_marker(pytest.mark.quick)
+                matched.add(prefix)
+    collected = {item.nodeid.split("::")[0] for item in items}
+    stale = [p for p in QUICK.values() if p.split("::")[0] in collected and p not in matched]
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py QUICK names tests that do not exist: {stale}")
+
+
 def pytest_configure(config):
     """The CPU suite runs on the CPU on any machine: on a GPU host `--device auto` would pick CUDA, and two ranks
     on one GPU fail ("LOCAL_RANK 1 but this node sees 1 CUDA device"). train.py's default device comes from
