@@ -30,6 +30,7 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
 import sys
 
 import torch
@@ -142,13 +143,30 @@ def load_extension(verbose: bool = False):
     headers = sorted(os.path.join(CSRC, h) for h in os.listdir(CSRC) if h.endswith(".h"))
     key = build_key(sources + headers, cflags + cuda_cflags, with_cuda)
     directory = os.path.join(build_dir(), f"{name}-{key}")  # one build.ninja per extension and key
-    os.makedirs(directory, exist_ok=True)
+    sources, include = _staged(directory, sources + headers)[:len(sources)], os.path.join(directory, "src")
     # concurrent jobs (ranks of a host, jobs sharing a home) are already safe: cpp_extension.load takes a
     # FileBaton (a `lock` file in `directory`): one process builds, the others wait, then all load. A build
     # killed midway leaves that file behind and the next load waits on it forever: delete `directory`/lock.
     return cpp_extension.load(
         name, sources, extra_cflags=cflags, extra_cuda_cflags=cuda_cflags, extra_ldflags=["-fopenmp"],
-        extra_include_paths=[CSRC], build_directory=directory, verbose=verbose)
+        extra_include_paths=[include], build_directory=directory, verbose=verbose)
+
+
+def _staged(directory, paths):
+    """Copies of the sources in the build directory (its key is their content), compiled from there: ninja
+    rebuilds when a command line changes, and the checkout's path is in it, so a second clone of the same
+    sources would rebuild. Written once, atomically (ranks start together); never rewritten (a newer mtime
+    would rebuild too)."""
+    src = os.path.join(directory, "src")
+    os.makedirs(src, exist_ok=True)
+    staged = []
+    for path in paths:
+        staged.append(os.path.join(src, os.path.basename(path)))
+        if not os.path.exists(staged[-1]):
+            tmp = f"{staged[-1]}.{os.getpid()}.tmp"
+            shutil.copyfile(path, tmp)
+            os.replace(tmp, staged[-1])
+    return staged
 
 
 @functools.cache
