@@ -10,10 +10,11 @@ and some run torchrun subprocesses, so patching the pytest process alone would g
 Instead the grader puts lessons/exercises/hook/ first on PYTHONPATH and names the substitution in
 $NANOMEGA_EXERCISE. Python imports `sitecustomize` at the start of EVERY interpreter, the forkserver (whose
 forked ranks inherit its modules) and torchrun's workers included (they inherit the environment), and
-hook/sitecustomize.py calls substitute_from_env() below before any test code runs. It imports the target module, swaps the attribute, and
-rebinds every reference to the old object already held by a loaded nanomega module (a `from x import f`, or a
-table such as schedules.SCHEDULES); modules imported later find the new object in its home module. If your file
-cannot be loaded, that interpreter prints why and exits with status 3: never a silent fallback to our code.
+hook/sitecustomize.py calls substitute_from_env() below before any test code runs. It imports the target
+module, swaps the attribute, and rebinds every reference to the old object already held by a loaded nanomega
+module (a `from x import f`, or a table such as schedules.SCHEDULES); modules imported later find the new
+object in its home module. If your file cannot be loaded, that interpreter prints why and exits with status
+3: never a silent fallback to our code.
 The verdicts come back through hook/nanomega_grade_report.py, a pytest plugin that writes each test's outcome
 and what it raised (a local rank's nanomega.worlds.RankFailed: its rank, type and message) as JSON lines;
 nothing is read from pytest's printed or XML wording, which changes between releases.
