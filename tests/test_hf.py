@@ -342,3 +342,12 @@ def test_a_config_value_no_flag_would_pass_is_one_line(setup, tmp_path, field, v
         hf.import_(src, tmp_path / "out")
     assert str(e.value).startswith(f"{src / 'config.json'}: --") and "must be a finite number > 0" in str(e.value)
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+def test_a_transformers_without_the_ranks_hook_is_one_line(monkeypatch):
+    """transformers 5.16 and older have no TikTokenConverter.load_tiktoken_bpe (pyproject asks for >= 5.17): writing
+    the tokenizer says so in one line instead of failing inside tiktoken on a file path it was never given."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+    monkeypatch.delattr(TikTokenConverter, "load_tiktoken_bpe", raising=False)
+    with pytest.raises(ValueError, match=r"^writing the tokenizer needs transformers >= 5.17 \(installed: "):
+        tokenizer.to_hf(data.get_tokenizer("shakespeare-4k"))

@@ -118,8 +118,12 @@ def to_hf(enc):
     """An HF fast tokenizer equal to a GPT-2-pattern tiktoken Encoding, or None if it has no such equivalent."""
     if enc._pat_str != GPT2_PATTERN or set(enc._special_tokens) != {ENDOFTEXT}:
         return None
+    import transformers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
+    if not hasattr(TikTokenConverter, "load_tiktoken_bpe"):  # 5.16 and older read a file by path only
+        raise ValueError(f"writing the tokenizer needs transformers >= 5.17 (installed: "
+                         f"{transformers.__version__}); pip install -U 'nanomega[hf]'")
     conv = TikTokenConverter(pattern=GPT2_PATTERN, extra_special_tokens=[ENDOFTEXT])
     conv.load_tiktoken_bpe = lambda _: enc._mergeable_ranks  # the ranks we already hold, not a file or URL
     return PreTrainedTokenizerFast(tokenizer_object=conv.converted(), bos_token=ENDOFTEXT, eos_token=ENDOFTEXT,
