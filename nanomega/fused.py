@@ -114,7 +114,9 @@ def build_key(sources: list[str], cflags: list[str], with_cuda: bool = False) ->
     AVX-512 and an AVX2 machine, or by A100 and H100 nodes, would hand one's binary to the other (SIGILL, no
     kernel image for the device) or rebuild it back and forth. One directory per key: machines sharing a
     cache each find their own build."""
-    h = hashlib.sha256(f"{torch.__version__} {' '.join(cflags)}".encode())
+    # torch's version and where it lies: its headers' path is in ninja's command, so two environments sharing
+    # the cache would otherwise rebuild each other's binary back and forth
+    h = hashlib.sha256(f"{torch.__version__} {os.path.dirname(torch.__file__)} {' '.join(cflags)}".encode())
     if "-march=native" in cflags:
         h.update(cpu_features().encode())
     if with_cuda:
