@@ -27,8 +27,8 @@ def torchrun(corpus, out, nproc, steps, extra=(), restarts=3, log_dir=None):
     """A torchrun job of train.py (output on the pipe). log_dir: torchrun's --log-dir, where each failed
     worker's error file (the JSON that faults.entrypoint records) can be found; the console output stays."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           f"--max-restarts={restarts}", *([f"--log-dir={log_dir}"] if log_dir else []), "nanomega/train.py", *MODEL, "--corpus", str(corpus),
-           "--data-cache", str(Path(out).parent / "cache"), "--out-dir", str(out), "--max-steps", str(steps),
+           f"--max-restarts={restarts}", *([f"--log-dir={log_dir}"] if log_dir else []),
+           "nanomega/train.py", *MODEL, "--corpus", str(corpus), "--data-cache", str(Path(out).parent / "cache"), "--out-dir", str(out), "--max-steps", str(steps),
            "--save-every", "2", "--resume", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -73,6 +73,14 @@ QUICK = {
 }
 
 
+def _selects(prefix, nodeid):
+    """A QUICK prefix names a module, a test (every parametrization), one test id, or (ending in `[` or `-`) some
+    of a test's parametrizations."""
+    if prefix.endswith(("[", "-")):
+        return nodeid.startswith(prefix)
+    return nodeid == prefix or nodeid.startswith(prefix + ("[" if "::" in prefix else "::"))
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m / -k deselect: QUICK is held against every collected test
 def pytest_collection_modifyitems(config, items):
     """Mark QUICK's tests `quick`; a QUICK prefix whose module was collected whole but which selects nothing is
@@ -80,8 +88,7 @@ def pytest_collection_modifyitems(config, items):
     matched = set()
     for item in items:
         for prefix in QUICK.values():
-            if item.nodeid == prefix or item.nodeid.startswith(prefix if prefix.endswith(("[", "-")) else
-                                                                prefix + ("::" if "::" not in prefix else "[")):
+            if _selects(prefix, item.nodeid):
                 item.add_marker(pytest.mark.quick)
                 matched.add(prefix)
     if any("::" in arg for arg in config.args):
