@@ -113,9 +113,9 @@ def main():
           f"{flops / bw:.0f} FLOP/byte; these ops do ~1-3 FLOP/byte: memory-bound")
     # tests/test_lessons.py sets NANOMEGA_QUICK_TIMING=1: the same code, each timing taken once (printed, never
     # asserted: the checks above are what the test compares with this lesson)
-    quick = os.environ.get("NANOMEGA_QUICK_TIMING") == "1"
-    print(f"\nforward + backward, 1 thread, min of >= {1 if quick else 5} repeats (timings vary from run to run):")
-    for name, _, best, comp_s, err in run(threads=1, repeats=1 if quick else 5, budget_s=0.0 if quick else 2.0):
+    repeats, budget_s = (1, 0.0) if os.environ.get("NANOMEGA_QUICK_TIMING") == "1" else (5, 2.0)
+    print(f"\nforward + backward, 1 thread, min of >= {repeats} repeats (timings vary from run to run):")
+    for name, _, best, comp_s, err in run(threads=1, repeats=repeats, budget_s=budget_s):
         rate = fused_bytes[name.split()[0]] / best["fused"] / 1e6  # GB/s: bytes / ms / 1e6
         comp = f"compile {best['compile']:6.2f} ms" if "compile" in best else f"compile n/a ({err})"
         print(f"  {name:34s} eager {best['eager']:6.2f} ms  {comp}  fused {best['fused']:6.2f} ms "
