@@ -20,7 +20,8 @@ from nanomega.ops import faults
 
 
 def read_run(out):
-    """(train rows, val rows) of OUT/metrics.jsonl, the last row per step kept (a resumed run rewrites steps)."""
+    """(train rows, val rows) of OUT/metrics.jsonl, the last row per step kept (a resumed run
+    rewrites steps)."""
     path = Path(out) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{out} has no metrics.jsonl; pass the --out-dir of a train.py run")
@@ -62,14 +63,16 @@ def _series(ax, runs, key, x="step", val=False, suffix="", **kw):
 
 
 def plot(outs, to, names=None, dpi=110):
-    """Write the PNGs of runs `outs` to folder `to`; `names` labels the runs (default: their folders' names)."""
+    """Write the PNGs of runs `outs` to folder `to`; `names` labels the runs (default: their
+    folders' names)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     os.makedirs(to, exist_ok=True)
     runs = dict(zip(names or _names(outs), (read_run(o) for o in outs)))
-    for train, vals in runs.values():  # step 0 has only a val loss: give it 0 tokens, for the tokens axis
+    # step 0 has only a val loss: give it 0 tokens, for the tokens axis
+    for train, vals in runs.values():
         for r in vals:
             r.setdefault("tokens", 0 if r["step"] == 0 else next((t["tokens"] for t in train if t["step"] == r["step"]
                                                                   and "tokens" in t), None))

@@ -43,7 +43,8 @@ def load_model(out_dir):
     folder, cfg, tokenizer, skipped = checkpoint.saved_model(out_dir)  # the newest that verifies
     for reason in skipped:
         faults.say(f"sample: skipped {reason}")
-    with torch.device("meta"):  # shapes only: the checkpoint's weights are assigned, nothing is drawn first
+    # shapes only: the checkpoint's weights are assigned, nothing is drawn first
+    with torch.device("meta"):
         model = GPT(cfg, seed=0)
     weights = reshard.full_weights(folder)  # saved under any tp x pp x dp x ZeRO layout
     if cfg.tie_embeddings:

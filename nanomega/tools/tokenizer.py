@@ -34,8 +34,8 @@ from pathlib import Path
 
 import regex  # tiktoken's own dependency; the stdlib re has no \p{L}
 
-# The encoding's pattern, special token and rank file are data.py's (get_tokenizer loads them); this module
-# only learns the ranks, from data.py's training split.
+# The encoding's pattern, special token and rank file are data.py's (get_tokenizer loads them); this
+# module only learns the ranks, from data.py's training split.
 from nanomega.data import DEFAULT_CORPUS, ENDOFTEXT, GPT2_PATTERN, RANK_FILE, read_corpus, split_train_val
 
 VOCAB_SIZE = 4096  # mergeable ranks + the one special token
@@ -55,7 +55,8 @@ def _merge(word, a, b, new):
 
 
 def train_bpe(text: str, n_ranks: int) -> dict[bytes, int]:
-    """Return tiktoken mergeable ranks {token bytes: rank}: the 256 bytes, then merges until n_ranks."""
+    """Return tiktoken mergeable ranks {token bytes: rank}: the 256 bytes, then merges until
+    n_ranks."""
     if n_ranks < 256:
         raise ValueError(f"a byte-level BPE needs at least 256 ranks, got {n_ranks}")
     counts = Counter(regex.findall(GPT2_PATTERN, text))
@@ -106,7 +107,8 @@ def train_bpe(text: str, n_ranks: int) -> dict[bytes, int]:
 
 
 def save_ranks(ranks: dict[bytes, int], path: Path) -> None:
-    """Write `base64(token) rank` lines in rank order (tiktoken.load.load_tiktoken_bpe reads them)."""
+    """Write `base64(token) rank` lines in rank order (tiktoken.load.load_tiktoken_bpe reads
+    them)."""
     by_rank = sorted(ranks.items(), key=lambda kv: kv[1])
     lines = [f"{base64.b64encode(tok).decode()} {rank}\n" for tok, rank in by_rank]
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -115,32 +117,38 @@ def save_ranks(ranks: dict[bytes, int], path: Path) -> None:
 
 
 def to_hf(enc):
-    """An HF fast tokenizer equal to a GPT-2-pattern tiktoken Encoding, or None if it has no such equivalent."""
+    """An HF fast tokenizer equal to a GPT-2-pattern tiktoken Encoding, or None if it has no such
+    equivalent."""
     if enc._pat_str != GPT2_PATTERN or set(enc._special_tokens) != {ENDOFTEXT}:
         return None
     import transformers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
-    if not hasattr(TikTokenConverter, "load_tiktoken_bpe"):  # 5.16 and older read a file by path only
+    # 5.16 and older read a file by path only
+    if not hasattr(TikTokenConverter, "load_tiktoken_bpe"):
         raise ValueError(f"writing the tokenizer needs transformers >= 5.17 (installed: "
                          f"{transformers.__version__}); pip install -U 'nanomega[hf]'")
     conv = TikTokenConverter(pattern=GPT2_PATTERN, extra_special_tokens=[ENDOFTEXT])
-    conv.load_tiktoken_bpe = lambda _: enc._mergeable_ranks  # the ranks we already hold, not a file or URL
+    # the ranks we already hold, not a file or URL
+    conv.load_tiktoken_bpe = lambda _: enc._mergeable_ranks
     return PreTrainedTokenizerFast(tokenizer_object=conv.converted(), bos_token=ENDOFTEXT, eos_token=ENDOFTEXT,
                                    unk_token=ENDOFTEXT, model_max_length=None)
 
 
 def from_hf(src):
-    """(ranks {token bytes: rank}, None) of the GPT-2-layout byte-level BPE in folder `src` (tokenizer.json or
-    vocab.json); (None, why not) when data.get_tokenizer would encode otherwise; (None, None) when `src` has none."""
+    """(ranks {token bytes: rank}, None) of the GPT-2-layout byte-level BPE in folder `src`
+    (tokenizer.json or vocab.json); (None, why not) when data.get_tokenizer would encode otherwise;
+    (None, None) when `src` has none."""
     src = Path(src)
-    if (src / "tokenizer.json").is_file():  # the BPE vocabulary, and the special tokens kept apart from it
+    # the BPE vocabulary, and the special tokens kept apart from it
+    if (src / "tokenizer.json").is_file():
         spec = json.loads((src / "tokenizer.json").read_text())
         pre = spec.get("pre_tokenizer") or {}
         parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
         kinds = [p.get("type") for p in parts]
         splits = [p.get("pattern", {}).get("Regex") for p in parts if p.get("type") == "Split"]
-        if not (kinds == ["ByteLevel"] and parts[0].get("use_regex", True)  # GPT-2's own: the pattern built in
+        # GPT-2's own: the pattern built in
+        if not (kinds == ["ByteLevel"] and parts[0].get("use_regex", True)
                 or kinds == ["Split", "ByteLevel"] and splits == [GPT2_PATTERN]):  # ours (to_hf)
             how = f"splits text by {str(splits[0])[:40]!r}..." if splits else f"pre-tokenizes with {pre.get('type')}"
             return None, f"tokenizer.json {how} instead of GPT-2's pattern"
@@ -151,7 +159,8 @@ def from_hf(src):
         vocab = json.loads((src / "vocab.json").read_text())
     else:
         return None, None
-    from transformers.convert_slow_tokenizer import bytes_to_unicode  # byte <-> the printable character HF shows
+    # byte <-> the printable character HF shows
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
     dec = {v: k for k, v in bytes_to_unicode().items()}
     ranks = {bytes(dec[ch] for ch in t): i for t, i in vocab.items() if t != ENDOFTEXT and set(t) <= dec.keys()}
     if sorted(ranks.values()) != list(range(len(ranks))) or vocab.get(ENDOFTEXT) != len(ranks):
@@ -165,7 +174,8 @@ def main():
     parser.add_argument("--vocab-size", type=int, default=VOCAB_SIZE, help="ranks + <|endoftext|>")
     parser.add_argument("--out", default=str(RANK_FILE))
     args = parser.parse_args()
-    train_text, _ = split_train_val(read_corpus(args.corpus))  # never learn merges from validation text
+    # never learn merges from validation text
+    train_text, _ = split_train_val(read_corpus(args.corpus))
     t0 = time.perf_counter()
     ranks = train_bpe(train_text, args.vocab_size - 1)
     seconds = time.perf_counter() - t0
