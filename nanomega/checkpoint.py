@@ -1,20 +1,13 @@
-"""Checkpoints: every rank writes its own shard, atomically; a manifest with checksums is written last.
+"""Checkpoints: each rank writes its own shard, atomically; a manifest with checksums comes last.
 
-Idea: a checkpoint is a folder `OUT/ckpt/step_000123/` holding one `rank_00007.pt` per rank and a
-`manifest.json` (step, model config, layout, sha256 of every shard). A shard is written to a temporary name
-and renamed, so a crash mid-write leaves a `.tmp` file, never a wrong shard; the manifest is written only
-after every rank has finished (a barrier), and `OUT/ckpt/latest` points at the newest folder whose manifest
-exists. Each rank hashes its own shard into `rank_00007.json` (sha256, size, the pieces it holds), which the
-manifest gathers: no rank reads every shard. Every file and its directory are fsynced, so a power loss never
-leaves an empty pointer or manifest.
-Discovery (`find_resume`) scans the step folders -- the pointer is only a hint -- verifies them (checksums, and
-every tensor finite: a diverged step checksums fine) newest first and falls back to the newest complete, verified one, naming what it skipped and why (OPT-175B's logbook:
-a bad shard must cost one checkpoint interval, not the run). `retain` keeps the last K. The manifest is read
-here only: read_manifest_json (parsed), read_manifest (verified against a model), saved_model (a command's
-newest verified checkpoint, for sampling and HF export).
+A checkpoint is a folder `OUT/ckpt/step_000123/`: one `rank_00007.pt` per rank (written to a
+temporary name, then renamed) with its `rank_00007.json` (sha256, size, pieces), and a
+`manifest.json` that gathers them, written after a barrier; every file and directory is fsynced.
+`find_resume` verifies folders newest first and falls back, naming what it skipped; `retain` keeps
+the last K. The manifest is read here only (read_manifest_json, read_manifest, saved_model);
+resharding on load is reshard.py.
 
-Resharding on load (reading pieces by name into any layout) is nanomega/reshard.py.
-Failure law: a job of N ranks, each failing with probability p per hour, survives an hour with (1-p)^N.
+Formula: a job of N ranks, each failing with probability p per hour, survives an hour with (1-p)^N.
 Lesson: lessons/10-checkpoints-and-failures.md
 """
 import dataclasses

@@ -2,29 +2,13 @@
 (/dev/shm), and a rank restarted on the same host reads its shard from there instead of from storage
 (DLRover's Flash Checkpoint; our own code).
 
-Idea: after a rank writes its shard (checkpoint.write_shard: the file, its sha256 in rank_K.json) it copies
-those bytes to /dev/shm/nanomega-<hash of the out-dir's realpath>/rank_K.step_S.pt, with rank_K.step_S.json
-{step, sha256, size, out_dir} written last (a temporary name and a rename: a copy without its json is never
-used). The copy is made before the manifest can claim the checkpoint (sync: before its barrier; async: in
-the writer's job, which the manifest waits for), and the previous copy is removed only once the new
-checkpoint's manifest exists (prune), so whichever checkpoint discovery picks after a crash, each rank still
-holds its copy. On resume under the same layout, a rank whose copy is for the chosen step S and whose bytes
-hash to the manifest's sha256 of its own shard reads it from memory; anything else -- no copy, another step,
-a flipped byte, another layout (other ranks' shards), another host (another /dev/shm) -- reads the disk.
-The bytes are the disk shard's, so the restore is the same by construction (tests/test_flash.py checks it).
-Discovery reads no shard either (look, then agree): before any collective each rank takes the newest folder
-with a manifest and reads only that manifest and a stat of every shard (present, with its size; saved under
-this layout), then hashes ITS OWN shard's copy against the manifest and checks it holds finite values; once the
-grid exists one vote counts the ranks whose copy verified (and, where a rank also reads a peer's shard -- a
-ZeRO-0 replica, the last pipeline stage's tied embedding -- that shard on disk). All of them: every shard of
-the folder was verified by its owner, the verdict full discovery reaches by hashing every shard on every rank,
-and each rank loads its own copy. Any rank short: every rank runs the full discovery (faults.find_checkpoint).
-Memory: one shard per rank (two while a save is in flight), in RAM that /dev/shm takes from the host. A job
-that ends normally (or fails with no torchrun restart to follow) removes its copies; copies of an out-dir
-that no longer exists are swept when a --flash-restore job starts; those of a job killed whole (its agent
-SIGKILLed) stay until its out-dir's next job ends, the out-dir goes, or the host reboots.
-Formula: restore time ~ hash + read of one shard at memory bandwidth, instead of (discovery: every shard, then
-the own one again) at storage bandwidth.
+A copy is read only when it is for the chosen step and its bytes hash to the manifest's sha256 of
+the rank's own shard; anything else reads the disk, so the restore is the same by construction.
+Discovery reads no shard either (look, then agree): each rank verifies its own copy, and one vote
+decides.
+
+Formula: restore time ~ hash + read of one shard at memory bandwidth, instead of (discovery: every
+shard, then the own one again) at storage bandwidth.
 Lesson: lessons/10-checkpoints-and-failures.md
 """
 import contextlib

@@ -1,17 +1,11 @@
-"""Resharding: a checkpoint saved under one layout loads under any other (DeepSpeed's universal checkpoint,
-done on load).
+"""Resharding: a checkpoint saved under one layout loads under any other (DeepSpeed's universal
+checkpoint, done on load).
 
-Idea: besides its own state, each rank saves its *pieces by name* (export_by_name, from a zero.ZeroEngine) -- for every
-parameter slice it owns, the element range of its (tensor-parallel) local tensor, the fp32 master values and the
-optimizer state. Nothing is gathered to save. Loading under any layout (tp, pp, dp, ZeRO stage changed)
-rebuilds each full tensor from the pieces (un-sharding tp with tp.unshard_param), then each rank keeps its
-new slices (tp.shard_param, import_by_name). A rank reads only the shards it needs: the manifest
-indexes every shard's pieces (name, tp rank, element range), and a rank opens a shard only if one of its
-pieces overlaps what the rank will hold -- under the same layout that is its own shard (its dp-rank-0
-peer's at ZeRO stage 0, where replicas save nothing). Shards are always read to the CPU
-(checkpoint.load_shard: map_location="cpu", memory-mapped), then copied to the rank's device: a CUDA
-checkpoint loads on a machine with fewer GPUs, or none. The files themselves -- shards, manifest,
-checksums, discovery -- are nanomega/checkpoint.py.
+Each rank saves its pieces *by name* (export_by_name: the element range of every parameter slice it
+owns, its fp32 master values and optimizer state); nothing is gathered to save. Loading rebuilds
+each full tensor from the pieces (tp.unshard_param) and keeps the rank's new slices (tp.shard_param,
+import_by_name), reading only the shards whose pieces it needs, always to the CPU first. The files
+themselves -- shards, manifest, checksums, discovery -- are nanomega/checkpoint.py.
 Lesson: lessons/10-checkpoints-and-failures.md
 """
 import copy as copy_module

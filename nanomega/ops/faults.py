@@ -1,18 +1,14 @@
-"""Failures at scale, the job's half: what a month-long run meets around its steps (OPT-175B's and BLOOM's logbooks).
+"""Failures at scale, the job's half: what a month-long run meets around its steps (OPT-175B's and
+BLOOM's logbooks).
 
-Idea: a job of N ranks, each failing with probability p per hour, survives an hour with (1-p)^N; at scale
-failures are routine, so every one must cost at most one checkpoint interval and never a silent loss:
-    one job per out-dir    an flock on OUT/.lock held by rank 0 (and kept across torchrun's restarts: lock.py)
-                           (claim_out_dir, a step of train.py's recipe, after the pure checks of flags.py)
-    resume                 find_checkpoint: newest verified folder (checkpoint.find_resume), naming what it skipped
-                           and why, chosen before any collective; metrics.jsonl rows after the resumed step are
-                           replaced, not duplicated; --flash-restore: each rank verifies only its own shard, from
-                           its copy in shared memory, and settle() puts that to one vote (flash.py)
-    orphans                a worker asks the kernel for SIGKILL when its torchrun agent dies (PR_SET_PDEATHSIG)
-    preemption             SIGTERM/SIGUSR1 set a flag; all ranks agree at the next step boundary (grid_agrees, an
-                           all-reduce), checkpoint and exit 0 (Slurm sends SIGUSR1 before the end of an allocation)
-    errors                 one line per expected failure; torchrun's error file records the message
-The step's half (hangs, NaN, divergence, loss spikes, --inject-fault): nanomega/ops/guard.py.
+Every failure must cost at most one checkpoint interval and never a silent loss: one job per out-dir
+(claim_out_dir, lock.py); resume from the newest verified checkpoint, chosen before any collective
+(find_checkpoint; under --flash-restore settle() puts each rank's own check to one vote); workers
+die with their torchrun agent; preemption is agreed at a step boundary (grid_agrees); one-line
+errors. The step's half (hangs, NaN, divergence, loss spikes, --inject-fault):
+nanomega/ops/guard.py.
+
+Formula: a job of N ranks, each failing with probability p per hour, survives an hour with (1-p)^N.
 Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
 """
 import contextlib

@@ -1,18 +1,11 @@
 """The failure policy of one training step, behind one object (Guard), so that train.py's step reads
-batches -> forward/backward -> step (OPT-175B's and BLOOM's logbooks: what goes wrong inside a step).
+batches -> forward/backward -> step (OPT-175B's and BLOOM's logbooks: what goes wrong inside a
+step).
 
-Idea: every rank must take the same decision at the same step, or the next collective hangs; so each decision
-is made from a value all ranks share (the loss agreed over dp, a reduced grad norm) or by a vote:
-    hangs          a watchdog thread per rank: no progress for --hang-timeout seconds -> stacks dumped, the
-                   ranks that did not answer named, exit non-zero (Watchdog)
-    NaN / inf      the engine skips a non-finite step; --on-nan stop ends the run; --max-skipped consecutive
-                   skips stop it non-zero, and no checkpoint is written right after a skip (Skips); an update
-                   that made the weights themselves non-finite stops the run before the step can be saved
-    loss spikes    --on-spike warn, skip (drop the update) or rollback (reload, skip the data, lower the lr) (Spikes)
-    tests          --inject-fault KIND:RANK:STEP: a rank raises, is preempted, freezes (in its step, or while it
-                   writes that step's checkpoint: hang-save), or its loss goes NaN (a forward hook) or spikes, at a
-                   chosen step (inject_fault, poisoned)
-The job-level half (out-dir lock, resume, preemption, orphans, one-line errors): nanomega/ops/faults.py.
+Every rank must take the same decision at the same step, or the next collective hangs; so each
+decision is made from a value all ranks share (the loss agreed over dp, a reduced grad norm) or by a
+vote: hangs (Watchdog), NaN/inf and divergence (Skips), loss spikes (Spikes), and the faults tests
+inject (--inject-fault, inject_fault, poisoned). The job's half: nanomega/ops/faults.py.
 Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
 """
 import contextlib

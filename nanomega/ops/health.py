@@ -1,19 +1,15 @@
-"""Health check before a long run: find the slow or wrong rank before it costs a week (BLOOM, DLRover).
+"""Health check before a long run: find the slow or wrong rank before it costs a week (BLOOM,
+DLRover).
 
-Idea: one bad device slows (or silently corrupts) a whole synchronous job, so check every rank first:
-    compute     a timed fp32 matmul per rank; a rank below --slow-factor x the median rate is flagged
-    correctness a known computation (integer-valued fp64 matmul, exact in any BLAS: every partial sum is an
-                integer < 2^53) must give the same checksum on every rank -- silent data corruption shows here
-    links       an all-reduce per grid axis, bus bandwidth = 2(n-1)/n x bytes / seconds (the ring's traffic);
-                between hosts: pair the hosts, time each pair, then re-pair a slow pair's hosts with a fast
-                host to tell which of the two is bad (DLRover's node check; find_bad_hosts). Run for real on
-                hosts made of network namespaces, one cable rate-limited (scripts/local_cluster.sh --slow-link)
-A table on the last rank, and a non-zero exit naming the bad rank or host. Every collective goes through a
-dist.Axis (the grid's axes, grid.all for the world, grid.axis(...) for a pair of hosts): counted like training's.
+One bad device slows (or silently corrupts) a whole synchronous job, so every rank is checked first:
+its compute (a timed matmul against the median), its correctness (an exact known computation) and
+its links (an all-reduce per grid axis; between hosts, DLRover's pairing: find_bad_hosts). A table
+on the last rank, and a non-zero exit naming the bad rank or host.
 
-    torchrun --nproc_per_node=2 -m nanomega.ops.health            # alone
-    torchrun ... nanomega/train.py --health-check ...          # before training
-`--slow-rank K` (tests, lessons) makes rank K sleep 3x as long as its matmul takes: a quarter of the rate.
+    torchrun --nproc_per_node=2 -m nanomega.ops.health      # alone
+    torchrun ... nanomega/train.py --health-check ...        # before training
+
+Formula: bus bandwidth = 2(n-1)/n x bytes / seconds (the ring's traffic).
 Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
 """
 import argparse

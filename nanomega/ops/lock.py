@@ -1,13 +1,10 @@
-"""One job per out-dir: an flock on OUT/.lock, kept across torchrun's restarts of the job that holds it.
+"""One job per out-dir: an flock on OUT/.lock, kept across torchrun's restarts of its job.
 
-Idea: two jobs writing one out-dir overwrite each other's checkpoints, so rank 0 takes an exclusive flock on
-OUT/.lock and a second job is refused with one line. The kernel drops an flock when the last descriptor of it
-closes, so a crash never leaves a stale lock -- but under `torchrun --max-restarts` that is a gap: rank 0 dies,
-its lock goes, and for the seconds torchrun takes to restart the workers any other job may take the out-dir.
-So under torchrun the descriptor is shared with a tiny holder process (Popen pass_fds: one open file, one
-lock) that lives while the torchrun agent lives: the restarted rank 0 of the same job (the same run id) finds
-the lock held by its own job and adopts it; another job is still refused. The holder is stopped when the job
-ends without a restart to follow, and it exits by itself within HOLDER_POLL of the agent's death.
+Rank 0 takes an exclusive flock; a second job is refused with one line. The kernel drops an flock
+when its last descriptor closes (no stale lock after a crash), which under `torchrun --max-restarts`
+leaves a gap while the workers restart; so under torchrun a tiny holder process shares the
+descriptor while the agent lives, and the restarted rank 0 of the same job (the same run id) adopts
+the lock.
 Lesson: lessons/10-checkpoints-and-failures.md
 """
 import fcntl

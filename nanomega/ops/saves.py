@@ -1,12 +1,10 @@
-"""Checkpoints in the training loop: when to save (Saves), what a rank saves (rank_state), and loading it back
-(restore: for --resume and for --on-spike rollback).
+"""Checkpoints in the training loop: when to save (Saves), what a rank saves (rank_state), and
+loading it back (restore: for --resume and for --on-spike rollback).
 
-Idea: a checkpoint is only worth its cost if every rank writes the same step and a resume continues exactly.
-So the decision to save is taken alike on every rank (a vote where clocks or signals differ), never right after
-a skipped step, and the state holds everything a step depends on: this rank's pieces of every parameter (any
-layout loads them, reshard.py), the data position, the loss scale, the RNG streams, the spike policy's lr scale.
-With --flash-restore each shard is also kept in shared memory and a restart on the same host reads it from
-there (nanomega/flash.py).
+A checkpoint is only worth its cost if every rank writes the same step and a resume continues
+exactly: the decision to save is taken alike on every rank (a vote where clocks or signals differ),
+never right after a skipped step, and the state holds everything a step depends on (this rank's
+pieces by name, the data position, the loss scale, the RNG streams, the spike policy's lr scale).
 Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
 """
 import time
