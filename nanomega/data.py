@@ -1,19 +1,18 @@
-"""Data: text -> token ids on disk (once) -> windows -> a deterministic, resumable stream of global batches.
+"""Data: text -> token ids on disk (once) -> windows -> a deterministic, resumable stream of global
+batches.
 
-Idea: tokenize the corpus once into flat `train.bin` / `val.bin` arrays (uint16 while the vocabulary fits,
-else uint32) in a cache folder keyed by the corpus and tokenizer hashes; training reads them through a
-memmap. The validation split is held-out text: the last ~5% of the corpus, cut at the next line boundary
-(the tokenizer never saw it either). A sample is a window of block_size+1 tokens (inputs and their
-next-token targets); the order in which windows are visited depends only on (seed, step), so a resumed
-run sees exactly the batches an uninterrupted one would have, and every data-parallel rank can compute
-its own share without communicating.
-Many-file corpora (directories, globs, jsonl) are prepared into shards by tools/corpus.py and read here
-(load_index); TokenDataset reads them as one sequence of windows (none crosses a shard), so the Sampler
-below spans them unchanged.
+The corpus is tokenized once into flat `train.bin` / `val.bin` arrays in a cache keyed by the corpus
+and tokenizer hashes, read through a memmap; the validation split is held-out text, the last ~5%. A
+sample is a window of block_size+1 tokens, and the order of the windows depends only on (seed,
+step): a resumed run sees the batches an uninterrupted one would, and each data-parallel rank
+computes its own share without communicating. Sharded corpora (tools/corpus.py) read as one sequence
+of windows.
 
-Formulas (T = block_size, N tokens in a split, B = global batch, d = dp size, m = micro batch, a = grad accum):
-    window i      = tokens[i*T : i*T + T + 1]  (stride T: windows share one token, so every token but
-                    the first is a target exactly once per epoch; the last (N-1) % T tokens are unused)
+Formulas (T = block_size, N tokens in a split, B = global batch, d = dp size, m = micro batch,
+          a = grad accum):
+    window i      = tokens[i*T : i*T + T + 1]
+                    (stride T: windows share one token, so every token but the first is a target
+                    exactly once per epoch; the last (N-1) % T tokens are unused)
     n_windows     = (N - 1) // T
     stream        = perm_0 ++ perm_1 ++ ...,  perm_e = default_rng([seed, e]).permutation(n_windows)
     step k        = stream[k*B : (k+1)*B],  B = m * a * d

@@ -1,18 +1,12 @@
 """Model FLOPs utilisation and memory: how much of the hardware a training step uses.
 
-Idea (PaLM, appendix B): MFU = model FLOPs per token x tokens per second / (devices x peak FLOP/s). The
-numerator counts the model's own arithmetic (formulas.model_flops_per_token: 6N + 12 L h s), not what recompute
-adds; the denominator is the device's peak in the dtype the matmuls run in:
-    a GPU we know   its datasheet number (dense, no 2:4 sparsity), from the table below
-    --peak-flops    the user's number (another GPU, a known CPU)
-    anything else   measured: the best of many n x n matmuls over >= 1 s (a best, not a mean, so a busy
-                    machine lowers it as little as possible), labelled "measured"
-MFU above 1 is impossible: if it happens the peak is wrong, and the trainer says so once.
-Memory: this rank's peak, CUDA's max_memory_allocated or the CPU process's peak resident set (VmHWM),
-reset after each log line so every line reports its own interval. MetricsLog: the trainer's log lines and
-OUT/metrics.jsonl rows (a resumed run redoes the rows after its step instead of doubling them).
-A CPU that only emulates a 16-bit dtype (AVX2: bf16 matmul ~14x slower than fp32, measured on an AMD EPYC)
-gets one warning line at start-up with the measured ratio.
+MFU (PaLM, appendix B) divides the model's own arithmetic (formulas.model_flops_per_token, not what
+recompute adds) by the device's peak in the dtype the matmuls run in: a known GPU's datasheet number
+(the table below), --peak-flops, or else a measured matmul peak, labelled "measured". Memory is this
+rank's peak over each log interval. MetricsLog writes the log lines and OUT/metrics.jsonl.
+
+Formula: MFU = model FLOPs per token x tokens per second / (devices x peak FLOP/s)
+         (MFU above 1 is impossible: the peak is wrong, and the trainer says so once)
 Lesson: lessons/01-dense-model.md
 """
 import json

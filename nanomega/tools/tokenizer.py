@@ -1,26 +1,17 @@
 """Byte-level BPE, trained here: the `shakespeare-4k` tokenizer in tiktoken's rank-file format.
 
-Idea (GPT-2): text is first cut into pre-tokens by a regex (words with their leading space, numbers,
-punctuation runs, whitespace), so merges never cross a word boundary. Each distinct pre-token is a
-sequence of bytes (ids 0..255, so any string is encodable); training repeatedly merges the most frequent
-adjacent pair into a new token, until the vocabulary is full. The rank of a token is the step it was
-made at; tiktoken encodes by merging, inside each pre-token, the pair whose concatenation has the
-lowest rank first.
+Text is cut into pre-tokens by GPT-2's regex, so merges never cross a word boundary; each distinct
+pre-token is a sequence of bytes (ids 0..255), and training repeatedly merges the most frequent
+adjacent pair into a new token until the vocabulary is full. A token's rank is the step it was made
+at; tiktoken encodes by merging, inside each pre-token, the lowest-ranked pair first. to_hf /
+from_hf exchange such an encoding with Hugging Face's tokenizer.json.
 
-Cost: counting distinct pre-tokens once makes the corpus small (Shakespeare: 1.3M pre-tokens, 36k distinct);
-a merge only revisits the words that contain its pair (an inverted index pair -> words) and updates the
-pair counts by difference, and a heap with lazy deletion finds the next most frequent pair, so
-training costs  sum over merges of (words containing the pair) * (word length)  instead of
-merges * corpus size.
-
-Vocabulary: 256 bytes + 3839 merges = 4095 mergeable ranks, + <|endoftext|> = 4096 = 32 * 128, so the
-embedding needs no padding rows for tensor parallelism up to tp = 32 (GPTConfig pads to 128 * tp).
-Ties between equally frequent pairs go to the smallest (left id, right id), so training is
-deterministic: `python -m nanomega.tools.tokenizer` rewrites nanomega/assets/shakespeare-4k.tiktoken byte
-for byte (4095 ranks from the 4.8 MB training split in ~5 s on one CPU core).
-Hugging Face (tools/hf.py; needs transformers): to_hf writes such an Encoding as an HF tokenizer.json (a BPE whose
-merges are the ranks in order, split by GPT-2's pattern); from_hf reads one back (or GPT-2's vocab.json) as ranks,
-and says why not when data.get_tokenizer, which knows GPT-2's split pattern only, would encode otherwise.
+Formulas:
+    training cost   sum over merges of (words containing the pair) * (word length)
+                    instead of merges * corpus size
+    vocabulary      256 bytes + 3839 merges = 4095 mergeable ranks, + <|endoftext|>
+                    = 4096 = 32 * 128 (no padding rows for tensor parallelism up to tp = 32:
+                    GPTConfig pads to 128 * tp)
 Lesson: lessons/01-dense-model.md
 """
 import argparse
