@@ -1,32 +1,41 @@
 """The closed forms behind the planner: one small pure function per quantity that the modules count.
 
-Idea: parameters held, bytes sent and activations kept follow from the shapes alone, so they can be predicted
-for a run no machine here can do and compared with the byte counters of a tiny run that it can.
+Parameters held, bytes sent and activations kept follow from the shapes alone, so they can be
+predicted for a run no machine here can do and compared with the byte counters of a tiny run that it
+can. These are the single home of each formula: train.py's MFU (model_flops_per_token) and the
+recompute lesson call them too.
 
-Formulas (Psi = parameters one rank holds, d/t/p = dp/tp/pp sizes, m = micro-batches per step, B = bytes each):
-    state      (B_param + B_grad + B_optim) Psi; ZeRO stage 1 divides the optimizer term by d, 2 also the
-               gradients, 3 also the parameters (ZeRO paper, fp16 + Adam: 2 + 2 + 12; Megatron, bf16 params and
-               fp32 grads: 18 -> 6 + 12/d with the distributed optimizer)
-    dp bytes   ring all-reduce 2(d-1)/d Psi B; reduce-scatter and all-gather (d-1)/d each; ZeRO-3 3(d-1)/d (1.5x)
-    tp bytes   per layer and micro-batch, in units of (t-1)/t b*s*h elements: TP 8 (2 all-reduces forward, 2
-               backward); TP+SP 10 (2 all-gathers + 2 reduce-scatters forward, their conjugates backward, and the
-               2 all-gathers that re-gather the stored shards for the weight gradients: lesson 04 measures it);
-               full recompute adds the forward's 4 again. Llama's q_proj and kv_proj gather their input apart:
-               3 column-parallel inputs instead of 2, TP 10, TP+SP 13
-    activation per layer and micro-batch (Korthikanti et al. 2022): sbh(34 + 5as/h); TP sbh(10 + 24/t + 5as/(ht));
-               TP+SP sbh(34 + 5as/h)/t; selective recompute drops the 5as/h term; full recompute keeps 2sbh.
-               Llama (no dropout, FlashAttention-style core), 2-byte: sbh(8 + (4 + 6 n_kv/a + 6f/h)/t) with TP,
-               all of it /t with SP (llama_activation_bytes_per_layer, checked against autograd's saved tensors)
-    bubble     (p-1) / (v m + p-1) of the step is idle (v = interleaved model chunks per stage); Narayanan et al.
-               quote it against the ideal time instead: (p-1) / (v m), the step's extra time
-    FLOPs      6N + 12 L h s per token (PaLM, nanoGPT: QK^T and AV counted without causal halving); MoE: N the
-               active parameters (k of E experts, the router, the shared experts)
-    MoE a2a    per MoE layer and micro-batch a rank sends 2 (R_out + R_in) h B bytes (dispatch and combine,
-               forward and backward; R_out rows to other ranks' experts, R_in rows it computed for others) +
-               (ep-1) E/ep 8 bytes of counts; balanced routing: R_out = R_in = T k (ep-1)/ep
-    collective alpha-beta: ring all-reduce 2(n-1)(alpha + B beta / n); binary tree 2 log2(n)(alpha + B beta)
+Formulas (Psi = parameters one rank holds, d/t/p = dp/tp/pp sizes, m = micro-batches per step,
+          B = bytes each):
+    state      (B_param + B_grad + B_optim) Psi; ZeRO stage 1 divides the optimizer term by d,
+               2 also the gradients, 3 also the parameters (ZeRO paper, fp16 + Adam: 2 + 2 + 12;
+               Megatron, bf16 params and fp32 grads: 18 -> 6 + 12/d with the distributed optimizer)
+    dp bytes   ring all-reduce 2(d-1)/d Psi B; reduce-scatter and all-gather (d-1)/d each;
+               ZeRO-3 3(d-1)/d (1.5x)
+    tp bytes   per layer and micro-batch, in units of (t-1)/t b*s*h elements: TP 8 (2 all-reduces
+               forward, 2 backward); TP+SP 10 (2 all-gathers + 2 reduce-scatters forward, their
+               conjugates backward, and the 2 all-gathers that re-gather the stored shards for the
+               weight gradients: lesson 04 measures it); full recompute adds the forward's 4 again.
+               Llama's q_proj and kv_proj gather their input apart: 3 column-parallel inputs instead
+               of 2, TP 10, TP+SP 13
+    activation per layer and micro-batch (Korthikanti et al. 2022): sbh(34 + 5as/h);
+               TP sbh(10 + 24/t + 5as/(ht)); TP+SP sbh(34 + 5as/h)/t; selective recompute drops the
+               5as/h term; full recompute keeps 2sbh.
+               Llama (no dropout, FlashAttention-style core), 2-byte:
+               sbh(8 + (4 + 6 n_kv/a + 6f/h)/t) with TP, all of it /t with SP
+               (llama_activation_bytes_per_layer, checked against autograd's saved tensors)
+    bubble     (p-1) / (v m + p-1) of the step is idle (v = interleaved model chunks per stage);
+               Narayanan et al. quote it against the ideal time instead: (p-1) / (v m), the step's
+               extra time
+    FLOPs      6N + 12 L h s per token (PaLM, nanoGPT: QK^T and AV counted without causal halving);
+               MoE: N the active parameters (k of E experts, the router, the shared experts)
+    MoE a2a    per MoE layer and micro-batch a rank sends 2 (R_out + R_in) h B bytes (dispatch and
+               combine, forward and backward; R_out rows to other ranks' experts, R_in rows it
+               computed for others) + (ep-1) E/ep 8 bytes of counts;
+               balanced routing: R_out = R_in = T k (ep-1)/ep
+    collective alpha-beta: ring all-reduce 2(n-1)(alpha + B beta / n);
+               binary tree 2 log2(n)(alpha + B beta)
     sizing     compute-optimal N = sqrt(C / 6k), D = k N, k ~ 20 tokens per parameter (Chinchilla)
-These are the single home of each formula: train.py's MFU (model_flops_per_token) and the recompute lesson call them too.
 Lesson: lessons/11-planning-a-run.md
 """
 import math

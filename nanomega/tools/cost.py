@@ -1,26 +1,23 @@
 """What one layout costs on one cluster: memory per GPU, bytes per step, step time, FLOP/s and days.
 
-Idea: put the closed forms of formulas.py together for a model shape, a GPU and a tp x pp x dp x ZeRO layout.
-It is a model, not a measurement; tools/plan.py searches the layouts with it and is the command line.
-    layout     the trainer's: stages split as pp.stage_layers (extra layers on the front stages), the embedding on
-               the first stage and the LM head on the last (tied: a copy of the embedding when pp > 1; untied, as
-               Llama 3: its own matrix); ranks in the trainer's grid order (dp, pp, tp), tp fastest (dist.Grid): a
-               tp group is tp neighbouring ranks, so tp must divide the GPUs of a node to stay on NVLink; a pipeline
-               is tp*pp neighbours; a dp group strides over pipelines
-    memory     the heaviest stage's parameters, gradients, optimizer state and its micro-batches' activations at
-               their peak; fits if <= usable (0.9) x GPU memory. Blocks: GPT-2, Llama, Llama + experts (cost_moe.py)
-    time       one micro-batch through the slowest stage (its layers, the head on the last) + its pipeline
-               sends, times (m + (p-1)/v) slots, + the dp bytes / link (no overlap, as Megatron-LM 2021). A layer:
-                   matmul FLOPs / (peak x MATMUL)
-                   + (ELEM bytes x bsh [/t with SP] + SCORE bytes x b(a/t)s^2) / HBM bandwidth
-                   + tp bytes / NVLink
-               with one set of constants (TIME) fitted on published runs (lessons/11-planning-a-run.md). Matmul FLOPs
-               are the block's own (Llama: q, o 2h^2, k, v 2h^2 n_kv/a, SwiGLU 3hf; GPT-2 12h^2); Run.attention "sdpa"
-               (FlashAttention) never writes the scores to HBM: no SCORE term, but its backward recomputes QK^T
-               (2bs^2h/t more matmul FLOPs). ELEM was fitted on GPT-2's LayerNorms, dropouts and bias-GeLU and is
-               applied unchanged to Llama's RMSNorms, rotary and SwiGLU (~1% of a 405B layer's time)
-    report     TFLOP/s per GPU counting recompute (Megatron's eq. 3 accounting, as papers report it);
-               MFU = tokens x (6N + 12Lhs) / (step x GPUs x datasheet peak); days with the batch ramp-up
+Puts the closed forms of formulas.py together for a model shape, a GPU and a tp x pp x dp x ZeRO
+layout (the trainer's: pp.stage_layers, dist.Grid's rank order). It is a model, not a measurement;
+tools/plan.py searches the layouts with it and is the command line. Memory is the heaviest stage's
+(fits if <= usable (0.9) x GPU memory); time is paced by the slowest stage, with no overlap (as
+Megatron-LM 2021). Blocks: GPT-2, Llama, Llama + experts (cost_moe.py).
+
+Formulas (one set of constants, TIME, fitted on published runs):
+    step       (one micro-batch through the slowest stage + its pipeline sends)
+               x (m + (p-1)/v) slots + dp bytes / link
+    a layer    matmul FLOPs / (peak x MATMUL)
+               + (ELEM bytes x bsh [/t with SP] + SCORE bytes x b(a/t)s^2) / HBM bandwidth
+               + tp bytes / NVLink
+               matmul FLOPs: Llama q, o 2h^2, k, v 2h^2 n_kv/a, SwiGLU 3hf; GPT-2 12h^2;
+               Run.attention "sdpa" (FlashAttention): no SCORE term, but its backward recomputes
+               QK^T (2bs^2h/t more matmul FLOPs)
+    report     TFLOP/s per GPU counting recompute (Megatron's eq. 3 accounting, as papers report
+               it);
+               MFU = tokens x (6N + 12Lhs) / (step x GPUs x datasheet peak); days with the ramp-up
 Lesson: lessons/11-planning-a-run.md
 """
 from dataclasses import dataclass

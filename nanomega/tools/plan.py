@@ -1,12 +1,15 @@
-"""Plan a run before paying for it: every tp x pp x dp x ZeRO layout of a cluster, ranked by predicted step time.
+"""Plan a run before paying for it: each tp x pp x dp x ZeRO layout of a cluster, ranked by time.
 
-Idea: list the layouts the trainer can run (layout_error says why one cannot), cost each with tools/cost.py
-(memory per GPU, bytes per step, step time, MFU, days), keep those that fit in memory, rank them by step time
-and recommend the first; when none fits, name the smallest cluster that would.
-CLI: python -m nanomega.tools.plan --model gpt3-175b --gpus 1024 --gpu a100-80gb --global-batch 1536 [--top 10]
-     python -m nanomega.tools.plan --model llama3-405b --gpus 8192 --gpu h100-80gb --global-batch 2048
-     pin a layout with --tp --pp --dp --zero --micro-batch; --json for machine-readable estimates
-     python -m nanomega.tools.plan --model mixtral-8x7b --gpus 64 --gpu h100-80gb --ep 8   # experts: cost_moe.py
+Lists the layouts the trainer can run (layout_error says why one cannot), costs each with
+tools/cost.py (memory per GPU, bytes per step, step time, MFU, days), keeps those that fit in
+memory, ranks them by step time and recommends the first; when none fits, it names the smallest
+cluster that would. Experts (--ep) are costed by cost_moe.py.
+
+  python -m nanomega.tools.plan --model gpt3-175b --gpus 1024 --gpu a100-80gb --global-batch 1536
+  python -m nanomega.tools.plan --model llama3-405b --gpus 8192 --gpu h100-80gb --global-batch 2048
+  python -m nanomega.tools.plan --model mixtral-8x7b --gpus 64 --gpu h100-80gb --ep 8
+  --tp --pp --dp --zero --micro-batch pin a layout; --json prints machine-readable estimates;
+  --top 10 shows the ten best.
 Lesson: lessons/11-planning-a-run.md
 """
 import argparse

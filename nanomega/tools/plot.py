@@ -1,11 +1,13 @@
-"""Pictures of runs: `python -m nanomega.tools.plot OUT [OUT2 ...] [--to DIR]` writes PNGs from metrics.jsonl.
+"""Pictures of runs: PNGs drawn from the runs' metrics.jsonl.
+
+    python -m nanomega.tools.plot OUT [OUT2 ...] [--to DIR]
 
     loss.png        train and validation loss against steps and against tokens, the runs overlaid
                     (e.g. a tp x pp layout on top of the dense run: the curves must coincide)
-    throughput.png  tokens/s, MFU, memory (mem_gib, when the run logged it) and the learning rate per step
-    timeline_<run>.png  the pipeline schedule of a real run (pp > 1): train.py records step 1's forward and
-                    backward spans per stage (schedules.Trace) in OUT/pipeline_trace/; drawn by
-                    schedules.draw_timeline, so a picture of a run reads like the lesson's simulated ones
+    throughput.png  tokens/s, MFU, memory (mem_gib, when the run logged it), the learning rate
+    timeline_<run>.png
+                    the pipeline schedule of a real run (pp > 1), drawn like the lesson's
+                    simulated ones (schedules.draw_timeline)
 Needs the `plot` extra (matplotlib). Fields a run did not log are left out, never invented.
 The lessons' figures are made this way from real runs by `python scripts/figures.py`.
 Lesson: lessons/01-dense-model.md

@@ -1,8 +1,10 @@
-"""Generate text from a checkpoint: `python -m nanomega.tools.sample --out-dir out --prompt "ROMEO:"`.
+"""Generate text from a checkpoint saved under any layout.
 
-Idea: autoregressive sampling -- run the model on the context (the last block_size tokens), take the last
+    python -m nanomega.tools.sample --out-dir out --prompt "ROMEO:"
+
+Autoregressive sampling: run the model on the context (the last block_size tokens), take the last
 position's logits, divide by the temperature, keep the top k, sample, append, repeat.
-Works on checkpoints saved under any layout: reshard.full_weights rebuilds the full tensors.
+reshard.full_weights rebuilds the full tensors of any layout.
 Lesson: lessons/01-dense-model.md
 """
 import argparse
