@@ -1,15 +1,17 @@
 """The rank grid and the one layer every collective goes through.
 
-Idea: `world = dp * pp * cp * tp` ranks laid out as `arange(world).view(dp, pp, cp, tp)` (`layout`): tensor
-parallel ranks are neighbours (inside a node, fastest links), then context parallel, pipeline stages, and data
-parallel outermost; expert parallel groups are carved out of dp. Each axis gets its own process group, wrapped
-in an `Axis` whose collectives record (op, axis, dtype, bytes) in a `CommLog`, so lessons and tests can hold
-measured traffic against formulas. Device and backend are chosen here and nowhere else: nccl on CUDA, gloo on CPU.
+`world = dp * pp * cp * tp` ranks laid out as `arange(world).view(dp, pp, cp, tp)` (`layout`):
+tensor parallel ranks are neighbours, then context parallel, pipeline stages, and data parallel
+outermost; expert parallel groups are carved out of dp. Each axis gets its own process group,
+wrapped in an `Axis` whose collectives record (op, axis, dtype, bytes) in a `CommLog`, so lessons
+and tests can hold measured traffic against formulas. Device and backend are chosen here only: nccl
+on CUDA, gloo on CPU.
 
 Bytes one rank sends for a collective over n ranks on a ring, for a tensor of B bytes:
     all_reduce 2(n-1)/n * B      reduce_scatter (n-1)/n * B_in      all_gather (n-1)/n * B_out
     all_to_all: the rows it addresses to the other ranks (B (n-1)/n for equal splits)
-Lessons: lessons/02-data-parallel-and-zero.md (the formulas), lessons/09-3d-parallelism.md (the grid).
+Lessons: lessons/02-data-parallel-and-zero.md (the formulas),
+         lessons/09-3d-parallelism.md (the grid).
 """
 import datetime
 import os

@@ -1,22 +1,21 @@
 """Build any size: the model on the meta device, and every rank draws only the values it keeps.
 
-Idea: building the whole dense GPT on every rank and then slicing it costs each rank the whole model in fp32
-(52 GB of host memory for 13B parameters; 175B cannot start at all). Instead build it on torch's meta device
--- shapes and dtypes, no storage -- and apply tensor and pipeline parallelism there: they only reshape and
-drop modules. Then give the parameters that are left their values. They must be the dense model's, sliced
-(the invariant every sharded-vs-dense test relies on), and they can be, cheaply: model.draw makes element i
-of a dense parameter a function of (seed, name, i) alone, so a rank draws just the elements of its slice.
-    a tp slice (tp.shard_rule: dim d, g interleaved groups) is, for each index of the dims before d and each
-    group, one contiguous run of the dense parameter's flat index: `segments`
+Building the dense GPT on every rank and slicing it costs each rank the whole model in fp32; instead
+it is built on torch's meta device (shapes, no storage), tensor and pipeline parallelism cut it
+there, and each rank draws only the elements of its slices: model.draw makes element i of a dense
+parameter a function of (seed, name, i) alone, so the values are the dense model's, sliced.
+PaperGrid is rank R's place in a layout without a process group: train.py --dry-run counts its bytes
+against the planner's.
+
+Formulas:
+    a tp slice (tp.shard_rule: dim d, g interleaved groups) is, for each index of the dims before d
+    and each group, one contiguous run of the dense parameter's flat index: `segments`
     a ZeRO-3 flat shard is a range of the local parameters' flat index, i.e. parts of those runs
-    drawn by a rank: its own elements (+ the rest of a 2^16-element block at each end of a run); a split along
-    dim 1 (the row-parallel c_proj) has a run in every row, so there every block is drawn, one at a time
-    memory: the rank's share on its device; on the host one local parameter (or ZeRO-3 piece) at a time
-Who draws: materialize() for a plain model; zero.ZeroEngine(values=Init(...).values) draws straight into its
-flat buffers (and at stage 3 only into this rank's shards), so no second copy is ever made.
-Dry run: PaperGrid is rank R's place in a layout without a process group; train.py --dry-run builds that rank
-on meta and counts its parameter, gradient and optimizer bytes (the engine's, nothing allocated) against the
-planner's (tools/cost.py).
+    drawn by a rank: its own elements (+ the rest of a 2^16-element block at each end of a run); a
+    split along dim 1 (the row-parallel c_proj) has a run in every row, so there every block is
+    drawn, one at a time
+    memory: the rank's share on its device; on the host one local parameter (or ZeRO-3 piece) at
+    a time
 Lesson: lessons/09-3d-parallelism.md
 """
 import math

@@ -1,13 +1,13 @@
-"""Pipeline schedules as pure op lists, the p2p plan they imply, and the timeline/bubble they produce.
+"""Pipeline schedules as pure op lists, the p2p plan they imply, the timeline and bubble they give.
 
-Idea: a schedule is just the order in which one pipeline rank runs forwards F(mb) and backwards B(mb) of its
-micro-batches, cut into rounds (ops that run back to back; p2p happens between rounds). Everything else
-follows from it: which activation/gradient each op must receive first and send after (`comm_plan`), whether
-the ranks can deadlock, and how long they sit idle (`simulate`).
-No torch, no processes: tests check every schedule for many (p, m) in milliseconds, and pp.py runs the very
-same plan with real tensors.
+A schedule is the order in which one pipeline rank runs forwards F(mb) and backwards B(mb) of its
+micro-batches, cut into rounds (ops that run back to back; p2p happens between rounds). Everything
+else follows from it: what each op must receive first and send after (`comm_plan`), whether the
+ranks can deadlock, and how long they sit idle (`simulate`). No torch, no processes: pp.py runs the
+very same plan with real tensors.
 
-Formulas (p stages, m micro-batches, v virtual stages per rank, forward t_f and backward t_b per stage):
+Formulas (p stages, m micro-batches, v virtual stages per rank, forward t_f and backward t_b per
+          stage):
     GPipe, 1F1B:        step time (m + p - 1)(t_f + t_b),    bubble = (p - 1) / (m + p - 1)
     interleaved 1F1B:   each chunk is 1/v of a stage,        bubble = (p - 1) / (v m + p - 1)
     micro-batches alive on rank r: GPipe m, 1F1B min(m, p - r)  (activation memory ∝ m vs ∝ p)

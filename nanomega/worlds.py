@@ -1,10 +1,9 @@
-"""Local worlds: N CPU ranks on this machine, for tests, lessons and benchmarks (torchrun is for jobs).
+"""Local worlds: N CPU ranks on this machine for tests, lessons and benchmarks (torchrun: for jobs).
 
-Idea: `launch(fn, world, *args)` runs fn(*args) on `world` processes that each joined one gloo process group
-(dist.init), and returns their results in rank order. The ranks fork from a forkserver that imported torch and
-nanomega once: a fresh interpreter per rank spends ~2 s on imports, a fork of the test process itself is unsafe
-(its OpenMP pool), and a fork of a server that never ran an OpenMP region is neither. A rank that raises ends
-the world with RankFailed, whose fields (rank, type, message) are what graders and tests read.
+`launch(fn, world, *args)` runs fn(*args) on `world` processes that each joined one gloo process
+group (dist.init) and returns their results in rank order. The ranks fork from a forkserver that
+imported torch and nanomega once. A rank that raises ends the world with RankFailed, whose fields
+(rank, type, message) are what graders and tests read.
 Lesson: lessons/17-collectives.md
 """
 import os
