@@ -1,24 +1,20 @@
 """Mixed precision: compute in 16 bits, keep everything that accumulates in fp32.
 
-Idea (Micikevicius et al. 2018; BLOOM's lesson): matmuls and activations run in bf16 (or fp16), while the
-fp32 master weights, the Adam moments, the gradient accumulation/reduction, the softmax and the loss stay in
-fp32. This module casts the model, checks the device, scales the loss for fp16, and holds the arithmetic of
-the mixed-precision step: the fp32 master of each 16-bit weight (fp32_master), the unscaling of the fp32
-gradients (unscale_) and the write-back of the updated masters (write_back). zero.ZeroEngine applies them to
-its (sharded) flat buffers, so mixed precision composes with ZeRO, TP and PP unchanged:
-    backward    16-bit grad -> added into the fp32 gradient buffer, then dropped     (ddp.py, _on_grad)
-    step        fp32 grad x 1/S -> norm, clip -> optimizer on the fp32 master      (unscale_, zero.py)
-                -> master cast back into the 16-bit weight                         (write_back)
+Matmuls and activations run in bf16 (or fp16), while the fp32 master weights, the Adam moments, the
+gradient accumulation and reduction, the softmax and the loss stay in fp32 (Micikevicius et al.
+2018; BLOOM's lesson). This module casts the model, checks the device, scales the loss for fp16, and
+holds the arithmetic of the step (fp32_master, unscale_, write_back) that zero.ZeroEngine applies to
+its sharded flat buffers, so mixed precision composes with ZeRO, TP and PP unchanged.
 
-    dtype  exponent  mantissa  max        smallest normal   eps (1 ulp at 1)
-    fp32   8 bits    23 bits   3.4e38     1.2e-38           1.2e-7
-    bf16   8 bits     7 bits   3.4e38     1.2e-38           7.8e-3   <- fp32's range, fewer digits
-    fp16   5 bits    10 bits   65504      6.1e-5            9.8e-4   <- overflows, small grads underflow
+    dtype  exponent  mantissa  max      smallest normal  eps (1 ulp at 1)
+    fp32   8 bits    23 bits   3.4e38   1.2e-38          1.2e-7
+    bf16   8 bits     7 bits   3.4e38   1.2e-38          7.8e-3  <- fp32's range, fewer digits
+    fp16   5 bits    10 bits   65504    6.1e-5           9.8e-4  <- overflows, small grads underflow
 
-Bytes per parameter with Adam: 2 (bf16 weight) + 2 (bf16 grad) + 4 (fp32 master) + 4 + 4 (Adam m, v) = 16;
-accumulating gradients in fp32 (the bf16 grad is added into an fp32 buffer and dropped) gives 2+4+4+4+4 = 18.
-fp16 needs dynamic loss scaling: multiply the loss by S so small gradients do not flush to zero, unscale the
-fp32 gradients by 1/S, and on inf/nan skip the step and halve S; after `growth_interval` clean steps double S.
+Bytes per parameter with Adam: 2 (bf16 weight) + 2 (bf16 grad) + 4 (fp32 master) + 4 + 4 (Adam m, v)
+= 16; accumulating gradients in fp32 (the bf16 grad is added into an fp32 buffer and dropped) gives
+2+4+4+4+4 = 18. fp16's dynamic loss scaling: multiply the loss by S, unscale the fp32 gradients by
+1/S, and on inf/nan skip the step and halve S; after `growth_interval` clean steps double S.
 Lesson: lessons/06-mixed-precision.md
 """
 import torch

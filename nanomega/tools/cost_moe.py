@@ -1,23 +1,21 @@
-"""Mixture of experts in the planner: total and active parameters, expert memory per GPU, the all-to-all.
+"""Mixture of experts in the planner: total and active parameters, expert memory, the all-to-all.
 
-Idea: an MoE block (moe.py) holds E SwiGLU experts but runs each token through k of them (and the shared ones),
-so per token it costs what a dense Llama block with a (k + shared) f wide MLP costs -- FLOPs, time, activations
--- while it holds the parameters and optimizer state of E experts. Expert parallelism (ep.py) puts E/ep of them
-on each GPU and adds two all-to-alls per layer. So one layout's estimate is tools/cost.py's for that dense
-stand-in, corrected where the experts differ:
-    parameters  total: cost.n_params (cost.block_params counts all E experts); active per token: k of them
-                (formulas.moe_layer_params); FLOPs per token 6 N_active + 12 L h s: the stand-in's (MFU, TFLOP/s)
-    memory      per pipeline stage, as zero.ZeroEngine groups them: the dense part (attention, norms, router,
-                shared experts, embeddings) ZeRO-sharded over dp; the routed experts (formulas.moe_expert_params
-                per layer) split over ep, then ZeRO-sharded over edp = dp / ep (train.py --dry-run builds a rank
-                and prints both). Activations: the stand-in's (the k copies of a token's h-wide input that the
-                experts keep are counted once); the heaviest state plus the heaviest activations (an upper bound)
-    dp bytes    the dense gradients over dp + the experts' over edp (formulas.dp_comm_bytes each), at the dp link
-    all-to-all  per MoE layer and micro-batch formulas.moe_all_to_all_bytes of uniform routing (rows out = rows in
-                = formulas.moe_balanced_rows); an ep group is ep x tp x pp neighbouring ranks (dist.layout: ep is
-                the fastest part of dp), so the share of its bytes to ranks in other nodes goes at the NIC's
-                bandwidth, the rest over NVLink; charged per pipeline slot, (m + (p-1)/v) slots, no overlap
-The trainer refuses sequence parallelism, ZeRO-3 and offload with experts (ops/checks.py), and so does the plan.
+An MoE block (moe.py) holds E SwiGLU experts but runs each token through k of them (and the shared
+ones), so per token it costs what a dense Llama block with a (k + shared) f wide MLP costs, while it
+holds the state of E experts, E/ep per GPU under expert parallelism (ep.py), plus two all-to-alls
+per layer. So a layout's estimate is tools/cost.py's for that dense stand-in, corrected where the
+experts differ; like the trainer (ops/checks.py), it refuses SP, ZeRO-3 and offload with experts.
+
+Formulas:
+    parameters  total: cost.n_params (cost.block_params counts all E experts); active per token:
+                k of them (formulas.moe_layer_params); FLOPs per token 6 N_active + 12 L h s
+    memory      per stage: the dense part ZeRO-sharded over dp; the routed experts
+                (formulas.moe_expert_params per layer) split over ep, then ZeRO-sharded over
+                edp = dp / ep; activations: the stand-in's; heaviest state + heaviest activations
+    dp bytes    the dense gradients over dp + the experts' over edp (formulas.dp_comm_bytes each)
+    all-to-all  per MoE layer and micro-batch formulas.moe_all_to_all_bytes of uniform routing
+                (rows out = rows in = formulas.moe_balanced_rows), the share to other nodes at the
+                NIC's bandwidth, the rest over NVLink; (m + (p-1)/v) pipeline slots, no overlap
 Lesson: lessons/14-experts.md
 """
 from dataclasses import replace

@@ -1,15 +1,19 @@
 """Context parallelism in the planner: one layout with a cp axis -- memory, bytes and step time.
 
-Idea: a cp group of cp GPUs holds s/cp tokens of every sequence (nanomega/cp.py), so per GPU everything in
-tools/cost.py is the model at seq_len s/cp -- the dense matmuls, the activations, tp's and pp's bytes -- except:
-    attention  a rank's s/cp queries see all s keys: cost.layer_seconds at s/cp counts 4 b (s/cp)^2 h / t of
-               QK^T and AV (no causal halving, as cost.py counts); the other cp - 1 key blocks add
-               4 b (s/cp)(s - s/cp) h / t, times the same forward/backward/recompute factor
-    cp bytes   formulas.cp_comm_bytes_per_layer per micro-batch and layer, on the link a cp group spans (tp
-               neighbours first: a cp group leaves the node when tp x cp > GPUs per node). allgather (Llama 3's)
-               is exposed; ring overlaps its sends with the blocks' attention: max(compute, sends) per layer
-    state      ZeRO shards over dp x cp (the weights' replicas: zero.py's dp_cp), activations at s/cp
-The result is a tools/cost.Estimate (its dp is the data-parallel size, its tp_comm the tp bytes at s/cp).
+A cp group of cp GPUs holds s/cp tokens of every sequence (nanomega/cp.py), so per GPU everything in
+tools/cost.py is the model at seq_len s/cp -- the dense matmuls, the activations, tp's and pp's
+bytes -- except what follows. The result is a tools/cost.Estimate (its dp is the data-parallel size,
+its tp_comm the tp bytes at s/cp).
+
+Formulas:
+    attention  a rank's s/cp queries see all s keys: cost.layer_seconds at s/cp counts
+               4 b (s/cp)^2 h / t of QK^T and AV (no causal halving, as cost.py counts); the other
+               cp - 1 key blocks add 4 b (s/cp)(s - s/cp) h / t, times the same
+               forward/backward/recompute factor
+    cp bytes   formulas.cp_comm_bytes_per_layer per micro-batch and layer, on the link a cp group
+               spans; allgather is exposed, ring overlaps: max(compute, sends) per layer
+    state      ZeRO shards over dp x cp (the weights' replicas: zero.py's dp_cp),
+               activations at s/cp
 Lesson: lessons/15-long-context.md
 """
 from dataclasses import replace
