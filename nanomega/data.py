@@ -253,8 +253,8 @@ class TokenDataset:
         return self.n_windows
 
     def get(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, y) int64 of shape (b, T) for window indices (b,); y[:, t] is the token after x[:,
-        t]."""
+        """(x, y) int64 of shape (b, T) for window indices (b,);
+        y[:, t] is the token after x[:, t]."""
         idx = np.asarray(indices, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= self.n_windows):
             raise IndexError(f"window index out of range [0, {self.n_windows})")

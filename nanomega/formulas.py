@@ -268,8 +268,8 @@ def collective_seconds(op, n, nbytes, alpha, beta, algo="ring"):
 
 def pipeline_bubble(p, m, v=1):
     """Idle fraction of the step: each stage waits p-1 slots out of v*m + p-1 (a slot = one
-    micro-batch's forward + backward of one chunk; interleaving shrinks the slots by v). Time =
-    ideal * (1 + (p-1)/(v m))."""
+    micro-batch's forward + backward of one chunk; interleaving shrinks the slots by v).
+    Time = ideal * (1 + (p-1)/(v m))."""
     return (p - 1) / (v * m + p - 1)
 
 
@@ -309,8 +309,8 @@ def model_flops_per_token(cfg, seq_len=None):
 
 
 def chinchilla_optimal(compute, tokens_per_param=20.0):
-    """Compute-optimal parameters and tokens for a budget of `compute` FLOPs, from C = 6 N D and D =
-    k N (Hoffmann et al. 2022: k ~ 20 tokens per parameter): N = sqrt(C / 6k), D = k N (lesson
-    18)."""
+    """Compute-optimal parameters and tokens for a budget of `compute` FLOPs, from C = 6 N D and
+    D = k N (Hoffmann et al. 2022: k ~ 20 tokens per parameter): N = sqrt(C / 6k), D = k N
+    (lesson 18)."""
     n = math.sqrt(compute / (6 * tokens_per_param))
     return n, tokens_per_param * n

@@ -1,30 +1,22 @@
-"""Hugging Face in and out: a nanomega checkpoint <-> a transformers GPT-2, Llama or Mixtral (tools/hf_moe.py) folder.
+"""Hugging Face in and out: a nanomega checkpoint <-> a transformers GPT-2, Llama or Mixtral folder.
 
-    python -m nanomega.tools.hf export --out-dir out --to mine    # any layout -> config.json + model.safetensors
-    python -m nanomega.tools.hf import mine --out-dir ft          # -> a step-0 checkpoint: train.py --resume
-    model = nanomega.tools.hf.load_pretrained("mine")             # -> the dense model.GPT, fp32, in Python
+    python -m nanomega.tools.hf export --out-dir out --to mine  # -> config.json, model.safetensors
+    python -m nanomega.tools.hf import mine --out-dir ft        # -> a step-0 checkpoint (--resume)
+    model = nanomega.tools.hf.load_pretrained("mine")           # -> the dense model.GPT, fp32
 
-Idea: nanomega's dense GPT *is* GPT-2 (pre-LayerNorm blocks, learned positions, tanh GeLU, tied head,
-LayerNorm eps norm_eps, qkv laid out (3, n_head, head_dim)), and with arch="llama" it *is* Llama (RMSNorm, SwiGLU,
-grouped-query attention, no biases, RoPE in HF's rotate-half layout: q and k need no permutation), so the
-exchange is a renaming plus a few details:
-  - GPT-2: transformers' Conv1D weight is the transpose of nn.Linear's: W_hf = W^T (in, out).
-  - Llama: nanomega makes k and v in one matmul, and gate and up in one (tp.py splits each half):
-    kv_proj = [k_proj; v_proj] and gate_up = [gate_proj; up_proj], stacked by rows.
-  - nanomega pads the vocabulary to a multiple of 128 x tp (Megatron); HF does not (GPT-2: 50,257). Export keeps
-    the first V rows of the embedding (and of an untied head), import appends zero rows; the padded rows are out
-    of the loss (model.cross_entropy) and never sampled, so both directions are exact: logits[..., :V] are equal.
-What nanomega cannot compute is refused in one line naming the field, before anything is written: GPT-2 with
-ALiBi or an embedding LayerNorm (BLOOM's); Llama with biases, an activation other than SiLU, head_dim other than
-hidden/heads, a RoPE other than plain or Llama 3.1's (its factor is free; low 1, high 4, original context 8192
-are modern.LLAMA3_*); any other model_type.
-The checkpoint of any tp x pp x dp x ZeRO layout is read through reshard.full_weights (full tensors).
-Tokenizer (tools/tokenizer.py: to_hf, from_hf): a byte-level BPE with GPT-2's split pattern (shakespeare-4k, a
-.tiktoken file) becomes an HF tokenizer.json; import turns GPT-2's vocab.json or such a tokenizer.json back into a
-.tiktoken file that `--tokenizer` reads. data.get_tokenizer knows GPT-2's split pattern only, so import refuses a
-Llama whose tokenizer splits otherwise (Llama 3's regex, Llama 2's SentencePiece): fine-tuning needs text encoded
-as the model was trained; load_pretrained (the weights only) still reads it.
-Needs the `hf` extra: pip install transformers safetensors.
+nanomega's dense GPT *is* GPT-2, and with arch="llama" it *is* Llama (RoPE in HF's rotate-half
+layout: q and k need no permutation), so the exchange is a renaming plus a few details (Mixtral:
+tools/hf_moe.py). The checkpoint of any layout is read through reshard.full_weights; what nanomega
+cannot compute is refused in one line naming the field, before anything is written. Tokenizers go
+through tools/tokenizer.py (to_hf, from_hf). Needs the `hf` extra: pip install transformers
+safetensors.
+
+Formulas:
+    GPT-2    W_hf = W^T (in, out): transformers' Conv1D weight is the transpose of nn.Linear's
+    Llama    kv_proj = [k_proj; v_proj], gate_up = [gate_proj; up_proj], stacked by rows
+    vocab    export keeps the first V rows of the embedding (and of an untied head), import appends
+             zero rows: logits[..., :V] are equal
+Lesson: lessons/13-the-modern-block.md
 """
 import argparse
 import json

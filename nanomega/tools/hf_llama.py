@@ -1,8 +1,9 @@
-"""Hugging Face's Llama, read: its config.json as a GPTConfig (llama_config) and its parameter names (llama_name_map).
+"""Hugging Face's Llama, read: its config.json as a GPTConfig (llama_config) and its parameter names
+(llama_name_map).
 
-Idea: nanomega's Llama (model.py with arch="llama", modern.py) is transformers' LlamaForCausalLM up to names and two
-stackings: k and v are one matmul here (kv_proj = [k_proj; v_proj]), gate and up too (gate_up = [gate_proj;
-up_proj]). What nanomega cannot compute is named in one line. tools/hf.py (GPT-2 and Llama in and out) and
+nanomega's Llama (model.py with arch="llama", modern.py) is transformers' LlamaForCausalLM up to
+names and two stackings: kv_proj = [k_proj; v_proj] and gate_up = [gate_proj; up_proj]. What
+nanomega cannot compute is named in one line. tools/hf.py (GPT-2 and Llama in and out) and
 tools/hf_moe.py (Mixtral: a Llama whose MLP is experts) both read a Llama through this module.
 Lesson: lessons/13-the-modern-block.md
 """

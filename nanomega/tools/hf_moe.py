@@ -1,15 +1,15 @@
-"""Hugging Face in and out for the MoE Llama: nanomega weights <-> a transformers `MixtralForCausalLM`.
+"""Hugging Face in and out for the MoE Llama: nanomega <-> a transformers `MixtralForCausalLM`.
 
-Idea: Mixtral is a Llama whose MLP is moe.py's block with router="mixtral" (softmax over the E logits, top-k,
-the k weights renormalized: the same weights as a softmax over the top-k logits), no shared experts, no capacity.
-Everything outside the MLP maps as hf.py's Llama. Per block i (transformers 5 stacks the experts):
-    blocks.i.mlp.router.weight             (E, h)     model.layers.i.mlp.gate.weight
-    blocks.i.mlp.experts.e.gate_up.weight  (2f, h)    model.layers.i.mlp.experts.gate_up_proj[e]   [gate; up]
-    blocks.i.mlp.experts.e.c_proj.weight   (h, f)     model.layers.i.mlp.experts.down_proj[e]
-Refused on import: a sliding window (nanomega's attention is full causal), router jitter noise; on export (check):
-another router, shared experts, a capacity factor, DeepSeek-V3's routing biases (--moe-bias-balance).
-`python -m nanomega.tools.hf import / export` reads and writes a Mixtral folder through this module.
-The training-only settings (aux loss coefficient) travel as router_aux_loss_coef.
+Mixtral is a Llama whose MLP is moe.py's block with router="mixtral" (softmax over the E logits,
+top-k, the k weights renormalized: the same weights as a softmax over the top-k logits), no shared
+experts, no capacity. Everything outside the MLP maps as hf.py's Llama; `python -m nanomega.tools.hf
+import / export` reads and writes a Mixtral folder through this module. What nanomega cannot compute
+is refused (see the lesson); the aux loss coefficient travels as router_aux_loss_coef.
+
+Per block i (transformers 5 stacks the experts; gate_up is [gate; up] on both sides):
+    blocks.i.mlp.router.weight             (E, h)   model.layers.i.mlp.gate.weight
+    blocks.i.mlp.experts.e.gate_up.weight  (2f, h)  model.layers.i.mlp.experts.gate_up_proj[e]
+    blocks.i.mlp.experts.e.c_proj.weight   (h, f)   model.layers.i.mlp.experts.down_proj[e]
 Lesson: lessons/14-experts.md
 """
 import dataclasses
