@@ -45,8 +45,7 @@ def restore_state(state: dict, device) -> None:
 
 
 class RNGTracker:
-    """Swaps a per-tp-rank generator in for the dropout of sharded activations (see the module
-    docstring)."""
+    """Swaps a per-tp-rank generator in for the dropout of sharded activations (module docstring)."""
 
     def __init__(self, tp_rank: int, device: torch.device):
         if not 0 <= tp_rank < MAX_TP:
