@@ -45,7 +45,7 @@ def restore_state(state: dict, device) -> None:
 
 
 class RNGTracker:
-    """Swaps a per-tp-rank generator in for the dropout of sharded activations (module docstring)."""
+    """Swaps a per-tp-rank generator in for sharded activations' dropout (module docstring)."""
 
     def __init__(self, tp_rank: int, device: torch.device):
         if not 0 <= tp_rank < MAX_TP:
