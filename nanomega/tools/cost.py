@@ -260,7 +260,7 @@ def layer_activation_bytes(model, run, tp, recompute=None):
 
 
 def layer_seconds(model, gpu, run, tp, time=TIME):
-    """One layer, one micro-batch, forward + backward (+ recompute) on one GPU (module docstring)."""
+    """One layer, one micro-batch, forward + backward (+ recompute), one GPU (module docstring)."""
     b, s, h, a = run.micro_batch, model.seq_len, model.n_embd, model.n_head
     full, attn_again = run.recompute == "full", run.recompute in ("full", "selective")
     flash = run.attention == "sdpa"
