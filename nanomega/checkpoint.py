@@ -37,8 +37,8 @@ def _fsync(path):
 
 
 def replace_atomically(path, write):
-    """write(tmp), fsync it, rename it over `path`, fsync the directory: `path` is the old file or
-    the new."""
+    """write(tmp), fsync it, rename it over `path`, fsync the directory: `path` is the
+    old file or the new."""
     tmp = f"{path}.tmp"
     write(tmp)
     _fsync(tmp)
@@ -54,8 +54,8 @@ def write_text(text):
 
 
 def _index(state):
-    """[name, tp_rank, start, end] of every piece a shard holds: the manifest's map from pieces to
-    shards."""
+    """[name, tp_rank, start, end] of every piece a shard holds: the manifest's map from
+    pieces to shards."""
     u = state.get("universal", {})
     return [[p["name"], u["tp_rank"], p["start"], p["end"]] for p in u.get("pieces", [])]
 
@@ -96,8 +96,8 @@ def write_shard(out_dir, step, state, rank, wrap=None):
 
 
 def write_manifest(out_dir, folder, step, cfg, grid, layout=None):
-    """Collective: once every rank's shard is on disk, rank 0 writes the manifest, then the
-    pointer."""
+    """Collective: once every rank's shard is on disk, rank 0 writes the manifest,
+    then the pointer."""
     grid.barrier()  # every shard is on disk before the manifest claims the checkpoint is complete
     if grid.rank == 0:
         _manifest(out_dir, folder, step, cfg, grid.world, layout)
@@ -357,7 +357,7 @@ def retain(out_dir, keep_last, protect=(), upto=None):
 
 
 def load_shard(folder, rank, path=None):
-    """One rank's shard on the CPU, whatever device saved it; memory-mapped: only what is read is
-    paged in. path: a verified byte-identical copy to read instead (flash.py's, in shared
-    memory)."""
+    """One rank's shard on the CPU, whatever device saved it; memory-mapped: only what is
+    read is paged in. path: a verified byte-identical copy to read instead (flash.py's,
+    in shared memory)."""
     return torch.load(path or os.path.join(folder, shard_name(rank)), map_location="cpu", mmap=True, weights_only=False)

@@ -71,8 +71,8 @@ def square_sum(grads, device):
 
 
 def coefficient(norm, max_norm):
-    """The factor clip_ scales by: max_norm / (norm + 1e-6) when that is below 1 (torch's rule),
-    else 1."""
+    """The factor clip_ scales by: max_norm / (norm + 1e-6) when that is below 1
+    (torch's rule), else 1."""
     return max_norm / (norm + 1e-6) if max_norm is not None and max_norm / (norm + 1e-6) < 1.0 else 1.0
 
 

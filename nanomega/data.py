@@ -81,8 +81,8 @@ def get_tokenizer(name: str = "shakespeare-4k") -> tiktoken.Encoding:
             fix = "run `python -m nanomega.tools.tokenizer` to train it" if name == "shakespeare-4k" else \
                 "pass an existing file (base64 token and rank per line)"
             raise FileNotFoundError(f"--tokenizer: file {path} is missing; {fix}")
-        # expected_hash also keeps tiktoken from returning a stale copy from its path-keyed /tmp
-        # cache
+        # expected_hash also keeps tiktoken from returning a stale copy from its
+        # path-keyed /tmp cache
         ranks = load_tiktoken_bpe(str(path), expected_hash=sha256_file(path))
         return tiktoken.Encoding(name=name if name == "shakespeare-4k" else path.stem, pat_str=GPT2_PATTERN,
                                  mergeable_ranks=ranks, special_tokens={ENDOFTEXT: len(ranks)},
@@ -133,8 +133,8 @@ def tokenizer_sha256(enc: tiktoken.Encoding) -> str:
 
 
 def _write_tokens(enc: tiktoken.Encoding, text: str, path: Path, dtype) -> int:
-    """Encode `text` chunk by chunk straight into `path` (memory stays O(chunk)); returns the token
-    count."""
+    """Encode `text` chunk by chunk straight into `path` (memory stays O(chunk));
+    returns the token count."""
     n, start = 0, 0
     with open(path, "wb") as f:
         while start < len(text):
@@ -219,10 +219,10 @@ def prepare(corpus, tokenizer_name: str, cache_dir) -> dict:
 
 
 class TokenDataset:
-    """The windows of one split: window i = tokens[i*T : i*T+T+1], len() = (N-1) // T (see the top).
-    Given several shards (corpus.py), windows never cross a shard: shard k holds (N_k - 1) // T of
-    them and the global window index runs over shard 0's, then shard 1's, ... (one Sampler spans
-    them all)."""
+    """The windows of one split: window i = tokens[i*T : i*T+T+1], len() = (N-1) // T (see
+    the top). Given several shards (corpus.py), windows never cross a shard: shard k holds
+    (N_k - 1) // T of them and the global window index runs over shard 0's, then shard 1's,
+    ... (one Sampler spans them all)."""
 
     def __init__(self, path_bin, dtype, block_size: int):
         paths = [Path(p) for p in ([path_bin] if isinstance(path_bin, (str, Path)) else path_bin)]
@@ -266,8 +266,8 @@ class TokenDataset:
 
 
 class Sampler:
-    """Which windows make up global batch k: a pure function of (seed, k), plus a resumable
-    position."""
+    """Which windows make up global batch k: a pure function of (seed, k), plus a
+    resumable position."""
 
     def __init__(self, n_windows: int, global_batch: int, seed: int):
         if n_windows < 1 or global_batch < 1:
@@ -296,8 +296,8 @@ class Sampler:
 
     def local_micro_batches(self, step: int, dp_rank: int, dp_size: int, micro_batch: int,
                             grad_accum: int) -> list[np.ndarray]:
-        """This dp rank's contiguous slice of batch `step`, as grad_accum arrays of micro_batch
-        indices."""
+        """This dp rank's contiguous slice of batch `step`, as grad_accum arrays of
+        micro_batch indices."""
         if micro_batch * grad_accum * dp_size != self.global_batch:
             raise ValueError(f"--global-batch {self.global_batch} != --micro-batch {micro_batch} x grad accum "
                              f"{grad_accum} x dp {dp_size}; pick a global batch divisible by micro-batch x dp")
@@ -331,8 +331,8 @@ class Sampler:
 
 # ---- prepared corpora (nanomega/tools/corpus.py writes them; training reads them here) ----
 def corpus_files(spec) -> list[Path]:
-    """The corpus files named by a file, a directory (searched recursively) or a glob, in sorted
-    order."""
+    """The corpus files named by a file, a directory (searched recursively) or a
+    glob, in sorted order."""
     spec = str(spec)
     if os.path.isdir(spec):
         found = [p for p in Path(spec).rglob("*") if p.is_file()]

@@ -37,8 +37,8 @@ RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n 
 
 @dataclass
 class CommLog:
-    """Per-rank traffic: (op, axis, dtype) -> [calls, tensor bytes]. `wire_bytes` applies the ring
-    factors."""
+    """Per-rank traffic: (op, axis, dtype) -> [calls, tensor bytes]. `wire_bytes` applies
+    the ring factors."""
     counts: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
     sizes: dict = field(default_factory=dict)  # axis name -> ranks in it
 
@@ -193,9 +193,9 @@ def check_layout(world, dp=1, pp=1, tp=1, cp=1, ep=1):
 
 
 class Grid:
-    """The (dp, pp, cp, tp) rank grid, and ep inside dp. Every rank builds every group, in one order
-    (a torch rule), and never two for the same ranks: ep = dp (ep = dp size) is one group under two
-    names."""
+    """The (dp, pp, cp, tp) rank grid, and ep inside dp. Every rank builds every group, in one
+    order (a torch rule), and never two for the same ranks: ep = dp (ep = dp size) is one
+    group under two names."""
 
     def __init__(self, dp=1, pp=1, tp=1, cp=1, ep=1):
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -250,14 +250,14 @@ class Grid:
 
 
 def store():
-    """The job's key-value store (torchrun's, on the rendezvous host): reachable when collectives
-    are not."""
+    """The job's key-value store (torchrun's, on the rendezvous host): reachable when
+    collectives are not."""
     return dist.distributed_c10d._get_default_store()
 
 
 def world_timeout():
-    """The default group's collective timeout (init's --collective-timeout); None where the backend
-    hides it."""
+    """The default group's collective timeout (init's --collective-timeout); None where the
+    backend hides it."""
     device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
     try:
         return dist.group.WORLD._get_backend(device).options._timeout
@@ -266,8 +266,8 @@ def world_timeout():
 
 
 def default_device(requested="auto") -> torch.device:
-    """The one place that decides the device: cuda:LOCAL_RANK when CUDA is there (or asked for),
-    else cpu."""
+    """The one place that decides the device: cuda:LOCAL_RANK when CUDA is there (or
+    asked for), else cpu."""
     if requested == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but CUDA is not available; use --device cpu")
     if requested in ("auto", "cuda") and torch.cuda.is_available():
@@ -281,8 +281,8 @@ def default_device(requested="auto") -> torch.device:
 
 
 def init(device="auto", timeout_s=None):
-    """Start torch.distributed from torchrun's environment, or as a world of one, and pick the
-    backend.
+    """Start torch.distributed from torchrun's environment, or as a world of one,
+    and pick the backend.
 
     Under torchrun the group is built on torchrun's own store (is_master=False) behind a prefix
     keyed by the restart count: after `--max-restarts` restarts a fresh store handshake is used each

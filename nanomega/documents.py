@@ -14,15 +14,15 @@ from . import cp
 
 
 def ids(x, eot):
-    """(b, s) document ids of token windows x (b, s): the number of end-of-text tokens before each
-    token."""
+    """(b, s) document ids of token windows x (b, s): the number of end-of-text tokens
+    before each token."""
     ends = (x == eot).long()
     return ends.cumsum(1) - ends  # the end-of-text token itself closes its document
 
 
 def batch(dataset, indices, axis, eot=None):
-    """A micro-batch of windows `indices`: (x, y) this cp rank's tokens (cp.split), and with eot
-    (the end-of-text id; --document-mask) the whole windows' document ids (b, s) as a third
-    tensor."""
+    """A micro-batch of windows `indices`: (x, y) this cp rank's tokens (cp.split), and
+    with eot (the end-of-text id; --document-mask) the whole windows' document ids (b, s)
+    as a third tensor."""
     x, y = dataset.get(indices)
     return cp.split((x, y), axis) + (() if eot is None else (ids(x, eot),))

@@ -40,8 +40,8 @@ def prefix(out_dir, rank):
 
 
 def drop(out_dir, rank):
-    """Remove this rank's copies of out_dir (any step, half-written ones too), and the folder once
-    empty."""
+    """Remove this rank's copies of out_dir (any step, half-written ones too), and the
+    folder once empty."""
     for path in glob.glob(prefix(out_dir, rank) + "*"):
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
@@ -122,8 +122,8 @@ class Copies:
                   file=sys.stderr, flush=True)
 
     def prune(self):
-        """Remove the copies older than the newest one whose checkpoint is complete (its manifest
-        exists)."""
+        """Remove the copies older than the newest one whose checkpoint is complete (its
+        manifest exists)."""
         steps = self.steps()
         done = next((s for s in steps if os.path.isfile(os.path.join(
             self.out_dir, "ckpt", f"step_{s:06d}", "manifest.json"))), None)
@@ -160,9 +160,9 @@ class Copies:
         return base + ".pt"
 
     def reset(self, step=None):
-        """After a restore from this rank's copy of `step` (None: a fresh start, or a restore from
-        disk): every other copy of this rank is of no use (older, of an abandoned timeline, or
-        damaged)."""
+        """After a restore from this rank's copy of `step` (None: a fresh start, or a restore
+        from disk): every other copy of this rank is of no use (older, of an abandoned
+        timeline, or damaged)."""
         for s in self.steps():
             if s != step:
                 self.remove(s)
@@ -220,10 +220,10 @@ def look(out_dir, cfg, copies, layout, world):
 
 
 def agree(found, cfg, grid, engine):
-    """After the grid exists, on every rank (collective): (how many ranks verified every shard they
-    will load -- their own from its copy, and a peer's they also read (reshard.needed_by) on disk
-    --, how many read a peer's shard from storage). One vote over the grid; found None: this rank
-    says no."""
+    """After the grid exists, on every rank (collective): (how many ranks verified every shard
+    they will load -- their own from its copy, and a peer's they also read (reshard.needed_by)
+    on disk --, how many read a peer's shard from storage). One vote over the grid; found None:
+    this rank says no."""
     # this rank found nothing to verify (--on-spike rollback: a manifest written meanwhile)
     if found is None:
         return count(grid, False, False)

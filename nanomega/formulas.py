@@ -43,9 +43,9 @@ import math
 
 # ---- parameters ----------------------------------------------------------------------------------
 def layer_params(h, t=1):
-    """One Block on one TP rank: qkv, fc weights and their biases split by t (column parallel);
-    projection weights split (row parallel), their biases and both LayerNorms replicated. t=1: 12h^2
-    + 13h."""
+    """One Block on one TP rank: qkv, fc weights and their biases split by t (column
+    parallel); projection weights split (row parallel), their biases and both LayerNorms
+    replicated. t=1: 12h^2 + 13h."""
     return (12 * h * h + 7 * h) // t + 6 * h
 
 
@@ -68,14 +68,14 @@ def moe_layer_params(h, f, a, n_kv, n_experts, top_k, shared=0, t=1):
 
 
 def moe_expert_params(h, f, n_experts, t=1):
-    """n_experts SwiGLU experts of width f on one TP rank: gate, up and down 3hf each, split by
-    t."""
+    """n_experts SwiGLU experts of width f on one TP rank: gate, up and down 3hf
+    each, split by t."""
     return n_experts * 3 * h * f // t
 
 
 def moe_all_to_all_bytes(rows_out, rows_in, h, elem_bytes, ep, experts_per_rank):
-    """Bytes one rank sends in all-to-alls for one MoE layer and micro-batch, forward and backward
-    (ep.py)."""
+    """Bytes one rank sends in all-to-alls for one MoE layer and micro-batch, forward and
+    backward (ep.py)."""
     if ep == 1:
         return 0
     return 2 * (rows_out + rows_in) * h * elem_bytes + (ep - 1) * experts_per_rank * 8
@@ -104,9 +104,9 @@ def activation_bytes_per_layer(s, b, h, a, t=1, sp=False, recompute="none", act=
     mask  each of the 2 + 1 dropout masks (1 as a CUDA bool mask; CPU torch keeps a mask in `act`
           bytes); the 2 sbh ones are replicated like the block inputs
     probs the softmax output (2 with Megatron's fused softmax; model.causal_softmax keeps it in
-    fp32: 4) The attention core adds (probs + mask + act) a s^2 b, split by TP: the softmax output,
-    its mask, its dropped output. With the paper's (2, 1, 2): sbh(10 + 24/t + 5as/(ht)), SP sbh(34 +
-    5as/h)/t."""
+    fp32: 4) The attention core adds (probs + mask + act) a s^2 b, split by TP: the softmax
+    output, its mask, its dropped output. With the paper's (2, 1, 2): sbh(10 + 24/t + 5as/(ht)),
+    SP sbh(34 + 5as/h)/t."""
     sbh = s * b * h
     if recompute == "full":
         return act * sbh  # only the layer input (the paper's Table 2 counts it unsharded)

@@ -43,8 +43,8 @@ def segments(shape, rule, rank, size):
 
 
 class Init:
-    """The dense model's initialization (model.init_std, model.draw) as seen by one tensor-parallel
-    rank."""
+    """The dense model's initialization (model.init_std, model.draw) as seen by one
+    tensor-parallel rank."""
 
     def __init__(self, cfg, seed, tp_rank=0, tp_size=1):
         self.cfg, self.seed, self.tp_rank, self.tp_size = cfg, seed, tp_rank, tp_size

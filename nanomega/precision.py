@@ -36,11 +36,11 @@ def parse_dtype(name: str) -> torch.dtype:
 def check_dtype_supported(dtype: torch.dtype, device) -> None:
     """Raise a one-line error, naming --dtype, if `device` cannot train in `dtype`.
 
-    CUDA: bf16 needs compute capability >= 8.0 (Ampere); fp16 is asked of the device the same way.
-    Everywhere (CPU included) a tiny matmul + backward in `dtype` is run as a probe: torch 2.13 on
-    CPU runs both bf16 and fp16 matmuls (fp16 is slow without AVX512-FP16/AMX-FP16, but correct), so
-    on CPU both are allowed; a device or build that lacks the kernels fails the probe and gets this
-    error.
+    CUDA: bf16 needs compute capability >= 8.0 (Ampere); fp16 is asked of the device the same
+    way. Everywhere (CPU included) a tiny matmul + backward in `dtype` is run as a probe: torch
+    2.13 on CPU runs both bf16 and fp16 matmuls (fp16 is slow without AVX512-FP16/AMX-FP16, but
+    correct), so on CPU both are allowed; a device or build that lacks the kernels fails the
+    probe and gets this error.
     """
     device = torch.device(device)
     if dtype == torch.float32:
@@ -61,8 +61,8 @@ def check_dtype_supported(dtype: torch.dtype, device) -> None:
 
 def set_tf32(device, enabled: bool = True) -> None:
     """fp32 matmuls on CUDA tensor cores in TF32 (10-bit mantissa inputs, fp32 accumulation): 156
-    instead of 19.5 TFLOP/s on an A100. On by default for fp32 training, as in Megatron; --no-tf32
-    turns it off.
+    instead of 19.5 TFLOP/s on an A100. On by default for fp32 training, as in Megatron;
+    --no-tf32 turns it off.
 
     torch >= 2.9 has per-backend settings (fp32_precision "tf32" | "ieee"), and there only they are
     used: the legacy allow_tf32 setters warn on torch 2.9 (on every rank), and mixing the two APIs
@@ -97,14 +97,14 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def fp32_master(weights: torch.Tensor) -> torch.Tensor:
-    """The fp32 master copy of (a slice of) 16-bit weights; fp32 weights are their own master (no
-    copy)."""
+    """The fp32 master copy of (a slice of) 16-bit weights; fp32 weights are their own
+    master (no copy)."""
     return weights.float()
 
 
 def unscale_(grad: torch.Tensor, scaler) -> None:
-    """fp32 gradients of a scaled loss -> the true gradients, in place (in fp32: g/S in fp16 would
-    underflow)."""
+    """fp32 gradients of a scaled loss -> the true gradients, in place (in fp32: g/S in fp16
+    would underflow)."""
     if scaler is not None and scaler.scale != 1.0:
         grad.mul_(1.0 / scaler.scale)
 

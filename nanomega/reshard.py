@@ -20,8 +20,8 @@ from nanomega.model import GPTConfig
 
 
 def is_elementwise(v):
-    """An optimizer state entry shaped like its parameter (Adam's m, v), as opposed to a scalar (its
-    step)."""
+    """An optimizer state entry shaped like its parameter (Adam's m, v), as opposed to a
+    scalar (its step)."""
     return torch.is_tensor(v) and v.dim() > 0
 
 
@@ -59,8 +59,8 @@ def export_by_name(engine, copies=False, copy=True):
     take = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())
     for piece in held(engine):
         if not copies and piece.replica and (grid.edp.rank if ep.is_expert(piece.name) else grid.dp_cp.rank) != 0:
-            # one of the dp x cp replicas; a routed expert's are its edp ranks (dp peers hold
-            # others: ep.py)
+            # one of the dp x cp replicas; a routed expert's are its edp ranks (dp
+            # peers hold others: ep.py)
             continue
         p = piece.group.params[piece.index] if piece.group else None
         if not copies and p is not None and p is engine.shared and not grid.first_stage:
@@ -207,9 +207,9 @@ def _needed(engine, grid, saved_tp, saved_replicate_kv=False):
 
 
 def shards_needed(manifest, need):
-    """The shards (names) of the checkpoint `manifest` describes that hold a piece of `need`
-    (_needed: what this rank will hold); every shard for a checkpoint without the manifest's piece
-    index."""
+    """The shards (names) of the checkpoint `manifest` describes that hold a piece of
+    `need` (_needed: what this rank will hold); every shard for a checkpoint without the
+    manifest's piece index."""
     index = manifest.get("pieces")
     return [f for f in manifest["shards"] if index is None or _overlaps(index[f], need)]
 

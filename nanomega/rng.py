@@ -36,8 +36,8 @@ def save_state(device) -> dict:
 
 
 def restore_state(state: dict, device) -> None:
-    """Set back what save_state saved: a resume with dropout continues the same random streams,
-    bitwise."""
+    """Set back what save_state saved: a resume with dropout continues the same random
+    streams, bitwise."""
     torch.set_rng_state(state["rng"])
     cuda = state.get("cuda_rng")
     if device.type == "cuda" and cuda is not None:

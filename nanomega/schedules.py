@@ -31,16 +31,16 @@ def gpipe(p, rank, m, v=1):
 
 
 def one_f_one_b(p, rank, m, v=1):
-    """1F1B (PipeDream-Flush, Narayanan et al. 2021): only p - rank - 1 forwards run ahead of the
-    backwards."""
+    """1F1B (PipeDream-Flush, Narayanan et al. 2021): only p - rank - 1 forwards run ahead
+    of the backwards."""
     fwd, bwd = [Op("F", i) for i in range(m)], [Op("B", i) for i in range(m)]
     return _warmup_steady_cooldown(fwd, bwd, warmup=min(p - rank - 1, m), pair=False)
 
 
 def interleaved_1f1b(p, rank, m, v):
-    """Interleaved 1F1B (Narayanan et al. 2021, sec. 2.2): v model chunks per rank; micro-batches go
-    through the chunks in groups of p (needs m % p == 0); backwards visit the chunks in reverse
-    order."""
+    """Interleaved 1F1B (Narayanan et al. 2021, sec. 2.2): v model chunks per rank;
+    micro-batches go through the chunks in groups of p (needs m % p == 0); backwards visit the
+    chunks in reverse order."""
     order = _chunk_order(p, m, v)
     fwd = [Op("F", mb, c) for mb, c in order]
     bwd = [Op("B", mb, v - 1 - c) for mb, c in order]
@@ -63,14 +63,14 @@ def _warmup_steady_cooldown(fwd, bwd, warmup, pair):
 
 
 def forward_only(p, rank, m, v=1):
-    """Evaluation: the forwards alone, in the interleaved order (any m: the last group takes the
-    rest)."""
+    """Evaluation: the forwards alone, in the interleaved order (any m: the last
+    group takes the rest)."""
     return [[Op("F", mb, c)] for mb, c in _chunk_order(p, m, v)]
 
 
 def _chunk_order(p, m, v):
-    """(micro-batch, chunk) pairs: groups of p micro-batches, each group through chunk 0, then 1,
-    ..."""
+    """(micro-batch, chunk) pairs: groups of p micro-batches, each group through
+    chunk 0, then 1, ..."""
     n = max(m // p, 1)
     groups = [range(g * p, m if g == n - 1 else (g + 1) * p) for g in range(n)]
     return [(mb, c) for group in groups for c in range(v) for mb in group]
@@ -162,8 +162,8 @@ def simulate(p, m, schedule, v=1, t_f=1, t_b=2):
 
 
 def _check_message_order(plans, p):
-    """p2p matches messages between two ranks in posting order: each ordered pair must agree on
-    it."""
+    """p2p matches messages between two ranks in posting order: each ordered pair
+    must agree on it."""
     sent, received = {}, {}
     for r, plan in enumerate(plans):
         for step in plan:

@@ -27,8 +27,8 @@ def free_port() -> int:
 
 class RankFailed(RuntimeError):
     """A local rank raised: which rank, the exception's type name and message as fields; its
-    traceback is the text a person reads. Graders and tests read the fields, never the traceback's
-    wording."""
+    traceback is the text a person reads. Graders and tests read the fields, never the
+    traceback's wording."""
 
     def __init__(self, rank, kind, message, trace):
         super().__init__(f"rank {rank} failed:\n{trace}")

@@ -98,8 +98,8 @@ def clean_prepare(folder):
 
 def find_checkpoint(out_dir, cfg, *, resume, resume_from, max_steps, tokenizer=None, allow_tokenizer_change=False,
                     fast=None):
-    """The next step of the recipe: the checkpoint to resume from (or None), chosen before any
-    collective.
+    """The next step of the recipe: the checkpoint to resume from (or None), chosen
+    before any collective.
 
     A checkpoint in out_dir without --resume is refused (nothing is overwritten); so is one at or
     past --max-steps (nothing to do is an error, not a silent no-op), and one trained with another
@@ -234,8 +234,8 @@ def saved(out_dir, keep_last, resumed_from, grid, step=None):
 
 
 def die_with_parent():
-    """Under torchrun, ask the kernel to SIGKILL this worker when its agent dies (no orphan trains
-    on)."""
+    """Under torchrun, ask the kernel to SIGKILL this worker when its agent dies (no
+    orphan trains on)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
     parent = os.getppid()

@@ -60,8 +60,8 @@ class Guard:
         return loss * 10 if self.injected == "spike" else loss
 
     def spike(self, loss):
-        """The loss lives on the last pipeline stage: unless --on-spike warn, every rank takes its
-        decision."""
+        """The loss lives on the last pipeline stage: unless --on-spike warn, every rank
+        takes its decision."""
         spike = self.spikes.check(loss)
         return faults.grid_agrees(self.grid, spike) if self.spikes.policy != "warn" else spike
 
@@ -132,8 +132,8 @@ class Beating:
 
 
 class Skips:
-    """Consecutive skipped (non-finite) steps: stop past --max-skipped; no checkpoint right after a
-    skip."""
+    """Consecutive skipped (non-finite) steps: stop past --max-skipped; no checkpoint
+    right after a skip."""
 
     def __init__(self, limit):
         self.limit, self.run = limit, 0
@@ -262,8 +262,8 @@ class Watchdog:
 
     @contextlib.contextmanager
     def saving(self, step):
-        """Around a save (and --async-save's final wait): beats come from its writes (tick), not
-        from steps."""
+        """Around a save (and --async-save's final wait): beats come from its writes
+        (tick), not from steps."""
         self.beat(step, "saving")
         self.writes, self.in_save = self._job_writes(), True
         try:

@@ -27,8 +27,8 @@ N, REPS, BYTES = 256, 5, 1 << 20
 
 
 def synchronize(device):
-    """Wait for the device's queued kernels: a CUDA call returns at launch, so an untimed wait is
-    not a time."""
+    """Wait for the device's queued kernels: a CUDA call returns at launch, so an untimed
+    wait is not a time."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -128,8 +128,8 @@ def pair_timer(grid, leaders, slow_rank=None):
 
 
 def check(grid, slow_rank=None, slow_factor=0.5, ranks_as_hosts=False):
-    """Every rank: measure, gather, judge. Returns (table lines, [problems]) -- the same on every
-    rank."""
+    """Every rank: measure, gather, judge. Returns (table lines, [problems]) -- the
+    same on every rank."""
     host = f"rank{grid.rank}" if ranks_as_hosts else socket.gethostname()
     mine = dict(host=host, rate=matmul_rate(grid.rank == slow_rank, grid.device), sum=known_checksum(grid.device))
     everyone = grid.all.all_gather_object(mine)
@@ -160,8 +160,8 @@ def check(grid, slow_rank=None, slow_factor=0.5, ranks_as_hosts=False):
 
 
 def gate(grid, slow_rank=None):
-    """train.py --health-check: the table from the last rank; one line naming the bad ranks, else go
-    on."""
+    """train.py --health-check: the table from the last rank; one line naming the bad
+    ranks, else go on."""
     lines, problems = check(grid, slow_rank)
     if grid.rank == grid.world - 1:
         print("\n".join(lines), flush=True)

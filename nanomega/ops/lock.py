@@ -55,8 +55,8 @@ def _holder_of(text):
 
 
 def _same_job(job, held):
-    """The run id names the job; torchrun's default id "none" (no --rdzv-id) names it only with its
-    agent."""
+    """The run id names the job; torchrun's default id "none" (no --rdzv-id) names it
+    only with its agent."""
     return held[0] == job[0] and (job[0] != "none" or held[1:3] == job[1:])
 
 
@@ -131,8 +131,8 @@ def unlock_out_dir(out_dir, keep_for_restart=False):
 
 
 def _is_holder(pid):
-    """Whether pid still runs HOLDER (a pid is reused once its process is gone: never signal a
-    stranger)."""
+    """Whether pid still runs HOLDER (a pid is reused once its process is gone: never
+    signal a stranger)."""
     try:
         return "agent = int(sys.argv[1])" in open(f"/proc/{pid}/cmdline").read()
     except OSError:

@@ -58,8 +58,8 @@ def gpu_model(name: str):
 
 
 def datasheet_peak(name: str, dtype: torch.dtype, tf32: bool = True):
-    """Peak FLOP/s of GPU `name` for matmuls in `dtype` (fp32 -> tf32 when tf32 is on), or None if
-    unknown."""
+    """Peak FLOP/s of GPU `name` for matmuls in `dtype` (fp32 -> tf32 when tf32 is on),
+    or None if unknown."""
     row = gpu_model(name)
     if row is None:
         return None
@@ -130,8 +130,8 @@ def _vm_hwm_bytes():
 
 
 def peak_memory_gib(device) -> float:
-    """This rank's peak memory since the last reset: CUDA allocated by torch, or the CPU process's
-    RSS."""
+    """This rank's peak memory since the last reset: CUDA allocated by torch, or the
+    CPU process's RSS."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -204,8 +204,8 @@ class MetricsLog:
         self.file = open(path, "a")
 
     def row(self, *, step, loss, lr, grad_norm, skipped, seconds):
-        """A training step's row: throughput, MFU, this interval's peak memory, tokens seen (plot's
-        x axis)."""
+        """A training step's row: throughput, MFU, this interval's peak memory, tokens
+        seen (plot's x axis)."""
         tok_s = self.tokens_per_step / seconds
         return dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm, skipped=skipped, tok_s=tok_s,
                     mfu=mfu(self.flops_per_token, tok_s, self.world, self.peak), peak_flops=self.peak,

@@ -26,8 +26,8 @@ def _shape(n_layer, n_embd, n_head, vocab_size, block_size, alibi=False, embed_l
 
 
 def _llama(n_layer, n_embd, n_head, n_kv_head, ffn_hidden, vocab_size=128256, block_size=8192, **kw):
-    """A Llama 3 row: its params.json / config.json (rope theta 500,000, untied head, RMSNorm eps
-    1e-5)."""
+    """A Llama 3 row: its params.json / config.json (rope theta 500,000, untied head,
+    RMSNorm eps 1e-5)."""
     kw = dict(dict(rope_theta=500000.0, tie_embeddings=False), **kw)
     return _shape(n_layer, n_embd, n_head, vocab_size, block_size, arch="llama", n_kv_head=n_kv_head,
                   ffn_hidden=ffn_hidden, **kw)
@@ -42,8 +42,8 @@ PRESETS = {
     "opt-175b": _shape(96, 12288, 96, 50272, 2048),
     "bloom-176b": _shape(70, 14336, 112, 250880, 2048, alibi=True, embed_layernorm=True),
     "mt-nlg-530b": _shape(105, 20480, 128, 51200, 2048),
-    # Narayanan et al. 2021 (Megatron-LM), Table 1: the weak-scaling runs the planner's time model
-    # is held to
+    # Narayanan et al. 2021 (Megatron-LM), Table 1: the weak-scaling runs the planner's
+    # time model is held to
     "megatron-1.7b": _shape(24, 2304, 24, 51200, 2048), "megatron-3.6b": _shape(30, 3072, 32, 51200, 2048),
     "megatron-7.5b": _shape(36, 4096, 32, 51200, 2048), "megatron-18.4b": _shape(40, 6144, 48, 51200, 2048),
     "megatron-39.1b": _shape(48, 8192, 64, 51200, 2048), "megatron-76.1b": _shape(60, 10240, 80, 51200, 2048),
@@ -53,9 +53,9 @@ PRESETS = {
     # tokens, pre-trained at 8,192 tokens (3.1 extends to 131,072 with --rope-scaling 8)
     "llama3-8b": _llama(32, 4096, 32, 8, 14336), "llama3-70b": _llama(80, 8192, 64, 8, 28672),
     "llama3-405b": _llama(126, 16384, 128, 8, 53248),
-    # Mixtral 8x7B (Jiang et al. 2024; its config.json): Mistral 7B's block with 8 SwiGLU experts, 2
-    # per token, 32,000 tokens, 32,768-token context, rope theta 1e6: 46.7B parameters, 12.9B active
-    # per token
+    # Mixtral 8x7B (Jiang et al. 2024; its config.json): Mistral 7B's block with 8 SwiGLU
+    # experts, 2 per token, 32,000 tokens, 32,768-token context, rope theta 1e6: 46.7B
+    # parameters, 12.9B active per token
     "mixtral-8x7b": _llama(32, 4096, 32, 8, 14336, vocab_size=32000, block_size=32768, rope_theta=1e6, n_experts=8,
                            top_k=2),
     # trains on a 2-core CPU in minutes: 4 query heads sharing 2 key/value heads, a tied head

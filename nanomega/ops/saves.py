@@ -101,9 +101,9 @@ class Saves:
                 self.copies.prune()
 
     def roll_back(self, guard, step, *, engine, scaler, spikes):
-        """--on-spike rollback (roll_back below), once a background save is complete: rank 0 writes
-        its manifest in the background, so before that every rank could see another newest
-        checkpoint."""
+        """--on-spike rollback (roll_back below), once a background save is complete: rank 0
+        writes its manifest in the background, so before that every rank could see another
+        newest checkpoint."""
         self.close(guard, step)
         return roll_back(self.out_dir, self.cfg, self.grid, self.layout, engine=engine, scaler=scaler,
                          spikes=spikes, step=step, copies=self.copies)

@@ -141,8 +141,8 @@ class _ShardWriter:
 
 
 class _Progress:
-    """tqdm over the corpus bytes with tokens/s in the postfix, or a plain line every 5 s without
-    tqdm."""
+    """tqdm over the corpus bytes with tokens/s in the postfix, or a plain line every
+    5 s without tqdm."""
 
     def __init__(self, total, show):
         self.total, self.t0, self.last, self.tqdm = total, time.perf_counter(), 0.0, None

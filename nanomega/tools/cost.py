@@ -57,8 +57,8 @@ class Model:
 
     @classmethod
     def from_shape(cls, shape):
-        """A preset ({model.SHAPE_KEYS: value}) as a Model: GPTConfig's block_size is the planner's
-        seq_len."""
+        """A preset ({model.SHAPE_KEYS: value}) as a Model: GPTConfig's block_size is the
+        planner's seq_len."""
         return cls(**{"seq_len" if k == "block_size" else k: shape[k] for k in SHAPE_KEYS})
 
     @property
@@ -93,8 +93,8 @@ class GPU:
     host_bw: float = 51e9  # bytes/s of host memory, one GPU's share (ZeRO-Offload's CPU Adam)
 
 
-# NVIDIA datasheets; DGX A100: 8x 200 Gb/s HDR InfiniBand, DGX H100: 8x 400 Gb/s NDR, one NIC per
-# GPU;
+# NVIDIA datasheets; DGX A100: 8x 200 Gb/s HDR InfiniBand, DGX H100: 8x 400 Gb/s
+# NDR, one NIC per GPU;
 GPUS = {
     # host: PCIe 4 / 5 x16 (32 / 64 GB/s, ~80% reached), 2 sockets x 8 DDR4-3200 / DDR5-4800
     # channels over 8 GPUs
@@ -168,8 +168,8 @@ def layers_per_stage(model, pp, v=1, split="trainer"):
 
 
 def block_params(model, tp=1):
-    """One layer on one TP rank: GPT-2's, Llama's (tp.kv_replicated) or Llama's with all E experts
-    (not / ep)."""
+    """One layer on one TP rank: GPT-2's, Llama's (tp.kv_replicated) or Llama's with all E
+    experts (not / ep)."""
     h, f, a, kv = model.n_embd, model.ffn, model.n_head, model.kv_heads
     if model.n_experts:
         return moe_layer_params(h, f, a, kv, model.n_experts, model.top_k, model.shared_experts, tp)[0]
@@ -177,11 +177,11 @@ def block_params(model, tp=1):
 
 
 def stage_params(model, tp=1, pp=1, v=1, split="trainer"):
-    """Parameters on one TP rank of each pipeline stage: its layers, the embedding (vocabulary
-    padded to a multiple of 128*tp, split by tp; GPT-2's positions replicated, none with ALiBi or
-    rotary) on the first; the final norm (LayerNorm 2h, RMSNorm h) and the LM head on the last: an
-    untied head's own (V/tp, h) matrix, or with pp > 1 the last stage's copy of the tied
-    embedding."""
+    """Parameters on one TP rank of each pipeline stage: its layers, the embedding
+    (vocabulary padded to a multiple of 128*tp, split by tp; GPT-2's positions replicated,
+    none with ALiBi or rotary) on the first; the final norm (LayerNorm 2h, RMSNorm h) and the
+    LM head on the last: an untied head's own (V/tp, h) matrix, or with pp > 1 the last
+    stage's copy of the tied embedding."""
     h = model.n_embd
     wte = padded_vocab(model, tp) // tp * h
     positions = 0 if model.alibi or model.llama else model.seq_len * h
@@ -213,11 +213,11 @@ def rank_state_bytes(model, tp, pp, dp, zero, dtype="bf16", v=1, split="trainer"
 
 # ---- the cluster ---------------------------------------------------------------------------------
 def links(gpu, gpus, tp, pp):
-    """(pp, dp) bandwidths under the trainer's rank order rank = (d*pp + p)*tp + t. A pipeline is
-    tp*pp neighbouring ranks: on NVLink if that fits in a node. A dp group takes one rank per
-    pipeline: inside a node if all tp*pp*dp do, else it leaves through the NICs of its k members per
-    node (a ring through a node enters and leaves it once per member's NIC), k = per_node / (tp*pp)
-    or 1."""
+    """(pp, dp) bandwidths under the trainer's rank order rank = (d*pp + p)*tp + t. A
+    pipeline is tp*pp neighbouring ranks: on NVLink if that fits in a node. A dp group takes
+    one rank per pipeline: inside a node if all tp*pp*dp do, else it leaves through the NICs
+    of its k members per node (a ring through a node enters and leaves it once per member's
+    NIC), k = per_node / (tp*pp) or 1."""
     per_node = min(gpu.per_node, gpus)
     pp_bw = gpu.intra_bw if tp * pp <= per_node else gpu.inter_bw
     dp_bw = gpu.intra_bw if gpus <= per_node else min(gpu.intra_bw, max(1, per_node // (tp * pp)) * gpu.inter_bw)
@@ -236,9 +236,9 @@ def layer_weights(model, tp=1):
 
 
 def column_inputs(model):
-    """Column-parallel layers that gather (SP) or all-reduce the gradient of (TP) the block's input
-    on their own: GPT-2 qkv and fc; Llama q_proj, kv_proj and gate_up (tp.py splits q and k/v
-    apart)."""
+    """Column-parallel layers that gather (SP) or all-reduce the gradient of (TP) the
+    block's input on their own: GPT-2 qkv and fc; Llama q_proj, kv_proj and gate_up (tp.py
+    splits q and k/v apart)."""
     return 3 if model.llama else 2
 
 
@@ -265,8 +265,8 @@ def layer_seconds(model, gpu, run, tp, time=TIME):
     full, attn_again = run.recompute == "full", run.recompute in ("full", "selective")
     flash = run.attention == "sdpa"
     dense = 2 * b * s * layer_weights(model, tp) * (3 + full)  # forward 1, backward 2, recompute 1
-    # QK^T and AV (GQA shares k/v between heads, not the products); FlashAttention's backward reruns
-    # QK^T
+    # QK^T and AV (GQA shares k/v between heads, not the products); FlashAttention's
+    # backward reruns QK^T
     attn = 4 * b * s * s * h / tp * (3 + attn_again) + (2 * b * s * s * h / tp if flash else 0)
     hbm = (time.elem * b * s * h / (tp if run.sp else 1) * (1 + full / 3)
            + (0 if flash else time.score * b * a / tp * s * s * (1 + attn_again / 3)))
@@ -300,9 +300,9 @@ def step_seconds(model, gpu, gpus, tp, pp, zero, run, time=TIME, global_batch=No
 
 
 def train_seconds(step_at, run, seq_len):
-    """Seconds for run.tokens tokens. Ramp-up as Megatron's --rampup-batch-size START INC SAMPLES:
-    the batch grows START, START+INC, ... each for SAMPLES / ((B - START) / INC) samples, then stays
-    at B."""
+    """Seconds for run.tokens tokens. Ramp-up as Megatron's --rampup-batch-size START INC
+    SAMPLES: the batch grows START, START+INC, ... each for SAMPLES / ((B - START) / INC)
+    samples, then stays at B."""
     total, done, seconds = run.tokens / seq_len, 0.0, 0.0
     if run.rampup:
         start, inc, samples = run.rampup
@@ -351,8 +351,8 @@ def evaluate(model, gpu, gpus, tp, pp, zero, run, time=TIME):
     pb, gb, eb = *PRECISIONS[run.dtype][:2], 4 if run.dtype == "fp32" else 2
     layers = layers_per_stage(model, pp, v, run.split)
     act = layer_activation_bytes(model, run, tp)
-    # full recompute rebuilds one layer's whole activations in backward: the working set on top of
-    # the inputs
+    # full recompute rebuilds one layer's whole activations in backward: the working set
+    # on top of the inputs
     work = layer_activation_bytes(model, run, tp, "none") if run.recompute == "full" else 0
     stages = []
     for k, (p_, g_, o_) in enumerate(rank_state_bytes(model, tp, pp, dp, zero, run.dtype, v, run.split)):

@@ -26,8 +26,8 @@ from nanomega.tools import cost
 
 
 def params(model):
-    """(total, active per token) parameters: every layer with its E experts, or with the k a token
-    uses."""
+    """(total, active per token) parameters: every layer with its E experts, or with
+    the k a token uses."""
     h, f, a, kv = model.n_embd, model.ffn, model.n_head, model.kv_heads
     total = cost.n_params(model)
     if not model.n_experts:
@@ -62,15 +62,15 @@ def rank_state_bytes(model, tp, pp, dp, zero, dtype="bf16", v=1, split="trainer"
 
 
 def expert_state_bytes(model, tp, pp, dp, zero, dtype="bf16", v=1, split="trainer", ep=1):
-    """Parameter + gradient + optimizer bytes of the routed experts one GPU of the heaviest stage
-    holds."""
+    """Parameter + gradient + optimizer bytes of the routed experts one GPU of the
+    heaviest stage holds."""
     return max(sum(zero_state_bytes(e // ep, zero, dp // ep, *cost.PRECISIONS[dtype]))
                for e in expert_stage_params(model, tp, pp, v, split))
 
 
 def dp_bytes(model, tp, pp, dp, zero, run, ep, m):
-    """Bytes one GPU of the heaviest stage sends per step over dp (dense part) and edp (its
-    experts)."""
+    """Bytes one GPU of the heaviest stage sends per step over dp (dense part) and
+    edp (its experts)."""
     v = run.chunks if run.schedule == "interleaved" and pp > 1 else 1
     pb, gb = cost.PRECISIONS[run.dtype][:2]
     return max(dp_comm_bytes(n - e, zero, dp, gb, pb, m) + dp_comm_bytes(e // ep, zero, dp // ep, gb, pb, m)
@@ -124,8 +124,8 @@ def layout_error(model, gpus, tp, pp, zero, run, ep):
 
 
 def evaluate(model, gpu, gpus, tp, pp, zero, run, ep=1, time=cost.TIME):
-    """cost.evaluate with experts: the stand-in's estimate, with the experts' memory, dp bytes and
-    all-to-all."""
+    """cost.evaluate with experts: the stand-in's estimate, with the experts' memory, dp
+    bytes and all-to-all."""
     if not model.n_experts:
         return cost.evaluate(model, gpu, gpus, tp, pp, zero, run, time)
     est = cost.evaluate(stand_in(model), gpu, gpus, tp, pp, zero, run, time)

@@ -24,8 +24,8 @@ from nanomega.tools import cost
 
 
 def cp_layer_seconds(model, gpu, run, tp, cp, method="allgather", time=cost.TIME):
-    """(seconds of one layer and micro-batch on one GPU, cp bytes it sends) with s/cp tokens per
-    sequence."""
+    """(seconds of one layer and micro-batch on one GPU, cp bytes it sends) with s/cp
+    tokens per sequence."""
     b, s, h = run.micro_batch, model.seq_len, model.n_embd
     local = cost.layer_seconds(replace(model, seq_len=s // cp), gpu, run, tp, time)
     again, flash = run.recompute in ("full", "selective"), run.attention == "sdpa"
@@ -42,8 +42,8 @@ def cp_layer_seconds(model, gpu, run, tp, cp, method="allgather", time=cost.TIME
 
 
 def evaluate(model, gpu, gpus, tp, pp, cp, zero, run, method="allgather", time=cost.TIME):
-    """cost.evaluate with a cp axis: dp = gpus / (tp pp cp); the same global batch of whole
-    sequences."""
+    """cost.evaluate with a cp axis: dp = gpus / (tp pp cp); the same global batch
+    of whole sequences."""
     L, h, s, b = model.n_layer, model.n_embd, model.seq_len, run.micro_batch
     local = replace(model, seq_len=s // cp)
     dp = gpus // (tp * pp * cp)

@@ -147,8 +147,8 @@ def _pad_vocab(weights, cfg):
 
 
 def hf_config(src):
-    """config.json of a transformers folder, as a dict; the model types nanomega reads: gpt2, llama,
-    mixtral."""
+    """config.json of a transformers folder, as a dict; the model types nanomega reads:
+    gpt2, llama, mixtral."""
     path = Path(src) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{src} has no config.json: not a transformers model folder")
@@ -202,8 +202,8 @@ def load_pretrained(src, attention="eager") -> GPT:
 
 
 def export(out_dir, to):
-    """Write the latest checkpoint of out_dir as a transformers GPT-2, Llama or Mixtral folder `to`;
-    returns it."""
+    """Write the latest checkpoint of out_dir as a transformers GPT-2, Llama or Mixtral folder
+    `to`; returns it."""
     folder, cfg, tok_name, skipped = checkpoint.saved_model(out_dir)  # the newest that verifies
     for reason in skipped:
         faults.say(f"export: skipped {reason}")

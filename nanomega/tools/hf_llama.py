@@ -17,8 +17,8 @@ _LLAMA_BLOCK = {"ln_1.weight": ("input_layernorm.weight",), "ln_2.weight": ("pos
                 "attn.kv_proj.weight": ("self_attn.k_proj.weight", "self_attn.v_proj.weight"),
                 "mlp.gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
                 "mlp.c_proj.weight": ("mlp.down_proj.weight",)}
-# Llama 3.1's RoPE constants as transformers names them; nanomega computes these values only
-# (modern.py)
+# Llama 3.1's RoPE constants as transformers names them; nanomega computes these
+# values only (modern.py)
 LLAMA3_ROPE = {"low_freq_factor": LLAMA3_LOW_FREQ, "high_freq_factor": LLAMA3_HIGH_FREQ,
                "original_max_position_embeddings": LLAMA3_ORIGINAL_CONTEXT}
 

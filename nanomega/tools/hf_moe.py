@@ -21,8 +21,8 @@ from nanomega.tools.hf_llama import llama_config, llama_name_map
 
 
 def mixtral_config(c: dict) -> GPTConfig:
-    """The GPTConfig of a transformers Mixtral config (its dict); what nanomega cannot compute: one
-    line."""
+    """The GPTConfig of a transformers Mixtral config (its dict); what nanomega cannot
+    compute: one line."""
     bad = [why for is_bad, why in [(c.get("sliding_window"), f"sliding_window {c.get('sliding_window')} (nanomega: "
                                     "full causal attention)"),
                                    (c.get("router_jitter_noise"), "router_jitter_noise (nanomega: none)")] if is_bad]
@@ -38,8 +38,8 @@ def dense_names(n_layer, tied):
 
 
 def check(cfg: GPTConfig, bias=None):
-    """One line for an MoE model a Mixtral cannot hold; bias: the checkpoint's (n_layer, E) routing
-    biases."""
+    """One line for an MoE model a Mixtral cannot hold; bias: the checkpoint's (n_layer,
+    E) routing biases."""
     if cfg.router != "mixtral" or cfg.shared_experts or cfg.capacity_factor:
         raise ValueError("Mixtral routes with --router mixtral, no --shared-experts, no --capacity-factor")
     if bias is not None and bias.abs().sum() > 0:
@@ -48,8 +48,8 @@ def check(cfg: GPTConfig, bias=None):
 
 
 def to_hf(weights, cfg: GPTConfig):
-    """transformers MixtralForCausalLM from nanomega full weights {name: tensor} of an MoE Llama
-    (fp32)."""
+    """transformers MixtralForCausalLM from nanomega full weights {name: tensor} of an
+    MoE Llama (fp32)."""
     import transformers
     check(cfg)
     v = cfg.vocab_size

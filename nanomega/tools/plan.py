@@ -24,8 +24,8 @@ from nanomega.zero import pipeline_error
 
 # ---- the layouts ---------------------------------------------------------------------------------
 def layout_error(model, gpu, gpus, tp, pp, zero, run, global_batch=None, ep=1):
-    """Why (tp, pp, zero) cannot run (with experts over ep ranks), in one line naming the flag, or
-    None."""
+    """Why (tp, pp, zero) cannot run (with experts over ep ranks), in one line naming
+    the flag, or None."""
     batch = run.global_batch if global_batch is None else global_batch
     node = min(gpu.per_node, gpus)
     if tp < 1 or pp < 1:
@@ -71,8 +71,8 @@ def layouts(model, gpu, gpus, run, tp=None, pp=None, dp=None, ep=1):
 
 
 def plan(model, gpu, gpus, run=Run(), tp=None, pp=None, dp=None, ep=1):
-    """Every layout's Estimate (within the pins): those that fit first, each group ranked by step
-    time."""
+    """Every layout's Estimate (within the pins): those that fit first, each group
+    ranked by step time."""
     ests = [cost_moe.evaluate(model, gpu, gpus, t, p, z, run, ep)
             for t, p, z in layouts(model, gpu, gpus, run, tp, pp, dp, ep)]
     return sorted(ests, key=lambda e: (not e.fits, e.step_s))
@@ -100,8 +100,8 @@ def describe(e):
 
 
 def experts_line(model, gpu, gpus, e, run, ep):
-    """What the experts cost in layout e (tools/cost_moe.py): active parameters, expert memory,
-    all-to-all."""
+    """What the experts cost in layout e (tools/cost_moe.py): active parameters, expert
+    memory, all-to-all."""
     total, active = cost_moe.params(model)
     v = run.chunks if run.schedule == "interleaved" and e.pp > 1 else 1
     held = cost_moe.expert_state_bytes(model, e.tp, e.pp, e.dp, e.zero, run.dtype, v, run.split, ep)
@@ -112,8 +112,8 @@ def experts_line(model, gpu, gpus, e, run, ep):
 
 
 def as_json(e, run, gpu):
-    """One estimate, machine-readable: GB (1e9 bytes) per GPU by part, bytes sent, time, FLOP/s,
-    MFU, days."""
+    """One estimate, machine-readable: GB (1e9 bytes) per GPU by part, bytes sent, time,
+    FLOP/s, MFU, days."""
     gb = {k: round(getattr(e, k) / 1e9, 3) for k in ("params", "grads", "optim", "acts")}
     return dict(tp=e.tp, pp=e.pp, dp=e.dp, zero=e.zero, micro_batch=run.micro_batch, micro_batches=e.micro_batches,
                 layers_per_stage=list(e.layers), gb_per_gpu=dict(gb, total=round(e.memory / 1e9, 3)),

@@ -108,8 +108,8 @@ def save_ranks(ranks: dict[bytes, int], path: Path) -> None:
 
 
 def to_hf(enc):
-    """An HF fast tokenizer equal to a GPT-2-pattern tiktoken Encoding, or None if it has no such
-    equivalent."""
+    """An HF fast tokenizer equal to a GPT-2-pattern tiktoken Encoding, or None if it has
+    no such equivalent."""
     if enc._pat_str != GPT2_PATTERN or set(enc._special_tokens) != {ENDOFTEXT}:
         return None
     import transformers
