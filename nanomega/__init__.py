@@ -1,39 +1,49 @@
-"""nanomega: large-language-model training the way Megatron-LM and DeepSpeed do it, one concept per file.
+"""nanomega: large-language-model training as Megatron-LM and DeepSpeed do it, one concept per file.
 
-Read the concepts in the lessons' order (lessons/README.md); each module's docstring gives its Idea, its
-Formula and its lesson:
+Read the concepts in the lessons' order (lessons/README.md); each module's docstring gives its idea,
+its formulas and its lesson:
 
-    00  dist.py                  the rank grid (dp, pp, cp, tp) and the Axis every collective goes through, in bytes
-        worlds.py                local worlds: N CPU ranks on this machine (tests, lessons, bench)
-    01  model.py                 the dense GPT: the reference every sharded form is tested against
-        modern.py                the Llama block's pieces: rotary positions, RMSNorm, SwiGLU, grouped-query (lesson 13)
-        data.py                  text -> tokens -> this rank's resumable batches
-    02  ddp.py                   data parallelism: gradient buckets reduced while backward runs
-        flat.py                  flat buffers and their shards: the bookkeeping under ZeRO
-        zero.py                  ZeRO-1/2: the optimizer over this rank's pieces
-        zero3.py                 ZeRO-3: parameter units gathered on demand
-        clip.py                  the global gradient norm over dp, tp and pp: each element counted once
-        offload.py               ZeRO-Offload: optimizer state (and ZeRO-3's parameter shards) in host memory
-    03  tp.py, rng.py            tensor parallelism (Megatron's f/g) and its dropout RNG
-        tp_loss.py               the cross-entropy of vocabulary-split logits: no rank holds them all
-    04  tp.py                    sequence parallelism (the same file: all-gather / reduce-scatter for f/g)
-    05  pp.py, schedules.py      pipeline stages; GPipe / 1F1B / interleaved as plain data and a simulator
-    06  precision.py             bf16 / fp16, fp32 masters, loss scaling
-    07  recompute.py             full and selective activation recompute
-    08  fused.py, csrc/          fused C++/CUDA kernels
-        cpu_adam.py              CPUAdamW: the Adam/AdamW step in one fused C++ pass over host fp32 buffers
-    09  meta.py                  build any size: the model on meta, each rank draws only its slice (+ dry run)
-        train.py                 the composer: TP -> PP -> recompute -> precision -> DP/ZeRO, then the loop
-    10  checkpoint.py, reshard.py  sharded checkpoints; any layout loads any other
-        flash.py                 each rank's newest shard also in shared memory: a restart reads it from there
-    11  formulas.py              the closed forms (FLOPs, bytes, activations) the planner and the tests use
-    14  moe.py                   mixture of experts: the router, balancing, capacity, shared experts
-        ep.py                    expert parallelism: tokens to their experts' ranks and back (all-to-all)
-    15  cp.py                    context parallelism: ring, all-gather and Ulysses attention over a cp axis
-        documents.py             --document-mask: packed documents attend only inside themselves (ids per window)
+    00  dist.py       the rank grid (dp, pp, cp, tp) and the Axis every collective goes through, in
+                      bytes
+        worlds.py     local worlds: N CPU ranks on this machine (tests, lessons, bench)
+    01  model.py      the dense GPT: the reference every sharded form is tested against
+        modern.py     the Llama block's pieces: rotary positions, RMSNorm, SwiGLU, grouped-query
+                      (lesson 13)
+        data.py       text -> tokens -> this rank's resumable batches
+    02  ddp.py        data parallelism: gradient buckets reduced while backward runs
+        flat.py       flat buffers and their shards: the bookkeeping under ZeRO
+        zero.py       ZeRO-1/2: the optimizer over this rank's pieces
+        zero3.py      ZeRO-3: parameter units gathered on demand
+        clip.py       the global gradient norm over dp, tp and pp: each element counted once
+        offload.py    ZeRO-Offload: optimizer state (and ZeRO-3's parameter shards) in host memory
+    03  tp.py, rng.py
+                      tensor parallelism (Megatron's f/g) and its dropout RNG
+        tp_loss.py    the cross-entropy of vocabulary-split logits: no rank holds them all
+    04  tp.py         sequence parallelism (the same file: all-gather / reduce-scatter for f/g)
+    05  pp.py, schedules.py
+                      pipeline stages; GPipe / 1F1B / interleaved as plain data and a simulator
+    06  precision.py  bf16 / fp16, fp32 masters, loss scaling
+    07  recompute.py  full and selective activation recompute
+    08  fused.py, csrc/
+                      fused C++/CUDA kernels
+        cpu_adam.py   CPUAdamW: the Adam/AdamW step in one fused C++ pass over host fp32 buffers
+    09  meta.py       build any size: the model on meta, each rank draws only its slice (+ dry run)
+        train.py      the composer: TP -> PP -> recompute -> precision -> DP/ZeRO, then the loop
+    10  checkpoint.py, reshard.py
+                      sharded checkpoints; any layout loads any other
+        flash.py      each rank's newest shard also in shared memory: a restart reads it from there
+    11  formulas.py   the closed forms (FLOPs, bytes, activations) the planner and the tests use
+    14  moe.py        mixture of experts: the router, balancing, capacity, shared experts
+        ep.py         expert parallelism: tokens to their experts' ranks and back (all-to-all)
+    15  cp.py         context parallelism: ring, all-gather and Ulysses attention over a cp axis
+        documents.py  --document-mask: packed documents attend only inside themselves (ids per
+                      window)
 
 Beside the concepts, two folders a student may skip:
-    ops/    running a job: flags and their checks, failure handling, health check, meter (MFU, memory)
-    tools/  commands around training: planner, HF interchange, plots, sampling, corpus and tokenizer preparation
-Imports point down: tools -> ops -> concepts; model.py imports only modern.py and moe.py (the block's pieces).
+    ops/    running a job: flags and their checks, failure handling, health check, meter (MFU,
+            memory)
+    tools/  commands around training: planner, HF interchange, plots, sampling, corpus and tokenizer
+            preparation
+Imports point down: tools -> ops -> concepts; model.py imports only modern.py and moe.py (the
+block's pieces).
 """

@@ -1,20 +1,13 @@
-"""Checkpoints: every rank writes its own shard, atomically; a manifest with checksums is written last.
+"""Checkpoints: each rank writes its own shard, atomically; a manifest with checksums comes last.
 
-Idea: a checkpoint is a folder `OUT/ckpt/step_000123/` holding one `rank_00007.pt` per rank and a
-`manifest.json` (step, model config, layout, sha256 of every shard). A shard is written to a temporary name
-and renamed, so a crash mid-write leaves a `.tmp` file, never a wrong shard; the manifest is written only
-after every rank has finished (a barrier), and `OUT/ckpt/latest` points at the newest folder whose manifest
-exists. Each rank hashes its own shard into `rank_00007.json` (sha256, size, the pieces it holds), which the
-manifest gathers: no rank reads every shard. Every file and its directory are fsynced, so a power loss never
-leaves an empty pointer or manifest.
-Discovery (`find_resume`) scans the step folders -- the pointer is only a hint -- verifies them (checksums, and
-every tensor finite: a diverged step checksums fine) newest first and falls back to the newest complete, verified one, naming what it skipped and why (OPT-175B's logbook:
-a bad shard must cost one checkpoint interval, not the run). `retain` keeps the last K. The manifest is read
-here only: read_manifest_json (parsed), read_manifest (verified against a model), saved_model (a command's
-newest verified checkpoint, for sampling and HF export).
+A checkpoint is a folder `OUT/ckpt/step_000123/`: one `rank_00007.pt` per rank (written to a
+temporary name, then renamed) with its `rank_00007.json` (sha256, size, pieces), and a
+`manifest.json` that gathers them, written after a barrier; every file and directory is fsynced.
+`find_resume` verifies folders newest first and falls back, naming what it skipped; `retain` keeps
+the last K. The manifest is read here only (read_manifest_json, read_manifest, saved_model);
+resharding on load is reshard.py.
 
-Resharding on load (reading pieces by name into any layout) is nanomega/reshard.py.
-Failure law: a job of N ranks, each failing with probability p per hour, survives an hour with (1-p)^N.
+Formula: a job of N ranks, each failing with probability p per hour, survives an hour with (1-p)^N.
 Lesson: lessons/10-checkpoints-and-failures.md
 """
 import dataclasses
@@ -44,7 +37,8 @@ def _fsync(path):
 
 
 def replace_atomically(path, write):
-    """write(tmp), fsync it, rename it over `path`, fsync the directory: `path` is the old file or the new."""
+    """write(tmp), fsync it, rename it over `path`, fsync the directory: `path` is the
+    old file or the new."""
     tmp = f"{path}.tmp"
     write(tmp)
     _fsync(tmp)
@@ -60,15 +54,17 @@ def write_text(text):
 
 
 def _index(state):
-    """[name, tp_rank, start, end] of every piece a shard holds: the manifest's map from pieces to shards."""
+    """[name, tp_rank, start, end] of every piece a shard holds: the manifest's map from
+    pieces to shards."""
     u = state.get("universal", {})
     return [[p["name"], u["tp_rank"], p["start"], p["end"]] for p in u.get("pieces", [])]
 
 
 def save(out_dir, step, cfg, state, grid, layout=None, wrap=None, keep=None):
-    """Every rank calls this with its own `state`; returns the checkpoint folder once the manifest exists.
-    wrap(file): what torch.save writes the shard through (ops/guard.py: the hang watchdog counts its writes).
-    keep(folder): called once this rank's shard is written, before the manifest (flash.py: a copy in memory)."""
+    """Every rank calls this with its own `state`; returns the checkpoint folder once the manifest
+    exists. wrap(file): what torch.save writes the shard through (ops/guard.py: the hang watchdog
+    counts its writes). keep(folder): called once this rank's shard is written, before the manifest
+    (flash.py: a copy in memory)."""
     folder = write_shard(out_dir, step, state, grid.rank, wrap)
     if keep:
         keep(folder)
@@ -82,11 +78,13 @@ def write_shard(out_dir, step, state, rank, wrap=None):
     shard = os.path.join(folder, shard_name(rank))
     made = {}
 
-    def write(tmp):  # each rank hashes its own shard (the writer thread, under --async-save), not rank 0 all
+    # each rank hashes its own shard (the writer thread, under --async-save), not rank 0 all
+    def write(tmp):
         try:
             with open(tmp, "wb") as f:
                 torch.save(state, wrap(f) if wrap else f)
-        except (OSError, RuntimeError) as e:  # torch's writer may report a full disk as "unexpected pos"
+        except (OSError, RuntimeError) as e:
+            # torch's writer may report a full disk as "unexpected pos"
             if getattr(e, "errno", None) == errno.ENOSPC or shutil.disk_usage(folder).free < 1 << 20:
                 raise OSError(errno.ENOSPC, "No space left on device", tmp) from e
             raise
@@ -98,7 +96,8 @@ def write_shard(out_dir, step, state, rank, wrap=None):
 
 
 def write_manifest(out_dir, folder, step, cfg, grid, layout=None):
-    """Collective: once every rank's shard is on disk, rank 0 writes the manifest, then the pointer."""
+    """Collective: once every rank's shard is on disk, rank 0 writes the manifest,
+    then the pointer."""
     grid.barrier()  # every shard is on disk before the manifest claims the checkpoint is complete
     if grid.rank == 0:
         _manifest(out_dir, folder, step, cfg, grid.world, layout)
@@ -116,38 +115,45 @@ def _manifest(out_dir, folder, step, cfg, world, layout):
 
 
 class AsyncSaver:
-    """--async-save ("flash" checkpoints, as DLRover's and torch.distributed.checkpoint.async_save): at the
-    step boundary the state is only copied to CPU memory; a writer thread (one, kept) writes the shard while
-    training goes on; the manifest comes once every rank's write has finished (`poll` asks all ranks at each
-    step boundary), so a crash mid-write leaves the previous checkpoint the newest complete one. One write in
-    flight at a time.
+    """--async-save ("flash" checkpoints, as DLRover's and torch.distributed.checkpoint.async_save):
+    at the step boundary the state is only copied to CPU memory; a writer thread (one, kept) writes
+    the shard while training goes on; the manifest comes once every rank's write has finished
+    (`poll` asks all ranks at each step boundary), so a crash mid-write leaves the previous
+    checkpoint the newest complete one. One write in flight at a time.
 
-    The state may hold views of live engine buffers (reshard.pieces(copy=False), i.e. reshard.export_by_name(engine, copy=False)): `start` copies
-    each tensor, once, into a CPU buffer kept for its place in the state and reused by every later save
-    (fresh memory costs a page fault per 4 KiB page, several times the copy itself: bench/RESULTS.md). So the
-    training thread stalls for one memory copy of the shard, and the saver holds one shard of CPU memory.
-    From a GPU the buffers are pinned and the copies asynchronous: the writer waits for them, not training."""
+    The state may hold views of live engine buffers (reshard.pieces(copy=False), i.e.
+    reshard.export_by_name(engine, copy=False)): `start` copies each tensor, once, into a CPU buffer
+    kept for its place in the state and reused by every later save (fresh memory costs a page fault
+    per 4 KiB page, several times the copy itself: bench/RESULTS.md). So the training thread stalls
+    for one memory copy of the shard, and the saver holds one shard of CPU memory. From a GPU the
+    buffers are pinned and the copies asynchronous: the writer waits for them, not training."""
 
-    def __init__(self, out_dir, cfg, grid, layout, keep=None):  # keep: as save's, on the writer thread
+    # keep: as save's, on the writer thread
+    def __init__(self, out_dir, cfg, grid, layout, keep=None):
         self.out_dir, self.cfg, self.grid, self.layout, self.keep = out_dir, cfg, grid, layout, keep
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="nanomega-ckpt")
-        self.writer.submit(int)  # its one thread started now and kept: start() never waits for a new thread
-        self.shard, self.manifest, self.step = None, None, None  # the writer's jobs (futures) in flight
+        # its one thread started now and kept: start() never waits for a new thread
+        self.writer.submit(int)
+        # the writer's jobs (futures) in flight
+        self.shard, self.manifest, self.step = None, None, None
         self.buffers = {}  # place in the state (a path of keys) -> its CPU buffer
 
     def start(self, step, state, wrap=None):
         self.wait()  # the previous save is complete: its writer has finished with the buffers
         old, self.buffers = self.buffers, {}
-        state = self._snapshot(state, (), old)  # the training step may overwrite the live buffers next
+        # the training step may overwrite the live buffers next
+        state = self._snapshot(state, (), old)
         copied = None
-        if any(b.is_pinned() for b in self.buffers.values()):  # a GPU source (pinned buffers only then)
+        # a GPU source (pinned buffers only then)
+        if any(b.is_pinned() for b in self.buffers.values()):
             copied = torch.cuda.Event()
             copied.record()  # after the device-to-host copies, on the stream that queued them
         self.step = step
         self.shard = self.writer.submit(self._write, step, state, copied, wrap)
 
     def _snapshot(self, obj, path, old):
-        """`obj` with every tensor copied into its buffer (the one from the last save if shape and dtype match)."""
+        """`obj` with every tensor copied into its buffer (the one from the last save if shape and
+        dtype match)."""
         if torch.is_tensor(obj):
             buf = old.get(path)
             if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
@@ -168,21 +174,23 @@ class AsyncSaver:
             self.keep(folder)
 
     def poll(self, anyone_busy):
-        """At a step boundary (every rank): once no rank is still writing its shard -- the vote shows every
-        shard on disk, as write_manifest's barrier would -- rank 0 writes the manifest in the background
-        (no barrier, and its fsyncs off the training thread)."""
+        """At a step boundary (every rank): once no rank is still writing its shard -- the vote
+        shows every shard on disk, as write_manifest's barrier would -- rank 0 writes the manifest
+        in the background (no barrier, and its fsyncs off the training thread)."""
         if self.shard is not None and not anyone_busy(not self.shard.done()):
             self._finish(background=True)
 
     def wait(self):
-        """Collective: finish the save in flight (writer joined, manifest written). Returns the folder, or None."""
+        """Collective: finish the save in flight (writer joined, manifest written). Returns the
+        folder, or None."""
         return self._finish(background=False)
 
     def _finish(self, background):
         shard, manifest, self.shard, self.manifest = self.shard, self.manifest, None, None
         for job in (manifest, shard):
             if job is not None:
-                job.result()  # waits; re-raises the writer's error (OSError: disk full ...) on this thread
+                # waits; re-raises the writer's error (OSError: disk full ...) on this thread
+                job.result()
         if shard is None:
             return None
         folder = os.path.join(self.out_dir, "ckpt", f"step_{self.step:06d}")
@@ -203,8 +211,8 @@ def step_folders(out_dir):
 
 
 def latest(out_dir):
-    """The newest folder holding a manifest (not verified), or None. The `latest` pointer is not trusted:
-    a lost or stale pointer must never make a resume start from step 0."""
+    """The newest folder holding a manifest (not verified), or None. The `latest` pointer is not
+    trusted: a lost or stale pointer must never make a resume start from step 0."""
     return next((f for _, f in step_folders(out_dir) if os.path.isfile(os.path.join(f, "manifest.json"))), None)
 
 
@@ -221,9 +229,10 @@ def read_manifest_json(folder):
 
 
 def saved_model(out_dir):
-    """(folder, GPTConfig, tokenizer name, [skipped folder: reason]) of the newest checkpoint in out_dir that
-    verifies -- its manifest, and every shard against its checksum, as --resume does: what a command rebuilds the
-    model from (tools/sample.py, tools/hf.py). A damaged newer one is skipped and named, never read."""
+    """(folder, GPTConfig, tokenizer name, [skipped folder: reason]) of the newest checkpoint in
+    out_dir that verifies -- its manifest, and every shard against its checksum, as --resume does:
+    what a command rebuilds the model from (tools/sample.py, tools/hf.py). A damaged newer one is
+    skipped and named, never read."""
     skipped = []
     for _, folder in step_folders(out_dir):
         try:
@@ -239,11 +248,12 @@ def saved_model(out_dir):
 
 
 def read_manifest(folder, cfg, verify=None):
-    """Check shape and checksums (of the shards in `verify`, default all; the others' presence and size);
-    a mismatch is a clear error, never a silently wrong resume."""
+    """Check shape and checksums (of the shards in `verify`, default all; the others' presence and
+    size); a mismatch is a clear error, never a silently wrong resume."""
     manifest = read_manifest_json(folder)
     saved, want = manifest["config"], dataclasses.asdict(cfg)
-    saved = {**dataclasses.asdict(GPTConfig()), **saved}  # a checkpoint older than a key: that key's default
+    # a checkpoint older than a key: that key's default
+    saved = {**dataclasses.asdict(GPTConfig()), **saved}
     diff = [f"{k}={saved.get(k)} (now {want[k]})" for k in SHAPE_KEYS if saved.get(k) != want[k]]
     if diff:
         raise ValueError(f"--resume: the checkpoint in {folder} is for another model shape: {', '.join(diff)}; "
@@ -265,8 +275,8 @@ def read_manifest(folder, cfg, verify=None):
 
 
 def nonfinite(state, where="state"):
-    """The path of the first floating-point tensor in a shard's state holding a NaN or an infinity (a piece
-    named by its parameter), else None."""
+    """The path of the first floating-point tensor in a shard's state holding a NaN or an infinity
+    (a piece named by its parameter), else None."""
     if torch.is_tensor(state):
         return where if state.is_floating_point() and not bool(torch.isfinite(state).all()) else None
     if isinstance(state, dict):
@@ -285,9 +295,10 @@ def shard_name(rank):
 def find_resume(out_dir, cfg, resume_from=None):
     """(folder or None, [skipped folder: reason]): the checkpoint to resume from.
 
-    `resume_from` (a step number or a folder) is verified alone: an error if it fails. Otherwise every step
-    folder, newest first, until one verifies. No verified checkpoint: start fresh if no folder was ever
-    complete (a first save that crashed), else refuse -- starting at step 0 would overwrite the run.
+    `resume_from` (a step number or a folder) is verified alone: an error if it fails. Otherwise
+    every step folder, newest first, until one verifies. No verified checkpoint: start fresh if no
+    folder was ever complete (a first save that crashed), else refuse -- starting at step 0 would
+    overwrite the run.
     """
     if resume_from is not None:
         folder = os.path.join(out_dir, "ckpt", f"step_{int(resume_from):06d}") if str(resume_from).isdigit() \
@@ -313,8 +324,8 @@ def find_resume(out_dir, cfg, resume_from=None):
 
 
 def set_aside_newer(out_dir, step):
-    """Resuming from an older step on purpose: newer step folders move to OUT/ckpt/abandoned/ (kept, never
-    deleted), so that a later --resume does not jump back onto the abandoned timeline."""
+    """Resuming from an older step on purpose: newer step folders move to OUT/ckpt/abandoned/ (kept,
+    never deleted), so that a later --resume does not jump back onto the abandoned timeline."""
     moved = []
     for s, folder in step_folders(out_dir):
         if s > step:
@@ -326,10 +337,11 @@ def set_aside_newer(out_dir, step):
 
 
 def retain(out_dir, keep_last, protect=(), upto=None):
-    """Delete complete checkpoints older than the newest `keep_last` ones, never one in `protect` (the one
-    this run resumed from); incomplete folders older than the newest complete one go too. Returns them.
-    upto: the step just saved. A folder past it belongs to another timeline (a damaged newer checkpoint the run
-    fell back from): it is neither counted as newest nor deleted, so the checkpoint just written stays."""
+    """Delete complete checkpoints older than the newest `keep_last` ones, never one in `protect`
+    (the one this run resumed from); incomplete folders older than the newest complete one go too.
+    Returns them. upto: the step just saved. A folder past it belongs to another timeline (a damaged
+    newer checkpoint the run fell back from): it is neither counted as newest nor deleted, so the
+    checkpoint just written stays."""
     folders = [(s, f) for s, f in step_folders(out_dir) if upto is None or s <= upto]
     complete = [f for _, f in folders if os.path.isfile(os.path.join(f, "manifest.json"))]
     if not complete:
@@ -345,6 +357,7 @@ def retain(out_dir, keep_last, protect=(), upto=None):
 
 
 def load_shard(folder, rank, path=None):
-    """One rank's shard on the CPU, whatever device saved it; memory-mapped: only what is read is paged in.
-    path: a verified byte-identical copy to read instead (flash.py's, in shared memory)."""
+    """One rank's shard on the CPU, whatever device saved it; memory-mapped: only what is
+    read is paged in. path: a verified byte-identical copy to read instead (flash.py's,
+    in shared memory)."""
     return torch.load(path or os.path.join(folder, shard_name(rank)), map_location="cpu", mmap=True, weights_only=False)

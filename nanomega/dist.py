@@ -1,15 +1,17 @@
 """The rank grid and the one layer every collective goes through.
 
-Idea: `world = dp * pp * cp * tp` ranks laid out as `arange(world).view(dp, pp, cp, tp)` (`layout`): tensor
-parallel ranks are neighbours (inside a node, fastest links), then context parallel, pipeline stages, and data
-parallel outermost; expert parallel groups are carved out of dp. Each axis gets its own process group, wrapped
-in an `Axis` whose collectives record (op, axis, dtype, bytes) in a `CommLog`, so lessons and tests can hold
-measured traffic against formulas. Device and backend are chosen here and nowhere else: nccl on CUDA, gloo on CPU.
+`world = dp * pp * cp * tp` ranks laid out as `arange(world).view(dp, pp, cp, tp)` (`layout`):
+tensor parallel ranks are neighbours, then context parallel, pipeline stages, and data parallel
+outermost; expert parallel groups are carved out of dp. Each axis gets its own process group,
+wrapped in an `Axis` whose collectives record (op, axis, dtype, bytes) in a `CommLog`, so lessons
+and tests can hold measured traffic against formulas. Device and backend are chosen here only: nccl
+on CUDA, gloo on CPU.
 
 Bytes one rank sends for a collective over n ranks on a ring, for a tensor of B bytes:
     all_reduce 2(n-1)/n * B      reduce_scatter (n-1)/n * B_in      all_gather (n-1)/n * B_out
     all_to_all: the rows it addresses to the other ranks (B (n-1)/n for equal splits)
-Lessons: lessons/02-data-parallel-and-zero.md (the formulas), lessons/09-3d-parallelism.md (the grid).
+Lessons: lessons/02-data-parallel-and-zero.md (the formulas),
+         lessons/09-3d-parallelism.md (the grid).
 """
 import datetime
 import os
@@ -21,9 +23,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-# One-tensor collectives: newer torch (2.13 here) names them all_gather_single / reduce_scatter_single
-# (pytorch#186123; the old names stay as deprecated wrappers); torch 2.11 and older have only
-# all_gather_into_tensor / reduce_scatter_tensor. Resolved once here, the newer name first.
+# One-tensor collectives: newer torch (2.13 here) names them all_gather_single /
+# reduce_scatter_single (pytorch#186123; the old names stay as deprecated wrappers); torch 2.11 and
+# older have only all_gather_into_tensor / reduce_scatter_tensor. Resolved once here, the newer name
+# first.
 ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -34,7 +37,8 @@ RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n 
 
 @dataclass
 class CommLog:
-    """Per-rank traffic: (op, axis, dtype) -> [calls, tensor bytes]. `wire_bytes` applies the ring factors."""
+    """Per-rank traffic: (op, axis, dtype) -> [calls, tensor bytes]. `wire_bytes` applies
+    the ring factors."""
     counts: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
     sizes: dict = field(default_factory=dict)  # axis name -> ranks in it
 
@@ -60,7 +64,8 @@ class CommLog:
 
 
 class Axis:
-    """One axis of the grid: its process group (None on one rank), this rank's place in it, counted collectives."""
+    """One axis of the grid: its process group (None on one rank), this rank's place in it, counted
+    collectives."""
 
     def __init__(self, name, group, ranks, rank, log):
         self.name, self.group, self.ranks, self.log = name, group, list(ranks), log
@@ -91,9 +96,10 @@ class Axis:
         return out
 
     def start(self, op, out, t=None):
-        """all_reduce(out), all_gather(out, t) or reduce_scatter(out, t) launched without waiting, counted as
-        the blocking ones: returns a Work to .wait() on, or None on a one-rank axis (out is already done).
-        ZeRO overlaps its gradient reduction with backward, and its parameter prefetch with compute, this way."""
+        """all_reduce(out), all_gather(out, t) or reduce_scatter(out, t) launched without waiting,
+        counted as the blocking ones: returns a Work to .wait() on, or None on a one-rank axis (out
+        is already done). ZeRO overlaps its gradient reduction with backward, and its parameter
+        prefetch with compute, this way."""
         if not self._count(op, t if op == "reduce_scatter" else out):
             if t is not None:
                 out.copy_(t)
@@ -113,7 +119,8 @@ class Axis:
             dist.barrier(group=self.group)
 
     def all_gather_object(self, obj):
-        """[every rank's obj] in axis order (pickled; for metadata), counted as an all-gather of the largest pickle."""
+        """[every rank's obj] in axis order (pickled; for metadata), counted as an all-gather of the
+        largest pickle."""
         if self.size == 1:
             return [obj]
         out = [None] * self.size
@@ -123,8 +130,9 @@ class Axis:
         return out
 
     def p2p(self, sends=(), recvs=(), wait=True):
-        """Batched point-to-point on this axis: sends/recvs are (tensor, index-in-axis) pairs. Waits for all, or
-        (wait=False) returns the Works to .wait() on: a ring passes the next block while this one computes."""
+        """Batched point-to-point on this axis: sends/recvs are (tensor, index-in-axis) pairs. Waits
+        for all, or (wait=False) returns the Works to .wait() on: a ring passes the next block while
+        this one computes."""
         ops = [dist.P2POp(dist.isend, t, self.ranks[i], self.group) for t, i in sends if self._count("send", t)]
         ops += [dist.P2POp(dist.irecv, t, self.ranks[i], self.group) for t, i in recvs if self._count("recv", t)]
         works = dist.batch_isend_irecv(ops) if ops else []
@@ -133,8 +141,9 @@ class Axis:
         return None if wait else works
 
     def all_to_all(self, out, t, out_splits=None, in_splits=None):
-        """all_to_all_single: rows in_splits[i] of t go to rank i of the axis, out gets rank i's rows for us in axis
-        order (None: equal splits; gloo takes uneven ones). Counted as the bytes that leave this rank."""
+        """all_to_all_single: rows in_splits[i] of t go to rank i of the axis, out gets rank i's
+        rows for us in axis order (None: equal splits; gloo takes uneven ones). Counted as the bytes
+        that leave this rank."""
         row = t[:1].numel() * t.element_size()
         mine = in_splits[self.rank] if in_splits is not None else t.shape[0] // max(self.size, 1)
         if self.size > 1:
@@ -146,12 +155,13 @@ class Axis:
 
 
 def layout(dp=1, pp=1, tp=1, cp=1, ep=1):
-    """Every group of every axis as lists of ranks, {Grid attribute: [[ranks], ...]}: the one home of the layout (Grid
-    builds these groups, meta.PaperGrid finds a rank's). Ranks as arange(world).view(dp, pp, cp, tp): tp fastest
-    (neighbours inside a node), then cp (it trades keys and values every layer), pp, and dp outermost.
-    dp_cp: the replicas of a dense weight (its gradient is reduced over dp and cp: cp ranks hold the same
-    weights, other tokens). ep is carved out of dp (Megatron's way): dp index d = e_out x ep + e; ep: the ranks
-    that trade tokens for one set of experts; edp: the replicas of one expert (same e, over e_out and cp)."""
+    """Every group of every axis as lists of ranks, {Grid attribute: [[ranks], ...]}: the one home
+    of the layout (Grid builds these groups, meta.PaperGrid finds a rank's). Ranks as
+    arange(world).view(dp, pp, cp, tp): tp fastest (neighbours inside a node), then cp (it trades
+    keys and values every layer), pp, and dp outermost. dp_cp: the replicas of a dense weight (its
+    gradient is reduced over dp and cp: cp ranks hold the same weights, other tokens). ep is carved
+    out of dp (Megatron's way): dp index d = e_out x ep + e; ep: the ranks that trade tokens for one
+    set of experts; edp: the replicas of one expert (same e, over e_out and cp)."""
     world = dp * pp * cp * tp
     g = torch.arange(world).view(dp, pp, cp, tp)
     D, P, C, T = range(dp), range(pp), range(cp), range(tp)
@@ -166,7 +176,8 @@ def layout(dp=1, pp=1, tp=1, cp=1, ep=1):
             "embed": [g[d, [0, pp - 1], c, t].unique() for d in D for c in C for t in T]}
 
 
-SHORT = {"dp_cp": "dpcp", "embed": "emb"}  # an axis's name in the CommLog's tables, where it differs
+# an axis's name in the CommLog's tables, where it differs
+SHORT = {"dp_cp": "dpcp", "embed": "emb"}
 
 
 def check_layout(world, dp=1, pp=1, tp=1, cp=1, ep=1):
@@ -182,8 +193,9 @@ def check_layout(world, dp=1, pp=1, tp=1, cp=1, ep=1):
 
 
 class Grid:
-    """The (dp, pp, cp, tp) rank grid, and ep inside dp. Every rank builds every group, in one order (a torch
-    rule), and never two for the same ranks: ep = dp (ep = dp size) is one group under two names."""
+    """The (dp, pp, cp, tp) rank grid, and ep inside dp. Every rank builds every group, in one
+    order (a torch rule), and never two for the same ranks: ep = dp (ep = dp size) is one
+    group under two names."""
 
     def __init__(self, dp=1, pp=1, tp=1, cp=1, ep=1):
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -193,24 +205,28 @@ class Grid:
         replicas = {}  # the groups of dp and dp_cp -> their Axis
         for attr, slices in layout(dp, pp, tp, cp, ep).items():
             key = tuple(tuple(s.tolist()) for s in slices)
-            # a replica axis equal to one before it (dp_cp when cp = 1, edp when ep = 1) is that one, by its name
+            # a replica axis equal to one before it (dp_cp when cp = 1, edp when ep = 1) is that
+            # one, by its name
             axis = replicas.get(key) if attr in ("dp_cp", "edp") else None
             setattr(self, attr, axis or self._axis(SHORT.get(attr, attr), slices))
             if attr in ("dp", "dp_cp"):
                 replicas.setdefault(key, getattr(self, attr))
         self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = self.dp.rank, self.pp.rank, self.cp.rank, self.tp.rank
         self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == pp - 1
-        self.all = Axis("all", dist.group.WORLD, range(world), rank, self.log)  # the whole world (health, checks)
+        # the whole world (health, checks)
+        self.all = Axis("all", dist.group.WORLD, range(world), rank, self.log)
         self.backend = dist.get_backend()
         self.device = default_device("cuda" if self.backend == "nccl" else "cpu")  # the device init chose
         self.host = socket.gethostname()
         store().set(f"nanomega/host/{rank}", self.host)  # for faults.lost_ranks: who was where
 
-    def _axis(self, name, slices):  # every group made first, on every rank, in one order (new_group's rule)
+    # every group made first, on every rank, in one order (new_group's rule)
+    def _axis(self, name, slices):
         groups = [(ranks.tolist(), self._group(ranks.tolist())) for ranks in slices]
         return next((Axis(name, g, ranks, self.rank, self.log) for ranks, g in groups if self.rank in ranks), None)
 
-    def _group(self, ranks):  # one rank: no group (its Axis calls no collective; NCCL: no communicator)
+    # one rank: no group (its Axis calls no collective; NCCL: no communicator)
+    def _group(self, ranks):
         if len(ranks) == 1 or len(ranks) == self.world:
             return None if len(ranks) == 1 else dist.group.WORLD
         if tuple(ranks) not in self.groups:  # the world's timeout, not new_group's 30 min (gloo)
@@ -221,8 +237,9 @@ class Grid:
         dist.barrier()
 
     def axis(self, name, ranks):
-        """An Axis over any subset of the ranks (a health check's pair of hosts, say), counted in this grid's
-        log. Collective (new_group's rule): every rank calls it with the same ranks; one outside gets None."""
+        """An Axis over any subset of the ranks (a health check's pair of hosts, say), counted in
+        this grid's log. Collective (new_group's rule): every rank calls it with the same ranks; one
+        outside gets None."""
         group = self._group(ranks := sorted(ranks))
         return Axis(name, group, ranks, self.rank, self.log) if self.rank in ranks else None
 
@@ -233,12 +250,14 @@ class Grid:
 
 
 def store():
-    """The job's key-value store (torchrun's, on the rendezvous host): reachable when collectives are not."""
+    """The job's key-value store (torchrun's, on the rendezvous host): reachable when
+    collectives are not."""
     return dist.distributed_c10d._get_default_store()
 
 
 def world_timeout():
-    """The default group's collective timeout (init's --collective-timeout); None where the backend hides it."""
+    """The default group's collective timeout (init's --collective-timeout); None where the
+    backend hides it."""
     device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
     try:
         return dist.group.WORLD._get_backend(device).options._timeout
@@ -247,7 +266,8 @@ def world_timeout():
 
 
 def default_device(requested="auto") -> torch.device:
-    """The one place that decides the device: cuda:LOCAL_RANK when CUDA is there (or asked for), else cpu."""
+    """The one place that decides the device: cuda:LOCAL_RANK when CUDA is there (or
+    asked for), else cpu."""
     if requested == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but CUDA is not available; use --device cpu")
     if requested in ("auto", "cuda") and torch.cuda.is_available():
@@ -261,11 +281,12 @@ def default_device(requested="auto") -> torch.device:
 
 
 def init(device="auto", timeout_s=None):
-    """Start torch.distributed from torchrun's environment, or as a world of one, and pick the backend.
+    """Start torch.distributed from torchrun's environment, or as a world of one,
+    and pick the backend.
 
-    Under torchrun the group is built on torchrun's own store (is_master=False) behind a prefix keyed by
-    the restart count: after `--max-restarts` restarts a fresh store handshake is used each time (a plain
-    env:// init was seen to hang in gloo's connectFullMesh after restarts).
+    Under torchrun the group is built on torchrun's own store (is_master=False) behind a prefix
+    keyed by the restart count: after `--max-restarts` restarts a fresh store handshake is used each
+    time (a plain env:// init was seen to hang in gloo's connectFullMesh after restarts).
     """
     dev = default_device(device)
     backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -284,15 +305,16 @@ def init(device="auto", timeout_s=None):
             store = dist.PrefixStore(f"nanomega/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
         else:
             store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, rank == 0, timeout=timeout)
-    # device_id (CUDA): NCCL communicators are created now and bound to this rank's GPU, so a collective
-    # (a barrier on WORLD) never has to guess the device
+    # device_id (CUDA): NCCL communicators are created now and bound to this rank's GPU, so a
+    # collective (a barrier on WORLD) never has to guess the device
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                             device_id=dev if dev.type == "cuda" else None)
     return dev
 
 
 def shutdown():
-    """After a clean end on every rank: a barrier, then destroy_process_group (NCCL: frees the communicators). A
-    gloo rank destroying its group while a peer on another host still used it made that peer abort at exit."""
+    """After a clean end on every rank: a barrier, then destroy_process_group (NCCL: frees the
+    communicators). A gloo rank destroying its group while a peer on another host still used it made
+    that peer abort at exit."""
     dist.barrier()
     dist.destroy_process_group()

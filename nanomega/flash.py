@@ -2,29 +2,13 @@
 (/dev/shm), and a rank restarted on the same host reads its shard from there instead of from storage
 (DLRover's Flash Checkpoint; our own code).
 
-Idea: after a rank writes its shard (checkpoint.write_shard: the file, its sha256 in rank_K.json) it copies
-those bytes to /dev/shm/nanomega-<hash of the out-dir's realpath>/rank_K.step_S.pt, with rank_K.step_S.json
-{step, sha256, size, out_dir} written last (a temporary name and a rename: a copy without its json is never
-used). The copy is made before the manifest can claim the checkpoint (sync: before its barrier; async: in
-the writer's job, which the manifest waits for), and the previous copy is removed only once the new
-checkpoint's manifest exists (prune), so whichever checkpoint discovery picks after a crash, each rank still
-holds its copy. On resume under the same layout, a rank whose copy is for the chosen step S and whose bytes
-hash to the manifest's sha256 of its own shard reads it from memory; anything else -- no copy, another step,
-a flipped byte, another layout (other ranks' shards), another host (another /dev/shm) -- reads the disk.
-The bytes are the disk shard's, so the restore is the same by construction (tests/test_flash.py checks it).
-Discovery reads no shard either (look, then agree): before any collective each rank takes the newest folder
-with a manifest and reads only that manifest and a stat of every shard (present, with its size; saved under
-this layout), then hashes ITS OWN shard's copy against the manifest and checks it holds finite values; once the
-grid exists one vote counts the ranks whose copy verified (and, where a rank also reads a peer's shard -- a
-ZeRO-0 replica, the last pipeline stage's tied embedding -- that shard on disk). All of them: every shard of
-the folder was verified by its owner, the verdict full discovery reaches by hashing every shard on every rank,
-and each rank loads its own copy. Any rank short: every rank runs the full discovery (faults.find_checkpoint).
-Memory: one shard per rank (two while a save is in flight), in RAM that /dev/shm takes from the host. A job
-that ends normally (or fails with no torchrun restart to follow) removes its copies; copies of an out-dir
-that no longer exists are swept when a --flash-restore job starts; those of a job killed whole (its agent
-SIGKILLed) stay until its out-dir's next job ends, the out-dir goes, or the host reboots.
-Formula: restore time ~ hash + read of one shard at memory bandwidth, instead of (discovery: every shard, then
-the own one again) at storage bandwidth.
+A copy is read only when it is for the chosen step and its bytes hash to the manifest's sha256 of
+the rank's own shard; anything else reads the disk, so the restore is the same by construction.
+Discovery reads no shard either (look, then agree): each rank verifies its own copy, and one vote
+decides.
+
+Formula: restore time ~ hash + read of one shard at memory bandwidth, instead of (discovery: every
+shard, then the own one again) at storage bandwidth.
 Lesson: lessons/10-checkpoints-and-failures.md
 """
 import contextlib
@@ -50,22 +34,25 @@ def folder(out_dir):
 
 
 def prefix(out_dir, rank):
-    """Every file of this rank's copies starts so: rank_0000K.step_ (then 000123.pt, .json, a .tmp)."""
+    """Every file of this rank's copies starts so: rank_0000K.step_ (then 000123.pt, .json, a
+    .tmp)."""
     return os.path.join(folder(out_dir), f"{checkpoint.shard_name(rank)[:-3]}.step_")
 
 
 def drop(out_dir, rank):
-    """Remove this rank's copies of out_dir (any step, half-written ones too), and the folder once empty."""
+    """Remove this rank's copies of out_dir (any step, half-written ones too), and the
+    folder once empty."""
     for path in glob.glob(prefix(out_dir, rank) + "*"):
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
-    with contextlib.suppress(OSError):  # another rank of this host still holds its copy: it removes the folder
+    # another rank of this host still holds its copy: it removes the folder
+    with contextlib.suppress(OSError):
         os.rmdir(folder(out_dir))
 
 
 def sweep():
-    """Remove the shared-memory folders whose out-dir no longer exists (their checkpoints are gone: a copy is
-    only ever used against its out-dir's manifest). Returns them."""
+    """Remove the shared-memory folders whose out-dir no longer exists (their checkpoints are gone:
+    a copy is only ever used against its out-dir's manifest). Returns them."""
     gone = []
     for where in glob.glob(os.path.join(SHM, "nanomega-*")):
         for made in glob.glob(os.path.join(where, "*.json"))[:1]:
@@ -77,14 +64,15 @@ def sweep():
 
 
 class Copies:
-    """This rank's copies in shared memory, for one out-dir: keep (after writing a shard), prune (once a newer
-    checkpoint is complete), find (on resume), reset (after it)."""
+    """This rank's copies in shared memory, for one out-dir: keep (after writing a shard), prune
+    (once a newer checkpoint is complete), find (on resume), reset (after it)."""
 
     def __init__(self, out_dir, rank):
         self.out_dir, self.rank = os.path.realpath(out_dir), rank
         self.folder, self.prefix = folder(out_dir), prefix(out_dir, rank)
         self.off = None  # the error that turned copies off for this job (no room in /dev/shm, ...)
-        self.verified = {}  # (step, sha256) -> the copy find verified: discovery's hash serves the restore too
+        # (step, sha256) -> the copy find verified: discovery's hash serves the restore too
+        self.verified = {}
         sweep()
 
     def base(self, step):
@@ -95,22 +83,25 @@ class Copies:
         return sorted((int(p[len(self.prefix):-5]) for p in glob.glob(self.prefix + "*.json")), reverse=True)
 
     def leftovers(self):
-        """Removes this rank's half-written files: temporary names, and a copy without its json (a killed write)."""
+        """Removes this rank's half-written files: temporary names, and a copy without its json (a
+        killed write)."""
         for path in glob.glob(self.prefix + "*"):
             if path.endswith(".tmp") or (path.endswith(".pt") and not os.path.isfile(path[:-3] + ".json")):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(path)
 
     def keep(self, ckpt_folder):
-        """Copy this rank's shard just written in ckpt_folder (checkpoint.write_shard) to shared memory; called
-        before the manifest. A failure (no /dev/shm, no room in it) turns copies off for this job, one line."""
+        """Copy this rank's shard just written in ckpt_folder (checkpoint.write_shard) to shared
+        memory; called before the manifest. A failure (no /dev/shm, no room in it) turns copies off
+        for this job, one line."""
         if self.off is not None:
             return
         step = int(os.path.basename(ckpt_folder)[5:])
         shard = os.path.join(ckpt_folder, checkpoint.shard_name(self.rank))
         base = self.base(step)
         try:
-            made = json.load(open(shard[:-3] + ".json"))  # write_shard's: sha256 and size of the bytes on disk
+            # write_shard's: sha256 and size of the bytes on disk
+            made = json.load(open(shard[:-3] + ".json"))
             os.makedirs(self.folder, exist_ok=True)
             self.leftovers()
             self.prune()
@@ -121,7 +112,8 @@ class Copies:
             os.replace(base + ".pt.tmp", base + ".pt")
             with open(base + ".json.tmp", "w") as f:
                 json.dump(dict(step=step, sha256=made["sha256"], size=made["size"], out_dir=self.out_dir), f)
-            os.replace(base + ".json.tmp", base + ".json")  # last: a copy without its json is never used
+            # last: a copy without its json is never used
+            os.replace(base + ".json.tmp", base + ".json")
         except OSError as e:
             self.off = e
             self.remove(step)
@@ -130,7 +122,8 @@ class Copies:
                   file=sys.stderr, flush=True)
 
     def prune(self):
-        """Remove the copies older than the newest one whose checkpoint is complete (its manifest exists)."""
+        """Remove the copies older than the newest one whose checkpoint is complete (its
+        manifest exists)."""
         steps = self.steps()
         done = next((s for s in steps if os.path.isfile(os.path.join(
             self.out_dir, "ckpt", f"step_{s:06d}", "manifest.json"))), None)
@@ -145,12 +138,14 @@ class Copies:
                 os.remove(self.base(step) + ext)
 
     def find(self, manifest, name):
-        """The path of this rank's copy of shard `name` of the checkpoint `manifest` describes, if its step is the
-        manifest's and its bytes hash to the manifest's sha256 of that shard; else None (read the disk)."""
+        """The path of this rank's copy of shard `name` of the checkpoint `manifest` describes, if
+        its step is the manifest's and its bytes hash to the manifest's sha256 of that shard; else
+        None (read the disk)."""
         step, digest = manifest["step"], manifest["shards"].get(name)
         if name != checkpoint.shard_name(self.rank) or digest is None:
             return None  # another rank's shard (another layout): the disk
-        if (step, digest) in self.verified:  # hashed already (look, then the restore): only this rank writes it
+        # hashed already (look, then the restore): only this rank writes it
+        if (step, digest) in self.verified:
             return self.verified[step, digest]
         base = self.base(step)
         try:
@@ -165,8 +160,9 @@ class Copies:
         return base + ".pt"
 
     def reset(self, step=None):
-        """After a restore from this rank's copy of `step` (None: a fresh start, or a restore from disk): every
-        other copy of this rank is of no use (older, of an abandoned timeline, or damaged)."""
+        """After a restore from this rank's copy of `step` (None: a fresh start, or a restore
+        from disk): every other copy of this rank is of no use (older, of an abandoned
+        timeline, or damaged)."""
         for s in self.steps():
             if s != step:
                 self.remove(s)
@@ -174,7 +170,8 @@ class Copies:
 
 
 def count(grid, *flags):
-    """For each flag, how many ranks of the grid say yes (one all-reduce over the world: grid.all, cp ranks too)."""
+    """For each flag, how many ranks of the grid say yes (one all-reduce over the world: grid.all,
+    cp ranks too)."""
     t = torch.tensor([float(f) for f in flags], device=grid.device)
     grid.all.all_reduce(t)
     return tuple(int(v) for v in t.tolist())
@@ -182,10 +179,11 @@ def count(grid, *flags):
 
 @dataclasses.dataclass
 class Found:
-    """Fast discovery's pick before the grid's vote: the newest folder with a manifest (all its shards present
-    with their sizes, saved under this layout), this rank's verified, finite copy of its own shard in it (or
-    None), the folders skipped on the way (no manifest), and `full`: the full discovery, which every rank runs
-    instead when any rank's verdict is no (faults.find_checkpoint sets it)."""
+    """Fast discovery's pick before the grid's vote: the newest folder with a manifest (all its
+    shards present with their sizes, saved under this layout), this rank's verified, finite copy of
+    its own shard in it (or None), the folders skipped on the way (no manifest), and `full`: the
+    full discovery, which every rank runs instead when any rank's verdict is no
+    (faults.find_checkpoint sets it)."""
     folder: str
     manifest: dict
     copy: str | None
@@ -194,33 +192,40 @@ class Found:
 
 
 def look(out_dir, cfg, copies, layout, world):
-    """Before any collective: (Found, None), or (None, why) when a manifest alone sends every rank to the full
-    discovery (every rank reads the same manifest: the same verdict everywhere). Reads manifests, stats the
-    shards on disk, and hashes only this rank's copy in shared memory; opens no shard file of the out-dir."""
+    """Before any collective: (Found, None), or (None, why) when a manifest alone sends every rank
+    to the full discovery (every rank reads the same manifest: the same verdict everywhere). Reads
+    manifests, stats the shards on disk, and hashes only this rank's copy in shared memory; opens no
+    shard file of the out-dir."""
     skipped = []
     for _, folder in checkpoint.step_folders(out_dir):
         name = os.path.basename(folder)
         try:
-            manifest = checkpoint.read_manifest(folder, cfg, verify=set())  # the json; each shard's presence, size
+            # the json; each shard's presence, size
+            manifest = checkpoint.read_manifest(folder, cfg, verify=set())
         except checkpoint.CorruptCheckpoint as e:
             if os.path.isfile(os.path.join(folder, "manifest.json")):
-                return None, f"{name}: {e}"  # damaged: the full discovery names it and falls back past it
-            skipped.append(f"{name}: {e}")  # a save that did not finish: skipped alike by the full discovery
+                # damaged: the full discovery names it and falls back past it
+                return None, f"{name}: {e}"
+            # a save that did not finish: skipped alike by the full discovery
+            skipped.append(f"{name}: {e}")
             continue
         if manifest["layout"] != layout or manifest["world"] != world:
             return None, f"{name} was saved under another layout (resharding reads other ranks' shards)"
         path = copies.find(manifest, checkpoint.shard_name(copies.rank))
         if path and checkpoint.nonfinite(checkpoint.load_shard(folder, copies.rank, path)):
-            path = None  # a diverged step's copy hashes fine: the full discovery refuses its folder, and says so
+            # a diverged step's copy hashes fine: the full discovery refuses its folder, and says so
+            path = None
         return Found(folder, manifest, path, skipped), None
     return None, "no step folder holds a manifest"
 
 
 def agree(found, cfg, grid, engine):
-    """After the grid exists, on every rank (collective): (how many ranks verified every shard they will load --
-    their own from its copy, and a peer's they also read (reshard.needed_by) on disk --, how many read a peer's
-    shard from storage). One vote over the grid; found None: this rank says no."""
-    if found is None:  # this rank found nothing to verify (--on-spike rollback: a manifest written meanwhile)
+    """After the grid exists, on every rank (collective): (how many ranks verified every shard
+    they will load -- their own from its copy, and a peer's they also read (reshard.needed_by)
+    on disk --, how many read a peer's shard from storage). One vote over the grid; found None:
+    this rank says no."""
+    # this rank found nothing to verify (--on-spike rollback: a manifest written meanwhile)
+    if found is None:
         return count(grid, False, False)
     own = checkpoint.shard_name(grid.rank)
     peers = set(reshard.needed_by(found.manifest, cfg, engine, grid)) - {own}

@@ -1,68 +1,81 @@
 """The closed forms behind the planner: one small pure function per quantity that the modules count.
 
-Idea: parameters held, bytes sent and activations kept follow from the shapes alone, so they can be predicted
-for a run no machine here can do and compared with the byte counters of a tiny run that it can.
+Parameters held, bytes sent and activations kept follow from the shapes alone, so they can be
+predicted for a run no machine here can do and compared with the byte counters of a tiny run that it
+can. These are the single home of each formula: train.py's MFU (model_flops_per_token) and the
+recompute lesson call them too.
 
-Formulas (Psi = parameters one rank holds, d/t/p = dp/tp/pp sizes, m = micro-batches per step, B = bytes each):
-    state      (B_param + B_grad + B_optim) Psi; ZeRO stage 1 divides the optimizer term by d, 2 also the
-               gradients, 3 also the parameters (ZeRO paper, fp16 + Adam: 2 + 2 + 12; Megatron, bf16 params and
-               fp32 grads: 18 -> 6 + 12/d with the distributed optimizer)
-    dp bytes   ring all-reduce 2(d-1)/d Psi B; reduce-scatter and all-gather (d-1)/d each; ZeRO-3 3(d-1)/d (1.5x)
-    tp bytes   per layer and micro-batch, in units of (t-1)/t b*s*h elements: TP 8 (2 all-reduces forward, 2
-               backward); TP+SP 10 (2 all-gathers + 2 reduce-scatters forward, their conjugates backward, and the
-               2 all-gathers that re-gather the stored shards for the weight gradients: lesson 04 measures it);
-               full recompute adds the forward's 4 again. Llama's q_proj and kv_proj gather their input apart:
-               3 column-parallel inputs instead of 2, TP 10, TP+SP 13
-    activation per layer and micro-batch (Korthikanti et al. 2022): sbh(34 + 5as/h); TP sbh(10 + 24/t + 5as/(ht));
-               TP+SP sbh(34 + 5as/h)/t; selective recompute drops the 5as/h term; full recompute keeps 2sbh.
-               Llama (no dropout, FlashAttention-style core), 2-byte: sbh(8 + (4 + 6 n_kv/a + 6f/h)/t) with TP,
-               all of it /t with SP (llama_activation_bytes_per_layer, checked against autograd's saved tensors)
-    bubble     (p-1) / (v m + p-1) of the step is idle (v = interleaved model chunks per stage); Narayanan et al.
-               quote it against the ideal time instead: (p-1) / (v m), the step's extra time
-    FLOPs      6N + 12 L h s per token (PaLM, nanoGPT: QK^T and AV counted without causal halving); MoE: N the
-               active parameters (k of E experts, the router, the shared experts)
-    MoE a2a    per MoE layer and micro-batch a rank sends 2 (R_out + R_in) h B bytes (dispatch and combine,
-               forward and backward; R_out rows to other ranks' experts, R_in rows it computed for others) +
-               (ep-1) E/ep 8 bytes of counts; balanced routing: R_out = R_in = T k (ep-1)/ep
-    collective alpha-beta: ring all-reduce 2(n-1)(alpha + B beta / n); binary tree 2 log2(n)(alpha + B beta)
+Formulas (Psi = parameters one rank holds, d/t/p = dp/tp/pp sizes, m = micro-batches per step,
+          B = bytes each):
+    state      (B_param + B_grad + B_optim) Psi; ZeRO stage 1 divides the optimizer term by d,
+               2 also the gradients, 3 also the parameters (ZeRO paper, fp16 + Adam: 2 + 2 + 12;
+               Megatron, bf16 params and fp32 grads: 18 -> 6 + 12/d with the distributed optimizer)
+    dp bytes   ring all-reduce 2(d-1)/d Psi B; reduce-scatter and all-gather (d-1)/d each;
+               ZeRO-3 3(d-1)/d (1.5x)
+    tp bytes   per layer and micro-batch, in units of (t-1)/t b*s*h elements: TP 8 (2 all-reduces
+               forward, 2 backward); TP+SP 10 (2 all-gathers + 2 reduce-scatters forward, their
+               conjugates backward, and the 2 all-gathers that re-gather the stored shards for the
+               weight gradients: lesson 04 measures it); full recompute adds the forward's 4 again.
+               Llama's q_proj and kv_proj gather their input apart: 3 column-parallel inputs instead
+               of 2, TP 10, TP+SP 13
+    activation per layer and micro-batch (Korthikanti et al. 2022): sbh(34 + 5as/h);
+               TP sbh(10 + 24/t + 5as/(ht)); TP+SP sbh(34 + 5as/h)/t; selective recompute drops the
+               5as/h term; full recompute keeps 2sbh.
+               Llama (no dropout, FlashAttention-style core), 2-byte:
+               sbh(8 + (4 + 6 n_kv/a + 6f/h)/t) with TP, all of it /t with SP
+               (llama_activation_bytes_per_layer, checked against autograd's saved tensors)
+    bubble     (p-1) / (v m + p-1) of the step is idle (v = interleaved model chunks per stage);
+               Narayanan et al. quote it against the ideal time instead: (p-1) / (v m), the step's
+               extra time
+    FLOPs      6N + 12 L h s per token (PaLM, nanoGPT: QK^T and AV counted without causal halving);
+               MoE: N the active parameters (k of E experts, the router, the shared experts)
+    MoE a2a    per MoE layer and micro-batch a rank sends 2 (R_out + R_in) h B bytes (dispatch and
+               combine, forward and backward; R_out rows to other ranks' experts, R_in rows it
+               computed for others) + (ep-1) E/ep 8 bytes of counts;
+               balanced routing: R_out = R_in = T k (ep-1)/ep
+    collective alpha-beta: ring all-reduce 2(n-1)(alpha + B beta / n);
+               binary tree 2 log2(n)(alpha + B beta)
     sizing     compute-optimal N = sqrt(C / 6k), D = k N, k ~ 20 tokens per parameter (Chinchilla)
-These are the single home of each formula: train.py's MFU (model_flops_per_token) and the recompute lesson call them too.
 Lesson: lessons/11-planning-a-run.md
 """
 import math
 
 
-# ---- parameters -------------------------------------------------------------------------------------------
+# ---- parameters ----------------------------------------------------------------------------------
 def layer_params(h, t=1):
-    """One Block on one TP rank: qkv, fc weights and their biases split by t (column parallel); projection
-    weights split (row parallel), their biases and both LayerNorms replicated. t=1: 12h^2 + 13h."""
+    """One Block on one TP rank: qkv, fc weights and their biases split by t (column
+    parallel); projection weights split (row parallel), their biases and both LayerNorms
+    replicated. t=1: 12h^2 + 13h."""
     return (12 * h * h + 7 * h) // t + 6 * h
 
 
 def llama_layer_params(h, f, a, n_kv, t=1):
-    """One Llama block on one TP rank (modern.py): q and o 2h^2, k and v 2h^2 n_kv/a (GQA), gate, up and down
-    3hf, all split by t; the two RMSNorm scales 2h replicated. When t does not divide n_kv the k/v weight is held
-    whole on every rank (tp.GroupKeyValue). t=1, a = n_kv, f = 8h/3: GPT-2's 12h^2 again, less its biases."""
+    """One Llama block on one TP rank (modern.py): q and o 2h^2, k and v 2h^2 n_kv/a (GQA), gate, up
+    and down 3hf, all split by t; the two RMSNorm scales 2h replicated. When t does not divide n_kv
+    the k/v weight is held whole on every rank (tp.GroupKeyValue). t=1, a = n_kv, f = 8h/3: GPT-2's
+    12h^2 again, less its biases."""
     kv = 2 * h * (h // a) * n_kv
     return (2 * h * h + 3 * h * f) // t + (kv // t if n_kv % t == 0 else kv) + 2 * h
 
 
-# ---- memory -----------------------------------------------------------------------------------------------
+# ---- memory --------------------------------------------------------------------------------------
 def moe_layer_params(h, f, a, n_kv, n_experts, top_k, shared=0, t=1):
-    """(total, active per token) parameters of one MoE Llama block on one TP rank: attention and norms as
-    llama_layer_params, E experts of 3hf (split by t), the (E, h) router (replicated), shared experts 3hf each;
-    a token uses k routed experts."""
+    """(total, active per token) parameters of one MoE Llama block on one TP rank: attention and
+    norms as llama_layer_params, E experts of 3hf (split by t), the (E, h) router (replicated),
+    shared experts 3hf each; a token uses k routed experts."""
     base = llama_layer_params(h, 0, a, n_kv, t) + n_experts * h + moe_expert_params(h, f, shared, t)
     return base + moe_expert_params(h, f, n_experts, t), base + moe_expert_params(h, f, top_k, t)
 
 
 def moe_expert_params(h, f, n_experts, t=1):
-    """n_experts SwiGLU experts of width f on one TP rank: gate, up and down 3hf each, split by t."""
+    """n_experts SwiGLU experts of width f on one TP rank: gate, up and down 3hf
+    each, split by t."""
     return n_experts * 3 * h * f // t
 
 
 def moe_all_to_all_bytes(rows_out, rows_in, h, elem_bytes, ep, experts_per_rank):
-    """Bytes one rank sends in all-to-alls for one MoE layer and micro-batch, forward and backward (ep.py)."""
+    """Bytes one rank sends in all-to-alls for one MoE layer and micro-batch, forward and
+    backward (ep.py)."""
     if ep == 1:
         return 0
     return 2 * (rows_out + rows_in) * h * elem_bytes + (ep - 1) * experts_per_rank * 8
@@ -74,24 +87,26 @@ def moe_balanced_rows(tokens, top_k, ep):
 
 
 def zero_state_bytes(n_params, stage, dp, param_bytes=2, grad_bytes=2, optim_bytes=12):
-    """(parameter, gradient, optimizer) bytes on one DP rank. Stage 1 shards the optimizer state, 2 also the
-    gradients, 3 also the parameters; a shard is ceil(n/dp) elements (flat buffer padded to a multiple of dp)."""
+    """(parameter, gradient, optimizer) bytes on one DP rank. Stage 1 shards the optimizer state, 2
+    also the gradients, 3 also the parameters; a shard is ceil(n/dp) elements (flat buffer padded to
+    a multiple of dp)."""
     shard = math.ceil(n_params / dp)
     p, g, o = (shard if stage >= k else n_params for k in (3, 2, 1))
     return p * param_bytes, g * grad_bytes, o * optim_bytes
 
 
 def activation_bytes_per_layer(s, b, h, a, t=1, sp=False, recompute="none", act=2, mask=1, probs=2):
-    """Bytes one layer saves for backward for one micro-batch (dropout > 0), by Korthikanti et al.'s count
-    (2022, Table 2), with the bytes per element as arguments:
-    act   activations (2 in bf16): 16 tensors' worth of sbh -- 4 replicated by TP unless SP shards them
-          (the 2 LayerNorm inputs, the inputs of qkv and fc), 12 split by TP (q, k, v, the projection's input,
-          the 4h GeLU input and fc2 input)
-    mask  each of the 2 + 1 dropout masks (1 as a CUDA bool mask; CPU torch keeps a mask in `act` bytes);
-          the 2 sbh ones are replicated like the block inputs
-    probs the softmax output (2 with Megatron's fused softmax; model.causal_softmax keeps it in fp32: 4)
-    The attention core adds (probs + mask + act) a s^2 b, split by TP: the softmax output, its mask, its
-    dropped output. With the paper's (2, 1, 2): sbh(10 + 24/t + 5as/(ht)), SP sbh(34 + 5as/h)/t."""
+    """Bytes one layer saves for backward for one micro-batch (dropout > 0), by Korthikanti et al.'s
+    count (2022, Table 2), with the bytes per element as arguments:
+    act   activations (2 in bf16): 16 tensors' worth of sbh -- 4 replicated by TP unless SP shards
+          them (the 2 LayerNorm inputs, the inputs of qkv and fc), 12 split by TP (q, k, v, the
+          projection's input, the 4h GeLU input and fc2 input)
+    mask  each of the 2 + 1 dropout masks (1 as a CUDA bool mask; CPU torch keeps a mask in `act`
+          bytes); the 2 sbh ones are replicated like the block inputs
+    probs the softmax output (2 with Megatron's fused softmax; model.causal_softmax keeps it in
+    fp32: 4) The attention core adds (probs + mask + act) a s^2 b, split by TP: the softmax
+    output, its mask, its dropped output. With the paper's (2, 1, 2): sbh(10 + 24/t + 5as/(ht)),
+    SP sbh(34 + 5as/h)/t."""
     sbh = s * b * h
     if recompute == "full":
         return act * sbh  # only the layer input (the paper's Table 2 counts it unsharded)
@@ -105,31 +120,33 @@ def activation_bytes_per_layer(s, b, h, a, t=1, sp=False, recompute="none", act=
 
 def llama_activation_bytes_per_layer(s, b, h, a, n_kv, f, t=1, sp=False, recompute="none", attention="sdpa", act=2,
                                      norm=2, swiglu=3, scores=2, mask=0):
-    """Bytes one Llama block (model.py, arch="llama": no dropout) saves for backward for one micro-batch, per TP
-    rank: Korthikanti's count redone for RMSNorm, rotary, grouped-query attention and SwiGLU, tensor by tensor as
-    autograd keeps them (tests/test_plan.py holds it equal to recompute.saved_bytes_per_layer, eager and sdpa,
-    fp32 and bf16). Per rank: q width h/t, k and v width kv = (h/a) max(1, n_kv/t) each (tp.py splits the
-    key/value heads, or gives each rank its one group when t > n_kv), MLP width f/t.
-    replicated (SP shards them): each RMSNorm keeps `norm` bytes per element besides its output, which is the
-          input the next matmuls keep (act): 2 (norm + act) sbh; and its fp32 1/rms per row: 2 x 4 sb.
-          norm: a fused kernel keeps its input (act, the default); modern.rms_norm keeps the fp32 input and the
-          normalized x before the scale (4 + act)
-    attention, split by TP: q and the core's output (the o projection's input) h/t each; k after rotary and
-          the kv_proj output that v is a view of, 3 kv (t > n_kv: also the 2 (h/a) h rows of the whole k/v
-          weight that tp.GroupKeyValue copies out for its group's matmul). "sdpa" (FlashAttention) adds its
-          fp32 log-sum-exp, 4 b (a/t) s, and never stores the scores. "eager" keeps k and v as QK^T and AV read
-          them, (b a/t, s, h/a) copies (repeated to the query heads when grouped, made contiguous from the
-          strided kv_proj view otherwise): 2 h/t instead of 3 kv (one head per rank: views, 3 kv); and
-          `scores` bytes per (b, a/t, s, s) element (2: Megatron's fused softmax; model.causal_softmax keeps
-          its fp32 output and, in 16 bits, the cast AV reads: 4 + act) and `mask` per (s, s) causal mask
-          element (model.causal_softmax's bool mask: 1; a fused kernel masks in place: 0)
-    MLP, split by TP: `swiglu` tensors of width f/t: the gate|up output (2), silu(gate) and the product that
-          the down projection keeps: 4 for modern.swiglu; 3 when a fused kernel recomputes silu in backward
-          (Megatron's bias_swiglu, the default)
-    selective recompute keeps the core's inputs and output (the sdpa count less its log-sum-exp); full keeps
-    the block input, act sbh (sbh/t with SP: the residual stream is sharded). The rotary cos/sin tables are
-    one storage shared by every layer, not counted here. With the defaults and TP:
-    sbh(8 + (4 + 6 n_kv/a + 6f/h)/t) + 8sb + 4abs/t; with SP all of it /t."""
+    """Bytes one Llama block (model.py, arch="llama": no dropout) saves for backward for one
+    micro-batch, per TP rank: Korthikanti's count redone for RMSNorm, rotary, grouped-query
+    attention and SwiGLU, tensor by tensor as autograd keeps them (tests/test_plan.py holds it equal
+    to recompute.saved_bytes_per_layer, eager and sdpa, fp32 and bf16). Per rank: q width h/t, k and
+    v width kv = (h/a) max(1, n_kv/t) each (tp.py splits the key/value heads, or gives each rank its
+    one group when t > n_kv), MLP width f/t. replicated (SP shards them): each RMSNorm keeps `norm`
+    bytes per element besides its output, which is the
+          input the next matmuls keep (act): 2 (norm + act) sbh; and its fp32 1/rms per row: 2 x 4
+          sb. norm: a fused kernel keeps its input (act, the default); modern.rms_norm keeps the
+          fp32 input and the normalized x before the scale (4 + act)
+    attention, split by TP: q and the core's output (the o projection's input) h/t each; k after
+          rotary and the kv_proj output that v is a view of, 3 kv (t > n_kv: also the 2 (h/a) h rows
+          of the whole k/v weight that tp.GroupKeyValue copies out for its group's matmul). "sdpa"
+          (FlashAttention) adds its fp32 log-sum-exp, 4 b (a/t) s, and never stores the scores.
+          "eager" keeps k and v as QK^T and AV read them, (b a/t, s, h/a) copies (repeated to the
+          query heads when grouped, made contiguous from the strided kv_proj view otherwise): 2 h/t
+          instead of 3 kv (one head per rank: views, 3 kv); and `scores` bytes per (b, a/t, s, s)
+          element (2: Megatron's fused softmax; model.causal_softmax keeps its fp32 output and, in
+          16 bits, the cast AV reads: 4 + act) and `mask` per (s, s) causal mask element
+          (model.causal_softmax's bool mask: 1; a fused kernel masks in place: 0)
+    MLP, split by TP: `swiglu` tensors of width f/t: the gate|up output (2), silu(gate) and the
+          product that the down projection keeps: 4 for modern.swiglu; 3 when a fused kernel
+          recomputes silu in backward (Megatron's bias_swiglu, the default)
+    selective recompute keeps the core's inputs and output (the sdpa count less its log-sum-exp);
+    full keeps the block input, act sbh (sbh/t with SP: the residual stream is sharded). The rotary
+    cos/sin tables are one storage shared by every layer, not counted here. With the defaults and
+    TP: sbh(8 + (4 + 6 n_kv/a + 6f/h)/t) + 8sb + 4abs/t; with SP all of it /t."""
     sbh, sb = s * b * h, s * b
     rows = t if sp else 1  # SP shards the sequence of what TP replicates
     if recompute == "full":
@@ -137,38 +154,43 @@ def llama_activation_bytes_per_layer(s, b, h, a, n_kv, f, t=1, sp=False, recompu
     q, kv = h / t, (h // a) * max(1, n_kv // t)
     replicated = (2 * (norm + act) * sbh + 2 * 4 * sb) / rows
     core = act * sb * (2 * q + 3 * kv)  # q, output; k and the kv_proj output (v)
-    if n_kv % t:  # k/v held whole: the rank's group of rows is sliced out (a copy) and kept by its matmul
+    # k/v held whole: the rank's group of rows is sliced out (a copy) and kept by its matmul
+    if n_kv % t:
         core += act * 2 * (h // a) * h
     if recompute == "none" and attention == "sdpa":
         core += 4 * b * (a // t) * s  # the log-sum-exp per query row and head
-    elif recompute == "none":  # eager: the (b a/t, s, h/a) copies of k and v the matmuls keep, and the scores
+    elif recompute == "none":
+        # eager: the (b a/t, s, h/a) copies of k and v the matmuls keep, and the scores
         core += act * sb * (2 * q - 3 * kv if a // t > 1 else 0) + scores * b * (a // t) * s * s + mask * s * s
     return replicated + core + swiglu * act * sb * f / t
 
 
 def inflight_microbatches(p, m, schedule="1f1b", v=1):
-    """Micro-batches whose activations stage 0 holds at its peak, in units of one stage's L/p layers: GPipe
-    all m, 1F1B p (its warm-up), interleaved p + (p-1)/v, i.e. Korthikanti's L(1 + (p-1)/(pv)) layers."""
+    """Micro-batches whose activations stage 0 holds at its peak, in units of one stage's L/p
+    layers: GPipe all m, 1F1B p (its warm-up), interleaved p + (p-1)/v, i.e. Korthikanti's L(1 +
+    (p-1)/(pv)) layers."""
     if p == 1:
         return 1  # plain gradient accumulation: one micro-batch at a time
     return {"gpipe": m, "1f1b": min(p, m), "interleaved": p + (p - 1) / v}[schedule]
 
 
 def offload_seconds(n, grad_bytes, param_bytes, pcie_bw, host_bw, adam_bytes=28):
-    """ZeRO-Offload's step on one GPU with n optimizer elements in host memory (offload.py): gradients down and
-    weights up over PCIe, n (g + p) bytes, and the CPU Adam's one pass through host memory, n x 28 bytes
-    (cpu_adam.py), + p bytes when the model is not fp32 (the pass also writes the weights rounded for the upload).
-    offload.py pipelines them group by group, so the slower of the two sets the time."""
+    """ZeRO-Offload's step on one GPU with n optimizer elements in host memory (offload.py):
+    gradients down and weights up over PCIe, n (g + p) bytes, and the CPU Adam's one pass through
+    host memory, n x 28 bytes (cpu_adam.py), + p bytes when the model is not fp32 (the pass also
+    writes the weights rounded for the upload). offload.py pipelines them group by group, so the
+    slower of the two sets the time."""
     host = adam_bytes + (param_bytes if param_bytes < 4 else 0)
     return max(n * (grad_bytes + param_bytes) / pcie_bw, n * host / host_bw)
 
 
-# ---- communication (bytes one rank sends per step; a ring receives as much as it sends) ------------------
+# ---- communication (bytes one rank sends per step; a ring receives as much as it sends) ----------
 def dp_comm_bytes(n_params, stage, dp, dtype_bytes, param_bytes=None, micro_batches=1):
-    """Stage 0: all-reduce the gradients once. 1: reduce-scatter them, all-gather the updated parameters.
-    2: as 1, but the reduce-scatter runs every micro-batch (no full gradient is kept to accumulate into).
-    3: also all-gather the parameters for forward and again for backward of every micro-batch.
-    dtype_bytes: gradient elements on the wire; param_bytes: parameter elements (default the same)."""
+    """Stage 0: all-reduce the gradients once. 1: reduce-scatter them, all-gather the updated
+    parameters. 2: as 1, but the reduce-scatter runs every micro-batch (no full gradient is kept to
+    accumulate into). 3: also all-gather the parameters for forward and again for backward of every
+    micro-batch. dtype_bytes: gradient elements on the wire; param_bytes: parameter elements
+    (default the same)."""
     param_bytes = dtype_bytes if param_bytes is None else param_bytes
     f = (dp - 1) / dp * n_params
     if stage == 0:
@@ -178,15 +200,17 @@ def dp_comm_bytes(n_params, stage, dp, dtype_bytes, param_bytes=None, micro_batc
 
 
 def tp_comm_bytes_per_layer(b, s, h, t, dtype_bytes=2, sequence_parallel=False, recompute="none", inputs=2):
-    """Per layer and micro-batch: attention and MLP each end in an all-reduce of (b, s, h) in forward, and each
-    column-parallel layer's input gradient is all-reduced in backward: GPT-2 (inputs = 2: qkv, fc) 8 (t-1)/t
-    bsh. SP replaces each by a reduce-scatter plus an all-gather (the same bytes) and re-gathers each stored
-    (b, s/t, h) input shard in backward for the weight gradient: 10 (t-1)/t bsh, as lesson 04 measures (the
-    replicated gradients it also all-reduces, 6h floats, are left out). Llama (inputs = 3): q_proj and kv_proj
-    each gather (or all-reduce the gradient of) the same input: 10, SP 13. Full recompute reruns the forward's
-    collectives: 4 (t-1)/t bsh more (SP: inputs + 2)."""
+    """Per layer and micro-batch: attention and MLP each end in an all-reduce of (b, s, h) in
+    forward, and each column-parallel layer's input gradient is all-reduced in backward: GPT-2
+    (inputs = 2: qkv, fc) 8 (t-1)/t bsh. SP replaces each by a reduce-scatter plus an all-gather
+    (the same bytes) and re-gathers each stored (b, s/t, h) input shard in backward for the weight
+    gradient: 10 (t-1)/t bsh, as lesson 04 measures (the replicated gradients it also all-reduces,
+    6h floats, are left out). Llama (inputs = 3): q_proj and kv_proj each gather (or all-reduce the
+    gradient of) the same input: 10, SP 13. Full recompute reruns the forward's collectives: 4
+    (t-1)/t bsh more (SP: inputs + 2)."""
     ring = (t - 1) / t * b * s * h * dtype_bytes
-    if sequence_parallel:  # gather each input, scatter each output; backward: their conjugates + the re-gathers
+    # gather each input, scatter each output; backward: their conjugates + the re-gathers
+    if sequence_parallel:
         forward, backward = (inputs + 2) * ring, (2 * inputs + 2) * ring
     else:  # all-reduce each output forward, each input's gradient backward
         forward, backward = 4 * ring, 2 * inputs * ring
@@ -194,13 +218,17 @@ def tp_comm_bytes_per_layer(b, s, h, t, dtype_bytes=2, sequence_parallel=False, 
 
 
 def cp_comm_bytes_per_layer(method, c, b, s, hd, heads, kv_heads, dtype_bytes=2, grad_bytes=4):
-    """(forward, backward) bytes one rank puts on the wire in one layer's attention under context parallelism
-    over c ranks (cp.py), s the whole sequence, heads/kv_heads this rank's (after tp). B_kv = b (s/c) n_kv hd:
-    ring       K and V sent c-1 times forward; backward K/V again and their gradients c times (home included)
-    allgather  all-gather of K and V ((c-1)/c of c shards); backward the gather again + a reduce-scatter of dK/dV
+    """(forward, backward) bytes one rank puts on the wire in one layer's attention under context
+    parallelism over c ranks (cp.py), s the whole sequence, heads/kv_heads this rank's (after tp).
+    B_kv = b (s/c) n_kv hd:
+    ring       K and V sent c-1 times forward; backward K/V again and their gradients c times (home
+    included)
+    allgather  all-gather of K and V ((c-1)/c of c shards); backward the gather again + a
+    reduce-scatter of dK/dV
     ulysses    all-to-all (c-1)/c of q, k, v and the output forward; the conjugates backward
-    K, V, q and the output travel in dtype_bytes (the model's); dK/dV of ring and allgather in grad_bytes (fp32:
-    cp.py accumulates them in fp32 whatever the model dtype: a bf16 partial sum would round at every hop)."""
+    K, V, q and the output travel in dtype_bytes (the model's); dK/dV of ring and allgather in
+    grad_bytes (fp32: cp.py accumulates them in fp32 whatever the model dtype: a bf16 partial sum
+    would round at every hop)."""
     if c == 1:
         return 0, 0
     kv = 2 * b * (s // c) * kv_heads * hd  # K and V of this rank's tokens, elements
@@ -214,19 +242,21 @@ def cp_comm_bytes_per_layer(method, c, b, s, hd, heads, kv_heads, dtype_bytes=2,
 
 
 def pp_comm_bytes(b, s, h, t, dtype_bytes, micro_batches, v=1):
-    """Activation forward, its gradient backward, per micro-batch and model chunk; each TP rank sends its 1/t
-    slice (SP shards it anyway; without SP, Megatron's scatter/gather optimisation, Narayanan et al. 2021)."""
+    """Activation forward, its gradient backward, per micro-batch and model chunk; each TP rank
+    sends its 1/t slice (SP shards it anyway; without SP, Megatron's scatter/gather optimisation,
+    Narayanan et al. 2021)."""
     return 2 * v * micro_batches * b * s * h * dtype_bytes / t
 
 
-# ---- time -------------------------------------------------------------------------------------------------
+# ---- time ----------------------------------------------------------------------------------------
 def collective_seconds(op, n, nbytes, alpha, beta, algo="ring"):
-    """The alpha-beta model of one collective over n ranks, nbytes per rank: alpha seconds per message step
-    (latency), beta seconds per byte on a link (1 / bandwidth). ring: all_reduce = reduce-scatter + all-gather,
-    2(n-1) steps of nbytes/n each; all_gather / reduce_scatter (n-1) steps of nbytes/n. tree (binary, not
-    pipelined): all_reduce = reduce then broadcast, 2 log2(n) steps of the whole nbytes -- fewer steps, more
-    bytes: the tree wins for small messages, the ring for large ones. NCCL pipelines its (double binary) trees,
-    which brings their bandwidth term close to the ring's; this is the textbook version (lesson 17)."""
+    """The alpha-beta model of one collective over n ranks, nbytes per rank: alpha seconds per
+    message step (latency), beta seconds per byte on a link (1 / bandwidth). ring: all_reduce =
+    reduce-scatter + all-gather, 2(n-1) steps of nbytes/n each; all_gather / reduce_scatter (n-1)
+    steps of nbytes/n. tree (binary, not pipelined): all_reduce = reduce then broadcast, 2 log2(n)
+    steps of the whole nbytes -- fewer steps, more bytes: the tree wins for small messages, the ring
+    for large ones. NCCL pipelines its (double binary) trees, which brings their bandwidth term
+    close to the ring's; this is the textbook version (lesson 17)."""
     if n == 1:
         return 0.0
     if algo == "tree":
@@ -237,15 +267,17 @@ def collective_seconds(op, n, nbytes, alpha, beta, algo="ring"):
 
 
 def pipeline_bubble(p, m, v=1):
-    """Idle fraction of the step: each stage waits p-1 slots out of v*m + p-1 (a slot = one micro-batch's
-    forward + backward of one chunk; interleaving shrinks the slots by v). Time = ideal * (1 + (p-1)/(v m))."""
+    """Idle fraction of the step: each stage waits p-1 slots out of v*m + p-1 (a slot = one
+    micro-batch's forward + backward of one chunk; interleaving shrinks the slots by v).
+    Time = ideal * (1 + (p-1)/(v m))."""
     return (p - 1) / (v * m + p - 1)
 
 
 def flops_per_token(n_params, n_layer, h, s, recompute="none", head_params=0):
-    """6N (forward 2N, backward 4N) + 12*L*h*s for QK^T and AV, counted without causal halving (PaLM, nanoGPT).
-    Recompute adds forward work that MFU does not credit: full one forward of the blocks (2(N - head) + 4Lhs:
-    the LM head is outside the recomputed blocks, as in Megatron's eq. 3), selective QK^T and AV (4Lhs)."""
+    """6N (forward 2N, backward 4N) + 12*L*h*s for QK^T and AV, counted without causal halving
+    (PaLM, nanoGPT). Recompute adds forward work that MFU does not credit: full one forward of the
+    blocks (2(N - head) + 4Lhs: the LM head is outside the recomputed blocks, as in Megatron's eq.
+    3), selective QK^T and AV (4Lhs)."""
     extra = {"none": 0, "selective": 4 * n_layer * h * s,
              "full": 2 * (n_params - head_params) + 4 * n_layer * h * s}[recompute]
     return 6 * n_params + 12 * n_layer * h * s + extra
@@ -257,13 +289,13 @@ def implied_mfu(total_flops, days, gpus, peak_flops):
 
 
 def model_flops_per_token(cfg, seq_len=None):
-    """Training FLOPs per token of a model.GPTConfig: flops_per_token's 6 N' + 12 L h s (PaLM appendix
-    B; nanoGPT's estimate_mfu) with N' counted from the config.
+    """Training FLOPs per token of a model.GPTConfig: flops_per_token's 6 N' + 12 L h s (PaLM
+    appendix B; nanoGPT's estimate_mfu) with N' counted from the config.
 
-    N' counts every parameter that takes part in a matmul: blocks, and the (tied) vocab matrix once, since
-    the LM head multiplies by it (an untied Llama head: its own matrix, and the embedding, a lookup, is left
-    out like the position embeddings). LayerNorm and bias
-    parameters are included, as in the 6N rule (they are a ~1e-3 correction).
+    N' counts every parameter that takes part in a matmul: blocks, and the (tied) vocab matrix once,
+    since the LM head multiplies by it (an untied Llama head: its own matrix, and the embedding, a
+    lookup, is left out like the position embeddings). LayerNorm and bias parameters are included,
+    as in the 6N rule (they are a ~1e-3 correction).
     """
     L, h, s = cfg.n_layer, cfg.n_embd, seq_len or cfg.block_size
     if cfg.arch == "llama":  # the head's V x h matrix (tied or not) and the final RMSNorm's h
@@ -277,7 +309,8 @@ def model_flops_per_token(cfg, seq_len=None):
 
 
 def chinchilla_optimal(compute, tokens_per_param=20.0):
-    """Compute-optimal parameters and tokens for a budget of `compute` FLOPs, from C = 6 N D and D = k N
-    (Hoffmann et al. 2022: k ~ 20 tokens per parameter): N = sqrt(C / 6k), D = k N (lesson 18)."""
+    """Compute-optimal parameters and tokens for a budget of `compute` FLOPs, from C = 6 N D and
+    D = k N (Hoffmann et al. 2022: k ~ 20 tokens per parameter): N = sqrt(C / 6k), D = k N
+    (lesson 18)."""
     n = math.sqrt(compute / (6 * tokens_per_param))
     return n, tokens_per_param * n

@@ -1,22 +1,21 @@
 """Build any size: the model on the meta device, and every rank draws only the values it keeps.
 
-Idea: building the whole dense GPT on every rank and then slicing it costs each rank the whole model in fp32
-(52 GB of host memory for 13B parameters; 175B cannot start at all). Instead build it on torch's meta device
--- shapes and dtypes, no storage -- and apply tensor and pipeline parallelism there: they only reshape and
-drop modules. Then give the parameters that are left their values. They must be the dense model's, sliced
-(the invariant every sharded-vs-dense test relies on), and they can be, cheaply: model.draw makes element i
-of a dense parameter a function of (seed, name, i) alone, so a rank draws just the elements of its slice.
-    a tp slice (tp.shard_rule: dim d, g interleaved groups) is, for each index of the dims before d and each
-    group, one contiguous run of the dense parameter's flat index: `segments`
+Building the dense GPT on every rank and slicing it costs each rank the whole model in fp32; instead
+it is built on torch's meta device (shapes, no storage), tensor and pipeline parallelism cut it
+there, and each rank draws only the elements of its slices: model.draw makes element i of a dense
+parameter a function of (seed, name, i) alone, so the values are the dense model's, sliced.
+PaperGrid is rank R's place in a layout without a process group: train.py --dry-run counts its bytes
+against the planner's.
+
+Formulas:
+    a tp slice (tp.shard_rule: dim d, g interleaved groups) is, for each index of the dims before d
+    and each group, one contiguous run of the dense parameter's flat index: `segments`
     a ZeRO-3 flat shard is a range of the local parameters' flat index, i.e. parts of those runs
-    drawn by a rank: its own elements (+ the rest of a 2^16-element block at each end of a run); a split along
-    dim 1 (the row-parallel c_proj) has a run in every row, so there every block is drawn, one at a time
-    memory: the rank's share on its device; on the host one local parameter (or ZeRO-3 piece) at a time
-Who draws: materialize() for a plain model; zero.ZeroEngine(values=Init(...).values) draws straight into its
-flat buffers (and at stage 3 only into this rank's shards), so no second copy is ever made.
-Dry run: PaperGrid is rank R's place in a layout without a process group; train.py --dry-run builds that rank
-on meta and counts its parameter, gradient and optimizer bytes (the engine's, nothing allocated) against the
-planner's (tools/cost.py).
+    drawn by a rank: its own elements (+ the rest of a 2^16-element block at each end of a run); a
+    split along dim 1 (the row-parallel c_proj) has a run in every row, so there every block is
+    drawn, one at a time
+    memory: the rank's share on its device; on the host one local parameter (or ZeRO-3 piece) at
+    a time
 Lesson: lessons/09-3d-parallelism.md
 """
 import math
@@ -29,9 +28,10 @@ from .model import draw, init_std
 
 
 def segments(shape, rule, rank, size):
-    """This tp rank's slice of a dense parameter of `shape` as runs (start, length) of the dense flat index, in
-    the order of the slice's own flat index. rule: tp.shard_rule's (dim, groups), or None (the whole thing).
-    The flat-index form of tp.shard_param (tests/test_meta.py holds the two equal for every rule and rank)."""
+    """This tp rank's slice of a dense parameter of `shape` as runs (start, length) of the dense
+    flat index, in the order of the slice's own flat index. rule: tp.shard_rule's (dim, groups), or
+    None (the whole thing). The flat-index form of tp.shard_param (tests/test_meta.py holds the two
+    equal for every rule and rank)."""
     n = math.prod(shape)
     if rule is None or size == 1:
         return [(0, n)]
@@ -43,15 +43,17 @@ def segments(shape, rule, rank, size):
 
 
 class Init:
-    """The dense model's initialization (model.init_std, model.draw) as seen by one tensor-parallel rank."""
+    """The dense model's initialization (model.init_std, model.draw) as seen by one
+    tensor-parallel rank."""
 
     def __init__(self, cfg, seed, tp_rank=0, tp_size=1):
         self.cfg, self.seed, self.tp_rank, self.tp_size = cfg, seed, tp_rank, tp_size
 
     def values(self, name, p, start=0, stop=None):
-        """Elements [start, stop) of the flattened local parameter p (named `name` in this rank's model), fp32
-        on the host: the same elements of the dense parameter's slice, bitwise."""
-        dense = pp.saved_name(name, p)  # the last stage's copy of the tied embedding draws the embedding
+        """Elements [start, stop) of the flattened local parameter p (named `name` in this rank's
+        model), fp32 on the host: the same elements of the dense parameter's slice, bitwise."""
+        # the last stage's copy of the tied embedding draws the embedding
+        dense = pp.saved_name(name, p)
         rule = tp.shard_rule(dense) if tp.is_tensor_parallel(p) else None
         shape = list(p.shape)
         if rule is not None:
@@ -71,8 +73,9 @@ class Init:
 
 @torch.no_grad()
 def materialize(model, init, device, params=True):
-    """A model built on meta, given its values on `device`: every parameter still on meta drawn (init.values),
-    one at a time; every buffer moved. params=False: buffers only (the engine draws the parameters itself)."""
+    """A model built on meta, given its values on `device`: every parameter still on meta drawn
+    (init.values), one at a time; every buffer moved. params=False: buffers only (the engine draws
+    the parameters itself)."""
     device = torch.device(device)
     if device.type == "meta":
         return model
@@ -89,8 +92,8 @@ def materialize(model, init, device, params=True):
 
 
 class PaperAxis:
-    """One axis of a PaperGrid: its size and this rank's place in it. It has no process group: asking it for a
-    collective raises (a dry run builds; it never trains)."""
+    """One axis of a PaperGrid: its size and this rank's place in it. It has no process group:
+    asking it for a collective raises (a dry run builds; it never trains)."""
 
     def __init__(self, name, ranks, rank):
         self.name, self.ranks = name, [int(r) for r in ranks]
@@ -101,10 +104,10 @@ class PaperAxis:
 
 
 class PaperGrid:
-    """Rank `rank` of a (dp, pp, cp, tp) layout as dist.Grid lays it out (dist.layout), without torch.distributed:
-    what building one rank of a 1,000-GPU job on a laptop needs. device: meta (nothing allocated), or a real
-    one to build that rank's values (tests: the build needs no collective but the replicas' check, which
-    ddp.start_equal skips on meta)."""
+    """Rank `rank` of a (dp, pp, cp, tp) layout as dist.Grid lays it out (dist.layout), without
+    torch.distributed: what building one rank of a 1,000-GPU job on a laptop needs. device: meta
+    (nothing allocated), or a real one to build that rank's values (tests: the build needs no
+    collective but the replicas' check, which ddp.start_equal skips on meta)."""
 
     def __init__(self, dp, pp, tp, rank, device="meta", cp=1, ep=1):
         world = dp * pp * cp * tp
@@ -113,7 +116,8 @@ class PaperGrid:
         dist.check_layout(world, dp, pp, tp, cp, ep)
         self.world, self.rank, self.device = world, rank, torch.device(device)
         for attr, slices in dist.layout(dp, pp, tp, cp, ep).items():
-            mine = next((s for s in slices if rank in s.tolist()), None)  # embed: only the end stages have one
+            # embed: only the end stages have one
+            mine = next((s for s in slices if rank in s.tolist()), None)
             name = "dp" if attr == "dp_cp" and cp == 1 else dist.SHORT.get(attr, attr)
             setattr(self, attr, PaperAxis(name, mine, rank) if mine is not None else None)
         self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = self.dp.rank, self.pp.rank, self.cp.rank, self.tp.rank
@@ -121,7 +125,8 @@ class PaperGrid:
         self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == pp - 1
 
     def __repr__(self):
-        """--dry-run's header: rank R of tp T x pp P [x cp C] x dp D [(ep E)] (tp t, stage p[, cp c], dp d[, ep e])."""
+        """--dry-run's header: rank R of tp T x pp P [x cp C] x dp D [(ep E)] (tp t, stage p[, cp
+        c], dp d[, ep e])."""
         cp, ep = self.cp.size > 1, self.ep.size > 1
         return (f"rank {self.rank} of tp {self.tp.size} x pp {self.pp.size}" + f" x cp {self.cp.size}" * cp
                 + f" x dp {self.dp.size}" + f" (ep {self.ep.size})" * ep + f" (tp {self.tp_rank}, stage {self.pp_rank}"

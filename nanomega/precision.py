@@ -1,24 +1,20 @@
 """Mixed precision: compute in 16 bits, keep everything that accumulates in fp32.
 
-Idea (Micikevicius et al. 2018; BLOOM's lesson): matmuls and activations run in bf16 (or fp16), while the
-fp32 master weights, the Adam moments, the gradient accumulation/reduction, the softmax and the loss stay in
-fp32. This module casts the model, checks the device, scales the loss for fp16, and holds the arithmetic of
-the mixed-precision step: the fp32 master of each 16-bit weight (fp32_master), the unscaling of the fp32
-gradients (unscale_) and the write-back of the updated masters (write_back). zero.ZeroEngine applies them to
-its (sharded) flat buffers, so mixed precision composes with ZeRO, TP and PP unchanged:
-    backward    16-bit grad -> added into the fp32 gradient buffer, then dropped     (ddp.py, _on_grad)
-    step        fp32 grad x 1/S -> norm, clip -> optimizer on the fp32 master      (unscale_, zero.py)
-                -> master cast back into the 16-bit weight                         (write_back)
+Matmuls and activations run in bf16 (or fp16), while the fp32 master weights, the Adam moments, the
+gradient accumulation and reduction, the softmax and the loss stay in fp32 (Micikevicius et al.
+2018; BLOOM's lesson). This module casts the model, checks the device, scales the loss for fp16, and
+holds the arithmetic of the step (fp32_master, unscale_, write_back) that zero.ZeroEngine applies to
+its sharded flat buffers, so mixed precision composes with ZeRO, TP and PP unchanged.
 
-    dtype  exponent  mantissa  max        smallest normal   eps (1 ulp at 1)
-    fp32   8 bits    23 bits   3.4e38     1.2e-38           1.2e-7
-    bf16   8 bits     7 bits   3.4e38     1.2e-38           7.8e-3   <- fp32's range, fewer digits
-    fp16   5 bits    10 bits   65504      6.1e-5            9.8e-4   <- overflows, small grads underflow
+    dtype  exponent  mantissa  max      smallest normal  eps (1 ulp at 1)
+    fp32   8 bits    23 bits   3.4e38   1.2e-38          1.2e-7
+    bf16   8 bits     7 bits   3.4e38   1.2e-38          7.8e-3  <- fp32's range, fewer digits
+    fp16   5 bits    10 bits   65504    6.1e-5           9.8e-4  <- overflows, small grads underflow
 
-Bytes per parameter with Adam: 2 (bf16 weight) + 2 (bf16 grad) + 4 (fp32 master) + 4 + 4 (Adam m, v) = 16;
-accumulating gradients in fp32 (the bf16 grad is added into an fp32 buffer and dropped) gives 2+4+4+4+4 = 18.
-fp16 needs dynamic loss scaling: multiply the loss by S so small gradients do not flush to zero, unscale the
-fp32 gradients by 1/S, and on inf/nan skip the step and halve S; after `growth_interval` clean steps double S.
+Bytes per parameter with Adam: 2 (bf16 weight) + 2 (bf16 grad) + 4 (fp32 master) + 4 + 4 (Adam m, v)
+= 16; accumulating gradients in fp32 (the bf16 grad is added into an fp32 buffer and dropped) gives
+2+4+4+4+4 = 18. fp16's dynamic loss scaling: multiply the loss by S, unscale the fp32 gradients by
+1/S, and on inf/nan skip the step and halve S; after `growth_interval` clean steps double S.
 Lesson: lessons/06-mixed-precision.md
 """
 import torch
@@ -40,10 +36,11 @@ def parse_dtype(name: str) -> torch.dtype:
 def check_dtype_supported(dtype: torch.dtype, device) -> None:
     """Raise a one-line error, naming --dtype, if `device` cannot train in `dtype`.
 
-    CUDA: bf16 needs compute capability >= 8.0 (Ampere); fp16 is asked of the device the same way.
-    Everywhere (CPU included) a tiny matmul + backward in `dtype` is run as a probe: torch 2.13 on CPU
-    runs both bf16 and fp16 matmuls (fp16 is slow without AVX512-FP16/AMX-FP16, but correct), so on CPU
-    both are allowed; a device or build that lacks the kernels fails the probe and gets this error.
+    CUDA: bf16 needs compute capability >= 8.0 (Ampere); fp16 is asked of the device the same
+    way. Everywhere (CPU included) a tiny matmul + backward in `dtype` is run as a probe: torch
+    2.13 on CPU runs both bf16 and fp16 matmuls (fp16 is slow without AVX512-FP16/AMX-FP16, but
+    correct), so on CPU both are allowed; a device or build that lacks the kernels fails the
+    probe and gets this error.
     """
     device = torch.device(device)
     if dtype == torch.float32:
@@ -63,16 +60,18 @@ def check_dtype_supported(dtype: torch.dtype, device) -> None:
 
 
 def set_tf32(device, enabled: bool = True) -> None:
-    """fp32 matmuls on CUDA tensor cores in TF32 (10-bit mantissa inputs, fp32 accumulation): 156 instead of
-    19.5 TFLOP/s on an A100. On by default for fp32 training, as in Megatron; --no-tf32 turns it off.
+    """fp32 matmuls on CUDA tensor cores in TF32 (10-bit mantissa inputs, fp32 accumulation): 156
+    instead of 19.5 TFLOP/s on an A100. On by default for fp32 training, as in Megatron;
+    --no-tf32 turns it off.
 
-    torch >= 2.9 has per-backend settings (fp32_precision "tf32" | "ieee"), and there only they are used: the
-    legacy allow_tf32 setters warn on torch 2.9 (on every rank), and mixing the two APIs raises on torch 2.13:
-    after this, read torch.backends.cuda.matmul.fp32_precision, not allow_tf32 or
-    torch.get_float32_matmul_precision(). Older torch: the legacy setters."""
+    torch >= 2.9 has per-backend settings (fp32_precision "tf32" | "ieee"), and there only they are
+    used: the legacy allow_tf32 setters warn on torch 2.9 (on every rank), and mixing the two APIs
+    raises on torch 2.13: after this, read torch.backends.cuda.matmul.fp32_precision, not allow_tf32
+    or torch.get_float32_matmul_precision(). Older torch: the legacy setters."""
     if torch.device(device).type != "cuda":
         return
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # unknown attribute: AttributeError on old torch
+    # unknown attribute: AttributeError on old torch
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
         mode = "tf32" if enabled else "ieee"
         torch.backends.cuda.matmul.fp32_precision = mode
         torch.backends.cudnn.conv.fp32_precision = torch.backends.cudnn.rnn.fp32_precision = mode
@@ -82,14 +81,15 @@ def set_tf32(device, enabled: bool = True) -> None:
 
 
 def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """Cast every floating parameter and buffer to `dtype` in place (Megatron's Float16Module does the same).
+    """Cast every floating parameter and buffer to `dtype` in place (Megatron's Float16Module does
+    the same).
 
-    Nothing in the model stays fp32: the fp32 copy of each weight lives in the optimizer engine (master
-    weights), not here. LayerNorm weights in bf16 are fine because torch's layer_norm accumulates mean and
-    variance in fp32 internally; softmax and loss upcast their input themselves (model.causal_softmax,
-    model.cross_entropy), so they run in fp32 whatever the model dtype. Parameter identity (and tags such as
-    p.tensor_parallel, and ties such as lm_head.weight is embed.wte.weight) is kept: .to() on a module
-    swaps p.data, not the Parameter object.
+    Nothing in the model stays fp32: the fp32 copy of each weight lives in the optimizer engine
+    (master weights), not here. LayerNorm weights in bf16 are fine because torch's layer_norm
+    accumulates mean and variance in fp32 internally; softmax and loss upcast their input themselves
+    (model.causal_softmax, model.cross_entropy), so they run in fp32 whatever the model dtype.
+    Parameter identity (and tags such as p.tensor_parallel, and ties such as lm_head.weight is
+    embed.wte.weight) is kept: .to() on a module swaps p.data, not the Parameter object.
     """
     if not dtype.is_floating_point:
         raise ValueError(f"cast_model needs a floating dtype, got {dtype}")
@@ -97,12 +97,14 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def fp32_master(weights: torch.Tensor) -> torch.Tensor:
-    """The fp32 master copy of (a slice of) 16-bit weights; fp32 weights are their own master (no copy)."""
+    """The fp32 master copy of (a slice of) 16-bit weights; fp32 weights are their own
+    master (no copy)."""
     return weights.float()
 
 
 def unscale_(grad: torch.Tensor, scaler) -> None:
-    """fp32 gradients of a scaled loss -> the true gradients, in place (in fp32: g/S in fp16 would underflow)."""
+    """fp32 gradients of a scaled loss -> the true gradients, in place (in fp32: g/S in fp16
+    would underflow)."""
     if scaler is not None and scaler.scale != 1.0:
         grad.mul_(1.0 / scaler.scale)
 
@@ -114,12 +116,14 @@ def write_back(master: torch.Tensor, weights: torch.Tensor) -> None:
 
 
 class LossScaler:
-    """Loss scaling for fp16 training: dynamic (fp16) or static (scale 1.0: bf16/fp32, nothing to do).
+    """Loss scaling for fp16 training: dynamic (fp16) or static (scale 1.0: bf16/fp32, nothing to
+    do).
 
-    Protocol per optimizer step (zero.ZeroEngine.step does the middle part): `scale_loss(loss).backward()`
-    on every micro-batch; the engine multiplies its fp32 gradients by 1/scale (in fp32: g/S in fp16 would
-    underflow again) and takes the global gradient norm, all-reduced over dp, tp and pp, so every rank sees
-    the same inf/nan; on inf/nan it skips the optimizer step; then it calls `update(found_inf)`.
+    Protocol per optimizer step (zero.ZeroEngine.step does the middle part):
+    `scale_loss(loss).backward()` on every micro-batch; the engine multiplies its fp32 gradients by
+    1/scale (in fp32: g/S in fp16 would underflow again) and takes the global gradient norm,
+    all-reduced over dp, tp and pp, so every rank sees the same inf/nan; on inf/nan it skips the
+    optimizer step; then it calls `update(found_inf)`.
     """
 
     def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=1000,
@@ -142,7 +146,8 @@ class LossScaler:
         return loss * self.scale if self.scale != 1.0 else loss
 
     def update(self, found_inf: bool) -> None:
-        """After each step: back off on inf/nan (the step was skipped), grow after growth_interval clean steps."""
+        """After each step: back off on inf/nan (the step was skipped), grow after growth_interval
+        clean steps."""
         if found_inf:
             self.skipped += 1
         if not self.dynamic:

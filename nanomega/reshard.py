@@ -1,17 +1,11 @@
-"""Resharding: a checkpoint saved under one layout loads under any other (DeepSpeed's universal checkpoint,
-done on load).
+"""Resharding: a checkpoint saved under one layout loads under any other (DeepSpeed's universal
+checkpoint, done on load).
 
-Idea: besides its own state, each rank saves its *pieces by name* (export_by_name, from a zero.ZeroEngine) -- for every
-parameter slice it owns, the element range of its (tensor-parallel) local tensor, the fp32 master values and the
-optimizer state. Nothing is gathered to save. Loading under any layout (tp, pp, dp, ZeRO stage changed)
-rebuilds each full tensor from the pieces (un-sharding tp with tp.unshard_param), then each rank keeps its
-new slices (tp.shard_param, import_by_name). A rank reads only the shards it needs: the manifest
-indexes every shard's pieces (name, tp rank, element range), and a rank opens a shard only if one of its
-pieces overlaps what the rank will hold -- under the same layout that is its own shard (its dp-rank-0
-peer's at ZeRO stage 0, where replicas save nothing). Shards are always read to the CPU
-(checkpoint.load_shard: map_location="cpu", memory-mapped), then copied to the rank's device: a CUDA
-checkpoint loads on a machine with fewer GPUs, or none. The files themselves -- shards, manifest,
-checksums, discovery -- are nanomega/checkpoint.py.
+Each rank saves its pieces *by name* (export_by_name: the element range of every parameter slice it
+owns, its fp32 master values and optimizer state); nothing is gathered to save. Loading rebuilds
+each full tensor from the pieces (tp.unshard_param) and keeps the rank's new slices (tp.shard_param,
+import_by_name), reading only the shards whose pieces it needs, always to the CPU first. The files
+themselves -- shards, manifest, checksums, discovery -- are nanomega/checkpoint.py.
 Lesson: lessons/10-checkpoints-and-failures.md
 """
 import copy as copy_module
@@ -26,7 +20,8 @@ from nanomega.model import GPTConfig
 
 
 def is_elementwise(v):
-    """An optimizer state entry shaped like its parameter (Adam's m, v), as opposed to a scalar (its step)."""
+    """An optimizer state entry shaped like its parameter (Adam's m, v), as opposed to a
+    scalar (its step)."""
     return torch.is_tensor(v) and v.dim() > 0
 
 
@@ -40,8 +35,8 @@ def scalar(v, device=None):
 
 
 def held(engine):
-    """A Piece for every parameter slice this rank's zero.ZeroEngine holds: the stepped pieces, then frozen
-    parameters (ZeRO-3: their shards; otherwise whole)."""
+    """A Piece for every parameter slice this rank's zero.ZeroEngine holds: the stepped pieces, then
+    frozen parameters (ZeRO-3: their shards; otherwise whole)."""
     out = [piece for piece in engine.pieces if piece.group is not None]
     frozen = engine.sharded.frozen if engine.sharded else []
     for g in frozen:
@@ -55,16 +50,18 @@ def held(engine):
 
 
 def export_by_name(engine, copies=False, copy=True):
-    """This rank's share of every parameter by name: [dict(name, shape, start, end, master (fp32), state
-    {key: 1-D slice, or the scalar})]. Over the job each parameter is exported once: dp replicas (dp rank
-    > 0; a routed expert's: edp rank > 0) and the last pipeline stage's copy of the tied embedding export
-    nothing, unless copies=True. copy=False: the tensors are views of live buffers (fp32 models), to be copied
-    before the next step."""
+    """This rank's share of every parameter by name: [dict(name, shape, start, end, master (fp32),
+    state {key: 1-D slice, or the scalar})]. Over the job each parameter is exported once: dp
+    replicas (dp rank > 0; a routed expert's: edp rank > 0) and the last pipeline stage's copy of
+    the tied embedding export nothing, unless copies=True. copy=False: the tensors are views of live
+    buffers (fp32 models), to be copied before the next step."""
     out, grid = [], engine.grid
     take = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())
     for piece in held(engine):
         if not copies and piece.replica and (grid.edp.rank if ep.is_expert(piece.name) else grid.dp_cp.rank) != 0:
-            continue  # one of the dp x cp replicas; a routed expert's are its edp ranks (dp peers hold others: ep.py)
+            # one of the dp x cp replicas; a routed expert's are its edp ranks (dp
+            # peers hold others: ep.py)
+            continue
         p = piece.group.params[piece.index] if piece.group else None
         if not copies and p is not None and p is engine.shared and not grid.first_stage:
             continue
@@ -77,8 +74,8 @@ def export_by_name(engine, copies=False, copy=True):
 
 @torch.no_grad()
 def import_by_name(engine, params_by_name, optim_state_by_name=None):
-    """Keep this rank's slices of full tensors given by name (saved in any layout): the engine's fp32 masters,
-    the model's parameters (frozen ones too) and, when given, the optimizer state."""
+    """Keep this rank's slices of full tensors given by name (saved in any layout): the engine's
+    fp32 masters, the model's parameters (frozen ones too) and, when given, the optimizer state."""
     missing = [k for k, _ in engine.module.named_parameters() if k not in params_by_name]
     if missing:
         raise ValueError(f"import_by_name: no tensor for parameters {missing[:3]} (of {len(missing)} missing)")
@@ -102,9 +99,10 @@ def import_by_name(engine, params_by_name, optim_state_by_name=None):
                                       for k, v in st.items()}
                 continue
             st = optim_state_by_name[piece.name]
-            # element-wise state goes to the parameter's device at every stage (a checkpoint is read to the
-            # CPU); scalars (Adam's step) where torch.optim keeps them: on the CPU, or beside the parameter for
-            # a fused or capturable group (fused AdamW refuses a CPU step for a CUDA parameter)
+            # element-wise state goes to the parameter's device at every stage (a checkpoint is read
+            # to the CPU); scalars (Adam's step) where torch.optim keeps them: on the CPU, or beside
+            # the parameter for a fused or capturable group (fused AdamW refuses a CPU step for a
+            # CUDA parameter)
             group = optimizer.param_groups[engine.group_of[piece.name]]
             home = m.device if group.get("fused") or group.get("capturable") else None
             optimizer.state[m] = {k: (v.to(m.device).reshape(-1)[piece.start:piece.end].clone().view(m.shape)
@@ -114,25 +112,25 @@ def import_by_name(engine, params_by_name, optim_state_by_name=None):
 
 def pieces(engine, grid, copy=True):
     """What this rank saves: its share of every parameter by name (export_by_name), with its tp rank
-    (the pieces of tensor-parallel parameters are slices of the tp-local tensor). copy=False: views of the
-    engine's live buffers, to be copied before the next step (checkpoint.AsyncSaver copies them into reused
-    buffers)."""
+    (the pieces of tensor-parallel parameters are slices of the tp-local tensor). copy=False: views
+    of the engine's live buffers, to be copied before the next step (checkpoint.AsyncSaver copies
+    them into reused buffers)."""
     return dict(tp_rank=grid.tp_rank, pieces=export_by_name(engine, copy=copy))
 
 
 def on_host(pieces):
-    """export_by_name's pieces with every tensor copied to the CPU: a CUDA tensor gathered as a Python object is
-    unpickled onto the sender's device (its cuda:N) on every rank: memory on another rank's GPU, or an error
-    where that device is not visible."""
+    """export_by_name's pieces with every tensor copied to the CPU: a CUDA tensor gathered as a
+    Python object is unpickled onto the sender's device (its cuda:N) on every rank: memory on
+    another rank's GPU, or an error where that device is not visible."""
     def host(v):
         return v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
     return [dict(p, master=host(p["master"]), state={k: host(v) for k, v in p["state"].items()}) for p in pieces]
 
 
 def full_state(engine):
-    """({name: full fp32 tensor}, {name: optimizer state by name}) of a live engine, gathered over its dp axis:
-    the same by-name state a checkpoint holds, on the CPU as one read from disk (tp-local tensors:
-    tensor-parallel slices are not joined)."""
+    """({name: full fp32 tensor}, {name: optimizer state by name}) of a live engine, gathered over
+    its dp axis: the same by-name state a checkpoint holds, on the CPU as one read from disk
+    (tp-local tensors: tensor-parallel slices are not joined)."""
     every = engine.axis.all_gather_object(on_host(export_by_name(engine, copies=True, copy=False)))
     full = _assemble([dict(universal=dict(tp_rank=0, pieces=p)) for p in every], tp_size=1)
     trainable = {k for k, p in engine.module.named_parameters() if p.requires_grad}
@@ -143,10 +141,10 @@ def full_state(engine):
 def _assemble(shards, need=None, tp_size=None, replicate_kv=False):
     """{name: (full master, {key: full state or scalar})} from the pieces in `shards`.
 
-    need: {(name, saved tp rank): [(a, b), ...]} -- the element ranges of the saved tp-local tensors that must
-    be covered (others may be missing: they are zeros). None: every parameter must be complete.
-    tp_size: the saved tensor-parallel size (default: the highest tp rank seen + 1). replicate_kv: whether the
-    saved layout held kv_proj whole (tp.kv_replicated)."""
+    need: {(name, saved tp rank): [(a, b), ...]} -- the element ranges of the saved tp-local tensors
+    that must be covered (others may be missing: they are zeros). None: every parameter must be
+    complete. tp_size: the saved tensor-parallel size (default: the highest tp rank seen + 1).
+    replicate_kv: whether the saved layout held kv_proj whole (tp.kv_replicated)."""
     local = defaultdict(dict)  # name -> tp_rank -> [master, state, covered mask, shape]
     for shard in shards:
         u = shard["universal"]
@@ -175,7 +173,8 @@ def _assemble(shards, need=None, tp_size=None, replicate_kv=False):
         some = next(iter(by_rank.values()))
         blank = [torch.zeros(math.prod(some[3])), {k: torch.zeros_like(v) if is_elementwise(v) else v
                                                    for k, v in some[1].items()}, None, some[3]]
-        ranks = [by_rank.get(r, blank) for r in range(t)] if t > 1 else [some]  # not read: zeros, never used
+        # not read: zeros, never used
+        ranks = [by_rank.get(r, blank) for r in range(t)] if t > 1 else [some]
         master = tp.unshard_param(name, [e[0].view(e[3]) for e in ranks], replicate_kv)
         state = {k: tp.unshard_param(name, [e[1][k].view(e[3]) for e in ranks], replicate_kv) if is_elementwise(v) else v
                  for k, v in some[1].items()}
@@ -184,9 +183,10 @@ def _assemble(shards, need=None, tp_size=None, replicate_kv=False):
 
 
 def _needed(engine, grid, saved_tp, saved_replicate_kv=False):
-    """{(name, saved tp rank): [(a, b), ...]}: the saved element ranges this rank must read. Under the same tp
-    size, the ranges of the pieces it owns (stage 0: whole parameters); under another tp size, the whole
-    local tensors of the saved tp ranks whose slice overlaps this rank's (replicated parameters: tp rank 0)."""
+    """{(name, saved tp rank): [(a, b), ...]}: the saved element ranges this rank must read. Under
+    the same tp size, the ranges of the pieces it owns (stage 0: whole parameters); under another tp
+    size, the whole local tensors of the saved tp ranks whose slice overlaps this rank's (replicated
+    parameters: tp rank 0)."""
     mine = defaultdict(list)  # name -> ranges of this rank's tp-local tensor
     for piece in held(engine):
         mine[piece.name].append((piece.start, piece.end))
@@ -207,16 +207,17 @@ def _needed(engine, grid, saved_tp, saved_replicate_kv=False):
 
 
 def shards_needed(manifest, need):
-    """The shards (names) of the checkpoint `manifest` describes that hold a piece of `need` (_needed: what this
-    rank will hold); every shard for a checkpoint without the manifest's piece index."""
+    """The shards (names) of the checkpoint `manifest` describes that hold a piece of
+    `need` (_needed: what this rank will hold); every shard for a checkpoint without the
+    manifest's piece index."""
     index = manifest.get("pieces")
     return [f for f in manifest["shards"] if index is None or _overlaps(index[f], need)]
 
 
 def needed_by(manifest, cfg, engine, grid):
-    """The shards this rank reads to load the checkpoint `manifest` describes (flash.agree asks it before any
-    load: under the same layout its own, plus a peer's for what it holds but did not save -- a ZeRO-0 dp
-    replica's pieces, the last pipeline stage's tied embedding)."""
+    """The shards this rank reads to load the checkpoint `manifest` describes (flash.agree asks it
+    before any load: under the same layout its own, plus a peer's for what it holds but did not save
+    -- a ZeRO-0 dp replica's pieces, the last pipeline stage's tied embedding)."""
     saved_tp = manifest["layout"].get("tp", 1)
     return shards_needed(manifest, _needed(engine, grid, saved_tp, tp.kv_replicated(cfg, saved_tp)))
 
@@ -226,13 +227,14 @@ def _overlaps(pieces, need):
 
 
 def load(folder, cfg, engine, grid, layout, copy_of=None):
-    """Load `folder` into this rank's engine under the current layout (resharding if it differs), reading
-    only the shards whose pieces overlap what this rank holds (all of them for a checkpoint without the
-    manifest's piece index). Returns this rank's saved state (its own shard when the layout is the same, else
-    rank 0's), with `same_layout` telling whether per-rank RNG streams can be continued.
-    copy_of(manifest, shard name): under the same layout, the path of a verified byte-identical copy of this
-    rank's own shard to read instead of the disk (nanomega/flash.py: shared memory), or None; `copies` in the
-    result names the shards so read, neither verified nor read on disk here."""
+    """Load `folder` into this rank's engine under the current layout (resharding if it differs),
+    reading only the shards whose pieces overlap what this rank holds (all of them for a checkpoint
+    without the manifest's piece index). Returns this rank's saved state (its own shard when the
+    layout is the same, else rank 0's), with `same_layout` telling whether per-rank RNG streams can
+    be continued. copy_of(manifest, shard name): under the same layout, the path of a verified
+    byte-identical copy of this rank's own shard to read instead of the disk (nanomega/flash.py:
+    shared memory), or None; `copies` in the result names the shards so read, neither verified nor
+    read on disk here."""
     manifest = checkpoint.read_manifest_json(folder)
     same = manifest["layout"] == layout and manifest["world"] == grid.world
     saved_tp = manifest["layout"].get("tp", 1)
@@ -246,8 +248,10 @@ def load(folder, cfg, engine, grid, layout, copy_of=None):
     full = _assemble(shards.values(), need, saved_tp, saved_kv)
     params, optim = {}, {}
     for name, p in engine.module.named_parameters():
-        source = pp.saved_name(name, p)  # the last stage's copy of the tied embedding: the embedding
-        if source not in full:  # nothing of it is this rank's: an empty placeholder import_by_name never reads
+        # the last stage's copy of the tied embedding: the embedding
+        source = pp.saved_name(name, p)
+        # nothing of it is this rank's: an empty placeholder import_by_name never reads
+        if source not in full:
             if any(k == source for k, _ in need):
                 raise ValueError(f"--resume: the checkpoint in {folder} has no parameter {source}")
             params[name], optim[name] = torch.zeros(0), {}
@@ -265,7 +269,8 @@ def load(folder, cfg, engine, grid, layout, copy_of=None):
 def full_weights(folder):
     """{name: full fp32 tensor} of a checkpoint saved under any layout (for sampling and tests)."""
     manifest = checkpoint.read_manifest_json(folder)
-    shards = [checkpoint.load_shard(folder, r) for r in range(manifest["world"])]  # sampling needs every shard
+    # sampling needs every shard
+    shards = [checkpoint.load_shard(folder, r) for r in range(manifest["world"])]
     saved_tp = manifest["layout"].get("tp", 1)
     kv = tp.kv_replicated(GPTConfig(**manifest["config"]), saved_tp)
     return {name: master for name, (master, _) in _assemble(shards, None, saved_tp, kv).items()}

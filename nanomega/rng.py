@@ -1,15 +1,13 @@
 """Dropout random streams under tensor parallelism (the idea of Megatron's CUDA RNG tracker).
 
-Idea: a replicated activation (the residual stream when the sequence is not split) must get the SAME dropout
-mask on every tensor parallel rank, or the replicas drift apart; a sharded activation (the attention heads a
-rank holds, and under sequence parallelism its slice of the sequence) needs a DIFFERENT mask on each rank,
-or all shards would share one mask and their dropout would be correlated. So there are two streams:
+A replicated activation must get the SAME dropout mask on every tensor parallel rank, or the
+replicas drift apart; a sharded one (a rank's heads, its slice of the sequence under SP) needs a
+DIFFERENT mask on each rank, or the shards' dropout would be correlated. So there are two streams;
+the tp stream is a function of the default one, so recompute and resume reproduce it.
     default stream   torch's own generator, seeded seed + 100 * pp_rank: equal across the tp group
-    tp stream        inside RNGTracker.fork(): a generator seeded (u, tp_rank) with u drawn from the default
-                     stream -- so equal draws on the tp group give a different, reproducible seed per rank
-Unlike Megatron's tracker, the tp stream keeps no state of its own: it is a function of the default stream,
-so torch.utils.checkpoint (which saves and restores the default generator) recomputes the same masks, and a
-checkpoint that saves the default generator resumes it. As in Megatron, dp replicas share both streams.
+    tp stream        inside RNGTracker.fork(): a generator seeded (u, tp_rank) with u drawn from the
+                     default stream -- so equal draws on the tp group give a different, reproducible
+                     seed per rank
 Lessons: lessons/03-tensor-parallel.md, lessons/04-sequence-parallel.md
 """
 from contextlib import contextmanager
@@ -32,13 +30,14 @@ def _set_state(state, device):
 
 
 def save_state(device) -> dict:
-    """The generators a resume must continue: the CPU one and, on CUDA, this rank's device's (only its own:
-    touching every GPU would open a context on each)."""
+    """The generators a resume must continue: the CPU one and, on CUDA, this rank's device's (only
+    its own: touching every GPU would open a context on each)."""
     return dict(rng=torch.get_rng_state(), cuda_rng=_get_state(device) if device.type == "cuda" else None)
 
 
 def restore_state(state: dict, device) -> None:
-    """Set back what save_state saved: a resume with dropout continues the same random streams, bitwise."""
+    """Set back what save_state saved: a resume with dropout continues the same random
+    streams, bitwise."""
     torch.set_rng_state(state["rng"])
     cuda = state.get("cuda_rng")
     if device.type == "cuda" and cuda is not None:
@@ -46,7 +45,7 @@ def restore_state(state: dict, device) -> None:
 
 
 class RNGTracker:
-    """Swaps a per-tp-rank generator in for the dropout of sharded activations (see the module docstring)."""
+    """Swaps a per-tp-rank generator in for sharded activations' dropout (module docstring)."""
 
     def __init__(self, tp_rank: int, device: torch.device):
         if not 0 <= tp_rank < MAX_TP:
@@ -55,7 +54,8 @@ class RNGTracker:
 
     @contextmanager
     def fork(self):
-        u = int(torch.randint(1 << 48, ()))  # CPU default stream: the same draw on every tp rank, no device sync
+        # CPU default stream: the same draw on every tp rank, no device sync
+        u = int(torch.randint(1 << 48, ()))
         outer = _get_state(self.device)
         _set_state(torch.Generator(self.device).manual_seed(u * MAX_TP + self.tp_rank).get_state(), self.device)
         try:
@@ -67,8 +67,8 @@ class RNGTracker:
 def model_parallel_seed(seed: int, grid) -> RNGTracker:
     """Seed the default stream (the same on the tp group) and return this rank's tracker.
 
-    Call it after every rank has built the dense model from `seed` (the init must be the same everywhere),
-    and pass the tracker to tp.apply_tensor_parallel(..., rng=tracker).
+    Call it after every rank has built the dense model from `seed` (the init must be the same
+    everywhere), and pass the tracker to tp.apply_tensor_parallel(..., rng=tracker).
     """
     torch.manual_seed(seed + 100 * grid.pp_rank)
     return RNGTracker(grid.tp_rank, grid.device)

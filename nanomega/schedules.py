@@ -1,13 +1,13 @@
-"""Pipeline schedules as pure op lists, the p2p plan they imply, and the timeline/bubble they produce.
+"""Pipeline schedules as pure op lists, the p2p plan they imply, the timeline and bubble they give.
 
-Idea: a schedule is just the order in which one pipeline rank runs forwards F(mb) and backwards B(mb) of its
-micro-batches, cut into rounds (ops that run back to back; p2p happens between rounds). Everything else
-follows from it: which activation/gradient each op must receive first and send after (`comm_plan`), whether
-the ranks can deadlock, and how long they sit idle (`simulate`).
-No torch, no processes: tests check every schedule for many (p, m) in milliseconds, and pp.py runs the very
-same plan with real tensors.
+A schedule is the order in which one pipeline rank runs forwards F(mb) and backwards B(mb) of its
+micro-batches, cut into rounds (ops that run back to back; p2p happens between rounds). Everything
+else follows from it: what each op must receive first and send after (`comm_plan`), whether the
+ranks can deadlock, and how long they sit idle (`simulate`). No torch, no processes: pp.py runs the
+very same plan with real tensors.
 
-Formulas (p stages, m micro-batches, v virtual stages per rank, forward t_f and backward t_b per stage):
+Formulas (p stages, m micro-batches, v virtual stages per rank, forward t_f and backward t_b per
+          stage):
     GPipe, 1F1B:        step time (m + p - 1)(t_f + t_b),    bubble = (p - 1) / (m + p - 1)
     interleaved 1F1B:   each chunk is 1/v of a stage,        bubble = (p - 1) / (v m + p - 1)
     micro-batches alive on rank r: GPipe m, 1F1B min(m, p - r)  (activation memory ∝ m vs ∝ p)
@@ -17,10 +17,11 @@ import contextlib
 import time
 from collections import namedtuple
 
-Op = namedtuple("Op", "kind mb chunk", defaults=(0,))  # kind "F" or "B"; chunk = model chunk on this rank
+# kind "F" or "B"; chunk = model chunk on this rank
+Op = namedtuple("Op", "kind mb chunk", defaults=(0,))
 Comm = namedtuple("Comm", "sends recvs")  # one batched isend/irecv: lists of messages
-# A message is ("F", mb, vs): the activation virtual stage vs sends to vs + 1, or ("B", mb, vs): the gradient
-# vs sends to vs - 1. Virtual stage vs = chunk * p + rank lives on rank vs % p.
+# A message is ("F", mb, vs): the activation virtual stage vs sends to vs + 1, or ("B", mb, vs): the
+# gradient vs sends to vs - 1. Virtual stage vs = chunk * p + rank lives on rank vs % p.
 Event = namedtuple("Event", "op mb start end chunk")
 
 
@@ -30,14 +31,16 @@ def gpipe(p, rank, m, v=1):
 
 
 def one_f_one_b(p, rank, m, v=1):
-    """1F1B (PipeDream-Flush, Narayanan et al. 2021): only p - rank - 1 forwards run ahead of the backwards."""
+    """1F1B (PipeDream-Flush, Narayanan et al. 2021): only p - rank - 1 forwards run ahead
+    of the backwards."""
     fwd, bwd = [Op("F", i) for i in range(m)], [Op("B", i) for i in range(m)]
     return _warmup_steady_cooldown(fwd, bwd, warmup=min(p - rank - 1, m), pair=False)
 
 
 def interleaved_1f1b(p, rank, m, v):
-    """Interleaved 1F1B (Narayanan et al. 2021, sec. 2.2): v model chunks per rank; micro-batches go through
-    the chunks in groups of p (needs m % p == 0); backwards visit the chunks in reverse order."""
+    """Interleaved 1F1B (Narayanan et al. 2021, sec. 2.2): v model chunks per rank;
+    micro-batches go through the chunks in groups of p (needs m % p == 0); backwards visit the
+    chunks in reverse order."""
     order = _chunk_order(p, m, v)
     fwd = [Op("F", mb, c) for mb, c in order]
     bwd = [Op("B", mb, v - 1 - c) for mb, c in order]
@@ -45,24 +48,29 @@ def interleaved_1f1b(p, rank, m, v):
 
 
 def _warmup_steady_cooldown(fwd, bwd, warmup, pair):
-    """Rounds of ops that run back to back; p2p happens only between rounds. In the interleaved steady state
-    a forward and a backward form one round (their four messages share one batched call, as Megatron's
-    send_forward_backward_recv_forward_backward): sending after each op deadlocks the ring of chunks."""
+    """Rounds of ops that run back to back; p2p happens only between rounds. In the interleaved
+    steady state a forward and a backward form one round (their four messages share one batched
+    call, as Megatron's send_forward_backward_recv_forward_backward): sending after each op
+    deadlocks the ring of chunks."""
     steady = [[f, b] for f, b in zip(fwd[warmup:], bwd)]
     if not pair:
         steady = [[op] for rnd in steady for op in rnd]
     return ([[f] for f in fwd[:warmup]]                          # warm-up: fill the pipeline
-            + steady                                             # steady state: one forward, one backward
-            + [[b] for b in bwd[len(fwd) - warmup:]])            # cool-down: drain the remaining backwards
+            # steady state: one forward, one backward
+            + steady
+            # cool-down: drain the remaining backwards
+            + [[b] for b in bwd[len(fwd) - warmup:]])
 
 
 def forward_only(p, rank, m, v=1):
-    """Evaluation: the forwards alone, in the interleaved order (any m: the last group takes the rest)."""
+    """Evaluation: the forwards alone, in the interleaved order (any m: the last
+    group takes the rest)."""
     return [[Op("F", mb, c)] for mb, c in _chunk_order(p, m, v)]
 
 
 def _chunk_order(p, m, v):
-    """(micro-batch, chunk) pairs: groups of p micro-batches, each group through chunk 0, then 1, ..."""
+    """(micro-batch, chunk) pairs: groups of p micro-batches, each group through
+    chunk 0, then 1, ..."""
     n = max(m // p, 1)
     groups = [range(g * p, m if g == n - 1 else (g + 1) * p) for g in range(n)]
     return [(mb, c) for group in groups for c in range(v) for mb in group]
@@ -77,7 +85,8 @@ def ops_in_order(rounds):
 
 
 def recv_msg(op, p, rank, v):
-    """The message op needs before it can run: the input activation (F) or the output gradient (B)."""
+    """The message op needs before it can run: the input activation (F) or the output gradient
+    (B)."""
     vs = op.chunk * p + rank
     if op.kind == "F":
         return ("F", op.mb, vs - 1) if vs > 0 else None
@@ -100,9 +109,9 @@ def peer(msg, p, rank):
 
 
 def comm_plan(rounds, p, rank, v=1):
-    """Ops with one batched p2p call before each round: it sends what the previous round produced and
-    receives what this round needs (Megatron's send_forward_recv_backward pattern), so that two neighbours
-    never both wait on a message the other has not posted."""
+    """Ops with one batched p2p call before each round: it sends what the previous round produced
+    and receives what this round needs (Megatron's send_forward_recv_backward pattern), so that two
+    neighbours never both wait on a message the other has not posted."""
     steps, pending = [], []
     for rnd in rounds:
         needs = [msg for msg in (recv_msg(op, p, rank, v) for op in rnd) if msg]
@@ -114,10 +123,12 @@ def comm_plan(rounds, p, rank, v=1):
 
 
 def simulate(p, m, schedule, v=1, t_f=1, t_b=2):
-    """Run every rank's plan on a unit clock: F takes t_f, B takes t_b (a backward is ~2 forwards of FLOPs),
-    messages take no time. A batched call finishes only when every peer has posted the matching call (the
-    strictest, NCCL-like rendezvous), so a plan that finishes here cannot deadlock. Returns one Trace per rank."""
-    make = SCHEDULES[schedule] if isinstance(schedule, str) else schedule  # a name, or a schedule function
+    """Run every rank's plan on a unit clock: F takes t_f, B takes t_b (a backward is ~2 forwards of
+    FLOPs), messages take no time. A batched call finishes only when every peer has posted the
+    matching call (the strictest, NCCL-like rendezvous), so a plan that finishes here cannot
+    deadlock. Returns one Trace per rank."""
+    # a name, or a schedule function
+    make = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     plans = [comm_plan(make(p, r, m, v), p, r, v) for r in range(p)]
     _check_message_order(plans, p)
     pos, clock, posted = [0] * p, [0] * p, {}
@@ -151,7 +162,8 @@ def simulate(p, m, schedule, v=1, t_f=1, t_b=2):
 
 
 def _check_message_order(plans, p):
-    """p2p matches messages between two ranks in posting order: each ordered pair must agree on it."""
+    """p2p matches messages between two ranks in posting order: each ordered pair
+    must agree on it."""
     sent, received = {}, {}
     for r, plan in enumerate(plans):
         for step in plan:
@@ -166,7 +178,8 @@ def _check_message_order(plans, p):
 
 
 class Trace:
-    """One rank's ops as (op, micro-batch, start, end, chunk), plus the memory high-water marks of a step."""
+    """One rank's ops as (op, micro-batch, start, end, chunk), plus the memory high-water marks of a
+    step."""
 
     def __init__(self, rank):
         self.rank, self.events = rank, []
@@ -191,8 +204,9 @@ def bubble_fraction(traces):
 
 
 def draw_timeline(traces, path=None, width=None):
-    """ASCII timeline, one row per rank ('.' = idle; chunk letters a, b, ... when v > 1). With path, also a
-    PNG when matplotlib is importable (not a dependency); the returned text says when none was written."""
+    """ASCII timeline, one row per rank ('.' = idle; chunk letters a, b, ... when v > 1). With path,
+    also a PNG when matplotlib is importable (not a dependency); the returned text says when none
+    was written."""
     events = [e for t in traces for e in t.events]
     t0, t1 = min(e.start for e in events), max(e.end for e in events)
     chunked = any(e.chunk for e in events)

@@ -1,10 +1,9 @@
-"""Local worlds: N CPU ranks on this machine, for tests, lessons and benchmarks (torchrun is for jobs).
+"""Local worlds: N CPU ranks on this machine for tests, lessons and benchmarks (torchrun: for jobs).
 
-Idea: `launch(fn, world, *args)` runs fn(*args) on `world` processes that each joined one gloo process group
-(dist.init), and returns their results in rank order. The ranks fork from a forkserver that imported torch and
-nanomega once: a fresh interpreter per rank spends ~2 s on imports, a fork of the test process itself is unsafe
-(its OpenMP pool), and a fork of a server that never ran an OpenMP region is neither. A rank that raises ends
-the world with RankFailed, whose fields (rank, type, message) are what graders and tests read.
+`launch(fn, world, *args)` runs fn(*args) on `world` processes that each joined one gloo process
+group (dist.init) and returns their results in rank order. The ranks fork from a forkserver that
+imported torch and nanomega once. A rank that raises ends the world with RankFailed, whose fields
+(rank, type, message) are what graders and tests read.
 Lesson: lessons/17-collectives.md
 """
 import os
@@ -27,8 +26,9 @@ def free_port() -> int:
 
 
 class RankFailed(RuntimeError):
-    """A local rank raised: which rank, the exception's type name and message as fields; its traceback is the
-    text a person reads. Graders and tests read the fields, never the traceback's wording."""
+    """A local rank raised: which rank, the exception's type name and message as fields; its
+    traceback is the text a person reads. Graders and tests read the fields, never the
+    traceback's wording."""
 
     def __init__(self, rank, kind, message, trace):
         super().__init__(f"rank {rank} failed:\n{trace}")
@@ -43,7 +43,8 @@ def _worker(rank, world, port, fn, args, queue, threads, env):
     try:
         init(device="cpu", timeout_s=120)
         queue.put((rank, "ok", fn(*args)))
-    except BaseException as e:  # what was raised, as data: nobody downstream parses the traceback's text
+    except BaseException as e:
+        # what was raised, as data: nobody downstream parses the traceback's text
         queue.put((rank, "error", (type(e).__name__, str(e), traceback.format_exc())))
     finally:
         if dist.is_initialized():
@@ -51,9 +52,9 @@ def _worker(rank, world, port, fn, args, queue, threads, env):
 
 
 def launch(fn, world, *args, timeout=300, threads=1):
-    """Run fn(*args) on `world` local CPU ranks; return the ranks' results. Each rank gets the caller's
-    environment as it is now (the forkserver's own is the one it started with); a free port per world; the
-    first error or the timeout kills all."""
+    """Run fn(*args) on `world` local CPU ranks; return the ranks' results. Each rank gets the
+    caller's environment as it is now (the forkserver's own is the one it started with); a free port
+    per world; the first error or the timeout kills all."""
     forkserver = "forkserver" in mp.get_all_start_methods()  # not on Windows: spawn there
     ctx = mp.get_context("forkserver" if forkserver else "spawn")
     if forkserver:

@@ -1,18 +1,11 @@
 """The failure policy of one training step, behind one object (Guard), so that train.py's step reads
-batches -> forward/backward -> step (OPT-175B's and BLOOM's logbooks: what goes wrong inside a step).
+batches -> forward/backward -> step (OPT-175B's and BLOOM's logbooks: what goes wrong inside a
+step).
 
-Idea: every rank must take the same decision at the same step, or the next collective hangs; so each decision
-is made from a value all ranks share (the loss agreed over dp, a reduced grad norm) or by a vote:
-    hangs          a watchdog thread per rank: no progress for --hang-timeout seconds -> stacks dumped, the
-                   ranks that did not answer named, exit non-zero (Watchdog)
-    NaN / inf      the engine skips a non-finite step; --on-nan stop ends the run; --max-skipped consecutive
-                   skips stop it non-zero, and no checkpoint is written right after a skip (Skips); an update
-                   that made the weights themselves non-finite stops the run before the step can be saved
-    loss spikes    --on-spike warn, skip (drop the update) or rollback (reload, skip the data, lower the lr) (Spikes)
-    tests          --inject-fault KIND:RANK:STEP: a rank raises, is preempted, freezes (in its step, or while it
-                   writes that step's checkpoint: hang-save), or its loss goes NaN (a forward hook) or spikes, at a
-                   chosen step (inject_fault, poisoned)
-The job-level half (out-dir lock, resume, preemption, orphans, one-line errors): nanomega/ops/faults.py.
+Every rank must take the same decision at the same step, or the next collective hangs; so each
+decision is made from a value all ranks share (the loss agreed over dp, a reduced grad norm) or by a
+vote: hangs (Watchdog), NaN/inf and divergence (Skips), loss spikes (Spikes), and the faults tests
+inject (--inject-fault, inject_fault, poisoned). The job's half: nanomega/ops/faults.py.
 Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
 """
 import contextlib
@@ -30,21 +23,25 @@ from nanomega.ops import faults
 
 class Guard:
     """What train_step asks at each point of a step; the values it needs, not the flags:
-        with guard.forward_backward(model, step, data_step)   beats around it; --inject-fault fires on entry
-        guard.reported(loss)      this rank's loss as it reports it (x 10 under --inject-fault spike)
+        with guard.forward_backward(model, step, data_step)   beats around it; --inject-fault fires
+        on entry
+        guard.reported(loss)      this rank's loss as it reports it (x 10 under --inject-fault
+        spike)
         guard.spike(loss)         --on-spike's decision, the same on every rank (a vote unless warn)
         guard.drops(spike)        whether engine.step drops this update (--on-spike skip)
-        guard.finished(step, loss, info)   --on-nan stop ends the run on a non-finite step; an update that
-                                  made the weights non-finite always ends it, before any save (its count
-                                  rides the step-boundary vote: guard.vote, guard.weights_voted)
-    and the loop, at the step boundary: guard.count(stepped, step) (--max-skipped), guard.may_save(),
-    `with guard.saving(step) as wrap` around a save (the shard's writes are its beats), guard.paused() around
-    an evaluation. Built after resume: the watchdog starts here."""
+        guard.finished(step, loss, info)   --on-nan stop ends the run on a non-finite step; an
+                                  update that made the weights non-finite always ends it, before any
+                                  save (its count rides the step-boundary vote: guard.vote,
+                                  guard.weights_voted)
+    and the loop, at the step boundary: guard.count(stepped, step) (--max-skipped),
+    guard.may_save(), `with guard.saving(step) as wrap` around a save (the shard's writes are its
+    beats), guard.paused() around an evaluation. Built after resume: the watchdog starts here."""
 
     def __init__(self, grid, spikes, *, on_nan, max_skipped, hang_timeout, out_dir, fault=None):
         self.grid, self.spikes, self.on_nan, self.fault, self.injected = grid, spikes, on_nan, fault, None
         self.skips, self.watchdog = Skips(max_skipped), Watchdog(grid, hang_timeout, out_dir)
-        self.nonfinite = (0, 0.0, None)  # (step, grad norm, this rank's count of non-finite masters or None)
+        # (step, grad norm, this rank's count of non-finite masters or None)
+        self.nonfinite = (0, 0.0, None)
 
     @property
     def lr_scale(self):
@@ -59,10 +56,12 @@ class Guard:
         self.watchdog.beat(step, "backward done")
 
     def reported(self, loss):
-        return loss * 10 if self.injected == "spike" else loss  # the logged loss; the gradients are the step's own
+        # the logged loss; the gradients are the step's own
+        return loss * 10 if self.injected == "spike" else loss
 
     def spike(self, loss):
-        """The loss lives on the last pipeline stage: unless --on-spike warn, every rank takes its decision."""
+        """The loss lives on the last pipeline stage: unless --on-spike warn, every rank
+        takes its decision."""
         spike = self.spikes.check(loss)
         return faults.grid_agrees(self.grid, spike) if self.spikes.policy != "warn" else spike
 
@@ -70,16 +69,18 @@ class Guard:
         return spike and self.spikes.policy == "skip"
 
     def finished(self, step, loss, info):
-        self.nonfinite = (step, info["grad_norm"], info.get("nonfinite"))  # the vote's: weights_voted
-        if not info.get("finite", True):  # before the loop's save: a non-finite checkpoint is never written
+        # the vote's: weights_voted
+        self.nonfinite = (step, info["grad_norm"], info.get("nonfinite"))
+        # before the loop's save: a non-finite checkpoint is never written
+        if not info.get("finite", True):
             self.weights_voted(True)
         if self.on_nan == "stop" and not (info["stepped"] and math.isfinite(loss)):
             raise FloatingPointError(f"step {step}: loss {loss} / grad norm {info['grad_norm']} not finite; "
                                      f"stopping (--on-nan stop); the last checkpoint is untouched")
 
     def vote(self):
-        """This step's count of non-finite masters for the step-boundary vote (Saves.at_step_end): 0 when the
-        engine checked them itself, or did not step."""
+        """This step's count of non-finite masters for the step-boundary vote (Saves.at_step_end): 0
+        when the engine checked them itself, or did not step."""
         return self.nonfinite[2] if self.nonfinite[2] is not None else 0.0
 
     def weights_voted(self, broken):
@@ -101,17 +102,17 @@ class Guard:
 
     @contextlib.contextmanager
     def saving(self, step):
-        """Around a save: yields wrap(file) for checkpoint.save, whose writes beat (--inject-fault hang-save
-        freezes this rank at its first write)."""
+        """Around a save: yields wrap(file) for checkpoint.save, whose writes beat (--inject-fault
+        hang-save freezes this rank at its first write)."""
         freeze = self.fault == ("hang-save", self.grid.rank, step)
         with self.watchdog.saving(step):
             yield lambda f: Beating(f, self.watchdog.tick, freeze)
 
 
 class Beating:
-    """The shard's file as torch.save sees it: every write (one per record: a header, a whole tensor) is a
-    beat, and a tensor's bytes go out in CHUNK pieces, a beat each: one parameter of 10 GB written at 100 MB/s
-    takes longer than a --hang-timeout."""
+    """The shard's file as torch.save sees it: every write (one per record: a header, a whole
+    tensor) is a beat, and a tensor's bytes go out in CHUNK pieces, a beat each: one parameter of 10
+    GB written at 100 MB/s takes longer than a --hang-timeout."""
     CHUNK = 64 << 20
 
     def __init__(self, f, tick, freeze=False):
@@ -131,7 +132,8 @@ class Beating:
 
 
 class Skips:
-    """Consecutive skipped (non-finite) steps: stop past --max-skipped; no checkpoint right after a skip."""
+    """Consecutive skipped (non-finite) steps: stop past --max-skipped; no checkpoint
+    right after a skip."""
 
     def __init__(self, limit):
         self.limit, self.run = limit, 0
@@ -148,11 +150,12 @@ class Skips:
 
 
 class Spikes:
-    """--on-spike. A spike: a finite loss above --spike-threshold x the running mean (an EMA of accepted losses).
-    warn logs it; skip drops that step's update (PaLM skipped the batches around its spikes); rollback reloads
-    the newest verified checkpoint, keeps the sampler where it is (so the data window since that checkpoint
-    is skipped) and scales the lr by --rollback-lr-factor (OPT-175B's logbook: ~35 such restarts, each with a
-    lower lr). The lr scale and the skipped windows travel in every checkpoint, so later resumes keep them."""
+    """--on-spike. A spike: a finite loss above --spike-threshold x the running mean (an EMA of
+    accepted losses). warn logs it; skip drops that step's update (PaLM skipped the batches around
+    its spikes); rollback reloads the newest verified checkpoint, keeps the sampler where it is (so
+    the data window since that checkpoint is skipped) and scales the lr by --rollback-lr-factor
+    (OPT-175B's logbook: ~35 such restarts, each with a lower lr). The lr scale and the skipped
+    windows travel in every checkpoint, so later resumes keep them."""
 
     def __init__(self, policy, threshold, factor):
         self.policy, self.threshold, self.factor = policy, threshold, factor
@@ -178,7 +181,8 @@ class Spikes:
             self.lr_scale, self.windows = state["lr_scale"], list(state["windows"])
 
 
-FAULTS = ("raise", "nan", "sigterm", "hang", "hang-save", "spike")  # --inject-fault KIND (inject_fault)
+# --inject-fault KIND (inject_fault)
+FAULTS = ("raise", "nan", "sigterm", "hang", "hang-save", "spike")
 
 
 def parse_fault(text):
@@ -190,9 +194,10 @@ def parse_fault(text):
 
 
 def inject_fault(fault, *, rank, data_step, step):
-    """--inject-fault KIND:RANK:STEP (testing the policies of this file): on that rank at that data step, raise, or send
-    itself SIGTERM (a preemption notice mid-step) or SIGSTOP (a frozen rank). Returns KIND there, else None:
-    nan and spike are the caller's to apply (see poisoned, and the logged loss x 10)."""
+    """--inject-fault KIND:RANK:STEP (testing the policies of this file): on that rank at that data
+    step, raise, or send itself SIGTERM (a preemption notice mid-step) or SIGSTOP (a frozen rank).
+    Returns KIND there, else None: nan and spike are the caller's to apply (see poisoned, and the
+    logged loss x 10)."""
     if not fault or fault[1:] != (rank, data_step):
         return None
     kind = fault[0]
@@ -205,8 +210,9 @@ def inject_fault(fault, *, rank, data_step, step):
 
 @contextlib.contextmanager
 def poisoned(model):
-    """--inject-fault nan: inside, the output of this rank's first block is NaN, so its loss and every gradient
-    are (the engine skips the step; --on-nan stop ends the run). Under a pipeline the NaN flows to the last stage."""
+    """--inject-fault nan: inside, the output of this rank's first block is NaN, so its loss and
+    every gradient are (the engine skips the step; --on-nan stop ends the run). Under a pipeline the
+    NaN flows to the last stage."""
     block = next(iter(model.blocks.values()))
     handle = block.register_forward_hook(lambda module, inputs, output: output * float("nan"))
     try:
@@ -218,17 +224,18 @@ def poisoned(model):
 class Watchdog:
     """Hang detection (the NCCL flight recorder's question, "who did not arrive?", answered on CPU).
 
-    Each rank records its progress (step, phase) in torchrun's store at every beat. A save beats at every write
-    of its shard (tick), and a rank that has written its shard waits at the manifest's barrier for the others:
-    while any rank's save still writes (one counter in the store, hang/writes), that wait is not a hang. A rank
-    frozen in its save stops every write: named as in a step. A thread on each rank
-    wakes when no beat came for --hang-timeout seconds: it dumps this rank's Python stacks (faulthandler) to
-    OUT/hang/rank_K.txt and checks in under hang/alive/K; after a grace period the lowest live rank names the
-    ranks that never checked in (frozen or dead) and those behind the furthest progress, writes
-    OUT/hang/report.txt, and every live rank exits non-zero, so that --max-restarts restarts the job.
-    Armed once the first step's backward is done: before, the step-0 evaluation and the first step's warm-up (a
-    cold --compile on ranks sharing cores, the first CUDA kernels) may take far longer than a step, and only the
-    collective timeout bounds a hang."""
+    Each rank records its progress (step, phase) in torchrun's store at every beat. A save beats at
+    every write of its shard (tick), and a rank that has written its shard waits at the manifest's
+    barrier for the others: while any rank's save still writes (one counter in the store,
+    hang/writes), that wait is not a hang. A rank frozen in its save stops every write: named as in
+    a step. A thread on each rank wakes when no beat came for --hang-timeout seconds: it dumps this
+    rank's Python stacks (faulthandler) to OUT/hang/rank_K.txt and checks in under hang/alive/K;
+    after a grace period the lowest live rank names the ranks that never checked in (frozen or dead)
+    and those behind the furthest progress, writes OUT/hang/report.txt, and every live rank exits
+    non-zero, so that --max-restarts restarts the job. Armed once the first step's backward is done:
+    before, the step-0 evaluation and the first step's warm-up (a cold --compile on ranks sharing
+    cores, the first CUDA kernels) may take far longer than a step, and only the collective timeout
+    bounds a hang."""
 
     PHASES = ("start", "backward done", "saving")
     EXIT_CODE = 4
@@ -237,13 +244,15 @@ class Watchdog:
         self.timeout, self.grid, self.out_dir = timeout, grid, out_dir
         self.store = dist.store()  # reachable when collectives are not
         self.last, self.where, self.stopped = float("inf"), (0, 0), threading.Event()  # unarmed: see above
-        self.in_save, self.told, self.writes = False, 0.0, None  # a save: when this rank last told the store, the job's count
+        # a save: when this rank last told the store, the job's count
+        self.in_save, self.told, self.writes = False, 0.0, None
         if self.timeout:
             faults.at_job_end(self.stop)
             threading.Thread(target=self._watch, name="nanomega-watchdog", daemon=True).start()
 
     def beat(self, step, phase):
-        armed = self.last != float("inf") or self.where[1] == 1  # armed, or a backward was done before this beat
+        # armed, or a backward was done before this beat
+        armed = self.last != float("inf") or self.where[1] == 1
         self.last, self.where = time.monotonic() if armed else float("inf"), (step, self.PHASES.index(phase))
         if self.timeout:
             self.store.set(f"hang/progress/{self.grid.rank}", f"{step} {self.where[1]}")
@@ -253,7 +262,8 @@ class Watchdog:
 
     @contextlib.contextmanager
     def saving(self, step):
-        """Around a save (and --async-save's final wait): beats come from its writes (tick), not from steps."""
+        """Around a save (and --async-save's final wait): beats come from its writes
+        (tick), not from steps."""
         self.beat(step, "saving")
         self.writes, self.in_save = self._job_writes(), True
         try:
@@ -262,22 +272,23 @@ class Watchdog:
             self.in_save, self.last = False, time.monotonic()
 
     def tick(self):
-        """A write of this rank's shard: progress. The store hears of it at most ten times per timeout (a write
-        can be a few bytes: a record's header)."""
+        """A write of this rank's shard: progress. The store hears of it at most ten times per
+        timeout (a write can be a few bytes: a record's header)."""
         if not self.in_save:  # --async-save's writer during training: the steps beat
             return
         self.last = now = time.monotonic()
         if self.timeout and now - self.told >= self.timeout / 10:
             self.told = now
-            self.writes = self.store.add("hang/writes", 1)  # the count with our own writes: only others' change it
+            # the count with our own writes: only others' change it
+            self.writes = self.store.add("hang/writes", 1)
 
     def _job_writes(self):
         return self.store.add("hang/writes", 0) if self.timeout else 0  # add 0: read a counter
 
     @contextlib.contextmanager
     def paused(self):
-        """Around a save or an evaluation, which may take longer than a step (the collective timeout still
-        bounds them)."""
+        """Around a save or an evaluation, which may take longer than a step (the collective timeout
+        still bounds them)."""
         self.last = float("inf")
         try:
             yield
@@ -288,7 +299,8 @@ class Watchdog:
         while not self.stopped.wait(min(1.0, self.timeout / 10)):
             if time.monotonic() - self.last > self.timeout:
                 if self.in_save and self.writes != (writes := self._job_writes()):
-                    self.writes, self.last = writes, time.monotonic()  # another rank is still writing its shard
+                    # another rank is still writing its shard
+                    self.writes, self.last = writes, time.monotonic()
                     continue
                 self._report()
 

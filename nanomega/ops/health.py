@@ -1,19 +1,15 @@
-"""Health check before a long run: find the slow or wrong rank before it costs a week (BLOOM, DLRover).
+"""Health check before a long run: find the slow or wrong rank before it costs a week (BLOOM,
+DLRover).
 
-Idea: one bad device slows (or silently corrupts) a whole synchronous job, so check every rank first:
-    compute     a timed fp32 matmul per rank; a rank below --slow-factor x the median rate is flagged
-    correctness a known computation (integer-valued fp64 matmul, exact in any BLAS: every partial sum is an
-                integer < 2^53) must give the same checksum on every rank -- silent data corruption shows here
-    links       an all-reduce per grid axis, bus bandwidth = 2(n-1)/n x bytes / seconds (the ring's traffic);
-                between hosts: pair the hosts, time each pair, then re-pair a slow pair's hosts with a fast
-                host to tell which of the two is bad (DLRover's node check; find_bad_hosts). Run for real on
-                hosts made of network namespaces, one cable rate-limited (scripts/local_cluster.sh --slow-link)
-A table on the last rank, and a non-zero exit naming the bad rank or host. Every collective goes through a
-dist.Axis (the grid's axes, grid.all for the world, grid.axis(...) for a pair of hosts): counted like training's.
+One bad device slows (or silently corrupts) a whole synchronous job, so every rank is checked first:
+its compute (a timed matmul against the median), its correctness (an exact known computation) and
+its links (an all-reduce per grid axis; between hosts, DLRover's pairing: find_bad_hosts). A table
+on the last rank, and a non-zero exit naming the bad rank or host.
 
-    torchrun --nproc_per_node=2 -m nanomega.ops.health            # alone
-    torchrun ... nanomega/train.py --health-check ...          # before training
-`--slow-rank K` (tests, lessons) makes rank K sleep 3x as long as its matmul takes: a quarter of the rate.
+    torchrun --nproc_per_node=2 -m nanomega.ops.health      # alone
+    torchrun ... nanomega/train.py --health-check ...        # before training
+
+Formula: bus bandwidth = 2(n-1)/n x bytes / seconds (the ring's traffic).
 Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
 """
 import argparse
@@ -31,7 +27,8 @@ N, REPS, BYTES = 256, 5, 1 << 20
 
 
 def synchronize(device):
-    """Wait for the device's queued kernels: a CUDA call returns at launch, so an untimed wait is not a time."""
+    """Wait for the device's queued kernels: a CUDA call returns at launch, so an untimed
+    wait is not a time."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -40,7 +37,8 @@ def matmul_rate(slow=False, device=torch.device("cpu")):
     """FLOP/s of an N x N fp32 matmul on `device` (best of REPS)."""
     a, b = torch.randn(N, N, device=device), torch.randn(N, N, device=device)
     best = float("inf")
-    for _ in range(REPS + (device.type == "cuda")):  # on a GPU one more: the first call pays the kernel's set-up
+    # on a GPU one more: the first call pays the kernel's set-up
+    for _ in range(REPS + (device.type == "cuda")):
         synchronize(device)
         t0 = time.perf_counter()
         a @ b
@@ -54,8 +52,9 @@ def matmul_rate(slow=False, device=torch.device("cpu")):
 
 
 def known_checksum(device=torch.device("cpu")):
-    """An exact result: integer entries in [-8, 8), so every product and partial sum is an exact float64 -- in
-    any BLAS, on the device under test (drawn on the host: the same inputs everywhere)."""
+    """An exact result: integer entries in [-8, 8), so every product and partial sum is an exact
+    float64 -- in any BLAS, on the device under test (drawn on the host: the same inputs
+    everywhere)."""
     g = torch.Generator().manual_seed(1234)
     a = torch.randint(-8, 8, (N, N), generator=g, dtype=torch.float64).to(device)
     b = torch.randint(-8, 8, (N, N), generator=g, dtype=torch.float64).to(device)
@@ -63,7 +62,8 @@ def known_checksum(device=torch.device("cpu")):
 
 
 def bus_bandwidth(axis, device=torch.device("cpu")):
-    """Bytes/s of the ring all-reduce on one grid axis (best of REPS), or None on a one-rank axis."""
+    """Bytes/s of the ring all-reduce on one grid axis (best of REPS), or None on a one-rank
+    axis."""
     if axis.size < 2:
         return None
     t = torch.ones(BYTES // 4, device=device)  # on the device: NCCL has no CPU tensors
@@ -75,15 +75,17 @@ def bus_bandwidth(axis, device=torch.device("cpu")):
         axis.all_reduce(t)
         synchronize(t.device)
         best = min(best, time.perf_counter() - t0)
-    return dist.RING["all_reduce"](axis.size) * BYTES / best  # the ring's traffic, as dist.py counts it
+    # the ring's traffic, as dist.py counts it
+    return dist.RING["all_reduce"](axis.size) * BYTES / best
 
 
 def find_bad_hosts(hosts, pair_time, slow=2.0):
-    """DLRover's bisection. Round 1 pairs neighbours (an odd one out pairs with the first host) and times each
-    pair; a pair slower than `slow` x the median pair (the lower median: of two pairs the faster, as one of two
-    can never be 2x their mean) is suspect. Round 2 pairs each suspect with a host from a
-    fast pair: a suspect slow again is bad. Returns (bad hosts, pair times); with no fast pair, none can be
-    told apart and every suspect is returned. pair_time(a, b) must run in the same order on every rank."""
+    """DLRover's bisection. Round 1 pairs neighbours (an odd one out pairs with the first host) and
+    times each pair; a pair slower than `slow` x the median pair (the lower median: of two pairs the
+    faster, as one of two can never be 2x their mean) is suspect. Round 2 pairs each suspect with a
+    host from a fast pair: a suspect slow again is bad. Returns (bad hosts, pair times); with no
+    fast pair, none can be told apart and every suspect is returned. pair_time(a, b) must run in the
+    same order on every rank."""
     pairs = [(hosts[i], hosts[i + 1]) for i in range(0, len(hosts) - 1, 2)]
     if len(hosts) % 2 and len(hosts) > 1:
         pairs.append((hosts[-1], hosts[0]))
@@ -102,8 +104,9 @@ def find_bad_hosts(hosts, pair_time, slow=2.0):
 
 
 def pair_timer(grid, leaders, slow_rank=None):
-    """pair_time(a, b) for find_bad_hosts: all-reduce seconds between two hosts' first ranks (best of REPS),
-    shared with every rank by a world all-reduce (grid.all). Every rank calls it (grid.axis is collective)."""
+    """pair_time(a, b) for find_bad_hosts: all-reduce seconds between two hosts' first ranks (best
+    of REPS), shared with every rank by a world all-reduce (grid.all). Every rank calls it
+    (grid.axis is collective)."""
     def pair_time(a, b):
         ranks = sorted({leaders[a], leaders[b]})
         pair = grid.axis("pair", ranks)  # None on the ranks outside the pair
@@ -125,7 +128,8 @@ def pair_timer(grid, leaders, slow_rank=None):
 
 
 def check(grid, slow_rank=None, slow_factor=0.5, ranks_as_hosts=False):
-    """Every rank: measure, gather, judge. Returns (table lines, [problems]) -- the same on every rank."""
+    """Every rank: measure, gather, judge. Returns (table lines, [problems]) -- the
+    same on every rank."""
     host = f"rank{grid.rank}" if ranks_as_hosts else socket.gethostname()
     mine = dict(host=host, rate=matmul_rate(grid.rank == slow_rank, grid.device), sum=known_checksum(grid.device))
     everyone = grid.all.all_gather_object(mine)
@@ -156,7 +160,8 @@ def check(grid, slow_rank=None, slow_factor=0.5, ranks_as_hosts=False):
 
 
 def gate(grid, slow_rank=None):
-    """train.py --health-check: the table from the last rank; one line naming the bad ranks, else go on."""
+    """train.py --health-check: the table from the last rank; one line naming the bad
+    ranks, else go on."""
     lines, problems = check(grid, slow_rank)
     if grid.rank == grid.world - 1:
         print("\n".join(lines), flush=True)

@@ -1,13 +1,10 @@
-"""One job per out-dir: an flock on OUT/.lock, kept across torchrun's restarts of the job that holds it.
+"""One job per out-dir: an flock on OUT/.lock, kept across torchrun's restarts of its job.
 
-Idea: two jobs writing one out-dir overwrite each other's checkpoints, so rank 0 takes an exclusive flock on
-OUT/.lock and a second job is refused with one line. The kernel drops an flock when the last descriptor of it
-closes, so a crash never leaves a stale lock -- but under `torchrun --max-restarts` that is a gap: rank 0 dies,
-its lock goes, and for the seconds torchrun takes to restart the workers any other job may take the out-dir.
-So under torchrun the descriptor is shared with a tiny holder process (Popen pass_fds: one open file, one
-lock) that lives while the torchrun agent lives: the restarted rank 0 of the same job (the same run id) finds
-the lock held by its own job and adopts it; another job is still refused. The holder is stopped when the job
-ends without a restart to follow, and it exits by itself within HOLDER_POLL of the agent's death.
+Rank 0 takes an exclusive flock; a second job is refused with one line. The kernel drops an flock
+when its last descriptor closes (no stale lock after a crash), which under `torchrun --max-restarts`
+leaves a gap while the workers restart; so under torchrun a tiny holder process shares the
+descriptor while the agent lives, and the restarted rank 0 of the same job (the same run id) adopts
+the lock.
 Lesson: lessons/10-checkpoints-and-failures.md
 """
 import fcntl
@@ -51,13 +48,15 @@ def restart_follows():
 
 
 def _holder_of(text):
-    """(run id, host, agent, holder pid) from the lock file's line, or None (a plain flock, no holder)."""
+    """(run id, host, agent, holder pid) from the lock file's line, or None (a plain flock, no
+    holder)."""
     m = re.search(r"on (\S+); torchrun job (\S+) agent (\d+) holder (\d+)", text)
     return (m.group(2), m.group(1), int(m.group(3)), int(m.group(4))) if m else None
 
 
 def _same_job(job, held):
-    """The run id names the job; torchrun's default id "none" (no --rdzv-id) names it only with its agent."""
+    """The run id names the job; torchrun's default id "none" (no --rdzv-id) names it
+    only with its agent."""
     return held[0] == job[0] and (job[0] != "none" or held[1:3] == job[1:])
 
 
@@ -72,8 +71,8 @@ def _agent_dead(held):
 
 
 def lock_out_dir(out_dir):
-    """Take OUT/.lock (exclusive, non-blocking), or adopt it from this job's holder after a torchrun restart;
-    another job is refused with one line. Re-entrant within a process."""
+    """Take OUT/.lock (exclusive, non-blocking), or adopt it from this job's holder after a torchrun
+    restart; another job is refused with one line. Re-entrant within a process."""
     key = os.path.realpath(out_dir)
     if key in _LOCKS:
         return _LOCKS[key][0]
@@ -87,7 +86,8 @@ def lock_out_dir(out_dir):
             f.seek(0)
             text = f.read().strip()
             held = _holder_of(text)
-            if job and held and _same_job(job, held):  # restarted by torchrun: our holder kept the lock for us
+            # restarted by torchrun: our holder kept the lock for us
+            if job and held and _same_job(job, held):
                 _LOCKS[key] = (f, held[3])
                 return f
             if held and _agent_dead(held) and time.monotonic() < deadline:
@@ -110,14 +110,15 @@ def lock_out_dir(out_dir):
 
 
 def unlock_out_dir(out_dir, keep_for_restart=False):
-    """Drop the lock: stop the holder and close our descriptor -- unless keep_for_restart (a failure torchrun
-    will restart: the holder keeps the out-dir for the restarted job)."""
+    """Drop the lock: stop the holder and close our descriptor -- unless keep_for_restart (a failure
+    torchrun will restart: the holder keeps the out-dir for the restarted job)."""
     f, holder = _LOCKS.pop(os.path.realpath(out_dir), (None, None))
     if f is not None and holder is not None and not keep_for_restart:
         if isinstance(holder, subprocess.Popen):
             holder.kill()
             holder.wait()
-        elif _is_holder(holder):  # adopted from the previous attempt: not our child; the lock is free once it exits
+        elif _is_holder(holder):
+            # adopted from the previous attempt: not our child; the lock is free once it exits
             os.kill(holder, signal.SIGKILL)
             for _ in range(250):
                 try:
@@ -130,7 +131,8 @@ def unlock_out_dir(out_dir, keep_for_restart=False):
 
 
 def _is_holder(pid):
-    """Whether pid still runs HOLDER (a pid is reused once its process is gone: never signal a stranger)."""
+    """Whether pid still runs HOLDER (a pid is reused once its process is gone: never
+    signal a stranger)."""
     try:
         return "agent = int(sys.argv[1])" in open(f"/proc/{pid}/cmdline").read()
     except OSError:

@@ -1,18 +1,12 @@
 """Model FLOPs utilisation and memory: how much of the hardware a training step uses.
 
-Idea (PaLM, appendix B): MFU = model FLOPs per token x tokens per second / (devices x peak FLOP/s). The
-numerator counts the model's own arithmetic (formulas.model_flops_per_token: 6N + 12 L h s), not what recompute
-adds; the denominator is the device's peak in the dtype the matmuls run in:
-    a GPU we know   its datasheet number (dense, no 2:4 sparsity), from the table below
-    --peak-flops    the user's number (another GPU, a known CPU)
-    anything else   measured: the best of many n x n matmuls over >= 1 s (a best, not a mean, so a busy
-                    machine lowers it as little as possible), labelled "measured"
-MFU above 1 is impossible: if it happens the peak is wrong, and the trainer says so once.
-Memory: this rank's peak, CUDA's max_memory_allocated or the CPU process's peak resident set (VmHWM),
-reset after each log line so every line reports its own interval. MetricsLog: the trainer's log lines and
-OUT/metrics.jsonl rows (a resumed run redoes the rows after its step instead of doubling them).
-A CPU that only emulates a 16-bit dtype (AVX2: bf16 matmul ~14x slower than fp32, measured on an AMD EPYC)
-gets one warning line at start-up with the measured ratio.
+MFU (PaLM, appendix B) divides the model's own arithmetic (formulas.model_flops_per_token, not what
+recompute adds) by the device's peak in the dtype the matmuls run in: a known GPU's datasheet number
+(the table below), --peak-flops, or else a measured matmul peak, labelled "measured". Memory is this
+rank's peak over each log interval. MetricsLog writes the log lines and OUT/metrics.jsonl.
+
+Formula: MFU = model FLOPs per token x tokens per second / (devices x peak FLOP/s)
+         (MFU above 1 is impossible: the peak is wrong, and the trainer says so once)
 Lesson: lessons/01-dense-model.md
 """
 import json
@@ -29,14 +23,16 @@ from nanomega import checkpoint, precision
 from nanomega.formulas import model_flops_per_token
 from nanomega.precision import dtype_name
 
-# TFLOP/s per GPU, dense (NVIDIA datasheets print 2:4-sparse numbers for tensor cores: half of those here).
-# "tf32" is fp32 matmul on tensor cores (torch.backends.cuda.matmul.fp32_precision, train.py's --tf32).
-# Sources: NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf, table
-# "A100 80GB PCIe / A100 80GB SXM": the same peaks for SXM and PCIe); NVIDIA H100 Tensor Core GPU datasheet
-# (resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet: H100 SXM / H100 PCIe columns:
-# FP32 67 / 51, TF32 989 / 756 sparse, BF16 and FP16 1,979 / 1,513 sparse); NVIDIA H200 datasheet
-# (nvidia.com/en-us/data-center/h200, H200 SXM / H200 NVL columns: FP32 67 / 60, TF32 989 / 835 sparse,
-# BF16/FP16 1,979 / 1,671 sparse: the SXM part has the H100 SXM's compute, the NVL (PCIe card, 600 W) less).
+# TFLOP/s per GPU, dense (NVIDIA datasheets print 2:4-sparse numbers for tensor cores: half of those
+# here). "tf32" is fp32 matmul on tensor cores (torch.backends.cuda.matmul.fp32_precision,
+# train.py's --tf32). Sources: NVIDIA A100 Tensor Core GPU datasheet
+# (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf, table "A100 80GB PCIe / A100 80GB SXM": the
+# same peaks for SXM and PCIe); NVIDIA H100 Tensor Core GPU datasheet
+# (resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet: H100 SXM / H100 PCIe
+# columns: FP32 67 / 51, TF32 989 / 756 sparse, BF16 and FP16 1,979 / 1,513 sparse); NVIDIA H200
+# datasheet (nvidia.com/en-us/data-center/h200, H200 SXM / H200 NVL columns: FP32 67 / 60, TF32 989
+# / 835 sparse, BF16/FP16 1,979 / 1,671 sparse: the SXM part has the H100 SXM's compute, the NVL
+# (PCIe card, 600 W) less).
 PEAK_TFLOPS = {
     "A100 SXM": dict(fp32=19.5, tf32=156.0, bf16=312.0, fp16=312.0),
     "A100 PCIe": dict(fp32=19.5, tf32=156.0, bf16=312.0, fp16=312.0),
@@ -49,7 +45,8 @@ EMULATED = 0.5  # a 16-bit matmul slower than half fp32's rate: the CPU has no 1
 
 
 def gpu_model(name: str):
-    """The PEAK_TFLOPS row of a torch.cuda.get_device_name(), e.g. 'NVIDIA A100-SXM4-80GB', or None."""
+    """The PEAK_TFLOPS row of a torch.cuda.get_device_name(), e.g. 'NVIDIA A100-SXM4-80GB', or
+    None."""
     n = name.lower()
     if "h200" in n:  # 'NVIDIA H200' (SXM) or 'NVIDIA H200 NVL'
         return "H200 NVL" if "nvl" in n else "H200 SXM"
@@ -61,7 +58,8 @@ def gpu_model(name: str):
 
 
 def datasheet_peak(name: str, dtype: torch.dtype, tf32: bool = True):
-    """Peak FLOP/s of GPU `name` for matmuls in `dtype` (fp32 -> tf32 when tf32 is on), or None if unknown."""
+    """Peak FLOP/s of GPU `name` for matmuls in `dtype` (fp32 -> tf32 when tf32 is on),
+    or None if unknown."""
     row = gpu_model(name)
     if row is None:
         return None
@@ -89,7 +87,8 @@ def measure_matmul(device, dtype, seconds=1.0, n=None):
 
 
 def peak_flops(device, dtype, tf32=True, override=None):
-    """(peak FLOP/s per device, where it comes from): --peak-flops, the datasheet, or a measurement."""
+    """(peak FLOP/s per device, where it comes from): --peak-flops, the datasheet, or a
+    measurement."""
     device = torch.device(device)
     if override:
         return float(override), "--peak-flops"
@@ -131,7 +130,8 @@ def _vm_hwm_bytes():
 
 
 def peak_memory_gib(device) -> float:
-    """This rank's peak memory since the last reset: CUDA allocated by torch, or the CPU process's RSS."""
+    """This rank's peak memory since the last reset: CUDA allocated by torch, or the
+    CPU process's RSS."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -151,8 +151,8 @@ def reset_peak_memory(device) -> None:
 
 
 def open_log(config, cfg, grid, step, *, n_params, log):
-    """A run's MetricsLog, after its start-up lines. The MFU peak: the logging rank measures it (the others would
-    compete for the same cores); the others, which log nothing, report a peak of 1."""
+    """A run's MetricsLog, after its start-up lines. The MFU peak: the logging rank measures it (the
+    others would compete for the same cores); the others, which log nothing, report a peak of 1."""
     peak, source = 1.0, ""
     if log:
         dtype = precision.parse_dtype(config.dtype)
@@ -172,9 +172,10 @@ def open_log(config, cfg, grid, step, *, n_params, log):
 
 
 class MetricsLog:
-    """What the logging rank reports (the others hold no file): a line every log_every steps, and at every
-    validation, spike or skipped step; every row in OUT/metrics.jsonl, where the rows after the step a run
-    starts from (written before a crash, or before a rollback) are removed so that they are redone, not doubled."""
+    """What the logging rank reports (the others hold no file): a line every log_every steps, and at
+    every validation, spike or skipped step; every row in OUT/metrics.jsonl, where the rows after
+    the step a run starts from (written before a crash, or before a rollback) are removed so that
+    they are redone, not doubled."""
 
     def __init__(self, out_dir, step, *, enabled, device, flops_per_token, tokens_per_step, world, peak, source,
                  log_every):
@@ -203,7 +204,8 @@ class MetricsLog:
         self.file = open(path, "a")
 
     def row(self, *, step, loss, lr, grad_norm, skipped, seconds):
-        """A training step's row: throughput, MFU, this interval's peak memory, tokens seen (plot's x axis)."""
+        """A training step's row: throughput, MFU, this interval's peak memory, tokens
+        seen (plot's x axis)."""
         tok_s = self.tokens_per_step / seconds
         return dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm, skipped=skipped, tok_s=tok_s,
                     mfu=mfu(self.flops_per_token, tok_s, self.world, self.peak), peak_flops=self.peak,

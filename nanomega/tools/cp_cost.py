@@ -1,15 +1,19 @@
 """Context parallelism in the planner: one layout with a cp axis -- memory, bytes and step time.
 
-Idea: a cp group of cp GPUs holds s/cp tokens of every sequence (nanomega/cp.py), so per GPU everything in
-tools/cost.py is the model at seq_len s/cp -- the dense matmuls, the activations, tp's and pp's bytes -- except:
-    attention  a rank's s/cp queries see all s keys: cost.layer_seconds at s/cp counts 4 b (s/cp)^2 h / t of
-               QK^T and AV (no causal halving, as cost.py counts); the other cp - 1 key blocks add
-               4 b (s/cp)(s - s/cp) h / t, times the same forward/backward/recompute factor
-    cp bytes   formulas.cp_comm_bytes_per_layer per micro-batch and layer, on the link a cp group spans (tp
-               neighbours first: a cp group leaves the node when tp x cp > GPUs per node). allgather (Llama 3's)
-               is exposed; ring overlaps its sends with the blocks' attention: max(compute, sends) per layer
-    state      ZeRO shards over dp x cp (the weights' replicas: zero.py's dp_cp), activations at s/cp
-The result is a tools/cost.Estimate (its dp is the data-parallel size, its tp_comm the tp bytes at s/cp).
+A cp group of cp GPUs holds s/cp tokens of every sequence (nanomega/cp.py), so per GPU everything in
+tools/cost.py is the model at seq_len s/cp -- the dense matmuls, the activations, tp's and pp's
+bytes -- except what follows. The result is a tools/cost.Estimate (its dp is the data-parallel size,
+its tp_comm the tp bytes at s/cp).
+
+Formulas:
+    attention  a rank's s/cp queries see all s keys: cost.layer_seconds at s/cp counts
+               4 b (s/cp)^2 h / t of QK^T and AV (no causal halving, as cost.py counts); the other
+               cp - 1 key blocks add 4 b (s/cp)(s - s/cp) h / t, times the same
+               forward/backward/recompute factor
+    cp bytes   formulas.cp_comm_bytes_per_layer per micro-batch and layer, on the link a cp group
+               spans; allgather is exposed, ring overlaps: max(compute, sends) per layer
+    state      ZeRO shards over dp x cp (the weights' replicas: zero.py's dp_cp),
+               activations at s/cp
 Lesson: lessons/15-long-context.md
 """
 from dataclasses import replace
@@ -20,11 +24,13 @@ from nanomega.tools import cost
 
 
 def cp_layer_seconds(model, gpu, run, tp, cp, method="allgather", time=cost.TIME):
-    """(seconds of one layer and micro-batch on one GPU, cp bytes it sends) with s/cp tokens per sequence."""
+    """(seconds of one layer and micro-batch on one GPU, cp bytes it sends) with s/cp
+    tokens per sequence."""
     b, s, h = run.micro_batch, model.seq_len, model.n_embd
     local = cost.layer_seconds(replace(model, seq_len=s // cp), gpu, run, tp, time)
     again, flash = run.recompute in ("full", "selective"), run.attention == "sdpa"
-    other = b * (s // cp) * (s - s // cp) * h / tp  # query-key pairs with the other ranks' keys, x h/t
+    # query-key pairs with the other ranks' keys, x h/t
+    other = b * (s // cp) * (s - s // cp) * h / tp
     attn = (4 * other * (3 + again) + (2 * other if flash else 0)) / (gpu.peak_flops * time.matmul)
     eb = 4 if run.dtype == "fp32" else 2
     fwd, bwd = cp_comm_bytes_per_layer(method, cp, b, s, h // model.n_head, model.n_head // tp,
@@ -36,7 +42,8 @@ def cp_layer_seconds(model, gpu, run, tp, cp, method="allgather", time=cost.TIME
 
 
 def evaluate(model, gpu, gpus, tp, pp, cp, zero, run, method="allgather", time=cost.TIME):
-    """cost.evaluate with a cp axis: dp = gpus / (tp pp cp); the same global batch of whole sequences."""
+    """cost.evaluate with a cp axis: dp = gpus / (tp pp cp); the same global batch
+    of whole sequences."""
     L, h, s, b = model.n_layer, model.n_embd, model.seq_len, run.micro_batch
     local = replace(model, seq_len=s // cp)
     dp = gpus // (tp * pp * cp)
@@ -54,7 +61,8 @@ def evaluate(model, gpu, gpus, tp, pp, cp, zero, run, method="allgather", time=c
     head = 6 * b * (s // cp) * cost.padded_vocab(model, tp) * h / tp / (gpu.peak_flops * time.matmul)
     times = [n * layer for n in layers]
     times[-1] += head
-    pp_bw, dp_bw = cost.links(gpu, gpus, tp * cp, pp)  # a pipeline is tp x cp x pp neighbours (dist.layout)
+    # a pipeline is tp x cp x pp neighbours (dist.layout)
+    pp_bw, dp_bw = cost.links(gpu, gpus, tp * cp, pp)
     pp_b = pp_comm_bytes(b, s // cp, h, tp, eb, 1, v) if pp > 1 else 0
     n = max(cost.stage_params(model, tp, pp, v, run.split))
     dp_b = dp_comm_bytes(n, zero, dp * cp, gb, pb, m)

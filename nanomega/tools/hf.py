@@ -1,30 +1,22 @@
-"""Hugging Face in and out: a nanomega checkpoint <-> a transformers GPT-2, Llama or Mixtral (tools/hf_moe.py) folder.
+"""Hugging Face in and out: a nanomega checkpoint <-> a transformers GPT-2, Llama or Mixtral folder.
 
-    python -m nanomega.tools.hf export --out-dir out --to mine    # any layout -> config.json + model.safetensors
-    python -m nanomega.tools.hf import mine --out-dir ft          # -> a step-0 checkpoint: train.py --resume
-    model = nanomega.tools.hf.load_pretrained("mine")             # -> the dense model.GPT, fp32, in Python
+    python -m nanomega.tools.hf export --out-dir out --to mine  # -> config.json, model.safetensors
+    python -m nanomega.tools.hf import mine --out-dir ft        # -> a step-0 checkpoint (--resume)
+    model = nanomega.tools.hf.load_pretrained("mine")           # -> the dense model.GPT, fp32
 
-Idea: nanomega's dense GPT *is* GPT-2 (pre-LayerNorm blocks, learned positions, tanh GeLU, tied head,
-LayerNorm eps norm_eps, qkv laid out (3, n_head, head_dim)), and with arch="llama" it *is* Llama (RMSNorm, SwiGLU,
-grouped-query attention, no biases, RoPE in HF's rotate-half layout: q and k need no permutation), so the
-exchange is a renaming plus a few details:
-  - GPT-2: transformers' Conv1D weight is the transpose of nn.Linear's: W_hf = W^T (in, out).
-  - Llama: nanomega makes k and v in one matmul, and gate and up in one (tp.py splits each half):
-    kv_proj = [k_proj; v_proj] and gate_up = [gate_proj; up_proj], stacked by rows.
-  - nanomega pads the vocabulary to a multiple of 128 x tp (Megatron); HF does not (GPT-2: 50,257). Export keeps
-    the first V rows of the embedding (and of an untied head), import appends zero rows; the padded rows are out
-    of the loss (model.cross_entropy) and never sampled, so both directions are exact: logits[..., :V] are equal.
-What nanomega cannot compute is refused in one line naming the field, before anything is written: GPT-2 with
-ALiBi or an embedding LayerNorm (BLOOM's); Llama with biases, an activation other than SiLU, head_dim other than
-hidden/heads, a RoPE other than plain or Llama 3.1's (its factor is free; low 1, high 4, original context 8192
-are modern.LLAMA3_*); any other model_type.
-The checkpoint of any tp x pp x dp x ZeRO layout is read through reshard.full_weights (full tensors).
-Tokenizer (tools/tokenizer.py: to_hf, from_hf): a byte-level BPE with GPT-2's split pattern (shakespeare-4k, a
-.tiktoken file) becomes an HF tokenizer.json; import turns GPT-2's vocab.json or such a tokenizer.json back into a
-.tiktoken file that `--tokenizer` reads. data.get_tokenizer knows GPT-2's split pattern only, so import refuses a
-Llama whose tokenizer splits otherwise (Llama 3's regex, Llama 2's SentencePiece): fine-tuning needs text encoded
-as the model was trained; load_pretrained (the weights only) still reads it.
-Needs the `hf` extra: pip install transformers safetensors.
+nanomega's dense GPT *is* GPT-2, and with arch="llama" it *is* Llama (RoPE in HF's rotate-half
+layout: q and k need no permutation), so the exchange is a renaming plus a few details (Mixtral:
+tools/hf_moe.py). The checkpoint of any layout is read through reshard.full_weights; what nanomega
+cannot compute is refused in one line naming the field, before anything is written. Tokenizers go
+through tools/tokenizer.py (to_hf, from_hf). Needs the `hf` extra: pip install transformers
+safetensors.
+
+Formulas:
+    GPT-2    W_hf = W^T (in, out): transformers' Conv1D weight is the transpose of nn.Linear's
+    Llama    kv_proj = [k_proj; v_proj], gate_up = [gate_proj; up_proj], stacked by rows
+    vocab    export keeps the first V rows of the embedding (and of an untied head), import appends
+             zero rows: logits[..., :V] are equal
+Lesson: lessons/13-the-modern-block.md
 """
 import argparse
 import json
@@ -75,8 +67,8 @@ def check_gpt2(cfg: GPTConfig):
 
 
 def to_hf(weights, cfg: GPTConfig):
-    """transformers GPT2LMHeadModel or LlamaForCausalLM (by cfg.arch) from nanomega full weights {name: tensor}
-    (fp32; padded rows dropped)."""
+    """transformers GPT2LMHeadModel or LlamaForCausalLM (by cfg.arch) from nanomega full weights
+    {name: tensor} (fp32; padded rows dropped)."""
     transformers = _require()
     v = cfg.vocab_size
     if cfg.n_experts:  # a Llama with experts: Mixtral
@@ -114,14 +106,15 @@ def to_hf(weights, cfg: GPTConfig):
 
 
 def from_hf(model):
-    """(GPTConfig, nanomega full weights) from a transformers GPT2LMHeadModel or LlamaForCausalLM; refuses what
-    nanomega cannot compute."""
+    """(GPTConfig, nanomega full weights) from a transformers GPT2LMHeadModel or LlamaForCausalLM;
+    refuses what nanomega cannot compute."""
     if model.config.model_type == "mixtral":
         return hf_moe.from_hf(model)
     if model.config.model_type == "llama":
         cfg = llama_config(model.config.to_dict())
         theirs = model.state_dict()
-        weights = {ours: torch.cat([theirs[n].detach().float() for n in names])  # a copy, even of one tensor
+        # a copy, even of one tensor
+        weights = {ours: torch.cat([theirs[n].detach().float() for n in names])
                    for ours, names in llama_name_map(cfg.n_layer, cfg.tie_embeddings).items()}
         return cfg, _pad_vocab(weights, cfg)
     c = model.config
@@ -154,7 +147,8 @@ def _pad_vocab(weights, cfg):
 
 
 def hf_config(src):
-    """config.json of a transformers folder, as a dict; the model types nanomega reads: gpt2, llama, mixtral."""
+    """config.json of a transformers folder, as a dict; the model types nanomega reads:
+    gpt2, llama, mixtral."""
     path = Path(src) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{src} has no config.json: not a transformers model folder")
@@ -174,12 +168,15 @@ def read_hf(src):
                        gpt2=transformers.GPT2LMHeadModel)[kind]
     try:
         model = model_class.from_pretrained(src, local_files_only=True, dtype=torch.float32)
-    except Exception as e:  # a truncated or missing weights file: the library's own error type, as one line
+    except Exception as e:
+        # a truncated or missing weights file: the library's own error type, as one line
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise ValueError(f"{src}: its weights cannot be read ({type(e).__name__}: {first}); copy or export the "
                          f"folder again") from None
     cfg, weights = from_hf(model)
-    try:  # a value no flag would pass (rms_norm_eps 0, rope_theta NaN): named in the file that holds it
+    try:
+        # a value no flag would pass (rms_norm_eps 0, rope_theta NaN): named in the file that holds
+        # it
         cfg.validate()
     except ValueError as e:
         raise ValueError(f"{Path(src) / 'config.json'}: {e}, as nanomega reads it; fix the file") from None
@@ -187,28 +184,32 @@ def read_hf(src):
 
 
 def load_pretrained(src, attention="eager") -> GPT:
-    """The dense nanomega model (model.GPT: fp32, in eval mode, its head tied as the folder says) of a transformers
-    GPT-2 or Llama folder; nothing is written, no tokenizer is read."""
+    """The dense nanomega model (model.GPT: fp32, in eval mode, its head tied as the folder says) of
+    a transformers GPT-2 or Llama folder; nothing is written, no tokenizer is read."""
     cfg, weights = read_hf(src)
-    cfg.attention = attention  # eager, sdpa or fused (model.ATTENTION): the model reads it when built
+    # eager, sdpa or fused (model.ATTENTION): the model reads it when built
+    cfg.attention = attention
     with torch.device("meta"):  # shapes only: the weights are assigned, nothing is drawn first
         model = GPT(cfg, seed=0)
     if cfg.tie_embeddings:
         weights["head.lm_head.weight"] = weights["embed.wte.weight"]
     weights |= {k: b for k, b in model.state_dict().items() if k.endswith("expert_bias")}  # Mixtral has none: 0
     model.load_state_dict(weights, assign=True)
-    if cfg.tie_embeddings:  # assign leaves two Parameters on one tensor: make them one again, as GPT() ties them
+    # assign leaves two Parameters on one tensor: make them one again, as GPT() ties them
+    if cfg.tie_embeddings:
         model.head.lm_head.weight = model.embed.wte.weight
     return model.eval()
 
 
 def export(out_dir, to):
-    """Write the latest checkpoint of out_dir as a transformers GPT-2, Llama or Mixtral folder `to`; returns it."""
+    """Write the latest checkpoint of out_dir as a transformers GPT-2, Llama or Mixtral folder
+    `to`; returns it."""
     folder, cfg, tok_name, skipped = checkpoint.saved_model(out_dir)  # the newest that verifies
     for reason in skipped:
         faults.say(f"export: skipped {reason}")
     check_gpt2(cfg)  # before reading any shard (a Llama has no ALiBi: validate refuses it)
-    if cfg.n_experts:  # what a Mixtral cannot hold, before reading the weights: the routing bias is in rank 0's shard
+    # what a Mixtral cannot hold, before reading the weights: the routing bias is in rank 0's shard
+    if cfg.n_experts:
         hf_moe.check(cfg, checkpoint.load_shard(folder, 0).get("moe_bias"))
     model = to_hf(reshard.full_weights(folder), cfg)
     model.save_pretrained(to)  # config.json + model.safetensors (safe serialization is the default)
@@ -219,7 +220,8 @@ def export(out_dir, to):
 
 
 def import_tokenizer(src, out_dir):
-    """GPT-2 byte-level BPE (vocab.json, or tokenizer.json) in `src` -> out_dir/tokenizer.tiktoken, or None."""
+    """GPT-2 byte-level BPE (vocab.json, or tokenizer.json) in `src` -> out_dir/tokenizer.tiktoken,
+    or None."""
     ranks, _ = tokenizer.from_hf(src)
     if ranks is None:
         return None
@@ -229,13 +231,14 @@ def import_tokenizer(src, out_dir):
 
 
 def import_(src, out_dir):
-    """A transformers GPT-2 or Llama folder -> a step-0 nanomega checkpoint in out_dir (single-process, dense).
-    What nanomega cannot represent (and, for a Llama, a tokenizer --tokenizer cannot read) is refused first."""
+    """A transformers GPT-2 or Llama folder -> a step-0 nanomega checkpoint in out_dir
+    (single-process, dense). What nanomega cannot represent (and, for a Llama, a tokenizer
+    --tokenizer cannot read) is refused first."""
     _require()
     if checkpoint.latest(out_dir) is not None:
         raise ValueError(f"--out-dir {out_dir} already holds a checkpoint; choose an empty --out-dir")
-    # a Llama whose tokenizer --tokenizer cannot reproduce would fine-tune on ids it was not trained on: refused.
-    # (GPT-2 as before: without a readable tokenizer the printed command asks for one.)
+    # a Llama whose tokenizer --tokenizer cannot reproduce would fine-tune on ids it was not trained
+    # on: refused. (GPT-2 as before: without a readable tokenizer the printed command asks for one.)
     why = tokenizer.from_hf(src)[1] if hf_config(src)["model_type"] != "gpt2" else None
     if why:
         raise ValueError(f"{src}: {why}; nanomega's --tokenizer is byte-level BPE with GPT-2's pattern "
@@ -244,19 +247,22 @@ def import_(src, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     tok = import_tokenizer(src, out_dir) or "shakespeare-4k"
     if data.get_tokenizer(tok).n_vocab != cfg.vocab_size:
-        tok = None  # the user must bring the tokenizer (--tokenizer) that has these cfg.vocab_size ids
+        # the user must bring the tokenizer (--tokenizer) that has these cfg.vocab_size ids
+        tok = None
     pieces = [dict(name=k, shape=tuple(t.shape), start=0, end=t.numel(), master=t.reshape(-1), state={})
-              for k, t in weights.items()]  # reshard.load's by-name format; empty state: a fresh AdamW
+              # reshard.load's by-name format; empty state: a fresh AdamW
+              for k, t in weights.items()]
     state = dict(universal=dict(tp_rank=0, pieces=pieces), sampler=None, scaler=None, step=0, rng=None)
     layout = dict(imported_from=os.path.abspath(src), **({"tokenizer": tok} if tok else {}))
-    one_rank = types.SimpleNamespace(rank=0, world=1, barrier=lambda: None)  # a world of one: no process group
+    # a world of one: no process group
+    one_rank = types.SimpleNamespace(rank=0, world=1, barrier=lambda: None)
     checkpoint.save(out_dir, 0, cfg, state, one_rank, layout)
     return cfg, tok
 
 
 def train_flags(cfg: GPTConfig):
-    """train.py's model flags that rebuild cfg (a resume compares every SHAPE_KEYS field); the vocabulary comes
-    with --tokenizer."""
+    """train.py's model flags that rebuild cfg (a resume compares every SHAPE_KEYS field); the
+    vocabulary comes with --tokenizer."""
     out, default = [], GPTConfig()
     for k in SHAPE_KEYS:
         v, flag = getattr(cfg, k), "--" + k.replace("_", "-")

@@ -1,15 +1,15 @@
-"""Hugging Face in and out for the MoE Llama: nanomega weights <-> a transformers `MixtralForCausalLM`.
+"""Hugging Face in and out for the MoE Llama: nanomega <-> a transformers `MixtralForCausalLM`.
 
-Idea: Mixtral is a Llama whose MLP is moe.py's block with router="mixtral" (softmax over the E logits, top-k,
-the k weights renormalized: the same weights as a softmax over the top-k logits), no shared experts, no capacity.
-Everything outside the MLP maps as hf.py's Llama. Per block i (transformers 5 stacks the experts):
-    blocks.i.mlp.router.weight             (E, h)     model.layers.i.mlp.gate.weight
-    blocks.i.mlp.experts.e.gate_up.weight  (2f, h)    model.layers.i.mlp.experts.gate_up_proj[e]   [gate; up]
-    blocks.i.mlp.experts.e.c_proj.weight   (h, f)     model.layers.i.mlp.experts.down_proj[e]
-Refused on import: a sliding window (nanomega's attention is full causal), router jitter noise; on export (check):
-another router, shared experts, a capacity factor, DeepSeek-V3's routing biases (--moe-bias-balance).
-`python -m nanomega.tools.hf import / export` reads and writes a Mixtral folder through this module.
-The training-only settings (aux loss coefficient) travel as router_aux_loss_coef.
+Mixtral is a Llama whose MLP is moe.py's block with router="mixtral" (softmax over the E logits,
+top-k, the k weights renormalized: the same weights as a softmax over the top-k logits), no shared
+experts, no capacity. Everything outside the MLP maps as hf.py's Llama; `python -m nanomega.tools.hf
+import / export` reads and writes a Mixtral folder through this module. What nanomega cannot compute
+is refused (see the lesson); the aux loss coefficient travels as router_aux_loss_coef.
+
+Per block i (transformers 5 stacks the experts; gate_up is [gate; up] on both sides):
+    blocks.i.mlp.router.weight             (E, h)   model.layers.i.mlp.gate.weight
+    blocks.i.mlp.experts.e.gate_up.weight  (2f, h)  model.layers.i.mlp.experts.gate_up_proj[e]
+    blocks.i.mlp.experts.e.c_proj.weight   (h, f)   model.layers.i.mlp.experts.down_proj[e]
 Lesson: lessons/14-experts.md
 """
 import dataclasses
@@ -21,7 +21,8 @@ from nanomega.tools.hf_llama import llama_config, llama_name_map
 
 
 def mixtral_config(c: dict) -> GPTConfig:
-    """The GPTConfig of a transformers Mixtral config (its dict); what nanomega cannot compute: one line."""
+    """The GPTConfig of a transformers Mixtral config (its dict); what nanomega cannot
+    compute: one line."""
     bad = [why for is_bad, why in [(c.get("sliding_window"), f"sliding_window {c.get('sliding_window')} (nanomega: "
                                     "full causal attention)"),
                                    (c.get("router_jitter_noise"), "router_jitter_noise (nanomega: none)")] if is_bad]
@@ -37,7 +38,8 @@ def dense_names(n_layer, tied):
 
 
 def check(cfg: GPTConfig, bias=None):
-    """One line for an MoE model a Mixtral cannot hold; bias: the checkpoint's (n_layer, E) routing biases."""
+    """One line for an MoE model a Mixtral cannot hold; bias: the checkpoint's (n_layer,
+    E) routing biases."""
     if cfg.router != "mixtral" or cfg.shared_experts or cfg.capacity_factor:
         raise ValueError("Mixtral routes with --router mixtral, no --shared-experts, no --capacity-factor")
     if bias is not None and bias.abs().sum() > 0:
@@ -46,7 +48,8 @@ def check(cfg: GPTConfig, bias=None):
 
 
 def to_hf(weights, cfg: GPTConfig):
-    """transformers MixtralForCausalLM from nanomega full weights {name: tensor} of an MoE Llama (fp32)."""
+    """transformers MixtralForCausalLM from nanomega full weights {name: tensor} of an
+    MoE Llama (fp32)."""
     import transformers
     check(cfg)
     v = cfg.vocab_size
@@ -87,7 +90,8 @@ def from_hf(model):
         for e in range(cfg.n_experts):
             weights[f"{ours}experts.{e}.gate_up.weight"] = theirs[hf + "experts.gate_up_proj"][e].clone()
             weights[f"{ours}experts.{e}.c_proj.weight"] = theirs[hf + "experts.down_proj"][e].clone()
-    pad = cfg.padded_vocab_size - cfg.vocab_size  # zero rows so tp can split V (hf.py does the same)
+    # zero rows so tp can split V (hf.py does the same)
+    pad = cfg.padded_vocab_size - cfg.vocab_size
     for name in ("embed.wte.weight", "head.lm_head.weight"):
         if name in weights:
             weights[name] = torch.cat([weights[name], weights[name].new_zeros(pad, cfg.n_embd)])

@@ -1,12 +1,15 @@
-"""Plan a run before paying for it: every tp x pp x dp x ZeRO layout of a cluster, ranked by predicted step time.
+"""Plan a run before paying for it: each tp x pp x dp x ZeRO layout of a cluster, ranked by time.
 
-Idea: list the layouts the trainer can run (layout_error says why one cannot), cost each with tools/cost.py
-(memory per GPU, bytes per step, step time, MFU, days), keep those that fit in memory, rank them by step time
-and recommend the first; when none fits, name the smallest cluster that would.
-CLI: python -m nanomega.tools.plan --model gpt3-175b --gpus 1024 --gpu a100-80gb --global-batch 1536 [--top 10]
-     python -m nanomega.tools.plan --model llama3-405b --gpus 8192 --gpu h100-80gb --global-batch 2048
-     pin a layout with --tp --pp --dp --zero --micro-batch; --json for machine-readable estimates
-     python -m nanomega.tools.plan --model mixtral-8x7b --gpus 64 --gpu h100-80gb --ep 8   # experts: cost_moe.py
+Lists the layouts the trainer can run (layout_error says why one cannot), costs each with
+tools/cost.py (memory per GPU, bytes per step, step time, MFU, days), keeps those that fit in
+memory, ranks them by step time and recommends the first; when none fits, it names the smallest
+cluster that would. Experts (--ep) are costed by cost_moe.py.
+
+  python -m nanomega.tools.plan --model gpt3-175b --gpus 1024 --gpu a100-80gb --global-batch 1536
+  python -m nanomega.tools.plan --model llama3-405b --gpus 8192 --gpu h100-80gb --global-batch 2048
+  python -m nanomega.tools.plan --model mixtral-8x7b --gpus 64 --gpu h100-80gb --ep 8
+  --tp --pp --dp --zero --micro-batch pin a layout; --json prints machine-readable estimates;
+  --top 10 shows the ten best.
 Lesson: lessons/11-planning-a-run.md
 """
 import argparse
@@ -19,9 +22,10 @@ from nanomega.tools.cost import GPUS, MODELS, PRECISIONS, Model, Run, n_params
 from nanomega.zero import pipeline_error
 
 
-# ---- the layouts ------------------------------------------------------------------------------------------
+# ---- the layouts ---------------------------------------------------------------------------------
 def layout_error(model, gpu, gpus, tp, pp, zero, run, global_batch=None, ep=1):
-    """Why (tp, pp, zero) cannot run (with experts over ep ranks), in one line naming the flag, or None."""
+    """Why (tp, pp, zero) cannot run (with experts over ep ranks), in one line naming
+    the flag, or None."""
     batch = run.global_batch if global_batch is None else global_batch
     node = min(gpu.per_node, gpus)
     if tp < 1 or pp < 1:
@@ -55,7 +59,8 @@ def layout_error(model, gpu, gpus, tp, pp, zero, run, global_batch=None, ep=1):
 
 
 def layouts(model, gpu, gpus, run, tp=None, pp=None, dp=None, ep=1):
-    """(tp, pp, zero) that can run, within the pins; no ZeRO at dp = 1 when ZeRO-0 is on the list."""
+    """(tp, pp, zero) that can run, within the pins; no ZeRO at dp = 1 when ZeRO-0 is on the
+    list."""
     for t in [tp] if tp else range(1, min(gpu.per_node, gpus) + 1):
         for p in [pp] if pp else range(1, model.n_layer + 1):
             for zero in run.zero:
@@ -66,15 +71,17 @@ def layouts(model, gpu, gpus, run, tp=None, pp=None, dp=None, ep=1):
 
 
 def plan(model, gpu, gpus, run=Run(), tp=None, pp=None, dp=None, ep=1):
-    """Every layout's Estimate (within the pins): those that fit first, each group ranked by step time."""
+    """Every layout's Estimate (within the pins): those that fit first, each group
+    ranked by step time."""
     ests = [cost_moe.evaluate(model, gpu, gpus, t, p, z, run, ep)
             for t, p, z in layouts(model, gpu, gpus, run, tp, pp, dp, ep)]
     return sorted(ests, key=lambda e: (not e.fits, e.step_s))
 
 
 def smallest_cluster(model, gpu, run=Run(), limit=2**20, ep=1):
-    """Fewest GPUs (1, 2, 4 .. a node, then whole nodes) with a layout that fits, and its best layout. Doubles
-    until one fits, then scans every size below, since divisibility makes fitting not monotone in size."""
+    """Fewest GPUs (1, 2, 4 .. a node, then whole nodes) with a layout that fits, and its best
+    layout. Doubles until one fits, then scans every size below, since divisibility makes fitting
+    not monotone in size."""
     hi = gpu.per_node
     while not any(e.fits for e in plan(model, gpu, hi, run, ep=ep)):
         hi *= 2
@@ -87,13 +94,14 @@ def smallest_cluster(model, gpu, run=Run(), limit=2**20, ep=1):
             return g, fit[0]
 
 
-# ---- command line -----------------------------------------------------------------------------------------
+# ---- command line --------------------------------------------------------------------------------
 def describe(e):
     return f"tp={e.tp} pp={e.pp} dp={e.dp} zero={e.zero}"
 
 
 def experts_line(model, gpu, gpus, e, run, ep):
-    """What the experts cost in layout e (tools/cost_moe.py): active parameters, expert memory, all-to-all."""
+    """What the experts cost in layout e (tools/cost_moe.py): active parameters, expert
+    memory, all-to-all."""
     total, active = cost_moe.params(model)
     v = run.chunks if run.schedule == "interleaved" and e.pp > 1 else 1
     held = cost_moe.expert_state_bytes(model, e.tp, e.pp, e.dp, e.zero, run.dtype, v, run.split, ep)
@@ -104,7 +112,8 @@ def experts_line(model, gpu, gpus, e, run, ep):
 
 
 def as_json(e, run, gpu):
-    """One estimate, machine-readable: GB (1e9 bytes) per GPU by part, bytes sent, time, FLOP/s, MFU, days."""
+    """One estimate, machine-readable: GB (1e9 bytes) per GPU by part, bytes sent, time,
+    FLOP/s, MFU, days."""
     gb = {k: round(getattr(e, k) / 1e9, 3) for k in ("params", "grads", "optim", "acts")}
     return dict(tp=e.tp, pp=e.pp, dp=e.dp, zero=e.zero, micro_batch=run.micro_batch, micro_batches=e.micro_batches,
                 layers_per_stage=list(e.layers), gb_per_gpu=dict(gb, total=round(e.memory / 1e9, 3)),

@@ -1,11 +1,13 @@
-"""Pictures of runs: `python -m nanomega.tools.plot OUT [OUT2 ...] [--to DIR]` writes PNGs from metrics.jsonl.
+"""Pictures of runs: PNGs drawn from the runs' metrics.jsonl.
+
+    python -m nanomega.tools.plot OUT [OUT2 ...] [--to DIR]
 
     loss.png        train and validation loss against steps and against tokens, the runs overlaid
                     (e.g. a tp x pp layout on top of the dense run: the curves must coincide)
-    throughput.png  tokens/s, MFU, memory (mem_gib, when the run logged it) and the learning rate per step
-    timeline_<run>.png  the pipeline schedule of a real run (pp > 1): train.py records step 1's forward and
-                    backward spans per stage (schedules.Trace) in OUT/pipeline_trace/; drawn by
-                    schedules.draw_timeline, so a picture of a run reads like the lesson's simulated ones
+    throughput.png  tokens/s, MFU, memory (mem_gib, when the run logged it), the learning rate
+    timeline_<run>.png
+                    the pipeline schedule of a real run (pp > 1), drawn like the lesson's
+                    simulated ones (schedules.draw_timeline)
 Needs the `plot` extra (matplotlib). Fields a run did not log are left out, never invented.
 The lessons' figures are made this way from real runs by `python scripts/figures.py`.
 Lesson: lessons/01-dense-model.md
@@ -20,7 +22,8 @@ from nanomega.ops import faults
 
 
 def read_run(out):
-    """(train rows, val rows) of OUT/metrics.jsonl, the last row per step kept (a resumed run rewrites steps)."""
+    """(train rows, val rows) of OUT/metrics.jsonl, the last row per step kept (a resumed run
+    rewrites steps)."""
     path = Path(out) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{out} has no metrics.jsonl; pass the --out-dir of a train.py run")
@@ -62,14 +65,16 @@ def _series(ax, runs, key, x="step", val=False, suffix="", **kw):
 
 
 def plot(outs, to, names=None, dpi=110):
-    """Write the PNGs of runs `outs` to folder `to`; `names` labels the runs (default: their folders' names)."""
+    """Write the PNGs of runs `outs` to folder `to`; `names` labels the runs (default: their
+    folders' names)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     os.makedirs(to, exist_ok=True)
     runs = dict(zip(names or _names(outs), (read_run(o) for o in outs)))
-    for train, vals in runs.values():  # step 0 has only a val loss: give it 0 tokens, for the tokens axis
+    # step 0 has only a val loss: give it 0 tokens, for the tokens axis
+    for train, vals in runs.values():
         for r in vals:
             r.setdefault("tokens", 0 if r["step"] == 0 else next((t["tokens"] for t in train if t["step"] == r["step"]
                                                                   and "tokens" in t), None))

@@ -1,8 +1,10 @@
-"""Generate text from a checkpoint: `python -m nanomega.tools.sample --out-dir out --prompt "ROMEO:"`.
+"""Generate text from a checkpoint saved under any layout.
 
-Idea: autoregressive sampling -- run the model on the context (the last block_size tokens), take the last
+    python -m nanomega.tools.sample --out-dir out --prompt "ROMEO:"
+
+Autoregressive sampling: run the model on the context (the last block_size tokens), take the last
 position's logits, divide by the temperature, keep the top k, sample, append, repeat.
-Works on checkpoints saved under any layout: reshard.full_weights rebuilds the full tensors.
+reshard.full_weights rebuilds the full tensors of any layout.
 Lesson: lessons/01-dense-model.md
 """
 import argparse
@@ -43,7 +45,8 @@ def load_model(out_dir):
     folder, cfg, tokenizer, skipped = checkpoint.saved_model(out_dir)  # the newest that verifies
     for reason in skipped:
         faults.say(f"sample: skipped {reason}")
-    with torch.device("meta"):  # shapes only: the checkpoint's weights are assigned, nothing is drawn first
+    # shapes only: the checkpoint's weights are assigned, nothing is drawn first
+    with torch.device("meta"):
         model = GPT(cfg, seed=0)
     weights = reshard.full_weights(folder)  # saved under any tp x pp x dp x ZeRO layout
     if cfg.tie_embeddings:

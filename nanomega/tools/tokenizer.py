@@ -1,26 +1,17 @@
 """Byte-level BPE, trained here: the `shakespeare-4k` tokenizer in tiktoken's rank-file format.
 
-Idea (GPT-2): text is first cut into pre-tokens by a regex (words with their leading space, numbers,
-punctuation runs, whitespace), so merges never cross a word boundary. Each distinct pre-token is a
-sequence of bytes (ids 0..255, so any string is encodable); training repeatedly merges the most frequent
-adjacent pair into a new token, until the vocabulary is full. The rank of a token is the step it was
-made at; tiktoken encodes by merging, inside each pre-token, the pair whose concatenation has the
-lowest rank first.
+Text is cut into pre-tokens by GPT-2's regex, so merges never cross a word boundary; each distinct
+pre-token is a sequence of bytes (ids 0..255), and training repeatedly merges the most frequent
+adjacent pair into a new token until the vocabulary is full. A token's rank is the step it was made
+at; tiktoken encodes by merging, inside each pre-token, the lowest-ranked pair first. to_hf /
+from_hf exchange such an encoding with Hugging Face's tokenizer.json.
 
-Cost: counting distinct pre-tokens once makes the corpus small (Shakespeare: 1.3M pre-tokens, 36k distinct);
-a merge only revisits the words that contain its pair (an inverted index pair -> words) and updates the
-pair counts by difference, and a heap with lazy deletion finds the next most frequent pair, so
-training costs  sum over merges of (words containing the pair) * (word length)  instead of
-merges * corpus size.
-
-Vocabulary: 256 bytes + 3839 merges = 4095 mergeable ranks, + <|endoftext|> = 4096 = 32 * 128, so the
-embedding needs no padding rows for tensor parallelism up to tp = 32 (GPTConfig pads to 128 * tp).
-Ties between equally frequent pairs go to the smallest (left id, right id), so training is
-deterministic: `python -m nanomega.tools.tokenizer` rewrites nanomega/assets/shakespeare-4k.tiktoken byte
-for byte (4095 ranks from the 4.8 MB training split in ~5 s on one CPU core).
-Hugging Face (tools/hf.py; needs transformers): to_hf writes such an Encoding as an HF tokenizer.json (a BPE whose
-merges are the ranks in order, split by GPT-2's pattern); from_hf reads one back (or GPT-2's vocab.json) as ranks,
-and says why not when data.get_tokenizer, which knows GPT-2's split pattern only, would encode otherwise.
+Formulas:
+    training cost   sum over merges of (words containing the pair) * (word length)
+                    instead of merges * corpus size
+    vocabulary      256 bytes + 3839 merges = 4095 mergeable ranks, + <|endoftext|>
+                    = 4096 = 32 * 128 (no padding rows for tensor parallelism up to tp = 32:
+                    GPTConfig pads to 128 * tp)
 Lesson: lessons/01-dense-model.md
 """
 import argparse
@@ -34,8 +25,8 @@ from pathlib import Path
 
 import regex  # tiktoken's own dependency; the stdlib re has no \p{L}
 
-# The encoding's pattern, special token and rank file are data.py's (get_tokenizer loads them); this module
-# only learns the ranks, from data.py's training split.
+# The encoding's pattern, special token and rank file are data.py's (get_tokenizer loads them); this
+# module only learns the ranks, from data.py's training split.
 from nanomega.data import DEFAULT_CORPUS, ENDOFTEXT, GPT2_PATTERN, RANK_FILE, read_corpus, split_train_val
 
 VOCAB_SIZE = 4096  # mergeable ranks + the one special token
@@ -55,7 +46,8 @@ def _merge(word, a, b, new):
 
 
 def train_bpe(text: str, n_ranks: int) -> dict[bytes, int]:
-    """Return tiktoken mergeable ranks {token bytes: rank}: the 256 bytes, then merges until n_ranks."""
+    """Return tiktoken mergeable ranks {token bytes: rank}: the 256 bytes, then merges until
+    n_ranks."""
     if n_ranks < 256:
         raise ValueError(f"a byte-level BPE needs at least 256 ranks, got {n_ranks}")
     counts = Counter(regex.findall(GPT2_PATTERN, text))
@@ -106,7 +98,8 @@ def train_bpe(text: str, n_ranks: int) -> dict[bytes, int]:
 
 
 def save_ranks(ranks: dict[bytes, int], path: Path) -> None:
-    """Write `base64(token) rank` lines in rank order (tiktoken.load.load_tiktoken_bpe reads them)."""
+    """Write `base64(token) rank` lines in rank order (tiktoken.load.load_tiktoken_bpe reads
+    them)."""
     by_rank = sorted(ranks.items(), key=lambda kv: kv[1])
     lines = [f"{base64.b64encode(tok).decode()} {rank}\n" for tok, rank in by_rank]
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -115,32 +108,38 @@ def save_ranks(ranks: dict[bytes, int], path: Path) -> None:
 
 
 def to_hf(enc):
-    """An HF fast tokenizer equal to a GPT-2-pattern tiktoken Encoding, or None if it has no such equivalent."""
+    """An HF fast tokenizer equal to a GPT-2-pattern tiktoken Encoding, or None if it has
+    no such equivalent."""
     if enc._pat_str != GPT2_PATTERN or set(enc._special_tokens) != {ENDOFTEXT}:
         return None
     import transformers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
-    if not hasattr(TikTokenConverter, "load_tiktoken_bpe"):  # 5.16 and older read a file by path only
+    # 5.16 and older read a file by path only
+    if not hasattr(TikTokenConverter, "load_tiktoken_bpe"):
         raise ValueError(f"writing the tokenizer needs transformers >= 5.17 (installed: "
                          f"{transformers.__version__}); pip install -U 'nanomega[hf]'")
     conv = TikTokenConverter(pattern=GPT2_PATTERN, extra_special_tokens=[ENDOFTEXT])
-    conv.load_tiktoken_bpe = lambda _: enc._mergeable_ranks  # the ranks we already hold, not a file or URL
+    # the ranks we already hold, not a file or URL
+    conv.load_tiktoken_bpe = lambda _: enc._mergeable_ranks
     return PreTrainedTokenizerFast(tokenizer_object=conv.converted(), bos_token=ENDOFTEXT, eos_token=ENDOFTEXT,
                                    unk_token=ENDOFTEXT, model_max_length=None)
 
 
 def from_hf(src):
-    """(ranks {token bytes: rank}, None) of the GPT-2-layout byte-level BPE in folder `src` (tokenizer.json or
-    vocab.json); (None, why not) when data.get_tokenizer would encode otherwise; (None, None) when `src` has none."""
+    """(ranks {token bytes: rank}, None) of the GPT-2-layout byte-level BPE in folder `src`
+    (tokenizer.json or vocab.json); (None, why not) when data.get_tokenizer would encode otherwise;
+    (None, None) when `src` has none."""
     src = Path(src)
-    if (src / "tokenizer.json").is_file():  # the BPE vocabulary, and the special tokens kept apart from it
+    # the BPE vocabulary, and the special tokens kept apart from it
+    if (src / "tokenizer.json").is_file():
         spec = json.loads((src / "tokenizer.json").read_text())
         pre = spec.get("pre_tokenizer") or {}
         parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
         kinds = [p.get("type") for p in parts]
         splits = [p.get("pattern", {}).get("Regex") for p in parts if p.get("type") == "Split"]
-        if not (kinds == ["ByteLevel"] and parts[0].get("use_regex", True)  # GPT-2's own: the pattern built in
+        # GPT-2's own: the pattern built in
+        if not (kinds == ["ByteLevel"] and parts[0].get("use_regex", True)
                 or kinds == ["Split", "ByteLevel"] and splits == [GPT2_PATTERN]):  # ours (to_hf)
             how = f"splits text by {str(splits[0])[:40]!r}..." if splits else f"pre-tokenizes with {pre.get('type')}"
             return None, f"tokenizer.json {how} instead of GPT-2's pattern"
@@ -151,7 +150,8 @@ def from_hf(src):
         vocab = json.loads((src / "vocab.json").read_text())
     else:
         return None, None
-    from transformers.convert_slow_tokenizer import bytes_to_unicode  # byte <-> the printable character HF shows
+    # byte <-> the printable character HF shows
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
     dec = {v: k for k, v in bytes_to_unicode().items()}
     ranks = {bytes(dec[ch] for ch in t): i for t, i in vocab.items() if t != ENDOFTEXT and set(t) <= dec.keys()}
     if sorted(ranks.values()) != list(range(len(ranks))) or vocab.get(ENDOFTEXT) != len(ranks):
@@ -165,7 +165,8 @@ def main():
     parser.add_argument("--vocab-size", type=int, default=VOCAB_SIZE, help="ranks + <|endoftext|>")
     parser.add_argument("--out", default=str(RANK_FILE))
     args = parser.parse_args()
-    train_text, _ = split_train_val(read_corpus(args.corpus))  # never learn merges from validation text
+    # never learn merges from validation text
+    train_text, _ = split_train_val(read_corpus(args.corpus))
     t0 = time.perf_counter()
     ranks = train_bpe(train_text, args.vocab_size - 1)
     seconds = time.perf_counter() - t0
