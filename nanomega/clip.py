@@ -35,23 +35,24 @@ def counts(p, replica, grid, over_dp):
         and not (replica and over_dp and grid.dp_cp.rank)
 
 
-def global_norm(grads, grid, over_dp, device, expert_grads=None):
-    """sqrt(sum g^2) over `grads` (this rank's counted shares), summed over dp (over_dp), tp and pp: a float
-    (one host sync). expert_grads: the routed experts' shares (ep.py), summed over edp (over_dp) and ep."""
-    return global_norm_squared(grads, grid, over_dp, device, expert_grads).sqrt().item()
+def global_norm(shares, grid, over_dp, device):
+    """sqrt(sum g^2) over the shares (global_norm_squared's): a float (one host sync)."""
+    return global_norm_squared(shares, grid, over_dp, device).sqrt().item()
 
 
-def global_norm_squared(grads, grid, over_dp, device, expert_grads=None):
+def global_norm_squared(shares, grid, over_dp, device):
     """The same sum of squares, left on the device (fp64, one element): a trainer reads it together with the
-    loss, in the step's one host sync before the update (train.train_step). Each expert counted once."""
-    sq = square_sum(grads, device)
-    if over_dp:
-        grid.dp_cp.all_reduce(sq)  # dp's Axis when cp = 1
-    if expert_grads is not None:
-        experts = square_sum(expert_grads, device)
+    loss, in the step's one host sync before the update (train.train_step). shares: per replica group
+    (zero.Replicas), (grads: this rank's counted shares, axis: its replicas, summed over when over_dp,
+    across: None, or the ranks holding its other parameters, e.g. ep's experts: summed over too)."""
+    sq = None
+    for grads, axis, across in shares:
+        part = square_sum(grads, device)
         if over_dp:
-            grid.edp.all_reduce(experts)
-        sq += grid.ep.all_reduce(experts)
+            axis.all_reduce(part)  # the dense weights: dp_cp (dp's Axis when cp = 1); experts: edp
+        if across is not None:
+            part = across.all_reduce(part)
+        sq = part if sq is None else sq.add_(part)
     grid.tp.all_reduce(sq)
     grid.pp.all_reduce(sq)
     return sq

@@ -66,7 +66,7 @@ def export_by_name(engine, copies=False, copy=True):
         if not copies and piece.replica and (grid.edp.rank if ep.is_expert(piece.name) else grid.dp_cp.rank) != 0:
             continue  # one of the dp x cp replicas; a routed expert's are its edp ranks (dp peers hold others: ep.py)
         p = piece.group.params[piece.index] if piece.group else None
-        if not copies and p is not None and p is engine.shared and not grid.first_stage:
+        if not copies and p is not None and pp.is_shared_embedding_copy(p):
             continue
         state = engine.optimizer.state.get(piece.master, {})
         out.append(dict(name=piece.name, shape=piece.shape, start=piece.start, end=piece.end,

@@ -26,8 +26,10 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from .ddp import GradBuckets, start_equal
+from .ddp import start_equal
 from .flat import FlatGroup, set_data
+from .zero_buckets import ShardBuckets
+
 
 def default_wrap(model):
     """The units: each direct child; a container (ModuleList/ModuleDict, never called) stands for its children."""
@@ -173,8 +175,8 @@ class FullyShardedDataParallel:
         groups = [g for g in self.sharded.groups if g.trainable]
         if len({g.dtype for g in groups}) != 1:
             raise ValueError("FullyShardedDataParallel: trainable parameters of one dtype only")
-        self.buckets = GradBuckets(groups, grid.dp, groups[0].dtype, keep="shard", in_order=False,
-                                   after_reduce=self.sharded.release, to_params=True)
+        self.buckets = ShardBuckets(groups, grid.dp, groups[0].dtype, in_order=False,
+                                    after_reduce=self.sharded.release, to_params=True)
         self.slices = [(g, a - g.lo, b - g.lo) for g in groups for _, a, b in g.pieces()]
         self.shards = [g.shard[a:b] for g, a, b in self.slices]
         self.zero_grad()
