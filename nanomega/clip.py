@@ -1,15 +1,13 @@
-"""Gradient clipping by the global norm of a model sharded over dp, tp and pp (Megatron's clip_grads).
+"""Gradient clipping by the global norm of a model sharded over dp, tp and pp (Megatron's).
 
-Idea: clip_grad_norm_ scales every gradient by min(1, c / ||g||), where ||g|| is the norm of the *whole*
-model's gradient. No rank holds it: a rank holds pieces -- its dp slice of a flat buffer (ZeRO-1..3), its tp
-slice of a split matrix, its pipeline stage's layers. Each rank sums the squares of the pieces that are its
-share, every unique element exactly once, and one all-reduce per axis adds the shares:
-    counted here   a tp slice on every tp rank; a tp replica (LayerNorm, row-parallel bias) on tp rank 0
-                   only; a dp replica on dp rank 0 only when the pieces differ per dp rank (the shards of
-                   ZeRO-1..3); the last pipeline stage's copy of the tied embedding never (the first holds it)
+clip_grad_norm_ scales every gradient by min(1, c / ||g||), ||g|| the whole model's norm (Megatron's
+clip_grads). No rank holds it: each sums the squares of its share of the pieces, every unique
+element once, and one all-reduce per axis adds the shares; in fp64, chunk by chunk, so the order
+does not matter and every layout computes the dense model's norm (tests/test_layouts.py: bitwise).
+    counted here   a tp slice on every tp rank; a tp replica (LayerNorm, row-parallel bias) on tp
+                   rank 0 only; a dp replica on dp rank 0 only when the pieces differ per dp rank
+                   (ZeRO-1..3's shards); the last pipeline stage's copy of the tied embedding never
     ||g||^2        = all_reduce_dp(if sharded) o all_reduce_tp o all_reduce_pp ( sum ||piece||^2 )
-Summed in fp64, a chunk's norm at a time, then their squares: the order of the sum does not matter, so every
-layout computes the dense model's norm (tests/test_layouts.py checks it bitwise against one process).
 Lesson: lessons/02-data-parallel-and-zero.md
 """
 import torch

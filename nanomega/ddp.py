@@ -1,20 +1,11 @@
-"""Data parallelism (PyTorch's DDP, Megatron's DistributedDataParallel): every rank a replica, gradients
-averaged in flat buckets while backward runs.
+"""Data parallelism (PyTorch's DDP): every rank a replica, gradients averaged while backward runs.
 
-Idea: N ranks each run the whole model on 1/N of the batch; before the optimizer step every rank must hold
-the mean gradient. Not one all-reduce per parameter (latency-bound), nor one at the end (no overlap):
-gradients are added into flat buckets (flat.py, bucket_mb each) as backward produces them, and a bucket is
-all-reduced as soon as it is complete -- while backward goes on computing earlier layers' gradients -- in the
-same bucket order on every rank (collectives must match across ranks). Micro-batches before the last run
-under no_sync(): gradients accumulate locally and one reduction serves the whole step.
-    bytes one rank sends per step   2 (N-1)/N Psi    (ring all-reduce, dist.py; Psi = gradient bytes)
+Gradients are added into flat buckets (flat.py, bucket_mb each) as backward produces them; a
+complete bucket is all-reduced at once, while backward computes earlier layers, in the same bucket
+order on every rank. Micro-batches before the last run under no_sync(). Replicas start equal
+(start_equal: parameters and buffers verified by checksum, or broadcast from dp rank 0, as DDP).
+    bytes one rank sends per step   2 (N-1)/N Psi   (ring all-reduce, dist.py; Psi = gradient bytes)
     memory per parameter            the weight + a grad_dtype gradient (+ the optimizer's state)
-Replicas must start equal -- ranks seeded differently would silently train different models -- so the
-initial weights and the module buffers (BatchNorm's running statistics) are verified by checksum (one clear
-error) or broadcast from dp rank 0, as PyTorch's DDP does (start_equal).
-GradBuckets is the mechanism; DistributedDataParallel wraps it for a model and the caller's own optimizer
-(p.grad holds the mean after every synced backward). zero.ZeroEngine composes the same GradBuckets over
-split groups (a reduce-scatter instead of the all-reduce) with an optimizer over this rank's slices.
 Lesson: lessons/02-data-parallel-and-zero.md
 """
 import contextlib

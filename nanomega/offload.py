@@ -1,25 +1,17 @@
 """ZeRO-Offload: the fp32 master weights and Adam's state in host memory, the step on the CPU.
 
-Idea: with Adam in mixed precision a parameter costs 16 bytes on the device, 12 of them the fp32 master and
-Adam's m and v that only the optimizer step reads (zero.py). ZeRO-Offload (Ren et al. 2021, DeepSpeed's
-offload_optimizer) keeps those 12 bytes in host memory -- plentiful, and on the CPU's side of PCIe -- and runs
-the step there, with a fused CPU Adam (cpu_adam.py: one pass over memory per step, vectorized, OpenMP).
-Per step each offloaded flat group (a bucket, this rank's ZeRO slice of it) goes:
-    its gradient device -> host (D2H, into a pinned buffer)  ->  the CPU Adam step on its pieces  ->
-    the updated master host -> device (H2D, cast to the model's dtype: that is the write-back)
-and the groups are pipelined: group i+1's gradient is copying down (a CUDA stream) while the CPU steps group i,
-and group i's weights copy up while the CPU steps group i+1. On a CPU-only machine the same code runs and the
-copies are host-to-host (how the tests exercise it). `fraction` offloads the largest groups first until that
-share of this rank's optimizer elements is on the host (DeepSpeed's ratio): the rest step on the device, with
-the engine's optimizer, as without offload. Every offloaded piece keeps its state in that optimizer's `state`
-(torch.optim.AdamW's keys), so checkpoints, resharding and the optimizer itself do not know the difference.
-
+The 12 bytes per parameter only the optimizer step reads (fp32 master, Adam's m and v) live on the
+host (Ren et al. 2021, DeepSpeed's offload_optimizer). Per offloaded flat group: its gradient down
+(D2H), the fused CPU Adam (cpu_adam.py) on its pieces, its weights up (H2D: the write-back),
+pipelined across groups. `fraction` offloads the largest groups first (DeepSpeed's ratio); the
+engine calls Offload.step once per step.
 Formula (P parameters on this rank after ZeRO's 1/N, fully offloaded, bf16 model, fp32 gradients):
-    device bytes   2 P (weights) + 4 P (gradients)           instead of 2 + 4 + 12 (zero.py)
-    host bytes     12 P (master, m, v) + 4 P (pinned gradient buffers) + 2 P (the weights cast for the upload)
-    PCIe per step  4 P down (fp32 gradients) + 2 P up (bf16 weights): 6 P bytes, each way overlapping the CPU step
-    CPU step       30 P bytes through host memory: cpu_adam.py's one pass (28) also applies the clip coefficient
-                   and writes the bf16 weights (2); as three passes (grad *= c; AdamW; cast) it would be 42
+    device bytes   2 P (weights) + 4 P (gradients)         instead of 2 + 4 + 12 (zero.py)
+    host bytes     12 P (master, m, v) + 4 P (pinned gradient buffers) + 2 P (weights to upload)
+    PCIe per step  4 P down (fp32 gradients) + 2 P up (bf16 weights): 6 P, overlapping the CPU step
+    CPU step       30 P bytes through host memory: cpu_adam.py's one pass (28) also applies the
+                   clip coefficient and writes the bf16 weights (2); as three passes
+                   (grad *= c; AdamW; cast) it would be 42
 Lesson: lessons/02-data-parallel-and-zero.md (section "Beyond the device: ZeRO-Offload")
 """
 import torch

@@ -87,9 +87,8 @@ def build(config, cfg, grid):
             block.compile()
     # fused AdamW on CUDA (one kernel for all tensors); the CPU keeps foreach, the arithmetic of every fingerprint
     options = dict(betas=(0.9, 0.95), fused=True) if grid.device.type == "cuda" else dict(betas=(0.9, 0.95))
-    # the replica groups, each built by the technique that owns its rule: dense (+ pp's tied sum), experts
-    replicas = [zero.Replicas("dense", grid.dp_cp, extra_sums=pp.tied_sums(model, grid)),
-                zero.Replicas(**ep.replica_group(grid))]
+    replicas = [zero.Replicas("dense", grid.dp_cp, extra_sums=pp.tied_sums(model, grid)),  # replica groups,
+                zero.Replicas(**ep.replica_group(grid))]  # each built by the technique owning its rule
     engine = zero.ZeroEngine(model, torch.optim.AdamW, zero.weight_decay_groups(config.weight_decay, **options),
                              grid, config.zero, replicas=replicas, init=init.values, offload=config.offload,
                              offload_params=config.offload_params)

@@ -1,28 +1,16 @@
-"""ZeRO stages 1-3 on top of data parallelism: one engine for any nn.Module and any element-wise optimizer.
+"""ZeRO stages 0-3: one engine for any nn.Module and element-wise optimizer, over replica groups.
 
-Data parallelism (ddp.py) averages gradients in flat buckets while backward runs. With Adam in mixed
-precision every rank then holds, per parameter, 2 (16-bit weight) + 2 (16-bit gradient) + 12 (fp32 master
-weight, Adam m and v) = 16 bytes.
-
-ZeRO (Rajbhandari et al. 2020) stops replicating them. Each stage changes a few entries of the recipe
-(STAGE below); rank r owns the slice [r S, (r+1) S) of every flat buffer, S = ceil(n / N):
+Rank r of a group's N replicas owns the slice [r S, (r+1) S) of every flat buffer, S = ceil(n / N)
+(flat.py). STAGE says what each stage shards; ZeroEngine.__init__ is the one place reading it. Each
+replica group (Replicas: dense, experts, ...) is reduced over its own axis; the technique owning a
+rule builds its group (ep.py, pp.py), the composer passes them in (train.build).
     stage  keeps between micro-batches   reduce           write-back               bytes/param/rank
     0      the full gradient             all-reduce       none: all stepped whole  16
     1      the full gradient             reduce-scatter   all-gather the slices    4 + 12/N
     2      only its gradient slice       reduce-scatter   all-gather the slices    2 + 14/N
-    3      only its gradient slice       reduce-scatter   none: each unit gathered 16/N   (zero3.py)
-                                                          for forward and backward
-Bytes one rank sends per step, Psi = gradient bytes (ring, dist.py): all-reduce 2(N-1)/N Psi for DP;
-reduce-scatter (N-1)/N Psi + all-gather (N-1)/N Psi for stages 1-2, the same; stage 3 gathers the
-parameters twice (forward and backward): 3(N-1)/N Psi, 1.5x DP.
-Here gradients are accumulated and reduced in grad_dtype (fp32 by default: 2+4+12 = 18 bytes in bf16) and
-the fp32 master copy IS the model's storage when the model is fp32 (4 + 4 + 8 = 16 bytes). The mixed-precision
-arithmetic of the step (fp32 masters, unscale, write-back) is precision.py's; this engine shards its buffers.
-The engine is a composition: ddp.GradBuckets (gradients reduced while backward runs) + an optimizer over this
-rank's pieces (here) + at stage 3 zero3.ShardedParameters; STAGE says what each stage changes, and
-ZeroEngine.__init__ is the one place that reads it. The global gradient norm over dp, tp and pp (which
-piece counts where) is clip.py's.
-Export and import by name (checkpoints, resharding) are reshard.py's.
+    3      only its gradient slice       reduce-scatter   none: each unit gathered 16/N (zero3.py)
+    bytes sent per step (ring, Psi = gradient bytes): stages 0-2 2(N-1)/N Psi; stage 3 3(N-1)/N Psi
+(bf16 weights, Adam; gradients in grad_dtype, fp32 by default: 2 + 4 + 12 = 18 bytes at stage 0.)
 Lesson: lessons/02-data-parallel-and-zero.md
 """
 import dataclasses

@@ -1,13 +1,12 @@
-"""ZeRO's gradient buckets: data parallelism's buckets (ddp.py), reduce-scattered instead of all-reduced.
+"""ZeRO's gradient buckets: data parallelism's buckets (ddp.py), reduce-scattered instead.
 
-A split group (flat.py) is reduce-scattered: rank r's slice of the buffer receives the sum over the ranks,
-the rest is not needed (the owner divides, and steps only its slice). Two ways to hold the gradient:
-    ScatterBuckets  ZeRO-1: the full gradient accumulates, under no_sync() nothing is sent; one
-                    reduce-scatter per step, then the slice holds the sum, the rest zeros
-    ShardBuckets    ZeRO-2/3: only the slice is kept, so every micro-batch is reduce-scattered (a
-                    transient full bucket per group, at most MAX_IN_FLIGHT of them alive) into it
-    memory per parameter (gradient)   ScatterBuckets: the full grad_dtype buffer; ShardBuckets: 1/N of it
-Groups that are not split (ZeRO-3's replicated parameters, stage 0) are all-reduced as in ddp.py.
+A split group (flat.py) is reduce-scattered: rank r's slice of the buffer receives the sum over the
+ranks (its owner divides, and steps only its slice). Groups not split are all-reduced as in ddp.py.
+    ScatterBuckets  ZeRO-1: the full gradient accumulates (no_sync() sends nothing); one
+                    reduce-scatter per step: the slice holds the sum, the rest zeros
+    ShardBuckets    ZeRO-2/3: only the slice is kept, so every micro-batch is reduce-scattered
+                    into it (a transient full bucket per group, at most MAX_IN_FLIGHT alive)
+    gradient bytes per parameter   ScatterBuckets: grad_dtype's; ShardBuckets: 1/N of them
 Lesson: lessons/02-data-parallel-and-zero.md
 """
 import contextlib
