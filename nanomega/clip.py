@@ -39,10 +39,11 @@ def global_norm(shares, grid, over_dp, device):
 
 
 def global_norm_squared(shares, grid, over_dp, device):
-    """The same sum of squares, left on the device (fp64, one element): a trainer reads it together with the
-    loss, in the step's one host sync before the update (train.train_step). shares: per replica group
-    (zero.Replicas), (grads: this rank's counted shares, axis: its replicas, summed over when over_dp,
-    across: None, or the ranks holding its other parameters, e.g. ep's experts: summed over too)."""
+    """The same sum of squares, left on the device (fp64, one element): a trainer reads it together
+    with the loss, in the step's one host sync before the update (train.train_step).
+    shares: per replica group (zero.Replicas), (grads, axis, across): this rank's counted shares;
+    the group's replicas, summed over when over_dp; None, or the ranks holding its other parameters
+    (ep's experts), summed over too."""
     sq = None
     for grads, axis, across in shares:
         part = square_sum(grads, device)

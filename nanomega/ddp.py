@@ -44,7 +44,7 @@ def start_equal(model, axis, init="verify", keep=lambda name: True):
 
 def bucket_groups(named_params, bucket_mb, axis, split=False, alone=(), values=None, device=None):
     """Flat groups of about bucket_mb each, in the order backward fills them (the last layers first);
-    split: each is split over the ranks of `axis` (ZeRO-1/2). alone: parameters with a bucket of their own.
+    split: each is split over the ranks of `axis` (ZeRO-1/2). alone: parameters with a bucket each.
     values, device: meta parameters drawn into the buckets (flat.FlatGroup)."""
     buckets = split_by_size(named_params[::-1], bucket_mb * 2**20, alone)
     n, rank = (axis.size, axis.rank) if split else (1, 0)
@@ -68,17 +68,20 @@ def call_if_alive(method, *args):
 
 
 class GradBuckets:
-    """The gradients of `groups` (flat.py, none split), all-reduced and averaged over `axis` while backward
-    runs, each group as soon as it and every group before it is complete (the same order on every rank).
+    """The gradients of `groups` (flat.py, none split), all-reduced and averaged over `axis` while
+    backward runs, each group once it and every group before it is complete (one order on every
+    rank).
 
-    Under no_sync() nothing is sent: gradients accumulate in the buffers, the next synced backward reduces.
-    to_params  True: the caller's own optimizer reads p.grad, the mean after every synced backward; False:
-               the engine reads the buffers, and p.grad may stay a view of them (gradient_as_bucket_view).
+    Under no_sync() nothing is sent: gradients accumulate in the buffers, a synced backward reduces.
+    to_params  True: the caller's own optimizer reads p.grad, the mean after every synced backward;
+               False: the engine reads the buffers, and p.grad may stay a view of them
+               (gradient_as_bucket_view).
     ZeRO's reduce-scatter variants extend this class (zero_buckets.py).
     """
 
     def __init__(self, groups, axis, grad_dtype=torch.float32, to_params=False):
-        self.groups, self.axis, self.grad_dtype, self.to_params = groups, axis, grad_dtype, to_params
+        self.groups, self.axis, self.grad_dtype = groups, axis, grad_dtype
+        self.to_params = to_params
         self.progress = [Progress() for _ in groups]
         self._no_sync, self._queued, self._pending = False, False, deque()
         # the hooks hold self weakly: Python's gc does not see a parameter's post-accumulate-grad hooks, so
@@ -146,8 +149,8 @@ class GradBuckets:
         return self.groups[j]
 
     def _reduce(self, j):
-        """The sum, then the mean, on every rank (a later synced backward adds to it); a world of one holds
-        the mean already (x / 1: a pass for nothing)."""
+        """The sum, then the mean, on every rank (a later synced backward adds to it); a world of
+        one holds the mean already (x / 1: a pass for nothing)."""
         g, n = self._launched(j), self.axis.size
         if n > 1:
             self._start(self.axis.start("all_reduce", g.grad), lambda: g.grad.div_(n))

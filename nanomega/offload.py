@@ -50,7 +50,8 @@ class Offload:
             self.staged[id(g)] = g.master if g.own.dtype == torch.float32 else \
                 torch.empty(g.own.shape, dtype=g.own.dtype, pin_memory=pinned).copy_(g.master)  # 2 bytes cross
             # (copied once: the padding between pieces, which no step writes, goes up as it came)
-        self.stream = torch.cuda.Stream(device) if pinned and groups else None  # the copies', beside the compute stream
+        # the copies' stream, beside the compute stream
+        self.stream = torch.cuda.Stream(device) if pinned and groups else None
         self.moved = dict(down=0, up=0)  # bytes copied device -> host and host -> device (lessons/02_zero.py)
         self.by_group = None
 
@@ -73,8 +74,9 @@ class Offload:
     @torch.no_grad()
     def step(self, pieces, optimizer, group_of, coefficient):
         """Step the pieces of the offloaded groups: per group, its gradient down (the next group's already
-        copying), scaled by the clip coefficient, the CPU Adam step of each piece, its weights up; waits for
-        the uploads. Returns the groups stepped here (their weights written back: ZeroEngine.write_back's skip)."""
+        copying), scaled by the clip coefficient, the CPU Adam step of each piece, its weights up;
+        waits for the uploads. Returns the groups stepped here (their weights written back already:
+        ZeroEngine.write_back's skip)."""
         if self.by_group is None:  # the engine's pieces are fixed once it is built: sorted into groups once
             self.by_group = {id(g): [p for p in pieces if p.group is g] for g in self.groups}
         by_group = self.by_group

@@ -34,7 +34,7 @@ ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim
 class Stage:
     """What a ZeRO stage shards over the dp ranks; each field is one choice in ZeroEngine.__init__."""
     optimizer: bool  # flat groups split: a rank steps its slice (masters, Adam state 1/N), the norm sums ranks
-    gradients: bool  # ShardBuckets: only the slice's gradient kept, reduce-scattered per micro-batch
+    gradients: bool  # ShardBuckets: only the slice's gradient kept, reduced each micro-batch
     parameters: bool  # zero3.ShardedParameters: parameters kept as 1/N shards, units gathered on demand
 
 
@@ -77,26 +77,29 @@ def check_config(stage, optimizer_cls, pp=1, offload=0.0, offload_params=False):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Replicas:
-    """A replica group: parameters the ranks of `axis` hold alike. The engine reduces their gradients over
-    `axis` (and gathers their ZeRO slices over it); the technique that owns the rule builds the record:
-    the dense weights over grid.dp_cp (the default), ep.replica_group: the routed experts over grid.edp,
-    pp.tied_sums: the tied embedding's extra sum over grid.embed. A new replica axis is one more group."""
+    """A replica group: parameters the ranks of `axis` hold alike. The engine reduces their
+    gradients over `axis` (and gathers their ZeRO slices over it); the technique that owns the rule
+    builds it: the dense weights over grid.dp_cp (the default), ep.replica_group: the routed experts
+    over grid.edp, pp.tied_sums: the tied embedding's extra sum over grid.embed. A new replica axis
+    (hybrid sharding) is one more group."""
+
     name: str
     axis: object  # dist.Axis
     holds: object = None  # holds(name) -> bool; None: every parameter no other group holds
     divide: int = 1  # after the mean over `axis`: experts' gradients sum the tokens of ep ranks too
-    across: object = None  # an Axis whose ranks hold other parameters of the group (ep: other experts)
-    extra_sums: tuple = ()  # ((parameter, Axis), ...): a bucket of its own, its mean summed again over Axis
-    whole: bool = False  # ZeRO-3: kept whole on every rank, all-reduced (Megatron's replicated LayerNorms)
-    check: object = None  # check(stage, offload): one line for what the engine cannot do with the group
+    across: object = None  # an Axis whose ranks hold the group's other parameters (ep's experts)
+    extra_sums: tuple = ()  # ((parameter, Axis), ...): a bucket each, its mean summed over Axis
+    whole: bool = False  # ZeRO-3: kept whole on every rank, all-reduced (replicated LayerNorms)
+    check: object = None  # check(stage, offload): one line for what the engine cannot do with them
 
 
 def owners(names, replicas):
-    """(the default group, {name: the group holding it}): the first group whose holds(name) is true, else
-    the default one (holds=None; the first such), which every list of groups has."""
+    """(the default group, {name: the group holding it}): the first group whose holds(name) is true,
+    else the default one (holds=None; the first such), which every list of groups has."""
     default = next((r for r in replicas if r.holds is None), None)
     if default is None:
-        raise ValueError("ZeroEngine(replicas=...): no default group; add Replicas(name, axis) (holds=None)")
+        raise ValueError("ZeroEngine(replicas=...): no default group; add Replicas(name, axis), "
+                         "holds=None")
     return default, {k: next((r for r in replicas if r.holds is not None and r.holds(k)), default)
                      for k in names}
 
@@ -111,72 +114,83 @@ def weight_decay_groups(weight_decay, **options):
 
 
 class ZeroEngine:
-    """Owns the gradient buffers, the fp32 master weights and the optimizer of `model`, over replica groups.
+    """Owns the gradient buffers, the fp32 master weights and the optimizer of `model`, per replica
+    group.
 
-    optim: optimizer kwargs (one group), or param_groups_fn(named trainable params) -> [dict(params=[names],
-    **options)]. wrap (stage 3): the modules gathered as units (default zero3.default_wrap).
-    replicas: the replica groups (Replicas), in bucket order; default: one group over grid.dp_cp (the
-    replicas of a weight: dp, and cp, whose ranks hold the same weights and other tokens of the sequences).
-    init: "verify" (default) or "broadcast" the parameters and buffers (ddp.start_equal), or, for a model
-    built on the meta device, values(name, p, start, stop) (meta.Init.values): the engine draws each
-    parameter straight into its flat buffers on grid.device -- at stage 3 only this rank's shard -- so no
-    rank ever holds more than its share (+ one parameter on the host). On a meta grid (a dry run,
-    meta.PaperGrid) nothing is drawn: the buffers are meta too, their bytes counted all the same.
-    offload: the share (0..1) of this rank's optimizer elements whose fp32 masters and Adam state live in host
-    memory and step on the CPU (offload.py: ZeRO-Offload; Adam/AdamW, stages 1-3). offload_params (stage 3,
-    offload 1): the parameter shards in host memory too, copied up at each gather (zero3.py).
-    Use: forward/backward as usual (`with engine.no_sync():` on all but the last micro-batch), then step().
-    Your own optimizer: ddp.DistributedDataParallel (gradients averaged), zero3.FullyShardedDataParallel.
+    optim: optimizer kwargs (one group), or param_groups_fn(named trainable params) ->
+    [dict(params=[names], **options)]. wrap (stage 3): the modules gathered as units (default
+    zero3.default_wrap). replicas: the replica groups (Replicas), in bucket order; default: one
+    group over grid.dp_cp (a weight's replicas: dp, and cp, whose ranks hold the same weights and
+    other tokens of the sequences).
+    init: "verify" (default) or "broadcast" the parameters and buffers (ddp.start_equal), or, for a
+    model built on the meta device, values(name, p, start, stop) (meta.Init.values): the engine
+    draws each parameter straight into its flat buffers on grid.device -- at stage 3 only this
+    rank's shard -- so no rank ever holds more than its share (+ one parameter on the host). On a
+    meta grid (a dry run, meta.PaperGrid) nothing is drawn: the buffers are meta too, their bytes
+    counted all the same.
+    offload: the share (0..1) of this rank's optimizer elements whose fp32 masters and Adam state
+    live in host memory and step on the CPU (offload.py: ZeRO-Offload; Adam/AdamW, stages 1-3).
+    offload_params (stage 3, offload 1): the parameter shards in host memory too, copied up at each
+    gather (zero3.py).
+    Use: forward/backward as usual (`with engine.no_sync():` on all but the last micro-batch), then
+    step(). Your own optimizer: ddp.DistributedDataParallel, zero3.FullyShardedDataParallel.
     """
 
-    def __init__(self, model, optimizer_cls, optim, grid, stage=0, bucket_mb=25, grad_dtype=torch.float32,
-                 wrap=None, replicas=None, init="verify", offload=0.0, offload_params=False):
-        check_config(stage, optimizer_cls, grid.pp.size if grid is not None else 1, offload, offload_params)
+    def __init__(self, model, optimizer_cls, optim, grid, stage=0, bucket_mb=25,
+                 grad_dtype=torch.float32, wrap=None, replicas=None, init="verify", offload=0.0,
+                 offload_params=False):
+        pp = grid.pp.size if grid is not None else 1
+        check_config(stage, optimizer_cls, pp, offload, offload_params)
         named = list(model.named_parameters())  # tied parameters once, under their first name
         replicas = replicas or [Replicas("dense", grid.dp_cp)]
         dense, owner = owners([k for k, _ in named], replicas)
         trainable = [(k, p) for k, p in named if p.requires_grad]
         if not trainable:
-            raise ValueError("the model has no trainable parameters (all requires_grad=False): nothing to synchronise")
-        held = [r for r in replicas if any(owner[k] is r for k, _ in trainable)]  # groups with parameters here
-        for r in held:  # what the engine cannot do with a group, said by the technique that owns it
+            raise ValueError("the model has no trainable parameters (all requires_grad=False): "
+                             "nothing to synchronise")
+
+        # the groups with parameters here; what the engine cannot do with one, said by its technique
+        held = [r for r in replicas if any(owner[k] is r for k, _ in trainable)]
+        for r in held:
             if r.whole and stage != 3:
-                raise ValueError(f"Replicas({r.name!r}, whole=True): keeping parameters whole only means "
-                                 f"something at stage 3 (got --zero {stage})")
+                raise ValueError(f"Replicas({r.name!r}, whole=True): keeping parameters whole only "
+                                 f"means something at stage 3 (got --zero {stage})")
             if r.check is not None:
                 r.check(stage, offload)
             if STAGE[stage].parameters and not r.whole and r is not dense:
-                raise ValueError(f"--zero 3 with replica group {r.name!r}: ZeRO-3's units are sharded over "
-                                 f"one axis, the default group's; use --zero 0, 1 or 2")
+                raise ValueError(f"--zero 3 with replica group {r.name!r}: ZeRO-3's units are "
+                                 f"sharded over the default group's axis; use --zero 0, 1 or 2")
 
-        # init: a mode, or the values of a model built on meta (a dry run: shapes only, nothing to draw)
+        # init: a mode, or a meta model's values (a dry run: shapes only, nothing to draw)
         values = init if callable(init) and grid.device.type != "meta" else None
         init = "verify" if callable(init) else init
         device = grid.device if values is not None else None  # else: where the parameters are
-        specs = self._param_groups(optim, trainable)  # before ZeRO-3 swaps the parameters for empty tensors
+        specs = self._param_groups(optim, trainable)  # before ZeRO-3 empties the parameters
         self.module, self.grid, self.stage = model, grid, stage
         self.axis = dense.axis  # the default group's axis: ZeRO-3 shards its units over it
         row = STAGE[stage]  # the one place the stage's row is read
 
-        # ZeRO-3: units of shards (zero3.py) over the default group's axis; whole groups in buckets below
+        # ZeRO-3: units of shards (zero3.py) over the default group's axis; whole groups: buckets
         self.sharded, units = None, []
         if row.parameters:
-            start_equal(model, self.axis, init)  # while the parameters are whole (a meta build: nothing to compare)
-            self.sharded = ShardedParameters(model, [(k, p) for k, p in named if not owner[k].whole], self.axis,
-                                             wrap, values, device, host=offload_params)
+            start_equal(model, self.axis, init)  # while the parameters are whole (meta: nothing)
+            sharded = [(k, p) for k, p in named if not owner[k].whole]
+            self.sharded = ShardedParameters(model, sharded, self.axis, wrap, values, device,
+                                             host=offload_params)
             units = [g for g in self.sharded.groups if g.trainable]
 
-        # each replica group's flat buckets, split over its axis from stage 1 on, in backward's order
+        # each replica group's flat buckets, split over its axis from stage 1 on, backward's order
         self.replicas, self.rule, self.groups, parts = [], {}, [], []
         for r in held:
-            mine = [(k, p) for k, p in trainable if owner[k] is r and (r.whole or not row.parameters)]
+            whole = r.whole or not row.parameters
+            mine = [(k, p) for k, p in trainable if owner[k] is r and whole]
             groups = (units if r is dense else []) + bucket_groups(
                 mine, bucket_mb, r.axis, split=row.optimizer and not row.parameters,
                 alone=[p for p, _ in r.extra_sums], values=values, device=device)
             self.replicas.append((r, groups))
             self.rule.update({id(g): r for g in groups})
             self.groups += groups
-        if not row.parameters:  # now that the buffers hold the values (drawn, for a model built on meta)
+        if not row.parameters:  # now that the buffers hold the values (drawn, for a meta model)
             for r in held:
                 start_equal(model, r.axis, init, keep=lambda k, r=r: owner[k] is r)
 
@@ -194,13 +208,14 @@ class ZeroEngine:
         self.norm_over_dp = row.optimizer  # the pieces differ per dp rank: the norm adds theirs
         for g in self.groups:  # fp32 model: the same tensor (no copy); 16-bit model: the fp32 master
             g.master = precision.fp32_master(g.own)
-        resident = [g for g in self.sharded.groups if g.trainable] if offload_params else []  # shards on the host
-        self.offload = offloading.Offload(offloading.choose(self.groups, offload), self.groups[0].device,
-                                          resident)
+        host = offloading.choose(self.groups, offload)  # none when offload == 0
+        resident = [g for g in self.sharded.groups if g.trainable] if offload_params else []
+        self.offload = offloading.Offload(host, self.groups[0].device, resident)
         self.optimizer = self._build_optimizer(optimizer_cls, specs)
-        self.norm_pieces = [piece for piece in self.pieces  # this rank's share of the norm: fixed by the layout
-                            if piece.group and clip.counts(piece.group.params[piece.index], piece.replica, grid,
-                                                           self.norm_over_dp)]
+
+        # this rank's share of the norm: fixed by the layout
+        self.norm_pieces = [piece for piece in self.pieces if piece.group and clip.counts(
+            piece.group.params[piece.index], piece.replica, grid, self.norm_over_dp)]
 
     def no_sync(self):
         """Micro-batches before the last: no reduction (stages 0-1; ddp.GradBuckets.no_sync)."""
@@ -253,10 +268,11 @@ class ZeroEngine:
             group["lr"] = lr
 
     def reduce(self, scaler=None):
-        """Finish the reductions, average, unscale (fp16), add the extra sums (the tied embedding's two
-        copies), and return the global gradient norm's square on the device (fp64, one element) without
-        waiting for it: a trainer reads it together with the loss in one host sync, then calls step(norm=...)."""
-        self.buckets.finish()  # every micro-batch ran under no_sync (or none ran): reduce now; wait for all
+        """Finish the reductions, average, unscale (fp16), add the extra sums (the tied embedding's
+        two copies), and return the global gradient norm's square on the device (fp64, one element)
+        without waiting for it: a trainer reads it together with the loss in one host sync, then
+        calls step(norm=...)."""
+        self.buckets.finish()  # all micro-batches under no_sync (or none ran): reduce now; wait
 
         # each group's mean over its replicas, then the extra sums of its own-bucket parameters
         for g in self.groups:
@@ -270,26 +286,27 @@ class ZeroEngine:
                 if g.params[0] is p:
                     axis.all_reduce(g.grad_own)
 
-        # the optimizer's gradients (an offloaded piece: none, so the optimizer skips it: offload.py steps it)
+        # the optimizer's gradients (an offloaded piece: none, the optimizer skips it: offload.py's)
         host = self.offload.offloaded
         for piece in self.pieces:
             piece.master.grad = None if host(piece.group) else \
                 self._grad(piece).float() if piece.group else piece.master.new_zeros(0)
 
-        # the norm: each group's counted shares, summed over its axis (sharded) and the ranks holding others
+        # the norm: each group's counted shares, summed over its axis (sharded) and its `across`
         shares = []
         for r, groups in self.replicas:
             mine = [p for p in self.norm_pieces if self.rule[id(p.group)] is r]
-            shares.append(([self._grad(p).float() if host(p.group) else p.master.grad for p in mine],
-                           r.axis, r.across))
+            grads = [self._grad(p).float() if host(p.group) else p.master.grad for p in mine]
+            shares.append((grads, r.axis, r.across))
         return clip.global_norm_squared(shares, self.grid, self.norm_over_dp, self.groups[0].device)
 
     def step(self, clip_norm=None, scaler=None, skip=False, norm=None, check_finite=True):
-        """reduce() (unless the caller did, and passes its norm read on the host), global norm, clip, step the
-        owned pieces, write the parameters back (all-gather for stages 1-2), zero the gradients.
-        -> dict(grad_norm, stepped, finite). skip=True drops the update (a loss spike, ops/guard.Spikes) like a
-        non-finite one. check_finite=False: the masters' finite check is the caller's (nonfinite_masters, no
-        host sync; train.py votes on it at the step boundary): the weights are written back regardless."""
+        """reduce() (unless the caller did, and passes its norm read on the host), global norm,
+        clip, step the owned pieces, write the parameters back (all-gather for stages 1-2), zero the
+        gradients. -> dict(grad_norm, stepped, finite). skip=True drops the update (a loss spike,
+        ops/guard.Spikes) like a non-finite one. check_finite=False: the masters' finite check is
+        the caller's (nonfinite_masters, no host sync; train.py votes on it at the step boundary):
+        the weights are written back regardless."""
         if norm is None:
             norm = self.reduce(scaler).sqrt().item()
         stepped = math.isfinite(norm) or scaler is None
@@ -297,8 +314,10 @@ class ZeroEngine:
             scaler.update(not stepped)
         stepped, finite = stepped and not skip, True
         if stepped:
-            clip.clip_([piece.master.grad for piece in self.pieces if piece.master.grad is not None], norm, clip_norm)
+            clip.clip_([p.master.grad for p in self.pieces if p.master.grad is not None], norm,
+                       clip_norm)
             self.optimizer.step()
+
             # the host groups: D2H, CPU Adam, H2D (their weights written back already)
             written = self.offload.step(self.pieces, self.optimizer, self.group_of,
                                         clip.coefficient(norm, clip_norm))
@@ -323,17 +342,19 @@ class ZeroEngine:
         must stop: the update cannot be undone without a copy of the masters and the optimizer state, 12 more
         bytes per parameter): nonfinite_masters, then a 1-element all-reduce per axis, as the gradient norm's."""
         bad = self.nonfinite_masters()
-        # over a group's axis when the masters differ per dp rank (ZeRO-1..3), as the norm; and over the
-        # ranks holding other parameters of a group (ep: other experts); dp_cp spans them all
-        axes = [self.axis] if self.norm_over_dp else [r.across for r, _ in self.replicas if r.across is not None]
+        # dp_cp when the masters differ per dp rank (ZeRO-1..3), as the norm: it spans every group's
+        # ranks; else the ranks holding a group's other parameters (ep: other experts)
+        across = [r.across for r, _ in self.replicas if r.across is not None]
+        axes = [self.axis] if self.norm_over_dp else across
         for axis in axes + [self.grid.tp, self.grid.pp]:
             axis.all_reduce(bad)
         return bad.item() == 0
 
     def write_back(self, skip=()):
-        """The fp32 masters -> the model's parameters in their dtype; stages 1-2 all-gather the slices over
-        each group's axis. Call it after changing the masters yourself (the optimizer's step calls it). skip:
-        groups whose slice is written already (offloaded: uploaded by offload.py), only gathered."""
+        """The fp32 masters -> the model's parameters in their dtype; stages 1-2 all-gather the
+        slices over each group's axis. Call it after changing the masters yourself (step() calls
+        it). skip: groups whose slice is written already (offloaded: uploaded by offload.py), only
+        gathered."""
         works = []
         for g in self.groups:
             if not any(g is s for s in skip):
