@@ -109,8 +109,6 @@ class GradBuckets:
 
     def _buffer(self, g, state):
         """Where a gradient of group g is added, and whether p.grad may stay a view of it."""
-        if g.grad is None:  # ZeRO-3 frees its gradient shard between steps
-            self._allocate_grad(g)
         return g.grad, True
 
     def _on_grad(self, j, i, p):
@@ -141,11 +139,9 @@ class GradBuckets:
                 self._reduce(k)
 
     def _launched(self, j):
-        """Mark group j's reduction as started; its gradient buffer (allocated if freed)."""
+        """Mark group j's reduction as started; -> the group."""
         state = self.progress[j]
         state.launched = state.reduced = True
-        if self.groups[j].grad is None:
-            self._allocate_grad(self.groups[j])
         return self.groups[j]
 
     def _reduce(self, j):

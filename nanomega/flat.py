@@ -33,7 +33,7 @@ class FlatGroup:
       own     this rank's slice of the parameters: full[lo:hi], or shard under ZeRO-3
       master  fp32, this rank's S elements the optimizer updates (it IS `own` when the model is fp32): zero.py
       grad    the gradient in grad_dtype, full or this rank's slice (ZeRO-2/3); ZeRO-3 frees it between
-              steps: ddp.GradBuckets
+              steps: ddp.GradBuckets, zero_buckets.ShardBuckets
     """
 
     __slots__ = ("names", "params", "shapes", "sizes", "offsets", "numel", "shard_numel", "padded", "lo", "hi",

@@ -66,9 +66,8 @@ class ShardBuckets(GradBuckets):
         )
 
     def _syncing(self):
-        return (
-            True  # a 1/N slice cannot hold a micro-batch's full gradient: no_sync() changes nothing
-        )
+        # a 1/N slice cannot hold a micro-batch's full gradient: no_sync() changes nothing
+        return True
 
     def _buffer(self, g, state):
         if not g.split:
@@ -78,6 +77,12 @@ class ShardBuckets(GradBuckets):
         if g.grad is None:  # ZeRO-3 frees its gradient shard between steps
             self._allocate_grad(g)
         return state.bucket, False  # the bucket is gone after its reduce-scatter: p.grad is dropped
+
+    def _launched(self, j):
+        g = super()._launched(j)
+        if g.grad is None:  # ZeRO-3 frees its gradient shard between steps
+            self._allocate_grad(g)
+        return g
 
     def _launch_ready(self, j):
         if self.in_order:
