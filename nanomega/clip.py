@@ -1,15 +1,12 @@
-"""Gradient clipping by the global norm of a model split over dp, tp and pp (Megatron's clip_grads).
+"""Gradient clipping by the global norm of a model sharded over dp, tp and pp (Megatron's).
 
-clip_grad_norm_ scales every gradient by min(1, c / ||g||), where ||g|| is the norm of the *whole*
-model's gradient, which no rank holds. Each rank sums the squares of the pieces that are its share,
-every unique element exactly once, and one all-reduce per axis adds the shares; summed in fp64,
-every layout computes the dense model's norm, bitwise (tests/test_layouts.py).
-
-Formulas:
+clip_grad_norm_ scales every gradient by min(1, c / ||g||), ||g|| the whole model's norm (Megatron's
+clip_grads). No rank holds it: each sums the squares of its share of the pieces, every unique
+element once, and one all-reduce per axis adds the shares; in fp64, chunk by chunk, so the order
+does not matter and every layout computes the dense model's norm (tests/test_layouts.py: bitwise).
     counted here   a tp slice on every tp rank; a tp replica (LayerNorm, row-parallel bias) on tp
                    rank 0 only; a dp replica on dp rank 0 only when the pieces differ per dp rank
-                   (the shards of ZeRO-1..3); the last pipeline stage's copy of the tied embedding
-                   never (the first holds it)
+                   (ZeRO-1..3's shards); the last pipeline stage's copy of the tied embedding never
     ||g||^2        = all_reduce_dp(if sharded) o all_reduce_tp o all_reduce_pp ( sum ||piece||^2 )
 Lesson: lessons/02-data-parallel-and-zero.md
 """
@@ -17,47 +14,44 @@ import torch
 
 from . import pp, tp
 
-# elements per fp64 chunk of the norm (a whole fp64 copy would cost 2x the gradient)
-NORM_CHUNK = 2**20
+NORM_CHUNK = 2**20  # elements per fp64 chunk of the norm (a whole fp64 copy would cost 2x the gradient)
 
 
 def fp64_norms(grads):
-    """The 2-norms of the gradients' chunks of NORM_CHUNK elements, each summed in fp64 (the cast
-    copies a chunk: a whole fp64 copy of a large gradient would cost twice its memory). One
-    multi-tensor call: on CUDA a few kernel launches for the whole model instead of one per
-    parameter (~150 for a GPT-2); on the CPU torch runs the same per-tensor vector_norm, so the
-    values are those of a loop (tests/test_zero.py holds them bitwise)."""
+    """The 2-norms of the gradients' chunks of NORM_CHUNK elements, each summed in fp64 (the cast copies a chunk:
+    a whole fp64 copy of a large gradient would cost twice its memory). One multi-tensor call: on CUDA a few
+    kernel launches for the whole model instead of one per parameter (~150 for a GPT-2); on the CPU torch runs
+    the same per-tensor vector_norm, so the values are those of a loop (tests/test_zero.py holds them bitwise)."""
     chunks = [c for t in grads for c in (t.reshape(-1).split(NORM_CHUNK) if t.numel() > NORM_CHUNK else (t,))]
     return list(torch._foreach_norm(chunks, 2, dtype=torch.float64)) if chunks else []
 
 
 def counts(p, replica, grid, over_dp):
     """Whether this rank's piece of parameter p is its share of the global norm (the table above).
-    replica: every dp rank holds this same piece; over_dp: the pieces differ per dp rank
-    (ZeRO-1..3)."""
+    replica: every dp rank holds this same piece; over_dp: the pieces differ per dp rank (ZeRO-1..3)."""
     return (grid.tp_rank == 0 or tp.is_tensor_parallel(p)) and not pp.is_shared_embedding_copy(p) \
         and not (replica and over_dp and grid.dp_cp.rank)
 
 
-def global_norm(grads, grid, over_dp, device, expert_grads=None):
-    """sqrt(sum g^2) over `grads` (this rank's counted shares), summed over dp (over_dp), tp and pp:
-    a float (one host sync). expert_grads: the routed experts' shares (ep.py), summed over edp
-    (over_dp) and ep."""
-    return global_norm_squared(grads, grid, over_dp, device, expert_grads).sqrt().item()
+def global_norm(shares, grid, over_dp, device):
+    """sqrt(sum g^2) over the shares (global_norm_squared's): a float (one host sync)."""
+    return global_norm_squared(shares, grid, over_dp, device).sqrt().item()
 
 
-def global_norm_squared(grads, grid, over_dp, device, expert_grads=None):
+def global_norm_squared(shares, grid, over_dp, device):
     """The same sum of squares, left on the device (fp64, one element): a trainer reads it together
-    with the loss, in the step's one host sync before the update (train.train_step). Each expert
-    counted once."""
-    sq = square_sum(grads, device)
-    if over_dp:
-        grid.dp_cp.all_reduce(sq)  # dp's Axis when cp = 1
-    if expert_grads is not None:
-        experts = square_sum(expert_grads, device)
+    with the loss, in the step's one host sync before the update (train.train_step).
+    shares: per replica group (zero.Replicas), (grads, axis, across): this rank's counted shares;
+    the group's replicas, summed over when over_dp; None, or the ranks holding its other parameters
+    (ep's experts), summed over too."""
+    sq = None
+    for grads, axis, across in shares:
+        part = square_sum(grads, device)
         if over_dp:
-            grid.edp.all_reduce(experts)
-        sq += grid.ep.all_reduce(experts)
+            axis.all_reduce(part)  # the dense weights: dp_cp (dp's Axis when cp = 1); experts: edp
+        if across is not None:
+            part = across.all_reduce(part)
+        sq = part if sq is None else sq.add_(part)
     grid.tp.all_reduce(sq)
     grid.pp.all_reduce(sq)
     return sq
@@ -71,8 +65,7 @@ def square_sum(grads, device):
 
 
 def coefficient(norm, max_norm):
-    """The factor clip_ scales by: max_norm / (norm + 1e-6) when that is below 1
-    (torch's rule), else 1."""
+    """The factor clip_ scales by: max_norm / (norm + 1e-6) when that is below 1 (torch's rule), else 1."""
     return max_norm / (norm + 1e-6) if max_norm is not None and max_norm / (norm + 1e-6) < 1.0 else 1.0
 
 

@@ -1,20 +1,11 @@
-"""Data parallelism (PyTorch's DDP, Megatron's DistributedDataParallel): every rank a replica, gradients
-averaged in flat buckets while backward runs.
+"""Data parallelism (PyTorch's DDP): every rank a replica, gradients averaged while backward runs.
 
-Idea: N ranks each run the whole model on 1/N of the batch; before the optimizer step every rank must hold
-the mean gradient. Not one all-reduce per parameter (latency-bound), nor one at the end (no overlap):
-gradients are added into flat buckets (flat.py, bucket_mb each) as backward produces them, and a bucket is
-all-reduced as soon as it is complete -- while backward goes on computing earlier layers' gradients -- in the
-same bucket order on every rank (collectives must match across ranks). Micro-batches before the last run
-under no_sync(): gradients accumulate locally and one reduction serves the whole step.
-    bytes one rank sends per step   2 (N-1)/N Psi    (ring all-reduce, dist.py; Psi = gradient bytes)
+Gradients are added into flat buckets (flat.py, bucket_mb each) as backward produces them; a
+complete bucket is all-reduced at once, while backward computes earlier layers, in the same bucket
+order on every rank. Micro-batches before the last run under no_sync(). Replicas start equal
+(start_equal: parameters and buffers verified by checksum, or broadcast from dp rank 0, as DDP).
+    bytes one rank sends per step   2 (N-1)/N Psi   (ring all-reduce, dist.py; Psi = gradient bytes)
     memory per parameter            the weight + a grad_dtype gradient (+ the optimizer's state)
-Replicas must start equal -- ranks seeded differently would silently train different models -- so the
-initial weights and the module buffers (BatchNorm's running statistics) are verified by checksum (one clear
-error) or broadcast from dp rank 0, as PyTorch's DDP does (start_equal).
-GradBuckets is the mechanism; DistributedDataParallel wraps it for a model and the caller's own optimizer
-(p.grad holds the mean after every synced backward). zero.ZeroEngine composes the same GradBuckets over
-split groups (a reduce-scatter instead of the all-reduce) with an optimizer over this rank's slices.
 Lesson: lessons/02-data-parallel-and-zero.md
 """
 import contextlib
@@ -26,9 +17,6 @@ from collections import deque
 import torch
 
 from .flat import FlatGroup, split_by_size
-
-MAX_IN_FLIGHT = 2  # ZeRO-2/3: reductions launched but unfinished, each holding a full-gradient bucket alive
-
 
 def start_equal(model, axis, init="verify", keep=lambda name: True):
     """Every rank of `axis` starts from dp rank 0's parameters and buffers: "verify" compares 2 fp64 sums per
@@ -54,11 +42,11 @@ def start_equal(model, axis, init="verify", keep=lambda name: True):
                          f"model alike on every rank, or pass init='broadcast')")
 
 
-def bucket_groups(named_params, bucket_mb, axis, split, shared=None, values=None, device=None):
+def bucket_groups(named_params, bucket_mb, axis, split=False, alone=(), values=None, device=None):
     """Flat groups of about bucket_mb each, in the order backward fills them (the last layers first);
-    split: each is split over the ranks of `axis` (ZeRO-1/2). shared: a parameter with a bucket of its own.
+    split: each is split over the ranks of `axis` (ZeRO-1/2). alone: parameters with a bucket each.
     values, device: meta parameters drawn into the buckets (flat.FlatGroup)."""
-    buckets = split_by_size(named_params[::-1], bucket_mb * 2**20, [shared] if shared is not None else [])
+    buckets = split_by_size(named_params[::-1], bucket_mb * 2**20, alone)
     n, rank = (axis.size, axis.rank) if split else (1, 0)
     return [FlatGroup(b[::-1], n, rank, split=split, values=values, device=device) for b in buckets]
 
@@ -80,24 +68,20 @@ def call_if_alive(method, *args):
 
 
 class GradBuckets:
-    """The gradients of `groups` (flat.py), reduced over `axis` while backward runs.
+    """The gradients of `groups` (flat.py, none split), all-reduced and averaged over `axis` while
+    backward runs, each group once it and every group before it is complete (one order on every
+    rank).
 
-    A group that is not split is all-reduced and averaged; a split one is reduce-scattered: its owned slice
-    holds the sum over ranks (its owner divides).
-    keep   "full": a rank accumulates the full gradient; under no_sync() nothing is sent (DP, ZeRO-1).
-           "shard": only the owned slice is kept, so every micro-batch is reduce-scattered (ZeRO-2/3).
-    in_order  True: launch in the group order (the same on every rank); False: each group when complete
-           (ZeRO-3's units, completed in the same order on every rank).
-    after_reduce(group): called once a split group's reduction has started (ZeRO-3 frees the unit).
-    to_params  True: the caller's own optimizer reads the result -- after a synced backward p.grad holds the
-           mean of groups that are not split, and split groups' slices are averaged in place; False:
-           zero.ZeroEngine reads the buffers, and p.grad may stay a view of them (gradient_as_bucket_view).
+    Under no_sync() nothing is sent: gradients accumulate in the buffers, a synced backward reduces.
+    to_params  True: the caller's own optimizer reads p.grad, the mean after every synced backward;
+               False: the engine reads the buffers, and p.grad may stay a view of them
+               (gradient_as_bucket_view).
+    ZeRO's reduce-scatter variants extend this class (zero_buckets.py).
     """
 
-    def __init__(self, groups, axis, grad_dtype=torch.float32, keep="full", in_order=True, after_reduce=None,
-                 to_params=False):
-        self.groups, self.axis, self.grad_dtype, self.keep = groups, axis, grad_dtype, keep
-        self.in_order, self.after_reduce, self.to_params = in_order, after_reduce, to_params
+    def __init__(self, groups, axis, grad_dtype=torch.float32, to_params=False):
+        self.groups, self.axis, self.grad_dtype = groups, axis, grad_dtype
+        self.to_params = to_params
         self.progress = [Progress() for _ in groups]
         self._no_sync, self._queued, self._pending = False, False, deque()
         # the hooks hold self weakly: Python's gc does not see a parameter's post-accumulate-grad hooks, so
@@ -109,33 +93,30 @@ class GradBuckets:
                 p.register_post_accumulate_grad_hook(functools.partial(call_if_alive, on_grad, j, i))
 
     def _allocate_grad(self, g):
-        keep_full = self.keep == "full" or not g.split
-        g.grad = torch.zeros(g.padded if keep_full else g.shard_numel, dtype=self.grad_dtype, device=g.device)
+        g.grad = torch.zeros(g.padded, dtype=self.grad_dtype, device=g.device)
 
     def _syncing(self):
-        return self.keep == "shard" or not self._no_sync
+        return not self._no_sync
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Backward without communication, gradients accumulate locally: DP and ZeRO-1. ZeRO-2 and 3 keep only
-        a 1/N slice of the gradient, so they reduce-scatter every micro-batch anyway (into that slice)."""
+        """Backward without communication: gradients accumulate locally until a synced backward."""
         previous, self._no_sync = self._no_sync, True
         try:
             yield
         finally:
             self._no_sync = previous
 
+    def _buffer(self, g, state):
+        """Where a gradient of group g is added, and whether p.grad may stay a view of it."""
+        return g.grad, True
+
     def _on_grad(self, j, i, p):
         g, state = self.groups[j], self.progress[j]
         if not self._queued:  # once per backward: finish what is left when autograd is done
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        sliced = self.keep == "shard" and g.split
-        if sliced and state.bucket is None:
-            state.bucket = torch.zeros(g.padded, dtype=self.grad_dtype, device=g.device)
-        if g.grad is None:  # ZeRO-3 frees its gradient shard between steps
-            self._allocate_grad(g)
-        buf = state.bucket if sliced else g.grad
+        buf, as_view = self._buffer(g, state)
         if p.grad._base is not buf:  # autograd's own new tensor: accumulate it into the buffer, in grad_dtype
             slot = buf[g.offsets[i]:g.offsets[i] + g.sizes[i]].view_as(p.grad)
             slot.add_(p.grad)
@@ -143,50 +124,35 @@ class GradBuckets:
             # gradients straight into the buffer (PyTorch DDP's gradient_as_bucket_view), one pass over the
             # gradient fewer. Not for bf16 weights with fp32 sums, nor ZeRO-2/3's per-step buckets, nor when
             # p.grad is the caller's (to_params); there the new tensor is dropped.
-            keep = not self.to_params and not sliced and p.dtype == self.grad_dtype
+            keep = as_view and not self.to_params and p.dtype == self.grad_dtype
             p.grad = slot if keep else None
         if self._syncing():
             state.arrived.add(i)
             self._launch_ready(j)
 
     def _launch_ready(self, j):
-        if not self.in_order:
-            if len(self.progress[j].arrived) == len(self.groups[j].params) and not self.progress[j].launched:
-                self._reduce(j)
-            return
+        """Launch, in group order, every group whose gradients are all in."""
         for k, g in enumerate(self.groups):
             if not self.progress[k].launched:
                 if len(self.progress[k].arrived) < len(g.params):
                     return
                 self._reduce(k)
 
-    def _reduce(self, j):
-        g, state, n = self.groups[j], self.progress[j], self.axis.size
+    def _launched(self, j):
+        """Mark group j's reduction as started; -> the group."""
+        state = self.progress[j]
         state.launched = state.reduced = True
-        if g.grad is None:
-            self._allocate_grad(g)
-        if not g.split:  # the sum, then the mean, on every rank (a later synced backward adds to it); a
-            if n > 1:  # world of one holds the mean already (x / 1: a pass for nothing)
-                self._start(self.axis.start("all_reduce", g.grad), lambda: g.grad.div_(n))
-            return
-        out = torch.empty(g.shard_numel, dtype=self.grad_dtype, device=g.device)
-        if self.keep == "full":  # ZeRO-1: owned slice := the sum over ranks; the rest (others') := 0
-            self._start(self.axis.start("reduce_scatter", out, g.grad),
-                        lambda: (g.grad.zero_(), g.grad_own.copy_(out)))
-            return
-        bucket = state.bucket if state.bucket is not None else \
-            torch.zeros(g.padded, dtype=self.grad_dtype, device=g.device)
-        state.bucket = None  # alive only until its reduce-scatter finishes (the closure holds it)
-        mean = self.to_params and n > 1  # the caller's optimizer reads the mean (x / 2^k is exact)
-        self._start(self.axis.start("reduce_scatter", out, bucket),
-                    lambda: (g.grad.add_(out.div_(n) if mean else out), bucket))
-        if self.after_reduce is not None:
-            self.after_reduce(g)
+        return self.groups[j]
+
+    def _reduce(self, j):
+        """The sum, then the mean, on every rank (a later synced backward adds to it); a world of
+        one holds the mean already (x / 1: a pass for nothing)."""
+        g, n = self._launched(j), self.axis.size
+        if n > 1:
+            self._start(self.axis.start("all_reduce", g.grad), lambda: g.grad.div_(n))
 
     def _start(self, work, finish):
         self._pending.append((work, finish))
-        while self.keep == "shard" and len(self._pending) > MAX_IN_FLIGHT:  # else: no transient buffers
-            self._finish_one()
 
     def _finish_one(self):
         work, finish = self._pending.popleft()
@@ -225,13 +191,10 @@ class GradBuckets:
             self._finish_one()
 
     def zero_grad(self):
-        """Start the next step's accumulation at zero; a group holding only a shard of its parameters (ZeRO-3)
-        frees its gradient (allocated again by the next backward) unless the caller's optimizer reads it."""
+        """Start the next step's accumulation at zero."""
         for g, state in zip(self.groups, self.progress):
             state.reduced = False
-            if g.shard is not None and g.split and not self.to_params:
-                g.grad = None
-            elif g.grad is not None:
+            if g.grad is not None:
                 g.grad.zero_()
 
 
@@ -249,7 +212,7 @@ class DistributedDataParallel:
             raise ValueError("the model has no trainable parameters (all requires_grad=False): nothing to synchronise")
         self.module, self.grid, self.axis = model, grid, grid.dp
         start_equal(model, self.axis, init)
-        self.buckets = GradBuckets(bucket_groups(trainable, bucket_mb, self.axis, split=False), self.axis,
+        self.buckets = GradBuckets(bucket_groups(trainable, bucket_mb, self.axis), self.axis,
                                    grad_dtype, to_params=True)
         self.groups = self.buckets.groups
 

@@ -20,8 +20,6 @@ assignments to experts of other ranks, R = the rows it receives): forward (rows 
 backward the same, + (ep - 1) E/ep 8 bytes of counts in forward (formulas.moe_all_to_all_bytes).
 Lesson: lessons/14-experts.md
 """
-import contextlib
-
 import torch
 
 
@@ -122,24 +120,9 @@ def check_engine(experts, stage, offload):
         raise ValueError("--offload with --n-experts is not built; leave out --offload")
 
 
-class Buckets:
-    """Several ddp.GradBuckets (the dense gradients over dp, the experts' over edp) as one."""
-
-    def __init__(self, parts):
-        self.parts = parts
-        self.progress = [state for part in parts for state in part.progress]
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        with contextlib.ExitStack() as stack:
-            for part in self.parts:
-                stack.enter_context(part.no_sync())
-            yield
-
-    def finish(self):
-        for part in self.parts:
-            part.finish()
-
-    def zero_grad(self):
-        for part in self.parts:
-            part.zero_grad()
+def replica_group(grid):
+    """The routed experts' replica group, as zero.Replicas' fields (the table above): held alike by
+    the ranks of grid.edp, their mean also divided by ep (the sum covers every dp rank's tokens),
+    other experts on the ep ranks (the norm and the finite check sum over ep); check_engine."""
+    return dict(name="experts", axis=grid.edp, holds=is_expert, divide=grid.ep.size, across=grid.ep,
+                check=lambda stage, offload: check_engine(True, stage, offload))

@@ -1,11 +1,10 @@
 """Flat buffers and their shards: the bookkeeping under ZeRO (nanomega/zero.py, nanomega/zero3.py).
 
-Idea: ZeRO does not shard parameters one by one. It lays a group of parameters end to end in one flat 1-D
-buffer, pads it with zeros to a multiple of the data-parallel size N, and gives rank r the contiguous slice
-[r S, (r+1) S). One collective then moves a whole group (a gradient bucket, or a ZeRO-3 unit) whatever the
-parameter shapes. A parameter may straddle ranks: its *piece* on rank r is the intersection of its range
-with r's slice, a 1-D view that the optimizer steps like any tensor. That is exact for element-wise
-optimizers (SGD, Adam, AdamW, ...), which is why ZeRO-1/2/3 accept only those.
+A group of parameters is laid end to end in one flat 1-D buffer, zero-padded to a multiple of the
+data-parallel size N; rank r owns the slice [r S, (r+1) S), so one collective moves a whole group
+whatever the parameter shapes. A parameter's *piece* on rank r is its range intersected with r's
+slice, a 1-D view the optimizer steps: exact for element-wise optimizers (SGD, Adam, AdamW, ...)
+only, which is why ZeRO-1/2/3 accept only those.
 
     shard size   S = ceil(n / N)                 padded size N S  (padding < N elements per group)
     owned by r   clamp(n - r S, 0, S) elements   the real, non-padding elements rank r updates
@@ -34,7 +33,7 @@ class FlatGroup:
       own     this rank's slice of the parameters: full[lo:hi], or shard under ZeRO-3
       master  fp32, this rank's S elements the optimizer updates (it IS `own` when the model is fp32): zero.py
       grad    the gradient in grad_dtype, full or this rank's slice (ZeRO-2/3); ZeRO-3 frees it between
-              steps: ddp.GradBuckets
+              steps: ddp.GradBuckets, zero_buckets.ShardBuckets
     """
 
     __slots__ = ("names", "params", "shapes", "sizes", "offsets", "numel", "shard_numel", "padded", "lo", "hi",

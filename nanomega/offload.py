@@ -1,25 +1,17 @@
 """ZeRO-Offload: the fp32 master weights and Adam's state in host memory, the step on the CPU.
 
-Idea: with Adam in mixed precision a parameter costs 16 bytes on the device, 12 of them the fp32 master and
-Adam's m and v that only the optimizer step reads (zero.py). ZeRO-Offload (Ren et al. 2021, DeepSpeed's
-offload_optimizer) keeps those 12 bytes in host memory -- plentiful, and on the CPU's side of PCIe -- and runs
-the step there, with a fused CPU Adam (cpu_adam.py: one pass over memory per step, vectorized, OpenMP).
-Per step each offloaded flat group (a bucket, this rank's ZeRO slice of it) goes:
-    its gradient device -> host (D2H, into a pinned buffer)  ->  the CPU Adam step on its pieces  ->
-    the updated master host -> device (H2D, cast to the model's dtype: that is the write-back)
-and the groups are pipelined: group i+1's gradient is copying down (a CUDA stream) while the CPU steps group i,
-and group i's weights copy up while the CPU steps group i+1. On a CPU-only machine the same code runs and the
-copies are host-to-host (how the tests exercise it). `fraction` offloads the largest groups first until that
-share of this rank's optimizer elements is on the host (DeepSpeed's ratio): the rest step on the device, with
-the engine's optimizer, as without offload. Every offloaded piece keeps its state in that optimizer's `state`
-(torch.optim.AdamW's keys), so checkpoints, resharding and the optimizer itself do not know the difference.
-
+The 12 bytes per parameter only the optimizer step reads (fp32 master, Adam's m and v) live on the
+host (Ren et al. 2021, DeepSpeed's offload_optimizer). Per offloaded flat group: its gradient down
+(D2H), the fused CPU Adam (cpu_adam.py) on its pieces, its weights up (H2D: the write-back),
+pipelined across groups. `fraction` offloads the largest groups first (DeepSpeed's ratio); the
+engine calls Offload.step once per step.
 Formula (P parameters on this rank after ZeRO's 1/N, fully offloaded, bf16 model, fp32 gradients):
-    device bytes   2 P (weights) + 4 P (gradients)           instead of 2 + 4 + 12 (zero.py)
-    host bytes     12 P (master, m, v) + 4 P (pinned gradient buffers) + 2 P (the weights cast for the upload)
-    PCIe per step  4 P down (fp32 gradients) + 2 P up (bf16 weights): 6 P bytes, each way overlapping the CPU step
-    CPU step       30 P bytes through host memory: cpu_adam.py's one pass (28) also applies the clip coefficient
-                   and writes the bf16 weights (2); as three passes (grad *= c; AdamW; cast) it would be 42
+    device bytes   2 P (weights) + 4 P (gradients)         instead of 2 + 4 + 12 (zero.py)
+    host bytes     12 P (master, m, v) + 4 P (pinned gradient buffers) + 2 P (weights to upload)
+    PCIe per step  4 P down (fp32 gradients) + 2 P up (bf16 weights): 6 P, overlapping the CPU step
+    CPU step       30 P bytes through host memory: cpu_adam.py's one pass (28) also applies the
+                   clip coefficient and writes the bf16 weights (2); as three passes
+                   (grad *= c; AdamW; cast) it would be 42
 Lesson: lessons/02-data-parallel-and-zero.md (section "Beyond the device: ZeRO-Offload")
 """
 import torch
@@ -58,7 +50,8 @@ class Offload:
             self.staged[id(g)] = g.master if g.own.dtype == torch.float32 else \
                 torch.empty(g.own.shape, dtype=g.own.dtype, pin_memory=pinned).copy_(g.master)  # 2 bytes cross
             # (copied once: the padding between pieces, which no step writes, goes up as it came)
-        self.stream = torch.cuda.Stream(device) if pinned else None  # the copies', beside the compute stream
+        # the copies' stream, beside the compute stream
+        self.stream = torch.cuda.Stream(device) if pinned and groups else None
         self.moved = dict(down=0, up=0)  # bytes copied device -> host and host -> device (lessons/02_zero.py)
         self.by_group = None
 
@@ -81,8 +74,9 @@ class Offload:
     @torch.no_grad()
     def step(self, pieces, optimizer, group_of, coefficient):
         """Step the pieces of the offloaded groups: per group, its gradient down (the next group's already
-        copying), scaled by the clip coefficient, the CPU Adam step of each piece, its weights up. Returns the
-        events of the uploads (wait before reading the parameters; None entries on the CPU)."""
+        copying), scaled by the clip coefficient, the CPU Adam step of each piece, its weights up;
+        waits for the uploads. Returns the groups stepped here (their weights written back already:
+        ZeroEngine.write_back's skip)."""
         if self.by_group is None:  # the engine's pieces are fixed once it is built: sorted into groups once
             self.by_group = {id(g): [p for p in pieces if p.group is g] for g in self.groups}
         by_group = self.by_group
@@ -107,7 +101,10 @@ class Offload:
                 staged.copy_(g.master)  # an fp16 model: the rounding as a pass of its own
             if id(g) not in self.resident:
                 ups.append(self._copy(g.own, staged, "up"))
-        return ups
+        for done in ups:
+            if done is not None:
+                done.synchronize()
+        return self.groups
 
     @staticmethod
     def _adam(piece, grad, optimizer, group, grad_scale, out):

@@ -109,8 +109,16 @@ def tied_embedding(model, grid):
 def sum_tied_grad(grad, grid):
     """Sum the embedding gradient of the first stage and the LM-head gradient of the last (Megatron's
     embedding group), so both copies take the dense model's step: p.grad here (sync_tied_grads); under
-    zero.ZeroEngine the engine sums its fp32 gradient slice of the `shared` parameter over grid.embed too."""
+    zero.ZeroEngine, tied_sums tells the engine to sum its fp32 gradient slice the same way."""
     grid.embed.all_reduce(grad)
+
+
+def tied_sums(model, grid):
+    """zero.Replicas(extra_sums=...) of the dense group: this stage's copy of the tied embedding, in
+    a bucket of its own, its reduced gradient summed over grid.embed with the other stage's
+    (sum_tied_grad); () when this stage holds none."""
+    weight = tied_embedding(model, grid)
+    return () if weight is None else ((weight, grid.embed),)
 
 
 def sync_tied_grads(model, grid):

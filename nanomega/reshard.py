@@ -63,7 +63,7 @@ def export_by_name(engine, copies=False, copy=True):
             # peers hold others: ep.py)
             continue
         p = piece.group.params[piece.index] if piece.group else None
-        if not copies and p is not None and p is engine.shared and not grid.first_stage:
+        if not copies and p is not None and pp.is_shared_embedding_copy(p):
             continue
         state = engine.optimizer.state.get(piece.master, {})
         out.append(dict(name=piece.name, shape=piece.shape, start=piece.start, end=piece.end,

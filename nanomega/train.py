@@ -72,10 +72,8 @@ def build(config, cfg, grid):
     if cfg.n_experts:  # this ep rank's experts only (ep.py)
         ep.apply_expert_parallel(model, grid.ep)
     cp.apply_context_parallel(model, grid.cp, config.cp_method)  # attention over the cp axis; positions per chunk
-    shared = None
     if grid.pp.size > 1:
         pp.build_stage(model, grid, config.virtual_stages)
-        shared = pp.tied_embedding(model, grid)
     recompute.apply_recompute(model, config.recompute, config.recompute_layers)
     if config.fused:
         fused.apply_fused(model)
@@ -89,9 +87,12 @@ def build(config, cfg, grid):
             block.compile()
     # fused AdamW on CUDA (one kernel for all tensors); the CPU keeps foreach, the arithmetic of every fingerprint
     options = dict(betas=(0.9, 0.95), fused=True) if grid.device.type == "cuda" else dict(betas=(0.9, 0.95))
+    # the replica groups, each built by the technique that owns its rule
+    replicas = [zero.Replicas("dense", grid.dp_cp, extra_sums=pp.tied_sums(model, grid)),
+                zero.Replicas(**ep.replica_group(grid))]
     engine = zero.ZeroEngine(model, torch.optim.AdamW, zero.weight_decay_groups(config.weight_decay, **options),
-                             grid, config.zero, shared=shared, values=init.values, offload=config.offload,
-                             offload_params=config.offload_params)
+                             grid, config.zero, replicas=replicas, init=init.values,
+                             offload=config.offload, offload_params=config.offload_params)
     return model, engine, n_params
 
 
@@ -322,8 +323,10 @@ def train_step(step, *, config, model, engine, grid, sampler, train_set, scaler,
     total, norm = torch.cat([loss.double(), square.sqrt()]).tolist()  # one host sync for both, before the update
     loss = total / grid.dp_cp.size
     spike = guard.spike(loss)  # the same decision on every rank
-    info = engine.step(clip_norm=config.grad_clip or None, scaler=scaler, skip=guard.drops(spike), norm=norm,
-                       vote=True)  # the weights' finite check rides the step-boundary vote (saves.Saves)
+    # the weights' finite check rides the step-boundary vote (saves.Saves): a count on the device
+    info = engine.step(clip_norm=config.grad_clip or None, scaler=scaler, skip=guard.drops(spike),
+                       norm=norm, check_finite=False)
+    info["nonfinite"] = engine.nonfinite_masters() if info["stepped"] else None
     sampler.advance()
     guard.finished(step + 1, loss, info)  # --on-nan stop
     routing = moe.step_stats(model, grid)  # MoE: the step's aux loss and expert loads, the same on every rank

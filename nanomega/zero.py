@@ -1,28 +1,16 @@
-"""ZeRO stages 1-3 on top of data parallelism: one engine for any nn.Module and any element-wise optimizer.
+"""ZeRO stages 0-3: one engine for any nn.Module and element-wise optimizer, over replica groups.
 
-Data parallelism (ddp.py) averages gradients in flat buckets while backward runs. With Adam in mixed
-precision every rank then holds, per parameter, 2 (16-bit weight) + 2 (16-bit gradient) + 12 (fp32 master
-weight, Adam m and v) = 16 bytes.
-
-ZeRO (Rajbhandari et al. 2020) stops replicating them. Each stage changes a few entries of the recipe
-(STAGE below); rank r owns the slice [r S, (r+1) S) of every flat buffer, S = ceil(n / N):
+Rank r of a group's N replicas owns the slice [r S, (r+1) S) of every flat buffer, S = ceil(n / N)
+(flat.py). STAGE says what each stage shards; ZeroEngine.__init__ is the one place reading it. Each
+replica group (Replicas: dense, experts, ...) is reduced over its own axis; the technique owning a
+rule builds its group (ep.py, pp.py), the composer passes them in (train.build).
     stage  keeps between micro-batches   reduce           write-back               bytes/param/rank
     0      the full gradient             all-reduce       none: all stepped whole  16
     1      the full gradient             reduce-scatter   all-gather the slices    4 + 12/N
     2      only its gradient slice       reduce-scatter   all-gather the slices    2 + 14/N
-    3      only its gradient slice       reduce-scatter   none: each unit gathered 16/N   (zero3.py)
-                                                          for forward and backward
-Bytes one rank sends per step, Psi = gradient bytes (ring, dist.py): all-reduce 2(N-1)/N Psi for DP;
-reduce-scatter (N-1)/N Psi + all-gather (N-1)/N Psi for stages 1-2, the same; stage 3 gathers the
-parameters twice (forward and backward): 3(N-1)/N Psi, 1.5x DP.
-Here gradients are accumulated and reduced in grad_dtype (fp32 by default: 2+4+12 = 18 bytes in bf16) and
-the fp32 master copy IS the model's storage when the model is fp32 (4 + 4 + 8 = 16 bytes). The mixed-precision
-arithmetic of the step (fp32 masters, unscale, write-back) is precision.py's; this engine shards its buffers.
-The engine is a composition: ddp.GradBuckets (gradients reduced while backward runs) + an optimizer over this
-rank's pieces (here) + at stage 3 zero3.ShardedParameters; STAGE says what each stage changes, and
-ZeroEngine.__init__ is the one place that reads it. The global gradient norm over dp, tp and pp (which
-piece counts where) is clip.py's.
-Export and import by name (checkpoints, resharding) are reshard.py's.
+    3      only its gradient slice       reduce-scatter   none: each unit gathered 16/N (zero3.py)
+    bytes sent per step (ring, Psi = gradient bytes): stages 0-2 2(N-1)/N Psi; stage 3 3(N-1)/N Psi
+(bf16 weights, Adam; gradients in grad_dtype, fp32 by default: 2 + 4 + 12 = 18 bytes at stage 0.)
 Lesson: lessons/02-data-parallel-and-zero.md
 """
 import dataclasses
@@ -30,11 +18,12 @@ import math
 
 import torch
 
-from . import clip, ep, precision
+from . import clip, precision
 from . import offload as offloading
-from .ddp import GradBuckets, bucket_groups, start_equal
+from .ddp import bucket_groups, start_equal
 from .flat import Piece, storage_bytes
 from .zero3 import ShardedParameters
+from .zero_buckets import Buckets, ScatterBuckets, ShardBuckets
 
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adamax,
                torch.optim.Adadelta, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop,
@@ -45,7 +34,7 @@ ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim
 class Stage:
     """What a ZeRO stage shards over the dp ranks; each field is one choice in ZeroEngine.__init__."""
     optimizer: bool  # flat groups split: a rank steps its slice (masters, Adam state 1/N), the norm sums ranks
-    gradients: bool  # GradBuckets(keep="shard"): only the slice's gradient kept, reduce-scattered per micro-batch
+    gradients: bool  # ShardBuckets: only the slice's gradient kept, reduced each micro-batch
     parameters: bool  # zero3.ShardedParameters: parameters kept as 1/N shards, units gathered on demand
 
 
@@ -86,6 +75,35 @@ def check_config(stage, optimizer_cls, pp=1, offload=0.0, offload_params=False):
                          f"(or set {name}.elementwise = True if its update is element-wise)")
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Replicas:
+    """A replica group: parameters the ranks of `axis` hold alike. The engine reduces their
+    gradients over `axis` (and gathers their ZeRO slices over it); the technique that owns the rule
+    builds it: the dense weights over grid.dp_cp (the default), ep.replica_group: the routed experts
+    over grid.edp, pp.tied_sums: the tied embedding's extra sum over grid.embed. A new replica axis
+    (hybrid sharding) is one more group."""
+
+    name: str
+    axis: object  # dist.Axis
+    holds: object = None  # holds(name) -> bool; None: every parameter no other group holds
+    divide: int = 1  # after the mean over `axis`: experts' gradients sum the tokens of ep ranks too
+    across: object = None  # an Axis whose ranks hold the group's other parameters (ep's experts)
+    extra_sums: tuple = ()  # ((parameter, Axis), ...): a bucket each, its mean summed over Axis
+    whole: bool = False  # ZeRO-3: kept whole on every rank, all-reduced (replicated LayerNorms)
+    check: object = None  # check(stage, offload): one line for what the engine cannot do with them
+
+
+def owners(names, replicas):
+    """(the default group, {name: the group holding it}): the first group whose holds(name) is true,
+    else the default one (holds=None; the first such), which every list of groups has."""
+    default = next((r for r in replicas if r.holds is None), None)
+    if default is None:
+        raise ValueError("ZeroEngine(replicas=...): no default group; add Replicas(name, axis), "
+                         "holds=None")
+    return default, {k: next((r for r in replicas if r.holds is not None and r.holds(k)), default)
+                     for k in names}
+
+
 def weight_decay_groups(weight_decay, **options):
     """A param_groups_fn: weight decay on >= 2-D parameters (matrices, embeddings), none on biases and norms."""
     def groups(named_params):
@@ -94,80 +112,110 @@ def weight_decay_groups(weight_decay, **options):
     return groups
 
 
-class ZeroEngine:
-    """Owns the gradient buffers, the fp32 master weights and the optimizer of `model` over grid.dp_cp
-    (the replicas of a weight: dp, and cp, whose ranks hold the same weights and other tokens of the sequences).
 
-    optim: optimizer kwargs (one group), or param_groups_fn(named trainable params) -> [dict(params=[names],
-    **options)]. wrap (stage 3): the modules gathered as units (default zero3.default_wrap). replicate
-    (stage 3): names of parameters kept whole on every rank, their gradients all-reduced (Megatron's replicated
-    LayerNorms, FSDP's ignored parameters). shared: this pipeline stage's copy of the tied embedding
-    (pp.tied_embedding): a bucket of its own, its gradient summed over grid.embed with the other stage's.
-    init: "verify" (default) or "broadcast" the parameters and buffers (ddp.start_equal).
-    offload: the share (0..1) of this rank's optimizer elements whose fp32 masters and Adam state live in host
-    memory and step on the CPU (offload.py: ZeRO-Offload; Adam/AdamW, stages 1-3). offload_params (stage 3,
-    offload 1): the parameter shards in host memory too, copied up at each gather (zero3.py).
-    values: for a model built on the meta device, values(name, p, start, stop) (meta.Init.values): the engine
-    draws each parameter straight into its flat buffers on grid.device -- at stage 3 only this rank's shard --
-    so no rank ever holds more than its share (+ one parameter on the host). On a meta grid (a dry run,
-    meta.PaperGrid) nothing is drawn: the buffers are meta too, their bytes counted all the same.
-    Use: forward/backward as usual (`with engine.no_sync():` on all but the last micro-batch), then step().
-    Your own optimizer: ddp.DistributedDataParallel (gradients averaged), zero3.FullyShardedDataParallel.
+class ZeroEngine:
+    """Owns the gradient buffers, the fp32 master weights and the optimizer of `model`, per replica
+    group.
+
+    optim: optimizer kwargs (one group), or param_groups_fn(named trainable params) ->
+    [dict(params=[names], **options)]. wrap (stage 3): the modules gathered as units (default
+    zero3.default_wrap). replicas: the replica groups (Replicas), in bucket order; default: one
+    group over grid.dp_cp (a weight's replicas: dp, and cp, whose ranks hold the same weights and
+    other tokens of the sequences).
+    init: "verify" (default) or "broadcast" the parameters and buffers (ddp.start_equal), or, for a
+    model built on the meta device, values(name, p, start, stop) (meta.Init.values): the engine
+    draws each parameter straight into its flat buffers on grid.device -- at stage 3 only this
+    rank's shard -- so no rank ever holds more than its share (+ one parameter on the host). On a
+    meta grid (a dry run, meta.PaperGrid) nothing is drawn: the buffers are meta too, their bytes
+    counted all the same.
+    offload: the share (0..1) of this rank's optimizer elements whose fp32 masters and Adam state
+    live in host memory and step on the CPU (offload.py: ZeRO-Offload; Adam/AdamW, stages 1-3).
+    offload_params (stage 3, offload 1): the parameter shards in host memory too, copied up at each
+    gather (zero3.py).
+    Use: forward/backward as usual (`with engine.no_sync():` on all but the last micro-batch), then
+    step(). Your own optimizer: ddp.DistributedDataParallel, zero3.FullyShardedDataParallel.
     """
 
-    def __init__(self, model, optimizer_cls, optim, grid, stage=0, bucket_mb=25, grad_dtype=torch.float32,
-                 wrap=None, shared=None, replicate=(), init="verify", values=None, offload=0.0, offload_params=False):
-        check_config(stage, optimizer_cls, grid.pp.size if grid is not None else 1, offload, offload_params)
+    def __init__(self, model, optimizer_cls, optim, grid, stage=0, bucket_mb=25,
+                 grad_dtype=torch.float32, wrap=None, replicas=None, init="verify", offload=0.0,
+                 offload_params=False):
+        pp = grid.pp.size if grid is not None else 1
+        check_config(stage, optimizer_cls, pp, offload, offload_params)
         named = list(model.named_parameters())  # tied parameters once, under their first name
-        unknown = sorted(set(replicate) - {k for k, _ in named})
-        if unknown or (replicate and stage != 3):
-            raise ValueError(f"ZeroEngine(replicate=...): {unknown[:3] or list(replicate)[:3]} "
-                             f"{'are not parameters of the model' if unknown else 'only mean something at stage 3'}")
+        replicas = replicas or [Replicas("dense", grid.dp_cp)]
+        dense, owner = owners([k for k, _ in named], replicas)
         trainable = [(k, p) for k, p in named if p.requires_grad]
         if not trainable:
-            raise ValueError("the model has no trainable parameters (all requires_grad=False): nothing to synchronise")
-        values = values if grid.device.type != "meta" else None  # a dry run: shapes only, nothing to draw
+            raise ValueError("the model has no trainable parameters (all requires_grad=False): "
+                             "nothing to synchronise")
+
+        # the groups with parameters here; what the engine cannot do with one, said by its technique
+        held = [r for r in replicas if any(owner[k] is r for k, _ in trainable)]
+        for r in held:
+            if r.whole and stage != 3:
+                raise ValueError(f"Replicas({r.name!r}, whole=True): keeping parameters whole only "
+                                 f"means something at stage 3 (got --zero {stage})")
+            if r.check is not None:
+                r.check(stage, offload)
+            if STAGE[stage].parameters and not r.whole and r is not dense:
+                raise ValueError(f"--zero 3 with replica group {r.name!r}: ZeRO-3's units are "
+                                 f"sharded over the default group's axis; use --zero 0, 1 or 2")
+
+        # init: a mode, or a meta model's values (a dry run: shapes only, nothing to draw)
+        values = init if callable(init) and grid.device.type != "meta" else None
+        init = "verify" if callable(init) else init
         device = grid.device if values is not None else None  # else: where the parameters are
-        specs = self._param_groups(optim, trainable)  # before ZeRO-3 swaps the parameters for empty tensors
-        self.module, self.grid, self.axis, self.stage, self.shared = model, grid, grid.dp_cp, stage, shared
+        specs = self._param_groups(optim, trainable)  # before ZeRO-3 empties the parameters
+        self.module, self.grid, self.stage = model, grid, stage
+        self.axis = dense.axis  # the default group's axis: ZeRO-3 shards its units over it
         row = STAGE[stage]  # the one place the stage's row is read
-        self.sharded, groups = None, []
-        if row.parameters:  # ZeRO-3: units of shards (zero3.py); the replicated parameters in buckets below
-            start_equal(model, self.axis, init)  # while the parameters are whole (a meta build: nothing to compare)
-            self.sharded = ShardedParameters(model, [(k, p) for k, p in named if k not in replicate], self.axis, wrap,
-                                             values, device, host=offload_params)
-            groups = [g for g in self.sharded.groups if g.trainable]
-        whole = [(k, p) for k, p in trainable if not row.parameters or k in replicate]
-        experts = [(k, p) for k, p in whole if ep.is_expert(k)]  # routed experts: reduced over grid.edp (ep.py)
-        ep.check_engine(experts, stage, offload)
-        groups += bucket_groups([(k, p) for k, p in whole if not ep.is_expert(k)], bucket_mb, self.axis,
-                                split=row.optimizer and not row.parameters, shared=shared, values=values, device=device)
-        self.experts = bucket_groups(experts, bucket_mb, grid.edp, split=row.optimizer, values=values,
-                                     device=device) if experts else []
-        if not row.parameters:  # now that the buffers hold the values (drawn, for a model built on meta)
-            if experts:  # the experts' replicas: grid.edp
-                start_equal(model, self.axis, init, keep=lambda k: not ep.is_expert(k))
-                start_equal(model, grid.edp, init, keep=ep.is_expert)
+
+        # ZeRO-3: units of shards (zero3.py) over the default group's axis; whole groups: buckets
+        self.sharded, units = None, []
+        if row.parameters:
+            start_equal(model, self.axis, init)  # while the parameters are whole (meta: nothing)
+            sharded = [(k, p) for k, p in named if not owner[k].whole]
+            self.sharded = ShardedParameters(model, sharded, self.axis, wrap, values, device,
+                                             host=offload_params)
+            units = [g for g in self.sharded.groups if g.trainable]
+
+        # each replica group's flat buckets, split over its axis from stage 1 on, backward's order
+        self.replicas, self.rule, self.groups, parts = [], {}, [], []
+        for r in held:
+            whole = r.whole or not row.parameters
+            mine = [(k, p) for k, p in trainable if owner[k] is r and whole]
+            groups = (units if r is dense else []) + bucket_groups(
+                mine, bucket_mb, r.axis, split=row.optimizer and not row.parameters,
+                alone=[p for p, _ in r.extra_sums], values=values, device=device)
+            self.replicas.append((r, groups))
+            self.rule.update({id(g): r for g in groups})
+            self.groups += groups
+        if not row.parameters:  # now that the buffers hold the values (drawn, for a meta model)
+            for r in held:
+                start_equal(model, r.axis, init, keep=lambda k, r=r: owner[k] is r)
+
+        # the gradients reduced while backward runs: one set of buckets per group, over its axis
+        for r, groups in self.replicas:
+            if row.gradients:  # ZeRO-2/3: only the owned slice of the gradient kept
+                release = self.sharded.release if row.parameters else None
+                parts.append(ShardBuckets(groups, r.axis, grad_dtype, in_order=not row.parameters,
+                                          after_reduce=release))
             else:
-                start_equal(model, self.axis, init)
-        keep = "shard" if row.gradients else "full"
-        self.buckets = GradBuckets(groups, self.axis, grad_dtype, keep=keep, in_order=not row.parameters,
-                                   after_reduce=self.sharded.release if row.parameters else None)
-        if experts:  # the dense buckets and the experts' ones, each over its axis
-            self.buckets = ep.Buckets([self.buckets, GradBuckets(self.experts, grid.edp, grad_dtype, keep=keep)])
-        self.groups = groups = groups + self.experts
+                parts.append(ScatterBuckets(groups, r.axis, grad_dtype))
+        self.buckets = Buckets(parts)
+
+        # the optimizer over this rank's pieces of fp32 masters, some of them on the host (offload)
         self.norm_over_dp = row.optimizer  # the pieces differ per dp rank: the norm adds theirs
         for g in self.groups:  # fp32 model: the same tensor (no copy); 16-bit model: the fp32 master
             g.master = precision.fp32_master(g.own)
-        resident = [g for g in self.sharded.groups if g.trainable] if offload_params else []  # shards on the host
-        self.offload = offloading.Offload(offloading.choose(groups, offload), groups[0].device, resident) \
-            if offload else None
+        host = offloading.choose(self.groups, offload)  # none when offload == 0
+        resident = [g for g in self.sharded.groups if g.trainable] if offload_params else []
+        self.offload = offloading.Offload(host, self.groups[0].device, resident)
         self.optimizer = self._build_optimizer(optimizer_cls, specs)
-        self.norm_pieces = [piece for piece in self.pieces  # this rank's share of the norm: fixed by the layout
-                            if piece.group and clip.counts(piece.group.params[piece.index], piece.replica, grid,
-                                                           self.norm_over_dp)]
-        self.expert_pieces = [p for p in self.norm_pieces if ep.is_expert(p.name)]  # summed over ep (+ edp)
-        self.norm_pieces = [p for p in self.norm_pieces if not ep.is_expert(p.name)]
+
+        # this rank's share of the norm: fixed by the layout
+        self.norm_pieces = [piece for piece in self.pieces if piece.group and clip.counts(
+            piece.group.params[piece.index], piece.replica, grid, self.norm_over_dp)]
 
     def no_sync(self):
         """Micro-batches before the last: no reduction (stages 0-1; ddp.GradBuckets.no_sync)."""
@@ -220,36 +268,45 @@ class ZeroEngine:
             group["lr"] = lr
 
     def reduce(self, scaler=None):
-        """Finish the reductions, average, unscale (fp16), sum the tied embedding's two copies, and return the
-        global gradient norm's square on the device (fp64, one element) without waiting for it: a trainer reads
-        it together with the loss in one host sync, then calls step(norm=...)."""
-        self.buckets.finish()  # every micro-batch ran under no_sync (or none ran): reduce now; wait for all
+        """Finish the reductions, average, unscale (fp16), add the extra sums (the tied embedding's
+        two copies), and return the global gradient norm's square on the device (fp64, one element)
+        without waiting for it: a trainer reads it together with the loss in one host sync, then
+        calls step(norm=...)."""
+        self.buckets.finish()  # all micro-batches under no_sync (or none ran): reduce now; wait
+
+        # each group's mean over its replicas, then the extra sums of its own-bucket parameters
         for g in self.groups:
-            expert = any(g is x for x in self.experts)
-            axis = self.grid.edp if expert else self.axis
-            if g.split and axis.size > 1:  # whole groups: averaged; slices: sums
-                g.grad_own.div_(axis.size)
-            if expert and self.grid.ep.size > 1:  # an expert's sum covers the tokens of edp x ep = dp ranks
-                g.grad_own.div_(self.grid.ep.size)
+            r = self.rule[id(g)]
+            if g.split and r.axis.size > 1:  # whole groups: averaged; slices: sums
+                g.grad_own.div_(r.axis.size)
+            if r.divide > 1:  # e.g. an expert's sum covers the tokens of edp x ep = dp ranks
+                g.grad_own.div_(r.divide)
             precision.unscale_(g.grad_own, scaler)
-            if self.shared is not None and g.params[0] is self.shared:  # both pipeline copies of the tied
-                self.grid.embed.all_reduce(g.grad_own)  # embedding take the summed gradient (pp.sum_tied_grad)
-        host = self.offload.offloaded if self.offload else (lambda group: False)
-        for piece in self.pieces:  # an offloaded piece: no .grad, so the optimizer skips it (offload.py steps it)
+            for p, axis in r.extra_sums:
+                if g.params[0] is p:
+                    axis.all_reduce(g.grad_own)
+
+        # the optimizer's gradients (an offloaded piece: none, the optimizer skips it: offload.py's)
+        host = self.offload.offloaded
+        for piece in self.pieces:
             piece.master.grad = None if host(piece.group) else \
                 self._grad(piece).float() if piece.group else piece.master.new_zeros(0)
-        return clip.global_norm_squared([self._grad(piece).float() if host(piece.group) else piece.master.grad
-                                         for piece in self.norm_pieces], self.grid, self.norm_over_dp,
-                                        self.groups[0].device,
-                                        [piece.master.grad for piece in self.expert_pieces] if self.experts else None)
 
-    def step(self, clip_norm=None, scaler=None, skip=False, norm=None, vote=False):
-        """reduce() (unless the caller did, and passes its norm read on the host), global norm, clip, step the
-        owned pieces, write the parameters back (all-gather for stages 1-2), zero the gradients.
-        -> dict(grad_norm, stepped, finite). skip=True drops the update (a loss spike, ops/guard.Spikes) like a
-        non-finite one. vote=True: the masters' finite check is the caller's, in its step-boundary vote (one
-        host sync for both, train.py): info["nonfinite"] is this rank's count of non-finite masters on the
-        device, and the weights are written back regardless (a non-zero count stops the job before any save)."""
+        # the norm: each group's counted shares, summed over its axis (sharded) and its `across`
+        shares = []
+        for r, groups in self.replicas:
+            mine = [p for p in self.norm_pieces if self.rule[id(p.group)] is r]
+            grads = [self._grad(p).float() if host(p.group) else p.master.grad for p in mine]
+            shares.append((grads, r.axis, r.across))
+        return clip.global_norm_squared(shares, self.grid, self.norm_over_dp, self.groups[0].device)
+
+    def step(self, clip_norm=None, scaler=None, skip=False, norm=None, check_finite=True):
+        """reduce() (unless the caller did, and passes its norm read on the host), global norm,
+        clip, step the owned pieces, write the parameters back (all-gather for stages 1-2), zero the
+        gradients. -> dict(grad_norm, stepped, finite). skip=True drops the update (a loss spike,
+        ops/guard.Spikes) like a non-finite one. check_finite=False: the masters' finite check is
+        the caller's (nonfinite_masters, no host sync; train.py votes on it at the step boundary):
+        the weights are written back regardless."""
         if norm is None:
             norm = self.reduce(scaler).sqrt().item()
         stepped = math.isfinite(norm) or scaler is None
@@ -257,23 +314,19 @@ class ZeroEngine:
             scaler.update(not stepped)
         stepped, finite = stepped and not skip, True
         if stepped:
-            clip.clip_([piece.master.grad for piece in self.pieces if piece.master.grad is not None], norm, clip_norm)
+            clip.clip_([p.master.grad for p in self.pieces if p.master.grad is not None], norm,
+                       clip_norm)
             self.optimizer.step()
-            written = ()
-            if self.offload:  # the host groups: D2H, CPU Adam, H2D (their weights written back already)
-                for done in self.offload.step(self.pieces, self.optimizer, self.group_of,
-                                              clip.coefficient(norm, clip_norm)):
-                    if done is not None:
-                        done.synchronize()
-                written = self.offload.groups
+
+            # the host groups: D2H, CPU Adam, H2D (their weights written back already)
+            written = self.offload.step(self.pieces, self.optimizer, self.group_of,
+                                        clip.coefficient(norm, clip_norm))
             # a finite gradient can still give inf/NaN weights (lr, decay, overflow)
-            nonfinite = self.nonfinite_masters() if vote else None
-            finite = vote or self.masters_finite()
+            finite = not check_finite or self.masters_finite()
             if finite:
                 self.write_back(skip=written)
         self.buckets.zero_grad()  # between steps ZeRO-3 holds no gradient at all
-        info = dict(grad_norm=norm, stepped=stepped and finite, finite=finite)
-        return dict(info, nonfinite=nonfinite) if vote and stepped else info
+        return dict(grad_norm=norm, stepped=stepped and finite, finite=finite)
 
     def nonfinite_masters(self):
         """This rank's count of non-finite fp32 masters: one read of them -- aminmax: a NaN or an infinity
@@ -289,22 +342,25 @@ class ZeroEngine:
         must stop: the update cannot be undone without a copy of the masters and the optimizer state, 12 more
         bytes per parameter): nonfinite_masters, then a 1-element all-reduce per axis, as the gradient norm's."""
         bad = self.nonfinite_masters()
-        # dp only when the masters differ per dp rank (ZeRO-1..3), as the norm; else ep, whose experts differ
-        for axis in ([self.axis] if self.norm_over_dp else [self.grid.ep] if self.experts else []) + \
-                [self.grid.tp, self.grid.pp]:
+        # dp_cp when the masters differ per dp rank (ZeRO-1..3), as the norm: it spans every group's
+        # ranks; else the ranks holding a group's other parameters (ep: other experts)
+        across = [r.across for r, _ in self.replicas if r.across is not None]
+        axes = [self.axis] if self.norm_over_dp else across
+        for axis in axes + [self.grid.tp, self.grid.pp]:
             axis.all_reduce(bad)
         return bad.item() == 0
 
     def write_back(self, skip=()):
-        """The fp32 masters -> the model's parameters in their dtype; stages 1-2 all-gather the slices. Call it
-        after changing the masters yourself (the optimizer's step calls it). skip: groups whose slice is written
-        already (offloaded: uploaded by offload.py), only gathered."""
+        """The fp32 masters -> the model's parameters in their dtype; stages 1-2 all-gather the
+        slices over each group's axis. Call it after changing the masters yourself (step() calls
+        it). skip: groups whose slice is written already (offloaded: uploaded by offload.py), only
+        gathered."""
         works = []
         for g in self.groups:
             if not any(g is s for s in skip):
                 precision.write_back(g.master, g.own)
             if g.split and g.shard is None:
-                axis = self.grid.edp if any(g is x for x in self.experts) else self.axis
+                axis = self.rule[id(g)].axis
                 works.append(axis.start("all_gather", g.full, g.own))  # in place: own is full's slice
         for w in works:
             if w is not None:

@@ -1,22 +1,14 @@
-"""ZeRO-3: the parameters are sharded too, gathered per unit just before its forward and its backward.
+"""ZeRO-3: the parameters sharded too, each unit gathered just before its forward and its backward.
 
-Idea: a wrap policy cuts the model into units (default: each direct child, a ModuleList/ModuleDict
-standing for its children -- for the GPT: embed, every block, head). Each unit's parameters live as 1/N
-shards (flat.py). A forward pre-hook all-gathers the unit, a forward hook frees it, a hook on the unit's
-outputs gathers it again when backward reaches it, and once all its gradients are in, they are
-reduce-scattered (zero.py) and the unit is freed. The next unit is prefetched while this one computes.
-Freeing resizes the flat buffer's storage to 0 bytes: the views autograd saved in forward (weight.t() ...)
-point into that storage, so the re-gather in backward refills exactly what they read.
-A parameter used by several units (a tied embedding) belongs to the root unit (the model itself), gathered
-for the whole forward and again for the whole backward.
-
+A wrap policy cuts the model into units (default: each direct child; a ModuleList/ModuleDict stands
+for its children). Hooks gather a unit before its forward and free it after, gather it again when
+backward reaches its outputs, reduce-scatter its gradients (zero_buckets.py) and free it; the next
+unit is prefetched. A parameter used by several units (a tied embedding) belongs to the root unit.
     memory per rank  16/N bytes per parameter + the gathered units (current + prefetched)
     bytes per step   all-gather (N-1)/N Psi twice (forward, backward) + reduce-scatter (N-1)/N Psi
                      = 3 (N-1)/N Psi = 1.5x data parallelism's all-reduce
-Parameter offload (ZeroEngine(offload_params=True), the optimizer offloaded too: ZeRO-Infinity's offload_param):
-the shards live in host memory and the device holds only the gathered units; each gather first copies this
-rank's shard up, 2 x 2 Psi/N bytes host -> device per step for a bf16 model (forward and backward gathers).
-Limits: a parameter must be used only inside the forward of its unit (or sit in the root); activation
+    offload_params   + 2 x 2 Psi/N bytes host -> device per step (bf16 model: each gather's shard)
+Limits: a parameter is used only inside its unit's forward (or sits in the root); activation
 recompute must be non-reentrant (torch.utils.checkpoint(use_reentrant=False), as recompute.py does).
 Lesson: lessons/02-data-parallel-and-zero.md
 """
@@ -26,8 +18,10 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from .ddp import GradBuckets, start_equal
+from .ddp import start_equal
 from .flat import FlatGroup, set_data
+from .zero_buckets import ShardBuckets
+
 
 def default_wrap(model):
     """The units: each direct child; a container (ModuleList/ModuleDict, never called) stands for its children."""
@@ -173,8 +167,8 @@ class FullyShardedDataParallel:
         groups = [g for g in self.sharded.groups if g.trainable]
         if len({g.dtype for g in groups}) != 1:
             raise ValueError("FullyShardedDataParallel: trainable parameters of one dtype only")
-        self.buckets = GradBuckets(groups, grid.dp, groups[0].dtype, keep="shard", in_order=False,
-                                   after_reduce=self.sharded.release, to_params=True)
+        self.buckets = ShardBuckets(groups, grid.dp, groups[0].dtype, in_order=False,
+                                    after_reduce=self.sharded.release, to_params=True)
         self.slices = [(g, a - g.lo, b - g.lo) for g in groups for _, a, b in g.pieces()]
         self.shards = [g.shard[a:b] for g, a, b in self.slices]
         self.zero_grad()

@@ -208,3 +208,17 @@ def test_console_scripts_resolve():
     for name, target in scripts.items():
         module, func = target.split(":")
         assert callable(getattr(importlib.import_module(module), func, None)), f"{name} = {target}"
+
+
+def engine_reaches(g, banned=("nanomega.ep", "nanomega.pp")):
+    """The banned modules the ZeRO engine's modules import directly: it knows replica groups
+    (zero.Replicas), not the techniques that build them."""
+    engine = ("nanomega.zero", "nanomega.zero_buckets", "nanomega.zero3", "nanomega.ddp",
+              "nanomega.offload")
+    return sorted({f"{m} -> {d}" for m in engine for d in g.get(m, ()) if d in banned})
+
+
+def test_engine_imports_neither_ep_nor_pp():
+    assert engine_reaches(graph()) == []
+    fake = {"nanomega.zero": {"nanomega.ep", "nanomega.clip"}}  # the check can fail
+    assert engine_reaches(fake) == ["nanomega.zero -> nanomega.ep"]

@@ -38,7 +38,7 @@ from nanomega.dist import RING
 from nanomega.model import GPT, GPTConfig
 from nanomega.precision import cast_model
 from nanomega.ddp import DistributedDataParallel
-from nanomega.zero import ZeroEngine, weight_decay_groups
+from nanomega.zero import Replicas, ZeroEngine, weight_decay_groups
 
 STEPS, ACCUM, CLIP, ABS, WHOLE, SCALE = 3, 2, 0.5, 1e-4, 1e-3, 4.0
 OPTIM = dict(weight_decay=0.1, lr=1e-2, betas=(0.9, 0.95))
@@ -315,7 +315,8 @@ def _replicated(grid):
     first micro-batch: fp32 rounding, as the synced run above), they stay whole between steps, and the
     norm counts them once."""
     names = [k for k, _ in _build("gpt").named_parameters() if ".ln" in k or k.startswith("ln")]
-    engine = _engine(grid, "gpt", 3, replicate=names)
+    norms = Replicas("LayerNorms", grid.dp_cp, holds=set(names).__contains__, whole=True)
+    engine = _engine(grid, "gpt", 3, replicas=[Replicas("dense", grid.dp_cp), norms])
     params = dict(engine.module.named_parameters())
     outs = _train(engine, "gpt", 0, STEPS)[2]
     ref, norms = _reference("gpt", grid.dp.size, STEPS, "mb_last")
@@ -361,12 +362,14 @@ def _zero3_peak(grid):
 
 
 def _pipeline():
-    """dp=1 x pp=2 (pp.train_step, 1F1B): the tied embedding lives on both stages; the engine sums its two
-    gradients over grid.embed (shared=...) and counts it once in the norm. Each stage compares its own weights."""
+    """dp=1 x pp=2 (pp.train_step, 1F1B): the tied embedding lives on both stages; the engine sums
+    its two gradients over grid.embed (pp.tied_sums) and counts it once in the norm. Each stage
+    compares its own weights."""
     grid = dist.Grid(1, 2, 1)
     model = pp.build_stage(_build("gpt"), grid)
     engine = ZeroEngine(model, torch.optim.AdamW, weight_decay_groups(**OPTIM), grid, 1,
-                        shared=pp.tied_embedding(model, grid))
+                        replicas=[Replicas("dense", grid.dp_cp,
+                                           extra_sums=pp.tied_sums(model, grid))])
     norms = []
     for step in range(STEPS):
         pp.train_step(model, grid, [_batch("gpt", step, 0, m) for m in range(ACCUM)], "1f1b", no_sync=engine.no_sync)
