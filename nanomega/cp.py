@@ -23,6 +23,7 @@ Formulas (one home: formulas.py): bytes per layer one rank sends, B_kv = b s/cp 
     ulysses 4 all-to-alls (q, k, v, out) of (cp-1)/cp of their bytes, forward and backward
 Lesson: lessons/15-long-context.md
 """
+import functools
 import math
 
 import torch
@@ -330,20 +331,25 @@ def check(cfg, cp, method, tp=1):
                          f"{cfg.n_head // tp}, key/value heads {kv}; use --cp-method ring or allgather")
 
 
+@functools.lru_cache(maxsize=8)
+def local_positions(cp, rank, s_local):
+    """The `positions` entry under cp: (s_local,) the positions of this rank's s_local tokens (CPU, cached)."""
+    return positions(s_local * cp, cp, rank)
+
+
+def core(attn, q, k, v, docs=None, *, axis, method="ring"):
+    """The `core` entry under cp (seams.Ops): attention over the cp axis for attn's heads."""
+    return attention(q, k, v, axis, method, docs)
+
+
 def apply_context_parallel(model, axis, method="ring"):
-    """In place: every attention core attends over the cp axis, and the positions (learned or rotary) are
-    this rank's chunks' (positions). The model then takes this rank's tokens (local), and the whole windows'
-    document ids (b, s) if any (documents.py), and returns the mean loss over its tokens; weights are unchanged
-    (replicated over cp: their gradients are summed over dp_cp, zero.py)."""
+    """In place: two entries of every table replaced -- the attention core attends over the cp axis, and the
+    positions (learned or rotary) are this rank's chunks' (positions). The model then takes this rank's tokens
+    (local), and the whole windows' document ids (b, s) if any (documents.py), and returns the mean loss over
+    its tokens; weights are unchanged (replicated over cp: their gradients are summed over dp_cp, zero.py)."""
     if axis.size == 1:
         return model
     check(model.cfg, axis.size, method)
-    pos = positions(model.cfg.block_size, axis.size, axis.rank)
-    if model.embed is not None:
-        model.embed.positions = pos
-    for block in model.blocks.values():
-        attn = block.attn
-        if attn.rotary is not None:
-            attn.rotary.positions = pos  # one Rotary shared by every layer
-        attn.core = lambda q, k, v, docs=None: attention(q, k, v, axis, method, docs)  # recompute wraps it too
+    model.replace_op("positions", functools.partial(local_positions, axis.size, axis.rank))
+    model.replace_op("core", functools.partial(core, axis=axis, method=method))  # recompute wraps it too
     return model

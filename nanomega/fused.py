@@ -303,46 +303,20 @@ def swiglu(gate_up):
     return SwiGLUFn.apply(gate_up)
 
 
-class FusedLayerNorm(nn.LayerNorm):
-    """nn.LayerNorm (affine, 1-D normalized_shape) whose forward is the fused kernel."""
-
-    def forward(self, x):
-        return layer_norm(x, self.weight, self.bias, self.eps)
-
-    @classmethod
-    def sharing(cls, ln: nn.LayerNorm) -> "FusedLayerNorm":
-        """A FusedLayerNorm holding ln's own Parameters: same state_dict names, same optimizer state."""
-        fused = cls(ln.normalized_shape, eps=ln.eps, device="meta")  # placeholders, replaced below
-        fused.weight, fused.bias = ln.weight, ln.bias
-        return fused
-
-
 def apply_fused(gpt: nn.Module) -> bool:
-    """Swap in the fused kernels in place: every affine 1-D nn.LayerNorm, each MLP's bias_gelu (gpt2) or
-    swiglu (llama), each RMSNorm's rms_norm and each attention's scale_mask_softmax (looked up at call time,
-    so recompute's wrappers use them too).
-    Parameters are shared, not copied: names, tensor-parallel tags and gradient hooks stay. Returns
-    False, leaving the PyTorch path, when the kernels cannot be built."""
+    """Swap in the fused kernels, through the model's op tables (seams.Ops): norm (LayerNorm or RMSNorm),
+    activation (bias-GeLU or SwiGLU) and the eager core's softmax. Entries are looked up at call time, so
+    recompute's checkpoints use them too; parameters are untouched (names, tensor-parallel tags and gradient
+    hooks stay). Returns False, leaving the PyTorch path, when the kernels cannot be built."""
     if not available():
         return False
-    for module in list(gpt.modules()):
-        for name, child in list(module.named_children()):
-            if (type(child) is nn.LayerNorm and len(child.normalized_shape) == 1
-                    and child.weight is not None and child.bias is not None):
-                setattr(module, name, FusedLayerNorm.sharing(child))
-        if hasattr(module, "bias_gelu"):  # model.MLP and any tensor-parallel MLP built like it
-            module.bias_gelu = bias_gelu
-        if hasattr(module, "scale_mask_softmax"):  # model.CausalSelfAttention
-            module.scale_mask_softmax = causal_softmax
-        if hasattr(module, "rms_norm"):  # modern.RMSNorm
-            module.rms_norm = rms_norm
-        if hasattr(module, "swiglu"):  # modern.GatedMLP and any tensor-parallel MLP built like it
-            module.swiglu = swiglu
+    llama = gpt.cfg.arch == "llama"
+    gpt.replace_op("norm", rms_norm if llama else layer_norm)
+    gpt.replace_op("activation", swiglu if llama else bias_gelu)
+    gpt.replace_op("softmax", causal_softmax)
     return True
 
 
 def apply_fused_softmax(gpt: nn.Module) -> None:
     """--attention fused: only the eager attention core's scale-mask-softmax becomes the fused kernel."""
-    for module in gpt.modules():
-        if hasattr(module, "scale_mask_softmax"):
-            module.scale_mask_softmax = causal_softmax
+    gpt.replace_op("softmax", causal_softmax)

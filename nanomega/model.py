@@ -26,7 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import moe
-from .modern import RMSNorm, Rotary, document_mask, ffn_hidden
+from .modern import RMSNorm, Rotary, document_mask, ffn_hidden, rms_norm, swiglu
+from .seams import LayerNorm, Linear, Ops, call, describe, in_order, layer_norm
 
 
 # The model's shape: the GPTConfig fields a checkpoint, a preset and the planner agree on (checkpoint.py,
@@ -171,47 +172,92 @@ def draw(seed, name, std, start, stop):
     return out
 
 
+def eager_core(attn, q, k, v, docs=None):
+    """softmax(q k^T / sqrt(d) [+ alibi], causal [, in one document: docs]) v, the explicit form: the scores
+    (b, nh, s, s) are stored, the softmax is the table's (fused.py swaps in one pass). k, v may have fewer heads
+    than q (grouped-query): each serves n_head / n_kv query heads."""
+    scale = 1.0 / math.sqrt(attn.head_dim)
+    if k.shape[1] != q.shape[1]:  # grouped-query: query head i reads key/value head i // (nh / n_kv)
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    if q.dtype != torch.float32:  # 16 bits: scale q first, or q.k (up to d * |q| |k|) overflows fp16
+        q, scale = q * scale, 1.0
+    scores = q @ k.transpose(-2, -1)  # (b, nh, s, s)
+    if attn.slopes is not None:  # bias -slope*(i-j), divided by scale as the softmax rescales all
+        scores = scores + attn.alibi_bias(q.shape[-2], scores.dtype) / scale
+    if docs is not None:  # other documents' keys: the dtype's most negative finite (a fused softmax takes no inf)
+        scores = scores.masked_fill(~document_mask(docs), torch.finfo(scores.dtype).min)
+    probs = attn.attn_drop(attn.ops.softmax(scores, scale))
+    return probs @ v  # (b, nh, s, hd)
+
+
+def sdpa_core(attn, q, k, v, docs=None):
+    """The same attention in one F.scaled_dot_product_attention call (FlashAttention / memory-efficient
+    kernels on CUDA, a fused kernel on CPU): the (b, nh, s, s) scores are never stored."""
+    drop, mask = (attn.attn_drop.p if attn.training else 0.0), None
+    if attn.slopes is not None:  # ALiBi: an additive float mask, the causal -inf included
+        s = q.shape[-2]
+        future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)  # key j > query i
+        mask = attn.alibi_bias(s, q.dtype).masked_fill(future, float("-inf"))
+    if docs is not None:  # --document-mask: causal and inside one document (and ALiBi's bias, if any)
+        mask = document_mask(docs) if mask is None else mask.masked_fill(~document_mask(docs), float("-inf"))
+    # tensor parallel dropout (rng.TrackedDropout): each rank's heads draw from its own stream
+    fork = getattr(attn.attn_drop, "rng", None)
+    with fork.fork() if fork is not None and drop > 0 else contextlib.nullcontext():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop, is_causal=mask is None,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+
+
+def block_ops(cfg: GPTConfig) -> Ops:
+    """A block's table, the dense math: F.linear, the core --attention names (fused: the eager core, whose
+    softmax train.py makes the fused kernel), LayerNorm / bias-GeLU (gpt2) or RMSNorm / SwiGLU (llama)."""
+    llama = cfg.arch == "llama"
+    return Ops(linear=F.linear, core=sdpa_core if cfg.attention == "sdpa" else eager_core,
+               softmax=causal_softmax, norm=rms_norm if llama else layer_norm,
+               activation=swiglu if llama else bias_gelu, positions=in_order, layer=call)
+
+
 class Embedding(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
+        self.ops = Ops(norm=layer_norm, positions=in_order)
         self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd)
         self.wpe = None if cfg.alibi or cfg.arch == "llama" else nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.ln = nn.LayerNorm(cfg.n_embd) if cfg.embed_layernorm else None
+        self.ln = LayerNorm(cfg.n_embd, ops=self.ops) if cfg.embed_layernorm else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.positions = None  # this rank's tokens' positions under context parallelism (cp.py); None: 0 .. s-1
 
-    def forward(self, idx):  # (b, s) -> (b, s, h)
+    def forward(self, idx, positions=None):  # (b, s) -> (b, s, h); positions (s,) or None: the table's
         x = self.wte(idx)
         if self.wpe is not None:
-            pos = torch.arange(idx.shape[1], device=idx.device) if self.positions is None else self.positions
+            pos = self.ops.positions(idx.shape[1]) if positions is None else positions
+            pos = torch.arange(idx.shape[1], device=idx.device) if pos is None else pos
             x = x + self.wpe(pos.to(idx.device))
         return self.drop(x if self.ln is None else self.ln(x))
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig, rotary=None):
+    def __init__(self, cfg: GPTConfig, ops: Ops, rotary=None):
         super().__init__()
         h, self.n_head, self.n_kv_head = cfg.n_embd, cfg.n_head, cfg.kv_heads
         self.head_dim = h // cfg.n_head
+        self.ops = ops
         if cfg.arch == "llama":  # q by heads; k and v stacked (2, n_kv, hd) by rows; no biases
-            self.q_proj = nn.Linear(h, h, bias=False)
-            self.kv_proj = nn.Linear(h, 2 * self.n_kv_head * self.head_dim, bias=False)
+            self.q_proj = Linear(h, h, bias=False, ops=ops)
+            self.kv_proj = Linear(h, 2 * self.n_kv_head * self.head_dim, bias=False, ops=ops)
         else:
-            self.c_attn = nn.Linear(h, 3 * h)  # output laid out as (3, n_head, head_dim)
-        self.c_proj = nn.Linear(h, h, bias=cfg.arch != "llama")
+            self.c_attn = Linear(h, 3 * h, ops=ops)  # output laid out as (3, n_head, head_dim)
+        self.c_proj = Linear(h, h, bias=cfg.arch != "llama", ops=ops)
         self.attn_drop = nn.Dropout(cfg.dropout)
         self.resid_drop = nn.Dropout(cfg.dropout)
         self.rotary = rotary  # modern.Rotary (llama), shared by every layer; None: positions come from the embedding
         # ALiBi slopes of the heads this module holds (tp.py keeps only its own heads' slopes)
         self.register_buffer("slopes", alibi_slopes(cfg.n_head) if cfg.alibi else None, persistent=False)
-        self.scale_mask_softmax = causal_softmax  # "fused" attention: train.py swaps in fused.causal_softmax
-        self.attention = cfg.attention
 
-    def forward(self, x, docs=None):  # under sequence parallelism x is (b, s/tp, h), gathered in the projections
+    def forward(self, x, docs=None, positions=None):  # under SP x is (b, s/tp, h), gathered in the projections
         q, k, v = self.project(x)  # (b, nh, s, hd), (b, n_kv, s, hd), (b, n_kv, s, hd)
-        if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
         b, s = q.shape[0], q.shape[2]
+        if self.rotary is not None:
+            pos = self.ops.positions(s) if positions is None else positions
+            q, k = self.rotary(q, pos), self.rotary(k, pos)
         y = self.core(q, k, v, docs).transpose(1, 2).reshape(b, s, self.n_head * self.head_dim)
         return self.resid_drop(self.c_proj(y))
 
@@ -226,24 +272,8 @@ class CausalSelfAttention(nn.Module):
         return q.view(b, s, self.n_head, self.head_dim).transpose(1, 2), k, v
 
     def core(self, q, k, v, docs=None):
-        """softmax(q k^T / sqrt(d) [+ alibi], causal [, in one document: docs]) v -- what selective recompute
-        recomputes. k, v may have fewer heads than q (grouped-query): each serves n_head / n_kv query heads.
-        sdpa: one F.scaled_dot_product_attention call (FlashAttention / memory-efficient kernels on CUDA, a
-        fused kernel on CPU): the (b, nh, s, s) scores are never stored. eager / fused: the explicit form."""
-        if self.attention == "sdpa":
-            return self.sdpa_core(q, k, v, docs)
-        scale = 1.0 / math.sqrt(self.head_dim)
-        if k.shape[1] != q.shape[1]:  # grouped-query: query head i reads key/value head i // (nh / n_kv)
-            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-        if q.dtype != torch.float32:  # 16 bits: scale q first, or q.k (up to d * |q| |k|) overflows fp16
-            q, scale = q * scale, 1.0
-        scores = q @ k.transpose(-2, -1)  # (b, nh, s, s)
-        if self.slopes is not None:  # bias -slope*(i-j), divided by scale as the softmax rescales all
-            scores = scores + self.alibi_bias(q.shape[-2], scores.dtype) / scale
-        if docs is not None:  # other documents' keys: the dtype's most negative finite (a fused softmax takes no inf)
-            scores = scores.masked_fill(~document_mask(docs), torch.finfo(scores.dtype).min)
-        probs = self.attn_drop(self.scale_mask_softmax(scores, scale))
-        return probs @ v  # (b, nh, s, hd)
+        """The table's attention core on this module's heads (what selective recompute recomputes)."""
+        return self.ops.core(self, q, k, v, docs)
 
     def alibi_bias(self, s, dtype):
         """(nh, s, s) ALiBi bias slope_h * (j - i): 0 on the diagonal, more negative for older keys."""
@@ -251,62 +281,55 @@ class CausalSelfAttention(nn.Module):
         dist = (pos[None, :] - pos[:, None]).to(dtype)  # (s, s): j - i <= 0 where unmasked
         return self.slopes.to(dtype)[:, None, None] * dist
 
-    def sdpa_core(self, q, k, v, docs=None):
-        drop, mask = (self.attn_drop.p if self.training else 0.0), None
-        if self.slopes is not None:  # ALiBi: an additive float mask, the causal -inf included
-            s = q.shape[-2]
-            future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)  # key j > query i
-            mask = self.alibi_bias(s, q.dtype).masked_fill(future, float("-inf"))
-        if docs is not None:  # --document-mask: causal and inside one document (and ALiBi's bias, if any)
-            mask = document_mask(docs) if mask is None else mask.masked_fill(~document_mask(docs), float("-inf"))
-        # tensor parallel dropout (rng.TrackedDropout): each rank's heads draw from its own stream
-        fork = getattr(self.attn_drop, "rng", None)
-        with fork.fork() if fork is not None and drop > 0 else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop, is_causal=mask is None,
-                                                  enable_gqa=k.shape[1] != q.shape[1])
-
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, ops: Ops):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
+        self.ops = ops
+        self.c_fc = Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False, ops=ops)
         self.fc_bias = nn.Parameter(torch.zeros(4 * cfg.n_embd))  # kept apart so bias+GeLU can fuse
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.c_proj = Linear(4 * cfg.n_embd, cfg.n_embd, ops=ops)
         self.drop = nn.Dropout(cfg.dropout)
-        self.bias_gelu = bias_gelu
 
     def forward(self, x):  # (b, s, h) -> (b, s, 4h) -> (b, s, h)
-        return self.drop(self.c_proj(self.bias_gelu(self.c_fc(x), self.fc_bias)))
+        return self.drop(self.c_proj(self.ops.activation(self.c_fc(x), self.fc_bias)))
 
 
-def norm(cfg: GPTConfig) -> nn.Module:
-    """The block's normalization: LayerNorm (gpt2) or RMSNorm (llama)."""
-    return RMSNorm(cfg.n_embd, cfg.norm_eps) if cfg.arch == "llama" else nn.LayerNorm(cfg.n_embd, cfg.norm_eps)
+def norm(cfg: GPTConfig, ops: Ops) -> nn.Module:
+    """The block's normalization: LayerNorm (gpt2) or RMSNorm (llama), its arithmetic the table's norm."""
+    if cfg.arch == "llama":
+        return RMSNorm(cfg.n_embd, cfg.norm_eps, ops=ops)
+    return LayerNorm(cfg.n_embd, cfg.norm_eps, ops=ops)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig, rotary=None):
         super().__init__()
-        self.ln_1 = norm(cfg)
-        self.attn = CausalSelfAttention(cfg, rotary)
-        self.ln_2 = norm(cfg)
-        self.mlp = moe.mlp(cfg) if cfg.arch == "llama" else MLP(cfg)  # SwiGLU, or experts (moe.py)
+        self.ops = block_ops(cfg)  # this block's swappable ops: every piece below calls them
+        self.ln_1 = norm(cfg, self.ops)
+        self.attn = CausalSelfAttention(cfg, self.ops, rotary)
+        self.ln_2 = norm(cfg, self.ops)
+        self.mlp = moe.mlp(cfg, self.ops) if cfg.arch == "llama" else MLP(cfg, self.ops)  # SwiGLU, or experts
 
-    def forward(self, x, docs=None):  # docs: (b, s) document ids (--document-mask) or None
-        x = x + self.attn(self.ln_1(x), docs)
+    def forward(self, x, docs=None, positions=None):  # docs: (b, s) document ids (--document-mask) or None
+        return self.ops.layer(self.body, x, docs, positions)
+
+    def body(self, x, docs=None, positions=None):
+        x = x + self.attn(self.ln_1(x), docs, positions)
         return x + self.mlp(self.ln_2(x))
 
 
 class Head(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln_f = norm(cfg)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
-        self.loss_fn = functools.partial(cross_entropy, vocab_size=cfg.vocab_size)
+        self.ops = Ops(linear=F.linear, norm=rms_norm if cfg.arch == "llama" else layer_norm,
+                       loss=functools.partial(cross_entropy, vocab_size=cfg.vocab_size))
+        self.ln_f = norm(cfg, self.ops)
+        self.lm_head = Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False, ops=self.ops)
 
     def forward(self, x, targets=None):
         logits = self.lm_head(self.ln_f(x))  # (b, s, V)
-        return logits if targets is None else self.loss_fn(logits, targets)
+        return logits if targets is None else self.ops.loss(logits, targets)
 
 
 def cross_entropy(logits, targets, vocab_size=None):
@@ -340,10 +363,31 @@ class GPT(nn.Module):
             if not p.is_meta:
                 p.copy_(draw(seed, name, init_std(name, self.cfg.n_layer), 0, p.numel()).view_as(p))
 
-    def forward(self, x, targets=None, docs=None):
-        """x: token ids (b, s) on the first stage, hidden states (b, s, h) later; docs: (b, s) document ids or None."""
+    def forward(self, x, targets=None, docs=None, positions=None):
+        """x: token ids (b, s) on the first stage, hidden states (b, s, h) later; docs: (b, s) document ids or
+        None; positions: (s,) the tokens' positions, or None: the tables' (0 .. s-1, or cp's chunks)."""
         if self.embed is not None:
-            x = self.embed(x)
+            x = self.embed(x, positions)
         for block in self.blocks.values():
-            x = block(x, docs)
+            x = block(x, docs, positions)
         return x if self.head is None else self.head(x, targets)
+
+    # ---- the swappable ops (seams.py): one table per block, the embedding's and the head's
+    def op_tables(self) -> dict:
+        """{"embed" | "blocks.i" | "head": Ops} of the pieces this rank holds."""
+        tables = {} if self.embed is None else {"embed": self.embed.ops}
+        tables.update({f"blocks.{i}": b.ops for i, b in self.blocks.items()})
+        return tables if self.head is None else {**tables, "head": self.head.ops}
+
+    def replace_op(self, name, fn, blocks=None):
+        """THE call by which a technique swaps an op: entry `name` becomes fn in every table that uses it
+        (blocks: only these block keys' tables, e.g. recompute's first k layers)."""
+        for key, ops in self.op_tables().items():
+            in_scope = blocks is None or (key.startswith("blocks.") and key.removeprefix("blocks.") in blocks)
+            if in_scope and getattr(ops, name, None) is not None:
+                ops.replace(name, fn)
+
+    def ops_table(self) -> str:
+        """One line per table and entry: which function computes it (`print(model.ops_table())`)."""
+        return "\n".join(f"{key:<10} {name:<10} {describe(fn)}"
+                          for key, ops in self.op_tables().items() for name, fn in ops.entries().items())

@@ -26,6 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .seams import Linear, Ops
+
 # Llama 3.1's frequency scaling (its params.json: low 1, high 4, original context 8192; factor 8 in 3.1, 32 in 3.2)
 LLAMA3_LOW_FREQ, LLAMA3_HIGH_FREQ, LLAMA3_ORIGINAL_CONTEXT = 1.0, 4.0, 8192
 
@@ -61,7 +63,6 @@ class Rotary:
     def __init__(self, head_dim, theta=10000.0, scaling=1.0):
         self.inv_freq = rope_frequencies(head_dim, theta, scaling)  # (hd/2,)
         self.tables = {}  # (device, dtype) -> (cos, sin), each (s_max, hd)
-        self.positions = None  # context parallelism (cp.py): this rank's tokens' positions (CPU); None: 0 .. s-1
 
     def table(self, s, device, dtype):
         cos_sin = self.tables.get((device, dtype))
@@ -71,8 +72,7 @@ class Rotary:
             cos_sin = self.tables[(device, dtype)] = (angle.cos().to(device, dtype), angle.sin().to(device, dtype))
         return cos_sin[0][:s], cos_sin[1][:s]
 
-    def __call__(self, x):  # (b, heads, s, hd) -> the same, rotated
-        pos = self.positions
+    def __call__(self, x, pos=None):  # (b, heads, s, hd) -> the same, rotated; pos (s,) positions (CPU) or None
         cos, sin = self.table(x.shape[-2] if pos is None else int(pos.max()) + 1, x.device, x.dtype)
         if pos is not None:  # the rows of this rank's chunks
             cos, sin = cos[pos.to(x.device)], sin[pos.to(x.device)]
@@ -89,14 +89,15 @@ def rms_norm(x, weight, eps=1e-5):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, h, eps=1e-5):
+    """x / rms(x) * weight; its arithmetic is the table's norm entry (rms_norm, or fused.py's kernel)."""
+
+    def __init__(self, h, eps=1e-5, *, ops: Ops):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(h))
-        self.eps = eps
-        self.rms_norm = rms_norm  # fused.apply_fused swaps in the kernel
+        self.eps, self.ops = eps, ops
 
     def forward(self, x):
-        return self.rms_norm(x, self.weight, self.eps)
+        return self.ops.norm(x, self.weight, self.eps)
 
 
 def swiglu(gate_up):
@@ -109,15 +110,15 @@ class GatedMLP(nn.Module):
     """Llama's MLP: down(silu(x W_gate) * x W_up). gate and up are one (2f, h) weight, [gate; up] by rows, so
     tensor parallelism splits each half by columns (tp.py's rule: 2 interleaved groups) in one matmul."""
 
-    def __init__(self, h, f, dropout=0.0):
+    def __init__(self, h, f, dropout=0.0, *, ops: Ops):
         super().__init__()
-        self.gate_up = nn.Linear(h, 2 * f, bias=False)  # (b, s, h) -> (b, s, 2f)
-        self.c_proj = nn.Linear(f, h, bias=False)  # down: (b, s, f) -> (b, s, h)
+        self.ops = ops  # the block's table: linear, activation (swiglu)
+        self.gate_up = Linear(h, 2 * f, bias=False, ops=ops)  # (b, s, h) -> (b, s, 2f)
+        self.c_proj = Linear(f, h, bias=False, ops=ops)  # down: (b, s, f) -> (b, s, h)
         self.drop = nn.Dropout(dropout)
-        self.swiglu = swiglu
 
     def forward(self, x):
-        return self.drop(self.c_proj(self.swiglu(self.gate_up(x))))
+        return self.drop(self.c_proj(self.ops.activation(self.gate_up(x))))
 
 
 def document_mask(docs):

@@ -101,12 +101,12 @@ def z_loss(logits):
     return torch.logsumexp(logits, -1).square().mean(-1)
 
 
-def mlp(cfg):
-    """The Llama block's MLP: one SwiGLU, or (n_experts > 0) an MoE."""
+def mlp(cfg, ops):
+    """The Llama block's MLP: one SwiGLU, or (n_experts > 0) an MoE; ops: the block's table (seams.Ops)."""
     if not cfg.n_experts:
-        return GatedMLP(cfg.n_embd, cfg.ffn, cfg.dropout)
+        return GatedMLP(cfg.n_embd, cfg.ffn, cfg.dropout, ops=ops)
     check(cfg)
-    return MoE(cfg)
+    return MoE(cfg, ops)
 
 
 class AuxLossToGrad(torch.autograd.Function):
@@ -129,21 +129,23 @@ class MoE(nn.Module):
     Experts are keyed by their global index ("experts.5"), so a rank holding some (ep.py) keeps the dense names,
     and meta.Init draws it the dense model's values. ep: the expert-parallel Axis (None: all experts here)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, ops):
         super().__init__()
         h, f = cfg.n_embd, cfg.ffn
+        self.ops = ops  # the block's table: the router's matmul and every expert's are its linear
         self.n_experts, self.top_k, self.router_kind = cfg.n_experts, cfg.top_k, cfg.router
         self.capacity_factor, self.aux_coef, self.z_coef = cfg.capacity_factor, cfg.moe_aux_loss, cfg.moe_z_loss
         self.router = nn.Linear(h, cfg.n_experts, bias=False)  # (E, h)
-        self.experts = nn.ModuleDict({str(e): GatedMLP(h, f, cfg.dropout) for e in range(cfg.n_experts)})
-        self.shared = GatedMLP(h, f * cfg.shared_experts, cfg.dropout) if cfg.shared_experts else None
+        self.experts = nn.ModuleDict({str(e): GatedMLP(h, f, cfg.dropout, ops=ops)
+                                      for e in range(cfg.n_experts)})
+        self.shared = GatedMLP(h, f * cfg.shared_experts, cfg.dropout, ops=ops) if cfg.shared_experts else None
         # DeepSeek-V3's balancing bias: computed on the host (not drawn; like alibi_slopes), moved by update_bias
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, device="cpu"))
         self.ep, self.grad_scale, self.last, self.booked = None, 1.0, {}, None
 
     def forward(self, x):  # (b, s, h) -> (b, s, h)
         b, s, h = x.shape
-        logits = F.linear(x.float(), self.router.weight.float())  # (b, s, E), fp32 as every trainer does
+        logits = self.ops.linear(x.float(), self.router.weight.float())  # (b, s, E), fp32 as every trainer does
         weights, experts, probs = route(logits.flatten(0, 1), self.top_k, self.router_kind, self.expert_bias)
         experts = experts.view(b, s, -1)  # (b, s, k)
         keep = within_capacity(experts, self.n_experts, capacity(self.capacity_factor, s, self.top_k,

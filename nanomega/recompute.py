@@ -23,12 +23,15 @@ import itertools
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .seams import describe
+
 MODES = ("none", "full", "selective")
 
 
 def apply_recompute(model, mode: str, layers: int | None = None):
-    """Recompute the first `layers` blocks this model holds (all when None): "full" wraps Block.forward,
-    "selective" wraps CausalSelfAttention.core. Works in place; applying again replaces the previous mode.
+    """Recompute the first `layers` blocks this model holds (all when None): "full" checkpoints the block's
+    `layer` entry (its whole body), "selective" its attention `core` entry (seams.Ops). Works in place;
+    applying again replaces the previous mode.
 
     On a pipeline stage `model.blocks` holds only that stage's layers: "first k" means the first k layers
     held by this stage (Megatron's per-stage `--recompute-num-layers`); a stage holding fewer than k layers
@@ -40,39 +43,32 @@ def apply_recompute(model, mode: str, layers: int | None = None):
     if layers is not None and not 0 <= layers <= n_layer:
         raise ValueError(f"--recompute-layers {layers} is outside [0, n_layer={n_layer}]; "
                          f"pass at most --n-layer, or leave it out to recompute every layer")
-    for i, block in enumerate(model.blocks.values()):
-        _unwrap(block, "forward")
-        _unwrap(block.attn, "core")
+    for i, (key, block) in enumerate(model.blocks.items()):
+        for name in ("layer", "core"):  # undo a previous mode
+            op = getattr(block.ops, name)
+            if isinstance(op, Checkpointed):
+                model.replace_op(name, op.inner, blocks=[key])
         if mode == "none" or (layers is not None and i >= layers):
             continue
-        if mode == "full":
-            _wrap(block, "forward")
-        else:
-            _wrap(block.attn, "core")
+        name = "layer" if mode == "full" else "core"
+        model.replace_op(name, Checkpointed(getattr(block.ops, name)), blocks=[key])
     return model
 
 
-def _wrap(module, name):
-    """Replace module.<name> (per instance, so parameter names do not change) by a checkpointed call."""
-    fn = getattr(module, name)  # the bound method, or a function another module swapped in
+class Checkpointed:
+    """An op whose call is checkpointed (torch.utils.checkpoint, non-reentrant, the RNG state restored for the
+    rerun): its forward keeps only its inputs, and backward reruns it."""
 
-    def recomputed(*args):
+    def __init__(self, inner):
+        self.inner = inner  # the entry it wraps, put back when the mode changes
+
+    def __call__(self, *args):
         if not torch.is_grad_enabled():  # eval: nothing is saved anyway
-            return fn(*args)
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+            return self.inner(*args)
+        return checkpoint(self.inner, *args, use_reentrant=False, preserve_rng_state=True)
 
-    recomputed.recompute_prev = module.__dict__.get(name)  # an instance override to put back, or None
-    setattr(module, name, recomputed)
-
-
-def _unwrap(module, name):
-    current = module.__dict__.get(name)
-    if current is None or not hasattr(current, "recompute_prev"):
-        return
-    if current.recompute_prev is None:
-        delattr(module, name)
-    else:
-        setattr(module, name, current.recompute_prev)
+    def __repr__(self):
+        return f"recompute.Checkpointed({describe(self.inner)})"
 
 
 class ActivationMeter:

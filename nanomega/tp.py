@@ -100,25 +100,27 @@ class ReduceScatterToSequenceParallel(torch.autograd.Function):
 class LinearWithSequenceGather(torch.autograd.Function):
     """f under SP, fused with the column-parallel matmul: all-gather the sequence forward, reduce-scatter the
     input gradient backward. Only the 1/t input shard is stored; backward all-gathers it again for the
-    weight gradient (Korthikanti et al. sec. 4.2.2; Megatron overlaps that gather, we do not)."""
+    weight gradient (Korthikanti et al. sec. 4.2.2; Megatron overlaps that gather, we do not). Its three
+    matmuls are the table's linear (forward x W^T; backward dY W = linear(dY, W^T), dW = linear(dY^T, X^T))."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, tp):  # x (b, s/t, h) -> (b, s, out/t)
+    def forward(ctx, x, weight, bias, tp, linear):  # x (b, s/t, h) -> (b, s, out/t)
         ctx.save_for_backward(x, weight)
-        ctx.tp, ctx.has_bias = tp, bias is not None
-        return F.linear(_gather_seq(x, tp), weight, bias)
+        ctx.tp, ctx.has_bias, ctx.linear = tp, bias is not None, linear
+        return linear(_gather_seq(x, tp), weight, bias)
 
     @staticmethod
     def backward(ctx, grad):  # grad (b, s, out/t)
         x, weight = ctx.saved_tensors
-        grad_x = _reduce_scatter_seq(grad @ weight, ctx.tp) if ctx.needs_input_grad[0] else None
+        linear = ctx.linear
+        grad_x = _reduce_scatter_seq(linear(grad, weight.t()), ctx.tp) if ctx.needs_input_grad[0] else None
         grad_w = grad_b = None
         if ctx.needs_input_grad[1]:
             total = _gather_seq(x, ctx.tp)  # (b, s, h): the price of storing only the shard
-            grad_w = grad.flatten(0, -2).t() @ total.flatten(0, -2)  # (out/t, h)
+            grad_w = linear(grad.flatten(0, -2).t(), total.flatten(0, -2).t())  # (out/t, h)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.flatten(0, -2).sum(0)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def _reduce_output(x, tp, sequence_parallel):
@@ -128,32 +130,33 @@ def _reduce_output(x, tp, sequence_parallel):
 
 # ---------------------------------------------------------------- layers
 class ColumnParallelLinear(nn.Module):
-    """Y_i = X A_i: this rank's output features (rows of the torch weight); the output stays split over tp."""
+    """Y_i = X A_i: this rank's output features (rows of the torch weight); the output stays split over tp.
+    ops: the block's table (seams.Ops), whose linear does the local matmul."""
 
-    def __init__(self, weight, bias, tp, sequence_parallel=False):
+    def __init__(self, weight, bias, tp, sequence_parallel=False, *, ops):
         super().__init__()
         self.weight = weight  # (out/t, in)
         self.register_parameter("bias", bias)  # (out/t,) or None
-        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.tp, self.sequence_parallel, self.ops = tp, sequence_parallel, ops
 
     def forward(self, x):  # (b, s, in), or (b, s/t, in) under SP -> (b, s, out/t)
         if self.sequence_parallel:
-            return LinearWithSequenceGather.apply(x, self.weight, self.bias, self.tp)
-        return F.linear(CopyToTensorParallel.apply(x, self.tp), self.weight, self.bias)
+            return LinearWithSequenceGather.apply(x, self.weight, self.bias, self.tp, self.ops.linear)
+        return self.ops.linear(CopyToTensorParallel.apply(x, self.tp), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """Z = sum_i Y_i B_i: this rank's input features (columns of the torch weight); the partial products are
     summed over tp, then the replicated bias is added once."""
 
-    def __init__(self, weight, bias, tp, sequence_parallel=False):
+    def __init__(self, weight, bias, tp, sequence_parallel=False, *, ops):
         super().__init__()
         self.weight = weight  # (out, in/t)
         self.register_parameter("bias", bias)  # (out,) replicated
-        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.tp, self.sequence_parallel, self.ops = tp, sequence_parallel, ops
 
     def forward(self, y):  # (b, s, in/t) -> (b, s, out), or (b, s/t, out) under SP
-        z = _reduce_output(F.linear(y, self.weight), self.tp, self.sequence_parallel)
+        z = _reduce_output(self.ops.linear(y, self.weight), self.tp, self.sequence_parallel)
         return z if self.bias is None else z + self.bias
 
 
@@ -161,16 +164,17 @@ class GroupKeyValue(nn.Module):
     """k, v of the one group this rank's query heads read (t > n_kv), from the whole (2 n_kv hd, h) weight; its
     gradient, this rank's heads' share, is summed over tp by apply_tensor_parallel's hook."""
 
-    def __init__(self, weight, group, n_kv, tp, sequence_parallel=False):
+    def __init__(self, weight, group, n_kv, tp, sequence_parallel=False, *, ops):
         super().__init__()
         self.weight = weight  # (2 * n_kv * hd, h), replicated
         self.group, self.n_kv, self.tp, self.sequence_parallel = group, n_kv, tp, sequence_parallel
+        self.ops = ops
 
     def forward(self, x):  # (b, s, h), or (b, s/t, h) under SP -> (b, s, 2 hd): this group's k and v
         w = self.weight.unflatten(0, (2, self.n_kv, -1))[:, self.group].flatten(0, 1)  # (2 hd, h)
         if self.sequence_parallel:
-            return LinearWithSequenceGather.apply(x, w, None, self.tp)
-        return F.linear(CopyToTensorParallel.apply(x, self.tp), w)
+            return LinearWithSequenceGather.apply(x, w, None, self.tp, self.ops.linear)
+        return self.ops.linear(CopyToTensorParallel.apply(x, self.tp), w)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -290,20 +294,20 @@ def apply_tensor_parallel(model, tp, sequence_parallel=False, rng=None):
     summed = []  # replicated parameters whose gradient is a partial sum on each rank (GroupKeyValue)
 
     def column(weight, name, bias=None):  # this rank's output features of a dense (out, in) weight
-        return ColumnParallelLinear(_shard(weight, name, tp), bias, tp, sp)
+        return ColumnParallelLinear(_shard(weight, name, tp), bias, tp, sp, ops=ops)
 
     def row(linear):  # this rank's input features of a dense c_proj; its bias stays replicated
-        return RowParallelLinear(_shard(linear.weight, "c_proj.weight", tp), linear.bias, tp, sp)
+        return RowParallelLinear(_shard(linear.weight, "c_proj.weight", tp), linear.bias, tp, sp, ops=ops)
 
     for block in model.blocks.values():
-        attn, mlp = block.attn, block.mlp
+        attn, mlp, ops = block.attn, block.mlp, block.ops
         if hasattr(attn, "c_attn"):  # GPT-2: (3, n_head, hd), by heads
             attn.c_attn = column(attn.c_attn.weight, "c_attn.weight", _shard(attn.c_attn.bias, "c_attn.bias", tp))
         else:  # Llama: q by heads; k/v by key/value heads, or the one group of this rank's heads (t > n_kv)
             attn.q_proj = column(attn.q_proj.weight, "q_proj.weight")
             if kv_replicated(cfg, tp.size):
                 group = tp.rank * attn.n_head // tp.size // (attn.n_head // attn.n_kv_head)
-                attn.kv_proj = GroupKeyValue(attn.kv_proj.weight, group, attn.n_kv_head, tp, sp)
+                attn.kv_proj = GroupKeyValue(attn.kv_proj.weight, group, attn.n_kv_head, tp, sp, ops=ops)
                 summed.append(attn.kv_proj.weight)
             else:
                 attn.kv_proj = column(attn.kv_proj.weight, KV)
@@ -324,9 +328,10 @@ def apply_tensor_parallel(model, tp, sequence_parallel=False, rng=None):
                 attn.resid_drop, mlp.drop = drop(), drop()
     if sp and cfg.dropout > 0:
         emb.drop = drop()
-    model.head.lm_head = ColumnParallelLinear(wte, None, tp, sp) if cfg.tie_embeddings else \
-        column(model.head.lm_head.weight, "lm_head.weight")  # tied: the same (V/t, h) Parameter
-    model.head.loss_fn = functools.partial(vocab_parallel_cross_entropy, tp=tp, vocab_size=cfg.vocab_size)
+    ops = model.head.ops  # tied: the same (V/t, h) Parameter as the embedding
+    lm_head = wte if cfg.tie_embeddings else _shard(model.head.lm_head.weight, "lm_head.weight", tp)
+    model.head.lm_head = ColumnParallelLinear(lm_head, None, tp, sp, ops=ops)
+    model.replace_op("loss", functools.partial(vocab_parallel_cross_entropy, tp=tp, vocab_size=cfg.vocab_size))
     if sp:  # every replicated parameter saw 1/t of the tokens (GroupKeyValue's weight among them)
         summed = [p for p in model.parameters() if not is_tensor_parallel(p)]
     for p in summed:
