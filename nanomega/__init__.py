@@ -6,6 +6,7 @@ Formula and its lesson:
     00  dist.py                  the rank grid (dp, pp, cp, tp) and the Axis every collective goes through, in bytes
         worlds.py                local worlds: N CPU ranks on this machine (tests, lessons, bench)
     01  model.py                 the dense GPT: the reference every sharded form is tested against
+        seams.py                 its op table: linear, attention core, norm, ... swapped by one call
         modern.py                the Llama block's pieces: rotary positions, RMSNorm, SwiGLU, grouped-query (lesson 13)
         data.py                  text -> tokens -> this rank's resumable batches
     02  ddp.py                   data parallelism: gradient buckets reduced while backward runs
@@ -35,5 +36,6 @@ Formula and its lesson:
 Beside the concepts, two folders a student may skip:
     ops/    running a job: flags and their checks, failure handling, health check, meter (MFU, memory)
     tools/  commands around training: planner, HF interchange, plots, sampling, corpus and tokenizer preparation
-Imports point down: tools -> ops -> concepts; model.py imports only modern.py and moe.py (the block's pieces).
+Imports point down: tools -> ops -> concepts; model.py imports only modern.py and moe.py (the
+block's pieces) and seams.py (its op table).
 """

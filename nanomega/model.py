@@ -1,18 +1,17 @@
-"""The dense GPT (GPT-2/GPT-3 family, and the Llama family): the reference every parallel technique is checked against.
+"""The dense GPT (GPT-2/GPT-3 family, and the Llama family): the reference every parallel technique
+is checked against.
 
-Idea: a stack of pre-norm transformer blocks between an embedding and an LM head (tied or not), built from
-small named pieces (Embedding, CausalSelfAttention, MLP, Block, Head) so that tp.py can swap in parallel
-linears, pp.py can keep only some pieces on a stage, recompute.py can wrap blocks and fused.py can swap in
-C++ kernels -- all without a second model file. arch="llama" composes the same block from modern.py's
-pieces: RMSNorm, rotary positions, grouped-query attention (n_kv_head), a SwiGLU MLP, no biases.
-
-Initialization: a rule per parameter name (init_std: GPT-2's 0.02, residual projections 0.02/sqrt(2L), biases 0,
-LayerNorm scales 1) and a draw that makes element i of a parameter a function of (seed, name, i) alone (draw):
-so a rank can draw just its slice of a parameter and get the dense model's values bitwise (meta.py).
-Formulas (GPT-2; Llama's: modern.py):
+Idea: pre-norm blocks between an embedding and an LM head (tied or not), from small named pieces
+(Embedding, CausalSelfAttention, MLP, Block, Head) that compute through their block's op table
+(seams.Ops): tp.py, cp.py, fused.py and recompute.py replace entries (GPT.replace_op), pp.py keeps
+some pieces on a stage -- no second model file. arch="llama" composes modern.py's pieces.
+Initialization: a rule per parameter name (init_std) and a draw whose element i depends on (seed,
+name, i) alone (draw), so a rank draws just its slice of the dense model's values, bitwise
+(meta.py).
+Formulas (GPT-2; Llama's: modern.py; MoE: moe.py):
     parameters   N ~= 12 L h^2 + V h   (+ s h learned positions)
-    FLOPs/token  6 N' + 12 L h s        (N' = N without position embeddings; 12 L h s: QK^T and AV, 2*2*s*h
-                                         per layer forward, x3 for fwd+bwd; MoE: moe.py)
+    FLOPs/token  6 N' + 12 L h s        (N' = N without position embeddings; 12 L h s: QK^T and AV,
+                                         2*2*s*h per layer forward, x3 for fwd+bwd)
 Lesson: lessons/01-dense-model.md
 """
 import contextlib
@@ -116,7 +115,8 @@ def bias_gelu(x, bias):
 
 
 def causal_softmax(scores, scale):
-    """softmax(scores * scale) over the last dim with future keys masked; fp32 inside, input dtype out."""
+    """softmax(scores * scale) over the last dim with future keys masked; fp32 inside, input dtype
+    out."""
     s_q, s_k = scores.shape[-2:]
     future = torch.ones(s_q, s_k, dtype=torch.bool, device=scores.device).triu(s_k - s_q + 1)
     probs = torch.softmax((scores.float() * scale).masked_fill(future, float("-inf")), dim=-1)
@@ -124,8 +124,9 @@ def causal_softmax(scores, scale):
 
 
 def alibi_slopes(n_head: int) -> torch.Tensor:
-    """ALiBi head slopes 2^(-8i/n) (Press et al. 2022), with the paper's rule for n not a power of 2. On the CPU
-    even inside `with torch.device("meta")`: a buffer computed from the config, never drawn (meta.py moves it)."""
+    """ALiBi head slopes 2^(-8i/n) (Press et al. 2022), with the paper's rule for n not a power of
+    2. On the CPU even inside `with torch.device("meta")`: a buffer computed from the config, never
+    drawn (meta.py moves it)."""
     def powers(n):
         start = 2 ** (-8 / n)
         return [start ** (i + 1) for i in range(n)]
@@ -139,9 +140,10 @@ INIT_BLOCK = 1 << 16  # elements one generator draws: any element of a parameter
 
 
 def init_std(name, n_layer):
-    """GPT-2's initialization as a rule of a parameter's dense name (the same name in every layout): biases 0.0,
-    norm scales (LayerNorm, RMSNorm) None (ones), residual projections (c_proj: attention's output, the MLP's
-    down) N(0, 0.02/sqrt(2L)), every other matrix N(0, 0.02) -- for Llama's q_proj, kv_proj, gate_up too."""
+    """GPT-2's initialization as a rule of a parameter's dense name (the same name in every layout):
+    biases 0.0, norm scales (LayerNorm, RMSNorm) None (ones), residual projections (c_proj:
+    attention's output, the MLP's down) N(0, 0.02/sqrt(2L)), every other matrix N(0, 0.02) -- for
+    Llama's q_proj, kv_proj, gate_up too."""
     module, leaf = (["", ""] + name.split("."))[-2:]
     if leaf in ("bias", "fc_bias"):
         return 0.0
@@ -152,17 +154,19 @@ def init_std(name, n_layer):
 
 @functools.lru_cache(maxsize=4)  # consecutive runs of a tensor-parallel slice often share a block
 def init_block(seed, name, k, std):
-    """Block k of parameter `name`: INIT_BLOCK normals from a CPU generator seeded by (seed, name, k)."""
+    """Block k of parameter `name`: INIT_BLOCK normals from a CPU generator seeded by (seed, name,
+    k)."""
     key = int.from_bytes(hashlib.sha256(f"{seed}/{name}/{k}".encode()).digest()[:8], "little") >> 1
     return torch.empty(INIT_BLOCK, device="cpu").normal_(0.0, std, generator=torch.Generator().manual_seed(key))
 
 
 def draw(seed, name, std, start, stop):
-    """Elements [start, stop) of the flattened parameter `name`, fp32 on the CPU: N(0, std) (0.0: zeros, None:
-    ones). A block is always drawn whole, so element i depends on (seed, name, i) only: not on the parameter's
-    size (a vocabulary padded further keeps its rows), nor the layout, nor the device (drawn on the host). It
-    does depend on the host's vector kernels for normal_: AVX2 and AVX-512 draw the same bits, a CPU without
-    AVX2 (ATEN_CPU_CAPABILITY=default) others. The host holds one block beyond what it returns."""
+    """Elements [start, stop) of the flattened parameter `name`, fp32 on the CPU: N(0, std) (0.0:
+    zeros, None: ones). A block is always drawn whole, so element i depends on (seed, name, i) only:
+    not on the parameter's size (a vocabulary padded further keeps its rows), nor the layout, nor
+    the device (drawn on the host). It does depend on the host's vector kernels for normal_: AVX2
+    and AVX-512 draw the same bits, a CPU without AVX2 (ATEN_CPU_CAPABILITY=default) others. The
+    host holds one block beyond what it returns."""
     out = torch.empty(stop - start, device="cpu")
     if std is None or std == 0.0:
         return out.fill_(1.0 if std is None else 0.0)
@@ -173,59 +177,93 @@ def draw(seed, name, std, start, stop):
 
 
 def eager_core(attn, q, k, v, docs=None):
-    """softmax(q k^T / sqrt(d) [+ alibi], causal [, in one document: docs]) v, the explicit form: the scores
-    (b, nh, s, s) are stored, the softmax is the table's (fused.py swaps in one pass). k, v may have fewer heads
-    than q (grouped-query): each serves n_head / n_kv query heads."""
+    """softmax(q k^T / sqrt(d) [+ alibi], causal [, in one document: docs]) v, the explicit form:
+    the scores (b, nh, s, s) are stored, the softmax is the table's (fused.py swaps in one pass). k,
+    v may have fewer heads than q (grouped-query): each serves n_head / n_kv query heads."""
     scale = 1.0 / math.sqrt(attn.head_dim)
-    if k.shape[1] != q.shape[1]:  # grouped-query: query head i reads key/value head i // (nh / n_kv)
+    if (
+        k.shape[1] != q.shape[1]
+    ):  # grouped-query: query head i reads key/value head i // (nh / n_kv)
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    if q.dtype != torch.float32:  # 16 bits: scale q first, or q.k (up to d * |q| |k|) overflows fp16
+    if (
+        q.dtype != torch.float32
+    ):  # 16 bits: scale q first, or q.k (up to d * |q| |k|) overflows fp16
         q, scale = q * scale, 1.0
     scores = q @ k.transpose(-2, -1)  # (b, nh, s, s)
     if attn.slopes is not None:  # bias -slope*(i-j), divided by scale as the softmax rescales all
         scores = scores + attn.alibi_bias(q.shape[-2], scores.dtype) / scale
-    if docs is not None:  # other documents' keys: the dtype's most negative finite (a fused softmax takes no inf)
+    if (
+        docs is not None
+    ):  # other documents' keys: the dtype's most negative finite (a fused softmax takes no inf)
         scores = scores.masked_fill(~document_mask(docs), torch.finfo(scores.dtype).min)
     probs = attn.attn_drop(attn.ops.softmax(scores, scale))
     return probs @ v  # (b, nh, s, hd)
 
 
 def sdpa_core(attn, q, k, v, docs=None):
-    """The same attention in one F.scaled_dot_product_attention call (FlashAttention / memory-efficient
-    kernels on CUDA, a fused kernel on CPU): the (b, nh, s, s) scores are never stored."""
+    """The same attention in one F.scaled_dot_product_attention call (FlashAttention /
+    memory-efficient kernels on CUDA, a fused kernel on CPU): the (b, nh, s, s) scores are never
+    stored."""
     drop, mask = (attn.attn_drop.p if attn.training else 0.0), None
     if attn.slopes is not None:  # ALiBi: an additive float mask, the causal -inf included
         s = q.shape[-2]
         future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)  # key j > query i
         mask = attn.alibi_bias(s, q.dtype).masked_fill(future, float("-inf"))
-    if docs is not None:  # --document-mask: causal and inside one document (and ALiBi's bias, if any)
-        mask = document_mask(docs) if mask is None else mask.masked_fill(~document_mask(docs), float("-inf"))
+    if (
+        docs is not None
+    ):  # --document-mask: causal and inside one document (and ALiBi's bias, if any)
+        mask = (
+            document_mask(docs)
+            if mask is None
+            else mask.masked_fill(~document_mask(docs), float("-inf"))
+        )
     # tensor parallel dropout (rng.TrackedDropout): each rank's heads draw from its own stream
     fork = getattr(attn.attn_drop, "rng", None)
     with fork.fork() if fork is not None and drop > 0 else contextlib.nullcontext():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop, is_causal=mask is None,
-                                              enable_gqa=k.shape[1] != q.shape[1])
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=drop,
+            is_causal=mask is None,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
 
 
 def block_ops(cfg: GPTConfig) -> Ops:
-    """A block's table, the dense math: F.linear, the core --attention names (fused: the eager core, whose
-    softmax train.py makes the fused kernel), LayerNorm / bias-GeLU (gpt2) or RMSNorm / SwiGLU (llama)."""
+    """A block's table, the dense math: F.linear, the core --attention names (fused: the eager core,
+    whose softmax train.py makes the fused kernel), LayerNorm / bias-GeLU (gpt2) or RMSNorm / SwiGLU
+    (llama)."""
     llama = cfg.arch == "llama"
-    return Ops(linear=F.linear, core=sdpa_core if cfg.attention == "sdpa" else eager_core,
-               softmax=causal_softmax, norm=rms_norm if llama else layer_norm,
-               activation=swiglu if llama else bias_gelu, positions=in_order, layer=call)
+    return Ops(
+        linear=F.linear,
+        core=sdpa_core if cfg.attention == "sdpa" else eager_core,
+        softmax=causal_softmax,
+        norm=rms_norm if llama else layer_norm,
+        activation=swiglu if llama else bias_gelu,
+        positions=in_order,
+        layer=call,
+    )
 
 
 class Embedding(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ops = Ops(norm=layer_norm, positions=in_order)
         self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd)
-        self.wpe = None if cfg.alibi or cfg.arch == "llama" else nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.wpe = (
+            None if cfg.alibi or cfg.arch == "llama" else nn.Embedding(cfg.block_size, cfg.n_embd)
+        )
+        self.ops = Ops(
+            norm=layer_norm if cfg.embed_layernorm else None,  # what this piece uses
+            positions=None if self.wpe is None else in_order,
+        )
         self.ln = LayerNorm(cfg.n_embd, ops=self.ops) if cfg.embed_layernorm else None
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, idx, positions=None):  # (b, s) -> (b, s, h); positions (s,) or None: the table's
+    def forward(
+        self, idx, positions=None
+    ):  # (b, s) -> (b, s, h); positions (s,) or None: the table's
         x = self.wte(idx)
         if self.wpe is not None:
             pos = self.ops.positions(idx.shape[1]) if positions is None else positions
@@ -250,9 +288,13 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
         self.rotary = rotary  # modern.Rotary (llama), shared by every layer; None: positions come from the embedding
         # ALiBi slopes of the heads this module holds (tp.py keeps only its own heads' slopes)
-        self.register_buffer("slopes", alibi_slopes(cfg.n_head) if cfg.alibi else None, persistent=False)
+        self.register_buffer(
+            "slopes", alibi_slopes(cfg.n_head) if cfg.alibi else None, persistent=False
+        )
 
-    def forward(self, x, docs=None, positions=None):  # under SP x is (b, s/tp, h), gathered in the projections
+    def forward(
+        self, x, docs=None, positions=None
+    ):  # under SP x is (b, s/tp, h), gathered in the projections
         q, k, v = self.project(x)  # (b, nh, s, hd), (b, n_kv, s, hd), (b, n_kv, s, hd)
         b, s = q.shape[0], q.shape[2]
         if self.rotary is not None:
@@ -265,18 +307,22 @@ class CausalSelfAttention(nn.Module):
         if hasattr(self, "c_attn"):
             qkv = self.c_attn(x)  # (b, s, 3h)
             b, s = qkv.shape[:2]
-            return qkv.view(b, s, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)  # (b, nh, s, hd) each
+            return qkv.view(b, s, 3, self.n_head, self.head_dim).permute(
+                2, 0, 3, 1, 4
+            )  # (b, nh, s, hd) each
         q = self.q_proj(x)  # (b, s, h)
         b, s = q.shape[:2]
         k, v = self.kv_proj(x).view(b, s, 2, self.n_kv_head, self.head_dim).permute(2, 0, 3, 1, 4)
         return q.view(b, s, self.n_head, self.head_dim).transpose(1, 2), k, v
 
     def core(self, q, k, v, docs=None):
-        """The table's attention core on this module's heads (what selective recompute recomputes)."""
+        """The table's attention core on this module's heads (what selective recompute
+        recomputes)."""
         return self.ops.core(self, q, k, v, docs)
 
     def alibi_bias(self, s, dtype):
-        """(nh, s, s) ALiBi bias slope_h * (j - i): 0 on the diagonal, more negative for older keys."""
+        """(nh, s, s) ALiBi bias slope_h * (j - i): 0 on the diagonal, more negative for older
+        keys."""
         pos = torch.arange(s, device=self.slopes.device)
         dist = (pos[None, :] - pos[:, None]).to(dtype)  # (s, s): j - i <= 0 where unmasked
         return self.slopes.to(dtype)[:, None, None] * dist
@@ -296,7 +342,8 @@ class MLP(nn.Module):
 
 
 def norm(cfg: GPTConfig, ops: Ops) -> nn.Module:
-    """The block's normalization: LayerNorm (gpt2) or RMSNorm (llama), its arithmetic the table's norm."""
+    """The block's normalization: LayerNorm (gpt2) or RMSNorm (llama), its arithmetic the table's
+    norm."""
     if cfg.arch == "llama":
         return RMSNorm(cfg.n_embd, cfg.norm_eps, ops=ops)
     return LayerNorm(cfg.n_embd, cfg.norm_eps, ops=ops)
@@ -309,9 +356,13 @@ class Block(nn.Module):
         self.ln_1 = norm(cfg, self.ops)
         self.attn = CausalSelfAttention(cfg, self.ops, rotary)
         self.ln_2 = norm(cfg, self.ops)
-        self.mlp = moe.mlp(cfg, self.ops) if cfg.arch == "llama" else MLP(cfg, self.ops)  # SwiGLU, or experts
+        self.mlp = (
+            moe.mlp(cfg, self.ops) if cfg.arch == "llama" else MLP(cfg, self.ops)
+        )  # SwiGLU, or experts
 
-    def forward(self, x, docs=None, positions=None):  # docs: (b, s) document ids (--document-mask) or None
+    def forward(
+        self, x, docs=None, positions=None
+    ):  # docs: (b, s) document ids (--document-mask) or None
         return self.ops.layer(self.body, x, docs, positions)
 
     def body(self, x, docs=None, positions=None):
@@ -322,8 +373,11 @@ class Block(nn.Module):
 class Head(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ops = Ops(linear=F.linear, norm=rms_norm if cfg.arch == "llama" else layer_norm,
-                       loss=functools.partial(cross_entropy, vocab_size=cfg.vocab_size))
+        self.ops = Ops(
+            linear=F.linear,
+            norm=rms_norm if cfg.arch == "llama" else layer_norm,
+            loss=functools.partial(cross_entropy, vocab_size=cfg.vocab_size),
+        )
         self.ln_f = norm(cfg, self.ops)
         self.lm_head = Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False, ops=self.ops)
 
@@ -333,21 +387,29 @@ class Head(nn.Module):
 
 
 def cross_entropy(logits, targets, vocab_size=None):
-    """Mean token loss in fp32 (BLOOM: never the loss in half precision); -1 marks ignored targets. The padded
-    vocabulary rows (there only so tp can split V) are left out: GPT-2's loss over 50,257 tokens, not 50,304."""
-    return F.cross_entropy(logits[..., :vocab_size].float().flatten(0, -2), targets.flatten(), ignore_index=-1)
+    """Mean token loss in fp32 (BLOOM: never the loss in half precision); -1 marks ignored targets.
+    The padded vocabulary rows (there only so tp can split V) are left out: GPT-2's loss over 50,257
+    tokens, not 50,304."""
+    return F.cross_entropy(
+        logits[..., :vocab_size].float().flatten(0, -2), targets.flatten(), ignore_index=-1
+    )
 
 
 class GPT(nn.Module):
-    """The dense model. seed: its initialization (init_weights); built inside `with torch.device("meta")` it
-    holds shapes only, and meta.py draws each rank's slices of the same values."""
+    """The dense model. seed: its initialization (init_weights); built inside `with
+    torch.device("meta")` it holds shapes only, and meta.py draws each rank's slices of the same
+    values."""
 
     def __init__(self, cfg: GPTConfig, seed=None):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
         self.embed = Embedding(cfg)
-        rotary = Rotary(cfg.n_embd // cfg.n_head, cfg.rope_theta, cfg.rope_scaling) if cfg.arch == "llama" else None
+        rotary = (
+            Rotary(cfg.n_embd // cfg.n_head, cfg.rope_theta, cfg.rope_scaling)
+            if cfg.arch == "llama"
+            else None
+        )
         self.blocks = nn.ModuleDict({str(i): Block(cfg, rotary) for i in range(cfg.n_layer)})
         self.head = Head(cfg)
         if cfg.tie_embeddings:
@@ -356,16 +418,18 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed=None):
-        """Every parameter drawn by its name (init_std, draw). seed None: one drawn from torch's default
-        generator, so `torch.manual_seed(s); GPT(cfg)` is reproducible. On the meta device: nothing to write."""
+        """Every parameter drawn by its name (init_std, draw). seed None: one drawn from torch's
+        default generator, so `torch.manual_seed(s); GPT(cfg)` is reproducible. On the meta device:
+        nothing to write."""
         seed = int(torch.randint(1 << 62, (), device="cpu")) if seed is None else seed
         for name, p in self.named_parameters():
             if not p.is_meta:
                 p.copy_(draw(seed, name, init_std(name, self.cfg.n_layer), 0, p.numel()).view_as(p))
 
     def forward(self, x, targets=None, docs=None, positions=None):
-        """x: token ids (b, s) on the first stage, hidden states (b, s, h) later; docs: (b, s) document ids or
-        None; positions: (s,) the tokens' positions, or None: the tables' (0 .. s-1, or cp's chunks)."""
+        """x: token ids (b, s) on the first stage, hidden states (b, s, h) later; docs: (b, s)
+        document ids or None; positions: (s,) the tokens' positions, or None: the tables' (0 .. s-1,
+        or cp's chunks)."""
         if self.embed is not None:
             x = self.embed(x, positions)
         for block in self.blocks.values():
@@ -380,14 +444,26 @@ class GPT(nn.Module):
         return tables if self.head is None else {**tables, "head": self.head.ops}
 
     def replace_op(self, name, fn, blocks=None):
-        """THE call by which a technique swaps an op: entry `name` becomes fn in every table that uses it
-        (blocks: only these block keys' tables, e.g. recompute's first k layers)."""
+        """THE call by which a technique swaps an op: entry `name` becomes fn in every table that
+        uses it (blocks: only these block keys' tables, e.g. recompute's first k layers)."""
         for key, ops in self.op_tables().items():
-            in_scope = blocks is None or (key.startswith("blocks.") and key.removeprefix("blocks.") in blocks)
+            in_scope = blocks is None or (
+                key.startswith("blocks.") and key.removeprefix("blocks.") in blocks
+            )
             if in_scope and getattr(ops, name, None) is not None:
                 ops.replace(name, fn)
 
     def ops_table(self) -> str:
-        """One line per table and entry: which function computes it (`print(model.ops_table())`)."""
-        return "\n".join(f"{key:<10} {name:<10} {describe(fn)}"
-                          for key, ops in self.op_tables().items() for name, fn in ops.entries().items())
+        """One line per table and entry: which function computes it (`print(model.ops_table())`);
+        consecutive blocks with the same entries are one row ("blocks 0-3")."""
+        rows = []  # [key, {entry: description}]
+        for key, ops in self.op_tables().items():
+            entries = {name: describe(fn) for name, fn in ops.entries().items()}
+            same = rows and rows[-1][0].startswith("blocks ") and rows[-1][1] == entries
+            if key.startswith("blocks.") and same:
+                rows[-1][0] = f"{rows[-1][0].split('-')[0]}-{key.removeprefix('blocks.')}"
+            else:
+                rows.append([key.replace("blocks.", "blocks "), entries])
+        return "\n".join(
+            f"{key:<12} {name:<10} {fn}" for key, entries in rows for name, fn in entries.items()
+        )

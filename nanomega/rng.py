@@ -1,15 +1,11 @@
 """Dropout random streams under tensor parallelism (the idea of Megatron's CUDA RNG tracker).
 
-Idea: a replicated activation (the residual stream when the sequence is not split) must get the SAME dropout
-mask on every tensor parallel rank, or the replicas drift apart; a sharded activation (the attention heads a
-rank holds, and under sequence parallelism its slice of the sequence) needs a DIFFERENT mask on each rank,
-or all shards would share one mask and their dropout would be correlated. So there are two streams:
-    default stream   torch's own generator, seeded seed + 100 * pp_rank: equal across the tp group
-    tp stream        inside RNGTracker.fork(): a generator seeded (u, tp_rank) with u drawn from the default
-                     stream -- so equal draws on the tp group give a different, reproducible seed per rank
-Unlike Megatron's tracker, the tp stream keeps no state of its own: it is a function of the default stream,
-so torch.utils.checkpoint (which saves and restores the default generator) recomputes the same masks, and a
-checkpoint that saves the default generator resumes it. As in Megatron, dp replicas share both streams.
+Idea: a replicated activation must get the SAME dropout mask on every tp rank, or the replicas drift
+apart; a sharded one (a rank's heads; under sequence parallelism its slice of the sequence) a
+DIFFERENT mask per rank. Two streams: torch's default generator, seeded alike on the tp group, and
+inside RNGTracker.fork a generator seeded from (a draw of the default stream, tp rank). The tp
+stream keeps no state of its own, so recompute and a resumed checkpoint replay the same masks.
+Formula (the seeds):  default stream  seed + 100 pp_rank      tp stream  u * MAX_TP + tp_rank
 Lessons: lessons/03-tensor-parallel.md, lessons/04-sequence-parallel.md
 """
 from contextlib import contextmanager

@@ -1,20 +1,23 @@
 """The dense model's swappable ops: a table per block, and one call that replaces an entry.
 
-Idea: the dense model computes with a few ops; each block (and the embedding, and the head) holds them in a
-table, `Ops`. A technique replaces entries through GPT.replace_op, never a method or an attribute:
-    linear      (x, weight, bias=None) -> x W^T + b: every matmul of a weight (FP8 swaps this one entry)
-    core        (attn, q, k, v, docs) -> (b, nh, s, hd): attention      context parallel, selective recompute
-    softmax     (scores, scale) -> probs: the eager core's               fused kernels
-    norm        LayerNorm (x, w, b, eps) or RMSNorm (x, w, eps)          fused kernels
-    activation  bias-GeLU (x, bias) or SwiGLU (gate_up)                  fused kernels
-    loss        (logits, targets) -> mean loss                           tensor parallel (vocab-parallel)
-    positions   (s) -> (s,) this rank's tokens' positions, None: 0..s-1  context parallel
-    layer       (body, *args) -> body(*args): how a block runs           full recompute
-The modules keep their parameters (names, shapes and initialization stay the dense model's) and call the
-table: Linear is nn.Linear whose forward is ops.linear(x, weight, bias); tp.py's linears keep their
-communication and call the same entry for the local matmul. `print(model.ops_table())` shows the entries.
+Idea: the dense model computes with a few ops; each block (and the embedding, and the head) holds
+them in a table, `Ops`. A technique replaces entries through GPT.replace_op, never a method or an
+attribute of a module:
+    entry       signature -> result                            replaced by
+    linear      (x, weight, bias=None) -> x W^T + b            (FP8: every matmul of a weight)
+    core        (attn, q, k, v, docs) -> (b, nh, s, hd)        context parallel, selective recompute
+    softmax     (scores, scale) -> probs, the eager core's     fused kernels
+    norm        LayerNorm (x, w, b, eps), RMSNorm (x, w, eps)  fused kernels
+    activation  bias-GeLU (x, bias), SwiGLU (gate_up)          fused kernels
+    loss        (logits, targets) -> mean loss                 tensor parallel (vocab-parallel)
+    positions   (s) -> (s,) positions, None: 0 .. s-1          context parallel
+    layer       (body, *args) -> body(*args)                   full recompute
+The modules keep their parameters (names, shapes and initialization stay the dense model's) and call
+the table: Linear is nn.Linear whose forward is ops.linear; tp.py's linears keep their communication
+and call the same entry for their local matmul. `print(model.ops_table())` shows every entry.
 Lesson: lessons/01-dense-model.md
 """
+
 import functools
 from dataclasses import dataclass, fields
 from typing import Callable
@@ -29,18 +32,20 @@ def call(body, *args):
 
 
 def in_order(s):
-    """The default `positions` entry: None, the tokens 0 .. s-1 in order (the modules' fast path)."""
+    """The default `positions` entry: None, the tokens 0 .. s-1 in order (the fast path)."""
     return None
 
 
 def layer_norm(x, weight, bias, eps=1e-5):
-    """LayerNorm over the last dim: what nn.LayerNorm's forward computes, as a function of its parameters."""
+    """LayerNorm over the last dim: nn.LayerNorm's forward as a function of its parameters."""
     return F.layer_norm(x, weight.shape, weight, bias, eps)
 
 
 @dataclass
 class Ops:
-    """One table of swappable ops (see the module docstring); an entry a piece does not use is None."""
+    """One table of swappable ops (the module docstring); an entry its piece does not use is
+    None."""
+
     linear: Callable | None = None
     core: Callable | None = None
     softmax: Callable | None = None
@@ -53,17 +58,19 @@ class Ops:
     def replace(self, name, fn):
         """Replace entry `name` (one it uses; an unknown name is an error, not a new entry)."""
         if name not in {f.name for f in fields(self)}:
-            raise ValueError(f"no op {name!r}; the entries are {', '.join(f.name for f in fields(self))}")
+            names = ", ".join(f.name for f in fields(self))
+            raise ValueError(f"no op {name!r} in the table; its entries are {names}")
         setattr(self, name, fn)
 
     def entries(self):
         """{name: fn} of the entries in use."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        entries = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: fn for name, fn in entries.items() if fn is not None}
 
 
 def describe(fn) -> str:
-    """A short name for an entry: module.qualname ("model.sdpa_core", "F.linear"), partials by their function,
-    wrappers (recompute.Checkpointed) by their repr."""
+    """A short name for an entry: module.qualname ("model.sdpa_core", "F.linear"), a partial by its
+    function, a wrapper (recompute.Checkpointed) by its repr."""
     if isinstance(fn, functools.partial):
         return describe(fn.func)
     if not hasattr(fn, "__qualname__"):
@@ -73,7 +80,8 @@ def describe(fn) -> str:
 
 
 class Linear(nn.Linear):
-    """nn.Linear (the same parameters, names, shapes and initialization) whose matmul is ops.linear."""
+    """nn.Linear (the same parameters, names, shapes and initialization) whose matmul is the
+    entry."""
 
     def __init__(self, in_features, out_features, bias=True, *, ops: Ops):
         super().__init__(in_features, out_features, bias=bias)

@@ -2,7 +2,7 @@
 each document of the window run alone. One process, fp32, < 2 s.
 
 Positions stay absolute under --document-mask, so "alone" means a document's own tokens at its own window
-positions (GPT.forward's positions; cp.py's `positions` entry gives a rank's chunks'): the mask is then the only
+positions (GPT.forward's positions argument): the mask is then the only
 difference, and a masked key contributes an exact 0 to the softmax. The two sides still sum the unmasked keys
 (and every matmul) over other shapes, so in other orders: tests/tolerance.py's layout bound on the logits,
 2 likely(width) sqrt(depth) relative to the largest logit (width 4h = 128 terms, depth 2 layers x 4 + head).

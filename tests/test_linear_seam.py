@@ -1,15 +1,17 @@
-"""The linear seam (nanomega/seams.py): every matmul of a weight, forward and backward, in every layout goes
-through the op table's `linear` entry, so FP8 (or any numeric format) swaps one entry.
+"""The linear seam (nanomega/seams.py): every matmul of a weight, forward and backward, in every
+layout goes through the op table's `linear` entry, so FP8 (or any number format) swaps one entry.
 
-Each layout (tp2 + sequence parallel, pp2, cp2, ep2 with experts, ZeRO-3; 2 ranks) is built as train.py builds
-it; its `linear` entry is replaced by a counter, F.linear itself made to raise (a module that skipped the
-table would call it), and one forward/backward of 2 micro-batches run. Counted:
-    tracked     calls under autograd: one per weight-bearing linear module and micro-batch, and as many backwards
-    untracked   calls inside tp's sequence-parallel gather-linear (its own autograd Function): forward x W^T,
-                backward dY W and dY^T X, 3 per such module and micro-batch
-A linear that bypassed the entry would leave a count short (or raise). Then the entry is made to return
-zeros: every logit is 0 and the loss is ln V, so the LM head's matmul went through it too.
+Each layout (tp2 + sequence parallel, pp2, cp2, ep2 with experts, ZeRO-3; 2 ranks) is built as
+train.py builds it; its `linear` entry is replaced by a counter, F.linear itself made to raise (a
+module that skipped the table would call it), and one forward/backward of 2 micro-batches run:
+    tracked     calls under autograd: one per weight-bearing linear module and micro-batch, and as
+                many backwards through the counter (dX = dY W, dW = dY^T X)
+    untracked   calls inside tp's sequence-parallel gather-linear (its own autograd Function):
+                forward X W^T, backward dY W and dY^T X: 3 per such module and micro-batch
+A linear that bypassed the entry would leave a count short (or raise). Then the entry is made to
+return zeros: every logit is 0 and the loss is ln V, so the LM head's matmul went through it too.
 """
+
 import math
 
 import pytest
@@ -20,8 +22,22 @@ from nanomega import cp, dist, moe, seams, tp, train, worlds
 from nanomega.ops import checks, flags
 
 REAL = F.linear
-SHAPE = ["--n-layer", "2", "--n-head", "4", "--n-embd", "32", "--block-size", "16", "--dropout", "0",
-         "--batch-size", "2", "--grad-accum", "2"]
+SHAPE = [
+    "--n-layer",
+    "2",
+    "--n-head",
+    "4",
+    "--n-embd",
+    "32",
+    "--block-size",
+    "16",
+    "--dropout",
+    "0",
+    "--batch-size",
+    "2",
+    "--grad-accum",
+    "2",
+]
 LAYOUTS = {
     "tp2-sp": ["--tp", "2", "--sequence-parallel"],
     "pp2": ["--pp", "2"],
@@ -55,6 +71,7 @@ def counting(counts):
             return Counted.apply(x, weight, bias, counts)
         counts["untracked"] += 1
         return REAL(x, weight, bias)
+
     return linear
 
 
@@ -63,12 +80,20 @@ def zeros(x, weight, bias=None):
 
 
 def linears(model):
-    """(weight-bearing linear modules this rank holds, those of them that are sequence-parallel gathers)."""
-    kinds = (seams.Linear, tp.ColumnParallelLinear, tp.RowParallelLinear, tp.GroupKeyValue,
-             moe.MoE)  # an MoE: its router's matmul (the router is a parameter holder, called in MoE.forward)
+    """(weight-bearing linear modules this rank holds, those of them that gather the sequence)."""
+    kinds = (
+        seams.Linear,
+        tp.ColumnParallelLinear,
+        tp.RowParallelLinear,
+        tp.GroupKeyValue,
+        moe.MoE,
+    )  # an MoE: its router's matmul (the router is a parameter holder, called in MoE.forward)
     found = [m for m in model.modules() if isinstance(m, kinds)]
-    gathers = [m for m in found if isinstance(m, (tp.ColumnParallelLinear, tp.GroupKeyValue))
-               and m.sequence_parallel]
+    gathers = [
+        m
+        for m in found
+        if isinstance(m, (tp.ColumnParallelLinear, tp.GroupKeyValue)) and m.sequence_parallel
+    ]
     return found, gathers
 
 
@@ -80,12 +105,16 @@ def _layout(extra):
     g = torch.Generator().manual_seed(grid.dp_rank)
     batches = []
     for _ in range(config.grad_accum):
-        x = torch.randint(0, cfg.vocab_size, (config.batch_size, config.block_size + 1), generator=g)
+        x = torch.randint(
+            0, cfg.vocab_size, (config.batch_size, config.block_size + 1), generator=g
+        )
         batches.append(tuple(t.to(grid.device) for t in cp.split((x[:, :-1], x[:, 1:]), grid.cp)))
     found, gathers = linears(model)
     counts = dict(tracked=0, backward=0, untracked=0)
     model.replace_op("linear", counting(counts))
-    F.linear = lambda *a, **k: (_ for _ in ()).throw(AssertionError("a matmul bypassed the linear entry"))
+    F.linear = lambda *a, **k: (_ for _ in ()).throw(
+        AssertionError("a matmul bypassed the linear entry")
+    )
     try:
         loss = train.forward_backward(model, engine, grid, batches, config)
         model.replace_op("linear", zeros)
@@ -93,17 +122,30 @@ def _layout(extra):
     finally:
         F.linear = REAL
     m = len(batches)
-    return dict(counts=counts, modules=len(found), gathers=len(gathers), m=m, loss=float(loss),
-                zero_loss=float(zero_loss), vocab=cfg.vocab_size, table=model.ops_table())
+    return dict(
+        counts=counts,
+        modules=len(found),
+        gathers=len(gathers),
+        m=m,
+        loss=float(loss),
+        zero_loss=float(zero_loss),
+        vocab=cfg.vocab_size,
+        table=model.ops_table(),
+    )
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_weight_matmul_goes_through_the_linear_entry(name):
     for rank, r in enumerate(worlds.launch(_layout, 2, LAYOUTS[name], timeout=120)):
         c, m, n, sp = r["counts"], r["m"], r["modules"], r["gathers"]
-        assert n > 0 and "tests.test_linear_seam.counting" not in r["table"]  # the zeros entry is the last
+        assert (
+            n > 0 and "tests.test_linear_seam.counting" not in r["table"]
+        )  # the zeros entry is the last
         assert c["tracked"] == (n - sp) * m, (rank, c, n, sp)
-        assert c["backward"] == c["tracked"], (rank, c)  # every tracked matmul's backward ran through it
+        assert c["backward"] == c["tracked"], (
+            rank,
+            c,
+        )  # every tracked matmul's backward ran through it
         assert c["untracked"] == 3 * sp * m, (rank, c, sp)
         assert (sp > 0) == (name == "tp2-sp")
         assert abs(r["zero_loss"] - r["loss"]) > 1e-3

@@ -28,8 +28,8 @@ CASES = [("none", None), ("full", None), ("selective", None), ("full", 2), ("sel
 
 
 def recomputed_layers(model) -> dict:
-    """{layer name: "full" | "selective"} for the blocks whose table apply_recompute changed: the `layer`
-    entry checkpointed (full) or the `core` entry (selective)."""
+    """{layer name: "full" | "selective"} for the blocks whose table apply_recompute changed: the
+    `layer` entry checkpointed (full) or the `core` entry (selective)."""
     out = {}
     for key, block in model.blocks.items():
         if isinstance(block.ops.layer, recompute.Checkpointed):
