@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from . import moe
 from .modern import RMSNorm, Rotary, document_mask, ffn_hidden, rms_norm, swiglu
-from .seams import LayerNorm, Linear, Ops, call, describe, in_order, layer_norm
+from . import seams
+from .seams import LayerNorm, Linear, Ops, call, in_order, layer_norm
 
 
 # The model's shape: the GPTConfig fields a checkpoint, a preset and the planner agree on (checkpoint.py,
@@ -438,32 +439,16 @@ class GPT(nn.Module):
 
     # ---- the swappable ops (seams.py): one table per block, the embedding's and the head's
     def op_tables(self) -> dict:
-        """{"embed" | "blocks.i" | "head": Ops} of the pieces this rank holds."""
+        """{"embed" | block key | "head": Ops} of the pieces this rank holds."""
         tables = {} if self.embed is None else {"embed": self.embed.ops}
-        tables.update({f"blocks.{i}": b.ops for i, b in self.blocks.items()})
+        tables.update({key: block.ops for key, block in self.blocks.items()})
         return tables if self.head is None else {**tables, "head": self.head.ops}
 
     def replace_op(self, name, fn, blocks=None):
         """THE call by which a technique swaps an op: entry `name` becomes fn in every table that
         uses it (blocks: only these block keys' tables, e.g. recompute's first k layers)."""
-        for key, ops in self.op_tables().items():
-            in_scope = blocks is None or (
-                key.startswith("blocks.") and key.removeprefix("blocks.") in blocks
-            )
-            if in_scope and getattr(ops, name, None) is not None:
-                ops.replace(name, fn)
+        seams.replace(self.op_tables(), name, fn, blocks)
 
     def ops_table(self) -> str:
-        """One line per table and entry: which function computes it (`print(model.ops_table())`);
-        consecutive blocks with the same entries are one row ("blocks 0-3")."""
-        rows = []  # [key, {entry: description}]
-        for key, ops in self.op_tables().items():
-            entries = {name: describe(fn) for name, fn in ops.entries().items()}
-            same = rows and rows[-1][0].startswith("blocks ") and rows[-1][1] == entries
-            if key.startswith("blocks.") and same:
-                rows[-1][0] = f"{rows[-1][0].split('-')[0]}-{key.removeprefix('blocks.')}"
-            else:
-                rows.append([key.replace("blocks.", "blocks "), entries])
-        return "\n".join(
-            f"{key:<12} {name:<10} {fn}" for key, entries in rows for name, fn in entries.items()
-        )
+        """Which function computes each entry of each table: `print(model.ops_table())`."""
+        return seams.render(self.op_tables())

@@ -79,6 +79,31 @@ def describe(fn) -> str:
     return f"{module.removeprefix('nanomega.')}.{fn.__qualname__}"
 
 
+def replace(tables, name, fn, blocks=None):
+    """Entry `name` becomes fn in every table of {key: Ops} using it (blocks: only these keys)."""
+    if name not in {f.name for f in fields(Ops)}:
+        raise ValueError(
+            f"no op {name!r}; the entries are {', '.join(f.name for f in fields(Ops))}"
+        )
+    for key, ops in tables.items():
+        if (blocks is None or key in blocks) and getattr(ops, name) is not None:
+            ops.replace(name, fn)
+
+
+def render(tables) -> str:
+    """One line per table and entry naming its function; consecutive blocks alike are one row."""
+    rows = []  # [label, {entry: description}]
+    for key, ops in tables.items():
+        entries = {name: describe(fn) for name, fn in ops.entries().items()}
+        if key.isdigit() and rows and rows[-1][0].startswith("blocks ") and rows[-1][1] == entries:
+            rows[-1][0] = f"{rows[-1][0].split('-')[0]}-{key}"
+        else:
+            rows.append([f"blocks {key}" if key.isdigit() else key, entries])
+    return "\n".join(
+        f"{key:<12} {name:<10} {fn}" for key, entries in rows for name, fn in entries.items()
+    )
+
+
 class Linear(nn.Linear):
     """nn.Linear (the same parameters, names, shapes and initialization) whose matmul is the
     entry."""
