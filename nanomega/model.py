@@ -182,20 +182,17 @@ def eager_core(attn, q, k, v, docs=None):
     the scores (b, nh, s, s) are stored, the softmax is the table's (fused.py swaps in one pass). k,
     v may have fewer heads than q (grouped-query): each serves n_head / n_kv query heads."""
     scale = 1.0 / math.sqrt(attn.head_dim)
-    if (
-        k.shape[1] != q.shape[1]
-    ):  # grouped-query: query head i reads key/value head i // (nh / n_kv)
+    # grouped-query: query head i reads key/value head i // (nh / n_kv)
+    if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    if (
-        q.dtype != torch.float32
-    ):  # 16 bits: scale q first, or q.k (up to d * |q| |k|) overflows fp16
+    # 16 bits: scale q first, or q.k (up to d * |q| |k|) overflows fp16
+    if q.dtype != torch.float32:
         q, scale = q * scale, 1.0
     scores = q @ k.transpose(-2, -1)  # (b, nh, s, s)
-    if attn.slopes is not None:  # bias -slope*(i-j), divided by scale as the softmax rescales all
+    if attn.slopes is not None:  # bias -slope*(i-j), divided by scale: the softmax rescales all
         scores = scores + attn.alibi_bias(q.shape[-2], scores.dtype) / scale
-    if (
-        docs is not None
-    ):  # other documents' keys: the dtype's most negative finite (a fused softmax takes no inf)
+    # other documents' keys: the dtype's most negative finite (a fused softmax takes no inf)
+    if docs is not None:
         scores = scores.masked_fill(~document_mask(docs), torch.finfo(scores.dtype).min)
     probs = attn.attn_drop(attn.ops.softmax(scores, scale))
     return probs @ v  # (b, nh, s, hd)
@@ -210,14 +207,10 @@ def sdpa_core(attn, q, k, v, docs=None):
         s = q.shape[-2]
         future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)  # key j > query i
         mask = attn.alibi_bias(s, q.dtype).masked_fill(future, float("-inf"))
-    if (
-        docs is not None
-    ):  # --document-mask: causal and inside one document (and ALiBi's bias, if any)
-        mask = (
-            document_mask(docs)
-            if mask is None
-            else mask.masked_fill(~document_mask(docs), float("-inf"))
-        )
+    # --document-mask: causal and inside one document (and ALiBi's bias, if any)
+    if docs is not None:
+        same = document_mask(docs)
+        mask = same if mask is None else mask.masked_fill(~same, float("-inf"))
     # tensor parallel dropout (rng.TrackedDropout): each rank's heads draw from its own stream
     fork = getattr(attn.attn_drop, "rng", None)
     with fork.fork() if fork is not None and drop > 0 else contextlib.nullcontext():
@@ -255,16 +248,13 @@ class Embedding(nn.Module):
         self.wpe = (
             None if cfg.alibi or cfg.arch == "llama" else nn.Embedding(cfg.block_size, cfg.n_embd)
         )
-        self.ops = Ops(
-            norm=layer_norm if cfg.embed_layernorm else None,  # what this piece uses
-            positions=None if self.wpe is None else in_order,
-        )
+        # the entries this piece uses
+        norm = layer_norm if cfg.embed_layernorm else None
+        self.ops = Ops(norm=norm, positions=None if self.wpe is None else in_order)
         self.ln = LayerNorm(cfg.n_embd, ops=self.ops) if cfg.embed_layernorm else None
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(
-        self, idx, positions=None
-    ):  # (b, s) -> (b, s, h); positions (s,) or None: the table's
+    def forward(self, idx, positions=None):  # (b, s) -> (b, s, h); positions (s,) or None
         x = self.wte(idx)
         if self.wpe is not None:
             pos = self.ops.positions(idx.shape[1]) if positions is None else positions
@@ -287,15 +277,13 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = Linear(h, h, bias=cfg.arch != "llama", ops=ops)
         self.attn_drop = nn.Dropout(cfg.dropout)
         self.resid_drop = nn.Dropout(cfg.dropout)
-        self.rotary = rotary  # modern.Rotary (llama), shared by every layer; None: positions come from the embedding
+        self.rotary = rotary  # modern.Rotary (llama), shared by every layer; None: the embedding's
         # ALiBi slopes of the heads this module holds (tp.py keeps only its own heads' slopes)
         self.register_buffer(
             "slopes", alibi_slopes(cfg.n_head) if cfg.alibi else None, persistent=False
         )
 
-    def forward(
-        self, x, docs=None, positions=None
-    ):  # under SP x is (b, s/tp, h), gathered in the projections
+    def forward(self, x, docs=None, positions=None):  # SP: x (b, s/tp, h), gathered in project
         q, k, v = self.project(x)  # (b, nh, s, hd), (b, n_kv, s, hd), (b, n_kv, s, hd)
         b, s = q.shape[0], q.shape[2]
         if self.rotary is not None:
@@ -357,13 +345,10 @@ class Block(nn.Module):
         self.ln_1 = norm(cfg, self.ops)
         self.attn = CausalSelfAttention(cfg, self.ops, rotary)
         self.ln_2 = norm(cfg, self.ops)
-        self.mlp = (
-            moe.mlp(cfg, self.ops) if cfg.arch == "llama" else MLP(cfg, self.ops)
-        )  # SwiGLU, or experts
+        # SwiGLU, or experts (moe.py)
+        self.mlp = moe.mlp(cfg, self.ops) if cfg.arch == "llama" else MLP(cfg, self.ops)
 
-    def forward(
-        self, x, docs=None, positions=None
-    ):  # docs: (b, s) document ids (--document-mask) or None
+    def forward(self, x, docs=None, positions=None):  # docs: (b, s) document ids or None
         return self.ops.layer(self.body, x, docs, positions)
 
     def body(self, x, docs=None, positions=None):
