@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanomega import cp, dist, moe, seams, tp, train, worlds
+from nanomega import cp, dist, fused, moe, recompute, seams, tp, train, worlds
+from nanomega.model import GPT, GPTConfig
 from nanomega.ops import checks, flags
 
 REAL = F.linear
@@ -134,19 +135,45 @@ def _layout(extra):
     )
 
 
+# what the built model's table names for each layout (GPT.ops_table), besides the linear entry
+REPLACED = {
+    "tp2-sp": "tp_loss.vocab_parallel_cross_entropy",
+    "cp2": "cp.core",
+    "ep2": "modern.swiglu",
+}
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_weight_matmul_goes_through_the_linear_entry(name):
     for rank, r in enumerate(worlds.launch(_layout, 2, LAYOUTS[name], timeout=120)):
         c, m, n, sp = r["counts"], r["m"], r["modules"], r["gathers"]
-        assert (
-            n > 0 and "tests.test_linear_seam.counting" not in r["table"]
-        )  # the zeros entry is the last
+        assert n > 0 and "test_linear_seam.zeros" in r["table"], r["table"]  # the last entry
+        assert REPLACED.get(name, "model.sdpa_core") in r["table"], r["table"]
         assert c["tracked"] == (n - sp) * m, (rank, c, n, sp)
         assert c["backward"] == c["tracked"], (
             rank,
             c,
-        )  # every tracked matmul's backward ran through it
+        )  # each tracked matmul's backward: through it
         assert c["untracked"] == 3 * sp * m, (rank, c, sp)
         assert (sp > 0) == (name == "tp2-sp")
         assert abs(r["zero_loss"] - r["loss"]) > 1e-3
         assert r["zero_loss"] == pytest.approx(math.log(r["vocab"]), abs=1e-5)
+
+
+def test_the_table_names_what_each_technique_replaced():
+    """Recompute and the fused kernels replace entries through GPT.replace_op, and ops_table shows
+    them; an entry name that does not exist is an error, not a new entry."""
+    model = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=3, n_head=2, n_embd=32))
+    recompute.apply_recompute(model, "selective", 2)
+    table = model.ops_table()
+    assert "blocks 0-1   core       recompute.Checkpointed(model.eager_core)" in table, table
+    assert "blocks 2     core       model.eager_core" in table, table
+    recompute.apply_recompute(model, "none")
+    assert "Checkpointed" not in model.ops_table()
+    model.replace_op("softmax", fused.causal_softmax)
+    assert (
+        "fused.causal_softmax" in model.ops_table()
+        and "model.causal_softmax" not in model.ops_table()
+    )
+    with pytest.raises(ValueError, match="no op 'linaer'"):
+        model.replace_op("linaer", F.linear)
