@@ -7,6 +7,7 @@ its formulas and its lesson:
                       bytes
         worlds.py     local worlds: N CPU ranks on this machine (tests, lessons, bench)
     01  model.py      the dense GPT: the reference every sharded form is tested against
+        seams.py      its op table: linear, attention core, norm, ... swapped by one call
         modern.py     the Llama block's pieces: rotary positions, RMSNorm, SwiGLU, grouped-query
                       (lesson 13)
         data.py       text -> tokens -> this rank's resumable batches
@@ -45,5 +46,5 @@ Beside the concepts, two folders a student may skip:
     tools/  commands around training: planner, HF interchange, plots, sampling, corpus and tokenizer
             preparation
 Imports point down: tools -> ops -> concepts; model.py imports only modern.py and moe.py (the
-block's pieces).
+block's pieces) and seams.py (its op table).
 """

@@ -1,28 +1,24 @@
-"""Context parallelism: the sequence split over a cp axis inside attention too (ring, all-gather, Ulysses).
+"""Context parallelism: the sequence split over a cp axis inside attention too (ring, all-gather,
+Ulysses).
 
-Idea: sequence parallelism (tp.py) splits the LayerNorm/dropout activations, but every rank still computes
-attention over the whole sequence: the (s x s) scores, and the keys and values of all s tokens. Context
-parallelism cuts the sequence into pieces held by cp ranks for the whole layer; only attention needs the
-other ranks' tokens, and three ways bring them:
-    ring       (Liu et al. 2023, ring attention) keys/values pass rank to rank in cp - 1 point-to-point steps,
-               each sent while the current block computes; blocks merged with the online softmax: a query row
-               keeps (out, lse) and a new block's (o, l) folds in as lse' = log(e^lse + e^l),
-               out' = out e^(lse - lse') + o e^(l - lse'). Backward recomputes each block from the saved lse
-               (FlashAttention's trick) while K/V pass around again, their gradients travelling with them.
-    allgather  (Llama 3, Megatron's "a2a"-free all-gather CP) all-gather K and V once, attend locally,
-               reduce-scatter dK/dV in backward (K/V re-gathered there rather than stored: cp x their bytes).
-    ulysses    (DeepSpeed-Ulysses, Jacobs et al. 2023) all-to-all turns sequence sharding into head sharding:
-               each rank attends over the whole sequence with n_head/cp heads, and an all-to-all turns back.
-               Needs cp to divide the key/value heads (this rank's, after tp): cp <= n_kv / tp.
-Causal load balancing: the sequence is cut into 2 cp chunks and rank c holds chunks c and 2cp-1-c (head and
-tail), so every rank's queries see as many earlier keys: (2cp - 1) + 1 chunk pairs of work each, where
-contiguous chunks give rank c c + 1/2 pairs (the last rank waits for 2cp - 1). `pairs_per_rank` counts it.
-Formulas (one home: formulas.py): bytes per layer one rank sends, B_kv = b s/cp n_kv hd bytes (its K or V):
-    ring fwd (cp-1) 2 B_kv   bwd (cp-1) 2 B_kv (K/V again) + cp 2 B_kv (dK/dV in fp32, home included)
-    allgather fwd (cp-1)/cp x cp 2 B_kv (wire)   bwd the same gather + a reduce-scatter of dK/dV
-    ulysses 4 all-to-alls (q, k, v, out) of (cp-1)/cp of their bytes, forward and backward
+Idea: each rank holds s/cp tokens for the whole layer; only attention needs the other ranks' tokens:
+    ring       (Liu et al. 2023) K/V pass rank to rank in cp - 1 p2p steps, each sent while the
+               current block computes; blocks merge with the online softmax; backward recomputes
+               each block from the saved lse while K/V, and their gradients, go round again
+    allgather  (Llama 3) all-gather K/V once, attend locally; backward re-gathers them and
+               reduce-scatters dK/dV
+    ulysses    (Jacobs et al. 2023) all-to-all from sequence shards to head shards and back
+               (cp <= n_kv / tp)
+Causal load balancing: 2 cp chunks, rank c holds chunks c and 2cp-1-c (pairs_per_rank: the work).
+The model meets cp through its op tables (seams.py): the `core` and `positions` entries.
+Formulas (one home: formulas.py); bytes one rank sends per layer, B_kv = b s/cp n_kv hd bytes of K:
+    online softmax  lse' = log(e^lse + e^l),  out' = out e^(lse - lse') + o e^(l - lse')
+    ring       fwd (cp-1) 2 B_kv    bwd (cp-1) 2 B_kv (K/V again) + cp 2 B_kv (dK/dV in fp32)
+    allgather  fwd (cp-1)/cp x cp 2 B_kv (wire)    bwd the same gather + a reduce-scatter of dK/dV
+    ulysses    4 all-to-alls (q, k, v, out) of (cp-1)/cp of their bytes, forward and backward
 Lesson: lessons/15-long-context.md
 """
+import functools
 import math
 
 import torch
@@ -36,7 +32,8 @@ WORK = {"pairs": 0.0, "flops": 0}  # attention work this process did (tests and 
 
 # ---------------------------------------------------------------- which tokens a rank holds
 def chunks_of(rank, cp, balanced=True):
-    """The chunks rank holds, of 2 cp chunks (balanced: head c and tail 2cp-1-c) or of cp (contiguous)."""
+    """The chunks rank holds, of 2 cp chunks (balanced: head c and tail 2cp-1-c) or of cp
+    (contiguous)."""
     return (rank, 2 * cp - 1 - rank) if balanced else (rank,)
 
 
@@ -49,25 +46,28 @@ def positions(s, cp, rank, balanced=True):
 
 
 def local(x, cp, rank, dim=1):
-    """This rank's tokens of a (b, s, ...) tensor (a batch, its targets): the chunks `positions` names."""
+    """This rank's tokens of a (b, s, ...) tensor (a batch, its targets): the chunks `positions`
+    names."""
     return x.index_select(dim, positions(x.shape[dim], cp, rank).to(x.device))
 
 
 def split(tensors, axis):
-    """This cp rank's tokens of a batch's (b, s) tensors (ids, targets); the batch itself when cp = 1."""
+    """This cp rank's tokens of a batch's (b, s) tensors (ids, targets); the batch itself when cp =
+    1."""
     return tensors if axis.size == 1 else tuple(local(t, axis.size, axis.rank) for t in tensors)
 
 
 def pairs_per_rank(cp, balanced=True):
-    """[causal (query chunk, key chunk) pairs of rank c, for c in cp]: a diagonal pair is half a full one."""
+    """[causal (query chunk, key chunk) pairs of rank c, for c in cp]: a diagonal pair is half a
+    full one."""
     return [sum(1.0 if k < q else 0.5 if k == q else 0.0 for q in chunks_of(c, cp, balanced)
                 for j in range(cp) for k in chunks_of(j, cp, balanced)) for c in range(cp)]
 
 
 # ---------------------------------------------------------------- one (query chunk, key chunk) pair
 def _mask(qi, ki, c, docs_q, docs_k, device):
-    """(c, c) or (b, 1, c, c) True where the query may see the key: causal between chunks qi and ki, and in
-    one document when docs (b, c) ids are given. None: no mask (ki < qi, no documents)."""
+    """(c, c) or (b, 1, c, c) True where the query may see the key: causal between chunks qi and ki,
+    and in one document when docs (b, c) ids are given. None: no mask (ki < qi, no documents)."""
     mask = None
     if ki == qi:
         mask = torch.ones(c, c, dtype=torch.bool, device=device).tril()
@@ -91,7 +91,8 @@ def _fold(t, kv_heads):  # the gradient of _expand: (b, nh, c, hd) summed back t
 
 
 def pair_forward(q, k, v, mask, scale):
-    """softmax over this key chunk alone: (out (b, nh, c, hd) fp32, lse (b, nh, c) fp32, -inf where no key)."""
+    """softmax over this key chunk alone: (out (b, nh, c, hd) fp32, lse (b, nh, c) fp32, -inf where
+    no key)."""
     s = _scores(q, _expand(k, q.shape[1]), mask, scale)
     m = s.amax(-1, keepdim=True)
     m = torch.where(torch.isinf(m), 0.0, m)  # a fully masked row: exp(-inf) = 0 everywhere, no NaN
@@ -103,7 +104,8 @@ def pair_forward(q, k, v, mask, scale):
 
 
 def merge(acc, new):
-    """The online softmax: two partial (out, lse) of the same query rows -> their softmax over both key sets."""
+    """The online softmax: two partial (out, lse) of the same query rows -> their softmax over both
+    key sets."""
     if acc is None:
         return new
     (o1, l1), (o2, l2) = acc, new
@@ -113,8 +115,9 @@ def merge(acc, new):
 
 
 def pair_backward(q, k, v, out, dout, lse, delta, mask, scale):
-    """Gradients of one pair from the saved lse (FlashAttention's backward): p = exp(s - lse) is the final
-    softmax's slice; ds = p (dp - rowsum(dout out)). Returns dq, dk, dv (fp32, k/v folded to n_kv heads)."""
+    """Gradients of one pair from the saved lse (FlashAttention's backward): p = exp(s - lse) is the
+    final softmax's slice; ds = p (dp - rowsum(dout out)). Returns dq, dk, dv (fp32, k/v folded to
+    n_kv heads)."""
     heads = q.shape[1]
     ke, ve = _expand(k, heads).float(), _expand(v, heads).float()
     p = torch.exp(_scores(q, ke, mask, scale) - lse[..., None])  # (b, nh, c, c), 0 where masked
@@ -138,8 +141,9 @@ class Layout:
         return None if self.docs is None else self.docs[:, chunk * self.c:(chunk + 1) * self.c]
 
     def pairs(self, src, device):
-        """(query slot, key slot, mask) for this rank's queries against rank src's keys: only the pairs with
-        work (a key chunk after a query chunk is skipped whole: the load balancing's saving)."""
+        """(query slot, key slot, mask) for this rank's queries against rank src's keys: only the
+        pairs with work (a key chunk after a query chunk is skipped whole: the load balancing's
+        saving)."""
         for a, qi in enumerate(self.chunks(self.rank)):
             for b, ki in enumerate(self.chunks(src)):
                 if ki <= qi:
@@ -152,8 +156,8 @@ def _slot(t, i, c):  # slot i (a chunk) of a (..., s_local, hd) tensor
 
 
 def attend(q, kv_from, layout, scale):
-    """Forward over the key/value blocks kv_from yields as (src rank, (2, b, n_kv, s_local, hd)), own first:
-    (out (b, nh, s_local, hd) fp32, lse (b, nh, s_local))."""
+    """Forward over the key/value blocks kv_from yields as (src rank, (2, b, n_kv, s_local, hd)),
+    own first: (out (b, nh, s_local, hd) fp32, lse (b, nh, s_local))."""
     c, acc = layout.c, {}
     for src, kv in kv_from:
         for a, b, mask in layout.pairs(src, q.device):
@@ -164,7 +168,8 @@ def attend(q, kv_from, layout, scale):
 
 
 def attend_backward(saved, kv, src, layout, scale, dq):
-    """Adds this rank's queries' gradient through rank src's keys to dq; returns dkv (2, b, n_kv, s_local, hd)."""
+    """Adds this rank's queries' gradient through rank src's keys to dq; returns dkv (2, b, n_kv,
+    s_local, hd)."""
     q, out, dout, lse, delta = saved
     c, dkv = layout.c, torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     for a, b, mask in layout.pairs(src, q.device):
@@ -184,7 +189,8 @@ def _saved(ctx, dout):
 
 
 class RingAttention(torch.autograd.Function):
-    """K/V passed around the cp ring (p2p, wait=False: the next block travels while this one computes)."""
+    """K/V passed around the cp ring (p2p, wait=False: the next block travels while this one
+    computes)."""
 
     @staticmethod
     def forward(ctx, q, k, v, axis, layout, scale):
@@ -230,7 +236,8 @@ class RingAttention(torch.autograd.Function):
 
 
 class AllGatherAttention(torch.autograd.Function):
-    """Llama 3's: all-gather K/V over cp, attend locally; backward re-gathers them and reduce-scatters dK/dV."""
+    """Llama 3's: all-gather K/V over cp, attend locally; backward re-gathers them and
+    reduce-scatters dK/dV."""
 
     @staticmethod
     def forward(ctx, q, k, v, axis, layout, scale):
@@ -258,7 +265,8 @@ def _gather(axis, k, v):
 
 # ---------------------------------------------------------------- Ulysses: sequence shards <-> head shards
 def _seq_to_heads(x, axis, order):
-    """(b, H, s_local, hd) sequence-sharded -> (b, H/cp, s, hd) head-sharded, the sequence in natural order."""
+    """(b, H, s_local, hd) sequence-sharded -> (b, H/cp, s, hd) head-sharded, the sequence in
+    natural order."""
     b, heads, sl, hd = x.shape
     n = axis.size
     send = x.unflatten(1, (n, heads // n)).movedim(1, 0).contiguous()  # (cp, b, H/cp, s_l, hd): group i -> rank i
@@ -291,7 +299,8 @@ class SwapSharding(torch.autograd.Function):
 
 
 def ulysses(q, k, v, axis, layout, scale):
-    """All-to-all to head shards, attention over the whole sequence with H/cp heads, all-to-all back."""
+    """All-to-all to head shards, attention over the whole sequence with H/cp heads, all-to-all
+    back."""
     order = [c for j in range(axis.size) for c in layout.chunks(j)]  # the chunks in rank order
     q, k, v = (SwapSharding.apply(t, axis, order, True) for t in (q, k, v))
     mask = None if layout.docs is None else document_mask(layout.docs)  # (b, 1, s, s): causal, one document
@@ -303,8 +312,9 @@ def ulysses(q, k, v, axis, layout, scale):
 
 # ---------------------------------------------------------------- the attention core, and the model transform
 def attention(q, k, v, axis, method="ring", docs=None, balanced=True):
-    """softmax(q k^T / sqrt(d), causal [, documents]) v with q, k, v (b, heads, s/cp, hd) this rank's tokens
-    (chunks_of) and the result likewise; docs: (b, s) document ids of the whole sequences, or None."""
+    """softmax(q k^T / sqrt(d), causal [, documents]) v with q, k, v (b, heads, s/cp, hd) this
+    rank's tokens (chunks_of) and the result likewise; docs: (b, s) document ids of the whole
+    sequences, or None."""
     s = q.shape[2] * axis.size
     layout = Layout(axis.size, axis.rank, s, docs, balanced)
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -330,20 +340,29 @@ def check(cfg, cp, method, tp=1):
                          f"{cfg.n_head // tp}, key/value heads {kv}; use --cp-method ring or allgather")
 
 
+@functools.lru_cache(maxsize=8)
+def local_positions(cp, rank, s_local):
+    """The `positions` entry under cp: (s_local,) the positions of this rank's s_local tokens (CPU,
+    cached)."""
+    return positions(s_local * cp, cp, rank)
+
+
+def core(attn, q, k, v, docs=None, *, axis, method="ring"):
+    """The `core` entry under cp (seams.Ops): attention over the cp axis for attn's heads."""
+    return attention(q, k, v, axis, method, docs)
+
+
 def apply_context_parallel(model, axis, method="ring"):
-    """In place: every attention core attends over the cp axis, and the positions (learned or rotary) are
-    this rank's chunks' (positions). The model then takes this rank's tokens (local), and the whole windows'
-    document ids (b, s) if any (documents.py), and returns the mean loss over its tokens; weights are unchanged
-    (replicated over cp: their gradients are summed over dp_cp, zero.py)."""
+    """In place: two entries of every table replaced -- the attention core attends over the cp axis,
+    and the positions (learned or rotary) are this rank's chunks' (positions). The model then takes
+    this rank's tokens (local), and the whole windows' document ids (b, s) if any (documents.py),
+    and returns the mean loss over its tokens; weights are unchanged (replicated over cp: their
+    gradients are summed over dp_cp, zero.py)."""
     if axis.size == 1:
         return model
     check(model.cfg, axis.size, method)
-    pos = positions(model.cfg.block_size, axis.size, axis.rank)
-    if model.embed is not None:
-        model.embed.positions = pos
-    for block in model.blocks.values():
-        attn = block.attn
-        if attn.rotary is not None:
-            attn.rotary.positions = pos  # one Rotary shared by every layer
-        attn.core = lambda q, k, v, docs=None: attention(q, k, v, axis, method, docs)  # recompute wraps it too
+    model.replace_op("positions", functools.partial(local_positions, axis.size, axis.rank))
+    model.replace_op(
+        "core", functools.partial(core, axis=axis, method=method)
+    )  # recompute wraps it too
     return model

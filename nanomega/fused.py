@@ -48,13 +48,14 @@ def build_dir() -> str:
 
 
 def march() -> str:
-    """The -march target: "native" (this CPU's every instruction), or $NANOMEGA_MARCH, e.g. x86-64-v3 to
-    build what an AVX2-only CPU runs while sitting at an AVX-512 one."""
+    """The -march target: "native" (this CPU's every instruction), or $NANOMEGA_MARCH, e.g.
+    x86-64-v3 to build what an AVX2-only CPU runs while sitting at an AVX-512 one."""
     return os.environ.get("NANOMEGA_MARCH", "native")
 
 
 def cpu_flags() -> list[str]:
-    """-O3 -march=... -ffast-math, and the at::vec ISA that torch itself dispatches to on this CPU."""
+    """-O3 -march=... -ffast-math, and the at::vec ISA that torch itself dispatches to on this
+    CPU."""
     cap = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT" (ATEN_CPU_CAPABILITY picks)
     flags = ["-O3", "-ffast-math", "-fopenmp", f"-DCPU_CAPABILITY={cap}"]
     if platform.machine() in ("x86_64", "AMD64"):
@@ -77,7 +78,8 @@ def cpu_info() -> dict:
 
 
 def cpu_features() -> str:
-    """What -march=native compiles for: the CPU's model and feature flags (avx2, avx512f, amx_tile, ...)."""
+    """What -march=native compiles for: the CPU's model and feature flags (avx2, avx512f, amx_tile,
+    ...)."""
     info = cpu_info()
     if not info:  # not Linux: the platform's own description
         return f"{platform.machine()} {platform.processor()}"
@@ -97,9 +99,9 @@ def cpu_summary() -> str:
 
 
 def cuda_target() -> str:
-    """What a CUDA build is compiled for besides its flags: torch's CUDA version and the GPU architectures,
-    $TORCH_CUDA_ARCH_LIST, or where it is unset (or "native") the visible GPUs' compute capabilities, as
-    cpp_extension picks them."""
+    """What a CUDA build is compiled for besides its flags: torch's CUDA version and the GPU
+    architectures, $TORCH_CUDA_ARCH_LIST, or where it is unset (or "native") the visible GPUs'
+    compute capabilities, as cpp_extension picks them."""
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
     if archs in ("", "native"):
         archs = " ".join(sorted({"%d.%d" % torch.cuda.get_device_capability(i)
@@ -108,12 +110,12 @@ def cuda_target() -> str:
 
 
 def build_key(sources: list[str], cflags: list[str], with_cuda: bool = False) -> str:
-    """Hash of everything the binary depends on: the sources, torch, the flags, -- for -march=native --
-    the CPU and, with CUDA, cuda_target(). ninja alone rebuilds on a changed command line, and
-    "-march=native" reads the same on every CPU (and no flag names the GPU): a home directory shared by an
-    AVX-512 and an AVX2 machine, or by A100 and H100 nodes, would hand one's binary to the other (SIGILL, no
-    kernel image for the device) or rebuild it back and forth. One directory per key: machines sharing a
-    cache each find their own build."""
+    """Hash of everything the binary depends on: the sources, torch, the flags, -- for -march=native
+    -- the CPU and, with CUDA, cuda_target(). ninja alone rebuilds on a changed command line, and
+    "-march=native" reads the same on every CPU (and no flag names the GPU): a home directory shared
+    by an AVX-512 and an AVX2 machine, or by A100 and H100 nodes, would hand one's binary to the
+    other (SIGILL, no kernel image for the device) or rebuild it back and forth. One directory per
+    key: machines sharing a cache each find their own build."""
     # torch's version and where it lies: its headers' path is in ninja's command, so two environments sharing
     # the cache would otherwise rebuild each other's binary back and forth
     h = hashlib.sha256(f"{torch.__version__} {os.path.dirname(torch.__file__)} {' '.join(cflags)}".encode())
@@ -155,10 +157,10 @@ def load_extension(verbose: bool = False):
 
 
 def _staged(directory, paths):
-    """Copies of the sources in the build directory (its key is their content), compiled from there: ninja
-    rebuilds when a command line changes, and the checkout's path is in it, so a second clone of the same
-    sources would rebuild. Written once, atomically (ranks start together); never rewritten (a newer mtime
-    would rebuild too)."""
+    """Copies of the sources in the build directory (its key is their content), compiled from there:
+    ninja rebuilds when a command line changes, and the checkout's path is in it, so a second clone
+    of the same sources would rebuild. Written once, atomically (ranks start together); never
+    rewritten (a newer mtime would rebuild too)."""
     src = os.path.join(directory, "src")
     os.makedirs(src, exist_ok=True)
     staged = []
@@ -188,8 +190,8 @@ def available() -> bool:
 
 
 def extension():
-    """The built extension module (building it on first call), or None after the one-line notice: for the
-    modules whose kernels live in it (cpu_adam.py)."""
+    """The built extension module (building it on first call), or None after the one-line notice:
+    for the modules whose kernels live in it (cpu_adam.py)."""
     return _ext()
 
 
@@ -274,7 +276,8 @@ def layer_norm(x, weight, bias, eps=1e-5):
 
 
 def causal_softmax(scores, scale):
-    """model.causal_softmax in one pass: (..., s_q, s_k) -> probs, opmath inside, scores' dtype out."""
+    """model.causal_softmax in one pass: (..., s_q, s_k) -> probs, opmath inside, scores' dtype
+    out."""
     if not _runs_on(scores):
         return model.causal_softmax(scores, scale)
     return CausalSoftmaxFn.apply(scores, float(scale))
@@ -288,9 +291,9 @@ def bias_gelu(x, bias):
 
 
 def rms_norm(x, weight, eps=1e-5):
-    """modern.rms_norm in one pass per row: w * (x / sqrt(mean(x^2) + eps)) with opmath inside, x rounded where
-    eager rounds it. A weight of another dtype than x (eager promotes: fp32 weight, bf16 x -> fp32 out) takes
-    modern.rms_norm."""
+    """modern.rms_norm in one pass per row: w * (x / sqrt(mean(x^2) + eps)) with opmath inside, x
+    rounded where eager rounds it. A weight of another dtype than x (eager promotes: fp32 weight,
+    bf16 x -> fp32 out) takes modern.rms_norm."""
     if not _runs_on(x) or weight.dtype != x.dtype:
         return modern.rms_norm(x, weight, eps)
     return RMSNormFn.apply(x, weight, float(eps))
@@ -303,46 +306,22 @@ def swiglu(gate_up):
     return SwiGLUFn.apply(gate_up)
 
 
-class FusedLayerNorm(nn.LayerNorm):
-    """nn.LayerNorm (affine, 1-D normalized_shape) whose forward is the fused kernel."""
-
-    def forward(self, x):
-        return layer_norm(x, self.weight, self.bias, self.eps)
-
-    @classmethod
-    def sharing(cls, ln: nn.LayerNorm) -> "FusedLayerNorm":
-        """A FusedLayerNorm holding ln's own Parameters: same state_dict names, same optimizer state."""
-        fused = cls(ln.normalized_shape, eps=ln.eps, device="meta")  # placeholders, replaced below
-        fused.weight, fused.bias = ln.weight, ln.bias
-        return fused
-
-
 def apply_fused(gpt: nn.Module) -> bool:
-    """Swap in the fused kernels in place: every affine 1-D nn.LayerNorm, each MLP's bias_gelu (gpt2) or
-    swiglu (llama), each RMSNorm's rms_norm and each attention's scale_mask_softmax (looked up at call time,
-    so recompute's wrappers use them too).
-    Parameters are shared, not copied: names, tensor-parallel tags and gradient hooks stay. Returns
-    False, leaving the PyTorch path, when the kernels cannot be built."""
+    """Swap in the fused kernels, through the model's op tables (seams.Ops): norm (LayerNorm or
+    RMSNorm), activation (bias-GeLU or SwiGLU) and the eager core's softmax. Entries are looked up
+    at call time, so recompute's checkpoints use them too; parameters are untouched (names,
+    tensor-parallel tags and gradient hooks stay). Returns False, leaving the PyTorch path, when the
+    kernels cannot be built."""
     if not available():
         return False
-    for module in list(gpt.modules()):
-        for name, child in list(module.named_children()):
-            if (type(child) is nn.LayerNorm and len(child.normalized_shape) == 1
-                    and child.weight is not None and child.bias is not None):
-                setattr(module, name, FusedLayerNorm.sharing(child))
-        if hasattr(module, "bias_gelu"):  # model.MLP and any tensor-parallel MLP built like it
-            module.bias_gelu = bias_gelu
-        if hasattr(module, "scale_mask_softmax"):  # model.CausalSelfAttention
-            module.scale_mask_softmax = causal_softmax
-        if hasattr(module, "rms_norm"):  # modern.RMSNorm
-            module.rms_norm = rms_norm
-        if hasattr(module, "swiglu"):  # modern.GatedMLP and any tensor-parallel MLP built like it
-            module.swiglu = swiglu
+    llama = gpt.cfg.arch == "llama"
+    gpt.replace_op("norm", rms_norm if llama else layer_norm)
+    gpt.replace_op("activation", swiglu if llama else bias_gelu)
+    gpt.replace_op("softmax", causal_softmax)
     return True
 
 
 def apply_fused_softmax(gpt: nn.Module) -> None:
-    """--attention fused: only the eager attention core's scale-mask-softmax becomes the fused kernel."""
-    for module in gpt.modules():
-        if hasattr(module, "scale_mask_softmax"):
-            module.scale_mask_softmax = causal_softmax
+    """--attention fused: only the eager attention core's scale-mask-softmax becomes the fused
+    kernel."""
+    gpt.replace_op("softmax", causal_softmax)

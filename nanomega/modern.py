@@ -1,20 +1,11 @@
-"""The modern block: what Llama changed in GPT-2's block -- rotary positions, RMSNorm, SwiGLU, grouped-query attention.
+"""The modern block: what Llama changed in GPT-2's block -- rotary positions, RMSNorm, SwiGLU,
+grouped-query attention -- and packed documents kept apart (document_mask).
 
-Idea: four small changes, each buying something measurable (lesson 13 prints each number on a CPU):
-    RoPE     (Su et al. 2021) no position table: q and k are rotated by an angle proportional to their position,
-             so q.k depends on the distance i - j only; no parameters, no limit baked into a table (Llama 3.1
-             stretches the low frequencies by a factor 8 to reach 128k tokens: rope_frequencies)
-    RMSNorm  (Zhang & Sennrich 2019) x / rms(x) * g: LayerNorm without the mean and the bias; one reduction
-             per row instead of two, h parameters instead of 2h
-    SwiGLU   (Shazeer 2020) silu(x W_gate) * (x W_up) W_down: three matrices of h x f; f = 2/3 * 4h (rounded up
-             to a multiple, Llama's rule: ffn_hidden) keeps 3hf = 8h^2, GPT-2's MLP parameters and FLOPs
-    GQA      (Ainslie et al. 2023) n_kv < n_head key/value heads, each shared by n_head/n_kv query heads: the
-             k/v projections and the KV cache shrink by n_head/n_kv (MQA: n_kv = 1)
-    documents (Llama 3) packed documents attend only inside themselves: the causal mask and a block-diagonal
-             one (document_mask; --document-mask, documents.py), for any block, gpt2's too
-model.py composes them into its one block when GPTConfig.arch == "llama"; fused.py swaps in one-pass kernels
-for rms_norm and swiglu; tp.py splits q by heads, k/v by key/value heads (or replicates a kv group when tp
-exceeds n_kv), gate/up by columns and down by rows.
+Idea: RoPE rotates q and k by an angle proportional to their position, so q.k depends on i - j only;
+RMSNorm is LayerNorm without the mean and the bias; SwiGLU is a gated MLP of three h x f matrices, f
+= 2/3 of 4h (ffn_hidden) keeping GPT-2's 8h^2; GQA lets n_kv < n_head key/value heads each serve
+n_head / n_kv query heads. model.py composes them when GPTConfig.arch == "llama"; fused.py and tp.py
+act on them through the block's op table (seams.py).
 Formulas (h hidden, a heads, g = a / n_kv, f MLP hidden; one home: formulas.py):
     parameters per layer  2h^2 (q, o) + 2h^2/g (k, v) + 3hf (gate, up, down) + 2h (two RMSNorm scales)
     FLOPs per token       6N + 12 L h s, as GPT-2's (GQA changes N, not the attention matmuls)
@@ -26,21 +17,25 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .seams import Linear, Ops
+
 # Llama 3.1's frequency scaling (its params.json: low 1, high 4, original context 8192; factor 8 in 3.1, 32 in 3.2)
 LLAMA3_LOW_FREQ, LLAMA3_HIGH_FREQ, LLAMA3_ORIGINAL_CONTEXT = 1.0, 4.0, 8192
 
 
 def ffn_hidden(h, multiplier=1.0, multiple_of=256):
-    """Llama's MLP width: 2/3 of 4h (so 3 matrices hold GPT-2's 8h^2), times ffn_dim_multiplier, rounded up to
-    multiple_of. Llama 3 8B: 14336 (1.3, 1024); 70B: 28672 (1.3, 4096); 405B: 53248 (1.2, 4096)."""
+    """Llama's MLP width: 2/3 of 4h (so 3 matrices hold GPT-2's 8h^2), times ffn_dim_multiplier,
+    rounded up to multiple_of. Llama 3 8B: 14336 (1.3, 1024); 70B: 28672 (1.3, 4096); 405B: 53248
+    (1.2, 4096)."""
     f = int(multiplier * int(2 * 4 * h / 3))
     return multiple_of * -(-f // multiple_of)
 
 
 def rope_frequencies(head_dim, theta=10000.0, scaling=1.0):
-    """(head_dim/2,) fp32 inverse frequencies theta^(-2i/d), on the CPU even inside a meta context. scaling > 1:
-    Llama 3.1's rule -- wavelengths longer than the original context / LLAMA3_LOW_FREQ are stretched by
-    `scaling`, shorter than context / LLAMA3_HIGH_FREQ kept, the band between interpolated smoothly."""
+    """(head_dim/2,) fp32 inverse frequencies theta^(-2i/d), on the CPU even inside a meta context.
+    scaling > 1: Llama 3.1's rule -- wavelengths longer than the original context / LLAMA3_LOW_FREQ
+    are stretched by `scaling`, shorter than context / LLAMA3_HIGH_FREQ kept, the band between
+    interpolated smoothly."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
     if scaling == 1.0:
         return inv
@@ -53,15 +48,15 @@ def rope_frequencies(head_dim, theta=10000.0, scaling=1.0):
 
 
 class Rotary:
-    """RoPE in Hugging Face's rotate-half layout: the pairs are (x_i, x_{i + d/2}), rotated by position * inv_freq_i.
-    Not a module and no buffer: the tables are computed from the config on the host in fp32 (so a bf16 cast of
-    the model never rounds the frequencies), cached per device and dtype, grown to the longest sequence seen
-    and sliced; one Rotary is shared by every layer of a model."""
+    """RoPE in Hugging Face's rotate-half layout: the pairs are (x_i, x_{i + d/2}), rotated by
+    position * inv_freq_i. Not a module and no buffer: the tables are computed from the config on
+    the host in fp32 (so a bf16 cast of the model never rounds the frequencies), cached per device
+    and dtype, grown to the longest sequence seen and sliced; one Rotary is shared by every layer of
+    a model."""
 
     def __init__(self, head_dim, theta=10000.0, scaling=1.0):
         self.inv_freq = rope_frequencies(head_dim, theta, scaling)  # (hd/2,)
         self.tables = {}  # (device, dtype) -> (cos, sin), each (s_max, hd)
-        self.positions = None  # context parallelism (cp.py): this rank's tokens' positions (CPU); None: 0 .. s-1
 
     def table(self, s, device, dtype):
         cos_sin = self.tables.get((device, dtype))
@@ -71,8 +66,7 @@ class Rotary:
             cos_sin = self.tables[(device, dtype)] = (angle.cos().to(device, dtype), angle.sin().to(device, dtype))
         return cos_sin[0][:s], cos_sin[1][:s]
 
-    def __call__(self, x):  # (b, heads, s, hd) -> the same, rotated
-        pos = self.positions
+    def __call__(self, x, pos=None):  # (b, heads, s, hd) -> rotated; pos: (s,) (CPU) or None
         cos, sin = self.table(x.shape[-2] if pos is None else int(pos.max()) + 1, x.device, x.dtype)
         if pos is not None:  # the rows of this rank's chunks
             cos, sin = cos[pos.to(x.device)], sin[pos.to(x.device)]
@@ -81,47 +75,51 @@ class Rotary:
 
 
 def rms_norm(x, weight, eps=1e-5):
-    """x / sqrt(mean(x^2) + eps) * weight over the last dim, fp32 inside (as HF's LlamaRMSNorm), x's dtype
-    out before the scale. fused.py swaps in a one-pass kernel."""
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, fp32 inside (as HF's LlamaRMSNorm), x's
+    dtype out before the scale. fused.py swaps in a one-pass kernel."""
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * y.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, h, eps=1e-5):
+    """x / rms(x) * weight; its arithmetic is the table's norm entry (rms_norm, or fused.py's
+    kernel)."""
+
+    def __init__(self, h, eps=1e-5, *, ops: Ops):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(h))
-        self.eps = eps
-        self.rms_norm = rms_norm  # fused.apply_fused swaps in the kernel
+        self.eps, self.ops = eps, ops
 
     def forward(self, x):
-        return self.rms_norm(x, self.weight, self.eps)
+        return self.ops.norm(x, self.weight, self.eps)
 
 
 def swiglu(gate_up):
-    """silu(gate) * up of a (..., 2f) tensor laid out [gate | up] (one matmul makes both). fused.py fuses it."""
+    """silu(gate) * up of a (..., 2f) tensor laid out [gate | up] (one matmul makes both). fused.py
+    fuses it."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
 class GatedMLP(nn.Module):
-    """Llama's MLP: down(silu(x W_gate) * x W_up). gate and up are one (2f, h) weight, [gate; up] by rows, so
-    tensor parallelism splits each half by columns (tp.py's rule: 2 interleaved groups) in one matmul."""
+    """Llama's MLP: down(silu(x W_gate) * x W_up). gate and up are one (2f, h) weight, [gate; up] by
+    rows, so tensor parallelism splits each half by columns (tp.py's rule: 2 interleaved groups) in
+    one matmul."""
 
-    def __init__(self, h, f, dropout=0.0):
+    def __init__(self, h, f, dropout=0.0, *, ops: Ops):
         super().__init__()
-        self.gate_up = nn.Linear(h, 2 * f, bias=False)  # (b, s, h) -> (b, s, 2f)
-        self.c_proj = nn.Linear(f, h, bias=False)  # down: (b, s, f) -> (b, s, h)
+        self.ops = ops  # the block's table: linear, activation (swiglu)
+        self.gate_up = Linear(h, 2 * f, bias=False, ops=ops)  # (b, s, h) -> (b, s, 2f)
+        self.c_proj = Linear(f, h, bias=False, ops=ops)  # down: (b, s, f) -> (b, s, h)
         self.drop = nn.Dropout(dropout)
-        self.swiglu = swiglu
 
     def forward(self, x):
-        return self.drop(self.c_proj(self.swiglu(self.gate_up(x))))
+        return self.drop(self.c_proj(self.ops.activation(self.gate_up(x))))
 
 
 def document_mask(docs):
-    """(b, 1, s, s) bool, True where query i may attend key j: j <= i and both in one document (docs (b, s)
-    document ids). Positions stay absolute: the mask alone keeps packed documents apart."""
+    """(b, 1, s, s) bool, True where query i may attend key j: j <= i and both in one document (docs
+    (b, s) document ids). Positions stay absolute: the mask alone keeps packed documents apart."""
     causal = torch.ones(docs.shape[1], docs.shape[1], dtype=torch.bool, device=docs.device).tril()
     return (docs[:, None, :, None] == docs[:, None, None, :]) & causal

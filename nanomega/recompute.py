@@ -1,21 +1,17 @@
 """Activation recompute: save less in forward, redo part of the forward in backward.
 
-Idea (Chen et al. 2016; Korthikanti et al. 2022): backward needs what forward saved. Per transformer layer,
-with 2-byte activations and 1-byte dropout masks (s sequence, b micro-batch, h hidden, a heads):
-
-    none       sbh (34 + 5as/h) bytes = 11sbh + 5as^2b (attention) + 19sbh (MLP) + 4sbh (two LayerNorms)
-    selective  34 sbh    recompute only softmax(QK^T)V with its dropout; its inputs Q, K, V are saved anyway
-    full       2 sbh     keep only the layer's input; rerun the whole layer at the start of its backward
-
-Compute price, in matmul FLOPs of one training step per layer (forward 24bsh^2 + 4bs^2h, backward twice
-that): full reruns the forward, +1/3; selective reruns QK^T (2bs^2h), + s / (36h + 6s) -- the AV matmul is
-not rerun because torch's non-reentrant checkpoint stops as soon as the last saved tensor is rebuilt (its
-inputs are saved before it runs); Megatron's selective recompute reruns both (4bs^2h).
-Both rely on torch.utils.checkpoint (non-reentrant) with the RNG state saved at forward and restored for
-the rerun, so dropout draws the same masks and the gradients are bitwise those of no recompute.
-The 34 and 5 assume Megatron's kernels (1-byte dropout masks, 2-byte softmax output); the formula's one home,
-formulas.activation_bytes_per_layer, takes the bytes per element as arguments, and `ActivationMeter`
-(pp.py's schedules are measured with it too) counts what autograd really keeps.
+Idea (Chen et al. 2016; Korthikanti et al. 2022): backward needs what forward saved. Full recompute
+keeps only a layer's input and reruns the layer (the block's `layer` entry, checkpointed); selective
+reruns only softmax(QK^T)V with its dropout (the attention `core` entry). Both are
+torch.utils.checkpoint (non-reentrant) with the RNG state restored for the rerun: dropout draws the
+same masks and the gradients are bitwise those of no recompute. ActivationMeter counts what autograd
+really keeps.
+Formula: bytes saved per layer (2-byte activations, 1-byte dropout masks, Megatron's kernels; one
+home: formulas.activation_bytes_per_layer) and the compute price in matmul FLOPs of a step (forward
+24bsh^2 + 4bs^2h, backward twice that):
+    none       sbh (34 + 5as/h)   = 11sbh + 5as^2b (attention) + 19sbh (MLP) + 4sbh (two LayerNorms)
+    selective  34 sbh             + s / (36h + 6s)   (reruns QK^T; AV is not rerun: lesson 07)
+    full       2 sbh              + 1/3
 Lesson: lessons/07-activation-recompute.md
 """
 import itertools
@@ -23,56 +19,54 @@ import itertools
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .seams import describe
+
 MODES = ("none", "full", "selective")
 
 
 def apply_recompute(model, mode: str, layers: int | None = None):
-    """Recompute the first `layers` blocks this model holds (all when None): "full" wraps Block.forward,
-    "selective" wraps CausalSelfAttention.core. Works in place; applying again replaces the previous mode.
+    """Recompute the first `layers` blocks this model holds (all when None): "full" checkpoints
+    the block's `layer` entry (its whole body), "selective" its attention `core` entry (seams.Ops).
+    Works in place; applying again replaces the previous mode.
 
-    On a pipeline stage `model.blocks` holds only that stage's layers: "first k" means the first k layers
-    held by this stage (Megatron's per-stage `--recompute-num-layers`); a stage holding fewer than k layers
-    recomputes all of them. k may not exceed the model's n_layer.
+    On a pipeline stage `model.blocks` holds only that stage's layers: "first k" means the first k
+    layers held by this stage (Megatron's per-stage `--recompute-num-layers`); a stage holding fewer
+    than k layers recomputes all of them. k may not exceed the model's n_layer.
     """
     if mode not in MODES:
         raise ValueError(f"--recompute {mode!r} is not one of {', '.join(MODES)}")
     n_layer = model.cfg.n_layer
     if layers is not None and not 0 <= layers <= n_layer:
-        raise ValueError(f"--recompute-layers {layers} is outside [0, n_layer={n_layer}]; "
-                         f"pass at most --n-layer, or leave it out to recompute every layer")
-    for i, block in enumerate(model.blocks.values()):
-        _unwrap(block, "forward")
-        _unwrap(block.attn, "core")
+        raise ValueError(
+            f"--recompute-layers {layers} is outside [0, n_layer={n_layer}]; "
+            f"pass at most --n-layer, or leave it out to recompute every layer"
+        )
+    for i, (key, block) in enumerate(model.blocks.items()):
+        for name in ("layer", "core"):  # undo a previous mode
+            op = getattr(block.ops, name)
+            if isinstance(op, Checkpointed):
+                model.replace_op(name, op.inner, blocks=[key])
         if mode == "none" or (layers is not None and i >= layers):
             continue
-        if mode == "full":
-            _wrap(block, "forward")
-        else:
-            _wrap(block.attn, "core")
+        name = "layer" if mode == "full" else "core"
+        model.replace_op(name, Checkpointed(getattr(block.ops, name)), blocks=[key])
     return model
 
 
-def _wrap(module, name):
-    """Replace module.<name> (per instance, so parameter names do not change) by a checkpointed call."""
-    fn = getattr(module, name)  # the bound method, or a function another module swapped in
+class Checkpointed:
+    """An op whose call is checkpointed (torch.utils.checkpoint, non-reentrant, the RNG state
+    restored for the rerun): its forward keeps only its inputs, and backward reruns it."""
 
-    def recomputed(*args):
+    def __init__(self, inner):
+        self.inner = inner  # the entry it wraps, put back when the mode changes
+
+    def __call__(self, *args):
         if not torch.is_grad_enabled():  # eval: nothing is saved anyway
-            return fn(*args)
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+            return self.inner(*args)
+        return checkpoint(self.inner, *args, use_reentrant=False, preserve_rng_state=True)
 
-    recomputed.recompute_prev = module.__dict__.get(name)  # an instance override to put back, or None
-    setattr(module, name, recomputed)
-
-
-def _unwrap(module, name):
-    current = module.__dict__.get(name)
-    if current is None or not hasattr(current, "recompute_prev"):
-        return
-    if current.recompute_prev is None:
-        delattr(module, name)
-    else:
-        setattr(module, name, current.recompute_prev)
+    def __repr__(self):
+        return f"recompute.Checkpointed({describe(self.inner)})"
 
 
 class ActivationMeter:
@@ -86,8 +80,15 @@ class ActivationMeter:
     """
 
     def __init__(self, model, blocks=None):
-        self.skip = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
-        self.storages, self.live, self.peak = {}, 0, 0  # data_ptr -> [saved tensors using it, bytes]
+        self.skip = {
+            t.untyped_storage().data_ptr()
+            for t in itertools.chain(model.parameters(), model.buffers())
+        }
+        self.storages, self.live, self.peak = (
+            {},
+            0,
+            0,
+        )  # data_ptr -> [saved tensors using it, bytes]
         self.blocks = blocks or {}
         self.per_block = {key: {} for key in self.blocks}
         self.current = None  # the block whose forward is running
@@ -149,8 +150,8 @@ class _Saved:
 
 
 def saved_bytes_per_layer(model, run) -> dict:
-    """Call run() (a forward) and return {block key: bytes autograd saved for backward while in that block},
-    as ActivationMeter attributes them (each storage once per block, at its full size)."""
+    """Call run() (a forward) and return {block key: bytes autograd saved for backward while in that
+    block}, as ActivationMeter attributes them (each storage once per block, at its full size)."""
     with ActivationMeter(model, model.blocks) as meter:
         run()
     return {key: sum(storages.values()) for key, storages in meter.per_block.items()}

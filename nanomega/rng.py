@@ -1,13 +1,11 @@
 """Dropout random streams under tensor parallelism (the idea of Megatron's CUDA RNG tracker).
 
-A replicated activation must get the SAME dropout mask on every tensor parallel rank, or the
-replicas drift apart; a sharded one (a rank's heads, its slice of the sequence under SP) needs a
-DIFFERENT mask on each rank, or the shards' dropout would be correlated. So there are two streams;
-the tp stream is a function of the default one, so recompute and resume reproduce it.
-    default stream   torch's own generator, seeded seed + 100 * pp_rank: equal across the tp group
-    tp stream        inside RNGTracker.fork(): a generator seeded (u, tp_rank) with u drawn from the
-                     default stream -- so equal draws on the tp group give a different, reproducible
-                     seed per rank
+Idea: a replicated activation must get the SAME dropout mask on every tp rank, or the replicas drift
+apart; a sharded one (a rank's heads; under sequence parallelism its slice of the sequence) a
+DIFFERENT mask per rank. Two streams: torch's default generator, seeded alike on the tp group, and
+inside RNGTracker.fork a generator seeded from (a draw of the default stream, tp rank). The tp
+stream keeps no state of its own, so recompute and a resumed checkpoint replay the same masks.
+Formula (the seeds):  default stream  seed + 100 pp_rank      tp stream  u * MAX_TP + tp_rank
 Lessons: lessons/03-tensor-parallel.md, lessons/04-sequence-parallel.md
 """
 from contextlib import contextmanager
@@ -30,14 +28,13 @@ def _set_state(state, device):
 
 
 def save_state(device) -> dict:
-    """The generators a resume must continue: the CPU one and, on CUDA, this rank's device's (only
-    its own: touching every GPU would open a context on each)."""
+    """The generators a resume must continue: the CPU one and, on CUDA, this rank's device's (only its own:
+    touching every GPU would open a context on each)."""
     return dict(rng=torch.get_rng_state(), cuda_rng=_get_state(device) if device.type == "cuda" else None)
 
 
 def restore_state(state: dict, device) -> None:
-    """Set back what save_state saved: a resume with dropout continues the same random
-    streams, bitwise."""
+    """Set back what save_state saved: a resume with dropout continues the same random streams, bitwise."""
     torch.set_rng_state(state["rng"])
     cuda = state.get("cuda_rng")
     if device.type == "cuda" and cuda is not None:
@@ -45,7 +42,7 @@ def restore_state(state: dict, device) -> None:
 
 
 class RNGTracker:
-    """Swaps a per-tp-rank generator in for sharded activations' dropout (module docstring)."""
+    """Swaps a per-tp-rank generator in for the dropout of sharded activations (see the module docstring)."""
 
     def __init__(self, tp_rank: int, device: torch.device):
         if not 0 <= tp_rank < MAX_TP:
@@ -54,8 +51,7 @@ class RNGTracker:
 
     @contextmanager
     def fork(self):
-        # CPU default stream: the same draw on every tp rank, no device sync
-        u = int(torch.randint(1 << 48, ()))
+        u = int(torch.randint(1 << 48, ()))  # CPU default stream: the same draw on every tp rank, no device sync
         outer = _get_state(self.device)
         _set_state(torch.Generator(self.device).manual_seed(u * MAX_TP + self.tp_rank).get_state(), self.device)
         try:
@@ -67,8 +63,8 @@ class RNGTracker:
 def model_parallel_seed(seed: int, grid) -> RNGTracker:
     """Seed the default stream (the same on the tp group) and return this rank's tracker.
 
-    Call it after every rank has built the dense model from `seed` (the init must be the same
-    everywhere), and pass the tracker to tp.apply_tensor_parallel(..., rng=tracker).
+    Call it after every rank has built the dense model from `seed` (the init must be the same everywhere),
+    and pass the tracker to tp.apply_tensor_parallel(..., rng=tracker).
     """
     torch.manual_seed(seed + 100 * grid.pp_rank)
     return RNGTracker(grid.tp_rank, grid.device)

@@ -1,12 +1,13 @@
 """The loss of a tensor-parallel model: cross-entropy over logits split by vocabulary rows (Megatron's
 vocab_parallel_cross_entropy), without any rank holding the full (n, V) logits.
 
-Idea: each tp rank holds logits (n, V/t) of its vocabulary rows (tp.py's column-parallel LM head). softmax needs
-the row's max and sum of exp over all V, and the loss needs the target's logit, which lives on one rank only:
-all-reduce the max (n floats), then the sum of exp and the target logit together (2n floats). Backward is local:
-(softmax - onehot(target)) / count on this rank's columns.
-Formula: bytes on the wire per step, ring over t ranks: 2(t-1)/t * 3n * 4 -- against (t-1)/t * n V * B to gather
-the logits, so a 128k vocabulary's logits never cross the wire.
+Idea: each tp rank holds logits (n, V/t) of its vocabulary rows. softmax needs each row's max and
+sum of exp over all V, and the loss the target's logit, which lives on one rank: all-reduce the max
+(n floats), then the sum of exp and the target logit together (2n floats). Backward is local:
+(softmax - onehot) / count on this rank's columns. tp.py installs it as the head's `loss` entry
+(seams.py).
+Formula: bytes on the wire per step, ring over t ranks: 2(t-1)/t * 3n * 4 -- against (t-1)/t * n V *
+B to gather the logits, so a 128k vocabulary's logits never cross the wire.
 Lesson: lessons/03-tensor-parallel.md
 """
 import torch

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nanomega import dist, fused, tp, train, worlds
-from nanomega.model import GPT, GPTConfig
+from nanomega.model import GPT, GPTConfig, eager_core, sdpa_core
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS_CHARS = 200_000  # of the embedded corpus, for conftest's `corpus`
@@ -32,12 +32,11 @@ def run(corpus, out, *extra):
     return [json.loads(line)["loss"] for line in open(Path(out) / "metrics.jsonl") if '"loss"' in line]
 
 
-def use(model, kind):
-    for m in model.modules():
-        if hasattr(m, "scale_mask_softmax"):
-            m.attention = kind
-            m.scale_mask_softmax = fused.causal_softmax if kind == "fused" else m.scale_mask_softmax
-    return model
+def use(gpt, kind):
+    gpt.replace_op("core", sdpa_core if kind == "sdpa" else eager_core)
+    if kind == "fused":
+        gpt.replace_op("softmax", fused.causal_softmax)
+    return gpt
 
 
 @pytest.mark.parametrize("alibi", [False, True])
@@ -60,9 +59,8 @@ def test_16_bit_eager_scales_q_before_the_product():
     """fp16: q.k over d = 64 of activations 40 is 102,400 > 65,504; scaled first it is 12,800 (lesson 06)."""
     attn = GPT(GPTConfig(vocab_size=128, block_size=8, n_layer=1, n_head=2, n_embd=128)).blocks["0"].attn
     q = torch.full((1, 2, 8, 64), 40.0, dtype=torch.float16)
-    for kind in ("eager", "sdpa"):
-        attn.attention = kind
-        assert attn.core(q, q, q).isfinite().all(), kind
+    for core in (eager_core, sdpa_core):
+        assert core(attn, q, q, q).isfinite().all(), core.__name__
 
 
 def _sp_world(corpus, root):

@@ -2,7 +2,7 @@
 each document of the window run alone. One process, fp32, < 2 s.
 
 Positions stay absolute under --document-mask, so "alone" means a document's own tokens at its own window
-positions (Embedding.positions, Rotary.positions: what cp.py sets for a rank's chunks): the mask is then the only
+positions (GPT.forward's positions argument): the mask is then the only
 difference, and a masked key contributes an exact 0 to the softmax. The two sides still sum the unmasked keys
 (and every matmul) over other shapes, so in other orders: tests/tolerance.py's layout bound on the logits,
 2 likely(width) sqrt(depth) relative to the largest logit (width 4h = 128 terms, depth 2 layers x 4 + head).
@@ -37,17 +37,10 @@ def test_document_ids_count_the_end_of_text_tokens_before():
 def alone(model, x, docs):
     """(b, S, V) logits: each document of each window run by itself at its window positions."""
     out = torch.empty(x.shape[0], S, model.cfg.padded_vocab_size)
-    rotary = model.blocks["0"].attn.rotary
     for i in range(x.shape[0]):
         for d in docs[i].unique():
             at = (docs[i] == d).nonzero().flatten()  # contiguous: a document is a run of the window
-            for holder in (model.embed, rotary):
-                if holder is not None:
-                    holder.positions = at
-            out[i, at] = model(x[i:i + 1, at])[0]
-    for holder in (model.embed, rotary):
-        if holder is not None:
-            holder.positions = None
+            out[i, at] = model(x[i:i + 1, at], positions=at)[0]
     return out
 
 

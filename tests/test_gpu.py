@@ -105,9 +105,7 @@ def test_attention_cores_agree(device, dtype):
         torch.manual_seed(0)
         gpt = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64, attention=kind))
         if kind == "fused":
-            for m in gpt.modules():
-                if hasattr(m, "scale_mask_softmax"):
-                    m.scale_mask_softmax = fused.causal_softmax
+            fused.apply_fused_softmax(gpt)
         gpt = gpt.to(device, dtype)
         loss = gpt(x, x)
         loss.backward()

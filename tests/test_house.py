@@ -92,9 +92,11 @@ def test_no_import_cycle():
 
 def test_imports_point_down():
     g = graph()
-    assert g["nanomega.model"] == {"nanomega.modern", "nanomega.moe"}, \
-        "model.py is the reference: it imports only its block's pieces"
-    assert g["nanomega.modern"] == set(), "modern.py (RoPE, RMSNorm, SwiGLU) imports nothing of ours"
+    assert g["nanomega.model"] == {"nanomega.modern", "nanomega.moe", "nanomega.seams"}, \
+        "model.py is the reference: it imports only its block's pieces and its op table"
+    assert g["nanomega.seams"] == set(), "seams.py (the op table, Linear) imports nothing of ours"
+    assert g["nanomega.modern"] == {"nanomega.seams"}, \
+        "modern.py (RoPE, RMSNorm, SwiGLU) imports only the op table"
     assert g["nanomega.moe"] == {"nanomega.modern", "nanomega.ep"} and g["nanomega.ep"] == set(), \
         "the MoE block's pieces: experts (modern.py) and their all-to-all (ep.py: it receives Axis objects)"
     for name, deps in g.items():

@@ -28,13 +28,13 @@ CASES = [("none", None), ("full", None), ("selective", None), ("full", 2), ("sel
 
 
 def recomputed_layers(model) -> dict:
-    """{layer name: "full" | "selective"} for the blocks apply_recompute wrapped (its _wrap marks each
-    checkpointed call with recompute_prev)."""
+    """{layer name: "full" | "selective"} for the blocks whose table apply_recompute changed: the
+    `layer` entry checkpointed (full) or the `core` entry (selective)."""
     out = {}
     for key, block in model.blocks.items():
-        if hasattr(block.__dict__.get("forward"), "recompute_prev"):
+        if isinstance(block.ops.layer, recompute.Checkpointed):
             out[key] = "full"
-        elif hasattr(block.attn.__dict__.get("core"), "recompute_prev"):
+        elif isinstance(block.ops.core, recompute.Checkpointed):
             out[key] = "selective"
     return out
 
