@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega import checkpoint, dist, fused, precision, reshard, zero
+from nanomega import checkpoint, dist, extension, fused, precision, reshard, zero
 from nanomega.model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +56,7 @@ def losses(rows):
 @pytest.fixture(params=DEVICES)
 def device(request):
     """The device a parametric body runs on, with the extension's kernels for it (CPU: always built here)."""
-    ext = fused.load_extension()
+    ext = extension.load_extension()
     if request.param == "cuda" and not getattr(ext, "with_cuda", False):
         pytest.skip("the fused extension was built without CUDA kernels (no nvcc / CUDA_HOME on this machine)")
     return request.param
