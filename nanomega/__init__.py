@@ -21,9 +21,11 @@ Formula and its lesson:
     06  precision.py             bf16 / fp16, fp32 masters, loss scaling
     07  recompute.py             full and selective activation recompute
     08  fused.py, csrc/          fused C++/CUDA kernels
+        extension.py             their loader: csrc/ built once per machine, cached by key
         cpu_adam.py              CPUAdamW: the Adam/AdamW step in one fused C++ pass over host fp32 buffers
     09  meta.py                  build any size: the model on meta, each rank draws only its slice (+ dry run)
-        train.py                 the composer: TP -> PP -> recompute -> precision -> DP/ZeRO, then the loop
+        compose.py               the composition: TP -> EP -> CP -> PP -> recompute -> fused -> precision -> engine
+        train.py                 the loop, read top-down: main -> train -> train_step -> forward_backward
     10  checkpoint.py, reshard.py  sharded checkpoints; any layout loads any other
         flash.py                 each rank's newest shard also in shared memory: a restart reads it from there
     11  formulas.py              the closed forms (FLOPs, bytes, activations) the planner and the tests use

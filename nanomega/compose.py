@@ -1,9 +1,9 @@
 """One composition step: the dense GPT made into this rank's piece of a layout, and its engine.
 
-The model is built on the meta device (shapes only); each technique then slices or replaces what it
-owns, in one fixed order, and the engine draws this rank's values of the dense model from --seed
-straight into its flat buffers on grid.device (meta.py: bitwise the dense model's, sliced; no rank ever
-holds the dense model). On a meta grid (--dry-run: meta.PaperGrid) nothing is drawn.
+The model is built on the meta device (shapes only); each technique then slices or replaces what
+it owns, in one fixed order, and the engine draws this rank's values of the dense model from --seed
+straight into its flat buffers on grid.device (meta.py: bitwise the dense model's, sliced; no rank
+ever holds the dense model). On a meta grid (--dry-run: meta.PaperGrid) nothing is drawn.
 
     GPT on meta -> TP -> EP -> CP -> PP stage -> recompute -> fused -> precision -> buffers
         -> torch.compile per block -> ZeRO/DP engine (draws the parameters)

@@ -1,10 +1,11 @@
 """The C++/CUDA extension: nanomega/csrc built on first use, cached per machine, loaded by name.
 
-torch.utils.cpp_extension.load (ninja, pybind11) compiles csrc/ into one Python module under one cache
-root ($NANOMEGA_BUILD_DIR, default ~/.cache/nanomega/build), in a folder keyed by what the binary depends
-on: a binary built for one CPU (or GPU) is never loaded on another. CUDA sources join the build when CUDA
-is available. The kernels of fused.py and cpu_adam.py live in this one module: one build, one cache key.
-If the build is impossible, a one-line notice, and their callers take the PyTorch path.
+torch.utils.cpp_extension.load (ninja, pybind11) compiles csrc/ into one Python module under one
+cache root ($NANOMEGA_BUILD_DIR, default ~/.cache/nanomega/build), in a folder keyed by what the
+binary depends on: a binary built for one CPU (or GPU) is never loaded on another. CUDA sources join
+the build when CUDA is available. The kernels of fused.py and cpu_adam.py live in this one module:
+one build, one cache key. If the build is impossible, a one-line notice, and their callers take the
+PyTorch path.
 
     key    = sha256(torch version, torch's folder, flags [, CPU model and features if -march=native]
                     [, CUDA version and GPU architectures], sources and headers)[:12]
@@ -37,7 +38,7 @@ def march() -> str:
 
 
 def cpu_flags() -> list[str]:
-    """-O3 -march=... -ffast-math, and the at::vec ISA that torch itself dispatches to on this CPU."""
+    """-O3 -march=... -ffast-math, and the at::vec ISA that torch dispatches to on this CPU."""
     # "AVX512", "AVX2", "DEFAULT" (ATEN_CPU_CAPABILITY picks)
     cap = torch.backends.cpu.get_cpu_capability()
     flags = ["-O3", "-ffast-math", "-fopenmp", f"-DCPU_CAPABILITY={cap}"]

@@ -237,7 +237,7 @@ def test_save_resume_bitwise_and_sample_on_cpu(corpus, tmp_path):
 
 
 def test_fused_adamw_resumes_on_the_device(device):
-    """train.build's optimizer on CUDA is fused AdamW (issue 27 item 8). After import_by_name (a resume) its step
+    """compose.build's optimizer on CUDA is fused AdamW (issue 27 item 8). After import_by_name (a resume) its step
     counters sit beside the parameters -- fused AdamW refuses a CPU step for a CUDA parameter -- and 2 more
     steps equal an engine that never stopped, bitwise. The CPU body runs torch's CPU fused AdamW: the same path."""
     with world_of_one(device) as grid:

@@ -1,8 +1,8 @@
 """Before a run: the memory check every start makes, and --dry-run, one rank built on paper.
 
-check_memory refuses an absurd shape in one line before start-up; dry_run builds rank --rank of any
-layout with compose.build on the meta device (meta.PaperGrid: no process group, no storage) and prints
-its engine's bytes beside the planner's (tools/cost.py, tools/cost_moe.py).
+check_memory refuses an absurd shape in one line before start-up; dry_run builds rank --rank of
+any layout with compose.build on the meta device (meta.PaperGrid: no process group, no storage) and
+prints its engine's bytes beside the planner's (tools/cost.py, tools/cost_moe.py).
 
     need  = max over stages of (params + grads + optimizer) bytes per rank    (the planner's count)
     have  = a GPU's memory, or the host's / LOCAL_WORLD_SIZE                  need > have: refused
@@ -29,7 +29,8 @@ def dry_run(config):
     grid = meta.PaperGrid(config.dp, config.pp, config.tp, config.rank, cp=config.cp, ep=config.ep)
     t0 = time.perf_counter()
     _, engine, _ = compose.build(config, grid)
-    for piece in engine.pieces:  # Adam's state appears at its first step: take one on meta (no values)
+    # Adam's state appears at its first step: take one on meta (no values)
+    for piece in engine.pieces:
         piece.master.grad = torch.zeros_like(piece.master)
     engine.optimizer.step()
     held, seconds = engine.memory_bytes(), time.perf_counter() - t0
@@ -51,10 +52,10 @@ def dry_run(config):
 
 
 def check_memory(config):
-    """An absurd shape (--n-embd 10000000) refused in one line before start-up, not by the allocator
-    on every rank: one rank's parameter, gradient and optimizer bytes as the planner counts them (the
-    activations come on top) against its share of memory: its GPU's, or the host's split among its
-    ranks."""
+    """An absurd shape (--n-embd 10000000) refused in one line before start-up, not by the
+    allocator on every rank: one rank's parameter, gradient and optimizer bytes as the planner
+    counts them (the activations come on top) against its share of memory: its GPU's, or the
+    host's split among its ranks."""
     need = max(map(sum, rank_state_bytes(config)))
     if dist.default_device(config.device).type == "cuda":
         have, where = torch.cuda.get_device_properties(0).total_memory, "a GPU's"
@@ -71,7 +72,7 @@ def check_memory(config):
 
 
 def rank_state_bytes(config):
-    """The planner's (params, grads, optimizer) bytes of one rank, per pipeline stage; experts / ep."""
+    """The planner's (params, grads, optimizer) bytes of one rank, per stage (experts / ep)."""
     return cost_moe.rank_state_bytes(planner_model(config), config.tp, config.pp,
                                      config.dp * config.cp, config.zero, config.dtype,
                                      config.virtual_stages, ep=config.ep)
