@@ -181,7 +181,7 @@ def train_step(step, *, config, model, engine, grid, sampler, train_set, scaler,
 
 
 def forward_backward(model, engine, grid, batches, config, *, loss_scale=1.0, trace=None):
-    """Mean loss over this rank's micro-batches; gradients (x loss_scale) in the engine's buffers."""
+    """Mean loss over this rank's micro-batches; gradients (x loss_scale) left in the engine."""
     # the MoE aux losses' backward: the LM loss's factor
     moe.set_grad_scale(model, loss_scale / len(batches))
     if grid.pp.size > 1:
