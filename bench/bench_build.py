@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nanomega import dist, tp, train, worlds, zero  # noqa: E402
+from nanomega import compose, dist, tp, worlds, zero  # noqa: E402
 from nanomega.model import GPT  # noqa: E402
 from nanomega.ops import checks, flags  # noqa: E402
 
@@ -33,7 +33,7 @@ def rss():
 
 
 def build(kind, layout):
-    """One rank's build, measured. kind: dense (the former train.build) or sharded (train.build now)."""
+    """One rank's build, measured. kind: dense (the former build) or sharded (compose.build now)."""
     config = checks.check(flags.parse([*[f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()],
                                       *LAYOUTS[layout], "--dtype", "fp32"]))
     cfg = flags.model_config(config)
@@ -41,7 +41,7 @@ def build(kind, layout):
     grid.barrier()
     before, t0 = rss(), time.perf_counter()
     if kind == "sharded":
-        model, engine, _ = train.build(config, cfg, grid)
+        model, engine, _ = compose.build(config, grid)
     else:  # what every rank did before: the whole dense model on the host, then sliced or sharded
         model = GPT(cfg, seed=config.seed)
         if grid.tp.size > 1:

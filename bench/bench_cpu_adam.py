@@ -27,7 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanomega import cpu_adam, fused  # noqa: E402
+from nanomega import cpu_adam, extension  # noqa: E402
 
 FUSED_BYTES, FOREACH_BYTES = 28, 80  # per element and step (nanomega/cpu_adam.py's formula)
 
@@ -161,7 +161,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args(argv)
     n = int(args.params)
-    print(f"{datetime.date.today()} | {fused.cpu_summary()} | torch {torch.__version__} | CPUAdamW path: "
+    print(f"{datetime.date.today()} | {extension.cpu_summary()} | torch {torch.__version__} | CPUAdamW path: "
           f"{cpu_adam.isa()} (this CPU runs {', '.join(cpu_adam.isas()) or 'none: no extension'})")
     reason = fused_available()
     print(f"torch.optim.AdamW(fused=True) on CPU: {'available' if reason is None else 'not available: ' + reason}")

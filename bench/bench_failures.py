@@ -57,13 +57,13 @@ def async_stall(root, reps=7):
     import torch
     from nanomega.ops import flags, saves
     from nanomega.ops.guard import Spikes
-    from nanomega import data, dist, precision, train
+    from nanomega import compose, data, dist, precision
     torch.set_num_threads(1)  # as each rank under torchrun; 2 threads on 2 shared cores: see bench/RESULTS.md
     a = flags.parse(["--n-layer", "4", "--n-head", "4", "--n-embd", "256", "--block-size", "64", "--dropout", "0"])
     cfg = flags.model_config(a)
     dist.init("cpu")
     grid = dist.Grid(1, 1, 1)
-    model, engine, n_params = train.build(a, cfg, grid)
+    model, engine, n_params = compose.build(a, grid)
     x = torch.randint(0, cfg.vocab_size, (2, 64))
     model(x, x).backward()
     engine.step()  # Adam state exists: the shard holds master + m + v, 12 bytes per parameter

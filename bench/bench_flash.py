@@ -27,7 +27,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from nanomega import checkpoint, dist, flash, fused, reshard, zero  # noqa: E402
+from nanomega import checkpoint, dist, extension, flash, reshard, zero  # noqa: E402
 from nanomega.model import GPT, GPTConfig  # noqa: E402
 
 
@@ -96,7 +96,7 @@ def main():
         checkpoint.write_manifest(out, folder, 1, cfg, grid, layout)
         name, size = checkpoint.shard_name(0), os.path.getsize(os.path.join(folder, checkpoint.shard_name(0)))
         manifest = checkpoint.read_manifest_json(folder)
-        print(f"cpu: {fused.cpu_summary()}; torch {torch.__version__}; 1 thread")
+        print(f"cpu: {extension.cpu_summary()}; torch {torch.__version__}; 1 thread")
         print(f"shard: {n_params:,} parameters ({args.n_layer} layers x {args.n_embd}), {size / 1e6:.0f} MB "
               f"(fp32 master + AdamW m, v); out-dir on {subprocess.run(['df', '--output=source', out], capture_output=True, text=True).stdout.split()[-1]}")
         print(f"save: write_shard {write:.2f} s (torch.save + fsync + sha256); copy to {copies.folder} "

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanomega import fused, model, modern  # noqa: E402
+from nanomega import extension, fused, model, modern  # noqa: E402
 
 B, S, H, N_HEAD = 8, 256, 768, 12
 SCALE = (H // N_HEAD) ** -0.5
@@ -134,10 +134,10 @@ def main():
     p.add_argument("--no-compile", action="store_true", help="eager vs fused only (no torch.compile column)")
     args = p.parse_args()
     t0 = time.perf_counter()
-    if not fused.available():
+    if not extension.available():
         sys.exit("bench_fused: the fused kernels did not build (see the notice above)")
-    print(f"extension ready in {time.perf_counter() - t0:.2f} s (cached build in {fused.build_dir()})")
-    print(f"CPU {fused.cpu_summary()}")
+    print(f"extension ready in {time.perf_counter() - t0:.2f} s (cached build in {extension.build_dir()})")
+    print(f"CPU {extension.cpu_summary()}")
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
           f"min of >= {args.repeats} repeats, forward + backward, fp32\n")
     print("| op (shape) | threads | eager ms | torch.compile ms | fused ms | eager / fused | compile / fused "

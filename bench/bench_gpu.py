@@ -3,7 +3,7 @@
     python bench/bench_gpu.py                     # one GPU; prints a RESULTS table (markdown)
     python bench/bench_gpu.py --steps 20 --batch-size 8 --attentions sdpa,eager --compiles 0,1
 
-Each configuration is built as train.py builds it (train.build: the dense GPT, recompute none, bf16 model,
+Each configuration is built as train.py builds it (compose.build: the dense GPT, recompute none, bf16 model,
 ZeroEngine stage 0 on a world of one, AdamW, clip 1.0) on random tokens, runs 3 warm-up steps (the compile,
 if any, happens there and is reported separately), then `--steps` timed steps with torch.cuda.synchronize.
 MFU = 6N' + 12Lhs FLOPs/token x tokens/s / the datasheet peak (meter.py); memory = max allocated, with
@@ -11,6 +11,7 @@ what was still allocated when the configuration started (should read 0.0: see re
 Written without a GPU at hand: its first results go to bench/RESULTS.md with the GPU's name when run.
 """
 import argparse
+import dataclasses
 import gc
 import os
 import sys
@@ -20,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanomega.ops import flags  # noqa: E402
-from nanomega import dist, train  # noqa: E402
+from nanomega import compose, dist, train  # noqa: E402
 from nanomega.ops import meter  # noqa: E402
 from nanomega.formulas import model_flops_per_token as flops_per_token  # noqa: E402
 
@@ -44,9 +45,10 @@ def run(attention, compile_, batch, steps, grid):
     before = torch.cuda.memory_allocated(grid.device) / 2**30  # left by earlier configurations: 0 after release()
     args = flags.parse([*GPT2, "--batch-size", str(batch), "--attention", attention]
                        + (["--compile"] if compile_ else []))
-    cfg = flags.model_config(args, vocab_size=VOCAB)
+    args = dataclasses.replace(args, vocab_size=VOCAB)  # compose.build reads the shape from the Config
+    cfg = flags.model_config(args)
     torch.manual_seed(0)
-    model, engine, n_params = train.build(args, cfg, grid)
+    model, engine, n_params = compose.build(args, grid)
     x = torch.randint(0, VOCAB, (batch, cfg.block_size), device=grid.device)
 
     def step():

@@ -3,7 +3,7 @@
     python bench/bench_step_vs_plain.py                 # L4, 4 heads, d128, T128, batch 8, V4096, fp32
     python bench/bench_step_vs_plain.py --compile       # also: first-step compile time, steady state
 
-nanomega: the trainer's own pieces (train.build: the dense GPT with --attention, ZeroEngine stage 0 on a
+nanomega: the trainer's own pieces (compose.build: the dense GPT with --attention, ZeroEngine stage 0 on a
 world of one, forward_backward + engine.step with clip 1.0). Plain: a nanoGPT-style model (nn.Linear,
 F.scaled_dot_product_attention(is_causal=True), tied head), loss.backward(), clip_grad_norm_(1.0),
 torch.optim.AdamW. The two alternate step by step at each thread count, so a load from other processes
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanomega.ops import flags  # noqa: E402
-from nanomega import dist, train  # noqa: E402
+from nanomega import compose, dist, train  # noqa: E402
 
 
 class PlainBlock(nn.Module):
@@ -70,10 +70,9 @@ def main():
     shape = ["--n-layer", "4", "--n-head", "4", "--n-embd", "128", "--block-size", "128", "--batch-size", "8",
              "--dropout", "0", "--attention", a.attention] + (["--compile"] if a.compile else [])
     args = flags.parse(shape)
-    cfg = flags.model_config(args, vocab_size=4096)
     dist.init("cpu")
     grid = dist.Grid(1, 1, 1)
-    model, engine, n_params = train.build(args, cfg, grid)
+    model, engine, n_params = compose.build(args, grid)
     torch.manual_seed(0)
     plain = PlainGPT(4096, 128, 4, 4, 128)
     if a.compile:

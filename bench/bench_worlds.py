@@ -13,7 +13,7 @@ import time
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanomega import fused, worlds  # noqa: E402
+from nanomega import extension, worlds  # noqa: E402
 
 
 def rank_of_world():
@@ -53,7 +53,7 @@ def main():
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    print(f"CPU {fused.cpu_summary()}; world {args.world}; an empty function")
+    print(f"CPU {extension.cpu_summary()}; world {args.world}; an empty function")
     for i in range(args.repeats):
         s, ranks = timed(worlds.launch, rank_of_world, args.world)
         assert ranks == list(range(args.world))

@@ -22,7 +22,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 from bench_fused import B, H, N_HEAD, S, SCALE, run  # noqa: E402
 from check import check  # noqa: E402
 
-from nanomega import fused, model  # noqa: E402
+from nanomega import extension, fused, model  # noqa: E402
 
 
 class ByteCounter(TorchDispatchMode):
@@ -81,8 +81,8 @@ def machine():
 def main():
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    assert fused.available(), "the fused kernels did not build (see the notice above)"
-    print(f"extension ready in {time.perf_counter() - t0:.2f} s (build cache {fused.build_dir()})")
+    assert extension.available(), "the fused kernels did not build (see the notice above)"
+    print(f"extension ready in {time.perf_counter() - t0:.2f} s (build cache {extension.build_dir()})")
 
     N = B * S  # rows of the (b*s, h) activations
     n_mlp, n_att, n_ln = N * 4 * H, B * N_HEAD * S * S, N * H

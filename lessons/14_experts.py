@@ -8,7 +8,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from check import check  # noqa: E402
-from nanomega import dist, formulas, moe, train, worlds  # noqa: E402
+from nanomega import compose, dist, formulas, moe, train, worlds  # noqa: E402
 from nanomega.model import GPT, GPTConfig  # noqa: E402
 from nanomega.ops import flags  # noqa: E402
 
@@ -23,7 +23,7 @@ RATE = 0.005  # the bias step per optimizer step (DeepSeek-V3: 0.001 over thousa
 def build(argv, dp=1, ep=1):
     config = dataclasses.replace(flags.parse(FLAGS + argv + ["--ep", str(ep)]), dp=dp, vocab_size=VOCAB)
     grid = dist.Grid(dp, 1, 1, ep=ep)
-    model, engine, _ = train.build(config, flags.model_config(config), grid)
+    model, engine, _ = compose.build(config, grid)
     return config, grid, model, engine
 
 

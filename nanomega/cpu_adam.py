@@ -28,20 +28,20 @@ Lesson: the ZeRO-Offload lesson is issue 32's; the fused-kernel idea is lessons/
 """
 import torch
 
-from . import fused
+from . import extension
 
 
 def isas() -> list:
     """The kernel's paths this CPU executes, fastest first (e.g. ["avx512", "avx2", "scalar"]); [] without
     the extension."""
-    ext = fused.extension()
+    ext = extension.extension()
     return ext.adam_isas() if ext is not None else []
 
 
 def isa(forced: str = "") -> str:
     """The path a step takes here: "avx512", "avx2" or "scalar" -- the fastest this CPU runs, unless `forced` or
     $NANOMEGA_ADAM_ISA names another it runs -- or "pytorch" when the extension cannot be built."""
-    ext = fused.extension()
+    ext = extension.extension()
     return ext.adam_isa(forced) if ext is not None else "pytorch"
 
 
@@ -97,7 +97,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight
     ZeRO-Offload's host step in the same one pass (offload.py): grad_scale, the clip coefficient the gradient is
     multiplied by first; out, a contiguous bf16 CPU tensor like param that receives the new weights rounded for
     the upload. 30 bytes per element instead of 28 + 8 (grad.mul_) + 6 (out.copy_(param))."""
-    ext = fused.extension()
+    ext = extension.extension()
     if ext is None:
         reference_step(param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                        weight_decay=weight_decay, step=step, decoupled=decoupled, grad_scale=grad_scale, out=out)

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nanomega import fused, worlds  # noqa: E402
+from nanomega import extension, worlds  # noqa: E402
 
 FOLDER = ROOT / "lessons" / "figures"
 DPI = 72  # a few tens of KB per PNG, still readable on GitHub
@@ -143,7 +143,7 @@ def main(argv=None):
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     print(f"{len(figures) + len(scripted)} figures ({len(runs)} runs) in {time.time() - t0:.0f} s on "
-          f"{fused.cpu_summary()}, {os.cpu_count()} cores")
+          f"{extension.cpu_summary()}, {os.cpu_count()} cores")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ unset NANOMEGA_DEVICE  # the CPU suite's default; here the GPU is the point
   echo '```'
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || echo "nvidia-smi: not found"
   python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
-  python -c "from nanomega import fused; print(fused.cpu_summary())"
+  python -c "from nanomega import extension; print(extension.cpu_summary())"
   echo '```'
   echo
   echo '## GPU tier: python -m pytest -m gpu'

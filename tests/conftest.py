@@ -122,11 +122,11 @@ def pytest_sessionstart(session):
     """The CPU the suite runs on, printed first even under -q: tolerances are derived (tests/tolerance.py),
     but a failure report should still say which vector ISA and kernels produced it (ATEN_CPU_CAPABILITY
     and NANOMEGA_MARCH make this CPU take another's code paths)."""
-    from nanomega import fused
+    from nanomega import extension
     forced = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "NANOMEGA_MARCH", "MKL_ENABLE_INSTRUCTIONS",
                                          "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS") if k in os.environ}
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
-        reporter.write_line(f"cpu: {fused.cpu_summary()}; {torch.get_num_threads()} threads; "
+        reporter.write_line(f"cpu: {extension.cpu_summary()}; {torch.get_num_threads()} threads; "
                             f"emulating: {forced or 'nothing (native)'}")
         reporter.write_line("versions: " + ", ".join(f"{name} {_version(name)}" for name in VERSIONS))

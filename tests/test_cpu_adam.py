@@ -34,7 +34,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from nanomega import cpu_adam, fused
+from nanomega import cpu_adam, extension
 from nanomega.cpu_adam import CPUAdamW
 from nanomega.model import GPT, GPTConfig
 from nanomega.zero import ZeroEngine, check_config, weight_decay_groups
@@ -50,8 +50,8 @@ HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
 
 @pytest.fixture(scope="module")
 def ext():
-    """The one cached build (fused.build_dir()); a build failure is a failure here, not a skip."""
-    return fused.load_extension()
+    """The one cached build (extension.build_dir()); a build failure is a failure here, not a skip."""
+    return extension.load_extension()
 
 
 def gradients(shape, steps, seed):
@@ -75,7 +75,7 @@ def bits(t):
 @pytest.mark.parametrize("wd", [0.0, 0.1])
 def test_kernel_equals_reference_bitwise(ext, isa, decoupled, wd):
     if isa not in ext.adam_isas():
-        pytest.skip(f"this CPU cannot run the {isa} path ({fused.cpu_summary()})")
+        pytest.skip(f"this CPU cannot run the {isa} path ({extension.cpu_summary()})")
     assert ext.adam_isa(isa) == isa
     for n in SIZES:
         p = torch.randn(n, generator=torch.Generator().manual_seed(n))
@@ -100,7 +100,7 @@ def test_offload_step_scale_and_bf16_out_equal_reference_bitwise(ext, isa):
     bit for bit, on every path; the bf16 rounding is to nearest EVEN (the ties below: an fp32 whose low 16 bits
     are 0x8000 rounds to the even neighbour), and a NaN stays a NaN."""
     if isa not in ext.adam_isas():
-        pytest.skip(f"this CPU cannot run the {isa} path ({fused.cpu_summary()})")
+        pytest.skip(f"this CPU cannot run the {isa} path ({extension.cpu_summary()})")
     n = 100003
     ties = torch.tensor([0x3F808000, 0x3F818000, -0x40800000 + 0x8000], dtype=torch.int32).view(torch.float32)
     for decoupled in (True, False):
@@ -473,12 +473,12 @@ def test_bad_gradient_and_state_one_line_errors(ext):
 
 
 def test_pytorch_fallback_is_the_kernel_bitwise(ext, monkeypatch):
-    """Without the extension (fused.extension() is None: no compiler) CPUAdamW steps with reference_step, and so
-    gives the kernel's bits."""
+    """Without the extension (extension.extension() is None: no compiler) CPUAdamW steps with
+    reference_step, and so gives the kernel's bits."""
     start, grads = problem(seed=5)
     hyper = dict(HYPER, weight_decay=0.1)
     kernel = tensors(*run(lambda ps: CPUAdamW(ps, **hyper), start, grads))
-    monkeypatch.setattr(fused, "extension", lambda: None)
+    monkeypatch.setattr(extension, "extension", lambda: None)
     assert cpu_adam.isa() == "pytorch" and cpu_adam.isas() == []
     fallback = tensors(*run(lambda ps: CPUAdamW(ps, **hyper), start, grads))
     for a, b in zip(kernel, fallback):

@@ -10,7 +10,7 @@ difference, and a masked key contributes an exact 0 to the softmax. The two side
 import pytest
 import torch
 
-from nanomega import documents, fused
+from nanomega import documents, extension, fused
 from nanomega.model import GPT, GPTConfig
 from tolerance import likely
 
@@ -50,7 +50,7 @@ def test_dense_document_mask_equals_each_document_alone(case):
     torch.manual_seed(0)
     model = GPT(cfg)
     if cfg.attention == "fused":
-        if not fused.available():
+        if not extension.available():
             pytest.fail("the fused kernels did not build")  # no silent skip: test_fused.py says why
         fused.apply_fused_softmax(model)
     x, docs = windows()

@@ -1,6 +1,6 @@
 """Fused C++ kernels vs the PyTorch reference: values, gradients, odd shapes, bf16/fp16, the whole GPT and Llama, nvcc.
 
-The extension is built once into fused.build_dir() (cold ~45 s, then ~0.05 s for every later test,
+The extension is built once into extension.build_dir() (cold ~45 s, then ~0.05 s for every later test,
 process, lesson and bench run); the CUDA sources are compiled, never run: there is no GPU here.
 """
 import copy
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils import cpp_extension
 
-from nanomega import fused, model, modern, seams
+from nanomega import extension, fused, model, modern, seams
 from nanomega.model import GPT, GPTConfig
 from tolerance import LAMBDA, assert_within, unit_roundoff
 
@@ -123,7 +123,7 @@ def bound(name, S, n, dtype):
 @pytest.fixture(scope="module")
 def ext():
     """The one cached build; a build failure is a test failure here, not a skip."""
-    return fused.load_extension()
+    return extension.load_extension()
 
 
 def ln_ref(x, w, b):
@@ -362,19 +362,19 @@ def test_build_cache_never_hands_one_cpus_binary_to_another(monkeypatch):
     """-march=native reads the same on every CPU, so ninja alone would reuse an AVX-512 build on an AVX2
     machine sharing the home directory (SIGILL). The folder's key includes the CPU for native builds, and
     not for a portable target (NANOMEGA_MARCH=x86-64-v3), which any AVX2 CPU runs."""
-    sources = [os.path.join(fused.CSRC, "fused_cpu.cpp")]
+    sources = [os.path.join(extension.CSRC, "fused_cpu.cpp")]
     monkeypatch.delenv("NANOMEGA_MARCH", raising=False)  # CI's second pass sets it
-    native = fused.cpu_flags()
+    native = extension.cpu_flags()
     assert "-march=native" in native
-    here = fused.build_key(sources, native)
-    monkeypatch.setattr(fused, "cpu_features", lambda: "Intel Xeon Platinum 8480+ avx2 avx512f amx_tile amx_bf16")
-    assert fused.build_key(sources, native) != here
+    here = extension.build_key(sources, native)
+    monkeypatch.setattr(extension, "cpu_features", lambda: "Intel Xeon Platinum 8480+ avx2 avx512f amx_tile amx_bf16")
+    assert extension.build_key(sources, native) != here
     monkeypatch.setenv("NANOMEGA_MARCH", "x86-64-v3")
-    portable = fused.cpu_flags()
-    assert "-march=x86-64-v3" in portable and fused.build_key(sources, portable) != here
-    key = fused.build_key(sources, portable)
-    monkeypatch.setattr(fused, "cpu_features", lambda: "AMD EPYC avx2")
-    assert fused.build_key(sources, portable) == key  # the portable build is shared across CPUs
+    portable = extension.cpu_flags()
+    assert "-march=x86-64-v3" in portable and extension.build_key(sources, portable) != here
+    key = extension.build_key(sources, portable)
+    monkeypatch.setattr(extension, "cpu_features", lambda: "AMD EPYC avx2")
+    assert extension.build_key(sources, portable) == key  # the portable build is shared across CPUs
 
 
 def test_cuda_build_is_keyed_by_gpu_architecture_and_cuda_version(monkeypatch, tmp_path):
@@ -389,33 +389,33 @@ def test_cuda_build_is_keyed_by_gpu_architecture_and_cuda_version(monkeypatch, t
     folders = {}
     for archs in ("8.0", "9.0", "8.0"):
         monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", archs)
-        folders.setdefault(archs, set()).add(fused.load_extension()[1])
+        folders.setdefault(archs, set()).add(extension.load_extension()[1])
     assert len(folders["8.0"]) == 1 and folders["8.0"] != folders["9.0"]
-    assert fused.load_extension()[0] == "nanomega_fused_cuda"
+    assert extension.load_extension()[0] == "nanomega_fused_cuda"
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    assert fused.load_extension()[1] not in folders["8.0"] | folders["9.0"]
+    assert extension.load_extension()[1] not in folders["8.0"] | folders["9.0"]
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")  # unset: the capabilities cpp_extension would compile for
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))
-    assert fused.cuda_target() == "cuda 13.0 arch 9.0"
+    assert extension.cuda_target() == "cuda 13.0 arch 9.0"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: [(8, 0), (9, 0)][i])
-    assert fused.cuda_target() == "cuda 13.0 arch 8.0 9.0"
-    sources, flags = [os.path.join(fused.CSRC, "fused_cpu.cpp")], ["-O3"]
-    cpu = fused.build_key(sources, flags)
+    assert extension.cuda_target() == "cuda 13.0 arch 8.0 9.0"
+    sources, flags = [os.path.join(extension.CSRC, "fused_cpu.cpp")], ["-O3"]
+    cpu = extension.build_key(sources, flags)
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "7.0")
-    assert fused.build_key(sources, flags) == cpu != fused.build_key(sources, flags, with_cuda=True)
+    assert extension.build_key(sources, flags) == cpu != extension.build_key(sources, flags, with_cuda=True)
 
 
 def test_build_failure_falls_back_to_pytorch(monkeypatch, capsys):
     def broken(verbose=False):
         raise RuntimeError("Error building extension 'nanomega_fused_cpu'\nc++: not found")
 
-    monkeypatch.setattr(fused, "load_extension", broken)
-    fused._ext.cache_clear()
+    monkeypatch.setattr(extension, "load_extension", broken)
+    extension._ext.cache_clear()
     try:
         gpt = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2))
         assert not fused.apply_fused(gpt)
-        assert fused.available() is False
+        assert extension.available() is False
         ops = gpt.blocks["0"].ops
         assert ops.norm is seams.layer_norm and ops.activation is model.bias_gelu
         x, b = torch.randn(2, 8), torch.randn(8)
@@ -423,9 +423,9 @@ def test_build_failure_falls_back_to_pytorch(monkeypatch, capsys):
         assert torch.equal(fused.rms_norm(x, b, 1e-5), modern.rms_norm(x, b, 1e-5))
         assert torch.equal(fused.swiglu(x), modern.swiglu(x))
         err = capsys.readouterr().err.strip().splitlines()
-        assert err == ["nanomega.fused: cannot build the C++ kernels (c++: not found); using the PyTorch path"]
+        assert err == ["nanomega.extension: cannot build the C++ kernels (c++: not found); using the PyTorch path"]
     finally:
-        fused._ext.cache_clear()  # the next caller loads the real (cached) build again
+        extension._ext.cache_clear()  # the next caller loads the real (cached) build again
 
 
 # ---- CUDA sources: compile only. There is no GPU, and CPU torch has no CUDA libraries to link. ----
@@ -440,7 +440,7 @@ def cuda_checks(nvcc, cache):
              "/usr/local/cuda"]
     cuda_home = next((h for h in homes if os.path.exists(os.path.join(h, "include", "cuda_runtime_api.h"))), None)
     assert cuda_home, f"no include/cuda_runtime_api.h in {homes}: set CUDA_HOME to the toolkit of {nvcc}"
-    paths = cpp_extension.include_paths() + [sysconfig.get_paths()["include"], shim, fused.CSRC,
+    paths = cpp_extension.include_paths() + [sysconfig.get_paths()["include"], shim, extension.CSRC,
                                              os.path.join(cuda_home, "include")]
     common = ["-std=c++20", "-DNANOMEGA_WITH_CUDA", "-DTORCH_EXTENSION_NAME=nanomega_fused_cuda"]
     common += [f"-I{p}" for p in paths]
@@ -448,8 +448,8 @@ def cuda_checks(nvcc, cache):
                             *common, "-o", os.path.join(cache, "fused_cuda.o")]
     cxx = os.environ.get("CXX", "c++")
     yield "fused_cuda_bind.cpp", [cxx, "-fsyntax-only", "-fPIC", *common]
-    yield "fused_cpu.cpp", [cxx, "-fsyntax-only", "-fPIC", *fused.cpu_flags(), *common]
-    yield "cpu_adam.cpp", [cxx, "-fsyntax-only", "-fPIC", *fused.cpu_flags(), *common]
+    yield "fused_cpu.cpp", [cxx, "-fsyntax-only", "-fPIC", *extension.cpu_flags(), *common]
+    yield "cpu_adam.cpp", [cxx, "-fsyntax-only", "-fPIC", *extension.cpu_flags(), *common]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH: the CUDA sources cannot be compiled")
@@ -457,10 +457,10 @@ def test_cuda_sources_compile():
     """Each source of the CUDA build compiles against torch's headers (cold: ~35 s of compiler CPU, the
     four jobs in parallel); a stamp keyed by the sources, torch's version and the command makes a rerun
     instant. Linking and running need CUDA torch and a GPU: not done here."""
-    cache = os.path.join(fused.build_dir(), "nvcc_check")
+    cache = os.path.join(extension.build_dir(), "nvcc_check")
     sources = hashlib.sha256(torch.__version__.encode())
-    for name in sorted(os.listdir(fused.CSRC)):
-        with open(os.path.join(fused.CSRC, name), "rb") as f:
+    for name in sorted(os.listdir(extension.CSRC)):
+        with open(os.path.join(extension.CSRC, name), "rb") as f:
             sources.update(name.encode() + f.read())
     jobs = []
     for src, cmd in cuda_checks(shutil.which("nvcc"), cache):
@@ -468,7 +468,7 @@ def test_cuda_sources_compile():
         # environment lies (a fresh clone, or CI's fresh environment, does not compile again)
         flags = [os.path.basename(cmd[0])] + [a for a in cmd[1:] if not a.startswith(("-I", cache)) and a != "-o"]
         key = hashlib.sha256((sources.hexdigest() + " ".join(flags)).encode()).hexdigest()[:16]
-        cmd = cmd + [os.path.join(fused.CSRC, src)]
+        cmd = cmd + [os.path.join(extension.CSRC, src)]
         stamp = os.path.join(cache, f"{src}.{key}.ok")
         if not os.path.exists(stamp):
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega import checkpoint, dist, fused, precision, reshard, zero
+from nanomega import checkpoint, dist, extension, fused, precision, reshard, zero
 from nanomega.model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +56,7 @@ def losses(rows):
 @pytest.fixture(params=DEVICES)
 def device(request):
     """The device a parametric body runs on, with the extension's kernels for it (CPU: always built here)."""
-    ext = fused.load_extension()
+    ext = extension.load_extension()
     if request.param == "cuda" and not getattr(ext, "with_cuda", False):
         pytest.skip("the fused extension was built without CUDA kernels (no nvcc / CUDA_HOME on this machine)")
     return request.param
@@ -235,7 +235,7 @@ def test_save_resume_bitwise_and_sample_on_cpu(corpus, tmp_path):
 
 
 def test_fused_adamw_resumes_on_the_device(device):
-    """train.build's optimizer on CUDA is fused AdamW (issue 27 item 8). After import_by_name (a resume) its step
+    """compose.build's optimizer on CUDA is fused AdamW (issue 27 item 8). After import_by_name (a resume) its step
     counters sit beside the parameters -- fused AdamW refuses a CPU step for a CUDA parameter -- and 2 more
     steps equal an engine that never stopped, bitwise. The CPU body runs torch's CPU fused AdamW: the same path."""
     with world_of_one(device) as grid:

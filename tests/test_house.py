@@ -99,10 +99,14 @@ def test_imports_point_down():
         "modern.py (RoPE, RMSNorm, SwiGLU) imports only the op table"
     assert g["nanomega.moe"] == {"nanomega.modern", "nanomega.ep"} and g["nanomega.ep"] == set(), \
         "the MoE block's pieces: experts (modern.py) and their all-to-all (ep.py: it receives Axis objects)"
+    assert g["nanomega.extension"] == set() and g["nanomega.cpu_adam"] == {"nanomega.extension"}, \
+        "the C++ loader stands alone: the engine's host Adam (cpu_adam.py) reaches it without the model"
     for name, deps in g.items():
         if name.startswith("nanomega.ops."):
             assert not {d for d in deps if d.startswith("nanomega.tools.")}, f"{name} imports tools/: {deps}"
-        if name.count(".") == 1 and name != "nanomega.train":  # a concept imports concepts only
+        # a concept imports concepts only; the composition and the loop (compose.py, train.py) read
+        # the Config (ops/), and train.py calls tools/ (the preflight, the corpus)
+        if name.count(".") == 1 and name not in ("nanomega.train", "nanomega.compose"):
             assert not {d for d in deps if d.count(".") > 1}, f"{name} imports ops/ or tools/: {deps}"
 
 

@@ -8,7 +8,7 @@ import resource
 import pytest
 import torch
 
-from nanomega import meta, pp, tp, train, zero
+from nanomega import compose, meta, pp, tp, train, zero
 from nanomega.model import GPT, GPTConfig, INIT_BLOCK, draw
 from nanomega.ops import checks, flags
 from nanomega.ops.presets import PRESETS
@@ -79,7 +79,7 @@ LAYOUTS += [(f"llama-{name}", [*LLAMA, *extra], world) for name, extra, world in
 
 @pytest.mark.parametrize("name,extra,world", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
 def test_every_rank_draws_the_slice_of_the_dense_model(name, extra, world, monkeypatch):
-    """Each rank built (train.build, meta device -> this rank's values drawn into the engine's buffers) holds,
+    """Each rank built (compose.build, meta device -> this rank's values drawn into the engine's buffers) holds,
     bitwise, the dense model's slice: tensor-parallel slices of its stage's parameters, or at ZeRO-3 the flat
     shard of them. A wrong run, rank or seed changes whole rows: torch.equal fails. Each rank is built alone,
     so the engine's replica check (one all-gather over dp; lesson 09 counts it) is left out here."""
@@ -89,7 +89,7 @@ def test_every_rank_draws_the_slice_of_the_dense_model(name, extra, world, monke
         cfg = flags.model_config(config)
         dense = dict(GPT(cfg, seed=config.seed).named_parameters())
         grid = meta.PaperGrid(config.dp, config.pp, config.tp, rank, device="cpu")
-        model, engine, _ = train.build(config, cfg, grid)
+        model, engine, _ = compose.build(config, grid)
         if engine.sharded is None:
             names = [n for n, _ in model.named_parameters()]
             for n, p in model.named_parameters():

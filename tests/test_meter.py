@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega import dist, train
+from nanomega import compose, dist, train
 from nanomega.ops import meter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,8 +89,7 @@ def test_one_device_sync_per_step(monkeypatch):
     dist.init("cpu")
     try:
         args = train.flags.parse([*SMALL, "--grad-accum", "4"])
-        cfg = train.flags.model_config(args)
-        model, engine, _ = train.build(args, cfg, dist.Grid(1, 1, 1))
+        model, engine, _ = compose.build(args, dist.Grid(1, 1, 1))
         x = torch.randint(0, 100, (4, 32))
         calls = []
         real = torch.Tensor.item

@@ -22,7 +22,7 @@ import math
 import pytest
 import torch
 
-from nanomega import dist, formulas, moe, tp, train, worlds
+from nanomega import compose, dist, formulas, moe, tp, train, worlds
 from nanomega.model import GPT
 from nanomega.ops import flags
 from tolerance import layout_rtol
@@ -53,7 +53,7 @@ def run(argv, dp, pp, tp_, ep, b, accum, zero, a2a=False):
     config = dataclasses.replace(config, dp=dp, vocab_size=VOCAB)
     cfg = flags.model_config(config)
     grid = dist.Grid(dp, pp, tp_, ep=ep)
-    model, engine, _ = train.build(config, cfg, grid)
+    model, engine, _ = compose.build(config, grid)
     dense = GPT(flags.model_config(config), seed=config.seed).state_dict()
     same = all(torch.equal(p.detach(), tp.shard_param(k, dense[k], grid.tp_rank, grid.tp.size)
                            if tp.is_tensor_parallel(p) else dense[k]) for k, p in model.named_parameters()
@@ -119,7 +119,7 @@ def balancing(steps=12, rate=0.005):
     config = flags.parse(DROPLESS + ["--moe-aux-loss", "0", "--batch-size", str(GLOBAL), "--lr", "1e-9"])
     config = dataclasses.replace(config, vocab_size=VOCAB)
     grid = dist.Grid(1, 1, 1)
-    model, engine, _ = train.build(config, flags.model_config(config), grid)
+    model, engine, _ = compose.build(config, grid)
     x, y = batch()
     spread = {}
     for r in (0.0, rate):

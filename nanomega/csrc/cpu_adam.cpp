@@ -15,7 +15,7 @@
 // forces a path, so a test can run every path this CPU executes. Writing the arithmetic once instead of
 // intrinsics per ISA makes the paths agree by construction; tests/test_cpu_adam.py checks it bit for bit.
 //
-// Bitwise reproducibility. fused.cpu_flags() compiles the extension with -ffast-math, under which GCC 12
+// Bitwise reproducibility. extension.cpu_flags() compiles the extension with -ffast-math, under which GCC 12
 // compiles this very loop (checked with objdump) with FMAs (b1*m + omb1*g rounded once instead of three
 // times), sqrt and the divisions as reciprocal estimates plus a Newton step -- rsqrt14ps/rcp14ps on the
 // AVX-512 path, the coarser rsqrtps/rcpps on the AVX2 path, exact vsqrtss/vdivss in the scalar one: three

@@ -1,0 +1,73 @@
+"""One composition step: the dense GPT made into this rank's piece of a layout, and its engine.
+
+The model is built on the meta device (shapes only); each technique then slices or replaces what
+it owns, in one fixed order, and the engine draws this rank's values of the dense model from --seed
+straight into its flat buffers on grid.device (meta.py: bitwise the dense model's, sliced; no rank
+ever holds the dense model). On a meta grid (--dry-run: meta.PaperGrid) nothing is drawn.
+
+    GPT on meta -> TP -> EP -> CP -> PP stage -> recompute -> fused -> precision -> buffers
+        -> torch.compile per block -> ZeRO/DP engine (draws the parameters)
+
+Lesson: lessons/09-3d-parallelism.md
+"""
+import torch
+
+from nanomega import cp, ep, fused, meta, pp, precision, recompute, rng, tp, zero
+from nanomega.model import GPT
+from nanomega.ops import flags
+
+
+def build(config, grid):
+    """This rank's model pieces, the engine that owns their optimizer state, and the dense model's
+    parameter count: (model, engine, n_params). The GPT's shape comes from the Config
+    (flags.model_config)."""
+    cfg = flags.model_config(config)
+    with torch.device("meta"):
+        model = GPT(cfg, seed=config.seed)  # shapes only: every parallel form below slices shapes
+    n_params = sum(p.numel() for p in model.parameters())
+
+    # tensor parallel: column/row linears over grid.tp (and sequence parallel), its dropout RNG
+    tracker = rng.model_parallel_seed(config.seed, grid)
+    if grid.tp.size > 1:
+        tp.apply_tensor_parallel(model, grid.tp, config.sequence_parallel, tracker)
+
+    # expert parallel: this ep rank's experts only (ep.py)
+    if cfg.n_experts:
+        ep.apply_expert_parallel(model, grid.ep)
+
+    # context parallel: attention over the cp axis; positions per chunk
+    cp.apply_context_parallel(model, grid.cp, config.cp_method)
+
+    # pipeline parallel: this rank's stage
+    if grid.pp.size > 1:
+        pp.build_stage(model, grid, config.virtual_stages)
+
+    # activation recompute, fused kernels, precision: the ops inside whatever the rank now holds
+    recompute.apply_recompute(model, config.recompute, config.recompute_layers)
+    if config.fused:
+        fused.apply_fused(model)
+    if config.attention == "fused":  # the eager core with our fused scale-mask-softmax kernel
+        fused.apply_fused_softmax(model)
+    precision.cast_model(model, precision.parse_dtype(config.dtype))
+
+    # buffers now; the engine draws the parameters. The dense init, seen from this tp rank
+    init = meta.Init(cfg, config.seed, grid.tp_rank, grid.tp.size)
+    meta.materialize(model, init, grid.device, params=False)
+    if config.compile:  # per block, as torchtitan: small graphs compile fast; names and hooks stay
+        for block in model.blocks.values():
+            block.compile()
+
+    # the engine: ZeRO/DP over this rank's pieces. Fused AdamW on CUDA (one kernel for all tensors);
+    # the CPU keeps foreach, the arithmetic of every fingerprint
+    options = dict(betas=(0.9, 0.95))
+    if grid.device.type == "cuda":
+        options = dict(betas=(0.9, 0.95), fused=True)
+    # the replica groups, each built by the technique that owns its rule: the dense weights over dp x cp
+    # (and the tied embedding's extra sum over its two pipeline stages), the routed experts over edp
+    replicas = [zero.Replicas("dense", grid.dp_cp, extra_sums=pp.tied_sums(model, grid)),
+                zero.Replicas(**ep.replica_group(grid))]
+    optim = zero.weight_decay_groups(config.weight_decay, **options)
+    engine = zero.ZeroEngine(model, torch.optim.AdamW, optim, grid, config.zero, replicas=replicas,
+                             init=init.values, offload=config.offload,
+                             offload_params=config.offload_params)
+    return model, engine, n_params

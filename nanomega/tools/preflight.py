@@ -1,0 +1,84 @@
+"""Before a run: the memory check every start makes, and --dry-run, one rank built on paper.
+
+check_memory refuses an absurd shape in one line before start-up; dry_run builds rank --rank of
+any layout with compose.build on the meta device (meta.PaperGrid: no process group, no storage) and
+prints its engine's bytes beside the planner's (tools/cost.py, tools/cost_moe.py).
+
+    need  = max over stages of (params + grads + optimizer) bytes per rank    (the planner's count)
+    have  = a GPU's memory, or the host's / LOCAL_WORLD_SIZE                  need > have: refused
+    engine - planner = flat buffers padded to a multiple of dp + Adam's 4-byte step per piece
+
+Lesson: lessons/09-3d-parallelism.md (the dry run), lessons/11-planning-a-run.md (the planner)
+"""
+import os
+import time
+
+import torch
+
+from nanomega import compose, dist, meta
+from nanomega.model import SHAPE_KEYS
+from nanomega.ops import checks, flags
+from nanomega.tools import cost, cost_moe
+
+
+def dry_run(config):
+    """--dry-run: rank --rank of this layout built by compose.build on the meta device, its engine's
+    parameter, gradient and optimizer bytes printed next to the planner's.
+    Returns dict(engine=..., planner=..., groups, pieces, dp, seconds)."""
+    config = checks.check(config)
+    grid = meta.PaperGrid(config.dp, config.pp, config.tp, config.rank, cp=config.cp, ep=config.ep)
+    t0 = time.perf_counter()
+    _, engine, _ = compose.build(config, grid)
+    # Adam's state appears at its first step: take one on meta (no values)
+    for piece in engine.pieces:
+        piece.master.grad = torch.zeros_like(piece.master)
+    engine.optimizer.step()
+    held, seconds = engine.memory_bytes(), time.perf_counter() - t0
+
+    # the planner's count of the same rank: its pipeline stage's row (experts / ep)
+    planned = rank_state_bytes(config)[grid.pp_rank]
+    planned = dict(zip(("params", "grads", "optimizer"), planned))
+
+    # grid: meta.PaperGrid's repr
+    print(f"dry run: {grid}, ZeRO-{config.zero}, {config.dtype}: built on meta in {seconds:.1f} s\n"
+          f"{'':12} {'engine GB':>12} {'planner GB':>12} {'engine - planner (B)':>21}")
+    for k in planned:
+        print(f"{k:<12} {held[k] / 1e9:12.3f} {planned[k] / 1e9:12.3f} {held[k] - planned[k]:21,}")
+    print(f"(the difference: flat buffers padded to a multiple of dp in each of "
+          f"{len(engine.groups)} groups, and Adam's 4-byte step counter per each of "
+          f"{len(engine.pieces)} pieces)")
+    return dict(engine=held, planner=planned, groups=len(engine.groups), pieces=len(engine.pieces),
+                dp=config.dp, seconds=seconds)
+
+
+def check_memory(config):
+    """An absurd shape (--n-embd 10000000) refused in one line before start-up, not by the
+    allocator on every rank: one rank's parameter, gradient and optimizer bytes as the planner
+    counts them (the activations come on top) against its share of memory: its GPU's, or the
+    host's split among its ranks."""
+    need = max(map(sum, rank_state_bytes(config)))
+    if dist.default_device(config.device).type == "cuda":
+        have, where = torch.cuda.get_device_properties(0).total_memory, "a GPU's"
+    else:
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
+        where = f"this host's memory shared by {ranks} rank{'s' if ranks > 1 else ''}"
+    if need > have:
+        n = cost.n_params(planner_model(config))
+        raise ValueError(f"the model ({n:,} parameters) needs {need / 1e9:,.3g} GB per rank for "
+                         f"its weights, gradients and optimizer state alone, more than {where}: "
+                         f"{have / 1e9:,.3g} GB; choose a smaller model, more ranks or --zero 3 "
+                         f"(python -m nanomega.tools.plan, --dry-run)")
+
+
+def rank_state_bytes(config):
+    """The planner's (params, grads, optimizer) bytes of one rank, per stage (experts / ep)."""
+    return cost_moe.rank_state_bytes(planner_model(config), config.tp, config.pp,
+                                     config.dp * config.cp, config.zero, config.dtype,
+                                     config.virtual_stages, ep=config.ep)
+
+
+def planner_model(config):
+    """The Config's model shape as the planner's cost.Model."""
+    cfg = flags.model_config(config)
+    return cost.Model.from_shape({k: getattr(cfg, k) for k in SHAPE_KEYS})
