@@ -12,8 +12,8 @@ import os
 import torch
 
 from nanomega import cp, data, dist, ep, moe, pp, precision, recompute, tp, zero
-from nanomega.ops import faults, guard, presets, ranges
-from nanomega.ops.flags import model_config, parser
+from nanomega.ops import faults, flags, guard, presets, ranges
+from nanomega.ops.flags import model_config
 
 
 def world_size():
@@ -24,7 +24,7 @@ def check(config):
     """Every check that needs no collective, in the order a user would fix them. Returns the Config with its
     derived values (dp, grad_accum and global_batch, vocab_size, fault, hang_timeout, resume); changes nothing."""
     c = config
-    ranges.check(c, parser().get_default)  # every numeric flag finite and in range: one table (ops/ranges.py)
+    ranges.check(c, flags.RANGES, flags.default)  # every numeric flag finite and in its declared range
     fault = guard.parse_fault(c.inject_fault) if c.inject_fault else None
     if c.on_nan not in ("skip", "stop"):
         raise ValueError(f"--on-nan {c.on_nan!r}: choose skip or stop")
