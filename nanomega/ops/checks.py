@@ -1,9 +1,9 @@
-"""Refuse a bad Config before any collective: one line naming the flag and the fix (the flags: ops/flags.py).
+"""Refuse a bad Config before any collective: one line naming the flag and the fix.
 
-Idea: `check` runs on every rank, reads only the Config, the environment, the tokenizer and the data's index,
-and either raises one clear line or returns the Config with its derived values filled in (dataclasses.replace).
-It writes no file and takes no lock: the out-dir is claimed afterwards, as a step of train.py's recipe
-(nanomega/ops/faults.py:claim_out_dir).
+Idea: `check` runs on every rank and reads only the Config, the environment, the tokenizer and the
+data's index. It raises one clear line, or returns the Config with its derived values filled in
+(dataclasses.replace). It writes no file and takes no lock: the out-dir is claimed afterwards, a
+step of train.py's recipe (nanomega/ops/faults.py:claim_out_dir). The flags: ops/flags.py.
 Lesson: lessons/09-3d-parallelism.md
 """
 import dataclasses

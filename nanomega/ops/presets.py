@@ -1,15 +1,10 @@
-"""Model presets: one table of named shapes, read by the trainer (`train.py --model NAME`) and the planner.
+"""Model presets: one table of named shapes, read by `train.py --model NAME` and the planner.
 
-Idea: a shape is five numbers and two switches; naming them once keeps `train.py --model gpt2-124m` and
-`python -m nanomega.tools.plan --model gpt2-124m` talking about the same model. Keys are model.SHAPE_KEYS
-(GPTConfig's field names), so `GPTConfig(**PRESETS[name])` is the model. It lives in its own module, next to
-nothing but model.py: the planner must not pull in train.py's flags, and args.py must not import the planner.
-The trainer takes the shape and keeps its own tokenizer's vocabulary (the data decides the vocabulary);
-the planner takes the vocabulary too. Explicit shape flags override a preset in both.
-Sources: GPT-2 (Radford et al. 2019; nanoGPT's sizes), GPT-3 Table 2.1 (1.3B: 16 heads of 128, since the
-table's 24 heads do not divide 2048), OPT, BLOOM (70 layers, 14336, 112 heads, 250,880 padded vocabulary,
-ALiBi, embedding LayerNorm), MT-NLG (Korthikanti et al. Table 3), Megatron-LM 2021 Table 1 (V = 51,200),
-Llama 3 (Grattafiori et al. 2024; ffn widths by modern.ffn_hidden's rule, written out), Mixtral 8x7B.
+Idea: keys are model.SHAPE_KEYS (GPTConfig's field names), so `GPTConfig(**PRESETS[name])` is the
+model. The trainer takes the shape and keeps its tokenizer's vocabulary (the data decides it); the
+planner takes the vocabulary too; explicit shape flags override a preset in both. A module of its
+own, importing only model.py: the planner must not pull in train.py's flags, nor the flags the
+planner. The sources are beside the rows.
 Lessons: lessons/01-dense-model.md (the model), lessons/11-planning-a-run.md (the planner).
 """
 from nanomega.model import SHAPE_KEYS
@@ -33,20 +28,26 @@ def _llama(n_layer, n_embd, n_head, n_kv_head, ffn_hidden, vocab_size=128256, bl
 
 PRESETS = {
     "tiny": _shape(4, 64, 4, 256, 64),
+    # GPT-2 (Radford et al. 2019; nanoGPT's sizes)
     "gpt2-124m": _shape(12, 768, 12, 50257, 1024), "gpt2-350m": _shape(24, 1024, 16, 50257, 1024),
     "gpt2-774m": _shape(36, 1280, 20, 50257, 1024), "gpt2-1.5b": _shape(48, 1600, 25, 50257, 1024),
+    # GPT-3 (Brown et al. 2020), Table 2.1; 1.3B: 16 heads of 128, since the table's 24 heads do not
+    # divide 2048
     "gpt3-1.3b": _shape(24, 2048, 16, 50257, 2048), "gpt3-6.7b": _shape(32, 4096, 32, 50257, 2048),
     "gpt3-13b": _shape(40, 5120, 40, 50257, 2048), "gpt3-175b": _shape(96, 12288, 96, 50257, 2048),
-    "opt-175b": _shape(96, 12288, 96, 50272, 2048),
+    "opt-175b": _shape(96, 12288, 96, 50272, 2048),  # OPT (Zhang et al. 2022)
+    # BLOOM: 70 layers, 14336, 112 heads, a 250,880 padded vocabulary, ALiBi, an embedding LayerNorm
     "bloom-176b": _shape(70, 14336, 112, 250880, 2048, alibi=True, embed_layernorm=True),
-    "mt-nlg-530b": _shape(105, 20480, 128, 51200, 2048),
-    # Narayanan et al. 2021 (Megatron-LM), Table 1: the weak-scaling runs the planner's time model is held to
+    "mt-nlg-530b": _shape(105, 20480, 128, 51200, 2048),  # MT-NLG (Korthikanti et al., Table 3)
+    # Narayanan et al. 2021 (Megatron-LM), Table 1 (V = 51,200): the weak-scaling runs the planner's
+    # time model is held to
     "megatron-1.7b": _shape(24, 2304, 24, 51200, 2048), "megatron-3.6b": _shape(30, 3072, 32, 51200, 2048),
     "megatron-7.5b": _shape(36, 4096, 32, 51200, 2048), "megatron-18.4b": _shape(40, 6144, 48, 51200, 2048),
     "megatron-39.1b": _shape(48, 8192, 64, 51200, 2048), "megatron-76.1b": _shape(60, 10240, 80, 51200, 2048),
     "megatron-145.6b": _shape(80, 12288, 96, 51200, 2048), "megatron-310.1b": _shape(96, 16384, 128, 51200, 2048),
     "megatron-529.6b": _shape(105, 20480, 128, 51200, 2048), "megatron-1t": _shape(128, 25600, 160, 51200, 2048),
-    # Llama 3 (Grattafiori et al. 2024, Table 3; the released configs): 8 key/value heads, 128,256 tokens,
+    # Llama 3 (Grattafiori et al. 2024, Table 3; the released configs; ffn widths by
+    # modern.ffn_hidden's rule, written out): 8 key/value heads, 128,256 tokens,
     # pre-trained at 8,192 tokens (3.1 extends to 131,072 with --rope-scaling 8)
     "llama3-8b": _llama(32, 4096, 32, 8, 14336), "llama3-70b": _llama(80, 8192, 64, 8, 28672),
     "llama3-405b": _llama(126, 16384, 128, 8, 53248),
