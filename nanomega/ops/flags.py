@@ -56,6 +56,7 @@ DRY_RUN = Section("dry run")
 class Config:
     """Every flag of train.py, by section; then the values checks.check derives from them."""
 
+    # the model's shape (model.GPTConfig), or a preset's
     model: str | None = MODEL(
         None,
         "a preset shape from nanomega/ops/presets.py (gpt2-124m, ...); shape flags given explicitly "
@@ -98,6 +99,7 @@ class Config:
     )
     norm_eps: float = MODEL(1e-5, "epsilon of every LayerNorm / RMSNorm", above(0), model=True)
 
+    # mixture of experts: the router and the experts (moe.py)
     n_experts: int = EXPERTS(
         0, "routed SwiGLU experts per block (0: dense MLPs)", at_least(0), model=True
     )
@@ -128,6 +130,7 @@ class Config:
         at_least(0),
     )
 
+    # the tokens and the batch
     tokenizer: str = DATA(
         "shakespeare-4k",
         "shakespeare-4k (ours), a tiktoken encoding available offline, or a .tiktoken file",
@@ -159,6 +162,7 @@ class Config:
         "resume under another world size keeps the data order and the optimizer's view",
     )  # its range needs dp: checks.check
 
+    # AdamW and its cosine schedule
     lr: float = OPTIMIZER(1e-3, "peak learning rate (AdamW, betas 0.9, 0.95)", above(0))
     min_lr: float = OPTIMIZER(
         1e-4,
@@ -177,6 +181,7 @@ class Config:
         (lambda v, c: 0 <= v < MAX_SEED, "in [0, 2**62)"),
     )
 
+    # the layout: world = tp x pp x cp x dp; ZeRO and offload over dp
     tp: int = PARALLEL(1, "tensor-parallel size", at_least(1))
     pp: int = PARALLEL(1, "pipeline-parallel size (dp = world / (tp x pp))", at_least(1))
     ep: int = PARALLEL(1, "expert-parallel size, carved out of dp (experts spread)", at_least(1))
@@ -207,6 +212,7 @@ class Config:
         "too, copied up at each gather (nanomega/zero3.py)",
     )
 
+    # numerics, recompute, kernels and the device
     dtype: str = PRECISION("fp32", "fp32, bf16 or fp16 (with dynamic loss scaling)")
     recompute: str = PRECISION("none", "none, selective or full")
     recompute_layers: int | None = PRECISION(
@@ -231,6 +237,7 @@ class Config:
     )
     compile: bool = PRECISION(False, "torch.compile each transformer block")
 
+    # what the run prints and measures
     out_dir: str = LOGGING("out", "checkpoints, metrics.jsonl, traces (one job at a time)")
     log_every: int = LOGGING(10, "print a line every N steps", at_least(1))
     eval_every: int = LOGGING(100, "validation loss every N steps (0: never)", at_least(0))
@@ -241,6 +248,7 @@ class Config:
         above(0, " FLOP/s per device"),
     )
 
+    # when to save, how many to keep, where to resume from
     save_every: int = CHECKPOINTS(0, "checkpoint every N steps (0: only at the end)", at_least(0))
     save_every_minutes: float = CHECKPOINTS(0.0, "also checkpoint every M minutes", at_least(0))
     async_save: bool = CHECKPOINTS(False, "write checkpoints from a background thread")
@@ -269,6 +277,7 @@ class Config:
         "would mean other text)",
     )
 
+    # what the run does when a step or a rank goes wrong (lesson 12)
     on_nan: str = FAILURES(
         "skip", "skip (drop the step) or stop, when the loss or grad norm is not finite"
     )
@@ -327,6 +336,7 @@ class Config:
         metavar="KIND:RANK:STEP",
     )
 
+    # one rank of the layout on the meta device, then exit
     dry_run: bool = DRY_RUN(
         False,
         "build one rank of this layout on the meta device (no process group, nothing allocated), "
