@@ -1,4 +1,6 @@
-"""Bad configurations are refused on every rank before any collective: one clear line each, in < 10 s."""
+"""Bad configurations are refused on every rank before any collective: one clear line each, < 10 s;
+each flag is declared once (ops/flags.py:Config); the parser and the range table come from that."""
+import dataclasses
 import subprocess
 import sys
 import time
@@ -7,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from nanomega.model import GPTConfig
 from nanomega.ops import checks, flags
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -146,3 +149,47 @@ def test_the_cpu_suite_runs_on_the_cpu_on_a_gpu_host(monkeypatch):
     assert dist.default_device("auto").type == "cuda"  # what `--device auto` gives a user on that host
     monkeypatch.delenv("NANOMEGA_DEVICE")
     assert flags.parse([]).device == "auto"  # outside the suite: the default is unchanged
+
+
+DERIVED = {"dp", "vocab_size", "fault", "eot"}  # filled in by checks.check, not flags
+# numeric flags whose range needs other flags (checks.check, pp.check_args, zero.check_config)
+CHECKED_BY_CONCEPT = {"global_batch", "virtual_stages", "zero", "recompute_layers"}
+
+
+def coverage(config_type, parser):
+    """(fields without a flag, flags without a field, fields set by two flags) in parser."""
+    dests = [a.dest for a in parser._actions if a.dest != "help"]
+    fields = {f.name for f in dataclasses.fields(config_type)} - DERIVED
+    return fields - set(dests), set(dests) - fields, {d for d in dests if dests.count(d) > 1}
+
+
+def test_every_flag_declared_once_and_the_parser_generated_from_it():
+    """One home per flag: each Config field is exactly one flag, in its section's group of --help;
+    the range table names only flags, and a numeric flag without a range is one its concept checks;
+    model_config takes exactly GPTConfig's shape (less the vocabulary and its padding, which the
+    tokenizer and --tp decide)."""
+    p = flags.parser()
+    assert coverage(flags.Config, p) == (set(), set(), set())
+    groups = {a.dest: g.title for g in p._action_groups for a in g._group_actions}
+    assert all(groups[f.name] == f.metadata["section"] for f in flags.FLAGS)
+    assert len({f.metadata["section"] for f in flags.FLAGS}) == 10
+
+    numeric = {f.name for f in flags.FLAGS if f.type in (int, float, int | None, float | None)}
+    assert set(flags.RANGES) <= numeric and numeric - set(flags.RANGES) == CHECKED_BY_CONCEPT
+    shape = {f.name for f in flags.FLAGS if f.metadata["model"]}
+    decided_elsewhere = {"vocab_size", "make_vocab_size_divisible_by"}
+    assert shape == {f.name for f in dataclasses.fields(GPTConfig)} - decided_elsewhere
+
+    # the check can fail: a field no flag sets, a flag no field holds, a field set by two flags
+    fields = [("lonely", int, 0)]
+    bad = dataclasses.make_dataclass("Bad", fields, bases=(flags.Config,), frozen=True)
+    p.add_argument("--stray", type=int)
+    p.add_argument("--tensor-parallel", dest="tp", type=int)
+    assert coverage(bad, p) == ({"lonely"}, {"stray"}, {"tp"})
+
+
+def test_a_declared_range_is_checked(monkeypatch):
+    """The range beside a flag is the one checks.check applies (the table is read, not copied)."""
+    monkeypatch.setitem(flags.RANGES, "tp", (lambda v, c: v >= 5, ">= 5"))
+    with pytest.raises(ValueError, match="--tp must be >= 5, got 1; the default is 1"):
+        checks.check(flags.parse(["--out-dir", "/nonexistent/o"]))

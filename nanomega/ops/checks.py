@@ -1,9 +1,9 @@
-"""Refuse a bad Config before any collective: one line naming the flag and the fix (the flags: ops/flags.py).
+"""Refuse a bad Config before any collective: one line naming the flag and the fix.
 
-Idea: `check` runs on every rank, reads only the Config, the environment, the tokenizer and the data's index,
-and either raises one clear line or returns the Config with its derived values filled in (dataclasses.replace).
-It writes no file and takes no lock: the out-dir is claimed afterwards, as a step of train.py's recipe
-(nanomega/ops/faults.py:claim_out_dir).
+Idea: `check` runs on every rank and reads only the Config, the environment, the tokenizer and the
+data's index. It raises one clear line, or returns the Config with its derived values filled in
+(dataclasses.replace). It writes no file and takes no lock: the out-dir is claimed afterwards, a
+step of train.py's recipe (nanomega/ops/faults.py:claim_out_dir). The flags: ops/flags.py.
 Lesson: lessons/09-3d-parallelism.md
 """
 import dataclasses
@@ -12,8 +12,8 @@ import os
 import torch
 
 from nanomega import cp, data, dist, ep, moe, pp, precision, recompute, tp, zero
-from nanomega.ops import faults, guard, presets, ranges
-from nanomega.ops.flags import model_config, parser
+from nanomega.ops import faults, flags, guard, presets, ranges
+from nanomega.ops.flags import model_config
 
 
 def world_size():
@@ -24,7 +24,7 @@ def check(config):
     """Every check that needs no collective, in the order a user would fix them. Returns the Config with its
     derived values (dp, grad_accum and global_batch, vocab_size, fault, hang_timeout, resume); changes nothing."""
     c = config
-    ranges.check(c, parser().get_default)  # every numeric flag finite and in range: one table (ops/ranges.py)
+    ranges.check(c, flags.RANGES, flags.default)  # every numeric flag finite and in its declared range
     fault = guard.parse_fault(c.inject_fault) if c.inject_fault else None
     if c.on_nan not in ("skip", "stop"):
         raise ValueError(f"--on-nan {c.on_nan!r}: choose skip or stop")

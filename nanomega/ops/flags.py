@@ -1,299 +1,442 @@
-"""train.py's flags as one typed, frozen Config, and the checks that refuse a bad one before any collective starts.
+"""train.py's flags as one frozen Config: each flag declared once, with its help and its range beside it.
 
-Idea: on a 1,000-GPU job a typo found after the rendezvous costs minutes of every GPU; found here it costs
-nothing. `parse` reads the command line once into a Config (frozen: no module rewrites a flag later);
-nanomega/ops/checks.py refuses a bad one. The layout: world = tp x pp x dp, with dp derived from the world size.
+Idea: a field of Config is a flag. Its declaration says everything about it: its section (one group of
+`--help`), default, help, range (ops/ranges.py) and whether the model's shape (model.GPTConfig) takes it.
+The parser, the range table and `model_config` are generated from the declarations. `parse` reads the
+command line once (frozen: no module rewrites a flag later); ops/checks.py refuses a bad Config before
+any collective and fills in the derived values (dp = world / (tp x pp x cp), the vocabulary, ...).
 Lesson: lessons/09-3d-parallelism.md
 """
+
 import argparse
 import dataclasses
 import os
 import sys
+import typing
 
-from nanomega.ops import presets
 from nanomega.model import GPTConfig
+from nanomega.ops import presets
+from nanomega.ops.ranges import MAX_SEED, MAX_TIMEOUT, above, at_least
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # nanomega/ops/ -> the checkout
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
+
+
+class Section:
+    """A group of flags (one group in `--help`); calling it declares one flag: a field of Config.
+
+    default: the flag's default (a function: called when the parser is built); help: its `--help` line;
+    rule: its range (ranges.py: (ok(v, config), what it must be)); model: model.GPTConfig takes it;
+    names: its option strings (default: --field-name); argparse: add_argument's other keywords.
+    """
+
+    def __init__(self, title):
+        self.title = title
+
+    def __call__(self, default, help, rule=None, *, model=False, names=(), **argparse):
+        meta = {"section": self.title, "help": help, "rule": rule, "model": model}
+        meta.update(names=names, argparse=argparse)
+        if callable(default):
+            return dataclasses.field(default_factory=default, metadata=meta)
+        return dataclasses.field(default=default, metadata=meta)
+
+
+MODEL = Section("model")
+EXPERTS = Section("mixture of experts (--arch llama; nanomega/moe.py, nanomega/ep.py)")
+DATA = Section("data")
+OPTIMIZER = Section("optimizer and schedule")
+PARALLEL = Section("parallelism")
+PRECISION = Section("precision, memory and kernels")
+LOGGING = Section("logging and evaluation")
+CHECKPOINTS = Section("checkpoints")
+FAILURES = Section("failures")
+DRY_RUN = Section("dry run")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Every flag of train.py (its defaults: `parser`), then the values `check` derives from them."""
-    model: str | None  # model
-    n_layer: int
-    n_head: int
-    n_embd: int
-    block_size: int
-    dropout: float
-    alibi: bool
-    embed_layernorm: bool
-    arch: str
-    n_kv_head: int
-    ffn_hidden: int
-    rope_theta: float
-    rope_scaling: float
-    tie_embeddings: bool
-    norm_eps: float
-    n_experts: int  # mixture of experts
-    top_k: int
-    router: str
-    moe_aux_loss: float
-    moe_z_loss: float
-    capacity_factor: float
-    shared_experts: int
-    moe_bias_balance: float
-    tokenizer: str  # data
-    corpus: str
-    text_field: str
-    data: str | None
-    data_cache: str | None
-    document_mask: bool
-    batch_size: int
-    grad_accum: int
-    global_batch: int | None
-    lr: float  # optimizer and schedule
-    min_lr: float
-    warmup: int
-    max_steps: int
-    weight_decay: float
-    grad_clip: float
-    seed: int
-    tp: int  # parallelism
-    pp: int
-    ep: int
-    sequence_parallel: bool
-    cp: int
-    cp_method: str
-    schedule: str
-    virtual_stages: int
-    zero: int
-    offload: float
-    offload_params: bool
-    dtype: str  # precision, memory and kernels
-    recompute: str
-    recompute_layers: int | None
-    fused: bool
-    attention: str
-    device: str
-    tf32: bool
-    compile: bool
-    out_dir: str  # logging and evaluation
-    log_every: int
-    eval_every: int
-    eval_iters: int
-    peak_flops: float | None
-    save_every: int  # checkpoints
-    save_every_minutes: float
-    async_save: bool
-    flash_restore: bool
-    keep_last: int
-    resume: bool
-    resume_from: str | None
-    allow_tokenizer_change: bool
-    on_nan: str  # failures
-    max_skipped: int
-    on_spike: str
-    spike_threshold: float
-    rollback_lr_factor: float
-    collective_timeout: float
-    hang_timeout: float | None
-    health_check: bool
-    inject_fault: str | None
-    dry_run: bool  # dry run
-    rank: int
-    world: int | None
-    # derived by check: dp = world / (tp x pp x cp); the tokenizer's vocabulary; --inject-fault as (kind, rank, step);
-    # (and in the fields above: grad_accum from --global-batch, global_batch, hang_timeout's default, resume)
+    """Every flag of train.py, by section; then the values checks.check derives from them."""
+
+    # the model's shape (model.GPTConfig), or a preset's
+    model: str | None = MODEL(
+        None,
+        "a preset shape from nanomega/ops/presets.py (gpt2-124m, ...); shape flags given explicitly "
+        "override it; the vocabulary stays the tokenizer's",
+    )
+    n_layer: int = MODEL(4, "transformer blocks", at_least(1), model=True)
+    n_head: int = MODEL(4, "attention heads", at_least(1), model=True)
+    n_embd: int = MODEL(128, "hidden size h", at_least(1), model=True)
+    block_size: int = MODEL(128, "sequence length s (tokens per window)", at_least(1), model=True)
+    dropout: float = MODEL(
+        0.0, "dropout probability (0: off)", (lambda v, c: 0 <= v < 1, "in [0, 1)"), model=True
+    )
+    alibi: bool = MODEL(False, "ALiBi attention biases instead of learned positions", model=True)
+    embed_layernorm: bool = MODEL(False, "LayerNorm after the embedding (BLOOM)", model=True)
+    arch: str = MODEL(
+        "gpt2",
+        "gpt2 (LayerNorm, GeLU, learned positions) or llama (RMSNorm, SwiGLU, rotary positions, "
+        "no biases: nanomega/modern.py)",
+        model=True,
+    )
+    n_kv_head: int = MODEL(
+        0, "llama: key/value heads (grouped-query); 0: --n-head", at_least(0), model=True
+    )
+    ffn_hidden: int = MODEL(
+        0, "llama: MLP width; 0: 2/3 x 4h up to a multiple of 256", at_least(0), model=True
+    )
+    rope_theta: float = MODEL(10000.0, "llama: rotary base (Llama 3: 500000)", above(0), model=True)
+    rope_scaling: float = MODEL(
+        1.0,
+        "llama: Llama 3.1's frequency scaling factor",
+        above(0, " (1: no scaling)"),
+        model=True,
+    )
+    tie_embeddings: bool = MODEL(
+        True,
+        "llama: an LM head of its own instead of the token embedding",
+        model=True,
+        names=("--untie-embeddings",),
+        action="store_false",
+    )
+    norm_eps: float = MODEL(1e-5, "epsilon of every LayerNorm / RMSNorm", above(0), model=True)
+
+    # mixture of experts: the router and the experts (moe.py)
+    n_experts: int = EXPERTS(
+        0, "routed SwiGLU experts per block (0: dense MLPs)", at_least(0), model=True
+    )
+    top_k: int = EXPERTS(2, "experts per token", at_least(1), model=True)
+    router: str = EXPERTS(
+        "mixtral",
+        "mixtral (top-k of the logits, softmax over k), deepseek (softmax over all, top-k, "
+        "renormalized) or qwen (the same, not renormalized)",
+        model=True,
+    )
+    moe_aux_loss: float = EXPERTS(
+        0.01, "load-balancing loss coefficient (Switch)", at_least(0), model=True
+    )
+    moe_z_loss: float = EXPERTS(0.0, "router z-loss coefficient (ST-MoE)", at_least(0), model=True)
+    capacity_factor: float = EXPERTS(
+        0.0,
+        "assignments per expert and sequence <= ceil(cf s k / E), the rest dropped (0: dropless)",
+        at_least(0),
+        model=True,
+    )
+    shared_experts: int = EXPERTS(
+        0, "experts every token also runs through", at_least(0), model=True
+    )
+    moe_bias_balance: float = EXPERTS(
+        0.0,
+        "DeepSeek-V3's auxiliary-loss-free balancing: the routing bias's step per optimizer step "
+        "(0: off; DeepSeek-V3: 0.001)",
+        at_least(0),
+    )
+
+    # the tokens and the batch
+    tokenizer: str = DATA(
+        "shakespeare-4k",
+        "shakespeare-4k (ours), a tiktoken encoding available offline, or a .tiktoken file",
+    )
+    corpus: str = DATA(
+        os.path.join(REPO, "data", "shakespeare.txt.gz"),
+        "a file, directory or glob of .txt[.gz] / .jsonl[.gz] (one .txt: split at its last 5%%)",
+    )
+    text_field: str = DATA("text", "the JSON field with a document's text (.jsonl)")
+    data: str | None = DATA(
+        None, "shards prepared by `python -m nanomega.tools.corpus` (instead of --corpus)"
+    )
+    data_cache: str | None = DATA(None, "tokenized memmaps (default: OUT/data)")
+    document_mask: bool = DATA(
+        False,
+        "a token attends only inside its own document of the packed window (documents end with "
+        "<|endoftext|>; nanomega/documents.py)",
+    )
+    batch_size: int = DATA(16, "micro-batch size", at_least(1))
+    grad_accum: int = DATA(
+        1,
+        "micro-batches per step per data-parallel rank (the pipeline's m)",
+        at_least(1),
+        names=("--grad-accum", "--microbatches"),
+    )
+    global_batch: int | None = DATA(
+        None,
+        "sequences per optimizer step; sets --grad-accum to global / (batch-size x dp), so a "
+        "resume under another world size keeps the data order and the optimizer's view",
+    )  # its range needs dp: checks.check
+
+    # AdamW and its cosine schedule
+    lr: float = OPTIMIZER(1e-3, "peak learning rate (AdamW, betas 0.9, 0.95)", above(0))
+    min_lr: float = OPTIMIZER(
+        1e-4,
+        "learning rate at the end of the cosine decay",
+        (lambda v, c: 0 <= v <= c.lr, "in [0, --lr {c.lr:g}]"),
+    )
+    # --warmup above --max-steps is allowed: the run only warms up (nothing non-finite), and a
+    # shared flag set with a short --max-steps override (the tests' quick runs) does exactly that
+    warmup: int = OPTIMIZER(20, "steps of linear warm-up to --lr", at_least(0))
+    max_steps: int = OPTIMIZER(600, "optimizer steps; the cosine decay ends here", at_least(1))
+    weight_decay: float = OPTIMIZER(0.1, "AdamW weight decay (not on biases, norms)", at_least(0))
+    grad_clip: float = OPTIMIZER(1.0, "clip the global gradient norm (0: off)", at_least(0))
+    seed: int = OPTIMIZER(
+        1337,
+        "the model's init and the data order",
+        (lambda v, c: 0 <= v < MAX_SEED, "in [0, 2**62)"),
+    )
+
+    # the layout: world = tp x pp x cp x dp; ZeRO and offload over dp
+    tp: int = PARALLEL(1, "tensor-parallel size", at_least(1))
+    pp: int = PARALLEL(1, "pipeline-parallel size (dp = world / (tp x pp))", at_least(1))
+    ep: int = PARALLEL(1, "expert-parallel size, carved out of dp (experts spread)", at_least(1))
+    sequence_parallel: bool = PARALLEL(False, "shard LayerNorm/dropout activations over tp")
+    cp: int = PARALLEL(
+        1,
+        "context-parallel size: each sequence split over cp ranks, attention included "
+        "(nanomega/cp.py; dp = world / (tp x pp x cp))",
+        at_least(1),
+    )
+    cp_method: str = PARALLEL(
+        "ring",
+        "ring (K/V passed rank to rank), allgather (Llama 3's) or ulysses (all-to-all to head "
+        "shards: cp must divide the heads per tp rank)",
+    )
+    schedule: str = PARALLEL("1f1b", "gpipe, 1f1b or interleaved")
+    virtual_stages: int = PARALLEL(1, "model chunks per rank (interleaved)")  # pp.check_args
+    zero: int = PARALLEL(0, "ZeRO stage 0-3 (0: plain data parallelism)")  # zero.check_config
+    offload: float = PARALLEL(
+        0.0,
+        "ZeRO-Offload (--zero 1-3): the share (0-1) of the fp32 masters and Adam state kept in "
+        "host memory, stepped by the CPU Adam (nanomega/offload.py)",
+        (lambda v, c: 0 <= v <= 1, "in [0, 1] (a share of the optimizer state)"),
+    )
+    offload_params: bool = PARALLEL(
+        False,
+        "ZeRO-3 parameter offload (--zero 3 --offload 1): the parameter shards in host memory "
+        "too, copied up at each gather (nanomega/zero3.py)",
+    )
+
+    # numerics, recompute, kernels and the device
+    dtype: str = PRECISION("fp32", "fp32, bf16 or fp16 (with dynamic loss scaling)")
+    recompute: str = PRECISION("none", "none, selective or full")
+    recompute_layers: int | None = PRECISION(
+        None, "recompute only the first k layers"
+    )  # its range needs --n-layer: checks.check
+    fused: bool = PRECISION(False, "C++/CUDA fused LayerNorm, softmax, bias-GeLU")
+    attention: str = PRECISION(
+        "sdpa",
+        "sdpa (F.scaled_dot_product_attention: FlashAttention on CUDA), eager (explicit softmax, "
+        "as the lessons teach) or fused (eager + our fused softmax)",
+        model=True,
+    )
+    device: str = PRECISION(
+        lambda: os.environ.get("NANOMEGA_DEVICE", "auto"),
+        "auto: CUDA when present ($NANOMEGA_DEVICE changes this default: the CPU test suite's is cpu)",
+        choices=["auto", "cpu", "cuda"],
+    )
+    tf32: bool = PRECISION(
+        True,
+        "fp32 matmuls in TF32 on CUDA tensor cores (--no-tf32: full fp32)",
+        action=argparse.BooleanOptionalAction,
+    )
+    compile: bool = PRECISION(False, "torch.compile each transformer block")
+
+    # what the run prints and measures
+    out_dir: str = LOGGING("out", "checkpoints, metrics.jsonl, traces (one job at a time)")
+    log_every: int = LOGGING(10, "print a line every N steps", at_least(1))
+    eval_every: int = LOGGING(100, "validation loss every N steps (0: never)", at_least(0))
+    eval_iters: int = LOGGING(10, "global batches per validation", at_least(1))
+    peak_flops: float | None = LOGGING(
+        None,
+        "peak FLOP/s per device for MFU (default: the datasheet of a known GPU, else measured)",
+        above(0, " FLOP/s per device"),
+    )
+
+    # when to save, how many to keep, where to resume from
+    save_every: int = CHECKPOINTS(0, "checkpoint every N steps (0: only at the end)", at_least(0))
+    save_every_minutes: float = CHECKPOINTS(0.0, "also checkpoint every M minutes", at_least(0))
+    async_save: bool = CHECKPOINTS(False, "write checkpoints from a background thread")
+    flash_restore: bool = CHECKPOINTS(
+        False,
+        "also keep each rank's newest shard in /dev/shm (host RAM: one shard per rank, two while "
+        "a save is in flight); a restart on the same host reads it from there when step and "
+        "sha256 match (nanomega/flash.py); removed at the job's end",
+    )
+    keep_last: int = CHECKPOINTS(
+        0,
+        "keep only the K newest checkpoints (0: keep all); the one resumed from is never deleted",
+        at_least(0),
+    )
+    resume: bool = CHECKPOINTS(
+        False, "continue from the last checkpoint in --out-dir; start fresh if none"
+    )
+    resume_from: str | None = CHECKPOINTS(
+        None,
+        "resume from this step (OUT/ckpt/step_STEP) or checkpoint folder; implies --resume",
+        metavar="STEP|PATH",
+    )
+    allow_tokenizer_change: bool = CHECKPOINTS(
+        False,
+        "resume a checkpoint trained with another --tokenizer (refused otherwise: its token ids "
+        "would mean other text)",
+    )
+
+    # what the run does when a step or a rank goes wrong (lesson 12)
+    on_nan: str = FAILURES(
+        "skip", "skip (drop the step) or stop, when the loss or grad norm is not finite"
+    )
+    max_skipped: int = FAILURES(
+        20,
+        "stop (non-zero) after this many consecutive skipped (non-finite) steps",
+        at_least(0),
+    )
+    on_spike: str = FAILURES(
+        "warn",
+        "a loss above --spike-threshold x its running mean: log it, drop that step's update, or "
+        "reload the last verified checkpoint and skip the data since it",
+        choices=["warn", "skip", "rollback"],
+    )
+    spike_threshold: float = FAILURES(
+        1.5,
+        "a spike: loss > this x its running mean",
+        above(1, " (a spike: loss > this x its running mean)"),
+    )
+    rollback_lr_factor: float = FAILURES(
+        1.0,
+        "scale the lr by this at each rollback",
+        (lambda v, c: 0 < v <= 1, "in (0, 1]"),
+    )
+    collective_timeout: float = FAILURES(
+        300.0,
+        "seconds before a stuck collective aborts the job",
+        (
+            lambda v, c: 0 < v <= MAX_TIMEOUT,
+            f"> 0 and <= {MAX_TIMEOUT} seconds (30 days)",
+        ),
+    )
+    hang_timeout: float | None = FAILURES(
+        None,
+        "seconds without progress before every live rank dumps its stacks to OUT/hang/ and the "
+        "job names the stuck ranks and exits (0: off; default: 180, or half "
+        "--collective-timeout if that is less)",
+        (
+            lambda v, c: 0 <= v < c.collective_timeout,
+            (
+                ">= 0 (0: off) and below --collective-timeout {c.collective_timeout:g} (the "
+                "watchdog must fire before the collective gives up)"
+            ),
+        ),
+    )
+    health_check: bool = FAILURES(
+        False,
+        "check every rank's compute and links first (nanomega/ops/health.py); a bad rank stops "
+        "the job with one line",
+    )
+    inject_fault: str | None = FAILURES(
+        None,
+        "testing fault handling: KIND raise (the rank raises), nan (its loss becomes NaN), sigterm "
+        "(it is sent SIGTERM, a preemption) hang (it stops itself, SIGSTOP), hang-save (it stops "
+        "while writing STEP's checkpoint) or spike (its loss x 10) at STEP",
+        metavar="KIND:RANK:STEP",
+    )
+
+    # one rank of the layout on the meta device, then exit
+    dry_run: bool = DRY_RUN(
+        False,
+        "build one rank of this layout on the meta device (no process group, nothing allocated), "
+        "print its parameter, gradient and optimizer bytes next to the planner's, and exit; with "
+        "--model the vocabulary is the preset's (no data is read)",
+    )
+    rank: int = DRY_RUN(0, "the rank --dry-run builds", at_least(0))
+    world: int | None = DRY_RUN(
+        None, "the world size --dry-run assumes (default: tp x pp)", at_least(1)
+    )
+
+    # derived by checks.check: dp = world / (tp x pp x cp); the tokenizer's vocabulary;
+    # --inject-fault as (kind, rank, step); (and in the flags above: grad_accum from --global-batch,
+    # global_batch, hang_timeout's default, resume)
     dp: int = 1
     vocab_size: int = 4096
     fault: tuple | None = None
-    eot: int | None = None  # --document-mask: the tokenizer's end-of-text id, which ends each document
+    eot: int | None = None  # --document-mask: the tokenizer's end-of-text id, ending each document
+
+
+FLAGS = [f for f in dataclasses.fields(Config) if "section" in f.metadata]  # --help's order
+RANGES = {f.name: f.metadata["rule"] for f in FLAGS if f.metadata["rule"]}  # ranges.check's table
+
+
+def default(name):
+    """The flag's default (read from the environment now, for --device)."""
+    f = next(f for f in FLAGS if f.name == name)
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def options(f):
+    """The flag's option strings: --field-name unless it declares its own."""
+    return f.metadata["names"] or ("--" + f.name.replace("_", "-"),)
+
+
+def kind(f):
+    """How argparse reads the flag: a bool is a switch, else a value of the field's type."""
+    if "action" in f.metadata["argparse"]:
+        return {}
+    if f.type is bool:
+        return {"action": "store_true"}
+    value_type = next(t for t in typing.get_args(f.type) or (f.type,) if t is not type(None))
+    return {} if value_type is str else {"type": value_type}
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose errors (an unknown flag, a value of the wrong type) are one ValueError line, said once by
-    rank 0 (faults.entrypoint), instead of the usage block printed by every rank."""
+    """argparse whose errors (an unknown flag, a value of the wrong type) are one ValueError line,
+    said once by rank 0 (faults.entrypoint), instead of the usage block printed by every rank."""
 
     def error(self, message):
         raise ValueError(f"{message}; `python nanomega/train.py --help` lists the flags")
 
 
 def parser():
-    """The flags, in the groups `--help` shows (one flag per line)."""
+    """The flags, generated from Config: one group per section in `--help`, one flag per field."""
     p = Parser(description="Train a GPT with any tp x pp x dp x ZeRO layout.")
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, help="a preset shape from nanomega/ops/presets.py (gpt2-124m, ...); "
-                   "shape flags given explicitly override it; the vocabulary stays the tokenizer's")
-    g.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
-    g.add_argument("--n-head", type=int, default=4, help="attention heads")
-    g.add_argument("--n-embd", type=int, default=128, help="hidden size h")
-    g.add_argument("--block-size", type=int, default=128, help="sequence length s (tokens per window)")
-    g.add_argument("--dropout", type=float, default=0.0, help="dropout probability (0: off)")
-    g.add_argument("--alibi", action="store_true", help="ALiBi attention biases instead of learned positions")
-    g.add_argument("--embed-layernorm", action="store_true", help="LayerNorm after the embedding (BLOOM)")
-    g.add_argument("--arch", default="gpt2", help="gpt2 (LayerNorm, GeLU, learned positions) or llama (RMSNorm, "
-                   "SwiGLU, rotary positions, no biases: nanomega/modern.py)")
-    g.add_argument("--n-kv-head", type=int, default=0, help="llama: key/value heads (grouped-query); 0: --n-head")
-    g.add_argument("--ffn-hidden", type=int, default=0, help="llama: MLP width; 0: 2/3 x 4h up to a multiple of 256")
-    g.add_argument("--rope-theta", type=float, default=10000.0, help="llama: rotary base (Llama 3: 500000)")
-    g.add_argument("--rope-scaling", type=float, default=1.0, help="llama: Llama 3.1's frequency scaling factor")
-    g.add_argument("--untie-embeddings", dest="tie_embeddings", action="store_false",
-                   help="llama: an LM head of its own instead of the token embedding")
-    g.add_argument("--norm-eps", type=float, default=1e-5, help="epsilon of every LayerNorm / RMSNorm")
-
-    g = p.add_argument_group("mixture of experts (--arch llama; nanomega/moe.py, nanomega/ep.py)")
-    g.add_argument("--n-experts", type=int, default=0, help="routed SwiGLU experts per block (0: dense MLPs)")
-    g.add_argument("--top-k", type=int, default=2, help="experts per token")
-    g.add_argument("--router", default="mixtral", help="mixtral (top-k of the logits, softmax over k), deepseek "
-                   "(softmax over all, top-k, renormalized) or qwen (the same, not renormalized)")
-    g.add_argument("--moe-aux-loss", type=float, default=0.01, help="load-balancing loss coefficient (Switch)")
-    g.add_argument("--moe-z-loss", type=float, default=0.0, help="router z-loss coefficient (ST-MoE)")
-    g.add_argument("--capacity-factor", type=float, default=0.0, help="assignments per expert and sequence <= "
-                   "ceil(cf s k / E), the rest dropped (0: dropless)")
-    g.add_argument("--shared-experts", type=int, default=0, help="experts every token also runs through")
-    g.add_argument("--moe-bias-balance", type=float, default=0.0, help="DeepSeek-V3's auxiliary-loss-free "
-                   "balancing: the routing bias's step per optimizer step (0: off; DeepSeek-V3: 0.001)")
-
-    g = p.add_argument_group("data")
-    g.add_argument("--tokenizer", default="shakespeare-4k",
-                   help="shakespeare-4k (ours), a tiktoken encoding available offline, or a .tiktoken file")
-    g.add_argument("--corpus", default=os.path.join(REPO, "data", "shakespeare.txt.gz"),
-                   help="a file, directory or glob of .txt[.gz] / .jsonl[.gz] (one .txt: split at its last 5%%)")
-    g.add_argument("--text-field", default="text", help="the JSON field with a document's text (.jsonl)")
-    g.add_argument("--data", default=None, help="shards prepared by `python -m nanomega.tools.corpus` (instead of --corpus)")
-    g.add_argument("--data-cache", default=None, help="tokenized memmaps (default: OUT/data)")
-    g.add_argument("--document-mask", action="store_true", help="a token attends only inside its own document "
-                   "of the packed window (documents end with <|endoftext|>; nanomega/documents.py)")
-    g.add_argument("--batch-size", type=int, default=16, help="micro-batch size")
-    g.add_argument("--grad-accum", "--microbatches", dest="grad_accum", type=int, default=1,
-                   help="micro-batches per step per data-parallel rank (the pipeline's m)")
-    g.add_argument("--global-batch", type=int, default=None,
-                   help="sequences per optimizer step; sets --grad-accum to global / (batch-size x dp), so a "
-                        "resume under another world size keeps the data order and the optimizer's view")
-
-    g = p.add_argument_group("optimizer and schedule")
-    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, betas 0.9, 0.95)")
-    g.add_argument("--min-lr", type=float, default=1e-4, help="learning rate at the end of the cosine decay")
-    g.add_argument("--warmup", type=int, default=20, help="steps of linear warm-up to --lr")
-    g.add_argument("--max-steps", type=int, default=600, help="optimizer steps; the cosine decay ends here")
-    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (not on biases, norms)")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
-    g.add_argument("--seed", type=int, default=1337, help="the model's init and the data order")
-
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (dp = world / (tp x pp))")
-    g.add_argument("--ep", type=int, default=1, help="expert-parallel size, carved out of dp (experts spread)")
-    g.add_argument("--sequence-parallel", action="store_true", help="shard LayerNorm/dropout activations over tp")
-    g.add_argument("--cp", type=int, default=1, help="context-parallel size: each sequence split over cp ranks, "
-                   "attention included (nanomega/cp.py; dp = world / (tp x pp x cp))")
-    g.add_argument("--cp-method", default="ring", help="ring (K/V passed rank to rank), allgather (Llama 3's) or "
-                   "ulysses (all-to-all to head shards: cp must divide the heads per tp rank)")
-    g.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved")
-    g.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
-    g.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3 (0: plain data parallelism)")
-    g.add_argument("--offload", type=float, default=0.0, help="ZeRO-Offload (--zero 1-3): the share (0-1) of the "
-                   "fp32 masters and Adam state kept in host memory, stepped by the CPU Adam (nanomega/offload.py)")
-    g.add_argument("--offload-params", action="store_true", help="ZeRO-3 parameter offload (--zero 3 --offload 1): "
-                   "the parameter shards in host memory too, copied up at each gather (nanomega/zero3.py)")
-
-    g = p.add_argument_group("precision, memory and kernels")
-    g.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (with dynamic loss scaling)")
-    g.add_argument("--recompute", default="none", help="none, selective or full")
-    g.add_argument("--recompute-layers", type=int, default=None, help="recompute only the first k layers")
-    g.add_argument("--fused", action="store_true", help="C++/CUDA fused LayerNorm, softmax, bias-GeLU")
-    g.add_argument("--attention", default="sdpa", help="sdpa (F.scaled_dot_product_attention: FlashAttention on "
-                   "CUDA), eager (explicit softmax, as the lessons teach) or fused (eager + our fused softmax)")
-    g.add_argument("--device", default=os.environ.get("NANOMEGA_DEVICE", "auto"), choices=["auto", "cpu", "cuda"],
-                   help="auto: CUDA when present ($NANOMEGA_DEVICE changes this default: the CPU test suite's is cpu)")
-    g.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
-                   help="fp32 matmuls in TF32 on CUDA tensor cores (--no-tf32: full fp32)")
-    g.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
-
-    g = p.add_argument_group("logging and evaluation")
-    g.add_argument("--out-dir", default="out", help="checkpoints, metrics.jsonl, traces (one job at a time)")
-    g.add_argument("--log-every", type=int, default=10, help="print a line every N steps")
-    g.add_argument("--eval-every", type=int, default=100, help="validation loss every N steps (0: never)")
-    g.add_argument("--eval-iters", type=int, default=10, help="global batches per validation")
-    g.add_argument("--peak-flops", type=float, default=None,
-                   help="peak FLOP/s per device for MFU (default: the datasheet of a known GPU, else measured)")
-
-    g = p.add_argument_group("checkpoints")
-    g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
-    g.add_argument("--save-every-minutes", type=float, default=0.0, help="also checkpoint every M minutes")
-    g.add_argument("--async-save", action="store_true", help="write checkpoints from a background thread")
-    g.add_argument("--flash-restore", action="store_true", help="also keep each rank's newest shard in /dev/shm "
-                   "(host RAM: one shard per rank, two while a save is in flight); a restart on the same host "
-                   "reads it from there when step and sha256 match (nanomega/flash.py); removed at the job's end")
-    g.add_argument("--keep-last", type=int, default=0, help="keep only the K newest checkpoints (0: keep all); "
-                   "the one resumed from is never deleted")
-    g.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out-dir; "
-                   "start fresh if none")
-    g.add_argument("--resume-from", default=None, metavar="STEP|PATH",
-                   help="resume from this step (OUT/ckpt/step_STEP) or checkpoint folder; implies --resume")
-    g.add_argument("--allow-tokenizer-change", action="store_true",
-                   help="resume a checkpoint trained with another --tokenizer (refused otherwise: its token ids "
-                        "would mean other text)")
-
-    g = p.add_argument_group("failures")
-    g.add_argument("--on-nan", default="skip",
-                   help="skip (drop the step) or stop, when the loss or grad norm is not finite")
-    g.add_argument("--max-skipped", type=int, default=20,
-                   help="stop (non-zero) after this many consecutive skipped (non-finite) steps")
-    g.add_argument("--on-spike", default="warn", choices=["warn", "skip", "rollback"],
-                   help="a loss above --spike-threshold x its running mean: log it, drop that step's update, or "
-                   "reload the last verified checkpoint and skip the data since it")
-    g.add_argument("--spike-threshold", type=float, default=1.5, help="a spike: loss > this x its running mean")
-    g.add_argument("--rollback-lr-factor", type=float, default=1.0, help="scale the lr by this at each rollback")
-    g.add_argument("--collective-timeout", type=float, default=300.0,
-                   help="seconds before a stuck collective aborts the job")
-    g.add_argument("--hang-timeout", type=float, default=None, help="seconds without progress before every live "
-                   "rank dumps its stacks to OUT/hang/ and the job names the stuck ranks and exits (0: off; "
-                   "default: 180, or half --collective-timeout if that is less)")
-    g.add_argument("--health-check", action="store_true", help="check every rank's compute and links first "
-                   "(nanomega/ops/health.py); a bad rank stops the job with one line")
-    g.add_argument("--inject-fault", default=None, metavar="KIND:RANK:STEP",
-                   help="testing fault handling: KIND raise (the rank raises), nan (its loss becomes NaN), sigterm "
-                   "(it is sent SIGTERM, a preemption) hang (it stops itself, SIGSTOP), hang-save (it stops while "
-                   "writing STEP's checkpoint) or spike (its loss x 10) at STEP")
-
-    g = p.add_argument_group("dry run")
-    g.add_argument("--dry-run", action="store_true", help="build one rank of this layout on the meta device (no "
-                   "process group, nothing allocated), print its parameter, gradient and optimizer bytes next to "
-                   "the planner's, and exit; with --model the vocabulary is the preset's (no data is read)")
-    g.add_argument("--rank", type=int, default=0, help="the rank --dry-run builds")
-    g.add_argument("--world", type=int, default=None, help="the world size --dry-run assumes (default: tp x pp)")
+    groups = {}
+    for f in FLAGS:
+        title, meta = f.metadata["section"], f.metadata
+        if title not in groups:
+            groups[title] = p.add_argument_group(title)
+        groups[title].add_argument(
+            *options(f),
+            dest=f.name,
+            default=default(f.name),
+            help=meta["help"],
+            **kind(f),
+            **meta["argparse"],
+        )
     return p
 
 
 def parse(argv=None):
     """The command line as a Config; --model fills the shape flags not given."""
     argv = sys.argv[1:] if argv is None else argv
-    p = parser()
-    values = vars(p.parse_args(argv))
+    values = vars(parser().parse_args(argv))
     if values["model"] in presets.PRESETS:
-        values.update(preset_shape(values["model"], p, argv))
+        values.update(preset_shape(values["model"], argv))
     return Config(**values)
 
 
-def preset_shape(model, parser, argv):
-    """--model NAME: the preset's shape for every shape flag not given on the command line (vocabulary excepted:
-    the tokenizer decides it)."""
-    given = {a.dest for a in parser._actions for opt in a.option_strings for tok in argv
-             if tok == opt or tok.startswith(opt + "=")}
-    return {field: value for field, value in presets.PRESETS[model].items()
-            if field != "vocab_size" and field not in given}
+def preset_shape(model, argv):
+    """--model NAME: the preset's shape for every shape flag not given on the command line
+    (vocabulary excepted: the tokenizer decides it)."""
+    given = {f.name for f in FLAGS if named(f, argv)}
+    shape = presets.PRESETS[model]
+    return {k: v for k, v in shape.items() if k != "vocab_size" and k not in given}
+
+
+def named(f, argv):
+    """Whether the command line gives the flag (--flag VALUE or --flag=VALUE)."""
+    return any(tok == opt or tok.startswith(opt + "=") for opt in options(f) for tok in argv)
 
 
 def model_config(config, vocab_size=None):
-    """The GPT's shape (model.GPTConfig); its vocabulary: vocab_size, else the Config's (the tokenizer's, once
-    checked; 4096 before)."""
-    return GPTConfig(vocab_size=vocab_size or config.vocab_size, block_size=config.block_size,
-                     n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd, dropout=config.dropout,
-                     alibi=config.alibi, embed_layernorm=config.embed_layernorm, arch=config.arch,
-                     n_kv_head=config.n_kv_head, ffn_hidden=config.ffn_hidden, rope_theta=config.rope_theta,
-                     rope_scaling=config.rope_scaling, tie_embeddings=config.tie_embeddings, norm_eps=config.norm_eps,
-                     make_vocab_size_divisible_by=128 * config.tp, attention=config.attention,
-                     n_experts=config.n_experts, top_k=config.top_k, router=config.router,
-                     moe_aux_loss=config.moe_aux_loss, moe_z_loss=config.moe_z_loss,
-                     capacity_factor=config.capacity_factor, shared_experts=config.shared_experts)
+    """The GPT's shape (model.GPTConfig): the flags declared model=True; its vocabulary: vocab_size,
+    else the Config's (the tokenizer's, once checked; 4096 before)."""
+    shape = {f.name: getattr(config, f.name) for f in FLAGS if f.metadata["model"]}
+    return GPTConfig(
+        vocab_size=vocab_size or config.vocab_size,
+        make_vocab_size_divisible_by=128 * config.tp,
+        **shape,
+    )
