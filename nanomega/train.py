@@ -30,7 +30,7 @@ if __package__ in (None, ""):  # `python nanomega/train.py`: make the package im
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanomega import (cp, data, dist, documents, ep, flash, fused, meta, moe, pp, precision, recompute, rng, schedules,
-                      tp, zero)
+                      tp, windows, zero)
 from nanomega.model import GPT, SHAPE_KEYS
 from nanomega.ops import checks, faults, flags, health, meter, saves
 from nanomega.ops.guard import Guard, Spikes
@@ -52,11 +52,11 @@ def load_data(config, world, log):
     files = None if config.data else data.corpus_files(config.corpus)
     if files and len(files) == 1 and files[0].name.endswith((".txt", ".txt.gz")):
         meta = data.prepare(files[0], config.tokenizer, cache)
-        return [data.TokenDataset(meta[f"{s}_bin"], meta["dtype"], config.block_size) for s in ("train", "val")]
+        return [windows.TokenDataset(meta[f"{s}_bin"], meta["dtype"], config.block_size) for s in ("train", "val")]
     index = data.load_index(config.data) if config.data else corpus.cached(
         config.corpus, config.tokenizer, cache, workers=max(1, (os.cpu_count() or 1) // world),
         text_field=config.text_field, progress=log)
-    return [data.TokenDataset(data.split_paths(index, s), index["dtype"], config.block_size) for s in ("train", "val")]
+    return [windows.TokenDataset(data.split_paths(index, s), index["dtype"], config.block_size) for s in ("train", "val")]
 
 
 def build(config, cfg, grid):
@@ -181,7 +181,7 @@ def train(config):
     log = grid.rank == grid.world - 1  # the last rank: last pipeline stage, where the loss lives
     train_set, val_set = load_data(config, grid.world, log)
     checks.check_batch_fits(config, len(train_set))
-    sampler = data.Sampler(len(train_set), config.global_batch, config.seed)
+    sampler = windows.Sampler(len(train_set), config.global_batch, config.seed)
     model, engine, n_params = build(config, cfg, grid)
     scaler = precision.LossScaler.for_dtype(precision.parse_dtype(config.dtype))
     spikes = Spikes(config.on_spike, config.spike_threshold, config.rollback_lr_factor)
