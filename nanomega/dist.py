@@ -204,7 +204,7 @@ class Grid:
         self.backend = dist.get_backend()
         self.device = default_device("cuda" if self.backend == "nccl" else "cpu")  # the device init chose
         self.host = socket.gethostname()
-        store().set(f"nanomega/host/{rank}", self.host)  # for faults.lost_ranks: who was where
+        store().set(f"nanomega/host/{rank}", self.host)  # for lifecycle.lost_ranks: who was where
 
     def _axis(self, name, slices):  # every group made first, on every rank, in one order (new_group's rule)
         groups = [(ranks.tolist(), self._group(ranks.tolist())) for ranks in slices]

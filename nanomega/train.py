@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # `python nanomega/train.py`: make the package im
 from nanomega import (cp, data, dist, documents, ep, flash, fused, meta, moe, pp, precision, recompute, rng, schedules,
                       tp, windows, zero)
 from nanomega.model import GPT, SHAPE_KEYS
-from nanomega.ops import checks, faults, flags, health, meter, saves
+from nanomega.ops import checks, faults, flags, health, lifecycle, meter, saves
 from nanomega.ops.guard import Guard, Spikes
 from nanomega.tools import corpus, cost, cost_moe
 
@@ -152,12 +152,12 @@ def evaluate(model, grid, val_set, config):
 def main(argv=None):
     """Train as the command line says. The process group this call started (torchrun's, or a world of one) is
     ended after a clean end (dist.shutdown; NCCL warns about communicators left at exit); a launcher's (tests:
-    worlds.launch) is left to it, and after an error the entrypoint still needs the store (faults.lost_ranks)."""
+    worlds.launch) is left to it, and after an error the entrypoint still needs the store (lifecycle.lost_ranks)."""
     config = flags.parse(argv)  # the command line, read once into a frozen Config (nanomega/ops/flags.py)
     if config.dry_run:
         return dry_run(config)
     started = not torch.distributed.is_initialized()
-    with faults.job(config.out_dir):  # preemption signals, no orphans; the out-dir lock released at the end
+    with lifecycle.job(config.out_dir):  # preemption signals, no orphans; the out-dir lock released at the end
         rec = train(config)
     if started and torch.distributed.is_initialized():
         dist.shutdown()
@@ -195,7 +195,7 @@ def train(config):
                               every_minutes=config.save_every_minutes, max_steps=config.max_steps,
                               async_save=config.async_save, keep_last=config.keep_last, resumed_from=resume_from,
                               copies=copies)
-    faults.arm_preemption()  # from here on SIGTERM/SIGUSR1 checkpoint at the next step boundary
+    lifecycle.arm_preemption()  # from here on SIGTERM/SIGUSR1 checkpoint at the next step boundary
     if config.eval_every and step == 0:  # the starting point of the validation curve (~ ln V)
         metrics.log_validation(evaluate(model, grid, val_set, config))
     rec = {}
@@ -346,4 +346,4 @@ def save_trace(trace, out_dir):
 
 
 if __name__ == "__main__":
-    faults.entrypoint(main)  # expected failures: one line, recorded for torchrun's summary
+    lifecycle.entrypoint(main)  # expected failures: one line, recorded for torchrun's summary

@@ -12,7 +12,7 @@ Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks
 import time
 
 from nanomega import checkpoint, flash, moe, reshard, rng
-from nanomega.ops import faults
+from nanomega.ops import faults, lifecycle
 
 
 def layout(config, tokenizer_sha256):
@@ -56,7 +56,7 @@ class Saves:
         # one vote, one host sync: save (any rank's clock says so), stop (a preemption signal), a shard still
         # being written (the manifest waits), non-finite weights after the update -- every rank must take each
         # decision alike, or the next step hangs
-        due, preempted, busy, broken = faults.grid_votes(self.grid, due or late, faults.preempt_requested(), busy,
+        due, preempted, busy, broken = lifecycle.grid_votes(self.grid, due or late, lifecycle.preempt_requested(), busy,
                                                          guard.vote())
         guard.weights_voted(broken)  # stops before any save
         if self.saver:  # the manifest of a background save, once every rank has written its shard

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from nanomega import data
-from nanomega.ops import faults
+from nanomega.ops import faults, lifecycle
 
 FORMAT = 1
 VAL_EVERY = 20  # documents 0, 20, 40, ... are validation: 5%, and never fewer than one
@@ -252,7 +252,7 @@ def main(argv=None):
 
 def cli():
     """The console script (pyproject [project.scripts])."""
-    faults.entrypoint(main)  # bad input: one line, exit 2
+    lifecycle.entrypoint(main)  # bad input: one line, exit 2
 
 
 if __name__ == "__main__":

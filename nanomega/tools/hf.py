@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from nanomega import checkpoint, data, reshard
-from nanomega.ops import faults
+from nanomega.ops import faults, lifecycle
 from nanomega.model import GPT, SHAPE_KEYS, SIZES, GPTConfig
 from nanomega.tools import hf_moe, tokenizer
 from nanomega.tools.hf_llama import llama_config
@@ -177,7 +177,7 @@ def main(argv=None):
 
 def cli():
     """The console script (pyproject [project.scripts])."""
-    faults.entrypoint(main)  # bad input: one line, exit 2
+    lifecycle.entrypoint(main)  # bad input: one line, exit 2
 
 
 if __name__ == "__main__":
