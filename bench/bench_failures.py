@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import kill_resume  # noqa: E402
-from nanomega import checkpoint  # noqa: E402
+from nanomega import async_checkpoint, checkpoint  # noqa: E402
 
 
 def hang(corpus, root, timeout=10):
@@ -70,7 +70,7 @@ def async_stall(root, reps=7):
     sampler, scaler = windows.Sampler(1000, 16, 0), precision.LossScaler(dynamic=False)
     spikes = Spikes(a.on_spike, a.spike_threshold, a.rollback_lr_factor)
     out = str(root / "stall")
-    saver = checkpoint.AsyncSaver(out, cfg, grid, {})
+    saver = async_checkpoint.AsyncSaver(out, cfg, grid, {})
     nbytes = sum(t.numel() * t.element_size() for p in saves.rank_state(engine, sampler, scaler, 0, grid, spikes,
                                                                          copy=False)["universal"]["pieces"]
                  for t in [p["master"], *p["state"].values()])

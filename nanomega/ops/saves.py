@@ -11,7 +11,7 @@ Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks
 """
 import time
 
-from nanomega import checkpoint, flash, moe, reshard, rng
+from nanomega import async_checkpoint, checkpoint, flash, moe, reshard, rng
 from nanomega.ops import faults, lifecycle
 
 
@@ -45,7 +45,7 @@ class Saves:
         self.keep_last, self.resumed_from = keep_last, resumed_from
         self.copies = copies  # --flash-restore: a flash.Copies; each shard is also copied to shared memory
         self.keep = copies.keep if copies else None  # by the writer thread (async) or this one, before the manifest
-        self.saver = checkpoint.AsyncSaver(out_dir, cfg, grid, layout, self.keep) if async_save else None
+        self.saver = async_checkpoint.AsyncSaver(out_dir, cfg, grid, layout, self.keep) if async_save else None
         self.last, self.pending = time.time(), False
 
     def at_step_end(self, step, *, state, may_save, guard):
