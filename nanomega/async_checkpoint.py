@@ -1,9 +1,9 @@
 """--async-save: the shard written by a background thread while training goes on.
 
-Idea: at the step boundary the state is only copied into CPU buffers (kept and reused by every later save);
-one writer thread writes the shard (checkpoint.write_shard) while the next steps run; the manifest comes once
-every rank's write has finished, so a crash mid-write leaves the previous checkpoint the newest complete one.
-The training thread stalls for one memory copy of its shard, and the saver holds one shard of CPU memory.
+Idea: at the step boundary the state is only copied into CPU buffers (kept, reused by every later
+save); one writer thread writes the shard (checkpoint.write_shard) while the next steps run; the
+manifest comes once every rank's write has finished, so a crash mid-write leaves the previous
+checkpoint the newest complete one. Training stalls for one memory copy of its shard.
 Lesson: lessons/10-checkpoints-and-failures.md
 """
 import os

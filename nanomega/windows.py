@@ -1,11 +1,11 @@
-"""Token windows and the order they are read in: a deterministic, resumable stream of global batches.
+"""Token windows and the order they are read in: a deterministic, resumable stream of batches.
 
-Idea: a sample is a window of block_size+1 tokens (inputs and their next-token targets) of a flat token
-file (data.py prepares them, tools/corpus.py shards them). The order in which windows are visited depends
-only on (seed, step), so a resumed run sees exactly the batches an uninterrupted one would have, and every
+Idea: a sample is a window of block_size+1 tokens (inputs and their next-token targets) of a flat
+token file (data.py prepares one, tools/corpus.py shards). The order of the windows depends only on
+(seed, step), so a resumed run sees exactly the batches an uninterrupted one would have, and every
 data-parallel rank computes its own share without communicating.
 
-Formulas (T = block_size, N tokens in a split, B = global batch, d = dp size, m = micro batch, a = grad accum):
+Formulas (T = block_size, N tokens, B = global batch, d = dp size, m = micro batch, a = grad accum):
     window i      = tokens[i*T : i*T + T + 1]  (stride T: windows share one token)
     n_windows     = (N - 1) // T
     stream        = perm_0 ++ perm_1 ++ ...,  perm_e = default_rng([seed, e]).permutation(n_windows)

@@ -1,11 +1,11 @@
 """The job's life around its steps: signals, votes, orphans and how it ends.
 
-Idea: at scale a rank is preempted, orphaned or cut off routinely; each case ends the job cleanly, once:
-    preemption   SIGTERM/SIGUSR1 set a flag; all ranks agree at the next step boundary (grid_votes, one
-                 all-reduce), checkpoint and exit 0 (Slurm sends SIGUSR1 before the end of an allocation)
-    orphans      a worker asks the kernel for SIGKILL when its torchrun agent dies (PR_SET_PDEATHSIG)
-    job          around train.main: watchdogs stopped, handlers restored, the out-dir lock released
-    errors       one line per expected failure (entrypoint); a lost host named by the store (lost_ranks)
+Idea: at scale a rank is preempted, orphaned or cut off routinely; each ends the job cleanly, once:
+    preemption  SIGTERM/SIGUSR1 set a flag; all ranks agree at the next step boundary (grid_votes,
+                one all-reduce), checkpoint and exit 0 (Slurm sends SIGUSR1 before the end)
+    orphans     a worker asks the kernel for SIGKILL when its torchrun agent dies (PDEATHSIG)
+    job         around train.main: watchdogs stopped, handlers restored, the out-dir lock released
+    errors      one line per expected failure (entrypoint); lost hosts named via the store
 Where a job starts from (the out-dir, the checkpoint to resume) is ops/faults.py.
 Lesson: lessons/10-checkpoints-and-failures.md
 """

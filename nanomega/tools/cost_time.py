@@ -1,12 +1,12 @@
-"""How long one layout's step takes, and the whole estimate of one layout (memory from tools/cost.py).
+"""How long one layout's step takes, and one layout's whole estimate (memory: tools/cost.py).
 
-Idea: one micro-batch through the slowest pipeline stage plus its sends, times (m + (p-1)/v) slots, plus the
-data-parallel bytes over their link (no overlap, as Megatron-LM 2021); the constants (TIME) are fitted on
-published runs. evaluate adds the memory of tools/cost.py: one layout's Estimate.
-    layer  = matmul FLOPs / (peak x MATMUL) + (ELEM x bsh [/t with SP] + SCORE x b(a/t)s^2) / HBM bw
-             + tp bytes / NVLink
-    step   = (m + (p-1)/v) x (slowest stage + its sends / link) + dp bytes / link [+ offload's host time]
-    MFU    = tokens x (6N + 12Lhs) / (step x GPUs x datasheet peak)
+Idea: one micro-batch through the slowest pipeline stage plus its sends, times (m + (p-1)/v) slots,
+plus the data-parallel bytes over their link (no overlap, as Megatron-LM 2021); one set of constants
+(TIME) fitted on published runs. evaluate adds tools/cost.py's memory: one layout's Estimate.
+    layer = matmul FLOPs / (peak x MATMUL) + tp bytes / NVLink
+            + (ELEM x bsh [/t with SP] + SCORE x b(a/t)s^2) / HBM bandwidth
+    step  = (m + (p-1)/v) x (slowest stage + its sends / link) + dp bytes / link [+ offload]
+    MFU   = tokens x (6N + 12Lhs) / (step x GPUs x datasheet peak)
 Lesson: lessons/11-planning-a-run.md
 """
 from dataclasses import dataclass

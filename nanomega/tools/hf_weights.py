@@ -1,10 +1,10 @@
-"""nanomega's full weights <-> a transformers model in memory: GPT-2's names here, Llama's and Mixtral's beside.
+"""nanomega's full weights <-> a transformers model in memory: GPT-2's names here.
 
-Idea: nanomega's dense GPT is GPT-2 and, with arch="llama", Llama, up to parameter names and a few details:
-    GPT-2   transformers' Conv1D weight is the transpose of nn.Linear's: W_hf = W^T (in, out)
-    Llama   kv_proj = [k_proj; v_proj], gate_up = [gate_proj; up_proj], stacked by rows (tools/hf_llama.py)
-    vocab   nanomega pads V to a multiple of 128 x tp; export keeps the first V rows, import appends zero rows
-Mixtral (a Llama whose MLP is experts) is tools/hf_moe.py. Reading and writing folders is tools/hf.py.
+Idea: nanomega's dense GPT is GPT-2 and, with arch="llama", Llama, up to names and a few details:
+    GPT-2  transformers' Conv1D weight is the transpose of nn.Linear's: W_hf = W^T (in, out)
+    Llama  kv_proj = [k_proj; v_proj], gate_up = [gate_proj; up_proj], by rows (tools/hf_llama.py)
+    vocab  nanomega pads V; export keeps the first V rows, import appends zero rows
+Mixtral (a Llama whose MLP is experts) is tools/hf_moe.py; folders and the CLI are tools/hf.py.
 Lesson: lessons/13-the-modern-block.md
 """
 import torch

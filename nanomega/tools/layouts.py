@@ -1,9 +1,9 @@
 """The layout search: every tp x pp x dp x ZeRO layout a cluster can run, costed and ranked.
 
-Idea: a layout runs when its sizes divide what they split (a node's GPUs, the heads, the layers, the global
-batch); layout_error names the first rule one breaks. plan costs each that runs (tools/cost_moe.py, dense or
-experts) and ranks them: those that fit in memory first, then by step time. When none fits,
-smallest_cluster doubles the GPUs until one does, then scans every size below it.
+Idea: a layout runs when its sizes divide what they split (a node's GPUs, the heads, the layers,
+the global batch); layout_error names the first rule one breaks. plan costs each layout that runs
+(tools/cost_moe.py, dense or experts) and ranks them: those that fit in memory first, then by step
+time. When none fits, smallest_cluster doubles the GPUs until one does, then scans every size below.
 Lesson: lessons/11-planning-a-run.md
 """
 from nanomega.tools import cost_moe
