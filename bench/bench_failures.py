@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import kill_resume  # noqa: E402
-from nanomega import checkpoint  # noqa: E402
+from nanomega import async_checkpoint, checkpoint  # noqa: E402
 
 
 def hang(corpus, root, timeout=10):
@@ -57,7 +57,7 @@ def async_stall(root, reps=7):
     import torch
     from nanomega.ops import flags, saves
     from nanomega.ops.guard import Spikes
-    from nanomega import compose, data, dist, precision
+    from nanomega import dist, precision, train, windows
     torch.set_num_threads(1)  # as each rank under torchrun; 2 threads on 2 shared cores: see bench/RESULTS.md
     a = flags.parse(["--n-layer", "4", "--n-head", "4", "--n-embd", "256", "--block-size", "64", "--dropout", "0"])
     cfg = flags.model_config(a)
@@ -67,10 +67,10 @@ def async_stall(root, reps=7):
     x = torch.randint(0, cfg.vocab_size, (2, 64))
     model(x, x).backward()
     engine.step()  # Adam state exists: the shard holds master + m + v, 12 bytes per parameter
-    sampler, scaler = data.Sampler(1000, 16, 0), precision.LossScaler(dynamic=False)
+    sampler, scaler = windows.Sampler(1000, 16, 0), precision.LossScaler(dynamic=False)
     spikes = Spikes(a.on_spike, a.spike_threshold, a.rollback_lr_factor)
     out = str(root / "stall")
-    saver = checkpoint.AsyncSaver(out, cfg, grid, {})
+    saver = async_checkpoint.AsyncSaver(out, cfg, grid, {})
     nbytes = sum(t.numel() * t.element_size() for p in saves.rank_state(engine, sampler, scaler, 0, grid, spikes,
                                                                          copy=False)["universal"]["pieces"]
                  for t in [p["master"], *p["state"].values()])

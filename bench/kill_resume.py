@@ -25,7 +25,7 @@ MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "3
 
 def torchrun(corpus, out, nproc, steps, extra=(), restarts=3, log_dir=None):
     """A torchrun job of train.py (output on the pipe). log_dir: torchrun's --log-dir, where each failed
-    worker's error file (the JSON that faults.entrypoint records) can be found; the console output stays."""
+    worker's error file (the JSON that lifecycle.entrypoint records) can be found; the console output stays."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            f"--max-restarts={restarts}", *([f"--log-dir={log_dir}"] if log_dir else []),
            "nanomega/train.py", *MODEL, "--corpus", str(corpus), "--data-cache", str(Path(out).parent / "cache"), "--out-dir", str(out), "--max-steps", str(steps),

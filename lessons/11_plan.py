@@ -10,7 +10,7 @@ from dataclasses import replace
 from check import check
 
 from nanomega import formulas as F
-from nanomega.tools import cost as C, cp_cost as CPC, plan as P
+from nanomega.tools import cost as C, cost_time as CT, cp_cost as CPC, layouts, plan as P
 
 print("== ZeRO (Rajbhandari et al. 2020, Fig. 1): 7.5B parameters, 64 GPUs, fp16 + Adam (2 + 2 + K=12 bytes)")
 for stage, published in enumerate([120, 31.4, 16.6, 1.9]):
@@ -64,14 +64,14 @@ check("TP -> TP+SP+selective, MT-NLG 530B (paper: 5x)", ratio, 5, rtol=0.02, uni
 
 print("== Plan: GPT-3 175B on 1024 A100-80GB, global batch 1536 x 2048, 300B tokens")
 P.main(["--model", "gpt3-175b", "--gpus", "1024", "--gpu", "a100-80gb", "--global-batch", "1536", "--top", "5"])
-h100 = P.plan(gpt3, C.GPUS["h100-80gb"], 1024, C.Run(global_batch=1536))[0]
+h100 = layouts.plan(gpt3, C.GPUS["h100-80gb"], 1024, C.Run(global_batch=1536))[0]
 print(f"same on 1024 H100s: {P.describe(h100)}, step {h100.step_s:.1f} s, MFU {h100.mfu:.1%}, {h100.days:.1f} days")
 
 print("== The time model against published runs: TFLOP/s per GPU counting recompute (Megatron's eq. 3)")
 # Narayanan et al. 2021, Table 1 (fp16, full recompute, no SP; micro-batch and schedule not given per row:
 # micro-batch 1 and 1F1B assumed) and BLOOM (bf16, full recompute, micro-batch 2, ZeRO-1, Jean Zay: 4 x 100 Gb/s
 # Omni-Path per 8-GPU node = 6.25 GB/s per GPU; ~150 TFLOP/s per GPU reported by BigScience).
-# Calibration rows fixed the constants of C.TimeModel; the check rows were not used to choose them.
+# Calibration rows fixed the constants of CT.TimeModel; the check rows were not used to choose them.
 MEGATRON = C.Run(micro_batch=1, dtype="fp16", recompute="full", sp=False, zero=(0,))
 BLOOM = C.Run(global_batch=2048, micro_batch=2, dtype="bf16", recompute="full", sp=False, zero=(1,))
 JEAN_ZAY = replace(C.GPUS["a100-80gb"], inter_bw=6.25e9)
@@ -94,7 +94,7 @@ rows = [(*r, replace(MEGATRON, global_batch=r[4]), C.GPUS["a100-80gb"], ("calibr
         for i, r in enumerate(PUBLISHED)] + [("bloom-176b", 4, 12, 384, 2048, 150, BLOOM, JEAN_ZAY, "calibration")] + \
     [("llama3-405b", 8, 16, gpus, 2048, tf, LLAMA3, H100, "out-of-sample") for gpus, tf in ((8192, 430), (16384, 400))]
 for name, tp, pp, gpus, batch, published, run, cluster, role in rows:
-    e = C.evaluate(C.MODELS[name], cluster, gpus, tp, pp, run.zero[0], run)
+    e = CT.evaluate(C.MODELS[name], cluster, gpus, tp, pp, run.zero[0], run)
     err = e.tflops / 1e12 / published - 1
     check(f"{name:<15} t{tp} p{pp:<2} {gpus:>5} GPUs B {batch:>4} {role:<13} error {err:+6.1%}", e.tflops / 1e12,
           published, rtol=0.10, unit=" TFLOP/s", labels=("planner", "published"))
@@ -116,8 +116,8 @@ params = C.stage_params(bloom, 4, 12)
 print(f"parameters per GPU, stage 0 / 5 / 11: {params[0] / 1e9:.2f}B / {params[5] / 1e9:.2f}B / {params[11] / 1e9:.2f}B "
       f"(the 250,880 x 14336 / 4 embedding = {C.padded_vocab(bloom, 4) // 4 * 14336 / 1e9:.2f}B on the first and last)")
 run = replace(BLOOM, tokens=366e9)
-e = bloom_e = C.evaluate(bloom, JEAN_ZAY, 384, 4, 12, 1, run)
-ramp = C.evaluate(bloom, JEAN_ZAY, 384, 4, 12, 1, replace(run, rampup=(192, 16, 9_765_625)))
+e = bloom_e = CT.evaluate(bloom, JEAN_ZAY, 384, 4, 12, 1, run)
+ramp = CT.evaluate(bloom, JEAN_ZAY, 384, 4, 12, 1, replace(run, rampup=(192, 16, 9_765_625)))
 print(f"memory {e.memory / 1e9:.1f} GB per GPU (params {e.params / 1e9:.1f}, grads {e.grads / 1e9:.1f}, optimizer "
       f"{e.optim / 1e9:.1f}, activations {e.acts / 1e9:.1f}); step {e.step_s:.0f} s, bubble {e.bubble:.1%}, "
       f"{e.tflops / 1e12:.0f} TFLOP/s per GPU, MFU {e.mfu:.1%}")
@@ -125,12 +125,12 @@ print(f"366B tokens: {e.days:.1f} days at batch 2048 throughout, {ramp.days:.1f}
 # reported: bigscience-workshop/bigscience, train/tr11-176B-ml/README.md: "starts with GBS=192/MBS=1 @ 73 TFLOPs"
 # and "we get 113 TFLOPs at iteration 512" (micro-batch 2), written before and at the launch
 for batch, mb, reported in ((192, 1, 73), (512, 2, 113), (1024, 2, None)):
-    step, bubble = C.step_seconds(bloom, JEAN_ZAY, 384, 4, 12, 1, replace(run, micro_batch=mb), global_batch=batch)
+    step, bubble = CT.step_seconds(bloom, JEAN_ZAY, 384, 4, 12, 1, replace(run, micro_batch=mb), global_batch=batch)
     tf = e.tflops * e.step_s * batch / 2048 / step / 1e12  # the same FLOPs per sequence, a shorter step
     print(f"  ramp batch {batch:>4}, micro-batch {mb}: m = {batch // (8 * mb):>3} micro-batches, bubble {bubble:.1%}, step {step:.1f} s, "
           f"{tf:.0f} TFLOP/s per GPU" + (f" (reported during the run: {reported})" if reported else ""))
 for tp, pp in ((8, 6), (4, 12), (2, 24)):
-    alt = C.evaluate(bloom, JEAN_ZAY, 384, tp, pp, 1, run)
+    alt = CT.evaluate(bloom, JEAN_ZAY, 384, tp, pp, 1, run)
     print(f"  tp {tp} pp {pp:>2} dp {alt.dp:>2}: {alt.memory / 1e9:5.1f} GB per GPU, step {alt.step_s:5.1f} s, "
           f"{alt.tflops / 1e12:.0f} TFLOP/s per GPU")
 print("the same layout on DGX A100 networking (25 GB/s per GPU), the nanomega defaults (micro-batch 1, selective "
@@ -151,13 +151,13 @@ act = F.llama_activation_bytes_per_layer(8192, 1, 16384, 128, 8, 53248, 8, True)
 print(f"activations per layer and sequence, TP8 + SP, no recompute: {act / 1e9:.3f} GB = sbh x "
       f"{act / 8192 / 16384:.2f}")
 for gpus, published in ((8192, 430), (16384, 400)):
-    e = C.evaluate(llama, H100, gpus, 8, 16, 1, LLAMA3)
-    plain = C.evaluate(llama, H100, gpus, 8, 16, 1, replace(LLAMA3, schedule="1f1b", chunks=1, split="trainer"))
+    e = CT.evaluate(llama, H100, gpus, 8, 16, 1, LLAMA3)
+    plain = CT.evaluate(llama, H100, gpus, 8, 16, 1, replace(LLAMA3, schedule="1f1b", chunks=1, split="trainer"))
     err = plain.tflops / 1e12 / published - 1
     print(f"  {gpus:>5} GPUs, dp {e.dp:>3}: m = {e.micro_batches} micro-batches, bubble {e.bubble:.1%}, step "
           f"{e.step_s:.2f} s, {e.tflops / 1e12:.0f} TFLOP/s per GPU (reported {published}); 1F1B on the trainer's "
           f"split: bubble {plain.bubble:.1%}, {plain.tflops / 1e12:.0f} TFLOP/s ({err:+.0%})")
-e = C.evaluate(llama, H100, 8192, 8, 16, 1, LLAMA3)
+e = CT.evaluate(llama, H100, 8192, 8, 16, 1, LLAMA3)
 print(f"memory per GPU (heaviest stage): {e.memory / 1e9:.1f} GB (params {e.params / 1e9:.1f}, fp32 grads "
       f"{e.grads / 1e9:.1f}, optimizer {e.optim / 1e9:.1f}, activations {e.acts / 1e9:.1f}); with the gradients "
       f"sharded over dp 64 too (Llama 3's FSDP): {(e.memory - e.grads * 63 / 64) / 1e9:.1f} GB of 80 GiB = 85.9 GB")

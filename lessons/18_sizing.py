@@ -45,8 +45,8 @@ print(f"  warm-up 375M tokens = {warm:.0f} steps of 3.2M tokens for 175B; cosine
 
 # 4. what the budget costs on a cluster: the planner on a compute-optimal 70B (the llama3-70b preset at s = 2048)
 print("== The planner: a 70B model (llama3-70b's shape, s = 2048) on 1.4T tokens, 1024 A100-80GB, batch 1536 x 2048")
-from nanomega.tools import plan as P  # noqa: E402
+from nanomega.tools import layouts, plan as P  # noqa: E402
 model = replace(C.MODELS["llama3-70b"], seq_len=2048)
-best = P.plan(model, C.GPUS["a100-80gb"], 1024, C.Run(global_batch=1536, tokens=1.4e12))[0]
+best = layouts.plan(model, C.GPUS["a100-80gb"], 1024, C.Run(global_batch=1536, tokens=1.4e12))[0]
 print(f"  {P.describe(best)}: step {best.step_s:.1f} s, MFU {best.mfu:.1%}, {best.days:.0f} days for 6ND = "
       f"{6 * 70e9 * 1.4e12:.2g} FLOPs (Chinchilla's batch: 1.5M tokens, doubled to 3M during training)")

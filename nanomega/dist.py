@@ -218,7 +218,7 @@ class Grid:
         self.backend = dist.get_backend()
         self.device = default_device("cuda" if self.backend == "nccl" else "cpu")  # the device init chose
         self.host = socket.gethostname()
-        store().set(f"nanomega/host/{rank}", self.host)  # for faults.lost_ranks: who was where
+        store().set(f"nanomega/host/{rank}", self.host)  # for lifecycle.lost_ranks: who was where
 
     # every group made first, on every rank, in one order (new_group's rule)
     def _axis(self, name, slices):

@@ -112,9 +112,9 @@ def import_by_name(engine, params_by_name, optim_state_by_name=None):
 
 def pieces(engine, grid, copy=True):
     """What this rank saves: its share of every parameter by name (export_by_name), with its tp rank
-    (the pieces of tensor-parallel parameters are slices of the tp-local tensor). copy=False: views
-    of the engine's live buffers, to be copied before the next step (checkpoint.AsyncSaver copies
-    them into reused buffers)."""
+    (the pieces of tensor-parallel parameters are slices of the tp-local tensor). copy=False: views of the
+    engine's live buffers, to be copied before the next step (async_checkpoint.AsyncSaver copies them into reused
+    buffers)."""
     return dict(tp_rank=grid.tp_rank, pieces=export_by_name(engine, copy=copy))
 
 

@@ -31,8 +31,8 @@ import torch
 if __package__ in (None, ""):  # `python nanomega/train.py`: make the package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nanomega import compose, data, dist, documents, flash, moe, pp, precision, schedules
-from nanomega.ops import checks, faults, flags, health, meter, saves
+from nanomega import compose, data, dist, documents, flash, moe, pp, precision, schedules, windows
+from nanomega.ops import checks, faults, flags, health, lifecycle, meter, saves
 from nanomega.ops.guard import Guard, Spikes
 from nanomega.tools import corpus, preflight
 
@@ -41,14 +41,14 @@ def main(argv=None):
     """Train as the command line says. The process group this call started (torchrun's, or a
     world of one) is ended after a clean end (dist.shutdown; NCCL warns about communicators left at
     exit); a launcher's (tests: worlds.launch) is left to it, and after an error the entrypoint
-    still needs the store (faults.lost_ranks)."""
+    still needs the store (lifecycle.lost_ranks)."""
     # the command line, read once into a frozen Config (nanomega/ops/flags.py)
     config = flags.parse(argv)
     if config.dry_run:
         return preflight.dry_run(config)  # rank --rank built on paper (tools/preflight.py)
     started = not torch.distributed.is_initialized()
     # preemption signals, no orphans; the out-dir lock released at the end
-    with faults.job(config.out_dir):
+    with lifecycle.job(config.out_dir):
         rec = train(config)
     if started and torch.distributed.is_initialized():
         dist.shutdown()
@@ -80,7 +80,7 @@ def train(config):
     log = grid.rank == grid.world - 1  # the last rank: last pipeline stage, where the loss lives
     train_set, val_set = load_data(config, grid.world, log)
     checks.check_batch_fits(config, len(train_set))
-    sampler = data.Sampler(len(train_set), config.global_batch, config.seed)
+    sampler = windows.Sampler(len(train_set), config.global_batch, config.seed)
     model, engine, n_params = compose.build(config, grid)  # the layout's pieces (compose.py)
     scaler = precision.LossScaler.for_dtype(precision.parse_dtype(config.dtype))
     spikes = Spikes(config.on_spike, config.spike_threshold, config.rollback_lr_factor)
@@ -96,7 +96,7 @@ def train(config):
                               every_minutes=config.save_every_minutes, max_steps=config.max_steps,
                               async_save=config.async_save, keep_last=config.keep_last,
                               resumed_from=resume_from, copies=copies)
-    faults.arm_preemption()
+    lifecycle.arm_preemption()
 
     # the loop: a step, its evaluation and row, then a rollback or a checkpoint
     if config.eval_every and step == 0:  # the starting point of the validation curve (~ ln V)
@@ -254,7 +254,7 @@ def load_data(config, world, log):
     files = None if config.data else data.corpus_files(config.corpus)
     if files and len(files) == 1 and files[0].name.endswith((".txt", ".txt.gz")):
         meta = data.prepare(files[0], config.tokenizer, cache)
-        return [data.TokenDataset(meta[f"{s}_bin"], meta["dtype"], config.block_size)
+        return [windows.TokenDataset(meta[f"{s}_bin"], meta["dtype"], config.block_size)
                 for s in ("train", "val")]
     if config.data:
         index = data.load_index(config.data)
@@ -262,7 +262,7 @@ def load_data(config, world, log):
         index = corpus.cached(config.corpus, config.tokenizer, cache,
                               workers=max(1, (os.cpu_count() or 1) // world),
                               text_field=config.text_field, progress=log)
-    return [data.TokenDataset(data.split_paths(index, s), index["dtype"], config.block_size)
+    return [windows.TokenDataset(data.split_paths(index, s), index["dtype"], config.block_size)
             for s in ("train", "val")]
 
 
@@ -332,4 +332,4 @@ def save_trace(trace, out_dir):
 
 
 if __name__ == "__main__":
-    faults.entrypoint(main)  # expected failures: one line, recorded for torchrun's summary
+    lifecycle.entrypoint(main)  # expected failures: one line, recorded for torchrun's summary

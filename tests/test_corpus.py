@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from nanomega import data, train
+from nanomega import data, train, windows
 from nanomega.tools import corpus
 
 TEXT = data.read_corpus(data.DEFAULT_CORPUS)
@@ -59,7 +59,7 @@ def test_shards_hold_every_document_in_order_with_eot(docs_dir, tmp_path, capsys
     assert [p.name for p in data.corpus_files(str(root / "*.jsonl*"))] == ["a.jsonl", "b.jsonl.gz", "c.jsonl"]
 
     # windows never cross a shard; the global index runs over the shards in order
-    ds = data.TokenDataset(data.split_paths(index, "train"), index["dtype"], 64)
+    ds = windows.TokenDataset(data.split_paths(index, "train"), index["dtype"], 64)
     sizes = [s["tokens"] for s in index["shards"] if s["split"] == "train"]
     assert len(ds) == sum((n - 1) // 64 for n in sizes)
     x, y = ds.get([(sizes[0] - 1) // 64])  # the first window of shard 1

@@ -11,7 +11,7 @@ import regex
 import torch
 from tiktoken.load import load_tiktoken_bpe
 
-from nanomega import data
+from nanomega import data, windows
 from nanomega.tools import tokenizer
 
 TEXT = data.read_corpus(data.DEFAULT_CORPUS)
@@ -177,7 +177,7 @@ def test_corrupt_cache_is_reported_never_rewritten(small_corpus, tmp_path):
     with pytest.raises(ValueError, match=r"train.bin has 1001 bytes but meta.json says .*truncated; delete"):
         data.prepare(small_corpus, "shakespeare-4k", tmp_path)
     with pytest.raises(ValueError, match=r"train.bin has 1001 bytes, not a whole number of uint16 tokens"):
-        data.TokenDataset(meta["train_bin"], meta["dtype"], 8)
+        windows.TokenDataset(meta["train_bin"], meta["dtype"], 8)
     assert data.Path(meta["train_bin"]).stat().st_size == 1001  # left alone for the user to inspect
     (data.Path(meta["dir"]) / "meta.json").write_text("{not json")
     with pytest.raises(ValueError, match="meta.json is corrupt"):
@@ -188,12 +188,12 @@ def test_block_size_larger_than_a_split(small_corpus, tmp_path):
     meta = data.prepare(small_corpus, "shakespeare-4k", tmp_path)
     n = meta["val_tokens"]
     with pytest.raises(ValueError) as e:
-        data.TokenDataset(meta["val_bin"], meta["dtype"], n)
+        windows.TokenDataset(meta["val_bin"], meta["dtype"], n)
     assert str(e.value) == (f"--block-size {n} is larger than the validation split ({n} tokens); "
                             f"use a smaller --block-size")
-    assert len(data.TokenDataset(meta["val_bin"], meta["dtype"], n - 1)) == 1  # n tokens = exactly one window
+    assert len(windows.TokenDataset(meta["val_bin"], meta["dtype"], n - 1)) == 1  # n tokens = exactly one window
     with pytest.raises(FileNotFoundError, match="token file .*nope.bin is missing"):
-        data.TokenDataset(tmp_path / "nope.bin", "uint16", 8)
+        windows.TokenDataset(tmp_path / "nope.bin", "uint16", 8)
 
 
 # ---- windows -----------------------------------------------------------------------------------------------
@@ -202,7 +202,7 @@ def test_windows_shift_by_one_and_cover_every_target_once(small_corpus, tmp_path
     meta = data.prepare(small_corpus, "shakespeare-4k", tmp_path)
     tokens = np.fromfile(meta["train_bin"], np.uint16).astype(np.int64)
     T = 64
-    ds = data.TokenDataset(meta["train_bin"], meta["dtype"], T)
+    ds = windows.TokenDataset(meta["train_bin"], meta["dtype"], T)
     assert len(ds) == (len(tokens) - 1) // T
     x, y = ds.get([3, 0, len(ds) - 1])
     assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (3, T)
@@ -218,15 +218,15 @@ def test_windows_shift_by_one_and_cover_every_target_once(small_corpus, tmp_path
 # ---- sampler -----------------------------------------------------------------------------------------------
 
 def test_sampler_is_a_function_of_seed_and_step():
-    a, b = data.Sampler(1000, 32, seed=7), data.Sampler(1000, 32, seed=7)
+    a, b = windows.Sampler(1000, 32, seed=7), windows.Sampler(1000, 32, seed=7)
     for step in (5, 0, 40, 3):  # any order: no hidden position
         assert np.array_equal(a.indices(step), b.indices(step))
-    assert not np.array_equal(a.indices(0), data.Sampler(1000, 32, seed=8).indices(0))
+    assert not np.array_equal(a.indices(0), windows.Sampler(1000, 32, seed=8).indices(0))
 
 
 @pytest.mark.parametrize("n,B", [(96, 32), (100, 32), (10, 32)])
 def test_each_epoch_is_a_permutation(n, B):
-    s = data.Sampler(n, B, seed=1)
+    s = windows.Sampler(n, B, seed=1)
     stream = np.concatenate([s.indices(k) for k in range(-(-3 * n // B))])  # >= 3 epochs of samples
     epochs = [stream[e * n:(e + 1) * n] for e in range(3)]
     for e in epochs:
@@ -235,28 +235,28 @@ def test_each_epoch_is_a_permutation(n, B):
 
 
 def test_resume_continues_the_uninterrupted_stream():
-    straight = data.Sampler(100, 24, seed=3)
-    run = data.Sampler(100, 24, seed=3)
+    straight = windows.Sampler(100, 24, seed=3)
+    run = windows.Sampler(100, 24, seed=3)
     for _ in range(7):  # 168 samples: mid-way through the second epoch
         run.indices(run.step)
         run.advance()
     state = json.loads(json.dumps(run.state_dict()))  # survives a checkpoint round trip
     assert state == {"samples_consumed": 168, "seed": 3, "global_batch": 24, "n_windows": 100}
-    resumed = data.Sampler(100, 24, seed=3)
+    resumed = windows.Sampler(100, 24, seed=3)
     resumed.load_state_dict(state)
     for k in range(7, 12):
         assert resumed.step == k
         assert np.array_equal(resumed.indices(resumed.step), straight.indices(k))
         resumed.advance()
     with pytest.raises(ValueError, match="resume with the same --seed"):
-        data.Sampler(100, 24, seed=4).load_state_dict(state)
+        windows.Sampler(100, 24, seed=4).load_state_dict(state)
     with pytest.raises(ValueError, match="resume with the same --global-batch"):
-        data.Sampler(100, 48, seed=3).load_state_dict(state)
+        windows.Sampler(100, 48, seed=3).load_state_dict(state)
 
 
 @pytest.mark.parametrize("dp,m,a", [(1, 4, 6), (2, 3, 4), (3, 2, 4), (4, 6, 1)])
 def test_dp_and_micro_batch_split_partition_the_global_batch(dp, m, a):
-    s = data.Sampler(50, 24, seed=0)  # 24 = m * a * dp in every case
+    s = windows.Sampler(50, 24, seed=0)  # 24 = m * a * dp in every case
     for step in (0, 2, 5):  # step 2 straddles the end of the first epoch
         parts = [s.local_micro_batches(step, r, dp, m, a) for r in range(dp)]
         assert all(len(p) == a and all(mb.shape == (m,) for mb in p) for p in parts)

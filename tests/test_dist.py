@@ -12,7 +12,7 @@ import torch
 import torch.distributed as td
 
 from nanomega import dist, train, worlds
-from nanomega.ops import faults
+from nanomega.ops import lifecycle
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CORPUS_CHARS = 50_000  # of the embedded corpus, for conftest's `corpus`
@@ -49,7 +49,7 @@ def _cp_ep_world():
         out[layout] = (list(made), {a: (getattr(g, a).name, getattr(g, a).ranks) for a in
                                     ("dp", "cp", "dp_cp", "ep", "edp")}, g.ep.group is g.dp.group, g.edp is g.dp_cp)
         # a step-boundary vote (save, stop, spike) reaches every rank: rank 3 alone says yes (a cp neighbour)
-        out["votes", layout] = [faults.grid_agrees(g, g.rank == 3), faults.grid_agrees(g, False)]
+        out["votes", layout] = [lifecycle.grid_agrees(g, g.rank == 3), lifecycle.grid_agrees(g, False)]
     # all_to_all with uneven splits over ep = 4: rank r sends (r + i) % 3 + 1 rows of 3 floats to rank i
     r, splits = g.rank, [(g.rank + i) % 3 + 1 for i in range(4)]
     t = torch.cat([torch.full((n, 3), 100.0 * r + i) for i, n in enumerate(splits)])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nanomega.ops import checks, faults, flags
-from nanomega import checkpoint, data, dist, reshard, train
+from nanomega import async_checkpoint, checkpoint, data, dist, reshard, train
 from nanomega.tools import sample
 from nanomega.ops import health
 
@@ -353,7 +353,7 @@ def test_async_save_matches_and_a_failed_write_keeps_the_previous(corpus, refere
     for step in (2, 4, 6):
         assert same_weights(out / "ckpt" / f"step_{step:06d}", reference / "ckpt" / f"step_{step:06d}")
     cfg = flags.model_config(flags.parse(SMALL))
-    views, live, kept = checkpoint.AsyncSaver(str(tmp_path / "views"), cfg, grid, {}), torch.arange(4.0), []
+    views, live, kept = async_checkpoint.AsyncSaver(str(tmp_path / "views"), cfg, grid, {}), torch.arange(4.0), []
     for step in (1, 2):
         views.start(step, {"w": live[1:]})  # a view of live memory, as rank_state(copy=False) gives
         live += 1  # the next training step, while the writer may still be writing
@@ -361,7 +361,7 @@ def test_async_save_matches_and_a_failed_write_keeps_the_previous(corpus, refere
         kept.append(views.buffers[("w",)].data_ptr())
     assert [checkpoint.load_shard(tmp_path / "views" / "ckpt" / f"step_{s:06d}", 0)["w"].tolist() for s in (1, 2)] \
         == [[1, 2, 3], [2, 3, 4]] and kept[0] == kept[1]  # copied at start(), into the same buffer each save
-    saver = checkpoint.AsyncSaver(str(out), cfg, grid, {})
+    saver = async_checkpoint.AsyncSaver(str(out), cfg, grid, {})
     monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
     saver.start(8, {"step": 8})
     with pytest.raises(OSError, match="disk full"):

@@ -103,7 +103,7 @@ def test_one_rank_without_its_copy_sends_every_rank_to_full_discovery(corpus, tm
             time.sleep(0.05)
         workers = kill_resume.worker_pids(job.pid)
         assert len(workers) == 2, "the workers were not found"
-        os.kill(job.pid, signal.SIGKILL)  # the agent: its workers die with it (faults.die_with_parent)
+        os.kill(job.pid, signal.SIGKILL)  # the agent: its workers die with it (lifecycle.die_with_parent)
         job.communicate(timeout=60)
         deadline = time.time() + 30
         while not all(gone(p) for p in workers.values()) and time.time() < deadline:

@@ -30,7 +30,8 @@ import transformers  # noqa: E402
 
 from nanomega import data, train, worlds  # noqa: E402
 from nanomega.model import GPT  # noqa: E402
-from nanomega.tools import hf, sample, tokenizer
+from nanomega.tools import hf, hf_weights, sample, tokenizer
+from nanomega.tools.hf_llama import llama_config as gpt_config_of  # (this file's llama_config builds HF's)
 
 ROOT = Path(__file__).resolve().parent.parent
 V = 4001
@@ -203,7 +204,7 @@ def test_llama_logits_and_a_bitwise_round_trip(shape, tmp_path):
     print(f"{shape}: max |logit diff| {diff:.2e} (logits up to {ref.abs().max().item():.1f})")
     assert diff < 1e-4
 
-    back = hf.to_hf(model.state_dict(), model.cfg)  # HF -> nanomega -> HF: every weight bitwise
+    back = hf_weights.to_hf(model.state_dict(), model.cfg)  # HF -> nanomega -> HF: every weight bitwise
     theirs, ours = ref_model.state_dict(), back.state_dict()
     assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
     a, b = ref_model.config.to_dict(), back.config.to_dict()  # and every field of the config that shapes the model
@@ -225,8 +226,8 @@ def test_llama_config_of_transformers_4_and_5():
     v4 = dict(llama_config().to_dict(), rope_theta=500000.0, rope_scaling=LLAMA3_ROPE)
     del v4["rope_parameters"]
     v5 = llama_config(rope_theta=500000.0, rope_scaling=LLAMA3_ROPE).to_dict()
-    assert "rope_parameters" in v5 and hf.llama_config(v4) == hf.llama_config(v5)
-    assert (hf.llama_config(v4).rope_scaling, hf.llama_config(v4).rope_theta) == (8.0, 500000.0)
+    assert "rope_parameters" in v5 and gpt_config_of(v4) == gpt_config_of(v5)
+    assert (gpt_config_of(v4).rope_scaling, gpt_config_of(v4).rope_theta) == (8.0, 500000.0)
 
 
 def test_llama_import_finetune_tp2_sample_export(setup, capsys):

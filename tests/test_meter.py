@@ -105,7 +105,7 @@ def test_host_syncs_per_step(corpus, tmp_path, monkeypatch):
     """Issue 27 item 8: the calls of ours that wait for the device (.item(), .tolist(), float(t), ...) in one
     training step, counted by their call site over steps 4-7 (start-up excluded). Two (there were four): the
     loss and the gradient norm read together before the update (train.train_step), and the step-boundary vote
-    (faults.grid_votes), which now also carries the weights' finite check after the update (it was a read of
+    (lifecycle.grid_votes), which now also carries the weights' finite check after the update (it was a read of
     its own in zero.masters_finite). AdamW's own .item() calls on its step counters are torch's, on the host."""
     sites = collections.Counter()
     for name in ("item", "tolist", "__bool__", "__float__", "__int__", "numpy", "cpu"):
@@ -127,4 +127,4 @@ def test_host_syncs_per_step(corpus, tmp_path, monkeypatch):
         runs.append(collections.Counter(sites))
     per_step = {site: (runs[1][site] - runs[0][site]) / 4 for site in runs[1] | runs[0]}
     per_step = {site: n for site, n in per_step.items() if n}
-    assert per_step == {("tolist", "train.py", "train_step"): 1, ("tolist", "ops/faults.py", "grid_votes"): 1}, per_step
+    assert per_step == {("tolist", "train.py", "train_step"): 1, ("tolist", "ops/lifecycle.py", "grid_votes"): 1}, per_step

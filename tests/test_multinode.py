@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from nanomega import dist, train, worlds
-from nanomega.ops import checks, faults
+from nanomega.ops import checks, lifecycle
 from tolerance import layout_rtol
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,7 +141,7 @@ def _lost_rank_world():
         td.all_reduce(torch.ones(1), group=short)
         return sub_timeout, solo_group, "no error"
     except RuntimeError as e:
-        return sub_timeout, solo_group, faults.lost_ranks(e, wait_s=2.0)
+        return sub_timeout, solo_group, lifecycle.lost_ranks(e, wait_s=2.0)
 
 
 def test_lost_rank_is_named_and_groups_inherit_the_timeout():

@@ -9,7 +9,7 @@ from nanomega.model import GPT, GPTConfig
 from nanomega.precision import cast_model
 from nanomega.recompute import apply_recompute, saved_bytes_per_layer
 from nanomega.tp import apply_tensor_parallel
-from nanomega.tools import cost as C, plan as P
+from nanomega.tools import cost as C, cost_time as CT, layouts, plan as P
 from nanomega.formulas import model_flops_per_token
 
 GPT3 = C.MODELS["gpt3-175b"]
@@ -125,7 +125,7 @@ def test_parameter_and_flop_counts_match_the_dense_model(kw):
     weights = sum(p.numel() for k, p in params.items() if p.dim() == 2 and k not in lookups)
     L, h, s = cfg.n_layer, cfg.n_embd, cfg.block_size
     assert counter.get_total_flops() / s == 2 * weights + 4 * L * h * s  # forward: 2 per weight; QK^T and AV
-    assert L * C.layer_weights(model) == weights - cfg.padded_vocab_size * h  # the time model's matmul weights
+    assert L * CT.layer_weights(model) == weights - cfg.padded_vocab_size * h  # the time model's matmul weights
     assert F.flops_per_token(n, cfg.n_layer, cfg.n_embd, cfg.block_size) == model_flops_per_token(cfg)
 
 
@@ -239,11 +239,11 @@ def test_llama3_405b_table_4_out_of_sample(gpus, dp, published):
     within 10% with no constant changed; plain 1F1B on the trainer's split (what nanomega can run: 126 layers do
     not interleave over 16 stages) pays a bubble Llama 3 did not, and misses by far."""
     llama, h100 = C.MODELS["llama3-405b"], C.GPUS["h100-80gb"]
-    e = C.evaluate(llama, h100, gpus, 8, 16, 1, LLAMA3_RUN)
+    e = CT.evaluate(llama, h100, gpus, 8, 16, 1, LLAMA3_RUN)
     assert (e.dp, e.micro_batches, e.layers) == (dp, 2048 // dp, (7,) + (8,) * 14 + (7,))
     assert e.tflops == pytest.approx(e.mfu * h100.peak_flops)  # no recompute: hardware FLOPs = model FLOPs
     assert e.tflops / 1e12 == pytest.approx(published, rel=0.10)
-    plain = C.evaluate(llama, h100, gpus, 8, 16, 1, replace_run(LLAMA3_RUN, schedule="1f1b", split="trainer"))
+    plain = CT.evaluate(llama, h100, gpus, 8, 16, 1, replace_run(LLAMA3_RUN, schedule="1f1b", split="trainer"))
     assert plain.bubble == 15 / (2048 // dp + 15) and plain.tflops / 1e12 < 0.85 * published
 
 
@@ -270,7 +270,7 @@ def test_flops_per_token_recompute():
 
 def test_plan_gpt3_on_1024_a100():
     run = C.Run(global_batch=1536)
-    ests = P.plan(GPT3, C.GPUS["a100-80gb"], 1024, run)
+    ests = layouts.plan(GPT3, C.GPUS["a100-80gb"], 1024, run)
     fit = [e for e in ests if e.fits]
     assert fit and len(fit) < len(ests)
     assert all(e.memory <= 0.9 * 80 * 2**30 for e in fit) and all(e.memory > 0.9 * 80 * 2**30 for e in ests[len(fit):])
@@ -322,9 +322,9 @@ def test_cli_plans_llama3_405b(capsys):
 def test_llama_layouts_tp_must_split_the_mlp_and_the_key_value_heads():
     run, gpu = C.Run(global_batch=8), C.GPUS["a100-80gb"]
     kv3 = C.Model(4, 96, 6, 256, 32, arch="llama", n_kv_head=3, ffn_hidden=256)
-    assert "one must divide the other" in P.layout_error(kv3, gpu, 8, 2, 1, 0, run)  # 3 kv heads over tp 2
-    assert P.layout_error(replace_run(kv3, n_kv_head=1), gpu, 8, 2, 1, 0, run) is None  # 1 group on both ranks
-    assert "MLP width 101" in P.layout_error(replace_run(kv3, ffn_hidden=101), gpu, 8, 2, 1, 0, run)
+    assert "one must divide the other" in layouts.layout_error(kv3, gpu, 8, 2, 1, 0, run)  # 3 kv heads over tp 2
+    assert layouts.layout_error(replace_run(kv3, n_kv_head=1), gpu, 8, 2, 1, 0, run) is None  # 1 group on both ranks
+    assert "MLP width 101" in layouts.layout_error(replace_run(kv3, ffn_hidden=101), gpu, 8, 2, 1, 0, run)
 
 
 @pytest.mark.parametrize("argv,expect", [
@@ -354,9 +354,9 @@ def test_cli_bad_input(argv, expect, capsys):
 
 def test_smallest_cluster_is_smallest():
     run = C.Run(global_batch=1536)
-    gpus, best = P.smallest_cluster(GPT3, C.GPUS["a100-80gb"], run)
+    gpus, best = layouts.smallest_cluster(GPT3, C.GPUS["a100-80gb"], run)
     assert best.fits and gpus == 48
-    assert not any(e.fits for g in range(8, 48, 8) for e in P.plan(GPT3, C.GPUS["a100-80gb"], g, run))
+    assert not any(e.fits for g in range(8, 48, 8) for e in layouts.plan(GPT3, C.GPUS["a100-80gb"], g, run))
 
 
 def test_stages_are_the_trainers_split_with_embedding_first_and_head_last():
@@ -386,7 +386,7 @@ def test_links_follow_the_trainers_rank_order():
         node = grid // gpu.per_node
         pp_inside = all(len(set(node[d, :, t].tolist())) == 1 for d in range(dp) for t in range(tp))
         members = int((node[:, 0, 0] == node[0, 0, 0]).sum())  # members of one dp group on its first node
-        pp_bw, dp_bw = C.links(gpu, gpus, tp, pp)
+        pp_bw, dp_bw = CT.links(gpu, gpus, tp, pp)
         assert pp_bw == (gpu.intra_bw if pp_inside else gpu.inter_bw)
         dp_inside = len(set(node[:, 0, 0].tolist())) == 1
         assert dp_bw == (gpu.intra_bw if dp_inside else min(gpu.intra_bw, members * gpu.inter_bw))
@@ -394,11 +394,11 @@ def test_links_follow_the_trainers_rank_order():
 
 def test_batch_ramp_up_time():
     run = C.Run(global_batch=64, tokens=1000 * 64 * 8, rampup=(16, 16, 3000))  # seq 8: 64,000 samples
-    steps = C.train_seconds(lambda b: 1.0, run, 8)  # one second per step whatever the batch
+    steps = CT.train_seconds(lambda b: 1.0, run, 8)  # one second per step whatever the batch
     # batches 16, 32, 48 take 1000 samples each, then 61,000 samples at 64
     assert steps == pytest.approx(1000 / 16 + 1000 / 32 + 1000 / 48 + 61000 / 64)
-    assert C.train_seconds(lambda b: b / 64, run, 8) == pytest.approx(1000)  # time per sample fixed: no cost
-    assert C.train_seconds(lambda b: 1.0, replace_run(run, rampup=None), 8) == 1000
+    assert CT.train_seconds(lambda b: b / 64, run, 8) == pytest.approx(1000)  # time per sample fixed: no cost
+    assert CT.train_seconds(lambda b: 1.0, replace_run(run, rampup=None), 8) == 1000
 
 
 def replace_run(run, **kw):
@@ -433,12 +433,13 @@ def test_offload_moves_the_optimizer_state_off_the_gpu_and_adds_its_time():
     Adam's pass through host memory, the slower of the two); nothing else changes."""
     from dataclasses import replace
     from nanomega import formulas
-    from nanomega.tools import cost
+    from nanomega.tools import cost, cost_time
     model, gpu = cost.MODELS["gpt3-175b"], cost.GPUS["a100-80gb"]
     base = cost.Run(zero=(1,))
     for share in (0.5, 1.0):
         run = replace(base, offload=share)
-        a, b = cost.evaluate(model, gpu, 64, 4, 8, 1, base), cost.evaluate(model, gpu, 64, 4, 8, 1, run)
+        a = cost_time.evaluate(model, gpu, 64, 4, 8, 1, base)
+        b = cost_time.evaluate(model, gpu, 64, 4, 8, 1, run)
         assert b.optim == pytest.approx(a.optim * (1 - share)) and (b.params, b.grads, b.acts) == (a.params, a.grads, a.acts)
         n = -(-max(cost.stage_params(model, 4, 8)) // 2)  # the rank's optimizer elements: ZeRO-1 over dp 2
         extra = formulas.offload_seconds(share * n, 4, 2, gpu.pcie_bw, gpu.host_bw)
@@ -476,8 +477,8 @@ def test_moe_planner_memory_dp_bytes_and_all_to_all():
     # an ep group: 8 ranks 4 apart (tp x pp = 4), 2 in a node: 6 of the 7 others' bytes leave it, 1 on NVLink
     assert a2a_s == pytest.approx(a2a_b / m * (m + 3) * (6 / 7 / gpu.inter_bw + 1 / 7 / gpu.intra_bw))
     assert cost_moe.step_seconds(MIXTRAL, gpu, 64, 1, 4, 1, run, ep=1)[2:] == (0, 0.0)
-    assert {e.zero for e in P.plan(MIXTRAL, gpu, 64, run, ep=8)} == {0, 1, 2}
-    assert "--no-sp" in P.layout_error(MIXTRAL, gpu, 64, 2, 1, 1, C.Run(sp=True), ep=8)
+    assert {e.zero for e in layouts.plan(MIXTRAL, gpu, 64, run, ep=8)} == {0, 1, 2}
+    assert "--no-sp" in layouts.layout_error(MIXTRAL, gpu, 64, 2, 1, 1, C.Run(sp=True), ep=8)
 
 
 def test_cli_plans_mixtral_with_expert_parallelism(capsys):

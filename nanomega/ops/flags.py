@@ -384,7 +384,7 @@ def kind(f):
 
 class Parser(argparse.ArgumentParser):
     """argparse whose errors (an unknown flag, a value of the wrong type) are one ValueError line,
-    said once by rank 0 (faults.entrypoint), instead of the usage block printed by every rank."""
+    said once by rank 0 (lifecycle.entrypoint), instead of the usage block printed by every rank."""
 
     def error(self, message):
         raise ValueError(f"{message}; `python nanomega/train.py --help` lists the flags")

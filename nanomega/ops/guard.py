@@ -18,7 +18,7 @@ import threading
 import time
 
 from nanomega import dist
-from nanomega.ops import faults
+from nanomega.ops import faults, lifecycle
 
 
 class Guard:
@@ -63,7 +63,7 @@ class Guard:
         """The loss lives on the last pipeline stage: unless --on-spike warn, every rank
         takes its decision."""
         spike = self.spikes.check(loss)
-        return faults.grid_agrees(self.grid, spike) if self.spikes.policy != "warn" else spike
+        return lifecycle.grid_agrees(self.grid, spike) if self.spikes.policy != "warn" else spike
 
     def drops(self, spike):
         return spike and self.spikes.policy == "skip"
@@ -247,7 +247,7 @@ class Watchdog:
         # a save: when this rank last told the store, the job's count
         self.in_save, self.told, self.writes = False, 0.0, None
         if self.timeout:
-            faults.at_job_end(self.stop)
+            lifecycle.at_job_end(self.stop)
             threading.Thread(target=self._watch, name="nanomega-watchdog", daemon=True).start()
 
     def beat(self, step, phase):

@@ -9,8 +9,8 @@ Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks
 """
 import time
 
-from nanomega import checkpoint, flash, moe, reshard, rng
-from nanomega.ops import faults
+from nanomega import async_checkpoint, checkpoint, flash, moe, reshard, rng
+from nanomega.ops import faults, lifecycle
 
 
 def layout(config, tokenizer_sha256):
@@ -44,11 +44,9 @@ class Saves:
         self.out_dir, self.cfg, self.grid, self.layout = out_dir, cfg, grid, layout
         self.every, self.every_minutes, self.max_steps = every, every_minutes, max_steps
         self.keep_last, self.resumed_from = keep_last, resumed_from
-        # --flash-restore: a flash.Copies; each shard is also copied to shared memory
-        self.copies = copies
-        # by the writer thread (async) or this one, before the manifest
-        self.keep = copies.keep if copies else None
-        self.saver = checkpoint.AsyncSaver(out_dir, cfg, grid, layout, self.keep) if async_save else None
+        self.copies = copies  # --flash-restore: a flash.Copies; each shard is also copied to shared memory
+        self.keep = copies.keep if copies else None  # by the writer thread (async) or this one, before the manifest
+        self.saver = async_checkpoint.AsyncSaver(out_dir, cfg, grid, layout, self.keep) if async_save else None
         self.last, self.pending = time.time(), False
 
     def at_step_end(self, step, *, state, may_save, guard):
@@ -57,10 +55,10 @@ class Saves:
         due = (self.every and step % self.every == 0) or step == self.max_steps
         late = bool(self.every_minutes) and time.time() - self.last >= 60 * self.every_minutes  # clocks differ
         busy = self.saver is not None and self.saver.shard is not None and not self.saver.shard.done()
-        # one vote, one host sync: save (any rank's clock says so), stop (a preemption signal), a
-        # shard still being written (the manifest waits), non-finite weights after the update --
-        # every rank must take each decision alike, or the next step hangs
-        due, preempted, busy, broken = faults.grid_votes(self.grid, due or late, faults.preempt_requested(), busy,
+        # one vote, one host sync: save (any rank's clock says so), stop (a preemption signal), a shard still
+        # being written (the manifest waits), non-finite weights after the update -- every rank must take each
+        # decision alike, or the next step hangs
+        due, preempted, busy, broken = lifecycle.grid_votes(self.grid, due or late, lifecycle.preempt_requested(), busy,
                                                          guard.vote())
         guard.weights_voted(broken)  # stops before any save
         if self.saver:  # the manifest of a background save, once every rank has written its shard

@@ -8,7 +8,7 @@ A corpus is a file, a directory or a glob of .txt, .txt.gz, .jsonl or .jsonl.gz 
 OpenWebText, llm.c's FineWeb shards). Documents are read in order, cut into ~1 MB units and encoded
 by a pool of workers with a bounded number of units in flight, so memory is bounded whatever the
 corpus size. Tokens go to shards, listed with their sha256 in `index.json` (written last);
-data.TokenDataset reads the shards as one sequence of windows.
+windows.TokenDataset reads the shards as one sequence of windows.
 
 Formula: tokens/s = workers x one process's encode rate, until reading or writing the disk
          dominates.
@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from nanomega import data
-from nanomega.ops import faults
+from nanomega.ops import faults, lifecycle
 
 FORMAT = 1
 VAL_EVERY = 20  # documents 0, 20, 40, ... are validation: 5%, and never fewer than one
@@ -258,7 +258,7 @@ def main(argv=None):
 
 def cli():
     """The console script (pyproject [project.scripts])."""
-    faults.entrypoint(main)  # bad input: one line, exit 2
+    lifecycle.entrypoint(main)  # bad input: one line, exit 2
 
 
 if __name__ == "__main__":

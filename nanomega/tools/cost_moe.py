@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from nanomega.formulas import (dp_comm_bytes, moe_all_to_all_bytes, moe_balanced_rows, moe_expert_params,
                                moe_layer_params, zero_state_bytes)
-from nanomega.tools import cost
+from nanomega.tools import cost, cost_time
 
 
 def params(model):
@@ -94,19 +94,18 @@ def all_to_all(model, gpu, gpus, tp, pp, run, ep):
     return nbytes, nbytes * (away / gpu.inter_bw + (1 - away) / gpu.intra_bw)
 
 
-def step_seconds(model, gpu, gpus, tp, pp, zero, run, ep=1, time=cost.TIME, global_batch=None):
-    """(step seconds, dp bytes, all-to-all bytes, all-to-all seconds) per GPU and step: the
-    stand-in's step, its dp time replaced by the dense part's and the experts', + the all-to-all of
-    every pipeline slot."""
+def step_seconds(model, gpu, gpus, tp, pp, zero, run, ep=1, time=cost_time.TIME, global_batch=None):
+    """(step seconds, dp bytes, all-to-all bytes, all-to-all seconds) per GPU and step: the stand-in's step, its dp
+    time replaced by the dense part's and the experts', + the all-to-all of every pipeline slot."""
     batch = run.global_batch if global_batch is None else global_batch
     dense, dp = stand_in(model), gpus // (tp * pp)
     m, v = batch // (dp * run.micro_batch), run.chunks if run.schedule == "interleaved" and pp > 1 else 1
-    step, _ = cost.step_seconds(dense, gpu, gpus, tp, pp, zero, run, time, batch)
+    step, _ = cost_time.step_seconds(dense, gpu, gpus, tp, pp, zero, run, time, batch)
     pb, gb = cost.PRECISIONS[run.dtype][:2]
     charged = dp_comm_bytes(max(cost.stage_params(dense, tp, pp, v, run.split)), zero, dp, gb, pb, m)
     dp_b = dp_bytes(model, tp, pp, dp, zero, run, ep, m)
     a2a_b, a2a_s = all_to_all(model, gpu, gpus, tp, pp, run, ep)
-    dp_bw = cost.links(gpu, gpus, tp, pp)[1]
+    dp_bw = cost_time.links(gpu, gpus, tp, pp)[1]
     a2a_s *= m + (pp - 1) / v
     return step + (dp_b - charged) / dp_bw + a2a_s, dp_b, a2a_b * m, a2a_s
 
@@ -123,17 +122,16 @@ def layout_error(model, gpus, tp, pp, zero, run, ep):
     return None
 
 
-def evaluate(model, gpu, gpus, tp, pp, zero, run, ep=1, time=cost.TIME):
-    """cost.evaluate with experts: the stand-in's estimate, with the experts' memory, dp
-    bytes and all-to-all."""
+def evaluate(model, gpu, gpus, tp, pp, zero, run, ep=1, time=cost_time.TIME):
+    """cost_time.evaluate with experts: the stand-in's estimate, with the experts' memory, dp bytes and all-to-all."""
     if not model.n_experts:
-        return cost.evaluate(model, gpu, gpus, tp, pp, zero, run, time)
-    est = cost.evaluate(stand_in(model), gpu, gpus, tp, pp, zero, run, time)
+        return cost_time.evaluate(model, gpu, gpus, tp, pp, zero, run, time)
+    est = cost_time.evaluate(stand_in(model), gpu, gpus, tp, pp, zero, run, time)
     v = run.chunks if run.schedule == "interleaved" and pp > 1 else 1
     params_b, grads_b, optim_b = max(rank_state_bytes(model, tp, pp, est.dp, zero, run.dtype, v, run.split, ep),
                                      key=sum)
     step, dp_b, _, _ = step_seconds(model, gpu, gpus, tp, pp, zero, run, ep, time)
-    days = cost.train_seconds(lambda b: step_seconds(model, gpu, gpus, tp, pp, zero, run, ep, time, b)[0], run,
+    days = cost_time.train_seconds(lambda b: step_seconds(model, gpu, gpus, tp, pp, zero, run, ep, time, b)[0], run,
                               model.seq_len) / 86400
     fits = params_b + grads_b + optim_b + est.acts <= run.usable * gpu.memory
     return replace(est, params=params_b, grads=grads_b, optim=optim_b, dp_comm=dp_b, step_s=step,

@@ -1,33 +1,28 @@
 """Context parallelism in the planner: one layout with a cp axis -- memory, bytes and step time.
 
-A cp group of cp GPUs holds s/cp tokens of every sequence (nanomega/cp.py), so per GPU everything in
-tools/cost.py is the model at seq_len s/cp -- the dense matmuls, the activations, tp's and pp's
-bytes -- except what follows. The result is a tools/cost.Estimate (its dp is the data-parallel size,
-its tp_comm the tp bytes at s/cp).
-
-Formulas:
-    attention  a rank's s/cp queries see all s keys: cost.layer_seconds at s/cp counts
-               4 b (s/cp)^2 h / t of QK^T and AV (no causal halving, as cost.py counts); the other
-               cp - 1 key blocks add 4 b (s/cp)(s - s/cp) h / t, times the same
-               forward/backward/recompute factor
-    cp bytes   formulas.cp_comm_bytes_per_layer per micro-batch and layer, on the link a cp group
-               spans; allgather is exposed, ring overlaps: max(compute, sends) per layer
-    state      ZeRO shards over dp x cp (the weights' replicas: zero.py's dp_cp),
-               activations at s/cp
+Idea: a cp group of cp GPUs holds s/cp tokens of every sequence (nanomega/cp.py), so per GPU everything in
+tools/cost.py is the model at seq_len s/cp -- the dense matmuls, the activations, tp's and pp's bytes -- except:
+    attention  a rank's s/cp queries see all s keys: cost_time.layer_seconds at s/cp counts 4 b (s/cp)^2 h / t of
+               QK^T and AV (no causal halving, as cost.py counts); the other cp - 1 key blocks add
+               4 b (s/cp)(s - s/cp) h / t, times the same forward/backward/recompute factor
+    cp bytes   formulas.cp_comm_bytes_per_layer per micro-batch and layer, on the link a cp group spans (tp
+               neighbours first: a cp group leaves the node when tp x cp > GPUs per node). allgather (Llama 3's)
+               is exposed; ring overlaps its sends with the blocks' attention: max(compute, sends) per layer
+    state      ZeRO shards over dp x cp (the weights' replicas: zero.py's dp_cp), activations at s/cp
+The result is a tools/cost_time.Estimate (its dp is the data-parallel size, its tp_comm the tp bytes at s/cp).
 Lesson: lessons/15-long-context.md
 """
 from dataclasses import replace
 
 from nanomega.formulas import cp_comm_bytes_per_layer, dp_comm_bytes, flops_per_token, inflight_microbatches, \
     pipeline_bubble, pp_comm_bytes, tp_comm_bytes_per_layer
-from nanomega.tools import cost
+from nanomega.tools import cost, cost_time
 
 
-def cp_layer_seconds(model, gpu, run, tp, cp, method="allgather", time=cost.TIME):
-    """(seconds of one layer and micro-batch on one GPU, cp bytes it sends) with s/cp
-    tokens per sequence."""
+def cp_layer_seconds(model, gpu, run, tp, cp, method="allgather", time=cost_time.TIME):
+    """(seconds of one layer and micro-batch on one GPU, cp bytes it sends) with s/cp tokens per sequence."""
     b, s, h = run.micro_batch, model.seq_len, model.n_embd
-    local = cost.layer_seconds(replace(model, seq_len=s // cp), gpu, run, tp, time)
+    local = cost_time.layer_seconds(replace(model, seq_len=s // cp), gpu, run, tp, time)
     again, flash = run.recompute in ("full", "selective"), run.attention == "sdpa"
     # query-key pairs with the other ranks' keys, x h/t
     other = b * (s // cp) * (s - s // cp) * h / tp
@@ -41,9 +36,8 @@ def cp_layer_seconds(model, gpu, run, tp, cp, method="allgather", time=cost.TIME
     return local + (max(attn, comm) if method == "ring" else attn + comm), sent
 
 
-def evaluate(model, gpu, gpus, tp, pp, cp, zero, run, method="allgather", time=cost.TIME):
-    """cost.evaluate with a cp axis: dp = gpus / (tp pp cp); the same global batch
-    of whole sequences."""
+def evaluate(model, gpu, gpus, tp, pp, cp, zero, run, method="allgather", time=cost_time.TIME):
+    """cost_time.evaluate with a cp axis: dp = gpus / (tp pp cp); the same global batch of whole sequences."""
     L, h, s, b = model.n_layer, model.n_embd, model.seq_len, run.micro_batch
     local = replace(model, seq_len=s // cp)
     dp = gpus // (tp * pp * cp)
@@ -61,8 +55,7 @@ def evaluate(model, gpu, gpus, tp, pp, cp, zero, run, method="allgather", time=c
     head = 6 * b * (s // cp) * cost.padded_vocab(model, tp) * h / tp / (gpu.peak_flops * time.matmul)
     times = [n * layer for n in layers]
     times[-1] += head
-    # a pipeline is tp x cp x pp neighbours (dist.layout)
-    pp_bw, dp_bw = cost.links(gpu, gpus, tp * cp, pp)
+    pp_bw, dp_bw = cost_time.links(gpu, gpus, tp * cp, pp)  # a pipeline is tp x cp x pp neighbours (dist.layout)
     pp_b = pp_comm_bytes(b, s // cp, h, tp, eb, 1, v) if pp > 1 else 0
     n = max(cost.stage_params(model, tp, pp, v, run.split))
     dp_b = dp_comm_bytes(n, zero, dp * cp, gb, pb, m)
@@ -72,9 +65,9 @@ def evaluate(model, gpu, gpus, tp, pp, cp, zero, run, method="allgather", time=c
     tflops = tokens * flops_per_token(fpt, L, h, s, run.recompute, extra) / (step * gpus)
     mfu = tokens * flops_per_token(fpt, L, h, s) / (step * gpus * gpu.peak_flops)
     tp_b = m * max(layers) * tp_comm_bytes_per_layer(b, s // cp, h, tp, eb, run.sp, run.recompute,
-                                                      cost.column_inputs(model))
+                                                      cost_time.column_inputs(model))
     days = run.tokens / tokens * step / 86400
     fits = params + grads + optim + acts <= run.usable * gpu.memory
-    return cost.Estimate(tp, pp, dp, zero, m, tuple(layers), params, grads, optim, acts, tp_b,
+    return cost_time.Estimate(tp, pp, dp, zero, m, tuple(layers), params, grads, optim, acts, tp_b,
                          m * pp_b, dp_b, step, pipeline_bubble(pp, m, v), tflops, mfu, days, fits), \
         m * max(layers) * cp_b

@@ -27,124 +27,11 @@ from pathlib import Path
 import torch
 
 from nanomega import checkpoint, data, reshard
-from nanomega.ops import faults
+from nanomega.ops import faults, lifecycle
 from nanomega.model import GPT, SHAPE_KEYS, SIZES, GPTConfig
 from nanomega.tools import hf_moe, tokenizer
-from nanomega.tools.hf_llama import LLAMA3_ROPE, llama_config, llama_name_map
-
-# nanomega name -> transformers GPT2LMHeadModel name, per block ({i}); Conv1D weights are transposed
-_BLOCK = {k: k for k in ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.c_attn.weight",
-                         "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias", "mlp.c_fc.weight",
-                         "mlp.c_proj.weight", "mlp.c_proj.bias")} | {"mlp.fc_bias": "mlp.c_fc.bias"}
-_TOP = {"embed.wte.weight": "transformer.wte.weight", "embed.wpe.weight": "transformer.wpe.weight",
-        "head.ln_f.weight": "transformer.ln_f.weight", "head.ln_f.bias": "transformer.ln_f.bias"}
-_CONV1D = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
-_PADDED = ("embed.wte.weight", "head.lm_head.weight")  # (V padded, h) here, (V, h) in transformers
-
-
-def _require():
-    try:
-        import safetensors  # noqa: F401  (save_pretrained writes model.safetensors with it)
-        import transformers
-    except ImportError:
-        raise ValueError("nanomega.tools.hf needs transformers and safetensors: pip install 'nanomega[hf]'") from None
-    return transformers
-
-
-def name_map(n_layer):
-    """{nanomega parameter name: transformers name} for a GPT of n_layer blocks."""
-    names = dict(_TOP)
-    for i in range(n_layer):
-        names.update({f"blocks.{i}.{a}": f"transformer.h.{i}.{b}" for a, b in _BLOCK.items()})
-    return names
-
-
-def check_gpt2(cfg: GPTConfig):
-    if cfg.alibi or cfg.embed_layernorm:
-        what = "ALiBi attention" if cfg.alibi else "an embedding LayerNorm"
-        raise ValueError(f"this model has {what} (BLOOM-style), which GPT-2 does not: it cannot be exported "
-                         f"as a GPT2LMHeadModel; train without --alibi/--embed-layernorm to export")
-
-
-def to_hf(weights, cfg: GPTConfig):
-    """transformers GPT2LMHeadModel or LlamaForCausalLM (by cfg.arch) from nanomega full weights
-    {name: tensor} (fp32; padded rows dropped)."""
-    transformers = _require()
-    v = cfg.vocab_size
-    if cfg.n_experts:  # a Llama with experts: Mixtral
-        return hf_moe.to_hf(weights, cfg)
-    if cfg.arch == "llama":
-        rope = None if cfg.rope_scaling == 1.0 else dict(rope_type="llama3", factor=cfg.rope_scaling, **LLAMA3_ROPE)
-        hf_cfg = transformers.LlamaConfig(
-            vocab_size=v, hidden_size=cfg.n_embd, intermediate_size=cfg.ffn, num_hidden_layers=cfg.n_layer,
-            num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads, head_dim=cfg.n_embd // cfg.n_head,
-            hidden_act="silu", max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
-            rope_theta=cfg.rope_theta, rope_scaling=rope, tie_word_embeddings=cfg.tie_embeddings,
-            attention_bias=False, mlp_bias=False, bos_token_id=v - 1, eos_token_id=v - 1)
-        names, model_class = llama_name_map(cfg.n_layer, cfg.tie_embeddings), transformers.LlamaForCausalLM
-    else:
-        check_gpt2(cfg)
-        hf_cfg = transformers.GPT2Config(
-            vocab_size=v, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
-            n_head=cfg.n_head, activation_function="gelu_new", resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
-            attn_pdrop=cfg.dropout, layer_norm_epsilon=cfg.norm_eps, bos_token_id=v - 1, eos_token_id=v - 1,
-            tie_word_embeddings=True)
-        names, model_class = {k: (n,) for k, n in name_map(cfg.n_layer).items()}, transformers.GPT2LMHeadModel
-    state = {}
-    for ours, theirs in names.items():
-        t = weights[ours].float()
-        t = t[:v] if ours in _PADDED else t  # (V_padded, h) -> (V, h)
-        t = t.t() if ours.endswith(_CONV1D) and cfg.arch == "gpt2" else t
-        state.update(zip(theirs, (part.contiguous() for part in t.chunk(len(theirs)))))  # [k; v] -> k, v
-    model = model_class(hf_cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    left = [k for k in missing if k != "lm_head.weight" and not k.endswith(".attn.bias")]  # tied / causal buffer
-    if left or unexpected or (not cfg.tie_embeddings and "lm_head.weight" in missing):
-        raise ValueError(f"{cfg.arch} mapping incomplete: missing {left[:3]}, unexpected {unexpected[:3]}")
-    model.tie_weights()
-    return model.eval()
-
-
-def from_hf(model):
-    """(GPTConfig, nanomega full weights) from a transformers GPT2LMHeadModel or LlamaForCausalLM;
-    refuses what nanomega cannot compute."""
-    if model.config.model_type == "mixtral":
-        return hf_moe.from_hf(model)
-    if model.config.model_type == "llama":
-        cfg = llama_config(model.config.to_dict())
-        theirs = model.state_dict()
-        # a copy, even of one tensor
-        weights = {ours: torch.cat([theirs[n].detach().float() for n in names])
-                   for ours, names in llama_name_map(cfg.n_layer, cfg.tie_embeddings).items()}
-        return cfg, _pad_vocab(weights, cfg)
-    c = model.config
-    act = getattr(c, "activation_function", "gelu_new")
-    bad = [(act not in ("gelu_new", "gelu_pytorch_tanh"), f"activation_function {act!r} (nanomega: tanh GeLU)"),
-           (c.n_inner not in (None, 4 * c.n_embd), f"n_inner {c.n_inner} (nanomega: 4 x n_embd)"),
-           (getattr(c, "scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx"),
-           (not getattr(c, "scale_attn_weights", True), "scale_attn_weights False"),
-           (model.lm_head.weight.data_ptr() != model.transformer.wte.weight.data_ptr(), "an untied LM head")]
-    bad = [why for is_bad, why in bad if is_bad]
-    if bad:
-        raise ValueError(f"this GPT-2 differs from nanomega's: {'; '.join(bad)}; it cannot be imported exactly")
-    cfg = GPTConfig(vocab_size=c.vocab_size, block_size=c.n_positions, n_layer=c.n_layer, n_head=c.n_head,
-                    n_embd=c.n_embd, dropout=c.resid_pdrop, norm_eps=c.layer_norm_epsilon)
-    theirs = model.state_dict()
-    weights = {}
-    for ours, name in name_map(cfg.n_layer).items():
-        t = theirs[name].detach().float()
-        weights[ours] = t.t().contiguous() if ours.endswith(_CONV1D) else t.clone()
-    return cfg, _pad_vocab(weights, cfg)
-
-
-def _pad_vocab(weights, cfg):
-    """Zero rows up to the padded vocabulary: never looked up, out of the loss, never sampled."""
-    for name in _PADDED:
-        if name in weights:
-            t = weights[name]
-            weights[name] = torch.cat([t, t.new_zeros(cfg.padded_vocab_size - cfg.vocab_size, t.shape[1])])
-    return weights
-
+from nanomega.tools.hf_llama import llama_config
+from nanomega.tools.hf_weights import check_gpt2, from_hf, require_transformers, to_hf
 
 def hf_config(src):
     """config.json of a transformers folder, as a dict; the model types nanomega reads:
@@ -162,7 +49,7 @@ def hf_config(src):
 
 def read_hf(src):
     """(GPTConfig, nanomega full weights) of a transformers GPT-2 or Llama folder."""
-    transformers = _require()
+    transformers = require_transformers()
     kind = hf_config(src)["model_type"]
     model_class = dict(llama=transformers.LlamaForCausalLM, mixtral=transformers.MixtralForCausalLM,
                        gpt2=transformers.GPT2LMHeadModel)[kind]
@@ -231,10 +118,9 @@ def import_tokenizer(src, out_dir):
 
 
 def import_(src, out_dir):
-    """A transformers GPT-2 or Llama folder -> a step-0 nanomega checkpoint in out_dir
-    (single-process, dense). What nanomega cannot represent (and, for a Llama, a tokenizer
-    --tokenizer cannot read) is refused first."""
-    _require()
+    """A transformers GPT-2 or Llama folder -> a step-0 nanomega checkpoint in out_dir (single-process, dense).
+    What nanomega cannot represent (and, for a Llama, a tokenizer --tokenizer cannot read) is refused first."""
+    require_transformers()
     if checkpoint.latest(out_dir) is not None:
         raise ValueError(f"--out-dir {out_dir} already holds a checkpoint; choose an empty --out-dir")
     # a Llama whose tokenizer --tokenizer cannot reproduce would fine-tune on ids it was not trained
@@ -295,7 +181,7 @@ def main(argv=None):
 
 def cli():
     """The console script (pyproject [project.scripts])."""
-    faults.entrypoint(main)  # bad input: one line, exit 2
+    lifecycle.entrypoint(main)  # bad input: one line, exit 2
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 from nanomega import schedules
-from nanomega.ops import faults
+from nanomega.ops import lifecycle
 
 
 def read_run(out):
@@ -137,7 +137,7 @@ def main(argv=None):
 
 def cli():
     """The console script (pyproject [project.scripts])."""
-    faults.entrypoint(main)  # bad input: one line, exit 2
+    lifecycle.entrypoint(main)  # bad input: one line, exit 2
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ if __package__ in (None, ""):  # `python nanomega/tools/sample.py`: make the pac
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from nanomega import checkpoint, data, moe, reshard
-from nanomega.ops import faults
+from nanomega.ops import faults, lifecycle
 from nanomega.model import GPT
 
 
@@ -82,7 +82,7 @@ def main(argv=None):
 
 def cli():
     """The console script (pyproject [project.scripts])."""
-    faults.entrypoint(main)  # bad input: one line, exit 2
+    lifecycle.entrypoint(main)  # bad input: one line, exit 2
 
 
 if __name__ == "__main__":
