@@ -192,7 +192,7 @@ class ZeroEngine:
             self.groups += groups
         if not row.parameters:  # now that the buffers hold the values (drawn, for a meta model)
             for r in held:
-                start_equal(model, r.axis, init, keep=lambda k, r=r: owner[k] is r)
+                start_equal(model, r.axis, init, lambda k, r=r: owner[k] is r)  # keep: its own
 
         # the gradients reduced while backward runs: one set of buckets per group, over its axis
         for r, groups in self.replicas:
