@@ -3,13 +3,16 @@
     python bench/bench_gpu.py                     # one GPU; prints a RESULTS table (markdown)
     python bench/bench_gpu.py --steps 20 --batch-size 8 --attentions sdpa,eager --compiles 0,1
 
-Each configuration is built as train.py builds it (compose.build: the dense GPT, recompute none, bf16 model,
-ZeroEngine stage 0 on a world of one, AdamW, clip 1.0) on random tokens, runs 3 warm-up steps (the compile,
-if any, happens there and is reported separately), then `--steps` timed steps with torch.cuda.synchronize.
-MFU = 6N' + 12Lhs FLOPs/token x tokens/s / the datasheet peak (meter.py); memory = max allocated, with
-what was still allocated when the configuration started (should read 0.0: see release()).
-Written without a GPU at hand: its first results go to bench/RESULTS.md with the GPU's name when run.
+Each configuration is built as train.py builds it (compose.build: the dense GPT, recompute none,
+bf16 model, ZeroEngine stage 0 on a world of one, AdamW, clip 1.0) on random tokens, runs 3 warm-up
+steps (the compile, if any, happens there and is reported separately), then `--steps` timed steps
+with torch.cuda.synchronize.
+MFU = 6N' + 12Lhs FLOPs/token x tokens/s / the datasheet peak (meter.py); memory = max allocated,
+with what was still allocated when the configuration started (should read 0.0: see release()).
+Written without a GPU at hand: its first results go to bench/RESULTS.md with the GPU's name when
+run.
 """
+
 import argparse
 import dataclasses
 import gc
@@ -25,15 +28,28 @@ from nanomega import compose, dist, train  # noqa: E402
 from nanomega.ops import meter  # noqa: E402
 from nanomega.formulas import model_flops_per_token as flops_per_token  # noqa: E402
 
-GPT2 = ["--n-layer", "12", "--n-head", "12", "--n-embd", "768", "--block-size", "1024", "--dropout", "0",
-        "--dtype", "bf16"]
+GPT2 = [
+    "--n-layer",
+    "12",
+    "--n-head",
+    "12",
+    "--n-embd",
+    "768",
+    "--block-size",
+    "1024",
+    "--dropout",
+    "0",
+    "--dtype",
+    "bf16",
+]
 VOCAB = 50257  # GPT-2's; padded to 50304 (a multiple of 128)
 
 
 def release(device):
-    """Free the last configuration before the next is measured. The engine and its parameters reference each
-    other (a cycle), so `del` frees nothing until gc.collect(); compiled graphs are dropped with the compiler's
-    caches; then the allocator's cached blocks go back and the peak counter restarts."""
+    """Free the last configuration before the next is measured. The engine and its parameters
+    reference each other (a cycle), so `del` frees nothing until gc.collect(); compiled graphs are
+    dropped with the compiler's caches; then the allocator's cached blocks go back and the peak
+    counter restarts."""
     gc.collect()
     torch.compiler.reset()
     gc.collect()
@@ -42,10 +58,14 @@ def release(device):
 
 
 def run(attention, compile_, batch, steps, grid):
-    before = torch.cuda.memory_allocated(grid.device) / 2**30  # left by earlier configurations: 0 after release()
-    args = flags.parse([*GPT2, "--batch-size", str(batch), "--attention", attention]
-                       + (["--compile"] if compile_ else []))
-    args = dataclasses.replace(args, vocab_size=VOCAB)  # compose.build reads the shape from the Config
+    # left by earlier configurations: 0 after release()
+    before = torch.cuda.memory_allocated(grid.device) / 2**30
+    args = flags.parse(
+        [*GPT2, "--batch-size", str(batch), "--attention", attention]
+        + (["--compile"] if compile_ else [])
+    )
+    # compose.build reads the shape from the Config
+    args = dataclasses.replace(args, vocab_size=VOCAB)
     cfg = flags.model_config(args)
     torch.manual_seed(0)
     model, engine, n_params = compose.build(args, grid)
@@ -70,9 +90,17 @@ def run(attention, compile_, batch, steps, grid):
     dt = (time.perf_counter() - t0) / steps
     tok_s = batch * cfg.block_size / dt
     peak, source = meter.peak_flops(grid.device, torch.bfloat16)
-    return dict(step_ms=1e3 * dt, tok_s=tok_s, mfu=meter.mfu(flops_per_token(cfg), tok_s, 1, peak),
-                mem=meter.peak_memory_gib(grid.device), before=before, warmup_s=warmup, loss=loss, params=n_params,
-                source=source)
+    return dict(
+        step_ms=1e3 * dt,
+        tok_s=tok_s,
+        mfu=meter.mfu(flops_per_token(cfg), tok_s, 1, peak),
+        mem=meter.peak_memory_gib(grid.device),
+        before=before,
+        warmup_s=warmup,
+        loss=loss,
+        params=n_params,
+        source=source,
+    )
 
 
 def main():
@@ -94,19 +122,26 @@ def main():
                 r = run(attention, bool(compile_), a.batch_size, a.steps, grid)
             except torch.OutOfMemoryError:
                 r = None
-            release(grid.device)  # after the except block: its traceback no longer holds run()'s frame
+            # after the except block: its traceback no longer holds run()'s frame
+            release(grid.device)
             rows.append((attention, compile_, r))
             print(f"{attention} compile={compile_}: {r}", file=sys.stderr, flush=True)
-    print(f"\nRESULTS: GPT-2 124M, bf16, batch {a.batch_size} x 1024 tokens, {a.steps} timed steps, {name}, "
-          f"torch {torch.__version__}; peak: {rows[0][2]['source'] if rows[0][2] else '?'}")
-    print("| attention | compile | step | tokens/s | MFU | max allocated | allocated at start | warm-up (3 steps) |")
+    print(
+        f"\nRESULTS: GPT-2 124M, bf16, batch {a.batch_size} x 1024 tokens, {a.steps} timed steps, {name}, "
+        f"torch {torch.__version__}; peak: {rows[0][2]['source'] if rows[0][2] else '?'}"
+    )
+    print(
+        "| attention | compile | step | tokens/s | MFU | max allocated | allocated at start | warm-up (3 steps) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for attention, compile_, r in rows:
         if r is None:
             print(f"| {attention} | {'on' if compile_ else 'off'} | out of memory | | | | | |")
             continue
-        print(f"| {attention} | {'on' if compile_ else 'off'} | {r['step_ms']:.1f} ms | {r['tok_s']:,.0f} | "
-              f"{100 * r['mfu']:.1f}% | {r['mem']:.1f} GiB | {r['before']:.2f} GiB | {r['warmup_s']:.1f} s |")
+        print(
+            f"| {attention} | {'on' if compile_ else 'off'} | {r['step_ms']:.1f} ms | {r['tok_s']:,.0f} | "
+            f"{100 * r['mfu']:.1f}% | {r['mem']:.1f} GiB | {r['before']:.2f} GiB | {r['warmup_s']:.1f} s |"
+        )
 
 
 if __name__ == "__main__":

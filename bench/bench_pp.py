@@ -1,7 +1,8 @@
-"""Pipeline parallelism: nanomega.pp against torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B).
+"""Pipeline parallelism: nanomega.pp against torch.distributed.pipelining (ScheduleGPipe,
+Schedule1F1B).
 
-Same dense GPT, same 2-stage split, same micro-batches, 2 CPU ranks with one thread each (p = 2: at p = 4
-the ranks would share 2 cores and the timings would lie). Measured per schedule:
+Same dense GPT, same 2-stage split, same micro-batches, 2 CPU ranks with one thread each (p = 2: at
+p = 4 the ranks would share 2 cores and the timings would lie). Measured per schedule:
   step time     median and minimum over --steps steps, the two implementations alternating step by step
                 (the minimum is the least disturbed by other processes sharing the cores)
   peak memory   per stage, the rise of the kernel's peak RSS (VmHWM, reset through /proc/self/clear_refs)
@@ -12,6 +13,7 @@ the ranks would share 2 cores and the timings would lie). Measured per schedule:
   bubble        ours, from the wall-clock trace, next to (p - 1) / (m + p - 1)
 Usage: python bench/bench_pp.py [--microbatches 8] [--steps 5]
 """
+
 import argparse
 import copy
 import os
@@ -32,13 +34,16 @@ TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 def rss_peak_rise(step):
-    """Run step(); return how far the process's resident memory peaked above where it started (bytes)."""
+    """Run step(); return how far the process's resident memory peaked above where it started
+    (bytes)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
     status = open("/proc/self/status").read()
     start = int(re.search(r"VmRSS:\s+(\d+)", status).group(1))
     step()
-    return (int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1)) - start) * 1024
+    return (
+        int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1)) - start
+    ) * 1024
 
 
 def _setup(grid, schedule, m):
@@ -71,9 +76,14 @@ def _setup(grid, schedule, m):
 
 
 def persistent_recv_buffers(stage):
-    """Bytes of the receive buffers torch.distributed.pipelining keeps between steps (private attributes)."""
+    """Bytes of the receive buffers torch.distributed.pipelining keeps between steps (private
+    attributes)."""
     infos = [i for d in (stage.args_recv_info, stage.grad_recv_info) for t in d.values() for i in t]
-    return sum(i.buffer.numel() * i.buffer.element_size() for i in infos if getattr(i, "buffer", None) is not None)
+    return sum(
+        i.buffer.numel() * i.buffer.element_size()
+        for i in infos
+        if getattr(i, "buffer", None) is not None
+    )
 
 
 def timed(axis, fn):
@@ -81,7 +91,9 @@ def timed(axis, fn):
     axis.all_reduce(torch.zeros(1))
     t0 = time.perf_counter()
     fn()
-    return axis.all_reduce(torch.tensor([time.perf_counter() - t0]), op=torch.distributed.ReduceOp.MAX).item()
+    return axis.all_reduce(
+        torch.tensor([time.perf_counter() - t0]), op=torch.distributed.ReduceOp.MAX
+    ).item()
 
 
 def time_world(m, steps):
@@ -106,9 +118,14 @@ def memory_world(m):
     for schedule in TORCH_SCHEDULES:
         (ours, step_ours), (theirs, step_theirs), stage = _setup(grid, schedule, m)
         step_ours(), step_theirs()  # warm-up: gradients and torch's buffers exist from here on
-        out[schedule] = {"rss_ours": rss_peak_rise(step_ours),
-                         "rss_torch": rss_peak_rise(step_theirs) + persistent_recv_buffers(stage)}
-        for name, model, fn in (("saved_ours", ours, step_ours), ("saved_torch", theirs, step_theirs)):
+        out[schedule] = {
+            "rss_ours": rss_peak_rise(step_ours),
+            "rss_torch": rss_peak_rise(step_theirs) + persistent_recv_buffers(stage),
+        }
+        for name, model, fn in (
+            ("saved_ours", ours, step_ours),
+            ("saved_torch", theirs, step_theirs),
+        ):
             with recompute.ActivationMeter(model) as meter:
                 fn()
             out[schedule][name] = meter.peak
@@ -121,28 +138,39 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
     m, p = args.microbatches, 2
-    print(f"model {CFG}, micro-batch {MB}x{SEQ}, m={m}, p={p}, 1 thread per rank, torch {torch.__version__}, "
-          f"load average before {os.getloadavg()[0]:.1f}")
+    print(
+        f"model {CFG}, micro-batch {MB}x{SEQ}, m={m}, p={p}, 1 thread per rank, torch {torch.__version__}, "
+        f"load average before {os.getloadavg()[0]:.1f}"
+    )
     timing = worlds.launch(time_world, p, m, args.steps, timeout=1200)
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by the spawned ranks' allocator at start-up
+    # read by the spawned ranks' allocator at start-up
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     memory = worlds.launch(memory_world, p, m, timeout=1200)
-    mib = 2 ** 20
-    print(f"load average after {os.getloadavg()[0]:.1f} (other processes on these 2 cores skew the times)")
+    mib = 2**20
+    print(
+        f"load average after {os.getloadavg()[0]:.1f} (other processes on these 2 cores skew the times)"
+    )
     for schedule in TORCH_SCHEDULES:
         t = timing[0][schedule]
         print(f"\n{schedule}: loss ours {t['loss_ours']:.6f}, torch {t['loss_torch']:.6f}")
         for stat in (statistics.median, min):
             ours, theirs = stat(t["times"]["ours"]), stat(t["times"]["torch"])
-            print(f"  step time {stat.__name__:>6}   ours {ours * 1e3:7.1f} ms   torch {theirs * 1e3:7.1f} ms   "
-                  f"ratio ours/torch {ours / theirs:.3f}")
+            print(
+                f"  step time {stat.__name__:>6}   ours {ours * 1e3:7.1f} ms   torch {theirs * 1e3:7.1f} ms   "
+                f"ratio ours/torch {ours / theirs:.3f}"
+            )
         for rank in range(p):
             r = memory[rank][schedule]
-            print(f"  stage {rank}: peak memory ours {r['rss_ours'] / mib:7.1f} MiB  torch {r['rss_torch'] / mib:7.1f}"
-                  f" MiB  ratio {r['rss_ours'] / r['rss_torch']:.3f}   saved activations ours "
-                  f"{r['saved_ours'] / mib:6.1f} MiB  torch {r['saved_torch'] / mib:6.1f} MiB")
+            print(
+                f"  stage {rank}: peak memory ours {r['rss_ours'] / mib:7.1f} MiB  torch {r['rss_torch'] / mib:7.1f}"
+                f" MiB  ratio {r['rss_ours'] / r['rss_torch']:.3f}   saved activations ours "
+                f"{r['saved_ours'] / mib:6.1f} MiB  torch {r['saved_torch'] / mib:6.1f} MiB"
+            )
         traces = [timing[r][schedule]["trace"] for r in range(p)]
-        print(f"  bubble (ours, wall clock) {bubble_fraction(traces):.3f}, formula (p-1)/(m+p-1) "
-              f"{(p - 1) / (m + p - 1):.3f}")
+        print(
+            f"  bubble (ours, wall clock) {bubble_fraction(traces):.3f}, formula (p-1)/(m+p-1) "
+            f"{(p - 1) / (m + p - 1):.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
-"""Slurm-style preemption, counted: SIGTERM to every worker and, 20 ms later, to the torchrun agent (which forwards
-its own), N times; how many trials wrote their checkpoint and exited 0 (issue 28, item 5).
+"""Slurm-style preemption, counted: SIGTERM to every worker and, 20 ms later, to the torchrun agent
+(which forwards its own), N times; how many trials wrote their checkpoint and exited 0 (issue 28,
+item 5).
 
     python bench/bench_preempt.py --trials 10
 """
+
 import argparse
 import gzip
 import os
@@ -38,14 +40,21 @@ def trial(corpus, out, delay):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=10)
-    p.add_argument("--delay", type=float, default=0.02, help="seconds between the workers' signal and the agent's")
+    p.add_argument(
+        "--delay",
+        type=float,
+        default=0.02,
+        help="seconds between the workers' signal and the agent's",
+    )
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as root:
         corpus = Path(root) / "small.txt"
         corpus.write_text(gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(300_000))
         ok = sum(trial(corpus, Path(root) / f"t{i}", args.delay) for i in range(args.trials))
-    print(f"checkpoint written and exit 0 in {ok} of {args.trials} trials (every worker, then the agent "
-          f"{args.delay * 1e3:.0f} ms later)")
+    print(
+        f"checkpoint written and exit 0 in {ok} of {args.trials} trials (every worker, then the agent "
+        f"{args.delay * 1e3:.0f} ms later)"
+    )
 
 
 if __name__ == "__main__":

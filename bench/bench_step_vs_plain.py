@@ -3,13 +3,15 @@
     python bench/bench_step_vs_plain.py                 # L4, 4 heads, d128, T128, batch 8, V4096, fp32
     python bench/bench_step_vs_plain.py --compile       # also: first-step compile time, steady state
 
-nanomega: the trainer's own pieces (compose.build: the dense GPT with --attention, ZeroEngine stage 0 on a
-world of one, forward_backward + engine.step with clip 1.0). Plain: a nanoGPT-style model (nn.Linear,
-F.scaled_dot_product_attention(is_causal=True), tied head), loss.backward(), clip_grad_norm_(1.0),
-torch.optim.AdamW. The two alternate step by step at each thread count, so a load from other processes
-falls on both alike; the table gives the median and minimum step times, their ratios, and the median of
-the ratios of adjacent pairs (robust to a load that changes during the run).
+nanomega: the trainer's own pieces (compose.build: the dense GPT with --attention, ZeroEngine stage
+0 on a world of one, forward_backward + engine.step with clip 1.0). Plain: a nanoGPT-style model
+(nn.Linear, F.scaled_dot_product_attention(is_causal=True), tied head), loss.backward(),
+clip_grad_norm_(1.0), torch.optim.AdamW. The two alternate step by step at each thread count, so a
+load from other processes falls on both alike; the table gives the median and minimum step times,
+their ratios, and the median of the ratios of adjacent pairs (robust to a load that changes during
+the run).
 """
+
 import argparse
 import math
 import os
@@ -36,7 +38,11 @@ class PlainBlock(nn.Module):
 
     def forward(self, x):
         b, s, h = x.shape
-        q, k, v = self.c_attn(self.ln_1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = (
+            self.c_attn(self.ln_1(x))
+            .view(b, s, 3, self.heads, h // self.heads)
+            .permute(2, 0, 3, 1, 4)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
         x = x + self.c_proj(y)
         return x + self.proj(F.gelu(self.fc(self.ln_2(x)), approximate="tanh"))
@@ -50,7 +56,9 @@ class PlainGPT(nn.Module):
         self.ln_f = nn.LayerNorm(h)
         for p in self.parameters():
             if p.dim() >= 2:
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * layers) if p.shape[0] != vocab else 0.02)
+                nn.init.normal_(
+                    p, std=0.02 / math.sqrt(2 * layers) if p.shape[0] != vocab else 0.02
+                )
 
     def forward(self, idx, targets):
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
@@ -67,8 +75,22 @@ def main():
     p.add_argument("--attention", default="sdpa")
     p.add_argument("--compile", action="store_true")
     a = p.parse_args()
-    shape = ["--n-layer", "4", "--n-head", "4", "--n-embd", "128", "--block-size", "128", "--batch-size", "8",
-             "--dropout", "0", "--attention", a.attention] + (["--compile"] if a.compile else [])
+    shape = [
+        "--n-layer",
+        "4",
+        "--n-head",
+        "4",
+        "--n-embd",
+        "128",
+        "--block-size",
+        "128",
+        "--batch-size",
+        "8",
+        "--dropout",
+        "0",
+        "--attention",
+        a.attention,
+    ] + (["--compile"] if a.compile else [])
     args = flags.parse(shape)
     dist.init("cpu")
     grid = dist.Grid(1, 1, 1)
@@ -91,15 +113,20 @@ def main():
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for name, fn in (("nanomega", nano_step), ("plain", plain_step)):  # first steps (and compiles) apart
+    # first steps (and compiles) apart
+    for name, fn in (("nanomega", nano_step), ("plain", plain_step)):
         t0 = time.perf_counter()
         fn()
         print(f"{name}: first step {time.perf_counter() - t0:.2f} s")
-    print(f"CPU: {cpu_name()}, torch {torch.__version__}, nanomega {n_params / 1e6:.2f}M params, "
-          f"plain {sum(q.numel() for q in plain.parameters()) / 1e6:.2f}M; attention {a.attention}"
-          f"{', compiled blocks' if a.compile else ''}")
-    print("| threads | nanomega median | plain median | ratio (median) | ratio (paired) | nanomega min | plain min | "
-          "ratio (min) |")
+    print(
+        f"CPU: {cpu_name()}, torch {torch.__version__}, nanomega {n_params / 1e6:.2f}M params, "
+        f"plain {sum(q.numel() for q in plain.parameters()) / 1e6:.2f}M; attention {a.attention}"
+        f"{', compiled blocks' if a.compile else ''}"
+    )
+    print(
+        "| threads | nanomega median | plain median | ratio (median) | ratio (paired) | nanomega min | plain min | "
+        "ratio (min) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for threads in map(int, a.threads.split(",")):
         torch.set_num_threads(threads)
@@ -114,11 +141,15 @@ def main():
                 times[name].append(time.perf_counter() - t0)
         med = {k: statistics.median(v) for k, v in times.items()}
         low = {k: min(v) for k, v in times.items()}
-        # each step against the plain step right after it: a load that drifts over the run falls on both alike
+        # each step against the plain step right after it: a load that drifts over the run falls on
+        # both alike
         paired = statistics.median(a / b for a, b in zip(times["nanomega"], times["plain"]))
-        print(f"| {threads} | {1e3 * med['nanomega']:.1f} ms | {1e3 * med['plain']:.1f} ms | "
-              f"{med['nanomega'] / med['plain']:.3f} | {paired:.3f} | {1e3 * low['nanomega']:.1f} ms | "
-              f"{1e3 * low['plain']:.1f} ms | {low['nanomega'] / low['plain']:.3f} |", flush=True)
+        print(
+            f"| {threads} | {1e3 * med['nanomega']:.1f} ms | {1e3 * med['plain']:.1f} ms | "
+            f"{med['nanomega'] / med['plain']:.3f} | {paired:.3f} | {1e3 * low['nanomega']:.1f} ms | "
+            f"{1e3 * low['plain']:.1f} ms | {low['nanomega'] / low['plain']:.3f} |",
+            flush=True,
+        )
 
 
 def cpu_name():

@@ -1,10 +1,12 @@
-"""What a local world costs to start: nanomega.worlds.launch (ranks forked from a forkserver that imported
-torch and nanomega once) vs a spawned interpreter per rank (what launch did before), for an empty function.
+"""What a local world costs to start: nanomega.worlds.launch (ranks forked from a forkserver that
+imported torch and nanomega once) vs a spawned interpreter per rank (what launch did before), for an
+empty function.
 
     python bench/bench_worlds.py --world 4 --repeats 5      # bench/RESULTS.md
-Each row: seconds from the call to every rank's result, rank processes joined. The first forkserver call
-includes starting the server (its imports); the rest reuse it, as the suite's worlds do.
+Each row: seconds from the call to every rank's result, rank processes joined. The first forkserver
+call includes starting the server (its imports); the rest reuse it, as the suite's worlds do.
 """
+
 import argparse
 import os
 import sys
@@ -22,18 +24,25 @@ def rank_of_world():
 
 def _spawned(rank, world, port, queue):
     """The old way: a fresh interpreter imports torch and nanomega, then joins the group."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
     from nanomega import dist
+
     dist.init(device="cpu", timeout_s=120)
     queue.put(rank)
     import torch.distributed
+
     torch.distributed.destroy_process_group()
 
 
 def spawn_world(world):
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), worlds.free_port()
-    procs = [ctx.Process(target=_spawned, args=(r, world, port, queue), daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(target=_spawned, args=(r, world, port, queue), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     ranks = sorted(queue.get(timeout=300) for _ in procs)
@@ -57,7 +66,10 @@ def main():
     for i in range(args.repeats):
         s, ranks = timed(worlds.launch, rank_of_world, args.world)
         assert ranks == list(range(args.world))
-        print(f"worlds.launch (forkserver){' incl. server start' if i == 0 else ''}: {s:6.2f} s", flush=True)
+        print(
+            f"worlds.launch (forkserver){' incl. server start' if i == 0 else ''}: {s:6.2f} s",
+            flush=True,
+        )
     for _ in range(args.repeats):
         s, ranks = timed(spawn_world, args.world)
         assert ranks == list(range(args.world))

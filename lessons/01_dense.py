@@ -1,4 +1,6 @@
-"""Lesson 01 experiment: count the model's FLOPs with PyTorch, compare with 6N' + 12Lhs; loss at init; MFU."""
+"""Lesson 01 experiment: count the model's FLOPs with PyTorch, compare with 6N' + 12Lhs; loss at
+init; MFU."""
+
 import math
 import time
 
@@ -16,9 +18,14 @@ model = GPT(cfg)
 b, s = 4, cfg.block_size
 x, y = torch.randint(0, cfg.vocab_size, (b, s)), torch.randint(0, cfg.vocab_size, (b, s))
 
-# 1. parameters: 12 L h^2 + 13 L h per layer stack, V h tied embedding, s h positions, 2h final LayerNorm
+# 1. parameters: 12 L h^2 + 13 L h per layer stack, V h tied embedding, s h positions, 2h final
+# LayerNorm
 L, h, V = cfg.n_layer, cfg.n_embd, cfg.padded_vocab_size
-check("parameters", sum(p.numel() for p in model.parameters()), L * (12 * h * h + 13 * h) + V * h + s * h + 2 * h)
+check(
+    "parameters",
+    sum(p.numel() for p in model.parameters()),
+    L * (12 * h * h + 13 * h) + V * h + s * h + 2 * h,
+)
 
 # 2. FLOPs of one forward+backward, counted op by op by PyTorch (matmuls only), per token
 with FlopCounterMode(display=False) as counter:
@@ -41,5 +48,7 @@ for _ in range(5):
     opt.step()
     opt.zero_grad()
 tok_s = 5 * b * s / (time.perf_counter() - t0)
-print(f"measured: {tok_s:,.0f} tokens/s x {flops_per_token(cfg) / 1e6:.2f} MFLOP/token "
-      f"/ {peak / 1e9:.0f} GFLOP/s peak = MFU {100 * tok_s * flops_per_token(cfg) / peak:.0f}%")
+print(
+    f"measured: {tok_s:,.0f} tokens/s x {flops_per_token(cfg) / 1e6:.2f} MFLOP/token "
+    f"/ {peak / 1e9:.0f} GFLOP/s peak = MFU {100 * tok_s * flops_per_token(cfg) / peak:.0f}%"
+)

@@ -1,5 +1,6 @@
 """Lesson 05: pipeline parallelism. The bubble on a unit clock (exact), then a real 4-stage CPU run:
 wall-clock timelines of GPipe and 1F1B, and the activation memory each schedule holds per stage."""
+
 import torch
 
 from check import check
@@ -8,24 +9,35 @@ from nanomega.model import GPT, GPTConfig
 from nanomega.schedules import Trace, bubble_fraction, draw_timeline, simulate
 
 P, M, V = 4, 8, 2
-CFG = GPTConfig(vocab_size=256, block_size=64, n_layer=8, n_head=4, n_embd=256)  # 2 blocks per stage
+# 2 blocks per stage
+CFG = GPTConfig(vocab_size=256, block_size=64, n_layer=8, n_head=4, n_embd=256)
 MB, SEQ = 4, 64
 
 
 def stage_run(m):
-    """This rank's stage: one warm-up step, then GPipe and 1F1B steps with wall-clock traces and the memory
-    they held (saved activations, and sent outputs with and without the deallocate trick)."""
+    """This rank's stage: one warm-up step, then GPipe and 1F1B steps with wall-clock traces and the
+    memory they held (saved activations, and sent outputs with and without the deallocate trick)."""
     grid = dist.Grid(1, P, 1)
     torch.manual_seed(0)
     model = pp.build_stage(GPT(CFG), grid)
     g = torch.Generator().manual_seed(0)
-    batches = [tuple(torch.randint(0, CFG.vocab_size, (MB, SEQ), generator=g) for _ in range(2)) for _ in range(m)]
+    batches = [
+        tuple(torch.randint(0, CFG.vocab_size, (MB, SEQ), generator=g) for _ in range(2))
+        for _ in range(m)
+    ]
     pp.train_step(model, grid, batches, "1f1b")  # warm-up
     out = {}
-    for schedule, mm, deallocate in (("gpipe", m, True), ("1f1b", m, True), ("gpipe", 1, True), ("1f1b", m, False)):
+    for schedule, mm, deallocate in (
+        ("gpipe", m, True),
+        ("1f1b", m, True),
+        ("gpipe", 1, True),
+        ("1f1b", m, False),
+    ):
         trace = Trace(grid.pp_rank)
         with recompute.ActivationMeter(model) as meter:
-            loss = pp.train_step(model, grid, batches[:mm], schedule, trace=trace, deallocate=deallocate)
+            loss = pp.train_step(
+                model, grid, batches[:mm], schedule, trace=trace, deallocate=deallocate
+            )
         out[(schedule, mm, deallocate)] = dict(trace=trace, saved=meter.peak, loss=loss)
     return out
 
@@ -38,11 +50,18 @@ if __name__ == "__main__":
         print(draw_timeline(traces))
         idle = bubble_fraction(traces)
         check(f"{schedule} bubble, unit clock", idle, (P - 1) / (v * M + P - 1), rtol=1e-9)
-        # Narayanan et al. quote the bubble against the ideal time m (F + B) instead: (p-1)/(v m) extra time
-        check(f"{schedule} bubble as extra time over the ideal, (p-1)/(v m)", idle / (1 - idle), (P - 1) / (v * M),
-              rtol=1e-9)
+        # Narayanan et al. quote the bubble against the ideal time m (F + B) instead: (p-1)/(v m)
+        # extra time
+        check(
+            f"{schedule} bubble as extra time over the ideal, (p-1)/(v m)",
+            idle / (1 - idle),
+            (P - 1) / (v * M),
+            rtol=1e-9,
+        )
 
-    print(f"\n--- real run: 4 gloo ranks on this CPU, {CFG.n_layer} blocks h={CFG.n_embd}, micro-batch {MB}x{SEQ} ---")
+    print(
+        f"\n--- real run: 4 gloo ranks on this CPU, {CFG.n_layer} blocks h={CFG.n_embd}, micro-batch {MB}x{SEQ} ---"
+    )
     results = worlds.launch(stage_run, P, M, timeout=600)
     act = MB * SEQ * CFG.n_embd * 4  # one stage output (mb, s, h) in fp32
     for schedule in ("gpipe", "1f1b"):
@@ -50,18 +69,38 @@ if __name__ == "__main__":
         print(f"{schedule}, wall clock (loss {runs[0]['loss']:.4f}):")
         print(draw_timeline([run["trace"] for run in runs], width=110))
         idle = bubble_fraction([run["trace"] for run in runs])
-        print(f"{schedule}: measured bubble {idle:.3f} of the step (formula (p-1)/(m+p-1) {(P - 1) / (M + P - 1):.3f}), "
-              f"{idle / (1 - idle):.3f} extra over the ideal (formula (p-1)/m {(P - 1) / M:.3f})")
-    print("\n--- activation memory per stage: bytes autograd saved (ActivationMeter), peak over the step ---")
+        print(
+            f"{schedule}: measured bubble {idle:.3f} of the step (formula (p-1)/(m+p-1) {(P - 1) / (M + P - 1):.3f}), "
+            f"{idle / (1 - idle):.3f} extra over the ideal (formula (p-1)/m {(P - 1) / M:.3f})"
+        )
+    print(
+        "\n--- activation memory per stage: bytes autograd saved (ActivationMeter), peak over the step ---"
+    )
     for rank, r in enumerate(results):
         one = r[("gpipe", 1, True)]["saved"]  # one micro-batch's saved activations on this stage
-        check(f"stage {rank} gpipe peak saved = m x one micro-batch", r[("gpipe", M, True)]["saved"], M * one,
-              unit=" B")
-        check(f"stage {rank} 1f1b peak saved = min(m, p - rank) x one micro-batch",
-              r[("1f1b", M, True)]["saved"], min(M, P - rank) * one, unit=" B")
+        check(
+            f"stage {rank} gpipe peak saved = m x one micro-batch",
+            r[("gpipe", M, True)]["saved"],
+            M * one,
+            unit=" B",
+        )
+        check(
+            f"stage {rank} 1f1b peak saved = min(m, p - rank) x one micro-batch",
+            r[("1f1b", M, True)]["saved"],
+            min(M, P - rank) * one,
+            unit=" B",
+        )
     print("\n--- sent stage outputs still held (1F1B): the deallocate trick ---")
     for rank, r in enumerate(results):
-        check(f"stage {rank} held outputs, deallocated", r[("1f1b", M, True)]["trace"].peak_output_bytes, 0,
-              unit=" B")
-        check(f"stage {rank} held outputs, kept", r[("1f1b", M, False)]["trace"].peak_output_bytes,
-              0 if rank == P - 1 else (P - rank) * act, unit=" B")
+        check(
+            f"stage {rank} held outputs, deallocated",
+            r[("1f1b", M, True)]["trace"].peak_output_bytes,
+            0,
+            unit=" B",
+        )
+        check(
+            f"stage {rank} held outputs, kept",
+            r[("1f1b", M, False)]["trace"].peak_output_bytes,
+            0 if rank == P - 1 else (P - rank) * act,
+            unit=" B",
+        )

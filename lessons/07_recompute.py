@@ -1,6 +1,8 @@
-"""Lesson 07 experiment: bytes autograd saves per layer with no, selective and full recompute (counted with
-saved_tensors_hooks) next to sbh(34 + 5as/h), and the FLOPs each mode adds (FlopCounterMode).
+"""Lesson 07 experiment: bytes autograd saves per layer with no, selective and full recompute
+(counted with saved_tensors_hooks) next to sbh(34 + 5as/h), and the FLOPs each mode adds
+(FlopCounterMode).
 Step times and peak memory: bench/bench_precision_recompute.py."""
+
 import copy
 
 import torch
@@ -25,15 +27,23 @@ for mode in MODES:
     paper = activation_bytes_per_layer(s, b, h, a, recompute=mode)
     print(f"paper, {mode:>9}: {paper:>10,.0f} bytes per layer = {paper / sbh:g} sbh")
 
-# 2. measured per layer, bf16 model on CPU: masks are kept in bf16 (2 B), the softmax output in fp32 (4 B)
+# 2. measured per layer, bf16 model on CPU: masks are kept in bf16 (2 B), the softmax output in fp32
+# (4 B)
 model = cast_model(copy.deepcopy(base), torch.bfloat16)
 for mode in MODES:
     apply_recompute(model, mode)
     measured = saved_bytes_per_layer(model, lambda: model(x, x))["0"]
-    check(f"bf16 saved bytes per layer, {mode}", measured,
-          activation_bytes_per_layer(s, b, h, a, recompute=mode, act=2, mask=2, probs=4), rtol=0.1)
+    check(
+        f"bf16 saved bytes per layer, {mode}",
+        measured,
+        activation_bytes_per_layer(s, b, h, a, recompute=mode, act=2, mask=2, probs=4),
+        rtol=0.1,
+    )
 apply_recompute(model, "full", 1)  # only the first layer
-print("full recompute of the first 1 layer, per layer:", saved_bytes_per_layer(model, lambda: model(x, x)))
+print(
+    "full recompute of the first 1 layer, per layer:",
+    saved_bytes_per_layer(model, lambda: model(x, x)),
+)
 
 # 3. the compute price in matmul FLOPs of one step: forward 24bsh^2 + 4bs^2h per layer, backward 2x
 fwd = 24 * b * s * h * h + 4 * b * s * s * h

@@ -1,11 +1,14 @@
-"""Lesson 19: profiling one training step -- torch.profiler's trace of compute and communication, and its memory view.
+"""Lesson 19: profiling one training step -- torch.profiler's trace of compute and communication,
+and its memory view.
 
-One data-parallel step (2 gloo ranks: forward, backward, the gradient all-reduce, AdamW) under torch.profiler on
-the CPU. The top ops by time are printed (they depend on the CPU); the checks are what does not: the matmul FLOPs
-the profiler counts against the formula, the all-reduce it records against the calls made, and the bytes its
-memory view shows for the attention's batched matmuls -- the s x s scores included.
+One data-parallel step (2 gloo ranks: forward, backward, the gradient all-reduce, AdamW) under
+torch.profiler on the CPU. The top ops by time are printed (they depend on the CPU); the checks are
+what does not: the matmul FLOPs the profiler counts against the formula, the all-reduce it records
+against the calls made, and the bytes its memory view shows for the attention's batched matmuls --
+the s x s scores included.
 Run from the repository root: python lessons/19_profiling.py
 """
+
 import os
 import sys
 import tempfile
@@ -18,8 +21,11 @@ from check import check  # noqa: E402
 from nanomega import dist, worlds  # noqa: E402
 from nanomega.model import GPT, GPTConfig  # noqa: E402
 
-V, S, L, A, H, B = 512, 64, 2, 4, 128, 4  # vocabulary, sequence, layers, heads, hidden, micro-batch per rank
-CFG = GPTConfig(vocab_size=V, block_size=S, n_layer=L, n_head=A, n_embd=H, dropout=0.0, attention="eager")
+# vocabulary, sequence, layers, heads, hidden, micro-batch per rank
+V, S, L, A, H, B = 512, 64, 2, 4, 128, 4
+CFG = GPTConfig(
+    vocab_size=V, block_size=S, n_layer=L, n_head=A, n_embd=H, dropout=0.0, attention="eager"
+)
 
 
 def step(model, opt, grid, x):
@@ -29,11 +35,12 @@ def step(model, opt, grid, x):
     with record_function("backward"):
         loss.backward()
     with record_function("gradient all-reduce"):
-        flat = torch.cat([p.grad.flatten() for p in model.parameters()])  # one bucket: one all-reduce
+        # one bucket: one all-reduce
+        flat = torch.cat([p.grad.flatten() for p in model.parameters()])
         grid.dp.all_reduce(flat)
         offset = 0
         for p in model.parameters():
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p) / grid.dp.size)
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p) / grid.dp.size)
             offset += p.numel()
     with record_function("optimizer"):
         opt.step()
@@ -46,20 +53,29 @@ def profiled(trace_dir):
     model = GPT(CFG)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(grid.rank))
-    step(model, opt, grid, x)  # warm-up: the first step allocates the optimizer state and the buffers
-    with profile(activities=[ProfilerActivity.CPU], with_flops=True, profile_memory=True, record_shapes=True) as prof:
+    # warm-up: the first step allocates the optimizer state and the buffers
+    step(model, opt, grid, x)
+    with profile(
+        activities=[ProfilerActivity.CPU], with_flops=True, profile_memory=True, record_shapes=True
+    ) as prof:
         step(model, opt, grid, x)
     events = prof.key_averages()
     if grid.rank == 0:
         prof.export_chrome_trace(os.path.join(trace_dir, "step_rank0.json"))
     by = {e.key: e for e in events}
-    collectives = by["c10d::allreduce_"].count if "c10d::allreduce_" in by else 0  # torch's op for every backend
+    # torch's op for every backend
+    collectives = by["c10d::allreduce_"].count if "c10d::allreduce_" in by else 0
     return dict(
         table=events.table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=28),
         flops=sum(by[k].flops for k in ("aten::mm", "aten::addmm", "aten::bmm") if k in by),
-        bmm_bytes=by["aten::bmm"].self_cpu_memory_usage, collectives=collectives,
+        bmm_bytes=by["aten::bmm"].self_cpu_memory_usage,
+        collectives=collectives,
         backend=by["gloo:all_reduce"].count if "gloo:all_reduce" in by else 0,
-        phases={k: by[k].cpu_time_total / 1e3 for k in ("forward", "backward", "gradient all-reduce", "optimizer")})
+        phases={
+            k: by[k].cpu_time_total / 1e3
+            for k in ("forward", "backward", "gradient all-reduce", "optimizer")
+        },
+    )
 
 
 if __name__ == "__main__":
@@ -68,14 +84,25 @@ if __name__ == "__main__":
     print("rank 0, one step, top ops by self CPU time (this CPU's; yours differ):")
     print(r["table"])
     print("phases, ms: " + ", ".join(f"{k} {v:.1f}" for k, v in r["phases"].items()))
-    print(f"trace: {trace_dir}/step_rank0.json (open in https://ui.perfetto.dev or chrome://tracing)")
-    n_matrices = L * 12 * H * H + V * H  # the weight matrices a matmul multiplies (the tied head once)
+    print(
+        f"trace: {trace_dir}/step_rank0.json (open in https://ui.perfetto.dev or chrome://tracing)"
+    )
+    # the weight matrices a matmul multiplies (the tied head once)
+    n_matrices = L * 12 * H * H + V * H
     tokens = B * S
-    check("profiler's matmul FLOPs (mm, addmm, bmm) = (6 N_matrices + 12 L h s) x tokens", r["flops"],
-          (6 * n_matrices + 12 * L * H * S) * tokens)
-    print(f"communication in the trace: c10d::allreduce_ x{r['collectives']} (the op) and gloo:all_reduce "
-          f"x{r['backend']} (the backend's work)")
+    check(
+        "profiler's matmul FLOPs (mm, addmm, bmm) = (6 N_matrices + 12 L h s) x tokens",
+        r["flops"],
+        (6 * n_matrices + 12 * L * H * S) * tokens,
+    )
+    print(
+        f"communication in the trace: c10d::allreduce_ x{r['collectives']} (the op) and gloo:all_reduce "
+        f"x{r['backend']} (the backend's work)"
+    )
     check("profiler's all-reduce calls in the step = 1 (one bucket)", r["collectives"], 1)
     hd = H // A
-    check("memory view: bytes aten::bmm allocates = L x 4 b a (2 s^2 + 4 s hd) (scores, P V and their gradients)",
-          r["bmm_bytes"], L * 4 * B * A * (2 * S * S + 4 * S * hd))
+    check(
+        "memory view: bytes aten::bmm allocates = L x 4 b a (2 s^2 + 4 s hd) (scores, P V and their gradients)",
+        r["bmm_bytes"],
+        L * 4 * B * A * (2 * S * S + 4 * S * hd),
+    )

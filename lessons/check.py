@@ -6,6 +6,7 @@ Run as a script, it grades exercises (lessons/grade.py, lessons/exercises/README
     python lessons/check.py --exercise tp-fg lessons/exercises/tp_fg.py
     python lessons/check.py --predict lessons/exercises/predictions.py
 """
+
 import atexit
 import os
 
@@ -19,12 +20,16 @@ def _fmt(v):
 
 
 def check(name, measured, formula, rtol=0.0, atol=0.0, unit="", labels=("measured", "formula")):
-    """`labels` name the two sides when they are not a measurement and a formula (a planner's value and a
-    paper's, a formula and a published figure): a printed label must say where the number came from."""
+    """`labels` name the two sides when they are not a measurement and a formula (a planner's value
+    and a paper's, a formula and a published figure): a printed label must say where the number came
+    from."""
     ok = abs(measured - formula) <= atol + rtol * abs(formula)
     tol = f" (rtol {rtol:g})" if rtol else (f" (atol {atol:g})" if atol else "")
-    print(f"check {name}: {labels[0]} {_fmt(measured)}{unit}, {labels[1]} {_fmt(formula)}{unit}{tol} -> "
-          f"{'OK' if ok else 'MISMATCH'}", flush=True)
+    print(
+        f"check {name}: {labels[0]} {_fmt(measured)}{unit}, {labels[1]} {_fmt(formula)}{unit}{tol} -> "
+        f"{'OK' if ok else 'MISMATCH'}",
+        flush=True,
+    )
     if not ok:
         _failed.append(name)
     return ok
@@ -41,4 +46,5 @@ if __name__ == "__main__":
     import sys
 
     import grade  # lessons/grade.py: this script's folder is on sys.path
+
     sys.exit(grade.main(sys.argv[1:]))

@@ -1,28 +1,34 @@
-"""The exercise grader behind `python lessons/check.py --exercise NAME FILE`: your function, our tests.
+"""The exercise grader behind `python lessons/check.py --exercise NAME FILE`: your function, our
+tests.
 
-Idea: a "re-implement this function" exercise names the functions of nanomega it replaces (its targets) and the
-existing tests that exercise them. The grader runs those tests in a fresh `python -m pytest` with your file
-substituted for ours, and prints PASS or FAIL per test: your version passes or fails the SAME tests as ours.
+Idea: a "re-implement this function" exercise names the functions of nanomega it replaces (its
+targets) and the existing tests that exercise them. The grader runs those tests in a fresh `python
+-m pytest` with your file substituted for ours, and prints PASS or FAIL per test: your version
+passes or fails the SAME tests as ours.
 
 How the substitution reaches every process. The tests of distributed code run in local worlds
-(nanomega.worlds.launch: each rank is forked from a forkserver, a new interpreter that imported nanomega once),
-and some run torchrun subprocesses, so patching the pytest process alone would grade our code in the ranks.
+(nanomega.worlds.launch: each rank is forked from a forkserver, a new interpreter that imported
+nanomega once), and some run torchrun subprocesses, so patching the pytest process alone would grade
+our code in the ranks.
 Instead the grader puts lessons/exercises/hook/ first on PYTHONPATH and names the substitution in
-$NANOMEGA_EXERCISE. Python imports `sitecustomize` at the start of EVERY interpreter, the forkserver (whose
-forked ranks inherit its modules) and torchrun's workers included (they inherit the environment), and
-hook/sitecustomize.py calls substitute_from_env() below before any test code runs. It imports the target
-module, swaps the attribute, and rebinds every reference to the old object already held by a loaded nanomega
-module (a `from x import f`, or a table such as schedules.SCHEDULES); modules imported later find the new
-object in its home module. If your file cannot be loaded, that interpreter prints why and exits with status
-3: never a silent fallback to our code.
-The verdicts come back through hook/nanomega_grade_report.py, a pytest plugin that writes each test's outcome
-and what it raised (a local rank's nanomega.worlds.RankFailed: its rank, type and message) as JSON lines;
-nothing is read from pytest's printed or XML wording, which changes between releases.
+$NANOMEGA_EXERCISE. Python imports `sitecustomize` at the start of EVERY interpreter, the forkserver
+(whose forked ranks inherit its modules) and torchrun's workers included (they inherit the
+environment), and hook/sitecustomize.py calls substitute_from_env() below before any test code runs.
+It imports the target module, swaps the attribute, and rebinds every reference to the old object
+already held by a loaded nanomega module (a `from x import f`, or a table such as
+schedules.SCHEDULES); modules imported later find the new object in its home module. If your file
+cannot be loaded, that interpreter prints why and exits with status 3: never a silent fallback to
+our code.
+The verdicts come back through hook/nanomega_grade_report.py, a pytest plugin that writes each
+test's outcome and what it raised (a local rank's nanomega.worlds.RankFailed: its rank, type and
+message) as JSON lines; nothing is read from pytest's printed or XML wording, which changes between
+releases.
 
-The "predict the number" exercises are in lessons/predict.py: a number you write down, then the experiment
-that measures it, printed next to it.
+The "predict the number" exercises are in lessons/predict.py: a number you write down, then the
+experiment that measures it, printed next to it.
 Lesson: lessons/exercises/README.md
 """
+
 import dataclasses
 import functools
 import importlib
@@ -44,34 +50,61 @@ REPORT = "NANOMEGA_GRADE_REPORT"  # where the grader's pytest plugin writes its 
 @dataclasses.dataclass(frozen=True)
 class Exercise:
     lesson: str
-    targets: tuple  # "module:attribute" or "module:Class.method": what your file's same-named object replaces
-    tests: tuple    # pytest node ids (a prefix selects every parametrization)
-    quick: str      # one node id of them: a first try (--quick), and test_exercises' check that a starter fails
+    # "module:attribute" or "module:Class.method": what your file's same-named object replaces
+    targets: tuple
+    tests: tuple  # pytest node ids (a prefix selects every parametrization)
+    # one node id of them: a first try (--quick), and test_exercises' check that a starter fails
+    quick: str
     what: str
 
 
 EXERCISES = {
-    "tp-fg": Exercise("03", ("nanomega.tp:CopyToTensorParallel", "nanomega.tp:ReduceFromTensorParallel"),
-                      ("tests/test_tp.py::test_layers_match_dense",
-                       "tests/test_tp.py::test_gpt_matches_dense_after_adamw_steps"),
-                      "tests/test_tp.py::test_layers_match_dense[tp-2]",
-                      "Megatron's f and g: the autograd pair around a column- and a row-parallel linear"),
-    "vocab-ce": Exercise("03", ("nanomega.tp_loss:vocab_parallel_cross_entropy",),
-                         ("tests/test_tp.py::test_layers_match_dense",
-                          "tests/test_tp.py::test_gpt_matches_dense_after_adamw_steps"),
-                         "tests/test_tp.py::test_layers_match_dense[tp-2]",
-                         "the cross-entropy of vocabulary-split logits, no rank holding all of them"),
-    "1f1b": Exercise("05", ("nanomega.schedules:one_f_one_b",),
-                     ("tests/test_pp.py::test_op_orders_literal", "tests/test_pp.py::test_op_orders_many",
-                      "tests/test_pp.py::test_unit_clock_bubble_equals_formula"),
-                     "tests/test_pp.py::test_op_orders_literal",
-                     "the 1F1B schedule: warm-up, steady state, cool-down"),
-    "flat": Exercise("02", ("nanomega.flat:FlatGroup.flatten", "nanomega.flat:FlatGroup.views",
-                            "nanomega.flat:FlatGroup.pieces", "nanomega.flat:split_by_size"),
-                     ("tests/test_zero.py::test_two_ranks_equal_single_process_bitwise",
-                      "tests/test_zero.py::test_fp32_gradients_accumulate_in_the_buffer"),
-                     "tests/test_zero.py::test_two_ranks_equal_single_process_bitwise[gpt-1]",
-                     "ZeRO's flat buffers: lay parameters end to end, view them back, find this rank's pieces"),
+    "tp-fg": Exercise(
+        "03",
+        ("nanomega.tp:CopyToTensorParallel", "nanomega.tp:ReduceFromTensorParallel"),
+        (
+            "tests/test_tp.py::test_layers_match_dense",
+            "tests/test_tp.py::test_gpt_matches_dense_after_adamw_steps",
+        ),
+        "tests/test_tp.py::test_layers_match_dense[tp-2]",
+        "Megatron's f and g: the autograd pair around a column- and a row-parallel linear",
+    ),
+    "vocab-ce": Exercise(
+        "03",
+        ("nanomega.tp_loss:vocab_parallel_cross_entropy",),
+        (
+            "tests/test_tp.py::test_layers_match_dense",
+            "tests/test_tp.py::test_gpt_matches_dense_after_adamw_steps",
+        ),
+        "tests/test_tp.py::test_layers_match_dense[tp-2]",
+        "the cross-entropy of vocabulary-split logits, no rank holding all of them",
+    ),
+    "1f1b": Exercise(
+        "05",
+        ("nanomega.schedules:one_f_one_b",),
+        (
+            "tests/test_pp.py::test_op_orders_literal",
+            "tests/test_pp.py::test_op_orders_many",
+            "tests/test_pp.py::test_unit_clock_bubble_equals_formula",
+        ),
+        "tests/test_pp.py::test_op_orders_literal",
+        "the 1F1B schedule: warm-up, steady state, cool-down",
+    ),
+    "flat": Exercise(
+        "02",
+        (
+            "nanomega.flat:FlatGroup.flatten",
+            "nanomega.flat:FlatGroup.views",
+            "nanomega.flat:FlatGroup.pieces",
+            "nanomega.flat:split_by_size",
+        ),
+        (
+            "tests/test_zero.py::test_two_ranks_equal_single_process_bitwise",
+            "tests/test_zero.py::test_fp32_gradients_accumulate_in_the_buffer",
+        ),
+        "tests/test_zero.py::test_two_ranks_equal_single_process_bitwise[gpt-1]",
+        "ZeRO's flat buffers: lay parameters end to end, view them back, find this rank's pieces",
+    ),
 }
 
 
@@ -94,7 +127,8 @@ def load_file(path, module_name):
 
 
 def _rebind(old, new):
-    """Every loaded nanomega module's global, or module-level dict value, that is `old` now points at `new`."""
+    """Every loaded nanomega module's global, or module-level dict value, that is `old` now points
+    at `new`."""
     for name, module in list(sys.modules.items()):
         if not (name == "nanomega" or name.startswith("nanomega.")):
             continue
@@ -108,7 +142,8 @@ def _rebind(old, new):
 
 
 def substitute(name, path):
-    """Replace, in this process, each target of exercise `name` by the same-named object of the file at path."""
+    """Replace, in this process, each target of exercise `name` by the same-named object of the file
+    at path."""
     student = load_file(path, f"student_{name.replace('-', '_')}")
     for target in exercise(name).targets:
         module_name, qualname = target.split(":")
@@ -128,21 +163,25 @@ def substitute_from_env():
 
 
 def check_file(name, path):
-    """Load the student's file here first: a syntax error or a missing name is one line, before any test runs."""
+    """Load the student's file here first: a syntax error or a missing name is one line, before any
+    test runs."""
     student = load_file(path, f"check_{name.replace('-', '_')}")
     for target in exercise(name).targets:
         attr = target.rsplit(".", 1)[-1].split(":")[-1]
         if not hasattr(student, attr):
-            raise ValueError(f"{path} defines no {attr!r}: exercise {name} replaces {target}; keep the starter's names")
+            raise ValueError(
+                f"{path} defines no {attr!r}: exercise {name} replaces {target}; keep the starter's names"
+            )
 
 
 def grade(pairs, quiet=False, first_failure=False, quick=False):
-    """Run the tests of every (exercise, file) pair in one pytest with all substitutions made; print PASS or FAIL
-    per test and per exercise. Returns {exercise: passed}. Several pairs share one run (and one spawned world
-    per test module): for solutions that all pass; a failure there cannot be told apart, so grade a new
-    attempt alone. first_failure: stop at the first failing test (pytest -x; a world that fails is otherwise
-    spawned again for each test that uses it). quick: only each exercise's `quick` test. Exercises whose tests
-    lie in different test modules can share a run even when failing: each starter's message names its exercise."""
+    """Run the tests of every (exercise, file) pair in one pytest with all substitutions made; print
+    PASS or FAIL per test and per exercise. Returns {exercise: passed}. Several pairs share one run
+    (and one spawned world per test module): for solutions that all pass; a failure there cannot be
+    told apart, so grade a new attempt alone. first_failure: stop at the first failing test (pytest
+    -x; a world that fails is otherwise spawned again for each test that uses it). quick: only each
+    exercise's `quick` test. Exercises whose tests lie in different test modules can share a run
+    even when failing: each starter's message names its exercise."""
     pairs = [(name, str(Path(path).resolve())) for name, path in pairs]
     tests = []
     for name, path in pairs:
@@ -150,17 +189,37 @@ def grade(pairs, quiet=False, first_failure=False, quick=False):
         mine = (exercise(name).quick,) if quick else exercise(name).tests
         tests += [t for t in mine if t not in tests]
     env = dict(os.environ, **{ENV: json.dumps(pairs)})
-    env["PYTHONPATH"] = os.pathsep.join([str(HOOK), str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(HOOK), str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p]
+    )
     env.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.jsonl"  # written by hook/nanomega_grade_report.py, one line per test phase
+        # written by hook/nanomega_grade_report.py, one line per test phase
+        report = Path(tmp) / "report.jsonl"
         env[REPORT] = str(report)
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               "-p", "nanomega_grade_report", *(["-x"] if first_failure else []), *tests],
-                              cwd=ROOT, env=env, capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-p",
+                "nanomega_grade_report",
+                *(["-x"] if first_failure else []),
+                *tests,
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         results = read_report(report) if report.exists() else {}
     if not results:
-        print(f"grader: no test ran (pytest exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+        print(
+            f"grader: no test ran (pytest exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}"
+        )
     verdict = {}
     for name, _ in pairs:
         wanted = (exercise(name).quick,) if quick else exercise(name).tests
@@ -170,15 +229,18 @@ def grade(pairs, quiet=False, first_failure=False, quick=False):
                 print(f"{status} {test}" + (f"  ({why})" if why else ""))
         ok = bool(mine) and all(status == "PASS" for status, _ in mine.values())
         verdict[name] = ok
-        print(f"exercise {name}: {sum(s == 'PASS' for s, _ in mine.values())}/{len(mine)} tests pass -> "
-              f"{'PASS' if ok else 'FAIL'}", flush=True)
+        print(
+            f"exercise {name}: {sum(s == 'PASS' for s, _ in mine.values())}/{len(mine)} tests pass -> "
+            f"{'PASS' if ok else 'FAIL'}",
+            flush=True,
+        )
     return verdict
 
 
 def read_report(path):
-    """{node id: (PASS | FAIL | SKIP, the reason)} from the grader plugin's lines: a test fails when any of its
-    phases failed (setup, call or teardown; the first failure's reason), is skipped when one was skipped (a
-    skipped test graded nothing: not a pass), and passes otherwise."""
+    """{node id: (PASS | FAIL | SKIP, the reason)} from the grader plugin's lines: a test fails when
+    any of its phases failed (setup, call or teardown; the first failure's reason), is skipped when
+    one was skipped (a skipped test graded nothing: not a pass), and passes otherwise."""
     out = {}
     for line in path.read_text().splitlines():
         phase = json.loads(line)
@@ -194,12 +256,27 @@ def read_report(path):
 
 def main(argv):
     import argparse
-    parser = argparse.ArgumentParser(prog="python lessons/check.py",
-                                     description="Grade an exercise: your file plugged into our tests.")
-    parser.add_argument("--exercise", nargs=2, action="append", metavar=("NAME", "FILE"), default=[],
-                        help="an exercise and your file (repeat to grade several in one run)")
-    parser.add_argument("--predict", metavar="FILE", help="your predictions (lessons/exercises/predictions.py's form)")
-    parser.add_argument("-x", "--first-failure", action="store_true", help="stop at the first failing test")
+
+    parser = argparse.ArgumentParser(
+        prog="python lessons/check.py",
+        description="Grade an exercise: your file plugged into our tests.",
+    )
+    parser.add_argument(
+        "--exercise",
+        nargs=2,
+        action="append",
+        metavar=("NAME", "FILE"),
+        default=[],
+        help="an exercise and your file (repeat to grade several in one run)",
+    )
+    parser.add_argument(
+        "--predict",
+        metavar="FILE",
+        help="your predictions (lessons/exercises/predictions.py's form)",
+    )
+    parser.add_argument(
+        "-x", "--first-failure", action="store_true", help="stop at the first failing test"
+    )
     parser.add_argument("--quick", action="store_true", help="only the first test of each exercise")
     parser.add_argument("--list", action="store_true", help="list the exercises")
     args = parser.parse_args(argv)
@@ -210,10 +287,13 @@ def main(argv):
     ok = True
     try:
         if args.exercise:
-            ok = all(grade(args.exercise, first_failure=args.first_failure, quick=args.quick).values())
+            ok = all(
+                grade(args.exercise, first_failure=args.first_failure, quick=args.quick).values()
+            )
         if args.predict:
             sys.path.insert(0, str(LESSONS))
             import predict  # lessons/predict.py
+
             ok = predict.grade(args.predict) and ok
     except ValueError as error:  # a wrong name or file: one line, no traceback
         print(f"error: {error}")

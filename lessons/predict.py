@@ -1,13 +1,15 @@
 """The "predict the number, then run" exercises: `python lessons/check.py --predict FILE`.
 
-Idea: write a number down before you measure it. FILE (a copy of lessons/exercises/predictions.py) holds
-PREDICTIONS = {name: your number or None}; for each number given, the grader runs the experiment below that
-measures it and prints your prediction next to the measurement: RIGHT within RTOL (1%: a prediction is a
-formula, not a guess of the rounding), else WRONG. The questions are in lessons/exercises/predictions.py; the
-experiments only need what the lessons teach, on a model small enough to run in seconds: the GPT below
-(vocabulary 256, context 16, 2 layers, 4 heads, width 32, tied embedding) and 2 spawned CPU ranks.
+Idea: write a number down before you measure it. FILE (a copy of lessons/exercises/predictions.py)
+holds PREDICTIONS = {name: your number or None}; for each number given, the grader runs the
+experiment below that measures it and prints your prediction next to the measurement: RIGHT within
+RTOL (1%: a prediction is a formula, not a guess of the rounding), else WRONG. The questions are in
+lessons/exercises/predictions.py; the experiments only need what the lessons teach, on a model small
+enough to run in seconds: the GPT below (vocabulary 256, context 16, 2 layers, 4 heads, width 32,
+tied embedding) and 2 spawned CPU ranks.
 Lesson: lessons/exercises/README.md
 """
+
 import math
 import sys
 from pathlib import Path
@@ -18,7 +20,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from nanomega import dist, schedules, tp, worlds
 from nanomega.model import GPT, GPTConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "minimal"))  # the minimal track, in the ranks too
+# the minimal track, in the ranks too
+sys.path.insert(0, str(Path(__file__).resolve().parent / "minimal"))
 import dp_naive  # noqa: E402
 import zero1  # noqa: E402
 
@@ -45,26 +48,34 @@ def bubble_1f1b():
 
 
 def in_flight(schedule):
-    def peak():  # micro-batches whose forward ran and backward did not, at most, on the first of 4 stages
+    # micro-batches whose forward ran and backward did not, at most, on the first of 4 stages
+    def peak():
         live = most = 0
         for op in schedules.ops_in_order(schedules.SCHEDULES[schedule](4, 0, 8)):
             live += 1 if op.kind == "F" else -1
             most = max(most, live)
         return most
+
     return peak
 
 
 def _world():
-    """One world of 2: plain DP's and ZeRO-1's bytes per parameter, and a tp=2 layer's forward bytes."""
+    """One world of 2: plain DP's and ZeRO-1's bytes per parameter, and a tp=2 layer's forward
+    bytes."""
     naive, zero = dp_naive.train(steps=1), zero1.train(steps=1)
     grid = dist.Grid(tp=2)
     torch.manual_seed(0)
-    block = tp.apply_tensor_parallel(GPT(GPTConfig(**CFG, make_vocab_size_divisible_by=256)), grid.tp).blocks["0"]
+    block = tp.apply_tensor_parallel(
+        GPT(GPTConfig(**CFG, make_vocab_size_divisible_by=256)), grid.tp
+    ).blocks["0"]
     grid.log.reset()
     block(torch.randn(2, 16, 32))
-    return {"dp-wire-bytes-per-param": (naive["bytes_per_step"] - 4) / naive["params"],  # less the loss's 4
-            "zero1-state-bytes-per-param": zero["state_bytes"] / zero["params"],
-            "tp-forward-wire-bytes": grid.log.wire_bytes("tp")}
+    # less the loss's 4
+    return {
+        "dp-wire-bytes-per-param": (naive["bytes_per_step"] - 4) / naive["params"],
+        "zero1-state-bytes-per-param": zero["state_bytes"] / zero["params"],
+        "tp-forward-wire-bytes": grid.log.wire_bytes("tp"),
+    }
 
 
 QUESTIONS = {  # name: (lesson, how it is measured)
@@ -80,11 +91,15 @@ QUESTIONS = {  # name: (lesson, how it is measured)
 
 
 def grade(path):
-    """Print each prediction next to its measurement; True when every question has a right answer."""
+    """Print each prediction next to its measurement; True when every question has a right
+    answer."""
     import grade as grader  # lessons/grade.py: loads a file by path
+
     given = getattr(grader.load_file(path, "student_predictions"), "PREDICTIONS", None)
     if not isinstance(given, dict) or set(given) - set(QUESTIONS):
-        raise ValueError(f"{path}: PREDICTIONS must be a dict with keys among {', '.join(QUESTIONS)}")
+        raise ValueError(
+            f"{path}: PREDICTIONS must be a dict with keys among {', '.join(QUESTIONS)}"
+        )
     answered = {k: v for k, v in given.items() if v is not None}
     world = worlds.launch(_world, 2)[0] if any(QUESTIONS[k][1] == "world" for k in answered) else {}
     right = 0
@@ -95,7 +110,10 @@ def grade(path):
         measured = world[name] if how == "world" else how()
         ok = math.isclose(measured, answered[name], rel_tol=RTOL)
         right += ok
-        print(f"predict {name} (lesson {lesson}): yours {answered[name]:.6g}, measured {measured:.6g} -> "
-              f"{'RIGHT' if ok else 'WRONG'}", flush=True)
+        print(
+            f"predict {name} (lesson {lesson}): yours {answered[name]:.6g}, measured {measured:.6g} -> "
+            f"{'RIGHT' if ok else 'WRONG'}",
+            flush=True,
+        )
     print(f"predictions: {right}/{len(QUESTIONS)} right")
     return right == len(QUESTIONS)

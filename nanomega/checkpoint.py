@@ -10,6 +10,7 @@ resharding on load is reshard.py.
 Formula: a job of N ranks, each failing with probability p per hour, survives an hour with (1-p)^N.
 Lesson: lessons/10-checkpoints-and-failures.md
 """
+
 import dataclasses
 import errno
 import json
@@ -49,6 +50,7 @@ def write_text(text):
     def write(tmp):
         with open(tmp, "w") as f:
             f.write(text)
+
     return write
 
 
@@ -84,10 +86,14 @@ def write_shard(out_dir, step, state, rank, wrap=None):
                 torch.save(state, wrap(f) if wrap else f)
         except (OSError, RuntimeError) as e:
             # torch's writer may report a full disk as "unexpected pos"
-            if getattr(e, "errno", None) == errno.ENOSPC or shutil.disk_usage(folder).free < 1 << 20:
+            if (
+                getattr(e, "errno", None) == errno.ENOSPC
+                or shutil.disk_usage(folder).free < 1 << 20
+            ):
                 raise OSError(errno.ENOSPC, "No space left on device", tmp) from e
             raise
         made.update(sha256=_sha256(tmp), size=os.path.getsize(tmp))
+
     replace_atomically(shard, write)
     made["pieces"] = _index(state)
     replace_atomically(shard[:-3] + ".json", write_text(json.dumps(made)))  # for the manifest
@@ -104,28 +110,47 @@ def write_manifest(out_dir, folder, step, cfg, grid, layout=None):
 
 
 def manifest_and_pointer(out_dir, folder, step, cfg, world, layout):
-    """Rank 0, once every shard is on disk: the manifest from the shards' .json files, then the pointer."""
+    """Rank 0, once every shard is on disk: the manifest from the shards' .json files, then the
+    pointer."""
     shards = sorted(f for f in os.listdir(folder) if f.startswith("rank_") and f.endswith(".pt"))
-    made = {f: json.load(open(os.path.join(folder, f[:-3] + ".json"))) for f in shards}  # write_shard's
-    manifest = dict(step=step, config=dataclasses.asdict(cfg), layout=layout or {}, world=world,
-                    shards={f: m["sha256"] for f, m in made.items()}, sizes={f: m["size"] for f, m in made.items()},
-                    pieces={f: m["pieces"] for f, m in made.items()})
-    replace_atomically(os.path.join(folder, "manifest.json"), write_text(json.dumps(manifest, indent=1)))
-    replace_atomically(os.path.join(out_dir, "ckpt", "latest"), write_text(os.path.basename(folder)))
+    # write_shard's
+    made = {f: json.load(open(os.path.join(folder, f[:-3] + ".json"))) for f in shards}
+    manifest = dict(
+        step=step,
+        config=dataclasses.asdict(cfg),
+        layout=layout or {},
+        world=world,
+        shards={f: m["sha256"] for f, m in made.items()},
+        sizes={f: m["size"] for f, m in made.items()},
+        pieces={f: m["pieces"] for f, m in made.items()},
+    )
+    replace_atomically(
+        os.path.join(folder, "manifest.json"), write_text(json.dumps(manifest, indent=1))
+    )
+    replace_atomically(
+        os.path.join(out_dir, "ckpt", "latest"), write_text(os.path.basename(folder))
+    )
 
 
 def step_folders(out_dir):
     """[(step, folder)] of OUT/ckpt/step_* newest first -- complete or not."""
     root = os.path.join(out_dir, "ckpt")
     names = os.listdir(root) if os.path.isdir(root) else []
-    steps = [(int(m.group(1)), os.path.join(root, n)) for n in names if (m := re.fullmatch(r"step_(\d+)", n))]
+    steps = [
+        (int(m.group(1)), os.path.join(root, n))
+        for n in names
+        if (m := re.fullmatch(r"step_(\d+)", n))
+    ]
     return sorted(steps, reverse=True)
 
 
 def latest(out_dir):
     """The newest folder holding a manifest (not verified), or None. The `latest` pointer is not
     trusted: a lost or stale pointer must never make a resume start from step 0."""
-    return next((f for _, f in step_folders(out_dir) if os.path.isfile(os.path.join(f, "manifest.json"))), None)
+    return next(
+        (f for _, f in step_folders(out_dir) if os.path.isfile(os.path.join(f, "manifest.json"))),
+        None,
+    )
 
 
 def read_manifest_json(folder):
@@ -136,7 +161,9 @@ def read_manifest_json(folder):
         manifest = json.loads(open(path).read())
         manifest["step"], manifest["world"], manifest["shards"], manifest["config"]
     except (ValueError, KeyError, TypeError) as e:
-        raise CorruptCheckpoint(f"{path} is empty, truncated or not a manifest ({type(e).__name__}: {e})")
+        raise CorruptCheckpoint(
+            f"{path} is empty, truncated or not a manifest ({type(e).__name__}: {e})"
+        ) from e
     return manifest
 
 
@@ -155,8 +182,10 @@ def saved_model(out_dir):
             skipped.append(f"{os.path.basename(folder)}: {e}")
             continue
         return folder, cfg, manifest.get("layout", {}).get("tokenizer", "shakespeare-4k"), skipped
-    raise FileNotFoundError(f"--out-dir {out_dir} holds no checkpoint that verifies"
-                            f"{' (' + '; '.join(skipped) + ')' if skipped else ''}; train first (nanomega/train.py)")
+    raise FileNotFoundError(
+        f"--out-dir {out_dir} holds no checkpoint that verifies"
+        f"{' (' + '; '.join(skipped) + ')' if skipped else ''}; train first (nanomega/train.py)"
+    )
 
 
 def read_manifest(folder, cfg, verify=None):
@@ -168,21 +197,31 @@ def read_manifest(folder, cfg, verify=None):
     saved = {**dataclasses.asdict(GPTConfig()), **saved}
     diff = [f"{k}={saved.get(k)} (now {want[k]})" for k in SHAPE_KEYS if saved.get(k) != want[k]]
     if diff:
-        raise ValueError(f"--resume: the checkpoint in {folder} is for another model shape: {', '.join(diff)}; "
-                         f"use the same model flags or another --out-dir")
+        raise ValueError(
+            f"--resume: the checkpoint in {folder} is for another model shape: {', '.join(diff)}; "
+            f"use the same model flags or another --out-dir"
+        )
     if len(manifest["shards"]) != manifest["world"]:
-        raise CorruptCheckpoint(f"{folder}: the manifest lists {len(manifest['shards'])} shards for a world of "
-                                f"{manifest['world']}")
+        raise CorruptCheckpoint(
+            f"{folder}: the manifest lists {len(manifest['shards'])} shards for a world of "
+            f"{manifest['world']}"
+        )
     sizes = manifest.get("sizes", {})
     for name, digest in manifest["shards"].items():
         path = os.path.join(folder, name)
-        if not os.path.isfile(path) or (name in sizes and os.path.getsize(path) != sizes[name]) or \
-                ((verify is None or name in verify) and _sha256(path) != digest):
+        if (
+            not os.path.isfile(path)
+            or (name in sizes and os.path.getsize(path) != sizes[name])
+            or ((verify is None or name in verify) and _sha256(path) != digest)
+        ):
             raise CorruptCheckpoint(f"shard {path} is missing or does not match its checksum")
-        bad = (verify is None or name in verify) and nonfinite(torch.load(path, map_location="cpu", mmap=True,
-                                                                          weights_only=False))
+        bad = (verify is None or name in verify) and nonfinite(
+            torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        )
         if bad:  # a diverged step's weights pass their checksums: refused like a damaged shard
-            raise CorruptCheckpoint(f"shard {path} holds non-finite values ({bad}): a diverged step was saved")
+            raise CorruptCheckpoint(
+                f"shard {path} holds non-finite values ({bad}): a diverged step was saved"
+            )
     return manifest
 
 
@@ -190,14 +229,18 @@ def nonfinite(state, where="state"):
     """The path of the first floating-point tensor in a shard's state holding a NaN or an infinity
     (a piece named by its parameter), else None."""
     if torch.is_tensor(state):
-        return where if state.is_floating_point() and not bool(torch.isfinite(state).all()) else None
+        return (
+            where if state.is_floating_point() and not bool(torch.isfinite(state).all()) else None
+        )
     if isinstance(state, dict):
         items = state.items()
     elif isinstance(state, (list, tuple)):
         items = [(v.get("name", i) if isinstance(v, dict) else i, v) for i, v in enumerate(state)]
     else:
         return None
-    return next((found for key, value in items if (found := nonfinite(value, f"{where}/{key}"))), None)
+    return next(
+        (found for key, value in items if (found := nonfinite(value, f"{where}/{key}"))), None
+    )
 
 
 def shard_name(rank):
@@ -213,10 +256,15 @@ def find_resume(out_dir, cfg, resume_from=None):
     overwrite the run.
     """
     if resume_from is not None:
-        folder = os.path.join(out_dir, "ckpt", f"step_{int(resume_from):06d}") if str(resume_from).isdigit() \
+        folder = (
+            os.path.join(out_dir, "ckpt", f"step_{int(resume_from):06d}")
+            if str(resume_from).isdigit()
             else str(resume_from)
+        )
         if not os.path.isdir(folder):
-            raise FileNotFoundError(f"--resume-from {resume_from}: {folder} is not a checkpoint folder")
+            raise FileNotFoundError(
+                f"--resume-from {resume_from}: {folder} is not a checkpoint folder"
+            )
         try:
             read_manifest(folder, cfg)
         except CorruptCheckpoint as e:
@@ -230,8 +278,10 @@ def find_resume(out_dir, cfg, resume_from=None):
         except CorruptCheckpoint as e:
             skipped.append(f"{os.path.basename(folder)}: {e}")
     if any(os.path.isfile(os.path.join(f, "manifest.json")) for _, f in step_folders(out_dir)):
-        raise ValueError(f"--resume: no checkpoint in {out_dir}/ckpt verifies ({'; '.join(skipped)}); restore a "
-                         f"shard, or move the folders away to start fresh")
+        raise ValueError(
+            f"--resume: no checkpoint in {out_dir}/ckpt verifies ({'; '.join(skipped)}); restore a "
+            f"shard, or move the folders away to start fresh"
+        )
     return None, skipped
 
 
@@ -260,7 +310,9 @@ def retain(out_dir, keep_last, protect=(), upto=None):
         return []
     newest = int(os.path.basename(complete[0])[5:])
     keep = set(complete[:keep_last]) | {os.path.abspath(p) for p in protect if p} | set(protect)
-    gone = [f for s, f in folders if s < newest and f not in keep and os.path.abspath(f) not in keep]
+    gone = [
+        f for s, f in folders if s < newest and f not in keep and os.path.abspath(f) not in keep
+    ]
     for folder in gone:
         shutil.rmtree(folder)
     if gone:
@@ -272,4 +324,9 @@ def load_shard(folder, rank, path=None):
     """One rank's shard on the CPU, whatever device saved it; memory-mapped: only what is
     read is paged in. path: a verified byte-identical copy to read instead (flash.py's,
     in shared memory)."""
-    return torch.load(path or os.path.join(folder, shard_name(rank)), map_location="cpu", mmap=True, weights_only=False)
+    return torch.load(
+        path or os.path.join(folder, shard_name(rank)),
+        map_location="cpu",
+        mmap=True,
+        weights_only=False,
+    )

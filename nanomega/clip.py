@@ -10,27 +10,38 @@ does not matter and every layout computes the dense model's norm (tests/test_lay
     ||g||^2        = all_reduce_dp(if sharded) o all_reduce_tp o all_reduce_pp ( sum ||piece||^2 )
 Lesson: lessons/02-data-parallel-and-zero.md
 """
+
 import torch
 
 from . import pp, tp
 
-NORM_CHUNK = 2**20  # elements per fp64 chunk of the norm (a whole fp64 copy would cost 2x the gradient)
+# elements per fp64 chunk of the norm (a whole fp64 copy would cost 2x the gradient)
+NORM_CHUNK = 2**20
 
 
 def fp64_norms(grads):
-    """The 2-norms of the gradients' chunks of NORM_CHUNK elements, each summed in fp64 (the cast copies a chunk:
-    a whole fp64 copy of a large gradient would cost twice its memory). One multi-tensor call: on CUDA a few
-    kernel launches for the whole model instead of one per parameter (~150 for a GPT-2); on the CPU torch runs
-    the same per-tensor vector_norm, so the values are those of a loop (tests/test_zero.py holds them bitwise)."""
-    chunks = [c for t in grads for c in (t.reshape(-1).split(NORM_CHUNK) if t.numel() > NORM_CHUNK else (t,))]
+    """The 2-norms of the gradients' chunks of NORM_CHUNK elements, each summed in fp64 (the cast
+    copies a chunk: a whole fp64 copy of a large gradient would cost twice its memory). One
+    multi-tensor call: on CUDA a few kernel launches for the whole model instead of one per
+    parameter (~150 for a GPT-2); on the CPU torch runs the same per-tensor vector_norm, so the
+    values are those of a loop (tests/test_zero.py holds them bitwise)."""
+    chunks = [
+        c
+        for t in grads
+        for c in (t.reshape(-1).split(NORM_CHUNK) if t.numel() > NORM_CHUNK else (t,))
+    ]
     return list(torch._foreach_norm(chunks, 2, dtype=torch.float64)) if chunks else []
 
 
 def counts(p, replica, grid, over_dp):
     """Whether this rank's piece of parameter p is its share of the global norm (the table above).
-    replica: every dp rank holds this same piece; over_dp: the pieces differ per dp rank (ZeRO-1..3)."""
-    return (grid.tp_rank == 0 or tp.is_tensor_parallel(p)) and not pp.is_shared_embedding_copy(p) \
+    replica: every dp rank holds this same piece; over_dp: the pieces differ per dp rank
+    (ZeRO-1..3)."""
+    return (
+        (grid.tp_rank == 0 or tp.is_tensor_parallel(p))
+        and not pp.is_shared_embedding_copy(p)
         and not (replica and over_dp and grid.dp_cp.rank)
+    )
 
 
 def global_norm(shares, grid, over_dp, device):
@@ -65,8 +76,11 @@ def square_sum(grads, device):
 
 
 def coefficient(norm, max_norm):
-    """The factor clip_ scales by: max_norm / (norm + 1e-6) when that is below 1 (torch's rule), else 1."""
-    return max_norm / (norm + 1e-6) if max_norm is not None and max_norm / (norm + 1e-6) < 1.0 else 1.0
+    """The factor clip_ scales by: max_norm / (norm + 1e-6) when that is below 1 (torch's rule),
+    else 1."""
+    return (
+        max_norm / (norm + 1e-6) if max_norm is not None and max_norm / (norm + 1e-6) < 1.0 else 1.0
+    )
 
 
 def clip_(grads, norm, max_norm):

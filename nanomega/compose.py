@@ -10,6 +10,7 @@ ever holds the dense model). On a meta grid (--dry-run: meta.PaperGrid) nothing 
 
 Lesson: lessons/09-3d-parallelism.md
 """
+
 import torch
 
 from nanomega import cp, ep, fused, meta, pp, precision, recompute, rng, tp, zero
@@ -62,12 +63,23 @@ def build(config, grid):
     options = dict(betas=(0.9, 0.95))
     if grid.device.type == "cuda":
         options = dict(betas=(0.9, 0.95), fused=True)
-    # the replica groups, each built by the technique that owns its rule: the dense weights over dp x cp
-    # (and the tied embedding's extra sum over its two pipeline stages), the routed experts over edp
-    replicas = [zero.Replicas("dense", grid.dp_cp, extra_sums=pp.tied_sums(model, grid)),
-                zero.Replicas(**ep.replica_group(grid))]
+    # the replica groups, each built by the technique that owns its rule: the dense weights over dp
+    # x cp (and the tied embedding's extra sum over its two pipeline stages), the routed experts
+    # over edp
+    replicas = [
+        zero.Replicas("dense", grid.dp_cp, extra_sums=pp.tied_sums(model, grid)),
+        zero.Replicas(**ep.replica_group(grid)),
+    ]
     optim = zero.weight_decay_groups(config.weight_decay, **options)
-    engine = zero.ZeroEngine(model, torch.optim.AdamW, optim, grid, config.zero, replicas=replicas,
-                             init=init.values, offload=config.offload,
-                             offload_params=config.offload_params)
+    engine = zero.ZeroEngine(
+        model,
+        torch.optim.AdamW,
+        optim,
+        grid,
+        config.zero,
+        replicas=replicas,
+        init=init.values,
+        offload=config.offload,
+        offload_params=config.offload_params,
+    )
     return model, engine, n_params

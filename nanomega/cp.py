@@ -18,6 +18,7 @@ Formulas (one home: formulas.py); bytes one rank sends per layer, B_kv = b s/cp 
     ulysses    4 all-to-alls (q, k, v, out) of (cp-1)/cp of their bytes, forward and backward
 Lesson: lessons/15-long-context.md
 """
+
 import functools
 import math
 
@@ -27,7 +28,8 @@ import torch.nn.functional as F
 from .modern import document_mask
 
 METHODS = ("ring", "allgather", "ulysses")
-WORK = {"pairs": 0.0, "flops": 0}  # attention work this process did (tests and the lesson reset and read it)
+# attention work this process did (tests and the lesson reset and read it)
+WORK = {"pairs": 0.0, "flops": 0}
 
 
 # ---------------------------------------------------------------- which tokens a rank holds
@@ -41,8 +43,12 @@ def positions(s, cp, rank, balanced=True):
     """(s/cp,) the positions of this rank's tokens in the sequence, in the order it holds them."""
     n = 2 * cp if balanced else cp
     if s % n:
-        raise ValueError(f"--cp {cp} needs --block-size {s} divisible by {n} (2 x cp chunks, head and tail)")
-    return torch.cat([torch.arange(c * s // n, (c + 1) * s // n) for c in chunks_of(rank, cp, balanced)])
+        raise ValueError(
+            f"--cp {cp} needs --block-size {s} divisible by {n} (2 x cp chunks, head and tail)"
+        )
+    return torch.cat(
+        [torch.arange(c * s // n, (c + 1) * s // n) for c in chunks_of(rank, cp, balanced)]
+    )
 
 
 def local(x, cp, rank, dim=1):
@@ -60,8 +66,15 @@ def split(tensors, axis):
 def pairs_per_rank(cp, balanced=True):
     """[causal (query chunk, key chunk) pairs of rank c, for c in cp]: a diagonal pair is half a
     full one."""
-    return [sum(1.0 if k < q else 0.5 if k == q else 0.0 for q in chunks_of(c, cp, balanced)
-                for j in range(cp) for k in chunks_of(j, cp, balanced)) for c in range(cp)]
+    return [
+        sum(
+            1.0 if k < q else 0.5 if k == q else 0.0
+            for q in chunks_of(c, cp, balanced)
+            for j in range(cp)
+            for k in chunks_of(j, cp, balanced)
+        )
+        for c in range(cp)
+    ]
 
 
 # ---------------------------------------------------------------- one (query chunk, key chunk) pair
@@ -77,7 +90,8 @@ def _mask(qi, ki, c, docs_q, docs_k, device):
     return mask
 
 
-def _scores(q, k, mask, scale):  # (b, nh, c, hd) x (b, nh, c, hd) -> (b, nh, c, c) fp32, masked -inf
+# (b, nh, c, hd) x (b, nh, c, hd) -> (b, nh, c, c) fp32, masked -inf
+def _scores(q, k, mask, scale):
     s = (q.float() @ k.float().transpose(-2, -1)) * scale
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
@@ -110,7 +124,8 @@ def merge(acc, new):
         return new
     (o1, l1), (o2, l2) = acc, new
     lse = torch.logaddexp(l1, l2)
-    safe = torch.where(torch.isinf(lse), 0.0, lse)  # a row no key reached yet (documents): weights 0, not NaN
+    # a row no key reached yet (documents): weights 0, not NaN
+    safe = torch.where(torch.isinf(lse), 0.0, lse)
     return o1 * torch.exp(l1 - safe)[..., None] + o2 * torch.exp(l2 - safe)[..., None], lse
 
 
@@ -138,7 +153,7 @@ class Layout:
         return chunks_of(rank, self.cp, self.balanced)
 
     def doc(self, chunk):
-        return None if self.docs is None else self.docs[:, chunk * self.c:(chunk + 1) * self.c]
+        return None if self.docs is None else self.docs[:, chunk * self.c : (chunk + 1) * self.c]
 
     def pairs(self, src, device):
         """(query slot, key slot, mask) for this rank's queries against rank src's keys: only the
@@ -152,7 +167,7 @@ class Layout:
 
 
 def _slot(t, i, c):  # slot i (a chunk) of a (..., s_local, hd) tensor
-    return t[..., i * c:(i + 1) * c, :]
+    return t[..., i * c : (i + 1) * c, :]
 
 
 def attend(q, kv_from, layout, scale):
@@ -161,8 +176,10 @@ def attend(q, kv_from, layout, scale):
     c, acc = layout.c, {}
     for src, kv in kv_from:
         for a, b, mask in layout.pairs(src, q.device):
-            acc[a] = merge(acc.get(a), pair_forward(_slot(q, a, c), _slot(kv[0], b, c), _slot(kv[1], b, c),
-                                                    mask, scale))
+            acc[a] = merge(
+                acc.get(a),
+                pair_forward(_slot(q, a, c), _slot(kv[0], b, c), _slot(kv[1], b, c), mask, scale),
+            )
     outs, lses = zip(*(acc[a] for a in sorted(acc)))
     return torch.cat(outs, -2), torch.cat(lses, -1)
 
@@ -173,9 +190,17 @@ def attend_backward(saved, kv, src, layout, scale, dq):
     q, out, dout, lse, delta = saved
     c, dkv = layout.c, torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     for a, b, mask in layout.pairs(src, q.device):
-        dqa, dk, dv = pair_backward(_slot(q, a, c), _slot(kv[0], b, c), _slot(kv[1], b, c), _slot(out, a, c),
-                                    _slot(dout, a, c), lse[..., a * c:(a + 1) * c], delta[..., a * c:(a + 1) * c],
-                                    mask, scale)
+        dqa, dk, dv = pair_backward(
+            _slot(q, a, c),
+            _slot(kv[0], b, c),
+            _slot(kv[1], b, c),
+            _slot(out, a, c),
+            _slot(dout, a, c),
+            lse[..., a * c : (a + 1) * c],
+            delta[..., a * c : (a + 1) * c],
+            mask,
+            scale,
+        )
         _slot(dq, a, c).add_(dqa)
         _slot(dkv[0], b, c).add_(dk)
         _slot(dkv[1], b, c).add_(dv)
@@ -200,11 +225,16 @@ class RingAttention(torch.autograd.Function):
             kv = torch.stack((k, v))  # (2, b, n_kv, s_local, hd): one message per step
             for t in range(n):
                 nxt = torch.empty_like(kv) if t < n - 1 else None
-                works = axis.p2p([(kv, (r + 1) % n)], [(nxt, (r - 1) % n)], wait=False) if nxt is not None else []
+                works = (
+                    axis.p2p([(kv, (r + 1) % n)], [(nxt, (r - 1) % n)], wait=False)
+                    if nxt is not None
+                    else []
+                )
                 yield (r - t) % n, kv  # computed while the next block travels
                 for work in works:
                     work.wait()
                 kv = nxt
+
         out, lse = attend(q, blocks(), layout, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.axis, ctx.layout, ctx.scale = axis, layout, scale
@@ -214,12 +244,24 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, saved = _saved(ctx, dout)
         axis, n, r = ctx.axis, ctx.axis.size, ctx.axis.rank
-        kv, dq, acc = torch.stack((k, v)), torch.zeros(q.shape, dtype=torch.float32, device=q.device), None
-        for t in range(n):  # K/V go round again (model dtype); their gradient (acc, fp32) one step behind them
-            sends = ([kv] if t < n - 1 else []) + ([acc] if acc is not None else [])  # matched in order per peer
-            recvs = [torch.empty_like(m) for m in sends]  # the previous rank sends the same kinds and shapes
-            works = axis.p2p([(m, (r + 1) % n) for m in sends], [(m, (r - 1) % n) for m in recvs],
-                             wait=False) if n > 1 else []
+        kv, dq, acc = (
+            torch.stack((k, v)),
+            torch.zeros(q.shape, dtype=torch.float32, device=q.device),
+            None,
+        )
+        # K/V go round again (model dtype); their gradient (acc, fp32) one step behind them
+        for t in range(n):
+            # matched in order per peer
+            sends = ([kv] if t < n - 1 else []) + ([acc] if acc is not None else [])
+            # the previous rank sends the same kinds and shapes
+            recvs = [torch.empty_like(m) for m in sends]
+            works = (
+                axis.p2p(
+                    [(m, (r + 1) % n) for m in sends], [(m, (r - 1) % n) for m in recvs], wait=False
+                )
+                if n > 1
+                else []
+            )
             mine = attend_backward(saved, kv, (r - t) % n, ctx.layout, ctx.scale, dq)
             for work in works:
                 work.wait()
@@ -228,7 +270,8 @@ class RingAttention(torch.autograd.Function):
             acc = mine
             if t < n - 1:
                 kv = recvs[0]
-        if n > 1:  # after cp steps each block's gradient is complete one rank before home: one last hop
+        # after cp steps each block's gradient is complete one rank before home: one last hop
+        if n > 1:
             home = torch.empty_like(acc)
             axis.p2p([(acc, (r + 1) % n)], [(home, (r - 1) % n)])
             acc = home
@@ -243,7 +286,8 @@ class AllGatherAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, axis, layout, scale):
         kvs = _gather(axis, k, v)  # (cp, 2, b, n_kv, s_local, hd)
         n, r = axis.size, axis.rank
-        out, lse = attend(q, (((r - t) % n, kvs[(r - t) % n]) for t in range(n)), layout, scale)  # own first
+        # own first
+        out, lse = attend(q, (((r - t) % n, kvs[(r - t) % n]) for t in range(n)), layout, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.axis, ctx.layout, ctx.scale = axis, layout, scale
         return out.to(q.dtype)
@@ -253,8 +297,11 @@ class AllGatherAttention(torch.autograd.Function):
         q, k, v, saved = _saved(ctx, dout)
         axis, kvs = ctx.axis, _gather(ctx.axis, k, v)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dkvs = torch.stack([attend_backward(saved, kvs[j], j, ctx.layout, ctx.scale, dq) for j in range(axis.size)])
-        mine = axis.reduce_scatter(torch.empty_like(dkvs[:1]), dkvs)[0]  # every rank's part of my keys, summed
+        dkvs = torch.stack(
+            [attend_backward(saved, kvs[j], j, ctx.layout, ctx.scale, dq) for j in range(axis.size)]
+        )
+        # every rank's part of my keys, summed
+        mine = axis.reduce_scatter(torch.empty_like(dkvs[:1]), dkvs)[0]
         return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None
 
 
@@ -263,15 +310,19 @@ def _gather(axis, k, v):
     return axis.all_gather(kv.new_empty((axis.size,) + kv.shape[1:]), kv)
 
 
-# ---------------------------------------------------------------- Ulysses: sequence shards <-> head shards
+# ---------------------------------------------------------------- Ulysses: sequence shards <-> head
+# shards
 def _seq_to_heads(x, axis, order):
     """(b, H, s_local, hd) sequence-sharded -> (b, H/cp, s, hd) head-sharded, the sequence in
     natural order."""
     b, heads, sl, hd = x.shape
     n = axis.size
-    send = x.unflatten(1, (n, heads // n)).movedim(1, 0).contiguous()  # (cp, b, H/cp, s_l, hd): group i -> rank i
-    got = axis.all_to_all(torch.empty_like(send), send)  # (cp, b, H/cp, s_l, hd): rank j's tokens of my heads
-    full = got.movedim(0, 2).flatten(2, 3)  # (b, H/cp, s, hd) in rank order: chunks [0, 2cp-1, 1, 2cp-2, ...]
+    # (cp, b, H/cp, s_l, hd): group i -> rank i
+    send = x.unflatten(1, (n, heads // n)).movedim(1, 0).contiguous()
+    # (cp, b, H/cp, s_l, hd): rank j's tokens of my heads
+    got = axis.all_to_all(torch.empty_like(send), send)
+    # (b, H/cp, s, hd) in rank order: chunks [0, 2cp-1, 1, 2cp-2, ...]
+    full = got.movedim(0, 2).flatten(2, 3)
     natural = torch.argsort(torch.as_tensor(order)).tolist()  # where chunk i sits in rank order
     return full.unflatten(2, (len(order), -1))[:, :, natural].flatten(2, 3)
 
@@ -279,9 +330,12 @@ def _seq_to_heads(x, axis, order):
 def _heads_to_seq(x, axis, order):
     """The inverse of _seq_to_heads."""
     n = axis.size  # x: (b, H/cp, s, hd)
-    ranked = x.unflatten(2, (len(order), -1))[:, :, order].flatten(2, 3).unflatten(2, (n, -1))  # (b, H/cp, cp, s_l, hd)
-    send = ranked.movedim(2, 0).contiguous()  # (cp, b, H/cp, s_l, hd): rank j's tokens go back to rank j
-    got = axis.all_to_all(torch.empty_like(send), send)  # (cp, b, H/cp, s_l, hd): head group i from rank i
+    # (b, H/cp, cp, s_l, hd)
+    ranked = x.unflatten(2, (len(order), -1))[:, :, order].flatten(2, 3).unflatten(2, (n, -1))
+    # (cp, b, H/cp, s_l, hd): rank j's tokens go back to rank j
+    send = ranked.movedim(2, 0).contiguous()
+    # (cp, b, H/cp, s_l, hd): head group i from rank i
+    got = axis.all_to_all(torch.empty_like(send), send)
     return got.movedim(0, 1).flatten(1, 2)  # (b, H, s_l, hd)
 
 
@@ -295,7 +349,12 @@ class SwapSharding(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad, ctx.axis, ctx.order), None, None, None
+        return (
+            (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad, ctx.axis, ctx.order),
+            None,
+            None,
+            None,
+        )
 
 
 def ulysses(q, k, v, axis, layout, scale):
@@ -303,14 +362,23 @@ def ulysses(q, k, v, axis, layout, scale):
     back."""
     order = [c for j in range(axis.size) for c in layout.chunks(j)]  # the chunks in rank order
     q, k, v = (SwapSharding.apply(t, axis, order, True) for t in (q, k, v))
-    mask = None if layout.docs is None else document_mask(layout.docs)  # (b, 1, s, s): causal, one document
+    # (b, 1, s, s): causal, one document
+    mask = None if layout.docs is None else document_mask(layout.docs)
     WORK["flops"] += 4 * q.shape[0] * q.shape[1] * q.shape[2] ** 2 * q.shape[3] // 2
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                       enable_gqa=k.shape[1] != q.shape[1])
+    y = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
     return SwapSharding.apply(y, axis, order, False)
 
 
-# ---------------------------------------------------------------- the attention core, and the model transform
+# ---------------------------------------------------------------- the attention core, and the model
+# transform
 def attention(q, k, v, axis, method="ring", docs=None, balanced=True):
     """softmax(q k^T / sqrt(d), causal [, documents]) v with q, k, v (b, heads, s/cp, hd) this
     rank's tokens (chunks_of) and the result likewise; docs: (b, s) document ids of the whole
@@ -329,15 +397,22 @@ def check(cfg, cp, method, tp=1):
     if method not in METHODS:
         raise ValueError(f"--cp-method {method!r} is not one of {', '.join(METHODS)}")
     if cp > 1 and cfg.block_size % (2 * cp):
-        raise ValueError(f"--cp {cp} needs --block-size {cfg.block_size} divisible by 2 x cp = {2 * cp} "
-                         f"(each rank holds a head and a tail chunk)")
+        raise ValueError(
+            f"--cp {cp} needs --block-size {cfg.block_size} divisible by 2 x cp = {2 * cp} "
+            f"(each rank holds a head and a tail chunk)"
+        )
     if cp > 1 and (cfg.alibi or cfg.dropout > 0):
-        raise ValueError("--cp with --alibi or --dropout > 0: the context-parallel attention core has no ALiBi "
-                         "bias and no attention dropout; leave them out")
-    kv = max(1, cfg.kv_heads // tp)  # this rank's key/value heads (tp replicates a group when tp > n_kv)
+        raise ValueError(
+            "--cp with --alibi or --dropout > 0: the context-parallel attention core has no ALiBi "
+            "bias and no attention dropout; leave them out"
+        )
+    # this rank's key/value heads (tp replicates a group when tp > n_kv)
+    kv = max(1, cfg.kv_heads // tp)
     if cp > 1 and method == "ulysses" and (cfg.n_head // tp % cp or kv % cp):
-        raise ValueError(f"--cp-method ulysses needs --cp {cp} to divide the heads per tp rank: n_head/tp = "
-                         f"{cfg.n_head // tp}, key/value heads {kv}; use --cp-method ring or allgather")
+        raise ValueError(
+            f"--cp-method ulysses needs --cp {cp} to divide the heads per tp rank: n_head/tp = "
+            f"{cfg.n_head // tp}, key/value heads {kv}; use --cp-method ring or allgather"
+        )
 
 
 @functools.lru_cache(maxsize=8)

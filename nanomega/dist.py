@@ -13,6 +13,7 @@ Bytes one rank sends for a collective over n ranks on a ring, for a tensor of B 
 Lessons: lessons/02-data-parallel-and-zero.md (the formulas),
          lessons/09-3d-parallelism.md (the grid).
 """
+
 import datetime
 import os
 import pickle
@@ -30,15 +31,23 @@ import torch.distributed as dist
 ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-        "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0 if n > 1 else 0.0,
-        "send": lambda n: 1.0, "recv": lambda n: 0.0, "all_to_all": lambda n: 1.0}  # all_to_all: sent bytes
+RING = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0 if n > 1 else 0.0,
+    # all_to_all: sent bytes
+    "send": lambda n: 1.0,
+    "recv": lambda n: 0.0,
+    "all_to_all": lambda n: 1.0,
+}
 
 
 @dataclass
 class CommLog:
     """Per-rank traffic: (op, axis, dtype) -> [calls, tensor bytes]. `wire_bytes` applies
     the ring factors."""
+
     counts: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
     sizes: dict = field(default_factory=dict)  # axis name -> ranks in it
 
@@ -49,17 +58,25 @@ class CommLog:
         entry[1] += tensor.numel() * tensor.element_size() if nbytes is None else nbytes
 
     def bytes(self, op=None, axis=None) -> int:
-        return sum(b for (o, a, _), (_, b) in self.counts.items() if op in (None, o) and axis in (None, a))
+        return sum(
+            b for (o, a, _), (_, b) in self.counts.items() if op in (None, o) and axis in (None, a)
+        )
 
     def wire_bytes(self, axis=None) -> float:
-        return sum(RING[o](self.sizes[a]) * b for (o, a, _), (_, b) in self.counts.items() if axis in (None, a))
+        return sum(
+            RING[o](self.sizes[a]) * b
+            for (o, a, _), (_, b) in self.counts.items()
+            if axis in (None, a)
+        )
 
     def reset(self):
         self.counts.clear()
 
     def table(self) -> str:
-        rows = [f"{op:>14} {axis:>3} {dt:>8} x{c:<5} {b / 2**20:10.3f} MiB"
-                for (op, axis, dt), (c, b) in sorted(self.counts.items())]
+        rows = [
+            f"{op:>14} {axis:>3} {dt:>8} x{c:<5} {b / 2**20:10.3f} MiB"
+            for (op, axis, dt), (c, b) in sorted(self.counts.items())
+        ]
         return "\n".join(rows)
 
 
@@ -125,16 +142,28 @@ class Axis:
             return [obj]
         out = [None] * self.size
         dist.all_gather_object(out, obj, group=self.group)
-        self.log.record("all_gather", self.name, self.size,
-                        torch.empty(self.size * max(len(pickle.dumps(o)) for o in out), dtype=torch.uint8))
+        self.log.record(
+            "all_gather",
+            self.name,
+            self.size,
+            torch.empty(self.size * max(len(pickle.dumps(o)) for o in out), dtype=torch.uint8),
+        )
         return out
 
     def p2p(self, sends=(), recvs=(), wait=True):
         """Batched point-to-point on this axis: sends/recvs are (tensor, index-in-axis) pairs. Waits
         for all, or (wait=False) returns the Works to .wait() on: a ring passes the next block while
         this one computes."""
-        ops = [dist.P2POp(dist.isend, t, self.ranks[i], self.group) for t, i in sends if self._count("send", t)]
-        ops += [dist.P2POp(dist.irecv, t, self.ranks[i], self.group) for t, i in recvs if self._count("recv", t)]
+        ops = [
+            dist.P2POp(dist.isend, t, self.ranks[i], self.group)
+            for t, i in sends
+            if self._count("send", t)
+        ]
+        ops += [
+            dist.P2POp(dist.irecv, t, self.ranks[i], self.group)
+            for t, i in recvs
+            if self._count("recv", t)
+        ]
         works = dist.batch_isend_irecv(ops) if ops else []
         for work in works if wait else []:
             work.wait()
@@ -165,15 +194,23 @@ def layout(dp=1, pp=1, tp=1, cp=1, ep=1):
     world = dp * pp * cp * tp
     g = torch.arange(world).view(dp, pp, cp, tp)
     D, P, C, T = range(dp), range(pp), range(cp), range(tp)
-    return {"tp": [g[d, p, c, :] for d in D for p in P for c in C],
-            "cp": [g[d, p, :, t] for d in D for p in P for t in T],
-            "pp": [g[d, :, c, t] for d in D for c in C for t in T],
-            "dp": [g[:, p, c, t] for p in P for c in C for t in T],
-            "dp_cp": [g[:, p, :, t].flatten() for p in P for t in T],
-            "ep": [g[o * ep:(o + 1) * ep, p, c, t] for o in range(dp // ep) for p in P for c in C for t in T],
-            "edp": [g[e::ep, p, :, t].flatten() for e in range(ep) for p in P for t in T],
-            # tied embedding: first and last stage sum its gradients (Megatron's embedding group)
-            "embed": [g[d, [0, pp - 1], c, t].unique() for d in D for c in C for t in T]}
+    return {
+        "tp": [g[d, p, c, :] for d in D for p in P for c in C],
+        "cp": [g[d, p, :, t] for d in D for p in P for t in T],
+        "pp": [g[d, :, c, t] for d in D for c in C for t in T],
+        "dp": [g[:, p, c, t] for p in P for c in C for t in T],
+        "dp_cp": [g[:, p, :, t].flatten() for p in P for t in T],
+        "ep": [
+            g[o * ep : (o + 1) * ep, p, c, t]
+            for o in range(dp // ep)
+            for p in P
+            for c in C
+            for t in T
+        ],
+        "edp": [g[e::ep, p, :, t].flatten() for e in range(ep) for p in P for t in T],
+        # tied embedding: first and last stage sum its gradients (Megatron's embedding group)
+        "embed": [g[d, [0, pp - 1], c, t].unique() for d in D for c in C for t in T],
+    }
 
 
 # an axis's name in the CommLog's tables, where it differs
@@ -185,11 +222,15 @@ def check_layout(world, dp=1, pp=1, tp=1, cp=1, ep=1):
     if min(dp, pp, tp, cp, ep) < 1:
         raise ValueError(f"every axis must be >= 1: dp {dp}, pp {pp}, tp {tp}, cp {cp}, ep {ep}")
     if dp * pp * cp * tp != world:
-        raise ValueError(f"world size {world} != dp {dp} x pp {pp} x cp {cp} x tp {tp}; "
-                         f"launch dp*pp*cp*tp processes or change the layout")
+        raise ValueError(
+            f"world size {world} != dp {dp} x pp {pp} x cp {cp} x tp {tp}; "
+            f"launch dp*pp*cp*tp processes or change the layout"
+        )
     if dp % ep:
-        raise ValueError(f"--ep {ep} must divide dp {dp}: expert parallelism is carved out of the data-parallel "
-                         f"ranks; pick --ep dividing {dp}")
+        raise ValueError(
+            f"--ep {ep} must divide dp {dp}: expert parallelism is carved out of the data-parallel "
+            f"ranks; pick --ep dividing {dp}"
+        )
 
 
 class Grid:
@@ -211,19 +252,32 @@ class Grid:
             setattr(self, attr, axis or self._axis(SHORT.get(attr, attr), slices))
             if attr in ("dp", "dp_cp"):
                 replicas.setdefault(key, getattr(self, attr))
-        self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = self.dp.rank, self.pp.rank, self.cp.rank, self.tp.rank
+        self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = (
+            self.dp.rank,
+            self.pp.rank,
+            self.cp.rank,
+            self.tp.rank,
+        )
         self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == pp - 1
         # the whole world (health, checks)
         self.all = Axis("all", dist.group.WORLD, range(world), rank, self.log)
         self.backend = dist.get_backend()
-        self.device = default_device("cuda" if self.backend == "nccl" else "cpu")  # the device init chose
+        # the device init chose
+        self.device = default_device("cuda" if self.backend == "nccl" else "cpu")
         self.host = socket.gethostname()
         store().set(f"nanomega/host/{rank}", self.host)  # for lifecycle.lost_ranks: who was where
 
     # every group made first, on every rank, in one order (new_group's rule)
     def _axis(self, name, slices):
         groups = [(ranks.tolist(), self._group(ranks.tolist())) for ranks in slices]
-        return next((Axis(name, g, ranks, self.rank, self.log) for ranks, g in groups if self.rank in ranks), None)
+        return next(
+            (
+                Axis(name, g, ranks, self.rank, self.log)
+                for ranks, g in groups
+                if self.rank in ranks
+            ),
+            None,
+        )
 
     # one rank: no group (its Axis calls no collective; NCCL: no communicator)
     def _group(self, ranks):
@@ -245,8 +299,10 @@ class Grid:
 
     def __repr__(self):
         cp = f"cp {self.cp_rank}/{self.cp.size}, " if self.cp.size > 1 else ""
-        return (f"Grid(rank {self.rank}/{self.world} on {self.host}: dp {self.dp_rank}/{self.dp.size}, "
-                f"pp {self.pp_rank}/{self.pp.size}, {cp}tp {self.tp_rank}/{self.tp.size}, {self.device})")
+        return (
+            f"Grid(rank {self.rank}/{self.world} on {self.host}: dp {self.dp_rank}/{self.dp.size}, "
+            f"pp {self.pp_rank}/{self.pp.size}, {cp}tp {self.tp_rank}/{self.tp.size}, {self.device})"
+        )
 
 
 def store():
@@ -273,9 +329,11 @@ def default_device(requested="auto") -> torch.device:
     if requested in ("auto", "cuda") and torch.cuda.is_available():
         local, count = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
         if local >= count:
-            raise ValueError(f"LOCAL_RANK {local} but this node sees {count} CUDA device(s): launch at most "
-                             f"{count} processes per node (torchrun --nproc-per-node {count}) or check "
-                             f"CUDA_VISIBLE_DEVICES")
+            raise ValueError(
+                f"LOCAL_RANK {local} but this node sees {count} CUDA device(s): launch at most "
+                f"{count} processes per node (torchrun --nproc-per-node {count}) or check "
+                f"CUDA_VISIBLE_DEVICES"
+            )
         return torch.device("cuda", local)
     return torch.device("cpu")
 
@@ -294,21 +352,33 @@ def init(device="auto", timeout_s=None):
         torch.cuda.set_device(dev)
     if dist.is_initialized():
         return dev
-    timeout = datetime.timedelta(seconds=float(timeout_s or os.environ.get("NANOMEGA_TIMEOUT", 300)))
+    timeout = datetime.timedelta(
+        seconds=float(timeout_s or os.environ.get("NANOMEGA_TIMEOUT", 300))
+    )
     env = os.environ
     if "WORLD_SIZE" not in env:  # a plain `python train.py`: a world of one
         store, rank, world = dist.HashStore(), 0, 1
     else:
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+            base = dist.TCPStore(
+                env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout
+            )
             store = dist.PrefixStore(f"nanomega/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
         else:
-            store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, rank == 0, timeout=timeout)
+            store = dist.TCPStore(
+                env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, rank == 0, timeout=timeout
+            )
     # device_id (CUDA): NCCL communicators are created now and bound to this rank's GPU, so a
     # collective (a barrier on WORLD) never has to guess the device
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
-                            device_id=dev if dev.type == "cuda" else None)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+        device_id=dev if dev.type == "cuda" else None,
+    )
     return dev
 
 

@@ -10,6 +10,7 @@ Formula: docs[b, i]    = #{j < i : x[b, j] = eot}
          mask[b, i, j] = (j <= i) and docs[b, i] = docs[b, j]
 Lesson: lessons/15-long-context.md
 """
+
 from . import cp
 
 

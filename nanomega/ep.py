@@ -1,7 +1,8 @@
-"""Expert parallelism: experts spread over the ranks of grid.ep; tokens travel to their experts and back (all-to-all).
+"""Expert parallelism: experts spread over the ranks of grid.ep; tokens travel to their experts and
+back (all-to-all).
 
-Idea (GShard; Megatron-Core's alltoall token dispatcher): ep ranks of a data-parallel group hold E/ep experts each
-(expert e on ep rank e // (E/ep)) and different tokens. After routing, each rank
+Idea (GShard; Megatron-Core's alltoall token dispatcher): ep ranks of a data-parallel group hold
+E/ep experts each (expert e on ep rank e // (E/ep)) and different tokens. After routing, each rank
     permutes     its kept (token, expert) assignments into expert order (a stable sort by expert id)
     counts       trades the rows per expert: an all-to-all of (ep, E/ep) int64 counts
     dispatch     sends rank r the rows of r's experts: all_to_all_single with uneven splits (gloo has no list form)
@@ -15,21 +16,25 @@ Which group reduces which gradient (dist.layout: dp index d = e_out x ep + e):
                     sums the contributions of the tokens of all ep ranks (the all-to-all's backward brought them),
                     so the sum over edp covers all dp ranks' tokens, and the mean over dp divides by dp = edp x ep
     the norm        an expert counted once: summed over ep (different experts), and over edp when ZeRO shards it
-Bytes one rank sends per MoE layer and micro-batch (h hidden, 2 or 4 bytes per element, rows = its kept
-assignments to experts of other ranks, R = the rows it receives): forward (rows + R) h B (dispatch + combine),
-backward the same, + (ep - 1) E/ep 8 bytes of counts in forward (formulas.moe_all_to_all_bytes).
+Bytes one rank sends per MoE layer and micro-batch (h hidden, 2 or 4 bytes per element, rows = its
+kept assignments to experts of other ranks, R = the rows it receives): forward (rows + R) h B
+(dispatch + combine), backward the same, + (ep - 1) E/ep 8 bytes of counts in forward
+(formulas.moe_all_to_all_bytes).
 Lesson: lessons/14-experts.md
 """
+
 import torch
 
 
 def is_expert(name):
-    """Whether the parameter `name` (its dense name) belongs to a routed expert: held by its ep rank only."""
+    """Whether the parameter `name` (its dense name) belongs to a routed expert: held by its ep rank
+    only."""
     return ".experts." in f".{name}"
 
 
 class AllToAll(torch.autograd.Function):
-    """all_to_all_single over `axis` as a function of tensors: rows in_splits[i] to rank i, out_splits[i] from it."""
+    """all_to_all_single over `axis` as a function of tensors: rows in_splits[i] to rank i,
+    out_splits[i] from it."""
 
     @staticmethod
     def forward(ctx, x, axis, out_splits, in_splits):  # (sum in_splits, h) -> (sum out_splits, h)
@@ -45,20 +50,24 @@ class AllToAll(torch.autograd.Function):
 
 
 def run_experts(rows, sizes, experts, first):
-    """rows (n, h) grouped by expert, sizes[j] rows for expert first + j -> (n, h): one expert at a time."""
+    """rows (n, h) grouped by expert, sizes[j] rows for expert first + j -> (n, h): one expert at a
+    time."""
     return torch.cat([experts[str(first + j)](chunk) for j, chunk in enumerate(rows.split(sizes))])
 
 
 def dispatch_combine(x, experts, weights, keep, modules, n_experts, ep=None):
-    """sum_j weights[t, j] expert_{experts[t, j]}(x[t]) over the kept assignments. x (T, h); experts, weights,
-    keep (T, k) (keep None: dropless); modules: the experts this rank holds, by global index; ep: their Axis."""
+    """sum_j weights[t, j] expert_{experts[t, j]}(x[t]) over the kept assignments. x (T, h);
+    experts, weights, keep (T, k) (keep None: dropless); modules: the experts this rank holds, by
+    global index; ep: their Axis."""
     T, k = experts.shape
-    token = torch.arange(T, device=x.device).repeat_interleave(k)  # (T k,): the token of each assignment
+    # (T k,): the token of each assignment
+    token = torch.arange(T, device=x.device).repeat_interleave(k)
     expert, weight = experts.reshape(-1), weights.reshape(-1)
     if keep is not None:
         kept = keep.reshape(-1)
         token, expert, weight = token[kept], expert[kept], weight[kept]
-    order = torch.argsort(expert, stable=True)  # expert-major, token order inside: the same on every layout
+    # expert-major, token order inside: the same on every layout
+    order = torch.argsort(expert, stable=True)
     token, expert, weight = token[order], expert[order], weight[order]
     counts = torch.bincount(expert, minlength=n_experts)  # (E,) rows per expert
     rows = x[token]  # (n, h) permuted; its backward scatter-adds into x's gradient
@@ -70,7 +79,8 @@ def dispatch_combine(x, experts, weights, keep, modules, n_experts, ep=None):
 
 
 def exchange(rows, counts, modules, ep):
-    """rows (n, h) in global expert order -> their experts' outputs (n, h), computed on the experts' ranks."""
+    """rows (n, h) in global expert order -> their experts' outputs (n, h), computed on the experts'
+    ranks."""
     local = counts.numel() // ep.size
     send = counts.view(ep.size, local)  # (ep, E/ep): rows for each expert of each rank
     recv = torch.empty_like(send)  # (ep, E/ep): rows each rank sends for each of my experts
@@ -79,7 +89,11 @@ def exchange(rows, counts, modules, ep):
     got = AllToAll.apply(rows, ep, out_splits, in_splits)  # source-major, then my experts
     starts = (recv.flatten().cumsum(0) - recv.flatten()).view(ep.size, local).tolist()
     sizes = recv.tolist()
-    regroup = [torch.arange(starts[r][j], starts[r][j] + sizes[r][j]) for j in range(local) for r in range(ep.size)]
+    regroup = [
+        torch.arange(starts[r][j], starts[r][j] + sizes[r][j])
+        for j in range(local)
+        for r in range(ep.size)
+    ]
     regroup = torch.cat(regroup).to(rows.device) if regroup else torch.zeros(0, dtype=torch.long)
     out = run_experts(got[regroup], recv.sum(0).tolist(), modules, ep.rank * local)  # expert-major
     back = torch.empty_like(out).index_copy(0, regroup, out)  # source-major again
@@ -87,8 +101,9 @@ def exchange(rows, counts, modules, ep):
 
 
 def apply_expert_parallel(model, ep):
-    """Keep, in place, only the experts of ep rank ep.rank in every MoE layer (expert e on rank e // (E/ep)), and
-    give the layers the axis their tokens travel on. Call after tensor parallelism, on the meta model."""
+    """Keep, in place, only the experts of ep rank ep.rank in every MoE layer (expert e on rank e //
+    (E/ep)), and give the layers the axis their tokens travel on. Call after tensor parallelism, on
+    the meta model."""
     for block in model.blocks.values():
         moe = block.mlp
         if not hasattr(moe, "experts"):
@@ -106,16 +121,22 @@ def check(n_experts, ep, dp):
     if ep > 1 and not n_experts:
         raise ValueError(f"--ep {ep} needs experts to spread: add --n-experts (a multiple of {ep})")
     if n_experts and n_experts % ep:
-        raise ValueError(f"--ep {ep} does not divide --n-experts {n_experts}; each ep rank holds n_experts / ep")
+        raise ValueError(
+            f"--ep {ep} does not divide --n-experts {n_experts}; each ep rank holds n_experts / ep"
+        )
     if dp % ep:
-        raise ValueError(f"--ep {ep} does not divide dp {dp} (world / (tp x pp)): ep is carved out of dp")
+        raise ValueError(
+            f"--ep {ep} does not divide dp {dp} (world / (tp x pp)): ep is carved out of dp"
+        )
 
 
 def check_engine(experts, stage, offload):
     """One line for what the ZeRO engine does not do with experts (raised before any collective)."""
     if experts and stage == 3:
-        raise ValueError("--zero 3 with --n-experts: ZeRO-3's units are gathered over dp, the experts live on ep "
-                         "ranks; use --zero 0, 1 or 2")
+        raise ValueError(
+            "--zero 3 with --n-experts: ZeRO-3's units are gathered over dp, the experts live on ep "
+            "ranks; use --zero 0, 1 or 2"
+        )
     if experts and offload:
         raise ValueError("--offload with --n-experts is not built; leave out --offload")
 
@@ -124,5 +145,11 @@ def replica_group(grid):
     """The routed experts' replica group, as zero.Replicas' fields (the table above): held alike by
     the ranks of grid.edp, their mean also divided by ep (the sum covers every dp rank's tokens),
     other experts on the ep ranks (the norm and the finite check sum over ep); check_engine."""
-    return dict(name="experts", axis=grid.edp, holds=is_expert, divide=grid.ep.size, across=grid.ep,
-                check=lambda stage, offload: check_engine(True, stage, offload))
+    return dict(
+        name="experts",
+        axis=grid.edp,
+        holds=is_expert,
+        divide=grid.ep.size,
+        across=grid.ep,
+        check=lambda stage, offload: check_engine(True, stage, offload),
+    )

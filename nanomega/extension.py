@@ -13,6 +13,7 @@ PyTorch path.
 
 Lesson: lessons/08-fused-kernels.md (the appendix: the build)
 """
+
 import functools
 import hashlib
 import os
@@ -90,8 +91,14 @@ def cuda_target() -> str:
     compute capabilities, as cpp_extension picks them."""
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
     if archs in ("", "native"):
-        archs = " ".join(sorted({"%d.%d" % torch.cuda.get_device_capability(i)
-                                 for i in range(torch.cuda.device_count())}))
+        archs = " ".join(
+            sorted(
+                {
+                    "%d.%d" % torch.cuda.get_device_capability(i)
+                    for i in range(torch.cuda.device_count())
+                }
+            )
+        )
     return f"cuda {torch.version.cuda} arch {archs}"
 
 
@@ -122,10 +129,14 @@ def load_extension(verbose: bool = False):
     # warning line, which would break "bad input gets one clear line" for every command that
     # imports nanomega
     from torch.utils import cpp_extension
+
     with_cuda = torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
     if torch.cuda.is_available() and not with_cuda:
-        print("nanomega.extension: CUDA but no CUDA toolkit (nvcc): CPU kernels only, CUDA tensors "
-              "take the PyTorch path", file=sys.stderr)
+        print(
+            "nanomega.extension: CUDA but no CUDA toolkit (nvcc): CPU kernels only, CUDA tensors "
+            "take the PyTorch path",
+            file=sys.stderr,
+        )
 
     # the sources, their flags and the folder their key names
     name = "nanomega_fused_cuda" if with_cuda else "nanomega_fused_cpu"
@@ -138,7 +149,7 @@ def load_extension(verbose: bool = False):
     headers = sorted(os.path.join(CSRC, h) for h in os.listdir(CSRC) if h.endswith(".h"))
     key = build_key(sources + headers, cflags + cuda_cflags, with_cuda)
     directory = os.path.join(build_dir(), f"{name}-{key}")  # one build.ninja per extension and key
-    sources = _staged(directory, sources + headers)[:len(sources)]
+    sources = _staged(directory, sources + headers)[: len(sources)]
     include = os.path.join(directory, "src")
 
     # concurrent jobs (ranks of a host, jobs sharing a home) are already safe: cpp_extension.load
@@ -146,9 +157,15 @@ def load_extension(verbose: bool = False):
     # all load. A build killed midway leaves that file behind and the next load waits on it
     # forever: delete `directory`/lock.
     return cpp_extension.load(
-        name, sources, extra_cflags=cflags, extra_cuda_cflags=cuda_cflags,
-        extra_ldflags=["-fopenmp"], extra_include_paths=[include], build_directory=directory,
-        verbose=verbose)
+        name,
+        sources,
+        extra_cflags=cflags,
+        extra_cuda_cflags=cuda_cflags,
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[include],
+        build_directory=directory,
+        verbose=verbose,
+    )
 
 
 def _staged(directory, paths):
@@ -176,8 +193,10 @@ def _ext():
         lines = str(e).strip().splitlines() or [type(e).__name__]
         # the compiler's error line, if any
         reason = next((ln for ln in lines if "error:" in ln), lines[-1]).strip()[:200]
-        print(f"nanomega.extension: cannot build the C++ kernels ({reason}); using the PyTorch "
-              "path", file=sys.stderr)
+        print(
+            f"nanomega.extension: cannot build the C++ kernels ({reason}); using the PyTorch path",
+            file=sys.stderr,
+        )
         return None
 
 

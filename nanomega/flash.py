@@ -11,6 +11,7 @@ Formula: restore time ~ hash + read of one shard at memory bandwidth, instead of
 shard, then the own one again) at storage bandwidth.
 Lesson: lessons/10-checkpoints-and-failures.md
 """
+
 import contextlib
 import dataclasses
 import glob
@@ -30,7 +31,9 @@ SHM = "/dev/shm"
 
 def folder(out_dir):
     """The shared-memory folder of an out-dir (keyed by its realpath: one per out-dir and host)."""
-    return os.path.join(SHM, "nanomega-" + hashlib.sha256(os.path.realpath(out_dir).encode()).hexdigest()[:12])
+    return os.path.join(
+        SHM, "nanomega-" + hashlib.sha256(os.path.realpath(out_dir).encode()).hexdigest()[:12]
+    )
 
 
 def prefix(out_dir, rank):
@@ -80,13 +83,17 @@ class Copies:
 
     def steps(self):
         """The steps of this rank's complete copies (those with their json), newest first."""
-        return sorted((int(p[len(self.prefix):-5]) for p in glob.glob(self.prefix + "*.json")), reverse=True)
+        return sorted(
+            (int(p[len(self.prefix) : -5]) for p in glob.glob(self.prefix + "*.json")), reverse=True
+        )
 
     def leftovers(self):
         """Removes this rank's half-written files: temporary names, and a copy without its json (a
         killed write)."""
         for path in glob.glob(self.prefix + "*"):
-            if path.endswith(".tmp") or (path.endswith(".pt") and not os.path.isfile(path[:-3] + ".json")):
+            if path.endswith(".tmp") or (
+                path.endswith(".pt") and not os.path.isfile(path[:-3] + ".json")
+            ):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(path)
 
@@ -111,22 +118,36 @@ class Copies:
                 raise OSError(f"the copy of {shard} is short")
             os.replace(base + ".pt.tmp", base + ".pt")
             with open(base + ".json.tmp", "w") as f:
-                json.dump(dict(step=step, sha256=made["sha256"], size=made["size"], out_dir=self.out_dir), f)
+                json.dump(
+                    dict(step=step, sha256=made["sha256"], size=made["size"], out_dir=self.out_dir),
+                    f,
+                )
             # last: a copy without its json is never used
             os.replace(base + ".json.tmp", base + ".json")
         except OSError as e:
             self.off = e
             self.remove(step)
             self.leftovers()
-            print(f"--flash-restore: rank {self.rank}: no copy in {self.folder} ({e}); restores read the disk",
-                  file=sys.stderr, flush=True)
+            print(
+                f"--flash-restore: rank {self.rank}: no copy in {self.folder} ({e}); restores read the disk",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def prune(self):
         """Remove the copies older than the newest one whose checkpoint is complete (its
         manifest exists)."""
         steps = self.steps()
-        done = next((s for s in steps if os.path.isfile(os.path.join(
-            self.out_dir, "ckpt", f"step_{s:06d}", "manifest.json"))), None)
+        done = next(
+            (
+                s
+                for s in steps
+                if os.path.isfile(
+                    os.path.join(self.out_dir, "ckpt", f"step_{s:06d}", "manifest.json")
+                )
+            ),
+            None,
+        )
         for s in steps:
             if done is not None and s < done:
                 self.remove(s)
@@ -150,7 +171,11 @@ class Copies:
         base = self.base(step)
         try:
             made = json.load(open(base + ".json"))
-            if made["step"] != step or made["sha256"] != digest or os.path.getsize(base + ".pt") != made["size"]:
+            if (
+                made["step"] != step
+                or made["sha256"] != digest
+                or os.path.getsize(base + ".pt") != made["size"]
+            ):
                 return None
             if sha256_file(base + ".pt") != digest:
                 return None
@@ -184,6 +209,7 @@ class Found:
     its own shard in it (or None), the folders skipped on the way (no manifest), and `full`: the
     full discovery, which every rank runs instead when any rank's verdict is no
     (faults.find_checkpoint sets it)."""
+
     folder: str
     manifest: dict
     copy: str | None
@@ -210,7 +236,10 @@ def look(out_dir, cfg, copies, layout, world):
             skipped.append(f"{name}: {e}")
             continue
         if manifest["layout"] != layout or manifest["world"] != world:
-            return None, f"{name} was saved under another layout (resharding reads other ranks' shards)"
+            return (
+                None,
+                f"{name} was saved under another layout (resharding reads other ranks' shards)",
+            )
         path = copies.find(manifest, checkpoint.shard_name(copies.rank))
         if path and checkpoint.nonfinite(checkpoint.load_shard(folder, copies.rank, path)):
             # a diverged step's copy hashes fine: the full discovery refuses its folder, and says so

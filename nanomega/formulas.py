@@ -38,6 +38,7 @@ Formulas (Psi = parameters one rank holds, d/t/p = dp/tp/pp sizes, m = micro-bat
     sizing     compute-optimal N = sqrt(C / 6k), D = k N, k ~ 20 tokens per parameter (Chinchilla)
 Lesson: lessons/11-planning-a-run.md
 """
+
 import math
 
 
@@ -118,8 +119,23 @@ def activation_bytes_per_layer(s, b, h, a, t=1, sp=False, recompute="none", act=
     return sbh * (replicated + split / t + attn / t)
 
 
-def llama_activation_bytes_per_layer(s, b, h, a, n_kv, f, t=1, sp=False, recompute="none", attention="sdpa", act=2,
-                                     norm=2, swiglu=3, scores=2, mask=0):
+def llama_activation_bytes_per_layer(
+    s,
+    b,
+    h,
+    a,
+    n_kv,
+    f,
+    t=1,
+    sp=False,
+    recompute="none",
+    attention="sdpa",
+    act=2,
+    norm=2,
+    swiglu=3,
+    scores=2,
+    mask=0,
+):
     """Bytes one Llama block (model.py, arch="llama": no dropout) saves for backward for one
     micro-batch, per TP rank: Korthikanti's count redone for RMSNorm, rotary, grouped-query
     attention and SwiGLU, tensor by tensor as autograd keeps them (tests/test_plan.py holds it equal
@@ -161,7 +177,11 @@ def llama_activation_bytes_per_layer(s, b, h, a, n_kv, f, t=1, sp=False, recompu
         core += 4 * b * (a // t) * s  # the log-sum-exp per query row and head
     elif recompute == "none":
         # eager: the (b a/t, s, h/a) copies of k and v the matmuls keep, and the scores
-        core += act * sb * (2 * q - 3 * kv if a // t > 1 else 0) + scores * b * (a // t) * s * s + mask * s * s
+        core += (
+            act * sb * (2 * q - 3 * kv if a // t > 1 else 0)
+            + scores * b * (a // t) * s * s
+            + mask * s * s
+        )
     return replicated + core + swiglu * act * sb * f / t
 
 
@@ -199,7 +219,9 @@ def dp_comm_bytes(n_params, stage, dp, dtype_bytes, param_bytes=None, micro_batc
     return grads + f * param_bytes * (2 * micro_batches if stage == 3 else 1)
 
 
-def tp_comm_bytes_per_layer(b, s, h, t, dtype_bytes=2, sequence_parallel=False, recompute="none", inputs=2):
+def tp_comm_bytes_per_layer(
+    b, s, h, t, dtype_bytes=2, sequence_parallel=False, recompute="none", inputs=2
+):
     """Per layer and micro-batch: attention and MLP each end in an all-reduce of (b, s, h) in
     forward, and each column-parallel layer's input gradient is all-reduced in backward: GPT-2
     (inputs = 2: qkv, fc) 8 (t-1)/t bsh. SP replaces each by a reduce-scatter plus an all-gather
@@ -278,8 +300,11 @@ def flops_per_token(n_params, n_layer, h, s, recompute="none", head_params=0):
     (PaLM, nanoGPT). Recompute adds forward work that MFU does not credit: full one forward of the
     blocks (2(N - head) + 4Lhs: the LM head is outside the recomputed blocks, as in Megatron's eq.
     3), selective QK^T and AV (4Lhs)."""
-    extra = {"none": 0, "selective": 4 * n_layer * h * s,
-             "full": 2 * (n_params - head_params) + 4 * n_layer * h * s}[recompute]
+    extra = {
+        "none": 0,
+        "selective": 4 * n_layer * h * s,
+        "full": 2 * (n_params - head_params) + 4 * n_layer * h * s,
+    }[recompute]
     return 6 * n_params + 12 * n_layer * h * s + extra
 
 
@@ -299,8 +324,13 @@ def model_flops_per_token(cfg, seq_len=None):
     """
     L, h, s = cfg.n_layer, cfg.n_embd, seq_len or cfg.block_size
     if cfg.arch == "llama":  # the head's V x h matrix (tied or not) and the final RMSNorm's h
-        per_layer = llama_layer_params(h, cfg.ffn, cfg.n_head, cfg.kv_heads) if not cfg.n_experts else \
-            moe_layer_params(h, cfg.ffn, cfg.n_head, cfg.kv_heads, cfg.n_experts, cfg.top_k, cfg.shared_experts)[1]
+        per_layer = (
+            llama_layer_params(h, cfg.ffn, cfg.n_head, cfg.kv_heads)
+            if not cfg.n_experts
+            else moe_layer_params(
+                h, cfg.ffn, cfg.n_head, cfg.kv_heads, cfg.n_experts, cfg.top_k, cfg.shared_experts
+            )[1]
+        )
         n = L * per_layer + cfg.padded_vocab_size * h + h
         return flops_per_token(n, L, h, s)
     per_layer = layer_params(h)  # qkv 3h^2+3h, proj h^2+h, fc 4h^2+4h, proj 4h^2+h, 2 LN 4h

@@ -1,11 +1,12 @@
-"""Fused kernels: LayerNorm, scale + causal mask + softmax, bias + GeLU, RMSNorm, SwiGLU -- one pass over memory each.
+"""Fused kernels: LayerNorm, scale + causal mask + softmax, bias + GeLU, RMSNorm, SwiGLU -- one pass
+over memory each.
 
-Idea: these ops do ~1-3 FLOPs per byte, far below a machine's balance (peak FLOP/s / bytes/s, ~10-100),
-so their time is bytes moved / bandwidth. Eager PyTorch runs one kernel per step and writes every
-intermediate to memory; a fused kernel reads its inputs once and writes its outputs once (Megatron-LM's
-fused bias-GeLU, scaled_upper_triang_masked_softmax, fused LayerNorm; for Llama blocks (modern.py)
-Megatron-Core's fused SwiGLU and apex's / Transformer Engine's fused RMSNorm). The causal softmax also skips
-the masked half: row i reads keys j <= i only.
+Idea: these ops do ~1-3 FLOPs per byte, far below a machine's balance (peak FLOP/s / bytes/s,
+~10-100), so their time is bytes moved / bandwidth. Eager PyTorch runs one kernel per step and
+writes every intermediate to memory; a fused kernel reads its inputs once and writes its outputs
+once (Megatron-LM's fused bias-GeLU, scaled_upper_triang_masked_softmax, fused LayerNorm; for Llama
+blocks (modern.py) Megatron-Core's fused SwiGLU and apex's / Transformer Engine's fused RMSNorm).
+The causal softmax also skips the masked half: row i reads keys j <= i only.
 
 Formula (elements moved, forward + backward, x4 bytes in fp32; n = elements of the activation):
     bias + GeLU       eager 8n  (add 2n, gelu 2n | gelu_backward 3n, bias-sum n)   fused 5n
@@ -35,7 +36,9 @@ _ext = extension.extension  # the built C++ module, or None (built on first call
 def _runs_on(t: torch.Tensor) -> bool:
     """Whether the built extension has kernels for t's device (CPU always; CUDA in a CUDA build)."""
     ext = _ext()
-    return ext is not None and (t.device.type == "cpu" or (t.device.type == "cuda" and ext.with_cuda))
+    return ext is not None and (
+        t.device.type == "cpu" or (t.device.type == "cuda" and ext.with_cuda)
+    )
 
 
 class LayerNormFn(torch.autograd.Function):
@@ -96,7 +99,8 @@ class RMSNormFn(torch.autograd.Function):
 class SwiGLUFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up):
-        ctx.save_for_backward(gate_up)  # silu(gate) recomputed in backward: 2n kept (eager keeps silu(gate) too: 3n)
+        # silu(gate) recomputed in backward: 2n kept (eager keeps silu(gate) too: 3n)
+        ctx.save_for_backward(gate_up)
         return _ext().swiglu_fwd(gate_up)
 
     @staticmethod

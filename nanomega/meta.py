@@ -18,6 +18,7 @@ Formulas:
     a time
 Lesson: lessons/09-3d-parallelism.md
 """
+
 import math
 
 import torch
@@ -36,10 +37,13 @@ def segments(shape, rule, rank, size):
     if rule is None or size == 1:
         return [(0, n)]
     dim, groups = rule
-    outer, d, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:])
+    outer, d, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
     part = d // (groups * size)  # rows of one group this rank holds
-    return [((o * d + j * (d // groups) + rank * part) * inner, part * inner)
-            for o in range(outer) for j in range(groups)]
+    return [
+        ((o * d + j * (d // groups) + rank * part) * inner, part * inner)
+        for o in range(outer)
+        for j in range(groups)
+    ]
 
 
 class Init:
@@ -64,7 +68,9 @@ class Init:
         for first, n in segments(shape, rule, self.tp_rank, self.tp_size):
             lo, hi = max(start, at), min(stop, at + n)  # the part of this run in [start, stop)
             if lo < hi:
-                out[lo - start:hi - start] = draw(self.seed, dense, std, first + lo - at, first + hi - at)
+                out[lo - start : hi - start] = draw(
+                    self.seed, dense, std, first + lo - at, first + hi - at
+                )
             at += n
             if at >= stop:
                 break
@@ -100,7 +106,9 @@ class PaperAxis:
         self.size, self.rank = len(self.ranks), self.ranks.index(rank)
 
     def __getattr__(self, op):
-        raise RuntimeError(f"{op} on the {self.name} axis of a PaperGrid: a dry run has no process group")
+        raise RuntimeError(
+            f"{op} on the {self.name} axis of a PaperGrid: a dry run has no process group"
+        )
 
 
 class PaperGrid:
@@ -112,7 +120,9 @@ class PaperGrid:
     def __init__(self, dp, pp, tp, rank, device="meta", cp=1, ep=1):
         world = dp * pp * cp * tp
         if not 0 <= rank < world:
-            raise ValueError(f"--rank {rank} is outside the {world} ranks of dp {dp} x pp {pp} x cp {cp} x tp {tp}")
+            raise ValueError(
+                f"--rank {rank} is outside the {world} ranks of dp {dp} x pp {pp} x cp {cp} x tp {tp}"
+            )
         dist.check_layout(world, dp, pp, tp, cp, ep)
         self.world, self.rank, self.device = world, rank, torch.device(device)
         for attr, slices in dist.layout(dp, pp, tp, cp, ep).items():
@@ -120,7 +130,12 @@ class PaperGrid:
             mine = next((s for s in slices if rank in s.tolist()), None)
             name = "dp" if attr == "dp_cp" and cp == 1 else dist.SHORT.get(attr, attr)
             setattr(self, attr, PaperAxis(name, mine, rank) if mine is not None else None)
-        self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = self.dp.rank, self.pp.rank, self.cp.rank, self.tp.rank
+        self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = (
+            self.dp.rank,
+            self.pp.rank,
+            self.cp.rank,
+            self.tp.rank,
+        )
         self.all = PaperAxis("all", range(world), rank)
         self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == pp - 1
 
@@ -128,6 +143,14 @@ class PaperGrid:
         """--dry-run's header: rank R of tp T x pp P [x cp C] x dp D [(ep E)] (tp t, stage p[, cp
         c], dp d[, ep e])."""
         cp, ep = self.cp.size > 1, self.ep.size > 1
-        return (f"rank {self.rank} of tp {self.tp.size} x pp {self.pp.size}" + f" x cp {self.cp.size}" * cp
-                + f" x dp {self.dp.size}" + f" (ep {self.ep.size})" * ep + f" (tp {self.tp_rank}, stage {self.pp_rank}"
-                + f", cp {self.cp_rank}" * cp + f", dp {self.dp_rank}" + f", ep {self.ep.rank}" * ep + ")")
+        return (
+            f"rank {self.rank} of tp {self.tp.size} x pp {self.pp.size}"
+            + f" x cp {self.cp.size}" * cp
+            + f" x dp {self.dp.size}"
+            + f" (ep {self.ep.size})" * ep
+            + f" (tp {self.tp_rank}, stage {self.pp_rank}"
+            + f", cp {self.cp_rank}" * cp
+            + f", dp {self.dp_rank}"
+            + f", ep {self.ep.rank}" * ep
+            + ")"
+        )

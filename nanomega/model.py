@@ -14,6 +14,7 @@ Formulas (GPT-2; Llama's: modern.py; MoE: moe.py):
                                          2*2*s*h per layer forward, x3 for fwd+bwd)
 Lesson: lessons/01-dense-model.md
 """
+
 import contextlib
 import functools
 import hashlib
@@ -30,12 +31,24 @@ from . import seams
 from .seams import LayerNorm, Linear, Ops, call, in_order, layer_norm
 
 
-# The model's shape: the GPTConfig fields a checkpoint, a preset and the planner agree on (checkpoint.py,
-# ops/presets.py, tools/cost.py, tools/hf.py read them here). Dropout, attention and the vocabulary padding
-# (set by --tp, undone by resharding) are not part of it.
+# The model's shape: the GPTConfig fields a checkpoint, a preset and the planner agree on
+# (checkpoint.py, ops/presets.py, tools/cost.py, tools/hf.py read them here). Dropout, attention and
+# the vocabulary padding (set by --tp, undone by resharding) are not part of it.
 SIZES = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
-SHAPE_KEYS = SIZES + ("alibi", "embed_layernorm", "arch", "n_kv_head", "ffn_hidden", "rope_theta", "rope_scaling",
-                      "tie_embeddings", "norm_eps", "n_experts", "top_k", "shared_experts")
+SHAPE_KEYS = SIZES + (
+    "alibi",
+    "embed_layernorm",
+    "arch",
+    "n_kv_head",
+    "ffn_hidden",
+    "rope_theta",
+    "rope_scaling",
+    "tie_embeddings",
+    "norm_eps",
+    "n_experts",
+    "top_k",
+    "shared_experts",
+)
 ARCHS = ("gpt2", "llama")
 ATTENTION = ("sdpa", "eager", "fused")
 
@@ -50,22 +63,32 @@ class GPTConfig:
     dropout: float = 0.0
     alibi: bool = False  # BLOOM: linear attention biases instead of learned positions
     embed_layernorm: bool = False  # BLOOM: a LayerNorm right after the embedding
-    arch: str = "gpt2"  # gpt2: LayerNorm, GeLU MLP, biases; llama: RMSNorm, SwiGLU, rotary positions, no biases
-    n_kv_head: int = 0  # key/value heads (grouped-query attention); 0: n_head (multi-head attention)
-    ffn_hidden: int = 0  # MLP width; 0: 4h (gpt2), modern.ffn_hidden(h) (llama: 2/3 4h up to a multiple of 256)
+    # gpt2: LayerNorm, GeLU MLP, biases; llama: RMSNorm, SwiGLU, rotary positions, no biases
+    arch: str = "gpt2"
+    # key/value heads (grouped-query attention); 0: n_head (multi-head attention)
+    n_kv_head: int = 0
+    # MLP width; 0: 4h (gpt2), modern.ffn_hidden(h) (llama: 2/3 4h up to a multiple of 256)
+    ffn_hidden: int = 0
     rope_theta: float = 10000.0  # llama: RoPE base (Llama 3: 500,000)
-    rope_scaling: float = 1.0  # llama: Llama 3.1's frequency scaling factor (8 in 3.1, 32 in 3.2); 1: none
-    tie_embeddings: bool = True  # the LM head is the token embedding (GPT-2, Llama 3.2 1B) or its own matrix
+    # llama: Llama 3.1's frequency scaling factor (8 in 3.1, 32 in 3.2); 1: none
+    rope_scaling: float = 1.0
+    # the LM head is the token embedding (GPT-2, Llama 3.2 1B) or its own matrix
+    tie_embeddings: bool = True
     norm_eps: float = 1e-5
     make_vocab_size_divisible_by: int = 128  # Megatron pads V so each TP shard is a multiple of 128
-    attention: str = "eager"  # eager (the lessons' explicit softmax; train.py's default: sdpa), sdpa, fused
-    n_experts: int = 0  # mixture of experts (moe.py; llama): each MLP becomes E routed SwiGLU experts of width ffn
+    # eager (the lessons' explicit softmax; train.py's default: sdpa), sdpa, fused
+    attention: str = "eager"
+    # mixture of experts (moe.py; llama): each MLP becomes E routed SwiGLU experts of width ffn
+    n_experts: int = 0
     top_k: int = 2
-    router: str = "mixtral"  # mixtral: top-k of the logits, softmax over k; deepseek (renormalized), qwen: top-k of E
+    # mixtral: top-k of the logits, softmax over k; deepseek (renormalized), qwen: top-k of E
+    router: str = "mixtral"
     moe_aux_loss: float = 0.01  # Switch/GShard load-balancing loss coefficient
     moe_z_loss: float = 0.0  # router z-loss coefficient
-    capacity_factor: float = 0.0  # 0: dropless; else assignments per expert and sequence <= ceil(cf s k / E)
-    shared_experts: int = 0  # experts every token runs through (DeepSeek, Qwen2-MoE), as one wider SwiGLU
+    # 0: dropless; else assignments per expert and sequence <= ceil(cf s k / E)
+    capacity_factor: float = 0.0
+    # experts every token runs through (DeepSeek, Qwen2-MoE), as one wider SwiGLU
+    shared_experts: int = 0
 
     @property
     def padded_vocab_size(self) -> int:
@@ -79,15 +102,21 @@ class GPTConfig:
     @property
     def ffn(self) -> int:
         """The MLP's hidden width f."""
-        return self.ffn_hidden or (ffn_hidden(self.n_embd) if self.arch == "llama" else 4 * self.n_embd)
+        return self.ffn_hidden or (
+            ffn_hidden(self.n_embd) if self.arch == "llama" else 4 * self.n_embd
+        )
 
     def validate(self) -> None:
         for name in SIZES:
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
         if self.n_embd % self.n_head:
-            raise ValueError(f"--n-embd {self.n_embd} is not divisible by --n-head {self.n_head}; "
-                             f"pick n_embd as a multiple of n_head")
+            raise ValueError(
+                f"--n-embd {self.n_embd} is not divisible by --n-head {self.n_head}; "
+                f"pick n_embd as a multiple of n_head"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.attention not in ATTENTION:
@@ -95,19 +124,35 @@ class GPTConfig:
         if self.arch not in ARCHS:
             raise ValueError(f"--arch {self.arch!r} is not one of {', '.join(ARCHS)}")
         if self.n_kv_head < 0 or self.n_head % self.kv_heads:
-            raise ValueError(f"--n-kv-head {self.n_kv_head} does not divide --n-head {self.n_head}; choose among "
-                             f"{', '.join(str(d) for d in range(1, self.n_head + 1) if self.n_head % d == 0)}")
+            raise ValueError(
+                f"--n-kv-head {self.n_kv_head} does not divide --n-head {self.n_head}; choose among "
+                f"{', '.join(str(d) for d in range(1, self.n_head + 1) if self.n_head % d == 0)}"
+            )
         if self.arch == "gpt2" and (self.n_kv_head or self.ffn_hidden or not self.tie_embeddings):
-            raise ValueError("--n-kv-head, --ffn-hidden and --untie-embeddings are for --arch llama")
+            raise ValueError(
+                "--n-kv-head, --ffn-hidden and --untie-embeddings are for --arch llama"
+            )
         if self.arch == "llama" and (self.alibi or self.embed_layernorm):
-            raise ValueError("--alibi and --embed-layernorm are BLOOM's (--arch gpt2); --arch llama uses rotary "
-                             "positions and no embedding norm")
-        bad = [k for k in ("rope_theta", "rope_scaling", "norm_eps") if not 0 < getattr(self, k) < math.inf]
-        if bad:  # NaN fails both comparisons; the flags' table (ops/ranges.py) says this first, an HF config here
-            raise ValueError(f"--{bad[0].replace('_', '-')} must be a finite number > 0, got {getattr(self, bad[0])}")
+            raise ValueError(
+                "--alibi and --embed-layernorm are BLOOM's (--arch gpt2); --arch llama uses rotary "
+                "positions and no embedding norm"
+            )
+        bad = [
+            k
+            for k in ("rope_theta", "rope_scaling", "norm_eps")
+            if not 0 < getattr(self, k) < math.inf
+        ]
+        # NaN fails both comparisons; the flags' table (ops/ranges.py) says this first, an HF config
+        # here
+        if bad:
+            raise ValueError(
+                f"--{bad[0].replace('_', '-')} must be a finite number > 0, got {getattr(self, bad[0])}"
+            )
         if self.arch == "llama" and (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"--arch llama: rotary positions need an even head size, got n_embd/n_head = "
-                             f"{self.n_embd // self.n_head}")
+            raise ValueError(
+                f"--arch llama: rotary positions need an even head size, got n_embd/n_head = "
+                f"{self.n_embd // self.n_head}"
+            )
 
 
 def bias_gelu(x, bias):
@@ -128,16 +173,19 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
     """ALiBi head slopes 2^(-8i/n) (Press et al. 2022), with the paper's rule for n not a power of
     2. On the CPU even inside `with torch.device("meta")`: a buffer computed from the config, never
     drawn (meta.py moves it)."""
+
     def powers(n):
         start = 2 ** (-8 / n)
         return [start ** (i + 1) for i in range(n)]
+
     p = 2 ** math.floor(math.log2(n_head))
     slopes = powers(p) + powers(2 * p)[0::2][: n_head - p]
     return torch.tensor(slopes, device="cpu")
 
 
 # ---------------------------------------------------------------- initialization
-INIT_BLOCK = 1 << 16  # elements one generator draws: any element of a parameter is drawn with its block alone
+# elements one generator draws: any element of a parameter is drawn with its block alone
+INIT_BLOCK = 1 << 16
 
 
 def init_std(name, n_layer):
@@ -158,7 +206,9 @@ def init_block(seed, name, k, std):
     """Block k of parameter `name`: INIT_BLOCK normals from a CPU generator seeded by (seed, name,
     k)."""
     key = int.from_bytes(hashlib.sha256(f"{seed}/{name}/{k}".encode()).digest()[:8], "little") >> 1
-    return torch.empty(INIT_BLOCK, device="cpu").normal_(0.0, std, generator=torch.Generator().manual_seed(key))
+    return torch.empty(INIT_BLOCK, device="cpu").normal_(
+        0.0, std, generator=torch.Generator().manual_seed(key)
+    )
 
 
 def draw(seed, name, std, start, stop):
@@ -173,7 +223,9 @@ def draw(seed, name, std, start, stop):
         return out.fill_(1.0 if std is None else 0.0)
     for k in range(start // INIT_BLOCK, -(-stop // INIT_BLOCK)):
         lo, hi = max(start, k * INIT_BLOCK), min(stop, (k + 1) * INIT_BLOCK)
-        out[lo - start:hi - start] = init_block(seed, name, k, std)[lo - k * INIT_BLOCK:hi - k * INIT_BLOCK]
+        out[lo - start : hi - start] = init_block(seed, name, k, std)[
+            lo - k * INIT_BLOCK : hi - k * INIT_BLOCK
+        ]
     return out
 
 

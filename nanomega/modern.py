@@ -11,6 +11,7 @@ Formulas (h hidden, a heads, g = a / n_kv, f MLP hidden; one home: formulas.py):
     FLOPs per token       6N + 12 L h s, as GPT-2's (GQA changes N, not the attention matmuls)
 Lesson: lessons/13-the-modern-block.md
 """
+
 import math
 
 import torch
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 
 from .seams import Linear, Ops
 
-# Llama 3.1's frequency scaling (its params.json: low 1, high 4, original context 8192; factor 8 in 3.1, 32 in 3.2)
+# Llama 3.1's frequency scaling (its params.json: low 1, high 4, original context 8192; factor 8 in
+# 3.1, 32 in 3.2)
 LLAMA3_LOW_FREQ, LLAMA3_HIGH_FREQ, LLAMA3_ORIGINAL_CONTEXT = 1.0, 4.0, 8192
 
 
@@ -36,12 +38,15 @@ def rope_frequencies(head_dim, theta=10000.0, scaling=1.0):
     scaling > 1: Llama 3.1's rule -- wavelengths longer than the original context / LLAMA3_LOW_FREQ
     are stretched by `scaling`, shorter than context / LLAMA3_HIGH_FREQ kept, the band between
     interpolated smoothly."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
+    inv = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    )
     if scaling == 1.0:
         return inv
     wavelen = 2 * math.pi / inv
     ctx = LLAMA3_ORIGINAL_CONTEXT
-    smooth = (ctx / wavelen - LLAMA3_LOW_FREQ) / (LLAMA3_HIGH_FREQ - LLAMA3_LOW_FREQ)  # 0 long ... 1 short
+    # 0 long ... 1 short
+    smooth = (ctx / wavelen - LLAMA3_LOW_FREQ) / (LLAMA3_HIGH_FREQ - LLAMA3_LOW_FREQ)
     stretched = torch.where(wavelen > ctx / LLAMA3_LOW_FREQ, inv / scaling, inv)
     between = (wavelen >= ctx / LLAMA3_HIGH_FREQ) & (wavelen <= ctx / LLAMA3_LOW_FREQ)
     return torch.where(between, (1 - smooth) * stretched / scaling + smooth * stretched, stretched)
@@ -62,8 +67,12 @@ class Rotary:
         cos_sin = self.tables.get((device, dtype))
         if cos_sin is None or cos_sin[0].shape[0] < s:
             angle = torch.outer(torch.arange(s, dtype=torch.float32), self.inv_freq)  # (s, hd/2)
-            angle = torch.cat((angle, angle), dim=-1)  # (s, hd): both halves of a pair share an angle
-            cos_sin = self.tables[(device, dtype)] = (angle.cos().to(device, dtype), angle.sin().to(device, dtype))
+            # (s, hd): both halves of a pair share an angle
+            angle = torch.cat((angle, angle), dim=-1)
+            cos_sin = self.tables[(device, dtype)] = (
+                angle.cos().to(device, dtype),
+                angle.sin().to(device, dtype),
+            )
         return cos_sin[0][:s], cos_sin[1][:s]
 
     def __call__(self, x, pos=None):  # (b, heads, s, hd) -> rotated; pos: (s,) (CPU) or None

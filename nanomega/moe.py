@@ -14,6 +14,7 @@ Formulas (one home: formulas.py):
     FLOPs per token   6 N_active + 12 L h s
 Lesson: lessons/14-experts.md
 """
+
 import math
 
 import torch
@@ -30,17 +31,25 @@ def check(cfg):
     """One line for an MoE shape that cannot run (GPTConfig.validate calls it)."""
     if not cfg.n_experts:
         if cfg.shared_experts:
-            raise ValueError("--shared-experts needs --n-experts (shared experts sit beside routed ones)")
+            raise ValueError(
+                "--shared-experts needs --n-experts (shared experts sit beside routed ones)"
+            )
         return
     if cfg.arch != "llama":
-        raise ValueError("--n-experts replaces the Llama block's SwiGLU MLP by experts; add --arch llama")
+        raise ValueError(
+            "--n-experts replaces the Llama block's SwiGLU MLP by experts; add --arch llama"
+        )
     if cfg.n_experts < 2 or not 1 <= cfg.top_k <= cfg.n_experts:
-        raise ValueError(f"--n-experts {cfg.n_experts} must be >= 2 and --top-k {cfg.top_k} in [1, n_experts]")
+        raise ValueError(
+            f"--n-experts {cfg.n_experts} must be >= 2 and --top-k {cfg.top_k} in [1, n_experts]"
+        )
     if cfg.router not in ROUTERS:
         raise ValueError(f"--router {cfg.router!r} is not one of {', '.join(ROUTERS)}")
     for flag in ("capacity_factor", "moe_aux_loss", "moe_z_loss", "shared_experts"):
         if not 0 <= getattr(cfg, flag) < math.inf:
-            raise ValueError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {getattr(cfg, flag)}")
+            raise ValueError(
+                f"--{flag.replace('_', '-')} must be a finite number >= 0, got {getattr(cfg, flag)}"
+            )
 
 
 def route(logits, k, router="mixtral", bias=None):
@@ -53,7 +62,11 @@ def route(logits, k, router="mixtral", bias=None):
     if router == "mixtral":
         return logits.gather(-1, experts).softmax(-1), experts, probs
     weights = probs.gather(-1, experts)
-    return (weights / weights.sum(-1, keepdim=True) if router == "deepseek" else weights), experts, probs
+    return (
+        (weights / weights.sum(-1, keepdim=True) if router == "deepseek" else weights),
+        experts,
+        probs,
+    )
 
 
 def capacity(cf, s, k, n_experts):
@@ -74,7 +87,8 @@ def balance_loss(probs, experts, n_experts):
     """Switch/GShard's E * sum_e f_e P_e per sequence: probs (b, s, E), experts (b, s, k) ->
     (b,)."""
     b, s, k = experts.shape
-    f = F.one_hot(experts.flatten(1), n_experts).sum(1).float() / (s * k)  # (b, E): share of the assignments
+    # (b, E): share of the assignments
+    f = F.one_hot(experts.flatten(1), n_experts).sum(1).float() / (s * k)
     return n_experts * (f * probs.mean(1)).sum(-1)
 
 
@@ -139,7 +153,8 @@ class MoE(nn.Module):
             if cfg.shared_experts
             else None
         )
-        # DeepSeek-V3's balancing bias: computed on the host (not drawn; like alibi_slopes), moved by update_bias
+        # DeepSeek-V3's balancing bias: computed on the host (not drawn; like alibi_slopes), moved
+        # by update_bias
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, device="cpu"))
         self.ep, self.grad_scale, self.last, self.booked = None, 1.0, {}, None
 
@@ -158,8 +173,15 @@ class MoE(nn.Module):
 
         # the experts (on their ep ranks), and the shared ones
         kept = None if keep is None else keep.flatten(0, 1)
-        y = dispatch_combine(x.flatten(0, 1), experts.flatten(0, 1), weights, kept, self.experts,
-                             self.n_experts, self.ep)
+        y = dispatch_combine(
+            x.flatten(0, 1),
+            experts.flatten(0, 1),
+            weights,
+            kept,
+            self.experts,
+            self.n_experts,
+            self.ep,
+        )
         y = y.view(b, s, h)
         if self.shared is not None:
             y = y + self.shared(x)

@@ -1,10 +1,12 @@
-"""Pipeline parallelism: consecutive layers on consecutive ranks, micro-batches streamed through them.
+"""Pipeline parallelism: consecutive layers on consecutive ranks, micro-batches streamed through
+them.
 
-Idea: stage k of p keeps only its share of the blocks (the embedding on the first stage, the final norm, head
-and loss on the last). A step runs m micro-batches through the stages in the order a schedule gives
-(schedules.py: GPipe, 1F1B, interleaved 1F1B); neighbours exchange activations (forward) and their gradients
-(backward) with batched isend/irecv of shapes known in advance. The tied embedding lives twice, on the first
-and the last stage, and the two copies' gradients are summed over grid.embed so they stay equal.
+Idea: stage k of p keeps only its share of the blocks (the embedding on the first stage, the final
+norm, head and loss on the last). A step runs m micro-batches through the stages in the order a
+schedule gives (schedules.py: GPipe, 1F1B, interleaved 1F1B); neighbours exchange activations
+(forward) and their gradients (backward) with batched isend/irecv of shapes known in advance. The
+tied embedding lives twice, on the first and the last stage, and the two copies' gradients are
+summed over grid.embed so they stay equal.
 
 Formulas (p stages, m micro-batches of activation memory A each, v chunks per rank):
     bubble = (p - 1) / (v m + p - 1) of every rank's step time
@@ -12,6 +14,7 @@ Formulas (p stages, m micro-batches of activation memory A each, v chunks per ra
     a sent output (mb, s, h) is freed once sent (Megatron's deallocate trick): saves that much per in-flight mb
 Lesson: lessons/05-pipeline-parallel.md
 """
+
 import contextlib
 
 import torch
@@ -22,11 +25,14 @@ from .schedules import SCHEDULES, Comm, comm_plan, ops_in_order, peer, recv_msg,
 
 
 def stage_layers(n_layer, pp, pp_rank) -> range:
-    """Layers of stage pp_rank: L // p each, and one more on the first L % p stages (numpy's array_split):
-    the extra layers go to the front, away from the last stage, which also runs the LM head and the loss."""
+    """Layers of stage pp_rank: L // p each, and one more on the first L % p stages (numpy's
+    array_split): the extra layers go to the front, away from the last stage, which also runs the LM
+    head and the loss."""
     if pp > n_layer:
-        raise ValueError(f"--pp {pp} is larger than --n-layer {n_layer}: every pipeline stage needs at least "
-                         f"one layer; use --pp <= {n_layer}")
+        raise ValueError(
+            f"--pp {pp} is larger than --n-layer {n_layer}: every pipeline stage needs at least "
+            f"one layer; use --pp <= {n_layer}"
+        )
     size, extra = divmod(n_layer, pp)
     start = pp_rank * size + min(pp_rank, extra)
     return range(start, start + size + (pp_rank < extra))
@@ -35,7 +41,9 @@ def stage_layers(n_layer, pp, pp_rank) -> range:
 def check_args(n_layer, pp, microbatches, schedule, virtual=1):
     """One-line errors for a pipeline layout that cannot run; call it before any collective."""
     if schedule not in SCHEDULES:
-        raise ValueError(f"--schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+        raise ValueError(
+            f"--schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}"
+        )
     if microbatches < 1:
         raise ValueError(f"--microbatches must be >= 1, got {microbatches}")
     if virtual < 1:
@@ -44,28 +52,37 @@ def check_args(n_layer, pp, microbatches, schedule, virtual=1):
         raise ValueError(f"--virtual-stages {virtual} needs --schedule interleaved")
     if schedule == "interleaved":
         if virtual < 2 or pp < 2:
-            raise ValueError(f"--schedule interleaved needs --pp >= 2 and --virtual-stages >= 2 (model chunks "
-                             f"per rank), got pp {pp}, virtual stages {virtual}")
+            raise ValueError(
+                f"--schedule interleaved needs --pp >= 2 and --virtual-stages >= 2 (model chunks "
+                f"per rank), got pp {pp}, virtual stages {virtual}"
+            )
         if n_layer % (pp * virtual):
-            raise ValueError(f"--schedule interleaved: --n-layer {n_layer} is not divisible by --pp {pp} x "
-                             f"--virtual-stages {virtual} = {pp * virtual}; use a multiple of {pp * virtual}")
+            raise ValueError(
+                f"--schedule interleaved: --n-layer {n_layer} is not divisible by --pp {pp} x "
+                f"--virtual-stages {virtual} = {pp * virtual}; use a multiple of {pp * virtual}"
+            )
         if microbatches % pp:
-            raise ValueError(f"--schedule interleaved: --microbatches {microbatches} is not a multiple of --pp "
-                             f"{pp} (micro-batches enter the chunks in groups of pp); use "
-                             f"{-(-microbatches // pp) * pp}")
+            raise ValueError(
+                f"--schedule interleaved: --microbatches {microbatches} is not a multiple of --pp "
+                f"{pp} (micro-batches enter the chunks in groups of pp); use "
+                f"{-(-microbatches // pp) * pp}"
+            )
     stage_layers(n_layer, pp * virtual, 0)
 
 
 def chunk_layers(n_layer, pp, pp_rank, chunk, virtual=1) -> range:
-    """Layers of model chunk `chunk` on rank pp_rank: virtual stage chunk * pp + pp_rank of pp * virtual."""
+    """Layers of model chunk `chunk` on rank pp_rank: virtual stage chunk * pp + pp_rank of pp *
+    virtual."""
     return stage_layers(n_layer, pp * virtual, chunk * pp + pp_rank)
 
 
 def build_stage(model, grid, virtual=1):
-    """Keep only this rank's pieces of the dense GPT, in place; parameter names stay the dense model's.
+    """Keep only this rank's pieces of the dense GPT, in place; parameter names stay the dense
+    model's.
 
-    With pp > 1 the last stage's LM head gets its own copy of the tied embedding (equal by construction, as
-    every rank built the same dense model), tagged `shared_embedding`; sync_tied_grads keeps it in sync.
+    With pp > 1 the last stage's LM head gets its own copy of the tied embedding (equal by
+    construction, as every rank built the same dense model), tagged `shared_embedding`;
+    sync_tied_grads keeps it in sync.
     """
     p, rank, n_layer = grid.pp.size, grid.pp_rank, model.cfg.n_layer
     keep = {str(i) for c in range(virtual) for i in chunk_layers(n_layer, p, rank, c, virtual)}
@@ -93,12 +110,14 @@ def is_shared_embedding_copy(p):
 
 
 def saved_name(name, p):
-    """The name a parameter is saved and resharded under: the copy stands for the dense model's embedding."""
+    """The name a parameter is saved and resharded under: the copy stands for the dense model's
+    embedding."""
     return TIED_EMBEDDING if p is not None and is_shared_embedding_copy(p) else name
 
 
 def tied_embedding(model, grid):
-    """This stage's copy of the tied embedding/LM-head matrix, or None (middle stages, pp == 1, or untied)."""
+    """This stage's copy of the tied embedding/LM-head matrix, or None (middle stages, pp == 1, or
+    untied)."""
     if grid.pp.size == 1 or not model.cfg.tie_embeddings:
         return None
     if grid.first_stage:
@@ -107,9 +126,10 @@ def tied_embedding(model, grid):
 
 
 def sum_tied_grad(grad, grid):
-    """Sum the embedding gradient of the first stage and the LM-head gradient of the last (Megatron's
-    embedding group), so both copies take the dense model's step: p.grad here (sync_tied_grads); under
-    zero.ZeroEngine, tied_sums tells the engine to sum its fp32 gradient slice the same way."""
+    """Sum the embedding gradient of the first stage and the LM-head gradient of the last
+    (Megatron's embedding group), so both copies take the dense model's step: p.grad here
+    (sync_tied_grads); under zero.ZeroEngine, tied_sums tells the engine to sum its fp32 gradient
+    slice the same way."""
     grid.embed.all_reduce(grad)
 
 
@@ -132,8 +152,9 @@ def sync_tied_grads(model, grid):
 
 
 def forward_chunk(model, x, targets, layers, first, last, docs=None):
-    """One model chunk: (embedding) -> blocks in `layers` -> (head and loss). x: ids (b, s) or (b, s, h); docs:
-    the micro-batch's document ids (b, s) (--document-mask; every stage has its batch) or None."""
+    """One model chunk: (embedding) -> blocks in `layers` -> (head and loss). x: ids (b, s) or (b,
+    s, h); docs: the micro-batch's document ids (b, s) (--document-mask; every stage has its batch)
+    or None."""
     if first:
         x = model.embed(x)
     for i in layers:
@@ -141,68 +162,115 @@ def forward_chunk(model, x, targets, layers, first, last, docs=None):
     return model.head(x, targets) if last else x
 
 
-def train_step(model, grid, micro_batches, schedule="1f1b", no_sync=contextlib.nullcontext, loss_scale=1.0,
-               virtual=1, act_shape=None, trace=None, deallocate=True):
-    """Forward and backward of all micro-batches [(x, y) or (x, y, docs), ...] on this stage, in the schedule's order.
+def train_step(
+    model,
+    grid,
+    micro_batches,
+    schedule="1f1b",
+    no_sync=contextlib.nullcontext,
+    loss_scale=1.0,
+    virtual=1,
+    act_shape=None,
+    trace=None,
+    deallocate=True,
+):
+    """Forward and backward of all micro-batches [(x, y) or (x, y, docs), ...] on this stage, in the
+    schedule's order.
 
-    The loss is the mean over micro-batches (each backward starts from loss_i / m * loss_scale). Returns that
-    mean loss (unscaled) on every rank: the last stage broadcasts the micro-batches' losses over the pp axis.
-    Activations between stages have act_shape (default (mb, seq, n_embd); (mb, seq/tp, h) with sequence
-    parallelism) in the blocks' dtype, the batch dimension each micro-batch's own (a last one may be ragged).
-    no_sync wraps every backward but the last one of each model chunk.
-    trace (a schedules.Trace) records wall-clock spans and the memory high-water marks.
+    The loss is the mean over micro-batches (each backward starts from loss_i / m * loss_scale).
+    Returns that mean loss (unscaled) on every rank: the last stage broadcasts the micro-batches'
+    losses over the pp axis.
+    Activations between stages have act_shape (default (mb, seq, n_embd); (mb, seq/tp, h) with
+    sequence parallelism) in the blocks' dtype, the batch dimension each micro-batch's own (a last
+    one may be ragged). no_sync wraps every backward but the last one of each model chunk. trace (a
+    schedules.Trace) records wall-clock spans and the memory high-water marks.
     """
     check_args(model.cfg.n_layer, grid.pp.size, len(micro_batches), schedule, virtual)
     rounds = SCHEDULES[schedule](grid.pp.size, grid.pp_rank, len(micro_batches), virtual)
-    losses = _run(model, grid, rounds, micro_batches, virtual, act_shape, no_sync, loss_scale, trace, deallocate)
+    losses = _run(
+        model,
+        grid,
+        rounds,
+        micro_batches,
+        virtual,
+        act_shape,
+        no_sync,
+        loss_scale,
+        trace,
+        deallocate,
+    )
     return losses.mean().item()
 
 
 @torch.no_grad()
 def forward_only(model, grid, micro_batches, act_shape=None, virtual=1):
-    """Mean loss per sequence over the micro-batches, without backward (evaluation), returned on every rank of
-    the pp axis: sequence_mean of their losses, so a ragged last micro-batch weighs what its sequences do.
-    virtual: the number of chunks build_stage cut this stage into (_run checks the layers match it)."""
+    """Mean loss per sequence over the micro-batches, without backward (evaluation), returned on
+    every rank of the pp axis: sequence_mean of their losses, so a ragged last micro-batch weighs
+    what its sequences do. virtual: the number of chunks build_stage cut this stage into (_run
+    checks the layers match it)."""
     rounds = schedules.forward_only(grid.pp.size, grid.pp_rank, len(micro_batches), virtual)
     losses = _run(model, grid, rounds, micro_batches, virtual, act_shape)
     return sequence_mean(losses, [len(batch[0]) for batch in micro_batches])
 
 
 def sequence_mean(losses, sizes) -> float:
-    """The mean loss per sequence of micro-batches with mean losses `losses` (a tensor) and `sizes` sequences
-    each, in float64: every micro-batch weighted by its size (the plain mean over micro-batches would weigh an
-    evaluation's ragged last one, 2 sequences, as much as a full one of 16). One home for the pipelined and
-    the plain evaluation (train.evaluate), so the two agree bitwise wherever their per-micro-batch losses do."""
+    """The mean loss per sequence of micro-batches with mean losses `losses` (a tensor) and `sizes`
+    sequences each, in float64: every micro-batch weighted by its size (the plain mean over
+    micro-batches would weigh an evaluation's ragged last one, 2 sequences, as much as a full one of
+    16). One home for the pipelined and the plain evaluation (train.evaluate), so the two agree
+    bitwise wherever their per-micro-batch losses do."""
     weights = torch.tensor(sizes, dtype=torch.float64, device=losses.device)
     return ((losses.double() * weights).sum() / weights.sum()).item()
 
 
-def _run(model, grid, rounds, micro_batches, virtual, act_shape, no_sync=contextlib.nullcontext, loss_scale=1.0,
-         trace=None, deallocate=True):
+def _run(
+    model,
+    grid,
+    rounds,
+    micro_batches,
+    virtual,
+    act_shape,
+    no_sync=contextlib.nullcontext,
+    loss_scale=1.0,
+    trace=None,
+    deallocate=True,
+):
     p, rank, m = grid.pp.size, grid.pp_rank, len(micro_batches)
     n_layer, last_vs = model.cfg.n_layer, p * virtual - 1
     expected = {str(i) for c in range(virtual) for i in chunk_layers(n_layer, p, rank, c, virtual)}
     if expected != set(model.blocks):
-        raise ValueError(f"pipeline stage {rank} holds layers {sorted(map(int, model.blocks))} but {virtual} "
-                         f"chunk(s) per rank need {sorted(map(int, expected))}: pass the virtual given to build_stage")
+        raise ValueError(
+            f"pipeline stage {rank} holds layers {sorted(map(int, model.blocks))} but {virtual} "
+            f"chunk(s) per rank need {sorted(map(int, expected))}: pass the virtual given to build_stage"
+        )
     x0 = micro_batches[0][0]
     shape = act_shape or (x0.shape[0], x0.shape[1], model.cfg.n_embd)
     dtype = next(model.blocks.parameters()).dtype
     last_backward = {op.chunk: op for op in ops_in_order(rounds) if op.kind == "B"}
     sync = torch.accelerator.synchronize if grid.device.type != "cpu" else (lambda: None)
-    live, inbox, outbox, losses = {}, {}, {}, []  # live: (chunk, mb) -> (input, output) awaiting backward
+    # live: (chunk, mb) -> (input, output) awaiting backward
+    live, inbox, outbox, losses = {}, {}, {}, []
 
     for step in comm_plan(rounds, p, rank, virtual):
         if isinstance(step, Comm):
-            # a micro-batch's activation (or its gradient) has its own batch size: an evaluation's last
-            # micro-batch may be ragged, and a receive larger than its send would hang NCCL
-            inbox.update({msg: torch.empty((len(micro_batches[msg[1]][0]), *shape[1:]), dtype=dtype,
-                                           device=grid.device) for msg in step.recvs})
-            grid.pp.p2p(sends=[(outbox[msg], peer(msg, p, rank)) for msg in step.sends],
-                        recvs=[(inbox[msg], peer(msg, p, rank)) for msg in step.recvs])
+            # a micro-batch's activation (or its gradient) has its own batch size: an evaluation's
+            # last micro-batch may be ragged, and a receive larger than its send would hang NCCL
+            inbox.update(
+                {
+                    msg: torch.empty(
+                        (len(micro_batches[msg[1]][0]), *shape[1:]), dtype=dtype, device=grid.device
+                    )
+                    for msg in step.recvs
+                }
+            )
+            grid.pp.p2p(
+                sends=[(outbox[msg], peer(msg, p, rank)) for msg in step.sends],
+                recvs=[(inbox[msg], peer(msg, p, rank)) for msg in step.recvs],
+            )
             for msg in step.sends:
                 sent = outbox.pop(msg)
-                if deallocate and msg[0] == "F" and sent._base is None:  # autograd needs only its grad_fn
+                # autograd needs only its grad_fn
+                if deallocate and msg[0] == "F" and sent._base is None:
                     sent.data = torch.empty(0, dtype=sent.dtype, device=sent.device)
             if trace:
                 held = sum(out.untyped_storage().nbytes() for _, out in live.values() if out.dim())
@@ -214,7 +282,9 @@ def _run(model, grid, rounds, micro_batches, virtual, act_shape, no_sync=context
                 x, y, *docs = micro_batches[step.mb]
                 x = x if vs == 0 else inbox.pop(recv_msg(step, p, rank, virtual)).requires_grad_()
                 layers = chunk_layers(n_layer, p, rank, step.chunk, virtual)
-                out = forward_chunk(model, x, y if vs == last_vs else None, layers, vs == 0, vs == last_vs, *docs)
+                out = forward_chunk(
+                    model, x, y if vs == last_vs else None, layers, vs == 0, vs == last_vs, *docs
+                )
                 if vs == last_vs:
                     losses.append(out.detach())
                     out = out / m * loss_scale
@@ -224,7 +294,11 @@ def _run(model, grid, rounds, micro_batches, virtual, act_shape, no_sync=context
                     trace.peak_inflight = max(trace.peak_inflight, len(live))
             else:
                 x, out = live.pop((step.chunk, step.mb))
-                grad = torch.ones_like(out) if vs == last_vs else inbox.pop(recv_msg(step, p, rank, virtual))
+                grad = (
+                    torch.ones_like(out)
+                    if vs == last_vs
+                    else inbox.pop(recv_msg(step, p, rank, virtual))
+                )
                 with no_sync() if step != last_backward[step.chunk] else contextlib.nullcontext():
                     _backward(out, grad)
         msg = send_msg(step, p, rank, virtual)
@@ -236,8 +310,15 @@ def _run(model, grid, rounds, micro_batches, virtual, act_shape, no_sync=context
 
 
 def _backward(out, grad):
-    """Backward from out with gradient grad. Calls the autograd engine directly, as Megatron's custom_backward:
-    torch.autograd.backward would reject a grad whose shape differs from the deallocated out.data."""
+    """Backward from out with gradient grad. Calls the autograd engine directly, as Megatron's
+    custom_backward: torch.autograd.backward would reject a grad whose shape differs from the
+    deallocated out.data."""
     torch.autograd.Variable._execution_engine.run_backward(
-        tensors=(out,), grad_tensors=(grad,), keep_graph=False, create_graph=False, inputs=(),
-        allow_unreachable=True, accumulate_grad=True)
+        tensors=(out,),
+        grad_tensors=(grad,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )

@@ -17,6 +17,7 @@ Bytes per parameter with Adam: 2 (bf16 weight) + 2 (bf16 grad) + 4 (fp32 master)
 1/S, and on inf/nan skip the step and halve S; after `growth_interval` clean steps double S.
 Lesson: lessons/06-mixed-precision.md
 """
+
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -46,15 +47,27 @@ def check_dtype_supported(dtype: torch.dtype, device) -> None:
     if dtype == torch.float32:
         return
     name = dtype_name(dtype)
-    fix = "use --dtype bf16 or --dtype fp32" if dtype == torch.float16 else "use --dtype fp32 (or fp16 with loss scaling)"
-    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
-        raise ValueError(f"--dtype bf16: {torch.cuda.get_device_name(device)} has no bf16 support (needs sm_80+); {fix}")
+    fix = (
+        "use --dtype bf16 or --dtype fp32"
+        if dtype == torch.float16
+        else "use --dtype fp32 (or fp16 with loss scaling)"
+    )
+    if (
+        device.type == "cuda"
+        and dtype == torch.bfloat16
+        and not torch.cuda.is_bf16_supported(including_emulation=False)
+    ):
+        raise ValueError(
+            f"--dtype bf16: {torch.cuda.get_device_name(device)} has no bf16 support (needs sm_80+); {fix}"
+        )
     try:
         a = torch.ones(8, 8, dtype=dtype, device=device, requires_grad=True)
         (a @ a).sum().backward()
         ok = a.grad is not None and bool(torch.isfinite(a.grad).all())
     except (RuntimeError, NotImplementedError) as e:
-        raise ValueError(f"--dtype {name} is not supported on device {device} ({str(e).splitlines()[0]}); {fix}") from None
+        raise ValueError(
+            f"--dtype {name} is not supported on device {device} ({str(e).splitlines()[0]}); {fix}"
+        ) from None
     if not ok:
         raise ValueError(f"--dtype {name} gave wrong results on device {device}; {fix}")
 
@@ -126,13 +139,31 @@ class LossScaler:
     optimizer step; then it calls `update(found_inf)`.
     """
 
-    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=1000,
-                 dynamic=True, min_scale=1.0):
-        if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0 and growth_interval >= 1 and init_scale > 0):
-            raise ValueError("LossScaler needs growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1, "
-                             "init_scale > 0")
+    def __init__(
+        self,
+        init_scale=2.0**16,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        growth_interval=1000,
+        dynamic=True,
+        min_scale=1.0,
+    ):
+        if not (
+            growth_factor > 1.0
+            and 0.0 < backoff_factor < 1.0
+            and growth_interval >= 1
+            and init_scale > 0
+        ):
+            raise ValueError(
+                "LossScaler needs growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1, "
+                "init_scale > 0"
+            )
         self.scale = float(init_scale) if dynamic else 1.0
-        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.growth_factor, self.backoff_factor, self.growth_interval = (
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+        )
         self.dynamic, self.min_scale = dynamic, min_scale
         self.good_steps = 0  # clean steps since the last change of scale
         self.skipped = 0  # optimizer steps skipped because of inf/nan
@@ -162,8 +193,17 @@ class LossScaler:
                 self.good_steps = 0
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped, "dynamic": self.dynamic}
+        return {
+            "scale": self.scale,
+            "good_steps": self.good_steps,
+            "skipped": self.skipped,
+            "dynamic": self.dynamic,
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale, self.good_steps, self.skipped = float(state["scale"]), state["good_steps"], state["skipped"]
+        self.scale, self.good_steps, self.skipped = (
+            float(state["scale"]),
+            state["good_steps"],
+            state["skipped"],
+        )
         self.dynamic = state["dynamic"]

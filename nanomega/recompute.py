@@ -14,6 +14,7 @@ home: formulas.activation_bytes_per_layer) and the compute price in matmul FLOPs
     full       2 sbh              + 1/3
 Lesson: lessons/07-activation-recompute.md
 """
+
 import itertools
 
 import torch
@@ -70,13 +71,15 @@ class Checkpointed:
 
 
 class ActivationMeter:
-    """Bytes of tensors autograd keeps for backward (parameters and buffers excluded; storages shared by
-    several saved tensors counted once), live and peak: the activation memory a schedule holds.
+    """Bytes of tensors autograd keeps for backward (parameters and buffers excluded; storages
+    shared by several saved tensors counted once), live and peak: the activation memory a schedule
+    holds.
 
         with ActivationMeter(model) as meter: train_step(...)      ->  meter.peak (bytes)
 
-    blocks ({key: module}, e.g. model.blocks): also attribute every storage packed while inside a block's
-    forward to that block, at its full size, in meter.per_block[key] = {storage pointer: bytes}.
+    blocks ({key: module}, e.g. model.blocks): also attribute every storage packed while inside a
+    block's forward to that block, at its full size, in meter.per_block[key] = {storage pointer:
+    bytes}.
     """
 
     def __init__(self, model, blocks=None):

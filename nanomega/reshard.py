@@ -8,6 +8,7 @@ import_by_name), reading only the shards whose pieces it needs, always to the CP
 themselves -- shards, manifest, checksums, discovery -- are nanomega/checkpoint.py.
 Lesson: lessons/10-checkpoints-and-failures.md
 """
+
 import copy as copy_module
 import math
 from collections import defaultdict
@@ -40,12 +41,26 @@ def held(engine):
     out = [piece for piece in engine.pieces if piece.group is not None]
     frozen = engine.sharded.frozen if engine.sharded else []
     for g in frozen:
-        out += [Piece(g.names[i], tuple(g.shapes[i]), a - g.offsets[i], b - g.offsets[i],
-                      g.shard[a - g.lo:b - g.lo], replica=False, group=g, index=i, at=a - g.lo)
-                for i, a, b in g.pieces()]
+        out += [
+            Piece(
+                g.names[i],
+                tuple(g.shapes[i]),
+                a - g.offsets[i],
+                b - g.offsets[i],
+                g.shard[a - g.lo : b - g.lo],
+                replica=False,
+                group=g,
+                index=i,
+                at=a - g.lo,
+            )
+            for i, a, b in g.pieces()
+        ]
     in_units = {id(p) for g in frozen for p in g.params}
-    out += [Piece(k, tuple(p.shape), 0, p.numel(), p.detach().reshape(-1), replica=True)
-            for k, p in engine.module.named_parameters() if not p.requires_grad and id(p) not in in_units]
+    out += [
+        Piece(k, tuple(p.shape), 0, p.numel(), p.detach().reshape(-1), replica=True)
+        for k, p in engine.module.named_parameters()
+        if not p.requires_grad and id(p) not in in_units
+    ]
     return out
 
 
@@ -58,7 +73,11 @@ def export_by_name(engine, copies=False, copy=True):
     out, grid = [], engine.grid
     take = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())
     for piece in held(engine):
-        if not copies and piece.replica and (grid.edp.rank if ep.is_expert(piece.name) else grid.dp_cp.rank) != 0:
+        if (
+            not copies
+            and piece.replica
+            and (grid.edp.rank if ep.is_expert(piece.name) else grid.dp_cp.rank) != 0
+        ):
             # one of the dp x cp replicas; a routed expert's are its edp ranks (dp
             # peers hold others: ep.py)
             continue
@@ -66,9 +85,19 @@ def export_by_name(engine, copies=False, copy=True):
         if not copies and p is not None and pp.is_shared_embedding_copy(p):
             continue
         state = engine.optimizer.state.get(piece.master, {})
-        out.append(dict(name=piece.name, shape=piece.shape, start=piece.start, end=piece.end,
-                        master=take(piece.master.reshape(-1).float()),
-                        state={k: take(v.reshape(-1)) if is_elementwise(v) else clone(v) for k, v in state.items()}))
+        out.append(
+            dict(
+                name=piece.name,
+                shape=piece.shape,
+                start=piece.start,
+                end=piece.end,
+                master=take(piece.master.reshape(-1).float()),
+                state={
+                    k: take(v.reshape(-1)) if is_elementwise(v) else clone(v)
+                    for k, v in state.items()
+                },
+            )
+        )
     return out
 
 
@@ -78,11 +107,13 @@ def import_by_name(engine, params_by_name, optim_state_by_name=None):
     fp32 masters, the model's parameters (frozen ones too) and, when given, the optimizer state."""
     missing = [k for k, _ in engine.module.named_parameters() if k not in params_by_name]
     if missing:
-        raise ValueError(f"import_by_name: no tensor for parameters {missing[:3]} (of {len(missing)} missing)")
+        raise ValueError(
+            f"import_by_name: no tensor for parameters {missing[:3]} (of {len(missing)} missing)"
+        )
     for g in engine.groups:
-        g.master.copy_(g.flatten([params_by_name[k] for k in g.names], torch.float32)[g.lo:g.hi])
+        g.master.copy_(g.flatten([params_by_name[k] for k in g.names], torch.float32)[g.lo : g.hi])
     for g in engine.sharded.frozen if engine.sharded else []:
-        g.shard.copy_(g.flatten([params_by_name[k] for k in g.names])[g.lo:g.hi])
+        g.shard.copy_(g.flatten([params_by_name[k] for k in g.names])[g.lo : g.hi])
     for piece in held(engine):
         if piece.group is None:  # a frozen parameter held whole
             piece.master.copy_(params_by_name[piece.name].reshape(-1))
@@ -92,11 +123,21 @@ def import_by_name(engine, params_by_name, optim_state_by_name=None):
         for piece in engine.pieces:
             m = piece.master
             if piece.group is None:  # an empty piece takes the keys of any parameter of its group
-                j = next(j for j, group in enumerate(optimizer.param_groups) if group["params"][0] is m)
-                st = next((optim_state_by_name[k] for k, jj in engine.group_of.items()
-                           if jj == j and optim_state_by_name.get(k)), {})
-                optimizer.state[m] = {k: m.new_zeros(0, dtype=v.dtype) if is_elementwise(v) else clone(v)
-                                      for k, v in st.items()}
+                j = next(
+                    j for j, group in enumerate(optimizer.param_groups) if group["params"][0] is m
+                )
+                st = next(
+                    (
+                        optim_state_by_name[k]
+                        for k, jj in engine.group_of.items()
+                        if jj == j and optim_state_by_name.get(k)
+                    ),
+                    {},
+                )
+                optimizer.state[m] = {
+                    k: m.new_zeros(0, dtype=v.dtype) if is_elementwise(v) else clone(v)
+                    for k, v in st.items()
+                }
                 continue
             st = optim_state_by_name[piece.name]
             # element-wise state goes to the parameter's device at every stage (a checkpoint is read
@@ -105,16 +146,22 @@ def import_by_name(engine, params_by_name, optim_state_by_name=None):
             # CUDA parameter)
             group = optimizer.param_groups[engine.group_of[piece.name]]
             home = m.device if group.get("fused") or group.get("capturable") else None
-            optimizer.state[m] = {k: (v.to(m.device).reshape(-1)[piece.start:piece.end].clone().view(m.shape)
-                                      if is_elementwise(v) else scalar(v, home)) for k, v in st.items()}
+            optimizer.state[m] = {
+                k: (
+                    v.to(m.device).reshape(-1)[piece.start : piece.end].clone().view(m.shape)
+                    if is_elementwise(v)
+                    else scalar(v, home)
+                )
+                for k, v in st.items()
+            }
     engine.write_back()
 
 
 def pieces(engine, grid, copy=True):
     """What this rank saves: its share of every parameter by name (export_by_name), with its tp rank
-    (the pieces of tensor-parallel parameters are slices of the tp-local tensor). copy=False: views of the
-    engine's live buffers, to be copied before the next step (async_checkpoint.AsyncSaver copies them into reused
-    buffers)."""
+    (the pieces of tensor-parallel parameters are slices of the tp-local tensor). copy=False: views
+    of the engine's live buffers, to be copied before the next step (async_checkpoint.AsyncSaver
+    copies them into reused buffers)."""
     return dict(tp_rank=grid.tp_rank, pieces=export_by_name(engine, copy=copy))
 
 
@@ -122,9 +169,14 @@ def on_host(pieces):
     """export_by_name's pieces with every tensor copied to the CPU: a CUDA tensor gathered as a
     Python object is unpickled onto the sender's device (its cuda:N) on every rank: memory on
     another rank's GPU, or an error where that device is not visible."""
+
     def host(v):
         return v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
-    return [dict(p, master=host(p["master"]), state={k: host(v) for k, v in p["state"].items()}) for p in pieces]
+
+    return [
+        dict(p, master=host(p["master"]), state={k: host(v) for k, v in p["state"].items()})
+        for p in pieces
+    ]
 
 
 def full_state(engine):
@@ -134,8 +186,10 @@ def full_state(engine):
     every = engine.axis.all_gather_object(on_host(export_by_name(engine, copies=True, copy=False)))
     full = _assemble([dict(universal=dict(tp_rank=0, pieces=p)) for p in every], tp_size=1)
     trainable = {k for k, p in engine.module.named_parameters() if p.requires_grad}
-    return ({k: master for k, (master, _) in full.items()},
-            {k: state for k, (_, state) in full.items() if k in trainable})
+    return (
+        {k: master for k, (master, _) in full.items()},
+        {k: state for k, (_, state) in full.items() if k in trainable},
+    )
 
 
 def _assemble(shards, need=None, tp_size=None, replicate_kv=False):
@@ -150,34 +204,51 @@ def _assemble(shards, need=None, tp_size=None, replicate_kv=False):
         u = shard["universal"]
         for p in u["pieces"]:
             n = math.prod(p["shape"])
-            entry = local[p["name"]].setdefault(u["tp_rank"], [torch.zeros(n), {}, torch.zeros(n, dtype=torch.bool),
-                                                               p["shape"]])
-            entry[0][p["start"]:p["end"]] = p["master"]
-            entry[2][p["start"]:p["end"]] = True
+            entry = local[p["name"]].setdefault(
+                u["tp_rank"], [torch.zeros(n), {}, torch.zeros(n, dtype=torch.bool), p["shape"]]
+            )
+            entry[0][p["start"] : p["end"]] = p["master"]
+            entry[2][p["start"] : p["end"]] = True
             for k, v in p["state"].items():
                 if is_elementwise(v):
-                    entry[1].setdefault(k, torch.zeros(n, dtype=v.dtype))[p["start"]:p["end"]] = v
+                    entry[1].setdefault(k, torch.zeros(n, dtype=v.dtype))[p["start"] : p["end"]] = v
                 else:
                     entry[1][k] = v
-    checks = need.items() if need is not None else \
-        [((name, r), [(0, None)]) for name, by_rank in local.items() for r in by_rank]
+    checks = (
+        need.items()
+        if need is not None
+        else [((name, r), [(0, None)]) for name, by_rank in local.items() for r in by_rank]
+    )
     for (name, r), ranges in checks:
         covered = local.get(name, {}).get(r, [None, None, torch.zeros(0, dtype=torch.bool)])[2]
         if not all(len(covered[a:b]) and covered[a:b].all() for a, b in ranges):
-            raise ValueError(f"--resume: the checkpoint holds only part of {name}; it is incomplete")
+            raise ValueError(
+                f"--resume: the checkpoint holds only part of {name}; it is incomplete"
+            )
     full = {}
     for name, by_rank in local.items():
-        t = 1 if tp.shard_rule(name, replicate_kv) is None else tp_size or max(by_rank) + 1  # replicated: one copy
+        # replicated: one copy
+        t = 1 if tp.shard_rule(name, replicate_kv) is None else tp_size or max(by_rank) + 1
         if need is None and t > 1 and sorted(by_rank) != list(range(t)):
-            raise ValueError(f"--resume: the checkpoint holds only part of {name}; it is incomplete")
+            raise ValueError(
+                f"--resume: the checkpoint holds only part of {name}; it is incomplete"
+            )
         some = next(iter(by_rank.values()))
-        blank = [torch.zeros(math.prod(some[3])), {k: torch.zeros_like(v) if is_elementwise(v) else v
-                                                   for k, v in some[1].items()}, None, some[3]]
+        blank = [
+            torch.zeros(math.prod(some[3])),
+            {k: torch.zeros_like(v) if is_elementwise(v) else v for k, v in some[1].items()},
+            None,
+            some[3],
+        ]
         # not read: zeros, never used
         ranks = [by_rank.get(r, blank) for r in range(t)] if t > 1 else [some]
         master = tp.unshard_param(name, [e[0].view(e[3]) for e in ranks], replicate_kv)
-        state = {k: tp.unshard_param(name, [e[1][k].view(e[3]) for e in ranks], replicate_kv) if is_elementwise(v) else v
-                 for k, v in some[1].items()}
+        state = {
+            k: tp.unshard_param(name, [e[1][k].view(e[3]) for e in ranks], replicate_kv)
+            if is_elementwise(v)
+            else v
+            for k, v in some[1].items()
+        }
         full[name] = (master, state)
     return full
 
@@ -223,7 +294,11 @@ def needed_by(manifest, cfg, engine, grid):
 
 
 def _overlaps(pieces, need):
-    return any(b is None or (s < b and a < e) for name, q, s, e in pieces for a, b in need.get((name, q), ()))
+    return any(
+        b is None or (s < b and a < e)
+        for name, q, s, e in pieces
+        for a, b in need.get((name, q), ())
+    )
 
 
 def load(folder, cfg, engine, grid, layout, copy_of=None):
@@ -257,12 +332,20 @@ def load(folder, cfg, engine, grid, layout, copy_of=None):
             params[name], optim[name] = torch.zeros(0), {}
             continue
         master, state = full[source]
-        cut = (lambda t: tp.shard_param(name, t, grid.tp_rank, grid.tp.size, kv)) if grid.tp.size > 1 else (lambda t: t)
+        cut = (
+            (lambda t: tp.shard_param(name, t, grid.tp_rank, grid.tp.size, kv))
+            if grid.tp.size > 1
+            else (lambda t: t)
+        )
         params[name] = cut(master)
         if p.requires_grad:
             optim[name] = {k: cut(v) if is_elementwise(v) else v for k, v in state.items()}
     import_by_name(engine, params, optim)
-    mine = shards[own] if own in shards else checkpoint.load_shard(folder, int(own[5:10]), copies.get(own))
+    mine = (
+        shards[own]
+        if own in shards
+        else checkpoint.load_shard(folder, int(own[5:10]), copies.get(own))
+    )
     return dict(mine, same_layout=same, shards_read=sorted(files), copies=sorted(copies))
 
 

@@ -8,6 +8,7 @@ stream keeps no state of its own, so recompute and a resumed checkpoint replay t
 Formula (the seeds):  default stream  seed + 100 pp_rank      tp stream  u * MAX_TP + tp_rank
 Lessons: lessons/03-tensor-parallel.md, lessons/04-sequence-parallel.md
 """
+
 from contextlib import contextmanager
 
 import torch
@@ -28,13 +29,16 @@ def _set_state(state, device):
 
 
 def save_state(device) -> dict:
-    """The generators a resume must continue: the CPU one and, on CUDA, this rank's device's (only its own:
-    touching every GPU would open a context on each)."""
-    return dict(rng=torch.get_rng_state(), cuda_rng=_get_state(device) if device.type == "cuda" else None)
+    """The generators a resume must continue: the CPU one and, on CUDA, this rank's device's (only
+    its own: touching every GPU would open a context on each)."""
+    return dict(
+        rng=torch.get_rng_state(), cuda_rng=_get_state(device) if device.type == "cuda" else None
+    )
 
 
 def restore_state(state: dict, device) -> None:
-    """Set back what save_state saved: a resume with dropout continues the same random streams, bitwise."""
+    """Set back what save_state saved: a resume with dropout continues the same random streams,
+    bitwise."""
     torch.set_rng_state(state["rng"])
     cuda = state.get("cuda_rng")
     if device.type == "cuda" and cuda is not None:
@@ -42,7 +46,8 @@ def restore_state(state: dict, device) -> None:
 
 
 class RNGTracker:
-    """Swaps a per-tp-rank generator in for the dropout of sharded activations (see the module docstring)."""
+    """Swaps a per-tp-rank generator in for the dropout of sharded activations (see the module
+    docstring)."""
 
     def __init__(self, tp_rank: int, device: torch.device):
         if not 0 <= tp_rank < MAX_TP:
@@ -51,9 +56,13 @@ class RNGTracker:
 
     @contextmanager
     def fork(self):
-        u = int(torch.randint(1 << 48, ()))  # CPU default stream: the same draw on every tp rank, no device sync
+        # CPU default stream: the same draw on every tp rank, no device sync
+        u = int(torch.randint(1 << 48, ()))
         outer = _get_state(self.device)
-        _set_state(torch.Generator(self.device).manual_seed(u * MAX_TP + self.tp_rank).get_state(), self.device)
+        _set_state(
+            torch.Generator(self.device).manual_seed(u * MAX_TP + self.tp_rank).get_state(),
+            self.device,
+        )
         try:
             yield
         finally:
@@ -63,8 +72,8 @@ class RNGTracker:
 def model_parallel_seed(seed: int, grid) -> RNGTracker:
     """Seed the default stream (the same on the tp group) and return this rank's tracker.
 
-    Call it after every rank has built the dense model from `seed` (the init must be the same everywhere),
-    and pass the tracker to tp.apply_tensor_parallel(..., rng=tracker).
+    Call it after every rank has built the dense model from `seed` (the init must be the same
+    everywhere), and pass the tracker to tp.apply_tensor_parallel(..., rng=tracker).
     """
     torch.manual_seed(seed + 100 * grid.pp_rank)
     return RNGTracker(grid.tp_rank, grid.device)

@@ -13,6 +13,7 @@ Formulas (p stages, m micro-batches, v virtual stages per rank, forward t_f and 
     micro-batches alive on rank r: GPipe m, 1F1B min(m, p - r)  (activation memory ∝ m vs ∝ p)
 Lesson: lessons/05-pipeline-parallel.md
 """
+
 import contextlib
 import time
 from collections import namedtuple
@@ -44,7 +45,9 @@ def interleaved_1f1b(p, rank, m, v):
     order = _chunk_order(p, m, v)
     fwd = [Op("F", mb, c) for mb, c in order]
     bwd = [Op("B", mb, v - 1 - c) for mb, c in order]
-    return _warmup_steady_cooldown(fwd, bwd, warmup=min(2 * (p - rank - 1) + (v - 1) * p, m * v), pair=True)
+    return _warmup_steady_cooldown(
+        fwd, bwd, warmup=min(2 * (p - rank - 1) + (v - 1) * p, m * v), pair=True
+    )
 
 
 def _warmup_steady_cooldown(fwd, bwd, warmup, pair):
@@ -55,11 +58,13 @@ def _warmup_steady_cooldown(fwd, bwd, warmup, pair):
     steady = [[f, b] for f, b in zip(fwd[warmup:], bwd)]
     if not pair:
         steady = [[op] for rnd in steady for op in rnd]
-    return ([[f] for f in fwd[:warmup]]                          # warm-up: fill the pipeline
-            # steady state: one forward, one backward
-            + steady
-            # cool-down: drain the remaining backwards
-            + [[b] for b in bwd[len(fwd) - warmup:]])
+    return (
+        [[f] for f in fwd[:warmup]]  # warm-up: fill the pipeline
+        # steady state: one forward, one backward
+        + steady
+        # cool-down: drain the remaining backwards
+        + [[b] for b in bwd[len(fwd) - warmup :]]
+    )
 
 
 def forward_only(p, rank, m, v=1):
@@ -141,11 +146,15 @@ def simulate(p, m, schedule, v=1, t_f=1, t_b=2):
                 step = plans[r][pos[r]]
                 if isinstance(step, Op):
                     dur = t_f if step.kind == "F" else t_b
-                    traces[r].events.append(Event(step.kind, step.mb, clock[r], clock[r] + dur, step.chunk))
+                    traces[r].events.append(
+                        Event(step.kind, step.mb, clock[r], clock[r] + dur, step.chunk)
+                    )
                     clock[r] += dur
                 else:
                     ends = [clock[r]]
-                    for msg, side in [(s, "send") for s in step.sends] + [(s, "recv") for s in step.recvs]:
+                    for msg, side in [(s, "send") for s in step.sends] + [
+                        (s, "recv") for s in step.recvs
+                    ]:
                         posted.setdefault((msg, side), clock[r])
                         other = posted.get((msg, "recv" if side == "send" else "send"))
                         ends.append(other)
@@ -156,8 +165,10 @@ def simulate(p, m, schedule, v=1, t_f=1, t_b=2):
                 progress = True
     stuck = [r for r in range(p) if pos[r] < len(plans[r])]
     if stuck:
-        raise RuntimeError(f"{schedule} p={p} m={m} v={v} deadlocks: ranks {stuck} wait at "
-                           f"{[plans[r][pos[r]] for r in stuck]}")
+        raise RuntimeError(
+            f"{schedule} p={p} m={m} v={v} deadlocks: ranks {stuck} wait at "
+            f"{[plans[r][pos[r]] for r in stuck]}"
+        )
     return traces
 
 
@@ -174,7 +185,9 @@ def _check_message_order(plans, p):
                     received.setdefault((peer(msg, p, r), r), []).append(msg)
     if sent != received:
         bad = next(k for k in set(sent) | set(received) if sent.get(k) != received.get(k))
-        raise RuntimeError(f"ranks {bad} disagree on message order: {sent.get(bad)} vs {received.get(bad)}")
+        raise RuntimeError(
+            f"ranks {bad} disagree on message order: {sent.get(bad)} vs {received.get(bad)}"
+        )
 
 
 class Trace:
@@ -183,7 +196,7 @@ class Trace:
 
     def __init__(self, rank):
         self.rank, self.events = rank, []
-        self.peak_inflight = 0      # micro-batches whose forward ran and backward did not yet
+        self.peak_inflight = 0  # micro-batches whose forward ran and backward did not yet
         self.peak_output_bytes = 0  # bytes of sent stage outputs still held for their backward
 
     @contextlib.contextmanager
@@ -211,7 +224,9 @@ def draw_timeline(traces, path=None, width=None):
     t0, t1 = min(e.start for e in events), max(e.end for e in events)
     chunked = any(e.chunk for e in events)
     unit_clock = all(float(e.start).is_integer() and float(e.end).is_integer() for e in events)
-    width = width or (int(t1 - t0) * (1 + max(len(_label(e, chunked)) for e in events)) if unit_clock else 120)
+    width = width or (
+        int(t1 - t0) * (1 + max(len(_label(e, chunked)) for e in events)) if unit_clock else 120
+    )
     scale = width / (t1 - t0)
     rows = []
     for t in traces:
@@ -232,6 +247,7 @@ def _label(e, chunked):
 def _draw_png(traces, path, chunked):
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -240,10 +256,21 @@ def _draw_png(traces, path, chunked):
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(traces) + 1))
     for t in traces:
         for e in t.events:
-            ax.broken_barh([(e.start - t0, e.end - e.start)], (t.rank - 0.4, 0.8), edgecolor="black",
-                           color="tab:blue" if e.op == "F" else "tab:orange", linewidth=0.3)
-            ax.text(e.start - t0 + (e.end - e.start) / 2, t.rank, _label(e, chunked)[1:], ha="center",
-                    va="center", fontsize=7)
+            ax.broken_barh(
+                [(e.start - t0, e.end - e.start)],
+                (t.rank - 0.4, 0.8),
+                edgecolor="black",
+                color="tab:blue" if e.op == "F" else "tab:orange",
+                linewidth=0.3,
+            )
+            ax.text(
+                e.start - t0 + (e.end - e.start) / 2,
+                t.rank,
+                _label(e, chunked)[1:],
+                ha="center",
+                va="center",
+                fontsize=7,
+            )
     ax.set_yticks(range(len(traces)), [f"rank {t.rank}" for t in traces])
     ax.invert_yaxis()
     ax.set_xlabel("time (blue: forward, orange: backward)")

@@ -15,6 +15,7 @@ Formulas, per layer and rank, B = b s h bytes, ring over t ranks (derived in the
     activations  TP s b h (10 + 24/t + 5as/(ht))     SP s b h (34/t + 5as/(ht))
 Lessons: lessons/03-tensor-parallel.md, lessons/04-sequence-parallel.md
 """
+
 import functools
 import math
 
@@ -27,9 +28,11 @@ from nanomega.seams import Ops
 from nanomega.tp_loss import vocab_parallel_cross_entropy
 
 
-# ---------------------------------------------------------------- collectives as functions of tensors
+# ---------------------------------------------------------------- collectives as functions of
+# tensors
 def _all_reduce(x, tp):
-    return tp.all_reduce(x.clone(memory_format=torch.contiguous_format))  # never in place on autograd's grads
+    # never in place on autograd's grads
+    return tp.all_reduce(x.clone(memory_format=torch.contiguous_format))
 
 
 def _all_reduce_fp32(grad, tp):
@@ -42,15 +45,19 @@ def _all_reduce_fp32(grad, tp):
 def _gather_seq(x, tp):  # (b, s/t, ...) -> (b, s, ...)
     out = x.new_empty((tp.size * x.shape[0],) + x.shape[1:])  # (t*b, s/t, ...): rank-major
     tp.all_gather(out, x.contiguous())
-    return out.unflatten(0, (tp.size, -1)).transpose(0, 1).flatten(1, 2)  # (b, t, s/t, ...) -> one copy
+    # (b, t, s/t, ...) -> one copy
+    return out.unflatten(0, (tp.size, -1)).transpose(0, 1).flatten(1, 2)
 
 
 def _reduce_scatter_seq(x, tp):  # (b, s, ...) partial sums -> (b, s/t, ...) summed over tp
     b, s = x.shape[:2]
     if s % tp.size:
-        raise ValueError(f"--sequence-parallel needs the sequence length {s} divisible by --tp {tp.size}; "
-                         f"use a block size that is a multiple of {tp.size}")
-    chunks = x.unflatten(1, (tp.size, s // tp.size)).transpose(0, 1).contiguous()  # (t, b, s/t, ...): one copy
+        raise ValueError(
+            f"--sequence-parallel needs the sequence length {s} divisible by --tp {tp.size}; "
+            f"use a block size that is a multiple of {tp.size}"
+        )
+    # (t, b, s/t, ...): one copy
+    chunks = x.unflatten(1, (tp.size, s // tp.size)).transpose(0, 1).contiguous()
     return tp.reduce_scatter(x.new_empty((b, s // tp.size) + x.shape[2:]), chunks.flatten(0, 1))
 
 
@@ -220,10 +227,12 @@ class SequenceParallelPositions(nn.Module):
         return F.embedding(pos.unflatten(0, (self.tp.size, -1))[self.tp.rank], self.weight)
 
 
-# ---------------------------------------------------------------- sharding rules and the model transform
-# parameter-name suffix -> (sharded dim, interleaved groups): c_attn's output is laid out (3, n_head, head_dim),
-# so a rank takes its heads from each of q, k and v. Every other parameter is replicated across tp.
-# Llama: kv_proj is laid out (2, n_kv, head_dim) and gate_up (2, f), so each splits as 2 interleaved groups.
+# ---------------------------------------------------------------- sharding rules and the model
+# transform parameter-name suffix -> (sharded dim, interleaved groups): c_attn's output is laid out
+# (3, n_head, head_dim), so a rank takes its heads from each of q, k and v. Every other parameter is
+# replicated across tp.
+# Llama: kv_proj is laid out (2, n_kv, head_dim) and gate_up (2, f), so each splits as 2 interleaved
+# groups.
 _SPLIT = {
     "wte.weight": (0, 1),
     "lm_head.weight": (0, 1),
@@ -337,7 +346,8 @@ def apply_tensor_parallel(model, tp, sequence_parallel=False, rng=None):
     emb.wte = VocabParallelEmbedding(wte, tp, sp)
     if sp and emb.wpe is not None:
         emb.wpe = SequenceParallelPositions(emb.wpe.weight, tp)
-    summed = []  # replicated parameters whose gradient is a partial sum on each rank (GroupKeyValue)
+    # replicated parameters whose gradient is a partial sum on each rank (GroupKeyValue)
+    summed = []
 
     def column(weight, name, bias=None):  # this rank's output features of a dense (out, in) weight
         return ColumnParallelLinear(_shard(weight, name, tp), bias, tp, sp, ops=ops)
@@ -353,7 +363,9 @@ def apply_tensor_parallel(model, tp, sequence_parallel=False, rng=None):
             attn.c_attn = column(
                 attn.c_attn.weight, "c_attn.weight", _shard(attn.c_attn.bias, "c_attn.bias", tp)
             )
-        else:  # Llama: q by heads; k/v by key/value heads, or the one group of this rank's heads (t > n_kv)
+        # Llama: q by heads; k/v by key/value heads, or the one group of this rank's heads (t >
+        # n_kv)
+        else:
             attn.q_proj = column(attn.q_proj.weight, "q_proj.weight")
             if kv_replicated(cfg, tp.size):
                 group = tp.rank * attn.n_head // tp.size // (attn.n_head // attn.n_kv_head)

@@ -18,6 +18,7 @@ lock, resume discovery, preemption), guard.Guard (a step's failure policy: hang 
 
 Lessons: lessons/01-dense-model.md (the loop), lessons/09-3d-parallelism.md (compose.py)
 """
+
 import contextlib
 import functools
 import json
@@ -69,11 +70,16 @@ def train(config):
     tokenizer = (config.tokenizer, data.tokenizer_sha256(data.get_tokenizer(config.tokenizer)))
     layout = saves.layout(config, tokenizer[1])  # what a checkpoint records of this job's layout
     copies = flash.Copies(config.out_dir, faults.rank()) if config.flash_restore else None
-    found = faults.find_checkpoint(config.out_dir, cfg, resume=config.resume,
-                                   resume_from=config.resume_from, max_steps=config.max_steps,
-                                   tokenizer=tokenizer,
-                                   allow_tokenizer_change=config.allow_tokenizer_change,
-                                   fast=copies and (copies, layout, checks.world_size()))
+    found = faults.find_checkpoint(
+        config.out_dir,
+        cfg,
+        resume=config.resume,
+        resume_from=config.resume_from,
+        max_steps=config.max_steps,
+        tokenizer=tokenizer,
+        allow_tokenizer_change=config.allow_tokenizer_change,
+        fast=copies and (copies, layout, checks.world_size()),
+    )
 
     # start: the process group and grid, the data, this rank's model and engine, the resume
     grid = start(config, cfg)
@@ -84,18 +90,44 @@ def train(config):
     model, engine, n_params = compose.build(config, grid)  # the layout's pieces (compose.py)
     scaler = precision.LossScaler.for_dtype(precision.parse_dtype(config.dtype))
     spikes = Spikes(config.on_spike, config.spike_threshold, config.rollback_lr_factor)
-    step, resume_from = resume(found, cfg, grid, layout, engine=engine, scaler=scaler,
-                               spikes=spikes, sampler=sampler, log=log, copies=copies)
+    step, resume_from = resume(
+        found,
+        cfg,
+        grid,
+        layout,
+        engine=engine,
+        scaler=scaler,
+        spikes=spikes,
+        sampler=sampler,
+        log=log,
+        copies=copies,
+    )
 
     # the policies around the loop: metrics (the start-up lines; MFU's peak), a step's failure
     # policy, checkpoints; from here on SIGTERM/SIGUSR1 checkpoint at the next step boundary
     metrics = meter.open_log(config, cfg, grid, step, n_params=n_params, log=log)
-    guard = Guard(grid, spikes, on_nan=config.on_nan, max_skipped=config.max_skipped,
-                  fault=config.fault, hang_timeout=config.hang_timeout, out_dir=config.out_dir)
-    checkpoints = saves.Saves(config.out_dir, cfg, grid, layout, every=config.save_every,
-                              every_minutes=config.save_every_minutes, max_steps=config.max_steps,
-                              async_save=config.async_save, keep_last=config.keep_last,
-                              resumed_from=resume_from, copies=copies)
+    guard = Guard(
+        grid,
+        spikes,
+        on_nan=config.on_nan,
+        max_skipped=config.max_skipped,
+        fault=config.fault,
+        hang_timeout=config.hang_timeout,
+        out_dir=config.out_dir,
+    )
+    checkpoints = saves.Saves(
+        config.out_dir,
+        cfg,
+        grid,
+        layout,
+        every=config.save_every,
+        every_minutes=config.save_every_minutes,
+        max_steps=config.max_steps,
+        async_save=config.async_save,
+        keep_last=config.keep_last,
+        resumed_from=resume_from,
+        copies=copies,
+    )
     lifecycle.arm_preemption()
 
     # the loop: a step, its evaluation and row, then a rollback or a checkpoint
@@ -103,9 +135,18 @@ def train(config):
         metrics.log_validation(evaluate(model, grid, val_set, config))
     rec = {}
     while step < config.max_steps:
-        rec, spike = train_step(step, config=config, model=model, engine=engine, grid=grid,
-                                sampler=sampler, train_set=train_set, scaler=scaler, guard=guard,
-                                metrics=metrics)
+        rec, spike = train_step(
+            step,
+            config=config,
+            model=model,
+            engine=engine,
+            grid=grid,
+            sampler=sampler,
+            train_set=train_set,
+            scaler=scaler,
+            guard=guard,
+            metrics=metrics,
+        )
         step = rec["step"]
         if config.eval_every and (step % config.eval_every == 0 or step == config.max_steps):
             with guard.paused():
@@ -135,17 +176,21 @@ def train_step(step, *, config, model, engine, grid, sampler, train_set, scaler,
     t0 = time.perf_counter()
     lr = lr_at(step, config) * guard.lr_scale
     engine.set_lr(lr)
-    micro = sampler.local_micro_batches(sampler.step, grid.dp_rank, grid.dp.size,
-                                        config.batch_size, config.grad_accum)
-    batches = [to_device(documents.batch(train_set, idx, grid.cp, config.eot), grid.device)
-               for idx in micro]
+    micro = sampler.local_micro_batches(
+        sampler.step, grid.dp_rank, grid.dp.size, config.batch_size, config.grad_accum
+    )
+    batches = [
+        to_device(documents.batch(train_set, idx, grid.cp, config.eot), grid.device)
+        for idx in micro
+    ]
 
     # forward and backward; step 1 of a pipeline saves its timeline, for nanomega.tools.plot
     traced = grid.pp.size > 1 and step == min(1, config.max_steps - 1)
     trace = schedules.Trace(grid.pp_rank) if traced else None
     with guard.forward_backward(model, step + 1, data_step=sampler.step + 1):
-        loss = forward_backward(model, engine, grid, batches, config, loss_scale=scaler.scale,
-                                trace=trace)
+        loss = forward_backward(
+            model, engine, grid, batches, config, loss_scale=scaler.scale, trace=trace
+        )
     if trace and grid.dp_rank == 0 and grid.tp_rank == 0:
         save_trace(trace, config.out_dir)
 
@@ -160,8 +205,13 @@ def train_step(step, *, config, model, engine, grid, sampler, train_set, scaler,
     # the update, or its skip: the same decision on every rank. The weights' finite check rides
     # the step-boundary vote (saves.Saves): a count left on the device
     spike = guard.spike(loss)
-    info = engine.step(clip_norm=config.grad_clip or None, scaler=scaler, skip=guard.drops(spike),
-                       norm=norm, check_finite=False)
+    info = engine.step(
+        clip_norm=config.grad_clip or None,
+        scaler=scaler,
+        skip=guard.drops(spike),
+        norm=norm,
+        check_finite=False,
+    )
     info["nonfinite"] = engine.nonfinite_masters() if info["stepped"] else None
     sampler.advance()
     guard.finished(step + 1, loss, info)  # --on-nan stop
@@ -172,8 +222,14 @@ def train_step(step, *, config, model, engine, grid, sampler, train_set, scaler,
         moe.update_bias(model, routing["load"], config.moe_bias_balance)
 
     # the step's row
-    rec = metrics.row(step=step + 1, loss=loss, lr=lr, grad_norm=info["grad_norm"],
-                      skipped=not info["stepped"], seconds=time.perf_counter() - t0)
+    rec = metrics.row(
+        step=step + 1,
+        loss=loss,
+        lr=lr,
+        grad_norm=info["grad_norm"],
+        skipped=not info["stepped"],
+        seconds=time.perf_counter() - t0,
+    )
     if routing:
         load = routing["load"]  # (n_layer, E): max load / mean load, 1 when balanced
         max_load = (load.max(1).values / load.mean(1)).max().item()
@@ -186,10 +242,17 @@ def forward_backward(model, engine, grid, batches, config, *, loss_scale=1.0, tr
     # the MoE aux losses' backward: the LM loss's factor
     moe.set_grad_scale(model, loss_scale / len(batches))
     if grid.pp.size > 1:
-        return pp.train_step(model, grid, batches, schedule=config.schedule,
-                             no_sync=engine.no_sync, loss_scale=loss_scale,
-                             virtual=config.virtual_stages,
-                             act_shape=activation_shape(config, grid), trace=trace)
+        return pp.train_step(
+            model,
+            grid,
+            batches,
+            schedule=config.schedule,
+            no_sync=engine.no_sync,
+            loss_scale=loss_scale,
+            virtual=config.virtual_stages,
+            act_shape=activation_shape(config, grid),
+            trace=trace,
+        )
 
     # a plain loop: gradients kept local until the last micro-batch; the loss summed on the
     # device (no sync per micro-batch)
@@ -211,13 +274,14 @@ def evaluate(model, grid, val_set, config):
     windows, so every layout takes the same mean."""
     # the same windows for every layout and call, this dp rank's share of them
     model.eval()
-    n = min(len(val_set),
-            config.eval_iters * config.batch_size * config.grad_accum * grid.dp.size)
+    n = min(len(val_set), config.eval_iters * config.batch_size * config.grad_accum * grid.dp.size)
     order = torch.Generator().manual_seed(config.seed)
     idx = torch.randperm(len(val_set), generator=order)[:n].numpy()
-    mine = idx[grid.dp_rank * n // grid.dp.size:(grid.dp_rank + 1) * n // grid.dp.size]
-    batches = [documents.batch(val_set, mine[i:i + config.batch_size], grid.cp, config.eot)
-               for i in range(0, len(mine), config.batch_size)]
+    mine = idx[grid.dp_rank * n // grid.dp.size : (grid.dp_rank + 1) * n // grid.dp.size]
+    batches = [
+        documents.batch(val_set, mine[i : i + config.batch_size], grid.cp, config.eot)
+        for i in range(0, len(mine), config.batch_size)
+    ]
     batches = [to_device(b, grid.device) for b in batches]
 
     # the mean per window on this rank. A pipeline: every stage holds the same batches, each
@@ -225,8 +289,9 @@ def evaluate(model, grid, val_set, config):
     if not batches:  # fewer windows than dp ranks: this one has none
         loss = 0.0
     elif grid.pp.size > 1:
-        loss = pp.forward_only(model, grid, batches, activation_shape(config, grid),
-                               virtual=config.virtual_stages)
+        loss = pp.forward_only(
+            model, grid, batches, activation_shape(config, grid), virtual=config.virtual_stages
+        )
     else:
         losses = torch.stack([model(*b) for b in batches])
         loss = pp.sequence_mean(losses, [len(b[0]) for b in batches])
@@ -254,16 +319,25 @@ def load_data(config, world, log):
     files = None if config.data else data.corpus_files(config.corpus)
     if files and len(files) == 1 and files[0].name.endswith((".txt", ".txt.gz")):
         meta = data.prepare(files[0], config.tokenizer, cache)
-        return [windows.TokenDataset(meta[f"{s}_bin"], meta["dtype"], config.block_size)
-                for s in ("train", "val")]
+        return [
+            windows.TokenDataset(meta[f"{s}_bin"], meta["dtype"], config.block_size)
+            for s in ("train", "val")
+        ]
     if config.data:
         index = data.load_index(config.data)
     else:
-        index = corpus.cached(config.corpus, config.tokenizer, cache,
-                              workers=max(1, (os.cpu_count() or 1) // world),
-                              text_field=config.text_field, progress=log)
-    return [windows.TokenDataset(data.split_paths(index, s), index["dtype"], config.block_size)
-            for s in ("train", "val")]
+        index = corpus.cached(
+            config.corpus,
+            config.tokenizer,
+            cache,
+            workers=max(1, (os.cpu_count() or 1) // world),
+            text_field=config.text_field,
+            progress=log,
+        )
+    return [
+        windows.TokenDataset(data.split_paths(index, s), index["dtype"], config.block_size)
+        for s in ("train", "val")
+    ]
 
 
 def start(config, cfg):
@@ -276,9 +350,11 @@ def start(config, cfg):
         health.gate(grid)
     if grid.rank == grid.world - 1 and config.model:
         llama = f", n_kv_head {cfg.kv_heads}, ffn_hidden {cfg.ffn}" if cfg.arch == "llama" else ""
-        print(f"--model {config.model}: {cfg.arch}, n_layer {cfg.n_layer}, n_head {cfg.n_head}"
-              f"{llama}, n_embd {cfg.n_embd}, block_size {cfg.block_size} "
-              f"(nanomega/ops/presets.py; explicit shape flags override it)")
+        print(
+            f"--model {config.model}: {cfg.arch}, n_layer {cfg.n_layer}, n_head {cfg.n_head}"
+            f"{llama}, n_embd {cfg.n_embd}, block_size {cfg.block_size} "
+            f"(nanomega/ops/presets.py; explicit shape flags override it)"
+        )
     return grid
 
 
@@ -292,8 +368,17 @@ def resume(found, cfg, grid, layout, *, engine, scaler, spikes, sampler, log, co
         if copies:
             copies.reset()  # a fresh start: any copy left in shared memory is of no use
         return 0, None
-    state = saves.restore(folder, cfg, grid, layout, engine=engine, scaler=scaler, spikes=spikes,
-                          sampler=sampler, copies=copies)
+    state = saves.restore(
+        folder,
+        cfg,
+        grid,
+        layout,
+        engine=engine,
+        scaler=scaler,
+        spikes=spikes,
+        sampler=sampler,
+        copies=copies,
+    )
     if log:
         how = "" if state.get("same_layout") else " (resharded)"
         print(f"resumed from {folder} at step {state['step']}{how}")
@@ -301,7 +386,7 @@ def resume(found, cfg, grid, layout, *, engine, scaler, spikes, sampler, log, co
         # only a copy that served may serve again
         copies.reset(state["step"] if state["copies"] else None)
         # collective: every rank with --flash-restore is here
-        used, = flash.count(grid, bool(state["copies"]))
+        (used,) = flash.count(grid, bool(state["copies"]))
         if log:
             disk = f" ({grid.world - used} read the disk)" if used < grid.world else ""
             print(f"restored from shared memory: {used} of {grid.world} ranks{disk}")

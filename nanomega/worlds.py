@@ -6,6 +6,7 @@ imported torch and nanomega once. A rank that raises ends the world with RankFai
 (rank, type, message) are what graders and tests read.
 Lesson: lessons/17-collectives.md
 """
+
 import os
 import socket
 import traceback
@@ -37,8 +38,14 @@ class RankFailed(RuntimeError):
 
 def _worker(rank, world, port, fn, args, queue, threads, env):
     os.environ.clear()  # the caller's environment at launch, not the forkserver's at its start
-    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        env,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(threads)  # ranks share the cores: oversubscription makes everything crawl
     try:
         init(device="cpu", timeout_s=120)
@@ -60,8 +67,12 @@ def launch(fn, world, *args, timeout=300, threads=1):
     if forkserver:
         ctx.set_forkserver_preload(PRELOAD)  # before the server starts; later calls change nothing
     queue, port, env = ctx.Queue(), free_port(), dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue, threads, env), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(
+            target=_worker, args=(r, world, port, fn, args, queue, threads, env), daemon=True
+        )
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results = {}

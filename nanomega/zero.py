@@ -13,6 +13,7 @@ rule builds its group (ep.py, pp.py), the composer passes them in (train.build).
 (bf16 weights, Adam; gradients in grad_dtype, fp32 by default: 2 + 4 + 12 = 18 bytes at stage 0.)
 Lesson: lessons/02-data-parallel-and-zero.md
 """
+
 import dataclasses
 import math
 
@@ -25,36 +26,56 @@ from .flat import Piece, storage_bytes
 from .zero3 import ShardedParameters
 from .zero_buckets import Buckets, ScatterBuckets, ShardBuckets
 
-ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adamax,
-               torch.optim.Adadelta, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop,
-               torch.optim.ASGD)
+ELEMENTWISE = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.Adamax,
+    torch.optim.Adadelta,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    """What a ZeRO stage shards over the dp ranks; each field is one choice in ZeroEngine.__init__."""
-    optimizer: bool  # flat groups split: a rank steps its slice (masters, Adam state 1/N), the norm sums ranks
+    """What a ZeRO stage shards over the dp ranks; each field is one choice in
+    ZeroEngine.__init__."""
+
+    # flat groups split: a rank steps its slice (masters, Adam state 1/N), the norm sums ranks
+    optimizer: bool
     gradients: bool  # ShardBuckets: only the slice's gradient kept, reduced each micro-batch
-    parameters: bool  # zero3.ShardedParameters: parameters kept as 1/N shards, units gathered on demand
+    # zero3.ShardedParameters: parameters kept as 1/N shards, units gathered on demand
+    parameters: bool
 
 
-STAGE = {0: Stage(optimizer=False, gradients=False, parameters=False),  # = data parallelism (ddp.py)
-         1: Stage(optimizer=True, gradients=False, parameters=False),
-         2: Stage(optimizer=True, gradients=True, parameters=False),
-         3: Stage(optimizer=True, gradients=True, parameters=True)}
+# = data parallelism (ddp.py)
+STAGE = {
+    0: Stage(optimizer=False, gradients=False, parameters=False),
+    1: Stage(optimizer=True, gradients=False, parameters=False),
+    2: Stage(optimizer=True, gradients=True, parameters=False),
+    3: Stage(optimizer=True, gradients=True, parameters=True),
+}
 
 
 def pipeline_error(stage, pp):
-    """Why ZeRO `stage` cannot run beside pp pipeline stages, or None: the one rule train.py and the planner use."""
+    """Why ZeRO `stage` cannot run beside pp pipeline stages, or None: the one rule train.py and the
+    planner use."""
     if pp > 1 and stage >= 2:
-        return (f"--zero {stage} with --pp {pp}: ZeRO-2/3 shard gradients/parameters that every micro-batch of "
-                f"the pipeline needs again (DeepSpeed forbids it too); use --zero 0 or 1")
+        return (
+            f"--zero {stage} with --pp {pp}: ZeRO-2/3 shard gradients/parameters that every micro-batch of "
+            f"the pipeline needs again (DeepSpeed forbids it too); use --zero 0 or 1"
+        )
     return None
 
 
 def check_config(stage, optimizer_cls, pp=1, offload=0.0, offload_params=False):
-    """One-line errors for a stage, an optimizer, a pipeline or an offload ZeRO cannot run, raised before any
-    collective."""
+    """One-line errors for a stage, an optimizer, a pipeline or an offload ZeRO cannot run, raised
+    before any collective."""
     if stage not in STAGE:
         raise ValueError(f"--zero {stage!r}: ZeRO stages are 0, 1, 2 and 3")
     if offload or offload_params:
@@ -62,17 +83,27 @@ def check_config(stage, optimizer_cls, pp=1, offload=0.0, offload_params=False):
     if pipeline_error(stage, pp):
         raise ValueError(pipeline_error(stage, pp))
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
-        raise ValueError(f"optimizer: a {type(optimizer_cls).__name__} is not a torch.optim.Optimizer class; pass "
-                         f"e.g. torch.optim.AdamW (the class, not an instance)")
+        raise ValueError(
+            f"optimizer: a {type(optimizer_cls).__name__} is not a torch.optim.Optimizer class; pass "
+            f"e.g. torch.optim.AdamW (the class, not an instance)"
+        )
     name = optimizer_cls.__name__
     if optimizer_cls in (torch.optim.LBFGS, torch.optim.SparseAdam):
-        raise ValueError(f"optimizer {name} cannot run under ZeroEngine (LBFGS needs a closure, SparseAdam "
-                         f"sparse gradients); use AdamW, Adam or SGD")
-    if stage and optimizer_cls not in ELEMENTWISE and not getattr(optimizer_cls, "elementwise", False):
-        raise ValueError(f"--zero {stage}: optimizer {name} cannot be sharded: ZeRO steps 1-D slices of flat "
-                         f"buffers, exact only for element-wise updates "
-                         f"({', '.join(c.__name__ for c in ELEMENTWISE)}); use --zero 0 or one of those "
-                         f"(or set {name}.elementwise = True if its update is element-wise)")
+        raise ValueError(
+            f"optimizer {name} cannot run under ZeroEngine (LBFGS needs a closure, SparseAdam "
+            f"sparse gradients); use AdamW, Adam or SGD"
+        )
+    if (
+        stage
+        and optimizer_cls not in ELEMENTWISE
+        and not getattr(optimizer_cls, "elementwise", False)
+    ):
+        raise ValueError(
+            f"--zero {stage}: optimizer {name} cannot be sharded: ZeRO steps 1-D slices of flat "
+            f"buffers, exact only for element-wise updates "
+            f"({', '.join(c.__name__ for c in ELEMENTWISE)}); use --zero 0 or one of those "
+            f"(or set {name}.elementwise = True if its update is element-wise)"
+        )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -98,19 +129,29 @@ def owners(names, replicas):
     else the default one (holds=None; the first such), which every list of groups has."""
     default = next((r for r in replicas if r.holds is None), None)
     if default is None:
-        raise ValueError("ZeroEngine(replicas=...): no default group; add Replicas(name, axis), "
-                         "holds=None")
-    return default, {k: next((r for r in replicas if r.holds is not None and r.holds(k)), default)
-                     for k in names}
+        raise ValueError(
+            "ZeroEngine(replicas=...): no default group; add Replicas(name, axis), holds=None"
+        )
+    return default, {
+        k: next((r for r in replicas if r.holds is not None and r.holds(k)), default) for k in names
+    }
 
 
 def weight_decay_groups(weight_decay, **options):
-    """A param_groups_fn: weight decay on >= 2-D parameters (matrices, embeddings), none on biases and norms."""
-    def groups(named_params):
-        return [dict(params=[n for n, p in named_params if p.dim() >= 2], weight_decay=weight_decay, **options),
-                dict(params=[n for n, p in named_params if p.dim() < 2], weight_decay=0.0, **options)]
-    return groups
+    """A param_groups_fn: weight decay on >= 2-D parameters (matrices, embeddings), none on biases
+    and norms."""
 
+    def groups(named_params):
+        return [
+            dict(
+                params=[n for n, p in named_params if p.dim() >= 2],
+                weight_decay=weight_decay,
+                **options,
+            ),
+            dict(params=[n for n, p in named_params if p.dim() < 2], weight_decay=0.0, **options),
+        ]
+
+    return groups
 
 
 class ZeroEngine:
@@ -136,9 +177,21 @@ class ZeroEngine:
     step(). Your own optimizer: ddp.DistributedDataParallel, zero3.FullyShardedDataParallel.
     """
 
-    def __init__(self, model, optimizer_cls, optim, grid, stage=0, bucket_mb=25,
-                 grad_dtype=torch.float32, wrap=None, replicas=None, init="verify", offload=0.0,
-                 offload_params=False):
+    def __init__(
+        self,
+        model,
+        optimizer_cls,
+        optim,
+        grid,
+        stage=0,
+        bucket_mb=25,
+        grad_dtype=torch.float32,
+        wrap=None,
+        replicas=None,
+        init="verify",
+        offload=0.0,
+        offload_params=False,
+    ):
         pp = grid.pp.size if grid is not None else 1
         check_config(stage, optimizer_cls, pp, offload, offload_params)
         named = list(model.named_parameters())  # tied parameters once, under their first name
@@ -146,20 +199,26 @@ class ZeroEngine:
         dense, owner = owners([k for k, _ in named], replicas)
         trainable = [(k, p) for k, p in named if p.requires_grad]
         if not trainable:
-            raise ValueError("the model has no trainable parameters (all requires_grad=False): "
-                             "nothing to synchronise")
+            raise ValueError(
+                "the model has no trainable parameters (all requires_grad=False): "
+                "nothing to synchronise"
+            )
 
         # the groups with parameters here; what the engine cannot do with one, said by its technique
         held = [r for r in replicas if any(owner[k] is r for k, _ in trainable)]
         for r in held:
             if r.whole and stage != 3:
-                raise ValueError(f"Replicas({r.name!r}, whole=True): keeping parameters whole only "
-                                 f"means something at stage 3 (got --zero {stage})")
+                raise ValueError(
+                    f"Replicas({r.name!r}, whole=True): keeping parameters whole only "
+                    f"means something at stage 3 (got --zero {stage})"
+                )
             if r.check is not None:
                 r.check(stage, offload)
             if STAGE[stage].parameters and not r.whole and r is not dense:
-                raise ValueError(f"--zero 3 with replica group {r.name!r}: ZeRO-3's units are "
-                                 f"sharded over the default group's axis; use --zero 0, 1 or 2")
+                raise ValueError(
+                    f"--zero 3 with replica group {r.name!r}: ZeRO-3's units are "
+                    f"sharded over the default group's axis; use --zero 0, 1 or 2"
+                )
 
         # init: a mode, or a meta model's values (a dry run: shapes only, nothing to draw)
         values = init if callable(init) and grid.device.type != "meta" else None
@@ -175,8 +234,9 @@ class ZeroEngine:
         if row.parameters:
             start_equal(model, self.axis, init)  # while the parameters are whole (meta: nothing)
             sharded = [(k, p) for k, p in named if not owner[k].whole]
-            self.sharded = ShardedParameters(model, sharded, self.axis, wrap, values, device,
-                                             host=offload_params)
+            self.sharded = ShardedParameters(
+                model, sharded, self.axis, wrap, values, device, host=offload_params
+            )
             units = [g for g in self.sharded.groups if g.trainable]
 
         # each replica group's flat buckets, split over its axis from stage 1 on, backward's order
@@ -185,8 +245,14 @@ class ZeroEngine:
             whole = r.whole or not row.parameters
             mine = [(k, p) for k, p in trainable if owner[k] is r and whole]
             groups = (units if r is dense else []) + bucket_groups(
-                mine, bucket_mb, r.axis, split=row.optimizer and not row.parameters,
-                alone=[p for p, _ in r.extra_sums], values=values, device=device)
+                mine,
+                bucket_mb,
+                r.axis,
+                split=row.optimizer and not row.parameters,
+                alone=[p for p, _ in r.extra_sums],
+                values=values,
+                device=device,
+            )
             self.replicas.append((r, groups))
             self.rule.update({id(g): r for g in groups})
             self.groups += groups
@@ -198,15 +264,23 @@ class ZeroEngine:
         for r, groups in self.replicas:
             if row.gradients:  # ZeRO-2/3: only the owned slice of the gradient kept
                 release = self.sharded.release if row.parameters else None
-                parts.append(ShardBuckets(groups, r.axis, grad_dtype, in_order=not row.parameters,
-                                          after_reduce=release))
+                parts.append(
+                    ShardBuckets(
+                        groups,
+                        r.axis,
+                        grad_dtype,
+                        in_order=not row.parameters,
+                        after_reduce=release,
+                    )
+                )
             else:
                 parts.append(ScatterBuckets(groups, r.axis, grad_dtype))
         self.buckets = Buckets(parts)
 
         # the optimizer over this rank's pieces of fp32 masters, some of them on the host (offload)
         self.norm_over_dp = row.optimizer  # the pieces differ per dp rank: the norm adds theirs
-        for g in self.groups:  # fp32 model: the same tensor (no copy); 16-bit model: the fp32 master
+        # fp32 model: the same tensor (no copy); 16-bit model: the fp32 master
+        for g in self.groups:
             g.master = precision.fp32_master(g.own)
         host = offloading.choose(self.groups, offload)  # none when offload == 0
         resident = [g for g in self.sharded.groups if g.trainable] if offload_params else []
@@ -214,8 +288,12 @@ class ZeroEngine:
         self.optimizer = self._build_optimizer(optimizer_cls, specs)
 
         # this rank's share of the norm: fixed by the layout
-        self.norm_pieces = [piece for piece in self.pieces if piece.group and clip.counts(
-            piece.group.params[piece.index], piece.replica, grid, self.norm_over_dp)]
+        self.norm_pieces = [
+            piece
+            for piece in self.pieces
+            if piece.group
+            and clip.counts(piece.group.params[piece.index], piece.replica, grid, self.norm_over_dp)
+        ]
 
     def no_sync(self):
         """Micro-batches before the last: no reduction (stages 0-1; ddp.GradBuckets.no_sync)."""
@@ -226,7 +304,11 @@ class ZeroEngine:
         self.buckets.zero_grad()
 
     def _param_groups(self, optim, trainable):
-        specs = optim(trainable) if callable(optim) else [dict(params=[k for k, _ in trainable], **optim)]
+        specs = (
+            optim(trainable)
+            if callable(optim)
+            else [dict(params=[k for k, _ in trainable], **optim)]
+        )
         self.group_of = {}
         for j, spec in enumerate(specs):
             for k in spec["params"]:
@@ -235,23 +317,37 @@ class ZeroEngine:
                 self.group_of[k] = j
         missing = [k for k, _ in trainable if k not in self.group_of]
         if missing:
-            raise ValueError(f"param_groups_fn leaves out trainable parameters {missing[:3]}; give each a group")
+            raise ValueError(
+                f"param_groups_fn leaves out trainable parameters {missing[:3]}; give each a group"
+            )
         return specs
 
     def _build_optimizer(self, optimizer_cls, specs):
-        """The optimizer steps this rank's pieces (views of the fp32 masters); whole groups: shaped parameters."""
+        """The optimizer steps this rank's pieces (views of the fp32 masters); whole groups: shaped
+        parameters."""
         groups = [dict(spec, params=[]) for spec in specs]
         self.pieces = []  # the Piece of every parameter slice this rank steps
         for g in self.groups:
             for i, a, b in g.pieces():
-                m = g.master[a - g.lo:b - g.lo]
+                m = g.master[a - g.lo : b - g.lo]
                 if not g.split:  # held whole: shaped, so shape-aware optimizers work too
                     m = m.view(g.shapes[i])
                 groups[self.group_of[g.names[i]]]["params"].append(m)
-                self.pieces.append(Piece(g.names[i], tuple(g.shapes[i]), a - g.offsets[i], b - g.offsets[i], m,
-                                         replica=not g.split, group=g, index=i,
-                                         at=a - g.lo))
-        for group in groups:  # a rank owning nothing of a group steps an empty piece: same state keys on all
+                self.pieces.append(
+                    Piece(
+                        g.names[i],
+                        tuple(g.shapes[i]),
+                        a - g.offsets[i],
+                        b - g.offsets[i],
+                        m,
+                        replica=not g.split,
+                        group=g,
+                        index=i,
+                        at=a - g.lo,
+                    )
+                )
+        # a rank owning nothing of a group steps an empty piece: same state keys on all
+        for group in groups:
             if not group["params"]:
                 empty = self.groups[0].master[:0]
                 group["params"].append(empty)
@@ -260,7 +356,7 @@ class ZeroEngine:
 
     def _grad(self, piece):
         g = piece.group
-        return g.grad_own[piece.at:piece.at + piece.end - piece.start].view_as(piece.master)
+        return g.grad_own[piece.at : piece.at + piece.end - piece.start].view_as(piece.master)
 
     # ---- the step ----
     def set_lr(self, lr):
@@ -289,12 +385,17 @@ class ZeroEngine:
         # the optimizer's gradients (an offloaded piece: none, the optimizer skips it: offload.py's)
         host = self.offload.offloaded
         for piece in self.pieces:
-            piece.master.grad = None if host(piece.group) else \
-                self._grad(piece).float() if piece.group else piece.master.new_zeros(0)
+            piece.master.grad = (
+                None
+                if host(piece.group)
+                else self._grad(piece).float()
+                if piece.group
+                else piece.master.new_zeros(0)
+            )
 
         # the norm: each group's counted shares, summed over its axis (sharded) and its `across`
         shares = []
-        for r, groups in self.replicas:
+        for r, _groups in self.replicas:
             mine = [p for p in self.norm_pieces if self.rule[id(p.group)] is r]
             grads = [self._grad(p).float() if host(p.group) else p.master.grad for p in mine]
             shares.append((grads, r.axis, r.across))
@@ -314,13 +415,15 @@ class ZeroEngine:
             scaler.update(not stepped)
         stepped, finite = stepped and not skip, True
         if stepped:
-            clip.clip_([p.master.grad for p in self.pieces if p.master.grad is not None], norm,
-                       clip_norm)
+            clip.clip_(
+                [p.master.grad for p in self.pieces if p.master.grad is not None], norm, clip_norm
+            )
             self.optimizer.step()
 
             # the host groups: D2H, CPU Adam, H2D (their weights written back already)
-            written = self.offload.step(self.pieces, self.optimizer, self.group_of,
-                                        clip.coefficient(norm, clip_norm))
+            written = self.offload.step(
+                self.pieces, self.optimizer, self.group_of, clip.coefficient(norm, clip_norm)
+            )
             # a finite gradient can still give inf/NaN weights (lr, decay, overflow)
             finite = not check_finite or self.masters_finite()
             if finite:
@@ -329,18 +432,25 @@ class ZeroEngine:
         return dict(grad_norm=norm, stepped=stepped and finite, finite=finite)
 
     def nonfinite_masters(self):
-        """This rank's count of non-finite fp32 masters: one read of them -- aminmax: a NaN or an infinity
-        reaches the min or the max, no mask allocated -- left on the device (1 element, fp32)."""
+        """This rank's count of non-finite fp32 masters: one read of them -- aminmax: a NaN or an
+        infinity reaches the min or the max, no mask allocated -- left on the device (1 element,
+        fp32)."""
         bad = torch.zeros(1, device=self.groups[0].device)
-        ends = [t.to(bad.device) for g in self.groups if g.master.numel() for t in torch.aminmax(g.master)]
+        ends = [
+            t.to(bad.device)
+            for g in self.groups
+            if g.master.numel()
+            for t in torch.aminmax(g.master)
+        ]
         if ends:  # (offloaded masters: on the host)
             bad += (~torch.isfinite(torch.stack(ends))).sum()
         return bad
 
     def masters_finite(self):
-        """Whether every fp32 master weight of the job is finite, the same answer on every rank (the caller
-        must stop: the update cannot be undone without a copy of the masters and the optimizer state, 12 more
-        bytes per parameter): nonfinite_masters, then a 1-element all-reduce per axis, as the gradient norm's."""
+        """Whether every fp32 master weight of the job is finite, the same answer on every rank (the
+        caller must stop: the update cannot be undone without a copy of the masters and the
+        optimizer state, 12 more bytes per parameter): nonfinite_masters, then a 1-element
+        all-reduce per axis, as the gradient norm's."""
         bad = self.nonfinite_masters()
         # dp_cp when the masters differ per dp rank (ZeRO-1..3), as the norm: it spans every group's
         # ranks; else the ranks holding a group's other parameters (ep: other experts)
@@ -361,7 +471,8 @@ class ZeroEngine:
                 precision.write_back(g.master, g.own)
             if g.split and g.shard is None:
                 axis = self.rule[id(g)].axis
-                works.append(axis.start("all_gather", g.full, g.own))  # in place: own is full's slice
+                # in place: own is full's slice
+                works.append(axis.start("all_gather", g.full, g.own))
         for w in works:
             if w is not None:
                 w.wait()
@@ -371,7 +482,9 @@ class ZeroEngine:
         seen, groups = set(), self.groups + (self.sharded.frozen if self.sharded else [])
         frozen = [p for p in self.module.parameters() if not p.requires_grad]
         params = storage_bytes([g.full for g in groups] + [g.shard for g in groups] + frozen, seen)
-        grads = storage_bytes([g.grad for g in self.groups] + [s.bucket for s in self.buckets.progress], seen)
+        grads = storage_bytes(
+            [g.grad for g in self.groups] + [s.bucket for s in self.buckets.progress], seen
+        )
         state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         optimizer = storage_bytes([g.master for g in self.groups] + state, seen)
         return dict(params=params, grads=grads, optimizer=optimizer)

@@ -12,6 +12,7 @@ Limits: a parameter is used only inside its unit's forward (or sits in the root)
 recompute must be non-reentrant (torch.utils.checkpoint(use_reentrant=False), as recompute.py does).
 Lesson: lessons/02-data-parallel-and-zero.md
 """
+
 import functools
 
 import torch
@@ -24,52 +25,84 @@ from .zero_buckets import ShardBuckets
 
 
 def default_wrap(model):
-    """The units: each direct child; a container (ModuleList/ModuleDict, never called) stands for its children."""
+    """The units: each direct child; a container (ModuleList/ModuleDict, never called) stands for
+    its children."""
+
     def expand(m):
-        return [u for c in m.children() for u in expand(c)] if isinstance(m, (nn.ModuleList, nn.ModuleDict)) else [m]
+        return (
+            [u for c in m.children() for u in expand(c)]
+            if isinstance(m, (nn.ModuleList, nn.ModuleDict))
+            else [m]
+        )
+
     return [u for child in model.children() for u in expand(child)]
 
 
 class ShardedParameters:
-    """The units of a model, their parameter shards (flat groups keeping only this rank's slice), and the hooks
-    that gather, free and prefetch them. Between uses a group is free; `inflight` holds its running
-    all-gather; once that is waited for, the parameters are views of the gathered buffer. A model built on the
-    meta device never holds more: values (meta.Init.values) draws each shard on `device` (flat.FlatGroup)."""
+    """The units of a model, their parameter shards (flat groups keeping only this rank's slice),
+    and the hooks that gather, free and prefetch them. Between uses a group is free; `inflight`
+    holds its running all-gather; once that is waited for, the parameters are views of the gathered
+    buffer. A model built on the meta device never holds more: values (meta.Init.values) draws each
+    shard on `device` (flat.FlatGroup)."""
 
     def __init__(self, model, named, axis, wrap=None, values=None, device=None, host=False):
-        # host: parameter offload (ZeRO-Infinity's offload_param): every shard in host memory, copied up at each
-        # gather, `uploaded` bytes in all; on a CPU-only machine the same copies, host to host
+        # host: parameter offload (ZeRO-Infinity's offload_param): every shard in host memory,
+        # copied up at each gather, `uploaded` bytes in all; on a CPU-only machine the same copies,
+        # host to host
         self.axis, self.host, self.uploaded = axis, host, 0
-        modules = [model] + [m for m in (wrap(model) if callable(wrap) else wrap or default_wrap(model))
-                             if m is not model]
+        modules = [model] + [
+            m
+            for m in (wrap(model) if callable(wrap) else wrap or default_wrap(model))
+            if m is not model
+        ]
         self.units = list({id(m): m for m in modules}.values())  # the root (the model) first
         owner = self._owners(model, named)
         self.groups, self.unit_groups, self.inflight = [], [], {}
         for u in range(len(self.units)):
             mine = [(k, p) for k, p in named if owner[k] == u]
-            kinds = list(dict.fromkeys((p.dtype, p.requires_grad) for _, p in mine))  # one flat group per kind
-            groups = [FlatGroup([(k, p) for k, p in mine if (p.dtype, p.requires_grad) == kind], axis.size,
-                                axis.rank, split=True, keep="shard", values=values, device=device, host=host)
-                      for kind in kinds]
+            # one flat group per kind
+            kinds = list(dict.fromkeys((p.dtype, p.requires_grad) for _, p in mine))
+            groups = [
+                FlatGroup(
+                    [(k, p) for k, p in mine if (p.dtype, p.requires_grad) == kind],
+                    axis.size,
+                    axis.rank,
+                    split=True,
+                    keep="shard",
+                    values=values,
+                    device=device,
+                    host=host,
+                )
+                for kind in kinds
+            ]
             for g in groups:
                 self.release(g)
             self.unit_groups.append(groups)
             self.groups += groups
         self.frozen = [g for g in self.groups if not g.trainable]
-        self.order, self.previous, self.post, self.visited, self.in_backward = [], [], [], set(), False
+        self.order, self.previous, self.post, self.visited, self.in_backward = (
+            [],
+            [],
+            [],
+            set(),
+            False,
+        )
         for u, m in enumerate(self.units):
             m.register_forward_pre_hook(functools.partial(self._pre_forward, u))
             m.register_forward_hook(functools.partial(self._post_forward, u))
 
     def _owners(self, model, named):
-        """Each parameter's unit: the innermost unit holding every module it is registered in, else the root."""
+        """Each parameter's unit: the innermost unit holding every module it is registered in, else
+        the root."""
         subtree = [set(map(id, m.modules())) for m in self.units]
         uses = {}
         for m in model.modules():
             for p in m._parameters.values():
                 if p is not None:
-                    inner = min((u for u in range(len(self.units)) if id(m) in subtree[u]),
-                                key=lambda u: len(subtree[u]))
+                    inner = min(
+                        (u for u in range(len(self.units)) if id(m) in subtree[u]),
+                        key=lambda u: len(subtree[u]),
+                    )
                     uses.setdefault(id(p), set()).add(inner)
         return {k: (next(iter(uses[id(p)])) if len(uses[id(p)]) == 1 else 0) for k, p in named}
 
@@ -82,12 +115,15 @@ class ShardedParameters:
         for g in self.unit_groups[u]:
             if not self.gathered(g):  # storage back, all-gather the shards into it (asynchronously)
                 g.full.untyped_storage().resize_(g.padded * g.full.element_size())
-                if g.full.numel() != g.padded:  # the first gather: flat.py made `full` without storage
+                # the first gather: flat.py made `full` without storage
+                if g.full.numel() != g.padded:
                     g.full.set_(g.full.untyped_storage(), 0, (g.padded,))
                 mine = g.shard
-                if self.host:  # the host shard goes up into its own slice; the all-gather then runs in place
-                    mine = g.full[g.lo:g.hi]
-                    mine.copy_(g.shard, non_blocking=True)  # pinned: asynchronous, ordered before the gather
+                # the host shard goes up into its own slice; the all-gather then runs in place
+                if self.host:
+                    mine = g.full[g.lo : g.hi]
+                    # pinned: asynchronous, ordered before the gather
+                    mine.copy_(g.shard, non_blocking=True)
                     self.uploaded += g.shard.numel() * g.shard.element_size()
                 self.inflight[id(g)] = self.axis.start("all_gather", g.full, mine)
             if wait and id(g) in self.inflight:
@@ -101,7 +137,8 @@ class ShardedParameters:
         work = self.inflight.pop(id(g), None)
         if work is not None:
             work.wait()
-        for p in g.params:  # an empty tensor: a stray use outside the unit fails loudly, not on freed memory
+        # an empty tensor: a stray use outside the unit fails loudly, not on freed memory
+        for p in g.params:
             set_data(p, torch.empty(0, dtype=g.dtype, device=g.device))
         g.full.untyped_storage().resize_(0)
 
@@ -134,13 +171,19 @@ class ShardedParameters:
 
     def _pre_backward(self, u, grad):
         if not self.in_backward:
-            self.in_backward, self.backward_order = True, self.post[::-1]  # units finish backward in reverse
-            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)  # once autograd is done
+            # units finish backward in reverse
+            self.in_backward, self.backward_order = True, self.post[::-1]
+            # once autograd is done
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
         if u in self.visited:
             return
         self.visited.add(u)
         self.gather(u)
-        nxt = self.backward_order.index(u) + 1 if u in self.backward_order else len(self.backward_order)
+        nxt = (
+            self.backward_order.index(u) + 1
+            if u in self.backward_order
+            else len(self.backward_order)
+        )
         if nxt < len(self.backward_order):
             self.gather(self.backward_order[nxt], wait=False)
 
@@ -152,12 +195,14 @@ class ShardedParameters:
 
 
 class FullyShardedDataParallel:
-    """ZeRO-3 for the caller's own optimizer, as FSDP2's fully_shard allows: the parameters live as 1/N shards
-    and units are gathered on demand; parameters() are this rank's 1-D slices of the trainable parameters
-    (views of the shards), each with a .grad (a view of the gradient shard) holding the mean gradient after
-    every backward, accumulated over micro-batches. Element-wise optimizers only (a slice is stepped alone);
-    the optimizer steps the shards in the model's dtype (no fp32 masters: zero.ZeroEngine(stage=3) has them).
-    Use: opt = torch.optim.AdamW(fsdp.parameters()); forward/backward; opt.step(); fsdp.zero_grad()."""
+    """ZeRO-3 for the caller's own optimizer, as FSDP2's fully_shard allows: the parameters live as
+    1/N shards and units are gathered on demand; parameters() are this rank's 1-D slices of the
+    trainable parameters (views of the shards), each with a .grad (a view of the gradient shard)
+    holding the mean gradient after every backward, accumulated over micro-batches. Element-wise
+    optimizers only (a slice is stepped alone); the optimizer steps the shards in the model's dtype
+    (no fp32 masters: zero.ZeroEngine(stage=3) has them).
+    Use: opt = torch.optim.AdamW(fsdp.parameters()); forward/backward; opt.step();
+    fsdp.zero_grad()."""
 
     def __init__(self, model, grid, wrap=None, init="verify"):
         named = list(model.named_parameters())  # tied parameters once, under their first name
@@ -167,8 +212,14 @@ class FullyShardedDataParallel:
         groups = [g for g in self.sharded.groups if g.trainable]
         if len({g.dtype for g in groups}) != 1:
             raise ValueError("FullyShardedDataParallel: trainable parameters of one dtype only")
-        self.buckets = ShardBuckets(groups, grid.dp, groups[0].dtype, in_order=False,
-                                    after_reduce=self.sharded.release, to_params=True)
+        self.buckets = ShardBuckets(
+            groups,
+            grid.dp,
+            groups[0].dtype,
+            in_order=False,
+            after_reduce=self.sharded.release,
+            to_params=True,
+        )
         self.slices = [(g, a - g.lo, b - g.lo) for g in groups for _, a, b in g.pieces()]
         self.shards = [g.shard[a:b] for g, a, b in self.slices]
         self.zero_grad()
@@ -177,7 +228,8 @@ class FullyShardedDataParallel:
         return list(self.shards)
 
     def zero_grad(self):
-        """Gradients at zero, each shard's .grad a view of them again (an optimizer's zero_grad drops it)."""
+        """Gradients at zero, each shard's .grad a view of them again (an optimizer's zero_grad
+        drops it)."""
         self.buckets.zero_grad()
         for t, (g, a, b) in zip(self.shards, self.slices):
             t.grad = g.grad[a:b]

@@ -1,12 +1,14 @@
-"""The house's measurements, printed as JSON: what tests/test_house.py rules on and what a refactor reports.
+"""The house's measurements, printed as JSON: what tests/test_house.py rules on and what a refactor
+reports.
 
     python scripts/house_stats.py [root]        # root: a checkout (default: this one)
 
-Per package (nanomega/): the share of non-blank lines longer than 100 characters; module docstring lines (sum,
-median, mean width); functions of 20+ lines with no blank line inside, and the share of blank lines inside
-them; code lines (not blank, not a comment, not a docstring) per module, the largest; ZeroEngine.__init__'s
-parameters; the longest chain of our imports from the engine's module; the DP -> ZeRO-1 -> ZeRO-3 reading path
-in code lines. Counted on the source as it is (CI checks it is formatted: `ruff format --check`).
+Per package (nanomega/): the share of non-blank lines longer than 100 characters; module docstring
+lines (sum, median, mean width); functions of 20+ lines with no blank line inside, and the share of
+blank lines inside them; code lines (not blank, not a comment, not a docstring) per module, the
+largest; ZeroEngine.__init__'s parameters; the longest chain of our imports from the engine's
+module; the DP -> ZeRO-1 -> ZeRO-3 reading path in code lines. Counted on the source as it is (CI
+checks it is formatted: `ruff format --check`).
 """
 
 import ast
@@ -87,8 +89,11 @@ def measure(root):
     )
     a = init.args
     n_params = len(a.args) + len(a.kwonlyargs) - 1  # without self
-    path = [m for m in ("nanomega.ddp", "nanomega.zero_buckets", "nanomega.zero", "nanomega.zero3")
-            if m in code]
+    path = [
+        m
+        for m in ("nanomega.ddp", "nanomega.zero_buckets", "nanomega.zero", "nanomega.zero3")
+        if m in code
+    ]
     biggest = sorted(code.items(), key=lambda kv: -kv[1])[:5]
     return {
         "modules": len(files),
@@ -121,4 +126,8 @@ def reachable(graph, start):
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent.parent), indent=1))
+    print(
+        json.dumps(
+            measure(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent.parent), indent=1
+        )
+    )

@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """One OpenMP thread for a module's in-process training: with other processes on the 2 cores, 2 threads
-    spin-wait and run ~10x slower."""
+    """One OpenMP thread for a module's in-process training: with other processes on the 2 cores, 2
+    threads spin-wait and run ~10x slower."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -21,8 +21,9 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def corpus(request, tmp_path_factory):
-    """A small.txt of the embedded corpus's first CORPUS_CHARS characters (a module may set CORPUS_CHARS;
-    300,000 by default: enough windows for a few steps, tokenized in a moment), one per test module."""
+    """A small.txt of the embedded corpus's first CORPUS_CHARS characters (a module may set
+    CORPUS_CHARS; 300,000 by default: enough windows for a few steps, tokenized in a moment), one
+    per test module."""
     chars = getattr(request.module, "CORPUS_CHARS", 300_000)
     path = tmp_path_factory.mktemp("corpus") / "small.txt"
     path.write_text(gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(chars))
@@ -33,6 +34,7 @@ def corpus(request, tmp_path_factory):
 def grid():
     """A world of one in this process (gloo on a HashStore); torn down if this module started it."""
     from nanomega import dist
+
     started = not torch.distributed.is_initialized()
     dist.init("cpu")
     yield dist.Grid(1, 1, 1)
@@ -40,9 +42,10 @@ def grid():
         torch.distributed.destroy_process_group()
 
 
-# The quick tier, `python -m pytest -m quick` (README: about 2 minutes on 2 cores with the build cache warm): every
-# technique once, for the inner loop; the whole suite stays the gate. Node-id prefixes; a prefix that selects
-# nothing in a collected module is an error (a renamed test must be renamed here too).
+# The quick tier, `python -m pytest -m quick` (README: about 2 minutes on 2 cores with the build
+# cache warm): every technique once, for the inner loop; the whole suite stays the gate. Node-id
+# prefixes; a prefix that selects nothing in a collected module is an error (a renamed test must be
+# renamed here too).
 QUICK = {
     "the grid, layouts": "tests/test_dist.py::test_layout_partitions_the_world",
     "the dense GPT and Llama": "tests/test_model.py",
@@ -74,17 +77,19 @@ QUICK = {
 
 
 def _selects(prefix, nodeid):
-    """A QUICK prefix names a module, a test (every parametrization), one test id, or (ending in `[` or `-`) some
-    of a test's parametrizations."""
+    """A QUICK prefix names a module, a test (every parametrization), one test id, or (ending in `[`
+    or `-`) some of a test's parametrizations."""
     if prefix.endswith(("[", "-")):
         return nodeid.startswith(prefix)
     return nodeid == prefix or nodeid.startswith(prefix + ("[" if "::" in prefix else "::"))
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m / -k deselect: QUICK is held against every collected test
+# before -m / -k deselect: QUICK is held against every collected test
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Mark QUICK's tests `quick`; a QUICK prefix whose module was collected whole but which selects nothing is
-    an error (not checked when node ids were asked for: the rest of their modules was not collected)."""
+    """Mark QUICK's tests `quick`; a QUICK prefix whose module was collected whole but which selects
+    nothing is an error (not checked when node ids were asked for: the rest of their modules was not
+    collected)."""
     matched = set()
     for item in items:
         for prefix in QUICK.values():
@@ -100,10 +105,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
-    """The CPU suite runs on the CPU on any machine: on a GPU host `--device auto` would pick CUDA, and two ranks
-    on one GPU fail ("LOCAL_RANK 1 but this node sees 1 CUDA device"). train.py's default device comes from
-    $NANOMEGA_DEVICE, inherited by every subprocess and torchrun job of the tests; the GPU tier (-m gpu) sets
-    its device itself (tests/test_gpu.py)."""
+    """The CPU suite runs on the CPU on any machine: on a GPU host `--device auto` would pick CUDA,
+    and two ranks on one GPU fail ("LOCAL_RANK 1 but this node sees 1 CUDA device"). train.py's
+    default device comes from $NANOMEGA_DEVICE, inherited by every subprocess and torchrun job of
+    the tests; the GPU tier (-m gpu) sets its device itself (tests/test_gpu.py)."""
     if "gpu" not in (config.option.markexpr or ""):
         os.environ.setdefault("NANOMEGA_DEVICE", "cpu")
 
@@ -119,14 +124,28 @@ def _version(name):
 
 
 def pytest_sessionstart(session):
-    """The CPU the suite runs on, printed first even under -q: tolerances are derived (tests/tolerance.py),
-    but a failure report should still say which vector ISA and kernels produced it (ATEN_CPU_CAPABILITY
-    and NANOMEGA_MARCH make this CPU take another's code paths)."""
+    """The CPU the suite runs on, printed first even under -q: tolerances are derived
+    (tests/tolerance.py), but a failure report should still say which vector ISA and kernels
+    produced it (ATEN_CPU_CAPABILITY and NANOMEGA_MARCH make this CPU take another's code paths)."""
     from nanomega import extension
-    forced = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "NANOMEGA_MARCH", "MKL_ENABLE_INSTRUCTIONS",
-                                         "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS") if k in os.environ}
+
+    forced = {
+        k: os.environ[k]
+        for k in (
+            "ATEN_CPU_CAPABILITY",
+            "NANOMEGA_MARCH",
+            "MKL_ENABLE_INSTRUCTIONS",
+            "ONEDNN_MAX_CPU_ISA",
+            "OMP_NUM_THREADS",
+        )
+        if k in os.environ
+    }
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
-        reporter.write_line(f"cpu: {extension.cpu_summary()}; {torch.get_num_threads()} threads; "
-                            f"emulating: {forced or 'nothing (native)'}")
-        reporter.write_line("versions: " + ", ".join(f"{name} {_version(name)}" for name in VERSIONS))
+        reporter.write_line(
+            f"cpu: {extension.cpu_summary()}; {torch.get_num_threads()} threads; "
+            f"emulating: {forced or 'nothing (native)'}"
+        )
+        reporter.write_line(
+            "versions: " + ", ".join(f"{name} {_version(name)}" for name in VERSIONS)
+        )

@@ -1,5 +1,6 @@
 """Bad configurations are refused on every rank before any collective: one clear line each, < 10 s;
 each flag is declared once (ops/flags.py:Config); the parser and the range table come from that."""
+
 import dataclasses
 import subprocess
 import sys
@@ -23,10 +24,28 @@ BAD = [
     (2, ["--pp", "2", "--zero", "2"], "--zero 2 with --pp 2"),
     (1, ["--zero", "5"], "--zero 5"),
     (2, ["--pp", "2", "--microbatches", "0"], "--grad-accum must be >= 1"),
-    (4, ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--n-layer", "6",
-         "--grad-accum", "4"], "--n-layer 6 is not divisible by --pp 2 x --virtual-stages 2"),
+    (
+        4,
+        [
+            "--pp",
+            "2",
+            "--schedule",
+            "interleaved",
+            "--virtual-stages",
+            "2",
+            "--n-layer",
+            "6",
+            "--grad-accum",
+            "4",
+        ],
+        "--n-layer 6 is not divisible by --pp 2 x --virtual-stages 2",
+    ),
     (2, ["--pp", "2", "--schedule", "zigzag"], "--schedule 'zigzag' is unknown"),
-    (2, ["--tp", "2", "--sequence-parallel", "--block-size", "33"], "--block-size 33 divisible by --tp 2"),
+    (
+        2,
+        ["--tp", "2", "--sequence-parallel", "--block-size", "33"],
+        "--block-size 33 divisible by --tp 2",
+    ),
     (1, ["--dtype", "fp8"], "--dtype 'fp8'"),
     (1, ["--recompute", "some"], "--recompute 'some'"),
     (1, ["--recompute", "full", "--recompute-layers", "9"], "--recompute-layers 9"),
@@ -39,16 +58,39 @@ BAD = [
     (1, ["--device", "cuda"], "--device cuda"),
     (1, ["--model", "gpt5"], "--model 'gpt5' is unknown"),
     (1, ["--arch", "mamba"], "--arch 'mamba' is not one of gpt2, llama"),
-    (1, ["--arch", "llama", "--n-kv-head", "3"], "--n-kv-head 3 does not divide --n-head 4; choose among 1, 2, 4"),
-    (1, ["--n-kv-head", "2"], "--n-kv-head, --ffn-hidden and --untie-embeddings are for --arch llama"),
+    (
+        1,
+        ["--arch", "llama", "--n-kv-head", "3"],
+        "--n-kv-head 3 does not divide --n-head 4; choose among 1, 2, 4",
+    ),
+    (
+        1,
+        ["--n-kv-head", "2"],
+        "--n-kv-head, --ffn-hidden and --untie-embeddings are for --arch llama",
+    ),
     (1, ["--arch", "llama", "--alibi"], "--alibi and --embed-layernorm are BLOOM's"),
     (1, ["--offload", "1"], "--offload needs --zero 1, 2 or 3"),
-    (4, ["--model", "llama-small", "--tp", "4", "--n-kv-head", "3", "--n-head", "12", "--n-embd", "96"],
-     "--tp 4 and --n-kv-head 3: one must divide the other"),
+    (
+        4,
+        [
+            "--model",
+            "llama-small",
+            "--tp",
+            "4",
+            "--n-kv-head",
+            "3",
+            "--n-head",
+            "12",
+            "--n-embd",
+            "96",
+        ],
+        "--tp 4 and --n-kv-head 3: one must divide the other",
+    ),
 ]
 
-# issue 28: every numeric flag finite and in range (nanomega/ops/ranges.py); inf and NaN passed the old checks
-# (`lr > 0`, `weight_decay < 0`) and made every weight non-finite, or overflowed timedelta / the seed
+# issue 28: every numeric flag finite and in range (nanomega/ops/ranges.py); inf and NaN passed the
+# old checks (`lr > 0`, `weight_decay < 0`) and made every weight non-finite, or overflowed
+# timedelta / the seed
 NUMBERS = [
     (["--lr", "inf"], "--lr must be > 0, got inf (not a finite number); the default is 0.001"),
     (["--lr", "nan"], "--lr must be > 0, got nan"),
@@ -60,8 +102,14 @@ NUMBERS = [
     (["--dropout", "nan"], "--dropout must be in [0, 1), got nan"),
     (["--collective-timeout", "inf"], "--collective-timeout must be > 0 and <= 2592000 seconds"),
     (["--collective-timeout", "1e14"], "--collective-timeout must be > 0 and <= 2592000 seconds"),
-    (["--hang-timeout", "nan"], "--hang-timeout must be >= 0 (0: off) and below --collective-timeout 300"),
-    (["--hang-timeout", "400"], "--hang-timeout must be >= 0 (0: off) and below --collective-timeout 300"),
+    (
+        ["--hang-timeout", "nan"],
+        "--hang-timeout must be >= 0 (0: off) and below --collective-timeout 300",
+    ),
+    (
+        ["--hang-timeout", "400"],
+        "--hang-timeout must be >= 0 (0: off) and below --collective-timeout 300",
+    ),
     (["--save-every-minutes", "nan"], "--save-every-minutes must be >= 0, got nan"),
     (["--peak-flops", "-1"], "--peak-flops must be > 0 FLOP/s per device, got -1.0; leave it out"),
     (["--peak-flops", "inf"], "--peak-flops must be > 0 FLOP/s per device, got inf"),
@@ -70,7 +118,10 @@ NUMBERS = [
     (["--seed", "-1"], "--seed must be in [0, 2**62), got -1"),
     (["--seed", str(2**64)], "--seed must be in [0, 2**62)"),
     (["--arch", "llama", "--rope-theta", "0"], "--rope-theta must be > 0"),
-    (["--arch", "llama", "--rope-scaling", "nan"], "--rope-scaling must be > 0 (1: no scaling), got nan"),
+    (
+        ["--arch", "llama", "--rope-scaling", "nan"],
+        "--rope-scaling must be > 0 (1: no scaling), got nan",
+    ),
     (["--norm-eps=-1e-5"], "--norm-eps must be > 0"),
     (["--norm-eps", "inf"], "--norm-eps must be > 0, got inf"),
     (["--batch-size", "0"], "--batch-size must be >= 1"),
@@ -81,7 +132,8 @@ NUMBERS = [
 
 @pytest.mark.parametrize("argv,message", NUMBERS, ids=[" ".join(b[0]) for b in NUMBERS])
 def test_numeric_flags_finite_and_in_range(argv, message, monkeypatch, tmp_path):
-    """One line naming the flag, the value and the fix, before any collective, and nothing written."""
+    """One line naming the flag, the value and the fix, before any collective, and nothing
+    written."""
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ValueError) as err:
         checks.check(flags.parse([*argv, "--out-dir", str(tmp_path / "out")]))
@@ -90,8 +142,14 @@ def test_numeric_flags_finite_and_in_range(argv, message, monkeypatch, tmp_path)
 
 
 def test_warmup_longer_than_the_run_is_allowed():
-    """A decision (issue 28, item 7): the run only warms up; quick runs override --max-steps alone."""
-    assert checks.check(flags.parse(["--warmup", "50", "--max-steps", "3", "--out-dir", "/nonexistent/o"])).warmup == 50
+    """A decision (issue 28, item 7): the run only warms up; quick runs override --max-steps
+    alone."""
+    assert (
+        checks.check(
+            flags.parse(["--warmup", "50", "--max-steps", "3", "--out-dir", "/nonexistent/o"])
+        ).warmup
+        == 50
+    )
 
 
 @pytest.mark.parametrize("world,argv,message", BAD, ids=[" ".join(b[1]) for b in BAD])
@@ -105,48 +163,96 @@ def test_bad_configuration(world, argv, message, monkeypatch, tmp_path):
 
 
 def test_cli_reports_layout_error_in_one_line_without_starting(tmp_path):
-    """Under torchrun's environment (WORLD_SIZE=4) the check runs before the rendezvous: no store is needed."""
-    env = {"WORLD_SIZE": "4", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "PATH": "/usr/bin"}
+    """Under torchrun's environment (WORLD_SIZE=4) the check runs before the rendezvous: no store is
+    needed."""
+    env = {
+        "WORLD_SIZE": "4",
+        "RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+        "PATH": "/usr/bin",
+    }
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "nanomega/train.py", "--tp", "3", "--out-dir", str(tmp_path)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    out = subprocess.run(
+        [sys.executable, "nanomega/train.py", "--tp", "3", "--out-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
-        "error: world size 4 is not divisible by --tp 3 x --pp 1; launch a multiple of 3 processes"]
+        "error: world size 4 is not divisible by --tp 3 x --pp 1; launch a multiple of 3 processes"
+    ]
     assert time.perf_counter() - t0 < 10 and not any(tmp_path.iterdir())
 
 
 def test_cli_refuses_an_infinite_timeout_in_one_line(tmp_path):
-    """--collective-timeout inf / 1e14 was an OverflowError traceback from timedelta on every rank."""
-    env = {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "PATH": "/usr/bin"}
-    out = subprocess.run([sys.executable, "nanomega/train.py", "--collective-timeout", "1e14", "--out-dir",
-                          str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    """--collective-timeout inf / 1e14 was an OverflowError traceback from timedelta on every
+    rank."""
+    env = {
+        "WORLD_SIZE": "2",
+        "RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+        "PATH": "/usr/bin",
+    }
+    out = subprocess.run(
+        [
+            sys.executable,
+            "nanomega/train.py",
+            "--collective-timeout",
+            "1e14",
+            "--out-dir",
+            str(tmp_path / "out"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         "error: --collective-timeout must be > 0 and <= 2592000 seconds (30 days), got 100000000000000.0; "
-        "the default is 300"]
+        "the default is 300"
+    ]
     assert not any(tmp_path.iterdir())
 
 
 def test_model_preset_sets_the_shape_and_explicit_flags_override():
     from nanomega.ops.presets import PRESETS
+
     a = flags.parse(["--model", "gpt2-124m"])
     assert (a.n_layer, a.n_head, a.n_embd, a.block_size, a.alibi) == (12, 12, 768, 1024, False)
-    a = flags.parse(["--model", "bloom-176b", "--n-layer", "2", "--n-embd=112", "--block-size", "64"])
-    assert (a.n_layer, a.n_head, a.n_embd, a.block_size) == (2, 112, 112, 64)  # heads from the preset
+    a = flags.parse(
+        ["--model", "bloom-176b", "--n-layer", "2", "--n-embd=112", "--block-size", "64"]
+    )
+    # heads from the preset
+    assert (a.n_layer, a.n_head, a.n_embd, a.block_size) == (2, 112, 112, 64)
     assert a.alibi and a.embed_layernorm
     cfg = flags.model_config(flags.parse(["--model", "gpt2-350m"]), vocab_size=4096)
-    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size) == (24, 16, 1024, 4096)  # the tokenizer's vocabulary
-    assert {"gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b", "bloom-176b", "gpt3-175b"} <= set(PRESETS)
+    # the tokenizer's vocabulary
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size) == (24, 16, 1024, 4096)
+    assert {"gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b", "bloom-176b", "gpt3-175b"} <= set(
+        PRESETS
+    )
 
 
 def test_the_cpu_suite_runs_on_the_cpu_on_a_gpu_host(monkeypatch):
-    """Issue 27 item 4: no test passed --device, so on a GPU host `auto` picked CUDA and every two-rank job of
-    the CPU suite failed on a one-GPU machine ("LOCAL_RANK 1 but this node sees 1 CUDA device"). conftest sets
-    $NANOMEGA_DEVICE=cpu, train.py's default device. Here CUDA is made to look present."""
+    """Issue 27 item 4: no test passed --device, so on a GPU host `auto` picked CUDA and every
+    two-rank job of the CPU suite failed on a one-GPU machine ("LOCAL_RANK 1 but this node sees 1
+    CUDA device"). conftest sets $NANOMEGA_DEVICE=cpu, train.py's default device. Here CUDA is made
+    to look present."""
     from nanomega import dist
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert flags.parse([]).device == "cpu" and dist.default_device(flags.parse([]).device).type == "cpu"
-    assert dist.default_device("auto").type == "cuda"  # what `--device auto` gives a user on that host
+    assert (
+        flags.parse([]).device == "cpu"
+        and dist.default_device(flags.parse([]).device).type == "cpu"
+    )
+    # what `--device auto` gives a user on that host
+    assert dist.default_device("auto").type == "cuda"
     monkeypatch.delenv("NANOMEGA_DEVICE")
     assert flags.parse([]).device == "auto"  # outside the suite: the default is unchanged
 

@@ -1,12 +1,14 @@
-"""Issue 28, item 7: bad inputs as a new user types them, each run as a real command -- both ranks of a 2-rank job
-(torchrun's environment, no torchrun: every one of them must be refused before the rendezvous) or a tool.
+"""Issue 28, item 7: bad inputs as a new user types them, each run as a real command -- both ranks
+of a 2-rank job (torchrun's environment, no torchrun: every one of them must be refused before the
+rendezvous) or a tool.
 
-Each must: exit non-zero within seconds; print exactly one line, from rank 0 only (the other rank stays silent:
-the same line from every rank is noise); and leave the out-dir as it was (an existing one byte for byte; a new
-one not created, so no `.lock` left behind). The rough edges the sweep found were: argparse's usage block once
-per rank, a FileExistsError on both ranks for --data-cache naming a file, the allocator's error on each rank for
-an absurd --n-embd, a bare OSError for a read-only out-dir, the planner printing "nan%", a traceback for an
-out-of-range seed."""
+Each must: exit non-zero within seconds; print exactly one line, from rank 0 only (the other rank
+stays silent: the same line from every rank is noise); and leave the out-dir as it was (an existing
+one byte for byte; a new one not created, so no `.lock` left behind). The rough edges the sweep
+found were: argparse's usage block once per rank, a FileExistsError on both ranks for --data-cache
+naming a file, the allocator's error on each rank for an absurd --n-embd, a bare OSError for a
+read-only out-dir, the planner printing "nan%", a traceback for an out-of-range seed."""
+
 import gzip
 import os
 import subprocess
@@ -17,12 +19,29 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
-        "--max-steps", "3", "--eval-every", "0"]
+TINY = [
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--block-size",
+    "32",
+    "--batch-size",
+    "4",
+    "--max-steps",
+    "3",
+    "--eval-every",
+    "0",
+]
 
 # (flags after TINY, the line rank 0 must print)
 TRAIN = [
-    (["--no-such-flag"], "error: unrecognized arguments: --no-such-flag; `python nanomega/train.py --help` lists"),
+    (
+        ["--no-such-flag"],
+        "error: unrecognized arguments: --no-such-flag; `python nanomega/train.py --help` lists",
+    ),
     (["--lr", "abc"], "error: argument --lr: invalid float value: 'abc'"),
     (["--lr", "inf"], "error: --lr must be > 0, got inf (not a finite number)"),
     (["--grad-clip", "nan"], "error: --grad-clip must be >= 0, got nan"),
@@ -32,15 +51,22 @@ TRAIN = [
     (["--seed", "-1"], "error: --seed must be in [0, 2**62), got -1"),
     (["--seed", str(2**64)], "error: --seed must be in [0, 2**62)"),
     (["--data-cache", "{file}"], "error: --data-cache {file}: {file} is a file, not a directory"),
-    (["--n-embd", "10000000"], "GB per rank for its weights, gradients and optimizer state alone, more than"),
+    (
+        ["--n-embd", "10000000"],
+        "GB per rank for its weights, gradients and optimizer state alone, more than",
+    ),
     (["--tp", "3"], "error: world size 2 is not divisible by --tp 3 x --pp 1"),
-    (["--n-experts", "4", "--ep", "2"], "error: --n-experts replaces the Llama block's SwiGLU MLP by experts"),
+    (
+        ["--n-experts", "4", "--ep", "2"],
+        "error: --n-experts replaces the Llama block's SwiGLU MLP by experts",
+    ),
 ]
 
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    """A small corpus, a regular file (a bad --data-cache) and an out-dir holding files that must not change."""
+    """A small corpus, a regular file (a bad --data-cache) and an out-dir holding files that must
+    not change."""
     root = tmp_path_factory.mktemp("bad")
     corpus = root / "small.txt"
     corpus.write_text(gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(100_000))
@@ -56,18 +82,38 @@ def snapshot(folder):
     """Every path under folder with its size and mtime (None when folder does not exist)."""
     if not folder.exists():
         return None
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))}
+    return {
+        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+    }
 
 
 def two_ranks(argv, timeout=60, ranks=(0, 1)):
-    """Both ranks of a 2-rank job, started together under torchrun's environment (a rendezvous on a closed port:
-    a rank that got as far as it would hang until the timeout). -> [(returncode, stderr, stdout, seconds)]."""
+    """Both ranks of a 2-rank job, started together under torchrun's environment (a rendezvous on a
+    closed port: a rank that got as far as it would hang until the timeout). -> [(returncode,
+    stderr, stdout, seconds)]."""
     procs, t0 = [], time.perf_counter()
     for rank in ranks:
-        env = dict(os.environ, WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT="1", OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "nanomega/train.py", *argv], cwd=ROOT, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        env = dict(
+            os.environ,
+            WORLD_SIZE="2",
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT="1",
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "nanomega/train.py", *argv],
+                cwd=ROOT,
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        )
     results = []
     for p in procs:
         out, err = p.communicate(timeout=timeout)
@@ -88,51 +134,95 @@ def check_refused(results, want):
 def test_bad_train_input_is_one_line_and_changes_nothing(inputs, i):
     subst = lambda s: s.replace("{file}", str(inputs / "a_file"))
     extra, want = [subst(a) for a in TRAIN[i][0]], subst(TRAIN[i][1])
-    out = inputs / ("out" if i % 2 else f"new_out_{i}")  # an existing out-dir, or one that does not exist yet
+    # an existing out-dir, or one that does not exist yet
+    out = inputs / ("out" if i % 2 else f"new_out_{i}")
     before = snapshot(out)
-    check_refused(two_ranks([*TINY, "--corpus", str(inputs / "small.txt"), "--out-dir", str(out), *extra]), want)
+    check_refused(
+        two_ranks([*TINY, "--corpus", str(inputs / "small.txt"), "--out-dir", str(out), *extra]),
+        want,
+    )
     assert snapshot(out) == before, f"{out} changed"
 
 
 def test_read_only_out_dir_is_one_line(inputs, tmp_path):
-    """A bare `PermissionError: [Errno 1] Operation not permitted` before; now the flag and the fix. The parent is
-    made immutable (chattr +i: root ignores permission bits, not that)."""
+    """A bare `PermissionError: [Errno 1] Operation not permitted` before; now the flag and the fix.
+    The parent is made immutable (chattr +i: root ignores permission bits, not that)."""
     parent = tmp_path / "ro"
     parent.mkdir()
     if subprocess.run(["chattr", "+i", str(parent)], capture_output=True).returncode != 0:
-        pytest.skip("chattr +i is not available on this filesystem: no way to make a folder read-only for root")
-    try:  # rank 0 alone: it takes the lock; rank 1 would wait in the rendezvous (under torchrun the agent stops
+        pytest.skip(
+            "chattr +i is not available on this filesystem: no way to make a folder read-only for root"
+        )
+    # rank 0 alone: it takes the lock; rank 1 would wait in the rendezvous (under torchrun the agent
+    # stops
+    try:
         # it when rank 0 exits: tests/test_failures.py::test_second_job_on_an_out_dir_is_refused)
-        (rc0, err0, _, seconds), = two_ranks([*TINY, "--corpus", str(inputs / "small.txt"), "--out-dir",
-                                               str(parent / "out")], ranks=(0,))
+        ((rc0, err0, _, seconds),) = two_ranks(
+            [*TINY, "--corpus", str(inputs / "small.txt"), "--out-dir", str(parent / "out")],
+            ranks=(0,),
+        )
     finally:
         subprocess.run(["chattr", "-i", str(parent)], check=True)
     assert rc0 == 2 and err0.strip().splitlines() == [
-        f"error: --out-dir {parent / 'out'}: cannot write there (Operation not permitted); choose a writable --out-dir"]
+        f"error: --out-dir {parent / 'out'}: cannot write there (Operation not permitted); choose a writable --out-dir"
+    ]
     assert not (parent / "out").exists() and seconds < 20
 
 
-@pytest.mark.parametrize("argv,want", [
-    (["-m", "nanomega.tools.plan", "--gpus", "64", "--model", "gpt3-175b", "--usable", "nan"],
-     "plan: --chunks, --usable, --tokens, --inter-bw and --top must be positive and finite"),
-    (["-m", "nanomega.tools.plan", "--gpus", "64", "--model", "gpt3-175b", "--usable", "2"], "--usable at most 1"),
-    (["-m", "nanomega.tools.sample", "--out-dir", "{empty}"], "holds no checkpoint that verifies"),
-    (["-m", "nanomega.tools.hf", "import", "{empty}", "--out-dir", "{empty}/o"], "has no config.json: not a transformers model"),
-], ids=["plan usable nan", "plan usable 2", "sample no checkpoint", "hf import no model"])
+@pytest.mark.parametrize(
+    "argv,want",
+    [
+        (
+            [
+                "-m",
+                "nanomega.tools.plan",
+                "--gpus",
+                "64",
+                "--model",
+                "gpt3-175b",
+                "--usable",
+                "nan",
+            ],
+            "plan: --chunks, --usable, --tokens, --inter-bw and --top must be positive and finite",
+        ),
+        (
+            ["-m", "nanomega.tools.plan", "--gpus", "64", "--model", "gpt3-175b", "--usable", "2"],
+            "--usable at most 1",
+        ),
+        (
+            ["-m", "nanomega.tools.sample", "--out-dir", "{empty}"],
+            "holds no checkpoint that verifies",
+        ),
+        (
+            ["-m", "nanomega.tools.hf", "import", "{empty}", "--out-dir", "{empty}/o"],
+            "has no config.json: not a transformers model",
+        ),
+    ],
+    ids=["plan usable nan", "plan usable 2", "sample no checkpoint", "hf import no model"],
+)
 def test_bad_tool_input_is_one_line(tmp_path, argv, want):
     argv = [a.replace("{empty}", str(tmp_path)) for a in argv]
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert p.returncode != 0 and len(p.stderr.strip().splitlines()) == 1 and want in p.stderr, p.stderr[-2000:]
+    p = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert p.returncode != 0 and len(p.stderr.strip().splitlines()) == 1 and want in p.stderr, (
+        p.stderr[-2000:]
+    )
     assert time.perf_counter() - t0 < 20 and sorted(tmp_path.iterdir()) == []
 
 
-# The pure checks (ops/checks.py), in-process: each refusal is one ValueError line naming the flag, raised before
-# any collective (a row costs milliseconds; TRAIN above shows, once per kind, that such a line is what rank 0
-# prints and rank 1 keeps quiet). (flags after TINY, WORLD_SIZE, the line)
+# The pure checks (ops/checks.py), in-process: each refusal is one ValueError line naming the flag,
+# raised before any collective (a row costs milliseconds; TRAIN above shows, once per kind, that
+# such a line is what rank 0 prints and rank 1 keeps quiet). (flags after TINY, WORLD_SIZE, the
+# line)
 MOE = ["--arch", "llama", "--n-experts", "4"]
 CHECKS = [
-    (["--n-experts", "4"], 1, "--n-experts replaces the Llama block's SwiGLU MLP by experts; add --arch llama"),
+    (
+        ["--n-experts", "4"],
+        1,
+        "--n-experts replaces the Llama block's SwiGLU MLP by experts; add --arch llama",
+    ),
     ([*MOE, "--ep", "3"], 3, "--ep 3 does not divide --n-experts 4"),
     ([*MOE, "--ep", "2"], 1, "--ep 2 does not divide dp 1"),
     (["--arch", "llama", "--ep", "2"], 2, "--ep 2 needs experts to spread: add --n-experts"),
@@ -148,7 +238,10 @@ CHECKS = [
 @pytest.mark.parametrize("extra,world,want", CHECKS, ids=[" ".join(e) for e, _, _ in CHECKS])
 def test_bad_moe_flags_are_one_line_from_the_checks(extra, world, want, monkeypatch):
     from nanomega.ops import checks, flags
+
     monkeypatch.setenv("WORLD_SIZE", str(world))
     with pytest.raises(ValueError) as refused:
         checks.check(flags.parse([*TINY, "--device", "cpu", *extra]))
-    assert want in str(refused.value) and len(str(refused.value).splitlines()) == 1, str(refused.value)
+    assert want in str(refused.value) and len(str(refused.value).splitlines()) == 1, str(
+        refused.value
+    )

@@ -1,4 +1,6 @@
-"""Data layer: the BPE trainer and its rank file, the token cache, windows, and the resumable sampler."""
+"""Data layer: the BPE trainer and its rank file, the token cache, windows, and the resumable
+sampler."""
+
 import gzip
 import hashlib
 import json
@@ -25,7 +27,9 @@ def small_corpus(tmp_path_factory):
     return path
 
 
-# ---- tokenizer ---------------------------------------------------------------------------------------------
+# ---- tokenizer
+# ---------------------------------------------------------------------------------------------
+
 
 def test_rank_file_loads_with_plain_tiktoken():
     # expected_hash: tiktoken caches files by path in /tmp, a stale copy must not pass for this one
@@ -45,7 +49,8 @@ def test_round_trip_corpus_unicode_and_bytes():
     assert enc.decode(ids) == sample
     assert len(sample) / len(ids) > 2.5  # real compression, not bytes in disguise
     rng = random.Random(0)
-    chars = [chr(c) for c in range(0x110000) if not 0xD800 <= c < 0xE000]  # every non-surrogate code point
+    # every non-surrogate code point
+    chars = [chr(c) for c in range(0x110000) if not 0xD800 <= c < 0xE000]
     for _ in range(20):
         s = "".join(rng.choice(chars) for _ in range(200)) + " naïve 東京 🤖\x00\t\r\n  end"
         assert enc.decode(enc.encode_ordinary(s)) == s
@@ -55,7 +60,8 @@ def test_round_trip_corpus_unicode_and_bytes():
 
 
 def _naive_bpe(text, n_ranks):
-    """Reference: recount every pair of every word after each merge; same tie-break (smallest ids)."""
+    """Reference: recount every pair of every word after each merge; same tie-break (smallest
+    ids)."""
     words = Counter(tuple(p.encode()) for p in regex.findall(data.GPT2_PATTERN, text))
     vocab = [bytes([i]) for i in range(256)]
     rank_of = {t: i for i, t in enumerate(vocab)}
@@ -99,7 +105,9 @@ def test_chunked_encoding_equals_whole_text(tmp_path, monkeypatch, name):
     assert n == len(enc.encode_ordinary(text))
 
 
-# ---- prepare: the token cache ------------------------------------------------------------------------------
+# ---- prepare: the token cache
+# ------------------------------------------------------------------------------
+
 
 def test_prepare_splits_caches_and_is_deterministic(small_corpus, tmp_path, monkeypatch):
     meta = data.prepare(small_corpus, "shakespeare-4k", tmp_path / "a")
@@ -110,11 +118,14 @@ def test_prepare_splits_caches_and_is_deterministic(small_corpus, tmp_path, monk
     assert (meta["train_tokens"], meta["val_tokens"]) == (len(train), len(val))
     text = TEXT[:200_000]
     assert enc.decode(train) + enc.decode(val) == text
-    assert enc.decode(train).endswith("\n") and 0.04 < len(enc.decode(val)) / len(text) < 0.06  # line boundary
+    # line boundary
+    assert enc.decode(train).endswith("\n") and 0.04 < len(enc.decode(val)) / len(text) < 0.06
     assert meta["corpus_sha256"] == hashlib.sha256(small_corpus.read_bytes()).hexdigest()
 
     mtimes = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "a").glob("*/*")}
-    monkeypatch.setattr(data, "_write_tokens", lambda *a: pytest.fail("re-tokenized a cached corpus"))
+    monkeypatch.setattr(
+        data, "_write_tokens", lambda *a: pytest.fail("re-tokenized a cached corpus")
+    )
     assert data.prepare(small_corpus, "shakespeare-4k", tmp_path / "a") == meta
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "a").glob("*/*")} == mtimes
     monkeypatch.undo()
@@ -148,7 +159,9 @@ def test_interrupted_prepare_leaves_nothing_that_looks_valid(small_corpus, tmp_p
     assert data.prepare(small_corpus, "shakespeare-4k", tmp_path)["val_tokens"] > 0
 
 
-# ---- bad input: one clear line naming the flag or file and the fix -----------------------------------------
+# ---- bad input: one clear line naming the flag or file and the fix
+# -----------------------------------------
+
 
 def test_bad_corpus_and_tokenizer_errors(small_corpus, tmp_path):
     with pytest.raises(FileNotFoundError, match="--corpus .*missing.txt: no such file"):
@@ -174,9 +187,13 @@ def test_corrupt_cache_is_reported_never_rewritten(small_corpus, tmp_path):
     meta = data.prepare(small_corpus, "shakespeare-4k", tmp_path)
     with open(meta["train_bin"], "r+b") as f:
         f.truncate(1001)
-    with pytest.raises(ValueError, match=r"train.bin has 1001 bytes but meta.json says .*truncated; delete"):
+    with pytest.raises(
+        ValueError, match=r"train.bin has 1001 bytes but meta.json says .*truncated; delete"
+    ):
         data.prepare(small_corpus, "shakespeare-4k", tmp_path)
-    with pytest.raises(ValueError, match=r"train.bin has 1001 bytes, not a whole number of uint16 tokens"):
+    with pytest.raises(
+        ValueError, match=r"train.bin has 1001 bytes, not a whole number of uint16 tokens"
+    ):
         windows.TokenDataset(meta["train_bin"], meta["dtype"], 8)
     assert data.Path(meta["train_bin"]).stat().st_size == 1001  # left alone for the user to inspect
     (data.Path(meta["dir"]) / "meta.json").write_text("{not json")
@@ -189,14 +206,19 @@ def test_block_size_larger_than_a_split(small_corpus, tmp_path):
     n = meta["val_tokens"]
     with pytest.raises(ValueError) as e:
         windows.TokenDataset(meta["val_bin"], meta["dtype"], n)
-    assert str(e.value) == (f"--block-size {n} is larger than the validation split ({n} tokens); "
-                            f"use a smaller --block-size")
-    assert len(windows.TokenDataset(meta["val_bin"], meta["dtype"], n - 1)) == 1  # n tokens = exactly one window
+    assert str(e.value) == (
+        f"--block-size {n} is larger than the validation split ({n} tokens); "
+        f"use a smaller --block-size"
+    )
+    # n tokens = exactly one window
+    assert len(windows.TokenDataset(meta["val_bin"], meta["dtype"], n - 1)) == 1
     with pytest.raises(FileNotFoundError, match="token file .*nope.bin is missing"):
         windows.TokenDataset(tmp_path / "nope.bin", "uint16", 8)
 
 
-# ---- windows -----------------------------------------------------------------------------------------------
+# ---- windows
+# -----------------------------------------------------------------------------------------------
+
 
 def test_windows_shift_by_one_and_cover_every_target_once(small_corpus, tmp_path):
     meta = data.prepare(small_corpus, "shakespeare-4k", tmp_path)
@@ -207,15 +229,17 @@ def test_windows_shift_by_one_and_cover_every_target_once(small_corpus, tmp_path
     x, y = ds.get([3, 0, len(ds) - 1])
     assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (3, T)
     assert x.is_contiguous() and y.is_contiguous()
-    assert torch.equal(x[0], torch.from_numpy(tokens[3 * T:4 * T]))
+    assert torch.equal(x[0], torch.from_numpy(tokens[3 * T : 4 * T]))
     assert torch.equal(x[:, 1:], y[:, :-1])
     _, y_all = ds.get(np.arange(len(ds)))
-    assert torch.equal(y_all.flatten(), torch.from_numpy(tokens[1:1 + len(ds) * T]))
+    assert torch.equal(y_all.flatten(), torch.from_numpy(tokens[1 : 1 + len(ds) * T]))
     with pytest.raises(IndexError):
         ds.get([len(ds)])
 
 
-# ---- sampler -----------------------------------------------------------------------------------------------
+# ---- sampler
+# -----------------------------------------------------------------------------------------------
+
 
 def test_sampler_is_a_function_of_seed_and_step():
     a, b = windows.Sampler(1000, 32, seed=7), windows.Sampler(1000, 32, seed=7)
@@ -228,9 +252,10 @@ def test_sampler_is_a_function_of_seed_and_step():
 def test_each_epoch_is_a_permutation(n, B):
     s = windows.Sampler(n, B, seed=1)
     stream = np.concatenate([s.indices(k) for k in range(-(-3 * n // B))])  # >= 3 epochs of samples
-    epochs = [stream[e * n:(e + 1) * n] for e in range(3)]
+    epochs = [stream[e * n : (e + 1) * n] for e in range(3)]
     for e in epochs:
-        assert np.array_equal(np.sort(e), np.arange(n))  # nothing repeated or skipped within an epoch
+        # nothing repeated or skipped within an epoch
+        assert np.array_equal(np.sort(e), np.arange(n))
     assert not np.array_equal(epochs[0], epochs[1])  # reshuffled each epoch
 
 
@@ -261,5 +286,7 @@ def test_dp_and_micro_batch_split_partition_the_global_batch(dp, m, a):
         parts = [s.local_micro_batches(step, r, dp, m, a) for r in range(dp)]
         assert all(len(p) == a and all(mb.shape == (m,) for mb in p) for p in parts)
         assert np.array_equal(np.concatenate([mb for p in parts for mb in p]), s.indices(step))
-    with pytest.raises(ValueError, match="--global-batch 24 != --micro-batch 5 x grad accum 2 x dp 2"):
+    with pytest.raises(
+        ValueError, match="--global-batch 24 != --micro-batch 5 x grad accum 2 x dp 2"
+    ):
         s.local_micro_batches(0, 0, 2, 5, 2)

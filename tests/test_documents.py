@@ -1,12 +1,14 @@
-"""Document masking (nanomega/documents.py, modern.document_mask): the dense model with a document mask against
-each document of the window run alone. One process, fp32, < 2 s.
+"""Document masking (nanomega/documents.py, modern.document_mask): the dense model with a document
+mask against each document of the window run alone. One process, fp32, < 2 s.
 
-Positions stay absolute under --document-mask, so "alone" means a document's own tokens at its own window
-positions (GPT.forward's positions argument): the mask is then the only
-difference, and a masked key contributes an exact 0 to the softmax. The two sides still sum the unmasked keys
-(and every matmul) over other shapes, so in other orders: tests/tolerance.py's layout bound on the logits,
-2 likely(width) sqrt(depth) relative to the largest logit (width 4h = 128 terms, depth 2 layers x 4 + head).
+Positions stay absolute under --document-mask, so "alone" means a document's own tokens at its own
+window positions (GPT.forward's positions argument): the mask is then the only difference, and a
+masked key contributes an exact 0 to the softmax. The two sides still sum the unmasked keys (and
+every matmul) over other shapes, so in other orders: tests/tolerance.py's layout bound on the
+logits, 2 likely(width) sqrt(depth) relative to the largest logit (width 4h = 128 terms, depth 2
+layers x 4 + head).
 """
+
 import pytest
 import torch
 
@@ -15,14 +17,19 @@ from nanomega.model import GPT, GPTConfig
 from tolerance import likely
 
 EOT, V, S = 0, 200, 32
-BOUND = 2 * likely(128) * 9 ** 0.5
-CASES = {"gpt2 sdpa": {}, "gpt2 eager": dict(attention="eager"), "gpt2 fused softmax": dict(attention="fused"),
-         "gpt2 alibi eager": dict(alibi=True, attention="eager"),
-         "llama sdpa, grouped-query": dict(arch="llama", n_kv_head=2, ffn_hidden=64)}
+BOUND = 2 * likely(128) * 9**0.5
+CASES = {
+    "gpt2 sdpa": {},
+    "gpt2 eager": dict(attention="eager"),
+    "gpt2 fused softmax": dict(attention="fused"),
+    "gpt2 alibi eager": dict(alibi=True, attention="eager"),
+    "llama sdpa, grouped-query": dict(arch="llama", n_kv_head=2, ffn_hidden=64),
+}
 
 
 def windows(seed=0, b=2, p=0.15):
-    """(b, S) ids with end-of-text tokens at random places (documents of ~1/p tokens) and their document ids."""
+    """(b, S) ids with end-of-text tokens at random places (documents of ~1/p tokens) and their
+    document ids."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randint(1, V, (b, S), generator=gen)
     x[torch.rand(b, S, generator=gen) < p] = EOT
@@ -40,7 +47,7 @@ def alone(model, x, docs):
     for i in range(x.shape[0]):
         for d in docs[i].unique():
             at = (docs[i] == d).nonzero().flatten()  # contiguous: a document is a run of the window
-            out[i, at] = model(x[i:i + 1, at], positions=at)[0]
+            out[i, at] = model(x[i : i + 1, at], positions=at)[0]
     return out
 
 
@@ -59,4 +66,5 @@ def test_dense_document_mask_equals_each_document_alone(case):
         ref, got, plain = alone(model, x, docs), model(x, None, docs), model(x)
     scale = ref.abs().max()
     assert ((got - ref).abs().max() / scale).item() < BOUND
-    assert ((plain - ref).abs().max() / scale).item() > 100 * BOUND  # without the mask: other documents leak in
+    # without the mask: other documents leak in
+    assert ((plain - ref).abs().max() / scale).item() > 100 * BOUND

@@ -1,7 +1,9 @@
-"""The engine's public API for people wrapping their own model (nanomega/ddp.py, zero.py, zero3.py), at 2 ranks:
-module buffers start equal (broadcast or verified, as PyTorch's DDP), ZeRO-3 with the caller's own optimizer
-stepping the local shards (zero3.FullyShardedDataParallel, as FSDP2) equals one process bitwise, and
-zero_grad() drops what was accumulated (the next step is bitwise the step without it)."""
+"""The engine's public API for people wrapping their own model (nanomega/ddp.py, zero.py, zero3.py),
+at 2 ranks: module buffers start equal (broadcast or verified, as PyTorch's DDP), ZeRO-3 with the
+caller's own optimizer stepping the local shards (zero3.FullyShardedDataParallel, as FSDP2) equals
+one process bitwise, and zero_grad() drops what was accumulated (the next step is bitwise the step
+without it)."""
+
 import contextlib
 import gc
 import weakref
@@ -26,11 +28,13 @@ class Norm(nn.Module):
 
 def _buffers(grid):
     """Same parameters on every rank, buffers (BatchNorm's running statistics) differing."""
+
     def build():
         torch.manual_seed(0)
         m = Norm()
         m.bn.running_mean.fill_(float(grid.dp_rank))
         return m
+
     try:
         DistributedDataParallel(build(), grid)
         error = None
@@ -59,14 +63,16 @@ def _fsdp(grid, kind):
         for p, t in zip(params, _mean_grads(ref, params, mbs, "mb_last")):
             p.grad = t
         ref_opt.step()
-    for u in range(len(fsdp.sharded.units)):  # every rank gathers every unit to read the full weights
+    # every rank gathers every unit to read the full weights
+    for u in range(len(fsdp.sharded.units)):
         fsdp.sharded.gather(u)
     got = {k: p.detach().clone() for k, p in model.named_parameters()}
     return _bitwise(got, dict(ref.named_parameters()))
 
 
 def _zero_grad(grid):
-    """A junk backward, then zero_grad(): the training that follows is bitwise the one without it."""
+    """A junk backward, then zero_grad(): the training that follows is bitwise the one without
+    it."""
     out = {}
     for stage in range(4):
         clean = _weights(_train(_engine(grid, "toy", stage), "toy", 0, 2)[0])
@@ -79,14 +85,19 @@ def _zero_grad(grid):
     ddp = DistributedDataParallel(_build("toy"), grid)
     ddp.module(*_batch("toy", 0, grid.dp_rank, 0)).backward()
     ddp.zero_grad()
-    out["ddp"] = [k for k, p in ddp.module.named_parameters() if p.grad is not None] + \
-        [j for j, g in enumerate(ddp.groups) if g.grad.count_nonzero()]
+    out["ddp"] = [k for k, p in ddp.module.named_parameters() if p.grad is not None] + [
+        j for j, g in enumerate(ddp.groups) if g.grad.count_nonzero()
+    ]
     return out
 
 
 def _world(world):
     grid = dist.Grid(world, 1, 1)
-    return dict(buffers=_buffers(grid), fsdp={k: _fsdp(grid, k) for k in ("toy", "gpt")}, zero_grad=_zero_grad(grid))
+    return dict(
+        buffers=_buffers(grid),
+        fsdp={k: _fsdp(grid, k) for k in ("toy", "gpt")},
+        zero_grad=_zero_grad(grid),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +107,10 @@ def world2():
 
 def test_buffers_broadcast_or_verified(world2):
     for rank in world2:
-        assert rank["buffers"]["error"] and "ranks [1] start from other weights" in rank["buffers"]["error"]
+        assert (
+            rank["buffers"]["error"]
+            and "ranks [1] start from other weights" in rank["buffers"]["error"]
+        )
         assert rank["buffers"]["mean"] == [0.0, 0.0, 0.0]
 
 
@@ -111,10 +125,12 @@ def test_zero_grad_drops_the_accumulated_gradients(world2):
 
 
 def test_a_dropped_engine_frees_its_parameters_and_gradient_buffers(grid):
-    """A process that builds engines one after another (bench/bench_gpu.py's configurations, these tests) gets
-    their memory back once gc.collect() has run (engine and parameters reference each other: `del` is not
-    enough). A post-accumulate-grad hook holding the engine kept every parameter and gradient buffer alive
-    for good: Python's gc does not see those hooks. One process, CPU: 0 left of each (before: all)."""
+    """A process that builds engines one after another (bench/bench_gpu.py's configurations, these
+    tests) gets their memory back once gc.collect() has run (engine and parameters reference each
+    other: `del` is not enough). A post-accumulate-grad hook holding the engine kept every parameter
+    and gradient buffer alive for good: Python's gc does not see those hooks. One process, CPU: 0
+    left of each (before: all)."""
+
     def build_step_drop(wrap):
         model = _build("gpt")
         wrapped = wrap(model)
@@ -124,8 +140,14 @@ def test_a_dropped_engine_frees_its_parameters_and_gradient_buffers(grid):
         buffers = [g.grad for g in wrapped.buckets.groups if g.grad is not None]
         return [weakref.ref(t) for t in [model, wrapped, *model.parameters(), *buffers]]
 
-    wrappers = {f"zero{s}": lambda m, s=s: ZeroEngine(m, torch.optim.AdamW, dict(lr=1e-3), grid, s) for s in range(4)}
-    wrappers.update(ddp=lambda m: DistributedDataParallel(m, grid), fsdp=lambda m: FullyShardedDataParallel(m, grid))
+    wrappers = {
+        f"zero{s}": lambda m, s=s: ZeroEngine(m, torch.optim.AdamW, dict(lr=1e-3), grid, s)
+        for s in range(4)
+    }
+    wrappers.update(
+        ddp=lambda m: DistributedDataParallel(m, grid),
+        fsdp=lambda m: FullyShardedDataParallel(m, grid),
+    )
     for name, wrap in wrappers.items():
         refs = build_step_drop(wrap)
         gc.collect()

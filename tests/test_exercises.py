@@ -1,11 +1,15 @@
-"""The exercise grader (lessons/grade.py, run as `python lessons/check.py --exercise NAME FILE`) can pass and fail.
+"""The exercise grader (lessons/grade.py, run as `python lessons/check.py --exercise NAME FILE`) can
+pass and fail.
 
-Runs of check.py, as a student runs it: every solution passes every test its exercise names (one run: the
-solutions' tests lie in three test modules, one spawned world each); every untouched starter fails with its own
-NotImplementedError (in spawned ranks too: tp-fg's and flat's are raised in the ranks, so the substitution reached
-them), and a 1F1B with a warm-up one forward too long fails the op-order tests, all in one `--quick` run.
-The predictions (lessons/predict.py): right answers RIGHT, a wrong bubble WRONG, a missing one unanswered.
+Runs of check.py, as a student runs it: every solution passes every test its exercise names (one
+run: the solutions' tests lie in three test modules, one spawned world each); every untouched
+starter fails with its own NotImplementedError (in spawned ranks too: tp-fg's and flat's are raised
+in the ranks, so the substitution reached them), and a 1F1B with a warm-up one forward too long
+fails the op-order tests, all in one `--quick` run.
+The predictions (lessons/predict.py): right answers RIGHT, a wrong bubble WRONG, a missing one
+unanswered.
 """
+
 import os
 import re
 import subprocess
@@ -14,8 +18,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 EX = ROOT / "lessons" / "exercises"
-SOLUTIONS = {"tp-fg": "tp_fg.py", "vocab-ce": "vocab_ce.py", "1f1b": "one_f_one_b.py", "flat": "flat.py"}
-BUGGY_1F1B = '''from nanomega.schedules import Op
+SOLUTIONS = {
+    "tp-fg": "tp_fg.py",
+    "vocab-ce": "vocab_ce.py",
+    "1f1b": "one_f_one_b.py",
+    "flat": "flat.py",
+}
+BUGGY_1F1B = """from nanomega.schedules import Op
 
 
 def one_f_one_b(p, rank, m, v=1):
@@ -24,14 +33,23 @@ def one_f_one_b(p, rank, m, v=1):
     for i in range(m - warmup):
         rounds += [[Op("F", warmup + i)], [Op("B", i)]]
     return rounds + [[Op("B", i)] for i in range(m - warmup, m)]
-'''
+"""
 
 
 def check(*args):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "lessons" / "check.py"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT)] + [os.environ.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+    )
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "lessons" / "check.py"), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
     verdicts = dict(re.findall(r"^exercise (\S+): \d+/\d+ tests pass -> (PASS|FAIL)$", out, re.M))
     return proc.returncode, verdicts, out
@@ -44,20 +62,28 @@ def pairs(folder, names):
 def test_every_solution_passes_its_tests():
     rc, verdicts, out = check(*pairs(EX / "solutions", SOLUTIONS))
     assert verdicts == dict.fromkeys(SOLUTIONS, "PASS") and rc == 0, out
-    assert len(re.findall(r"^PASS ", out, re.M)) >= 9 + 9 + 12 + 16, out  # every test ran, none skipped
+    # every test ran, none skipped
+    assert len(re.findall(r"^PASS ", out, re.M)) >= 9 + 9 + 12 + 16, out
 
 
 def test_untouched_starters_and_a_planted_bug_fail(tmp_path):
-    """One run (the suite's budget): the tp-fg and flat starters fail by their own NotImplementedError, raised in
-    spawned ranks (the substitution reached them), and a 1F1B with one warm-up forward too many fails the op-order
-    tests. The vocab-ce and 1f1b starters raise the same way in the pytest process itself."""
+    """One run (the suite's budget): the tp-fg and flat starters fail by their own
+    NotImplementedError, raised in spawned ranks (the substitution reached them), and a 1F1B with
+    one warm-up forward too many fails the op-order tests. The vocab-ce and 1f1b starters raise the
+    same way in the pytest process itself."""
     buggy = tmp_path / "buggy_1f1b.py"
     buggy.write_text(BUGGY_1F1B)
-    rc, verdicts, out = check("--quick", *pairs(EX, ["tp-fg", "flat"]), "--exercise", "1f1b", str(buggy))
+    rc, verdicts, out = check(
+        "--quick", *pairs(EX, ["tp-fg", "flat"]), "--exercise", "1f1b", str(buggy)
+    )
     assert verdicts == dict.fromkeys(["tp-fg", "flat", "1f1b"], "FAIL") and rc == 1, out
     for name in ("tp-fg", "flat"):  # raised in a spawned rank: the substitution reached the ranks
-        assert re.search(rf"^FAIL .*\(rank \d failed: NotImplementedError: exercise {name}:", out, re.M), out
-    assert re.search(r"^FAIL tests/test_pp.py::test_op_orders_literal .*(assert|Assertion)", out, re.M), out
+        assert re.search(
+            rf"^FAIL .*\(rank \d failed: NotImplementedError: exercise {name}:", out, re.M
+        ), out
+    assert re.search(
+        r"^FAIL tests/test_pp.py::test_op_orders_literal .*(assert|Assertion)", out, re.M
+    ), out
 
 
 def test_a_file_without_the_names_is_one_line(tmp_path):
@@ -66,20 +92,27 @@ def test_a_file_without_the_names_is_one_line(tmp_path):
     rc, _, out = check("--exercise", "tp-fg", str(empty))
     assert rc == 2 and out.strip().splitlines() == [
         f"error: {empty} defines no 'CopyToTensorParallel': exercise tp-fg replaces "
-        "nanomega.tp:CopyToTensorParallel; keep the starter's names"], out
+        "nanomega.tp:CopyToTensorParallel; keep the starter's names"
+    ], out
     rc, _, out = check("--exercise", "no-such", str(empty))
     assert rc == 2 and "choose one of tp-fg, vocab-ce, 1f1b, flat" in out, out
 
 
 def test_predictions_graded_right_and_wrong(tmp_path):
-    """One run: the solution's answers with one made wrong ((p-1)/(m+p) for the 1F1B bubble) and one removed:
-    seven measured RIGHT, the wrong one WRONG, the missing one unanswered."""
+    """One run: the solution's answers with one made wrong ((p-1)/(m+p) for the 1F1B bubble) and one
+    removed: seven measured RIGHT, the wrong one WRONG, the missing one unanswered."""
     solution = (EX / "solutions" / "predictions.py").read_text()
-    assert (EX / "predictions.py").read_text().count(": None,") == 8  # the untouched starter answers nothing
+    # the untouched starter answers nothing
+    assert (EX / "predictions.py").read_text().count(": None,") == 8
     wrong = tmp_path / "wrong.py"
-    wrong.write_text(solution.replace('"1f1b-bubble": (p - 1) / (m + p - 1),', '"1f1b-bubble": 3 / 12,')
-                     .replace('"gpipe-in-flight": m,', '"gpipe-in-flight": None,'))
+    wrong.write_text(
+        solution.replace('"1f1b-bubble": (p - 1) / (m + p - 1),', '"1f1b-bubble": 3 / 12,').replace(
+            '"gpipe-in-flight": m,', '"gpipe-in-flight": None,'
+        )
+    )
     rc, _, out = check("--predict", str(wrong))
-    assert rc == 1 and "predict 1f1b-bubble (lesson 05): yours 0.25, measured 0.272727 -> WRONG" in out, out
+    assert (
+        rc == 1 and "predict 1f1b-bubble (lesson 05): yours 0.25, measured 0.272727 -> WRONG" in out
+    ), out
     assert out.count("-> RIGHT") == 6 and out.count("no prediction yet") == 1, out
     assert "predictions: 6/8 right" in out, out

@@ -1,5 +1,7 @@
-"""scripts/figures.py: the lessons and the README show exactly the figures the script makes (none missing, none
-orphaned), and every run it trains passes train.py's up-front checks. File and flag checks only: no training."""
+"""scripts/figures.py: the lessons and the README show exactly the figures the script makes (none
+missing, none orphaned), and every run it trains passes train.py's up-front checks. File and flag
+checks only: no training."""
+
 import importlib.util
 import re
 from pathlib import Path
@@ -28,7 +30,9 @@ def referenced():
     for doc in [ROOT / "README.md", *sorted((ROOT / "lessons").glob("*.md"))]:
         for link in IMAGE.findall(doc.read_text()):
             path = (doc.parent / link).resolve()
-            assert path.parent == figures.FOLDER, f"{doc.name} shows {link}, outside {figures.FOLDER}"
+            assert path.parent == figures.FOLDER, (
+                f"{doc.name} shows {link}, outside {figures.FOLDER}"
+            )
             refs.setdefault(path.name, []).append(doc.name)
     return refs
 
@@ -59,7 +63,8 @@ def test_scripted_figures_come_from_a_lesson_script_with_a_figure_flag():
 def test_every_figure_draws_runs_the_script_trains():
     for name, (runs, labels, kept) in figures.FIGURES.items():
         assert set(runs) <= set(figures.RUNS) and len(labels) == len(runs), name
-        if kept.startswith("timeline_"):  # only a pipeline run records a timeline (train.py, pp > 1)
+        # only a pipeline run records a timeline (train.py, pp > 1)
+        if kept.startswith("timeline_"):
             assert kept == f"timeline_{labels[0]}.png" and "--pp" in figures.RUNS[runs[0]][1], name
         else:
             assert kept in ("loss.png", "throughput.png"), name

@@ -1,8 +1,11 @@
-"""Fused C++ kernels vs the PyTorch reference: values, gradients, odd shapes, bf16/fp16, the whole GPT and Llama, nvcc.
+"""Fused C++ kernels vs the PyTorch reference: values, gradients, odd shapes, bf16/fp16, the whole
+GPT and Llama, nvcc.
 
-The extension is built once into extension.build_dir() (cold ~45 s, then ~0.05 s for every later test,
-process, lesson and bench run); the CUDA sources are compiled, never run: there is no GPU here.
+The extension is built once into extension.build_dir() (cold ~45 s, then ~0.05 s for every later
+test, process, lesson and bench run); the CUDA sources are compiled, never run: there is no GPU
+here.
 """
+
 import copy
 import hashlib
 import os
@@ -27,14 +30,17 @@ from tolerance import LAMBDA, assert_within, unit_roundoff
 #   S   the magnitude of the terms that are rounded: the output's size plus the input's rounding pushed
 #       through the op's condition (for LayerNorm, 1/sqrt(var + eps) can amplify it a lot: width 1);
 # plus, for 16-bit inputs and outputs (fp32 inside), ROUNDINGS_16 roundings to the 16-bit type: the
-# output's own, and in backward the saved 16-bit output that the kernel reads back (softmax's probs).
-# bias_gelu, causal_softmax: at::vec's exp_u20 errs by <= 20 ulp = 40 u; <= 16 more roundings (the
+# output's own, and in backward the saved 16-bit output that the kernel reads back (softmax's
+# probs). bias_gelu, causal_softmax: at::vec's exp_u20 errs by <= 20 ulp = 40 u; <= 16 more
+# roundings (the
 #   polynomial, -ffast-math's reciprocal estimate + Newton step, products, the input's rounding): 64 u.
 # layer_norm: rsqrt as a reciprocal estimate + Newton step (<= 4 u) and <= 12 more roundings: 16 u.
-# rms_norm: LayerNorm's ingredients less the mean: 16 u. Its row sum of x^2 (positive terms: no cancellation)
+# rms_norm: LayerNorm's ingredients less the mean: 16 u. Its row sum of x^2 (positive terms: no
+# cancellation)
 #   reaches the outputs through rstd = (sum / H + eps)^-1/2, which halves a relative error, so n is an
 #   "effective" length in magnitudes(): sqrt(n) = the number of likely(H)s an output carries, times sqrt(H).
-# swiglu: silu(g) = g s, s = 1 / (1 + e), e = exp_u20(-g); e's error reaches s, e s and silu'(g) = s (1 + g e s)
+# swiglu: silu(g) = g s, s = 1 / (1 + e), e = exp_u20(-g); e's error reaches s, e s and silu'(g) = s
+# (1 + g e s)
 #   scaled by at most 1 (d silu'/d ln e = -s(1-s) + g e s^2 (2s - 1), within s (1 + |g| (1 - s))), so as for
 #   bias_gelu: 40 u + <= 16 roundings (1 + e, reciprocal + Newton, 5 products, the sum): 64 u.
 K = {"bias_gelu": 64, "causal_softmax": 64, "layer_norm": 16, "rms_norm": 16, "swiglu": 64}
@@ -43,29 +49,39 @@ SCALE = 0.37  # the causal softmax's scale in these tests
 
 
 def softmax64(scores, scale):
-    """The causal softmax in the input's own dtype (model.causal_softmax computes in fp32 whatever comes in)."""
+    """The causal softmax in the input's own dtype (model.causal_softmax computes in fp32 whatever
+    comes in)."""
     s_q, s_k = scores.shape[-2:]
     future = torch.ones(s_q, s_k, dtype=torch.bool).triu(s_k - s_q + 1)
     return torch.softmax((scores * scale).masked_fill(future, float("-inf")), dim=-1)
 
 
 def rms64(x, w):
-    """modern.rms_norm's formula in the inputs' own dtype (modern.rms_norm computes in fp32 whatever comes in)."""
+    """modern.rms_norm's formula in the inputs' own dtype (modern.rms_norm computes in fp32 whatever
+    comes in)."""
     return w * (x * (x.pow(2).mean(-1, keepdim=True) + 1e-5).rsqrt())
 
 
 def reference(name):
-    return {"bias_gelu": model.bias_gelu, "causal_softmax": lambda s: softmax64(s, SCALE), "layer_norm": ln_ref,
-            "rms_norm": rms64, "swiglu": modern.swiglu}[name]
+    return {
+        "bias_gelu": model.bias_gelu,
+        "causal_softmax": lambda s: softmax64(s, SCALE),
+        "layer_norm": ln_ref,
+        "rms_norm": rms64,
+        "swiglu": modern.swiglu,
+    }[name]
 
 
-CLAMP = 80.0  # the kernels' exp(-g) takes -g clamped to [-80, 80]: past it sigmoid errs by < e^-80 absolute
+# the kernels' exp(-g) takes -g clamped to [-80, 80]: past it sigmoid errs by < e^-80 absolute
+CLAMP = 80.0
 
 
 def magnitudes(name, inputs, grad, want):
-    """[(S, n)] for each output (forward, then each input's gradient), from the fp64 inputs and reference."""
+    """[(S, n)] for each output (forward, then each input's gradient), from the fp64 inputs and
+    reference."""
     rows = lambda t: t.reshape(-1, t.shape[-1])  # (R, H): parameter gradients sum over R rows
-    if name == "bias_gelu":  # |gelu(u)| <= |u|, |u gelu'(u)| < 1.2 |u|; |gelu'| < 1.2, |u gelu''(u)| < 0.8
+    # |gelu(u)| <= |u|, |u gelu'(u)| < 1.2 |u|; |gelu'| < 1.2, |u gelu''(u)| < 0.8
+    if name == "bias_gelu":
         x, b = inputs
         dy = rows(grad).abs()
         return [(2 * (x + b).abs().max(), 1), (2 * dy.max(), 1), (2 * dy.sum(0), len(dy))]
@@ -74,46 +90,60 @@ def magnitudes(name, inputs, grad, want):
         mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
         r = (var + 1e-5).rsqrt()
         xhat, g = (x - mean) * r, grad * w
-        # the mean's rounding error (~ u mean|x|) moves xhat by ~ u r mean|x|, 1/sqrt(var + eps) times it:
+        # the mean's rounding error (~ u mean|x|) moves xhat by ~ u r mean|x|, 1/sqrt(var + eps)
+        # times it:
         # LayerNorm's condition (width 1: var = 0, r = 316, xhat exactly 0 but not its rounding)
         spread = r * x.abs().mean(-1, keepdim=True)
         xmag = xhat.abs() + spread
         mean_abs = lambda t: t.abs().mean(-1, keepdim=True)
-        dx = r * (g.abs() + mean_abs(g) + xmag * mean_abs(g.abs() * xmag)) * (1 + spread)  # dx's three terms
+        # dx's three terms
+        dx = r * (g.abs() + mean_abs(g) + xmag * mean_abs(g.abs() * xmag)) * (1 + spread)
         H, R = x.shape[-1], rows(x).shape[0]
-        return [(w.abs() * xmag + b.abs(), H), (dx.max(), H), (rows(grad.abs() * xmag).sum(0), R),
-                (rows(grad).abs().sum(0), R)]
-    if name == "rms_norm":  # y = w xhat, xhat = x r, r = (mean(x^2) + eps)^-1/2, g = dy w, m = mean(g xhat)
+        return [
+            (w.abs() * xmag + b.abs(), H),
+            (dx.max(), H),
+            (rows(grad.abs() * xmag).sum(0), R),
+            (rows(grad).abs().sum(0), R),
+        ]
+    # y = w xhat, xhat = x r, r = (mean(x^2) + eps)^-1/2, g = dy w, m = mean(g xhat)
+    if name == "rms_norm":
         x, w = inputs
         r = (x.pow(2).mean(-1, keepdim=True) + 1e-5).rsqrt()
         xhat, g = x * r, grad * w
         H, R = x.shape[-1], rows(x).shape[0]
-        # dx = r g - r xhat m: r g carries r's 1/2 likely(H); r xhat m = r^3 x mean(g x) carries 3/2 of it plus
-        # 1 for its own row sum: 5/2
+        # dx = r g - r xhat m: r g carries r's 1/2 likely(H); r xhat m = r^3 x mean(g x) carries 3/2
+        # of it plus 1 for its own row sum: 5/2
         dx = r * (g.abs() + xhat.abs() * (g * xhat).abs().mean(-1, keepdim=True))
-        return [((w * xhat).abs(), H / 4), (dx, 6.25 * H),  # sqrt(n): 1/2 sqrt(H); 5/2 sqrt(H)
-                (rows(grad * xhat).abs().sum(0), (R ** 0.5 + H ** 0.5 / 2) ** 2)]  # the rows' sum + xhat's r
+        return [
+            ((w * xhat).abs(), H / 4),
+            (dx, 6.25 * H),  # sqrt(n): 1/2 sqrt(H); 5/2 sqrt(H)
+            # the rows' sum + xhat's r
+            (rows(grad * xhat).abs().sum(0), (R**0.5 + H**0.5 / 2) ** 2),
+        ]
     if name == "swiglu":  # y = g s u, s = sigmoid(g); dgate = dy u s (1 + g (1 - s)), dup = dy g s
         g, u = inputs[0].chunk(2, dim=-1)
         s = torch.sigmoid(g)
-        # past the clamp (|g| > 80) s errs by < e^-80 absolute, silu'(g) by < (1 + |g|) e^-80: far below
-        # (K + LAMBDA) u of (1 + |g|) times the other factors, which is what S adds there
+        # past the clamp (|g| > 80) s errs by < e^-80 absolute, silu'(g) by < (1 + |g|) e^-80: far
+        # below (K + LAMBDA) u of (1 + |g|) times the other factors, which is what S adds there
         clamped = (1 + g.abs()) * (g.abs() > CLAMP)
         y = (g * s * u).abs() + clamped * u.abs()
         dgate = (grad * u).abs() * (s * (1 + g.abs() * (1 - s)) + clamped)
         dup = grad.abs() * ((g * s).abs() + clamped)
         return [(y, 1), (torch.cat([dgate, dup], dim=-1), 1)]
-    (scores,) = inputs  # causal softmax: z = scale * s, y = softmax(z), dx = scale y (dy - sum y dy)
+    # causal softmax: z = scale * s, y = softmax(z), dx = scale y (dy - sum y dy)
+    (scores,) = inputs
     y = want[0]
     z = (scores * SCALE).tril(scores.shape[-1] - scores.shape[-2]).abs()
-    cond = 1 + z + z.amax(-1, keepdim=True)  # the input's rounding u|z_j| moves y_i by y_i u (|z_i| + max|z|)
+    # the input's rounding u|z_j| moves y_i by y_i u (|z_i| + max|z|)
+    cond = 1 + z + z.amax(-1, keepdim=True)
     dx = SCALE * y * (grad.abs() + (y * grad.abs()).sum(-1, keepdim=True)) * cond
     return [(y * cond, scores.shape[-1]), (dx, scores.shape[-1])]
 
 
 def bound(name, S, n, dtype):
-    b = (K[name] + LAMBDA * n ** 0.5) * unit_roundoff(torch.float32) * S
-    if dtype != torch.float32:  # a rounding to 16 bits errs by u |v|, or below the smallest normal (fp16:
+    b = (K[name] + LAMBDA * n**0.5) * unit_roundoff(torch.float32) * S
+    # a rounding to 16 bits errs by u |v|, or below the smallest normal (fp16:
+    if dtype != torch.float32:
         # 6.1e-5; SwiGLU's and RMSNorm's outputs get there) by half the subnormal spacing, absolute
         subnormal = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
         b = b + ROUNDINGS_16 * (unit_roundoff(dtype) * S + subnormal / 2)
@@ -131,18 +161,29 @@ def ln_ref(x, w, b):
 
 
 def cases():
-    """(op name, fused op, input shapes): widths 1, 7, 33, 1000, 4099, single rows, s_q < s_k; SwiGLU's
-    input is twice as wide ([gate | up]), its halves as odd as the others' widths."""
+    """(op name, fused op, input shapes): widths 1, 7, 33, 1000, 4099, single rows, s_q < s_k;
+    SwiGLU's input is twice as wide ([gate | up]), its halves as odd as the others' widths."""
     for shape in [(4, 1), (3, 7), (1, 33), (2, 5, 1000), (1, 4099)]:
         h = shape[-1]
-        yield pytest.param("layer_norm", fused.layer_norm, [shape, (h,), (h,)], id=f"layer_norm{shape}")
+        yield pytest.param(
+            "layer_norm", fused.layer_norm, [shape, (h,), (h,)], id=f"layer_norm{shape}"
+        )
         yield pytest.param("bias_gelu", fused.bias_gelu, [shape, (h,)], id=f"bias_gelu{shape}")
-        yield pytest.param("rms_norm", lambda x, w: fused.rms_norm(x, w, 1e-5), [shape, (h,)], id=f"rms_norm{shape}")
+        yield pytest.param(
+            "rms_norm",
+            lambda x, w: fused.rms_norm(x, w, 1e-5),
+            [shape, (h,)],
+            id=f"rms_norm{shape}",
+        )
         gate_up = shape[:-1] + (2 * h,)
         yield pytest.param("swiglu", fused.swiglu, [gate_up], id=f"swiglu{gate_up}")
     for shape in [(1, 1, 1), (2, 3, 7, 7), (2, 33, 33), (1, 5, 40), (1, 1, 4099), (1, 3, 70, 70)]:
-        yield pytest.param("causal_softmax", lambda s: fused.causal_softmax(s, SCALE), [shape],
-                           id=f"causal_softmax{shape}")
+        yield pytest.param(
+            "causal_softmax",
+            lambda s: fused.causal_softmax(s, SCALE),
+            [shape],
+            id=f"causal_softmax{shape}",
+        )
 
 
 def out_shape(name, shapes):
@@ -158,11 +199,14 @@ def run(op, inputs, grad):
 
 
 def check(name, op, inputs, grad):
-    """Fused op (forward + every gradient) against the fp64 reference on the same inputs, within bound()."""
+    """Fused op (forward + every gradient) against the fp64 reference on the same inputs, within
+    bound()."""
     got = run(op, inputs, grad)
     inputs64 = [t.double() for t in inputs]
     want = run(reference(name), inputs64, grad.double())
-    for i, (g, w, (S, n)) in enumerate(zip(got, want, magnitudes(name, inputs64, grad.double(), want))):
+    for i, (g, w, (S, n)) in enumerate(
+        zip(got, want, magnitudes(name, inputs64, grad.double(), want))
+    ):
         assert g.dtype == inputs[0].dtype
         assert_within(g, w, bound(name, S, n, g.dtype), f"{name} output {i}")
 
@@ -170,7 +214,8 @@ def check(name, op, inputs, grad):
 @pytest.mark.parametrize("name,op,shapes", list(cases()))
 def test_forward_backward_fp32(ext, name, op, shapes):
     torch.manual_seed(0)
-    inputs = [torch.randn(s) * 3 for s in shapes]  # * 3: GeLU's tails and the softmax's spread matter
+    # * 3: GeLU's tails and the softmax's spread matter
+    inputs = [torch.randn(s) * 3 for s in shapes]
     check(name, op, inputs, torch.randn(out_shape(name, shapes)))
 
 
@@ -183,43 +228,56 @@ def test_low_precision_matches_fp32_reference(ext, name, op, shapes, dtype):
 
 
 def test_bias_gelu_stays_accurate_where_sigmoid_rounds_to_one(ext):
-    """For u >~ 5, sigmoid(2z) rounds to within an ulp of 1. A kernel that forms 1 - s as a difference
-    turns that ulp into an error of u * 2z'(u) ulps (~400 at u = 12) -- which is what happened on AVX2,
-    whose reciprocal estimate rounds differently from AVX-512's. Here u = 4..12, where that bug errs by
-    > 100 u * max|dx| and the kernel's budget is K + 8 (one row)."""
+    """For u >~ 5, sigmoid(2z) rounds to within an ulp of 1. A kernel that forms 1 - s as a
+    difference turns that ulp into an error of u * 2z'(u) ulps (~400 at u = 12) -- which is what
+    happened on AVX2, whose reciprocal estimate rounds differently from AVX-512's. Here u = 4..12,
+    where that bug errs by > 100 u * max|dx| and the kernel's budget is K + 8 (one row)."""
     x = torch.linspace(4, 12, 4096).view(1, -1)
     b = torch.zeros(4096)
     check("bias_gelu", fused.bias_gelu, [x, b], torch.ones_like(x))
 
 
 def test_swiglu_tails(ext):
-    """gate from -100 to 100. Where sigmoid is within an ulp of 1 (g >~ 17), 1 - s is formed as e s, not as
-    a difference: where the reciprocal leaves s an ulp below 1 (AVX2's estimate + Newton step; AVX-512's
-    lands on 1), the difference errs by g u, ~80 u at g = 80, over the budget K + 8 = 72 u (seen: 1.08x on
-    the AVX2 path). Past |g| = 80, exp(-g) is clamped, which must neither make a NaN (fast-math's
-    1 / (1 + inf)) nor err by more than e^-80."""
+    """gate from -100 to 100. Where sigmoid is within an ulp of 1 (g >~ 17), 1 - s is formed as e s,
+    not as a difference: where the reciprocal leaves s an ulp below 1 (AVX2's estimate + Newton
+    step; AVX-512's lands on 1), the difference errs by g u, ~80 u at g = 80, over the budget K + 8
+    = 72 u (seen: 1.08x on the AVX2 path). Past |g| = 80, exp(-g) is clamped, which must neither
+    make a NaN (fast-math's 1 / (1 + inf)) nor err by more than e^-80."""
     gate = torch.linspace(-100, 100, 4001).view(1, -1)
     gate_up = torch.cat([gate, torch.ones_like(gate)], dim=-1)
     check("swiglu", fused.swiglu, [gate_up], torch.ones_like(gate))
 
 
 def test_rms_norm_rows_where_eps_matters(ext):
-    """Rows of rms 1e-4 ... 10: where mean(x^2) is below eps = 1e-5, eps sets rstd (a kernel that dropped or
-    misplaced it would be off by far more than the bound); RMSNorm has no cancellation, so the bound needs
-    no conditioning term at any scale."""
+    """Rows of rms 1e-4 ... 10: where mean(x^2) is below eps = 1e-5, eps sets rstd (a kernel that
+    dropped or misplaced it would be off by far more than the bound); RMSNorm has no cancellation,
+    so the bound needs no conditioning term at any scale."""
     torch.manual_seed(0)
     x = torch.randn(6, 64) * torch.logspace(-4, 1, 6)[:, None]
-    check("rms_norm", lambda x, w: fused.rms_norm(x, w, 1e-5), [x, torch.randn(64)], torch.randn(6, 64))
+    check(
+        "rms_norm",
+        lambda x, w: fused.rms_norm(x, w, 1e-5),
+        [x, torch.randn(64)],
+        torch.randn(6, 64),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("name,shape", [("rms_norm", (2, 5, 1000)), ("rms_norm", (3, 7)),
-                                        ("swiglu", (2, 5, 2000)), ("swiglu", (3, 14))])
+@pytest.mark.parametrize(
+    "name,shape",
+    [
+        ("rms_norm", (2, 5, 1000)),
+        ("rms_norm", (3, 7)),
+        ("swiglu", (2, 5, 2000)),
+        ("swiglu", (3, 14)),
+    ],
+)
 def test_eager_meets_the_same_bounds(name, shape, dtype):
-    """modern.rms_norm and modern.swiglu (eager, what apply_fused replaces) within the very bounds the kernels
-    are held to, against the same fp64 reference: the bounds are the arithmetic's, not tuned to the kernels,
-    and the fused and eager outputs are within twice them of each other. Eager in bf16 rounds x rstd, the
-    weight's product, dy w and dy y to bf16: <= ROUNDINGS_16 roundings per output, like the kernel."""
+    """modern.rms_norm and modern.swiglu (eager, what apply_fused replaces) within the very bounds
+    the kernels are held to, against the same fp64 reference: the bounds are the arithmetic's, not
+    tuned to the kernels, and the fused and eager outputs are within twice them of each other. Eager
+    in bf16 rounds x rstd, the weight's product, dy w and dy y to bf16: <= ROUNDINGS_16 roundings
+    per output, like the kernel."""
     torch.manual_seed(0)
     eager = {"rms_norm": lambda x, w: modern.rms_norm(x, w, 1e-5), "swiglu": modern.swiglu}[name]
     shapes = [shape, (shape[-1],)] if name == "rms_norm" else [shape]
@@ -228,7 +286,8 @@ def test_eager_meets_the_same_bounds(name, shape, dtype):
 
 
 def test_rms_norm_weight_of_another_dtype_takes_eager(ext):
-    """bf16 x with an fp32 weight: eager promotes (fp32 out), so fused.rms_norm is modern.rms_norm there."""
+    """bf16 x with an fp32 weight: eager promotes (fp32 out), so fused.rms_norm is modern.rms_norm
+    there."""
     x, w = torch.randn(3, 8).bfloat16(), torch.randn(8)
     out = fused.rms_norm(x, w, 1e-5)
     assert out.dtype == torch.float32 and torch.equal(out, modern.rms_norm(x, w, 1e-5))
@@ -252,7 +311,12 @@ def test_empty_inputs(ext):
     fused.layer_norm(x, torch.ones(8), b, 1e-5).sum().backward()
     w = torch.randn(8, requires_grad=True)
     fused.rms_norm(x, w, 1e-5).sum().backward()
-    assert b.grad.shape == (8,) and (b.grad == 0).all() and w.grad.shape == (8,) and (w.grad == 0).all()
+    assert (
+        b.grad.shape == (8,)
+        and (b.grad == 0).all()
+        and w.grad.shape == (8,)
+        and (w.grad == 0).all()
+    )
     assert fused.causal_softmax(torch.randn(0, 4, 4), 1.0).shape == (0, 4, 4)
     gate_up = torch.randn(2, 0, 8, requires_grad=True)
     fused.swiglu(gate_up).sum().backward()
@@ -278,7 +342,9 @@ def test_bad_inputs_name_the_problem(ext):
         fused.layer_norm(torch.randn(2, 4), torch.ones(4).bfloat16(), torch.zeros(4), 1e-5)
     with pytest.raises(RuntimeError, match=r"x.shape\[-1\] must equal weight.numel\(\)"):
         fused.rms_norm(torch.randn(2, 4), torch.ones(5), 1e-5)
-    with pytest.raises(RuntimeError, match=r"gate_up must be \(\.\.\., 2f\) laid out \[gate \| up\]"):
+    with pytest.raises(
+        RuntimeError, match=r"gate_up must be \(\.\.\., 2f\) laid out \[gate \| up\]"
+    ):
         fused.swiglu(torch.randn(2, 5))
     with pytest.raises(RuntimeError, match="grad .* must have the shape"):
         ext.swiglu_bwd(torch.randn(2, 4), torch.randn(2, 4))
@@ -287,8 +353,15 @@ def test_bad_inputs_name_the_problem(ext):
 @pytest.mark.parametrize("alibi", [False, True], ids=["learned-pos", "alibi+embed-ln"])
 def test_gpt_with_fused_matches_gpt(ext, alibi):
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=300, block_size=32, n_layer=2, n_head=4, n_embd=64, alibi=alibi,
-                    embed_layernorm=alibi)
+    cfg = GPTConfig(
+        vocab_size=300,
+        block_size=32,
+        n_layer=2,
+        n_head=4,
+        n_embd=64,
+        alibi=alibi,
+        embed_layernorm=alibi,
+    )
     ref = GPT(cfg)
     gpt = copy.deepcopy(ref)
     ln_weight = gpt.blocks["0"].ln_1.weight
@@ -297,26 +370,34 @@ def test_gpt_with_fused_matches_gpt(ext, alibi):
     norms = [m for m in gpt.modules() if isinstance(m, torch.nn.LayerNorm)]
     assert len(norms) == 2 * cfg.n_layer + 1 + alibi
     assert all(m.ops.norm is fused.layer_norm for m in norms)
-    assert all(b.ops.activation is fused.bias_gelu and b.ops.softmax is fused.causal_softmax
-               for b in gpt.blocks.values())
+    assert all(
+        b.ops.activation is fused.bias_gelu and b.ops.softmax is fused.causal_softmax
+        for b in gpt.blocks.values()
+    )
     eager = [m for m in ref.modules() if isinstance(m, torch.nn.LayerNorm)]
     assert all(m.ops.norm is seams.layer_norm for m in eager)
     assert list(gpt.state_dict()) == list(ref.state_dict())
     x = torch.randn(3, 32, cfg.n_embd, requires_grad=True)
     assert type(gpt.blocks["0"].ln_1(x).grad_fn).__name__ == "LayerNormFnBackward"
 
-    # Bound: each fused op errs by <= (K + LAMBDA sqrt(n)) u <= 128 u of its output's size (n <= 64 here);
-    # a forward passes through OPS of them (3 a block, the final and the embedding LayerNorm)
+    # Bound: each fused op errs by <= (K + LAMBDA sqrt(n)) u <= 128 u of its output's size (n <= 64
+    # here); a forward passes through OPS of them (3 a block, the final and the embedding LayerNorm)
     ops = 3 * cfg.n_layer + 1 + alibi
-    assert_model_within(gpt, ref, cfg, ops, (max(K.values()) + LAMBDA * cfg.n_embd ** 0.5) * unit_roundoff(torch.float32))
+    assert_model_within(
+        gpt,
+        ref,
+        cfg,
+        ops,
+        (max(K.values()) + LAMBDA * cfg.n_embd**0.5) * unit_roundoff(torch.float32),
+    )
 
 
 def assert_model_within(gpt, ref, cfg, ops, per_op):
-    """Logits, loss and every gradient of the fused model against the eager one, on random tokens. Each of the
-    `ops` fused ops a forward passes through errs by <= per_op of its output's size and reaches the logits with
-    a gain <= 1 (the residual stream adds; linears at init, std 0.02, shrink; norms re-normalise relative
-    errors). Backward doubles the count. Cross-entropy's gradient in each row's logits has L1 norm <= 2:
-    |dloss| <= 2 max|dlogits|."""
+    """Logits, loss and every gradient of the fused model against the eager one, on random tokens.
+    Each of the `ops` fused ops a forward passes through errs by <= per_op of its output's size and
+    reaches the logits with a gain <= 1 (the residual stream adds; linears at init, std 0.02,
+    shrink; norms re-normalise relative errors). Backward doubles the count. Cross-entropy's
+    gradient in each row's logits has L1 norm <= 2: |dloss| <= 2 max|dlogits|."""
     idx = torch.randint(0, cfg.vocab_size, (3, 32))
     targets = torch.randint(0, cfg.vocab_size, (3, 32))
     want = ref(idx)
@@ -330,18 +411,22 @@ def assert_model_within(gpt, ref, cfg, ops, per_op):
 
 
 def test_llama_with_fused_matches_llama(ext):
-    """A Llama GPT (RMSNorm, SwiGLU, rotary, grouped-query attention) after apply_fused: every RMSNorm and
-    GatedMLP runs the kernels (their autograd nodes say so), parameters untouched, and the logits, loss and
-    every gradient equal the eager model's within the bound below."""
+    """A Llama GPT (RMSNorm, SwiGLU, rotary, grouped-query attention) after apply_fused: every
+    RMSNorm and GatedMLP runs the kernels (their autograd nodes say so), parameters untouched, and
+    the logits, loss and every gradient equal the eager model's within the bound below."""
     torch.manual_seed(0)
-    cfg = GPTConfig(arch="llama", n_kv_head=2, vocab_size=300, block_size=32, n_layer=2, n_head=4, n_embd=64)
+    cfg = GPTConfig(
+        arch="llama", n_kv_head=2, vocab_size=300, block_size=32, n_layer=2, n_head=4, n_embd=64
+    )
     ref = GPT(cfg)
     gpt = copy.deepcopy(ref)
     assert fused.apply_fused(gpt)
     norms = [m for m in gpt.modules() if isinstance(m, modern.RMSNorm)]
     assert len(norms) == 2 * cfg.n_layer + 1 and all(m.ops.norm is fused.rms_norm for m in norms)
-    assert all(b.ops.activation is fused.swiglu and b.ops.softmax is fused.causal_softmax
-               for b in gpt.blocks.values())
+    assert all(
+        b.ops.activation is fused.swiglu and b.ops.softmax is fused.causal_softmax
+        for b in gpt.blocks.values()
+    )
     eager = [m for m in ref.modules() if isinstance(m, modern.RMSNorm)]
     assert all(m.ops.norm is modern.rms_norm for m in eager)
     assert list(gpt.state_dict()) == list(ref.state_dict())
@@ -349,25 +434,37 @@ def test_llama_with_fused_matches_llama(ext):
     assert type(block.ln_1(x).grad_fn).__name__ == "RMSNormFnBackward"
     assert type(block.ops.activation(block.mlp.gate_up(x)).grad_fn).__name__ == "SwiGLUFnBackward"
 
-    # Bound: a forward passes through OPS fused ops (2 RMSNorms, a SwiGLU and a softmax a block, and the final
-    # RMSNorm), each erring by at most the largest budget of one: RMSNorm's dx, (K + 5/2 LAMBDA sqrt(n)) u
-    # (magnitudes()), n the longest reduction (the 96 rows behind a weight gradient; h = 64, s = 32)
+    # Bound: a forward passes through OPS fused ops (2 RMSNorms, a SwiGLU and a softmax a block, and
+    # the final RMSNorm), each erring by at most the largest budget of one: RMSNorm's dx, (K + 5/2
+    # LAMBDA sqrt(n)) u (magnitudes()), n the longest reduction (the 96 rows behind a weight
+    # gradient; h = 64, s = 32)
     n = max(3 * 32, cfg.n_embd, cfg.block_size)
-    assert_model_within(gpt, ref, cfg, 4 * cfg.n_layer + 1,
-                        (max(K.values()) + 2.5 * LAMBDA * n ** 0.5) * unit_roundoff(torch.float32))
+    assert_model_within(
+        gpt,
+        ref,
+        cfg,
+        4 * cfg.n_layer + 1,
+        (max(K.values()) + 2.5 * LAMBDA * n**0.5) * unit_roundoff(torch.float32),
+    )
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-march is only set on x86-64")
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64"), reason="-march is only set on x86-64"
+)
 def test_build_cache_never_hands_one_cpus_binary_to_another(monkeypatch):
-    """-march=native reads the same on every CPU, so ninja alone would reuse an AVX-512 build on an AVX2
-    machine sharing the home directory (SIGILL). The folder's key includes the CPU for native builds, and
-    not for a portable target (NANOMEGA_MARCH=x86-64-v3), which any AVX2 CPU runs."""
+    """-march=native reads the same on every CPU, so ninja alone would reuse an AVX-512 build on an
+    AVX2 machine sharing the home directory (SIGILL). The folder's key includes the CPU for native
+    builds, and not for a portable target (NANOMEGA_MARCH=x86-64-v3), which any AVX2 CPU runs."""
     sources = [os.path.join(extension.CSRC, "fused_cpu.cpp")]
     monkeypatch.delenv("NANOMEGA_MARCH", raising=False)  # CI's second pass sets it
     native = extension.cpu_flags()
     assert "-march=native" in native
     here = extension.build_key(sources, native)
-    monkeypatch.setattr(extension, "cpu_features", lambda: "Intel Xeon Platinum 8480+ avx2 avx512f amx_tile amx_bf16")
+    monkeypatch.setattr(
+        extension,
+        "cpu_features",
+        lambda: "Intel Xeon Platinum 8480+ avx2 avx512f amx_tile amx_bf16",
+    )
     assert extension.build_key(sources, native) != here
     monkeypatch.setenv("NANOMEGA_MARCH", "x86-64-v3")
     portable = extension.cpu_flags()
@@ -378,13 +475,16 @@ def test_build_cache_never_hands_one_cpus_binary_to_another(monkeypatch):
 
 
 def test_cuda_build_is_keyed_by_gpu_architecture_and_cuda_version(monkeypatch, tmp_path):
-    """No flag names the GPU: a home shared by A100 (8.0) and H100 (9.0) nodes, or by two CUDA versions, must
-    keep one build each. load_extension's folder follows $TORCH_CUDA_ARCH_LIST (else the visible GPUs'
-    capabilities) and torch.version.cuda; a CPU build ignores them. No GPU needed: the build is stubbed."""
+    """No flag names the GPU: a home shared by A100 (8.0) and H100 (9.0) nodes, or by two CUDA
+    versions, must keep one build each. load_extension's folder follows $TORCH_CUDA_ARCH_LIST (else
+    the visible GPUs' capabilities) and torch.version.cuda; a CPU build ignores them. No GPU needed:
+    the build is stubbed."""
     monkeypatch.setenv("NANOMEGA_BUILD_DIR", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/usr/local/cuda")
-    monkeypatch.setattr(cpp_extension, "load", lambda name, sources, **kw: (name, kw["build_directory"]))
+    monkeypatch.setattr(
+        cpp_extension, "load", lambda name, sources, **kw: (name, kw["build_directory"])
+    )
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     folders = {}
     for archs in ("8.0", "9.0", "8.0"):
@@ -394,7 +494,8 @@ def test_cuda_build_is_keyed_by_gpu_architecture_and_cuda_version(monkeypatch, t
     assert extension.load_extension()[0] == "nanomega_fused_cuda"
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     assert extension.load_extension()[1] not in folders["8.0"] | folders["9.0"]
-    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")  # unset: the capabilities cpp_extension would compile for
+    # unset: the capabilities cpp_extension would compile for
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))
     assert extension.cuda_target() == "cuda 13.0 arch 9.0"
@@ -403,7 +504,11 @@ def test_cuda_build_is_keyed_by_gpu_architecture_and_cuda_version(monkeypatch, t
     sources, flags = [os.path.join(extension.CSRC, "fused_cpu.cpp")], ["-O3"]
     cpu = extension.build_key(sources, flags)
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "7.0")
-    assert extension.build_key(sources, flags) == cpu != extension.build_key(sources, flags, with_cuda=True)
+    assert (
+        extension.build_key(sources, flags)
+        == cpu
+        != extension.build_key(sources, flags, with_cuda=True)
+    )
 
 
 def test_build_failure_falls_back_to_pytorch(monkeypatch, capsys):
@@ -423,40 +528,71 @@ def test_build_failure_falls_back_to_pytorch(monkeypatch, capsys):
         assert torch.equal(fused.rms_norm(x, b, 1e-5), modern.rms_norm(x, b, 1e-5))
         assert torch.equal(fused.swiglu(x), modern.swiglu(x))
         err = capsys.readouterr().err.strip().splitlines()
-        assert err == ["nanomega.extension: cannot build the C++ kernels (c++: not found); using the PyTorch path"]
+        assert err == [
+            "nanomega.extension: cannot build the C++ kernels (c++: not found); using the PyTorch path"
+        ]
     finally:
         extension._ext.cache_clear()  # the next caller loads the real (cached) build again
 
 
-# ---- CUDA sources: compile only. There is no GPU, and CPU torch has no CUDA libraries to link. ----
+# ---- CUDA sources: compile only. There is no GPU, and CPU torch has no CUDA libraries to link.
+# ----
+
 
 def cuda_checks(nvcc, cache):
-    """(source, command) for every source of the CUDA build: nvcc for .cu, the host compiler for .cpp."""
+    """(source, command) for every source of the CUDA build: nvcc for .cu, the host compiler for
+    .cpp."""
     shim = os.path.join(cache, "shim")  # CPU torch lacks the header CMake writes for a CUDA build
     os.makedirs(os.path.join(shim, "c10", "cuda", "impl"), exist_ok=True)
     with open(os.path.join(shim, "c10", "cuda", "impl", "cuda_cmake_macros.h"), "w") as f:
         f.write("#define C10_CUDA_BUILD_SHARED_LIBS\n")
-    homes = [os.environ.get("CUDA_HOME", ""), os.path.dirname(os.path.dirname(os.path.realpath(nvcc))),
-             "/usr/local/cuda"]
-    cuda_home = next((h for h in homes if os.path.exists(os.path.join(h, "include", "cuda_runtime_api.h"))), None)
-    assert cuda_home, f"no include/cuda_runtime_api.h in {homes}: set CUDA_HOME to the toolkit of {nvcc}"
-    paths = cpp_extension.include_paths() + [sysconfig.get_paths()["include"], shim, extension.CSRC,
-                                             os.path.join(cuda_home, "include")]
+    homes = [
+        os.environ.get("CUDA_HOME", ""),
+        os.path.dirname(os.path.dirname(os.path.realpath(nvcc))),
+        "/usr/local/cuda",
+    ]
+    cuda_home = next(
+        (h for h in homes if os.path.exists(os.path.join(h, "include", "cuda_runtime_api.h"))), None
+    )
+    assert cuda_home, (
+        f"no include/cuda_runtime_api.h in {homes}: set CUDA_HOME to the toolkit of {nvcc}"
+    )
+    paths = cpp_extension.include_paths() + [
+        sysconfig.get_paths()["include"],
+        shim,
+        extension.CSRC,
+        os.path.join(cuda_home, "include"),
+    ]
     common = ["-std=c++20", "-DNANOMEGA_WITH_CUDA", "-DTORCH_EXTENSION_NAME=nanomega_fused_cuda"]
     common += [f"-I{p}" for p in paths]
-    yield "fused_cuda.cu", [nvcc, "-c", "-arch=sm_80", "-O3", "--use_fast_math", "-Xcompiler", "-fPIC",
-                            *common, "-o", os.path.join(cache, "fused_cuda.o")]
+    yield (
+        "fused_cuda.cu",
+        [
+            nvcc,
+            "-c",
+            "-arch=sm_80",
+            "-O3",
+            "--use_fast_math",
+            "-Xcompiler",
+            "-fPIC",
+            *common,
+            "-o",
+            os.path.join(cache, "fused_cuda.o"),
+        ],
+    )
     cxx = os.environ.get("CXX", "c++")
     yield "fused_cuda_bind.cpp", [cxx, "-fsyntax-only", "-fPIC", *common]
     yield "fused_cpu.cpp", [cxx, "-fsyntax-only", "-fPIC", *extension.cpu_flags(), *common]
     yield "cpu_adam.cpp", [cxx, "-fsyntax-only", "-fPIC", *extension.cpu_flags(), *common]
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH: the CUDA sources cannot be compiled")
+@pytest.mark.skipif(
+    shutil.which("nvcc") is None, reason="nvcc is not on PATH: the CUDA sources cannot be compiled"
+)
 def test_cuda_sources_compile():
-    """Each source of the CUDA build compiles against torch's headers (cold: ~35 s of compiler CPU, the
-    four jobs in parallel); a stamp keyed by the sources, torch's version and the command makes a rerun
-    instant. Linking and running need CUDA torch and a GPU: not done here."""
+    """Each source of the CUDA build compiles against torch's headers (cold: ~35 s of compiler CPU,
+    the four jobs in parallel); a stamp keyed by the sources, torch's version and the command makes
+    a rerun instant. Linking and running need CUDA torch and a GPU: not done here."""
     cache = os.path.join(extension.build_dir(), "nvcc_check")
     sources = hashlib.sha256(torch.__version__.encode())
     for name in sorted(os.listdir(extension.CSRC)):
@@ -464,14 +600,18 @@ def test_cuda_sources_compile():
             sources.update(name.encode() + f.read())
     jobs = []
     for src, cmd in cuda_checks(shutil.which("nvcc"), cache):
-        # the key: the sources' content, torch's version and the flags; not where the checkout or the
-        # environment lies (a fresh clone, or CI's fresh environment, does not compile again)
-        flags = [os.path.basename(cmd[0])] + [a for a in cmd[1:] if not a.startswith(("-I", cache)) and a != "-o"]
+        # the key: the sources' content, torch's version and the flags; not where the checkout or
+        # the environment lies (a fresh clone, or CI's fresh environment, does not compile again)
+        flags = [os.path.basename(cmd[0])] + [
+            a for a in cmd[1:] if not a.startswith(("-I", cache)) and a != "-o"
+        ]
         key = hashlib.sha256((sources.hexdigest() + " ".join(flags)).encode()).hexdigest()[:16]
         cmd = cmd + [os.path.join(extension.CSRC, src)]
         stamp = os.path.join(cache, f"{src}.{key}.ok")
         if not os.path.exists(stamp):
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
             jobs.append((src, stamp, proc))
     failed = []
     for src, stamp, proc in jobs:

@@ -1,8 +1,9 @@
-"""The house rules, checked on the source (no training, a few seconds): the tree is formatted and linted (ruff,
-pyproject.toml's [tool.ruff]); imports point one way (no cycle; model.py imports only its block's pieces; ops/
-never imports tools/); no private name is used across modules; a module holds at most MAX_CODE_LINES lines of
-code; only dist.py calls torch.distributed's collectives (every byte is counted by an Axis). Each rule fails on
-the code it forbids: see the test beside each."""
+"""The house rules, checked on the source (no training, a few seconds): the tree is formatted and
+linted (ruff, pyproject.toml's [tool.ruff]); imports point one way (no cycle; model.py imports only
+its block's pieces; ops/ never imports tools/); no private name is used across modules; a module
+holds at most MAX_CODE_LINES lines of code; only dist.py calls torch.distributed's collectives
+(every byte is counted by an Axis). Each rule fails on the code it forbids: see the test beside
+each."""
 
 import ast
 import io
@@ -16,20 +17,32 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "nanomega"
-# Lines of code per module, counted after `ruff format` at 100 columns, without blank lines, comments and
-# docstrings (what a reader has to follow, not what explains it). 300: the largest modules of the two codebases
-# this one is read beside, formatted and counted the same way, are picotron's train.py (298) and model.py (293)
-# and nanoGPT's model.py (265) and train.py (260): a module at most as long as theirs reads in one sitting.
+# Lines of code per module, counted after `ruff format` at 100 columns, without blank lines,
+# comments and docstrings (what a reader has to follow, not what explains it). 300: the largest
+# modules of the two codebases this one is read beside, formatted and counted the same way, are
+# picotron's train.py (298) and model.py (293) and nanoGPT's model.py (265) and train.py (260): a
+# module at most as long as theirs reads in one sitting.
 MAX_CODE_LINES = 300
 # What ruff formats and lints (pyproject.toml's [tool.ruff] says how)
 FORMATTED = ["nanomega", "tests", "scripts", "bench", "lessons", ".ci"]
-# torch.distributed calls that are not collectives (set-up, the store, error types) are allowed outside dist.py
-NOT_COLLECTIVES = {"is_initialized", "get_rank", "get_world_size", "DistError", "distributed_c10d", "elastic",
-                   "destroy_process_group"}
+# torch.distributed calls that are not collectives (set-up, the store, error types) are allowed
+# outside dist.py
+NOT_COLLECTIVES = {
+    "is_initialized",
+    "get_rank",
+    "get_world_size",
+    "DistError",
+    "distributed_c10d",
+    "elastic",
+    "destroy_process_group",
+}
 
 
 def modules():
-    return {".".join(p.relative_to(PKG.parent).with_suffix("").parts): p for p in sorted(PKG.rglob("*.py"))}
+    return {
+        ".".join(p.relative_to(PKG.parent).with_suffix("").parts): p
+        for p in sorted(PKG.rglob("*.py"))
+    }
 
 
 def imports_of(name, path):
@@ -42,12 +55,17 @@ def imports_of(name, path):
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1]
+                    + ([base] if base else [])
+                )
             if not base.startswith("nanomega"):
                 continue
             for a in node.names:
                 found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base)
-    return {m for m in found if m in mods and m != name and not m.endswith("__init__")} - {"nanomega"}
+    return {m for m in found if m in mods and m != name and not m.endswith("__init__")} - {
+        "nanomega"
+    }
 
 
 def graph():
@@ -55,7 +73,8 @@ def graph():
 
 
 def cycles(g):
-    """Every module that lies on an import cycle (Tarjan's strongly connected components of size > 1)."""
+    """Every module that lies on an import cycle (Tarjan's strongly connected components of size >
+    1)."""
     index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
 
     def visit(v):
@@ -79,6 +98,7 @@ def cycles(g):
                     break
             if len(comp) > 1:
                 out.append(sorted(comp))
+
     for v in g:
         if v not in index:
             visit(v)
@@ -87,42 +107,62 @@ def cycles(g):
 
 def test_no_import_cycle():
     assert cycles(graph()) == []
-    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the check can fail
+    # the check can fail
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_imports_point_down():
     g = graph()
-    assert g["nanomega.model"] == {"nanomega.modern", "nanomega.moe", "nanomega.seams"}, \
+    assert g["nanomega.model"] == {"nanomega.modern", "nanomega.moe", "nanomega.seams"}, (
         "model.py is the reference: it imports only its block's pieces and its op table"
+    )
     assert g["nanomega.seams"] == set(), "seams.py (the op table, Linear) imports nothing of ours"
-    assert g["nanomega.modern"] == {"nanomega.seams"}, \
+    assert g["nanomega.modern"] == {"nanomega.seams"}, (
         "modern.py (RoPE, RMSNorm, SwiGLU) imports only the op table"
-    assert g["nanomega.moe"] == {"nanomega.modern", "nanomega.ep"} and g["nanomega.ep"] == set(), \
+    )
+    assert g["nanomega.moe"] == {"nanomega.modern", "nanomega.ep"} and g["nanomega.ep"] == set(), (
         "the MoE block's pieces: experts (modern.py) and their all-to-all (ep.py: it receives Axis objects)"
-    assert g["nanomega.extension"] == set() and g["nanomega.cpu_adam"] == {"nanomega.extension"}, \
+    )
+    assert g["nanomega.extension"] == set() and g["nanomega.cpu_adam"] == {"nanomega.extension"}, (
         "the C++ loader stands alone: the engine's host Adam (cpu_adam.py) reaches it without the model"
+    )
     for name, deps in g.items():
         if name.startswith("nanomega.ops."):
-            assert not {d for d in deps if d.startswith("nanomega.tools.")}, f"{name} imports tools/: {deps}"
+            assert not {d for d in deps if d.startswith("nanomega.tools.")}, (
+                f"{name} imports tools/: {deps}"
+            )
         # a concept imports concepts only; the composition and the loop (compose.py, train.py) read
         # the Config (ops/), and train.py calls tools/ (the preflight, the corpus)
         if name.count(".") == 1 and name not in ("nanomega.train", "nanomega.compose"):
-            assert not {d for d in deps if d.count(".") > 1}, f"{name} imports ops/ or tools/: {deps}"
+            assert not {d for d in deps if d.count(".") > 1}, (
+                f"{name} imports ops/ or tools/: {deps}"
+            )
 
 
 def private_uses(tree):
-    """`module._name` reads and `from nanomega... import _name`: private names reached from another module."""
+    """`module._name` reads and `from nanomega... import _name`: private names reached from another
+    module."""
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("nanomega")):
-            found += [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
-        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in OUR_MODULES \
-                and node.attr.startswith("_") and not node.attr.startswith("__"):
+        if isinstance(node, ast.ImportFrom) and (
+            node.level or (node.module or "").startswith("nanomega")
+        ):
+            found += [
+                a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")
+            ]
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in OUR_MODULES
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
             found.append(f"{node.value.id}.{node.attr}")
     return sorted(found)
 
 
-OUR_MODULES = {p.stem for p in PKG.rglob("*.py")} | {"flags", "F", "P", "C"}  # and the aliases in use
+# and the aliases in use
+OUR_MODULES = {p.stem for p in PKG.rglob("*.py")} | {"flags", "F", "P", "C"}
 
 
 @pytest.mark.parametrize("name", sorted(modules()))
@@ -170,7 +210,8 @@ def test_code_lines_count_only_code():
 
 
 def ruff(*args):
-    """ruff (the test extra installs it) on FORMATTED, from the checkout's root: its exit status and output."""
+    """ruff (the test extra installs it) on FORMATTED, from the checkout's root: its exit status and
+    output."""
     exe = shutil.which("ruff")
     assert exe, "ruff is not installed: pip install -e '.[test]' (the test extra brings it)"
     done = subprocess.run([exe, *args, *FORMATTED], cwd=ROOT, capture_output=True, text=True)
@@ -202,14 +243,21 @@ def test_every_collective_goes_through_axis(name):
 
 
 def test_collective_check_can_fail():
-    assert collective_calls("import torch.distributed as tdist\ntdist.all_reduce(t)\ntdist.get_rank()") == ["all_reduce"]
+    assert collective_calls(
+        "import torch.distributed as tdist\ntdist.all_reduce(t)\ntdist.get_rank()"
+    ) == ["all_reduce"]
 
 
 def test_console_scripts_resolve():
-    """Every console script in pyproject names a callable that exists (a moved module would break `pip install`)."""
+    """Every console script in pyproject names a callable that exists (a moved module would break
+    `pip install`)."""
     import importlib
-    table = (PKG.parent / "pyproject.toml").read_text().split("[project.scripts]")[1].split("\n[")[0]
-    scripts = dict(re.findall(r'^([\w-]+) = "([\w.:]+)"$', table, re.M))  # tomllib is Python >= 3.11 only
+
+    table = (
+        (PKG.parent / "pyproject.toml").read_text().split("[project.scripts]")[1].split("\n[")[0]
+    )
+    # tomllib is Python >= 3.11 only
+    scripts = dict(re.findall(r'^([\w-]+) = "([\w.:]+)"$', table, re.M))
     assert scripts
     for name, target in scripts.items():
         module, func = target.split(":")
@@ -219,8 +267,13 @@ def test_console_scripts_resolve():
 def engine_reaches(g, banned=("nanomega.ep", "nanomega.pp")):
     """The banned modules the ZeRO engine's modules import directly: it knows replica groups
     (zero.Replicas), not the techniques that build them."""
-    engine = ("nanomega.zero", "nanomega.zero_buckets", "nanomega.zero3", "nanomega.ddp",
-              "nanomega.offload")
+    engine = (
+        "nanomega.zero",
+        "nanomega.zero_buckets",
+        "nanomega.zero3",
+        "nanomega.ddp",
+        "nanomega.offload",
+    )
     return sorted({f"{m} -> {d}" for m in engine for d in g.get(m, ()) if d in banned})
 
 

@@ -1,4 +1,6 @@
-"""Lessons cannot rot: every code reference resolves, every experiment runs and prints what the lesson shows."""
+"""Lessons cannot rot: every code reference resolves, every experiment runs and prints what the
+lesson shows."""
+
 import ast
 import os
 import re
@@ -23,8 +25,11 @@ def definitions(path: Path) -> set:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
             names.add(node.name)
             if isinstance(node, ast.ClassDef):
-                names |= {f"{node.name}.{n.name}" for n in node.body
-                          if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+                names |= {
+                    f"{node.name}.{n.name}"
+                    for n in node.body
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                }
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names |= {t.id for t in targets if isinstance(t, ast.Name)}
@@ -60,15 +65,27 @@ def experiments():
 
 @pytest.mark.parametrize("lesson,cmd", list(experiments()))
 def test_experiment_output_matches_lesson(lesson, cmd):
-    """Run the command the lesson shows; every `check ... -> OK` line the lesson quotes must be printed."""
-    # NANOMEGA_QUICK_TIMING: an experiment's timed loops run once (lesson 08); timings are never what is compared
+    """Run the command the lesson shows; every `check ... -> OK` line the lesson quotes must be
+    printed."""
+    # NANOMEGA_QUICK_TIMING: an experiment's timed loops run once (lesson 08); timings are never
+    # what is compared
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", NANOMEGA_QUICK_TIMING="1")
-    out = subprocess.run([sys.executable, *cmd.split()[1:]], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=240)
+    out = subprocess.run(
+        [sys.executable, *cmd.split()[1:]],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, f"{cmd} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     assert "MISMATCH" not in out.stdout
-    quoted = [line for block in TEXT_BLOCK.findall(lesson.read_text()) for line in block.splitlines()
-              if line.startswith("check ")]
+    quoted = [
+        line
+        for block in TEXT_BLOCK.findall(lesson.read_text())
+        for line in block.splitlines()
+        if line.startswith("check ")
+    ]
     assert quoted, f"{lesson.name} shows no `check` line from its experiment"
     printed = set(out.stdout.splitlines())
     stale = [line for line in quoted if line not in printed]

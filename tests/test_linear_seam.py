@@ -2,7 +2,7 @@
 layout goes through the op table's `linear` entry, so FP8 (or any number format) swaps one entry.
 
 Each layout (tp2 + sequence parallel, pp2, cp2, ep2 with experts, ZeRO-3; 2 ranks) is built as
-train.py builds it; its `linear` entry is replaced by a counter, F.linear itself made to raise (a
+compose.build builds it; its `linear` entry is replaced by a counter, F.linear itself made to raise (a
 module that skipped the table would call it), and one forward/backward of 2 micro-batches run:
     tracked     calls under autograd: one per weight-bearing linear module and micro-batch, and as
                 many backwards through the counter (dX = dY W, dW = dY^T X)
@@ -12,13 +12,14 @@ A linear that bypassed the entry would leave a count short (or raise). Then the 
 return zeros: every logit is 0 and the loss is ln V, so the LM head's matmul went through it too.
 """
 
+import dataclasses
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from nanomega import cp, dist, fused, moe, recompute, seams, tp, train, worlds
+from nanomega import compose, cp, dist, fused, moe, recompute, seams, tp, train, worlds
 from nanomega.model import GPT, GPTConfig
 from nanomega.ops import checks, flags
 
@@ -99,10 +100,10 @@ def linears(model):
 
 
 def _layout(extra):
-    config = checks.check(flags.parse([*SHAPE, *extra]))
-    cfg = flags.model_config(config, vocab_size=256)
+    config = dataclasses.replace(checks.check(flags.parse([*SHAPE, *extra])), vocab_size=256)
+    cfg = flags.model_config(config)
     grid = dist.Grid(config.dp, config.pp, config.tp, cp=config.cp, ep=config.ep)
-    model, engine, _ = train.build(config, cfg, grid)
+    model, engine, _ = compose.build(config, grid)
     g = torch.Generator().manual_seed(grid.dp_rank)
     batches = []
     for _ in range(config.grad_accum):

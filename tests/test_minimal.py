@@ -1,13 +1,15 @@
-"""The minimal-build track (lessons/minimal/): naive DP -> bucketed DP -> ZeRO-1 and AFAB -> 1F1B, each equal to
-the dense single-process model over STEPS AdamW steps.
+"""The minimal-build track (lessons/minimal/): naive DP -> bucketed DP -> ZeRO-1 and AFAB -> 1F1B,
+each equal to the dense single-process model over STEPS AdamW steps.
 
-One spawned world of 2 runs all five files' train() and, on rank 0, the dense references (lessons/minimal/
-common.py:dense). Bitwise where the math guarantees it (common.py's docstring): against the dense model run
-on the same pieces of the batch -- the 2 ranks' row blocks (DP, ZeRO-1) or the 4 micro-batches (pipelines) --
-every loss and every final weight, on every rank. Against one forward over the whole batch, only the order of
-the sums differs: losses within tolerance.layout_rtol (vocabulary 256, sums of <= 256 terms, 4 reductions per
-layer x 2 layers + the head).
+One spawned world of 2 runs all five files' train() and, on rank 0, the dense references
+(lessons/minimal/ common.py:dense). Bitwise where the math guarantees it (common.py's docstring):
+against the dense model run on the same pieces of the batch -- the 2 ranks' row blocks (DP, ZeRO-1)
+or the 4 micro-batches (pipelines) -- every loss and every final weight, on every rank. Against one
+forward over the whole batch, only the order of the sums differs: losses within
+tolerance.layout_rtol (vocabulary 256, sums of <= 256 terms, 4 reductions per layer x 2 layers + the
+head).
 """
+
 import sys
 from pathlib import Path
 
@@ -27,7 +29,9 @@ import zero1  # noqa: E402
 
 DP = {"dp_naive": dp_naive, "dp_bucketed": dp_bucketed, "zero1": zero1}
 PP = {"pp_afab": pp_afab, "pp_1f1b": pp_1f1b}
-RTOL = layout_rtol(common.STEPS, common.CONFIG.vocab_size, width=256, depth=4 * common.CONFIG.n_layer + 1)
+RTOL = layout_rtol(
+    common.STEPS, common.CONFIG.vocab_size, width=256, depth=4 * common.CONFIG.n_layer + 1
+)
 
 
 def _world():
@@ -54,7 +58,8 @@ def test_data_parallel_equals_dense_bitwise(world, name):
 def test_pipeline_equals_dense_bitwise(world, name):
     losses, weights = world[0]["dense"][pp_afab.MICRO]
     stages = [rank[name]["weights"] for rank in world]
-    assert not set(stages[0]) & set(stages[1]) and {**stages[0], **stages[1]} == weights  # split, and equal
+    # split, and equal
+    assert not set(stages[0]) & set(stages[1]) and {**stages[0], **stages[1]} == weights
     for rank in world:
         assert rank[name]["losses"] == losses
 
@@ -69,9 +74,12 @@ def test_losses_match_one_forward_over_the_whole_batch(world, name):
 
 def test_the_files_measure_what_they_claim(world):
     params = world[0]["zero1"]["params"]
-    assert world[0]["dp_naive"]["bytes_per_step"] == 4 * params + 4  # every gradient once, plus the loss
+    # every gradient once, plus the loss
+    assert world[0]["dp_naive"]["bytes_per_step"] == 4 * params + 4
     assert world[0]["dp_bucketed"]["calls"] == world[0]["dp_bucketed"]["buckets"] > 1
     assert world[0]["zero1"]["state_bytes"] == 8 * -(-params // 2)  # m and v of this rank's half
-    # reduce-scatter + all-gather of the padded 2 S elements (+ the loss): an all-reduce's wire bytes
+    # reduce-scatter + all-gather of the padded 2 S elements (+ the loss): an all-reduce's wire
+    # bytes
     assert world[0]["zero1"]["wire"] == 4 * 2 * -(-params // 2) + 4
-    assert [rank["pp_1f1b"]["peak_in_flight"] for rank in world] == [2, 1]  # p - k on stage k, not m = 4
+    # p - k on stage k, not m = 4
+    assert [rank["pp_1f1b"]["peak_in_flight"] for rank in world] == [2, 1]

@@ -1,4 +1,5 @@
 """The dense GPT: causality, initial loss, overfitting, FLOPs by hand, LR schedule."""
+
 import math
 
 import pytest
@@ -31,8 +32,8 @@ def test_initial_loss_is_log_vocab():
     model = GPT(cfg)
     x, y = torch.randint(0, 200, (8, 16)), torch.randint(0, 200, (8, 16))
     loss = model(x, y).item()
-    # small init -> near-uniform logits over the real vocabulary (200 entries; the 56 padded rows are masked:
-    # ln 256 - ln 200 = 0.25 > 0.1, so this fails if they take part)
+    # small init -> near-uniform logits over the real vocabulary (200 entries; the 56 padded rows
+    # are masked: ln 256 - ln 200 = 0.25 > 0.1, so this fails if they take part)
     assert abs(loss - math.log(cfg.vocab_size)) < 0.1
 
 
@@ -57,14 +58,18 @@ def test_ignore_index_and_padded_vocab():
     y2 = y.clone()
     y2[:, :8] = -1
     logits = model(x)
-    ref = torch.nn.functional.cross_entropy(logits[:, 8:, :200].reshape(-1, 200), y[:, 8:].reshape(-1))
-    # the same 16 per-token losses (positive), summed in another order around 16 exact zeros: 2 gamma(16)
+    ref = torch.nn.functional.cross_entropy(
+        logits[:, 8:, :200].reshape(-1, 200), y[:, 8:].reshape(-1)
+    )
+    # the same 16 per-token losses (positive), summed in another order around 16 exact zeros: 2
+    # gamma(16)
     assert torch.allclose(model(x, y2), ref, rtol=2 * gamma(16), atol=0)
 
 
 def test_padded_vocab_rows_are_out_of_the_loss():
-    """The loss is the one over the 200 real tokens (GPT-2's over 50,257, not 50,304): the padded rows get
-    no gradient and changing them changes nothing (bitwise: they are sliced away before the softmax)."""
+    """The loss is the one over the 200 real tokens (GPT-2's over 50,257, not 50,304): the padded
+    rows get no gradient and changing them changes nothing (bitwise: they are sliced away before the
+    softmax)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(**TINY))
     x, y = torch.randint(0, 200, (2, 16)), torch.randint(0, 200, (2, 16))
@@ -72,7 +77,8 @@ def test_padded_vocab_rows_are_out_of_the_loss():
     loss.backward()
     ref = torch.nn.functional.cross_entropy(model(x)[..., :200].flatten(0, 1), y.flatten())
     assert torch.equal(loss, ref)
-    assert model.embed.wte.weight.grad[200:].abs().max() == 0  # padded rows: no gradient, never trained
+    # padded rows: no gradient, never trained
+    assert model.embed.wte.weight.grad[200:].abs().max() == 0
     with torch.no_grad():
         model.embed.wte.weight[200:] = 100.0  # would dominate the softmax if it took part
     assert torch.equal(model(x, y), loss)
@@ -100,8 +106,9 @@ def test_flops_per_token_by_hand():
 
 def test_alibi_slopes():
     assert torch.allclose(alibi_slopes(8), torch.tensor([2.0 ** -(i + 1) for i in range(8)]))
-    s6 = alibi_slopes(6)  # not a power of two: 4 from 2^(-8/4 i), then every other of the 8-head series
-    assert torch.allclose(s6, torch.tensor([2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1, 2.0 ** -3]))
+    # not a power of two: 4 from 2^(-8/4 i), then every other of the 8-head series
+    s6 = alibi_slopes(6)
+    assert torch.allclose(s6, torch.tensor([2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8, 2.0**-1, 2.0**-3]))
 
 
 def test_lr_schedule():

@@ -1,6 +1,8 @@
-"""Mixture of experts: the single-process MoE model against expert-parallel layouts (ep2 x dp, ep2 x tp2, ep2 x pp2).
+"""Mixture of experts: the single-process MoE model against expert-parallel layouts (ep2 x dp, ep2 x
+tp2, ep2 x pp2).
 
-Claims, each its own test (two spawned worlds shared by all: one rank for the references, four for the layouts):
+Claims, each its own test (two spawned worlds shared by all: one rank for the references, four for
+the layouts):
     routing     the expert loads of every layer at every step are equal exactly (integer counts: one flipped
                 routing decision changes two of them) -- so every routing decision agrees
     losses      within tolerance.layout_rtol over STEPS steps (the updated weights included: steps 2+ use them);
@@ -16,6 +18,7 @@ Claims, each its own test (two spawned worlds shared by all: one rank for the re
                 a booking per forward doubles the loads); full recompute also under ep2 x pp2 (the all-to-alls rerun)
 Tolerance: layout_rtol with V = 256, width 64 (the expert hidden f), depth 2 x 4 + 1, STEPS steps.
 """
+
 import dataclasses
 import math
 
@@ -29,15 +32,52 @@ from tolerance import layout_rtol
 
 STEPS, SEQ, GLOBAL, VOCAB = 3, 16, 8, 256
 RTOL = layout_rtol(STEPS, vocab=VOCAB, width=64, depth=9)
-BASE = ["--arch", "llama", "--n-layer", "2", "--n-head", "4", "--n-embd", "32", "--ffn-hidden", "64",
-        "--block-size", str(SEQ), "--n-experts", "4", "--top-k", "2", "--attention", "eager", "--lr", "3e-3",
-        "--device", "cpu", "--moe-aux-loss", "0.01", "--weight-decay", "0"]
+BASE = [
+    "--arch",
+    "llama",
+    "--n-layer",
+    "2",
+    "--n-head",
+    "4",
+    "--n-embd",
+    "32",
+    "--ffn-hidden",
+    "64",
+    "--block-size",
+    str(SEQ),
+    "--n-experts",
+    "4",
+    "--top-k",
+    "2",
+    "--attention",
+    "eager",
+    "--lr",
+    "3e-3",
+    "--device",
+    "cpu",
+    "--moe-aux-loss",
+    "0.01",
+    "--weight-decay",
+    "0",
+]
 DROPLESS = BASE
-CAPACITY = BASE + ["--capacity-factor", "1.0", "--router", "deepseek", "--shared-experts", "1", "--moe-z-loss", "1e-3"]
-# (name, flags, dp, pp, tp, ep, batch-size, grad-accum): GLOBAL = batch x accum x dp sequences per step
-LAYOUTS = [("dp4-ep2-zero1", DROPLESS, 4, 1, 1, 2, 1, 2, 1),
-           ("dp2-ep2-tp2", DROPLESS, 2, 1, 2, 2, 2, 2, 0),
-           ("dp2-ep2-pp2", CAPACITY + ["--recompute", "full"], 2, 2, 1, 2, 2, 2, 1)]
+CAPACITY = BASE + [
+    "--capacity-factor",
+    "1.0",
+    "--router",
+    "deepseek",
+    "--shared-experts",
+    "1",
+    "--moe-z-loss",
+    "1e-3",
+]
+# (name, flags, dp, pp, tp, ep, batch-size, grad-accum): GLOBAL = batch x accum x dp sequences per
+# step
+LAYOUTS = [
+    ("dp4-ep2-zero1", DROPLESS, 4, 1, 1, 2, 1, 2, 1),
+    ("dp2-ep2-tp2", DROPLESS, 2, 1, 2, 2, 2, 2, 0),
+    ("dp2-ep2-pp2", CAPACITY + ["--recompute", "full"], 2, 2, 1, 2, 2, 2, 1),
+]
 
 
 def batch():
@@ -48,20 +88,44 @@ def batch():
 
 def run(argv, dp, pp, tp_, ep, b, accum, zero, a2a=False):
     """STEPS steps of one layout on this rank. -> dict of what the test compares."""
-    config = flags.parse(argv + ["--tp", str(tp_), "--pp", str(pp), "--ep", str(ep), "--batch-size", str(b),
-                                 "--grad-accum", str(accum), "--zero", str(zero)])
+    config = flags.parse(
+        argv
+        + [
+            "--tp",
+            str(tp_),
+            "--pp",
+            str(pp),
+            "--ep",
+            str(ep),
+            "--batch-size",
+            str(b),
+            "--grad-accum",
+            str(accum),
+            "--zero",
+            str(zero),
+        ]
+    )
     config = dataclasses.replace(config, dp=dp, vocab_size=VOCAB)
     cfg = flags.model_config(config)
     grid = dist.Grid(dp, pp, tp_, ep=ep)
     model, engine, _ = compose.build(config, grid)
     dense = GPT(flags.model_config(config), seed=config.seed).state_dict()
-    same = all(torch.equal(p.detach(), tp.shard_param(k, dense[k], grid.tp_rank, grid.tp.size)
-                           if tp.is_tensor_parallel(p) else dense[k]) for k, p in model.named_parameters()
-               if not k.startswith("head.") or k in dense)
+    same = all(
+        torch.equal(
+            p.detach(),
+            tp.shard_param(k, dense[k], grid.tp_rank, grid.tp.size)
+            if tp.is_tensor_parallel(p)
+            else dense[k],
+        )
+        for k, p in model.named_parameters()
+        if not k.startswith("head.") or k in dense
+    )
     x, y = batch()
     mine = slice(grid.dp_rank * GLOBAL // dp, (grid.dp_rank + 1) * GLOBAL // dp)
-    batches = [(x[mine][i:i + b], y[mine][i:i + b]) for i in range(0, GLOBAL // dp, b)]
-    out = dict(losses=[], norms=[], aux=[], loads=[], same=same, last=grid.last_stage, rank=grid.rank)
+    batches = [(x[mine][i : i + b], y[mine][i : i + b]) for i in range(0, GLOBAL // dp, b)]
+    out = dict(
+        losses=[], norms=[], aux=[], loads=[], same=same, last=grid.last_stage, rank=grid.rank
+    )
     for _ in range(STEPS):
         engine.set_lr(config.lr)
         loss = train.forward_backward(model, engine, grid, batches, config)
@@ -70,7 +134,8 @@ def run(argv, dp, pp, tp_, ep, b, accum, zero, a2a=False):
         stats = moe.step_stats(model, grid)
         out["losses"].append(loss)
         out["aux"].append(stats["aux"])
-        out["loads"].append(stats["load"].tolist())  # lists: tensors do not survive the spawned ranks' exit
+        # lists: tensors do not survive the spawned ranks' exit
+        out["loads"].append(stats["load"].tolist())
     if a2a:  # one more micro-batch, its all-to-all bytes against the formula of its routing
         out["a2a"] = all_to_all_bytes(model, engine, grid, batches[0], config, cfg)
     return out
@@ -87,36 +152,51 @@ def all_to_all_bytes(model, engine, grid, micro, config, cfg):
         owner = experts // local
         rows_out = int((owner != grid.ep.rank).sum())
         every = grid.ep.all_gather_object(owner.tolist())
-        rows_in = sum(sum(1 for o in theirs if o == grid.ep.rank) for r, theirs in enumerate(every) if r != grid.ep.rank)
+        rows_in = sum(
+            sum(1 for o in theirs if o == grid.ep.rank)
+            for r, theirs in enumerate(every)
+            if r != grid.ep.rank
+        )
         want += formulas.moe_all_to_all_bytes(rows_out, rows_in, cfg.n_embd, 4, grid.ep.size, local)
     return measured, want
 
 
 def references():
-    """World of one: each config with one micro-batch of 8, and the dropless one with four of 2 (accumulation);
-    the bias-balancing run."""
-    return dict(dropless=run(DROPLESS, 1, 1, 1, 1, GLOBAL, 1, 0), capacity=run(CAPACITY, 1, 1, 1, 1, GLOBAL, 1, 0),
-                accum=run(DROPLESS, 1, 1, 1, 1, 2, 4, 0), bias=balancing(),
-                full=run(CAPACITY + ["--recompute", "full"], 1, 1, 1, 1, 2, 4, 0), rerun=whole_rerun(),
-                selective=run(DROPLESS + ["--recompute", "selective"], 1, 1, 1, 1, GLOBAL, 1, 0),
-                accum_capacity=run(CAPACITY, 1, 1, 1, 1, 2, 4, 0))
+    """World of one: each config with one micro-batch of 8, and the dropless one with four of 2
+    (accumulation); the bias-balancing run."""
+    return dict(
+        dropless=run(DROPLESS, 1, 1, 1, 1, GLOBAL, 1, 0),
+        capacity=run(CAPACITY, 1, 1, 1, 1, GLOBAL, 1, 0),
+        accum=run(DROPLESS, 1, 1, 1, 1, 2, 4, 0),
+        bias=balancing(),
+        full=run(CAPACITY + ["--recompute", "full"], 1, 1, 1, 1, 2, 4, 0),
+        rerun=whole_rerun(),
+        selective=run(DROPLESS + ["--recompute", "selective"], 1, 1, 1, 1, GLOBAL, 1, 0),
+        accum_capacity=run(CAPACITY, 1, 1, 1, 1, 2, 4, 0),
+    )
 
 
 def whole_rerun():
-    """Full recompute with torch's early stop off: the backward reruns each block's forward to its end (the MoE's
-    statistics included), as Megatron's recompute does; early stop would end the rerun at the last saved tensor."""
+    """Full recompute with torch's early stop off: the backward reruns each block's forward to its
+    end (the MoE's statistics included), as Megatron's recompute does; early stop would end the
+    rerun at the last saved tensor."""
     with torch.utils.checkpoint.set_checkpoint_early_stop(False):
         return run(CAPACITY + ["--recompute", "full"], 1, 1, 1, 1, 2, 4, 0)
 
 
 def layouts():
-    return {name: run(argv, dp, pp, t, ep, b, accum, zero, a2a=name == "dp4-ep2-zero1")
-            for name, argv, dp, pp, t, ep, b, accum, zero in LAYOUTS}
+    return {
+        name: run(argv, dp, pp, t, ep, b, accum, zero, a2a=name == "dp4-ep2-zero1")
+        for name, argv, dp, pp, t, ep, b, accum, zero in LAYOUTS
+    }
 
 
 def balancing(steps=12, rate=0.005):
-    """Loads over steps on one fixed batch with the weights frozen (lr 0) and no aux loss: only the bias moves."""
-    config = flags.parse(DROPLESS + ["--moe-aux-loss", "0", "--batch-size", str(GLOBAL), "--lr", "1e-9"])
+    """Loads over steps on one fixed batch with the weights frozen (lr 0) and no aux loss: only the
+    bias moves."""
+    config = flags.parse(
+        DROPLESS + ["--moe-aux-loss", "0", "--batch-size", str(GLOBAL), "--lr", "1e-9"]
+    )
     config = dataclasses.replace(config, vocab_size=VOCAB)
     grid = dist.Grid(1, 1, 1)
     model, engine, _ = compose.build(config, grid)
@@ -143,8 +223,10 @@ def runs():
 
 def by_layout(results):
     """{layout: the last pipeline stage's result on dp rank 0 (where the loss lives), all ranks}."""
-    return {name: ([r[name] for r in results if r[name]["last"]][0], [r[name] for r in results])
-            for name, *_ in LAYOUTS}
+    return {
+        name: ([r[name] for r in results if r[name]["last"]][0], [r[name] for r in results])
+        for name, *_ in LAYOUTS
+    }
 
 
 def reference_for(name, ref):
@@ -157,7 +239,8 @@ def test_routing_identical(runs):
         for step, (got, want) in enumerate(zip(res["loads"], reference_for(name, ref)["loads"])):
             assert got == want, f"{name} step {step + 1}: expert loads {got} != {want}"
     assigned = 2 * GLOBAL * SEQ  # top-2 of 8 x 16 tokens, per layer
-    assert all(sum(layer) < assigned for layer in ref["capacity"]["loads"][0])  # capacity 1: some dropped
+    # capacity 1: some dropped
+    assert all(sum(layer) < assigned for layer in ref["capacity"]["loads"][0])
     assert all(sum(layer) == assigned for layer in ref["dropless"]["loads"][0])
 
 
@@ -167,7 +250,9 @@ def test_losses_and_norms_match_single_process(runs):
         want = reference_for(name, ref)
         for key in ("losses", "norms"):
             for got, w in zip(res[key], want[key]):
-                assert abs(got - w) <= RTOL * abs(w), f"{name} {key}: {res[key]} vs {want[key]} (rtol {RTOL:.2g})"
+                assert abs(got - w) <= RTOL * abs(w), (
+                    f"{name} {key}: {res[key]} vs {want[key]} (rtol {RTOL:.2g})"
+                )
 
 
 def test_aux_loss_same_across_layouts_and_accumulation(runs):
@@ -195,49 +280,87 @@ def test_bias_balancing_drives_loads_toward_uniform(runs):
     ref, _ = runs
     spread = ref["bias"]
     off, on = spread[0.0], spread[max(spread)]
-    assert off[0] == on[0] and math.isclose(off[-1], off[0])  # same start; without the bias nothing moves
+    # same start; without the bias nothing moves
+    assert off[0] == on[0] and math.isclose(off[-1], off[0])
     assert on[-1] < 1 + 0.5 * (on[0] - 1), on  # the imbalance (max/mean - 1) at least halved
 
 
 def test_recompute_changes_nothing(runs):
     ref, _ = runs
-    for mode, want in (("full", ref["accum_capacity"]), ("rerun", ref["accum_capacity"]), ("selective", ref["dropless"])):
+    for mode, want in (
+        ("full", ref["accum_capacity"]),
+        ("rerun", ref["accum_capacity"]),
+        ("selective", ref["dropless"]),
+    ):
         for key in ("losses", "norms", "aux", "loads"):
             assert ref[mode][key] == want[key], (mode, key, ref[mode][key], want[key])
 
 
 def test_mixtral_round_trip_logits():
-    """nanomega's MoE Llama as a transformers Mixtral (built offline from its config) and back: logits within
-    1e-4 (fp32, the same math in another order), the weights back bitwise."""
+    """nanomega's MoE Llama as a transformers Mixtral (built offline from its config) and back:
+    logits within 1e-4 (fp32, the same math in another order), the weights back bitwise."""
     pytest.importorskip("transformers")
     from nanomega.model import GPTConfig
     from nanomega.tools import hf_moe
-    cfg = GPTConfig(vocab_size=200, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=48,
-                    arch="llama", n_experts=4, top_k=2, tie_embeddings=False, attention="eager")
+
+    cfg = GPTConfig(
+        vocab_size=200,
+        block_size=32,
+        n_layer=2,
+        n_head=4,
+        n_kv_head=2,
+        n_embd=32,
+        ffn_hidden=48,
+        arch="llama",
+        n_experts=4,
+        top_k=2,
+        tie_embeddings=False,
+        attention="eager",
+    )
     ours = GPT(cfg, seed=3).eval()
-    weights = {k: v.detach() for k, v in ours.named_parameters()}  # the routing bias is a buffer: not Mixtral's
+    # the routing bias is a buffer: not Mixtral's
+    weights = {k: v.detach() for k, v in ours.named_parameters()}
     theirs = hf_moe.to_hf(weights, cfg)
     idx = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        got, want = theirs(idx).logits, ours(idx)[..., :cfg.vocab_size]
+        got, want = theirs(idx).logits, ours(idx)[..., : cfg.vocab_size]
     assert (got - want).abs().max().item() < 1e-4
     cfg2, back = hf_moe.from_hf(theirs)
     assert (cfg2.n_experts, cfg2.top_k, cfg2.ffn) == (4, 2, 48)
-    rows = {"embed.wte.weight": cfg.vocab_size, "head.lm_head.weight": cfg.vocab_size}  # below the vocab padding
-    assert all(torch.equal(back[k][:rows.get(k)], w[:rows.get(k)]) for k, w in ours.state_dict().items() if k in back)
+    # below the vocab padding
+    rows = {"embed.wte.weight": cfg.vocab_size, "head.lm_head.weight": cfg.vocab_size}
+    assert all(
+        torch.equal(back[k][: rows.get(k)], w[: rows.get(k)])
+        for k, w in ours.state_dict().items()
+        if k in back
+    )
     assert len(back) == len(weights)
 
 
 def test_mixtral_folder_through_the_hf_command_line(tmp_path, capsys):
-    """`python -m nanomega.tools.hf import` of a Mixtral folder -> a step-0 checkpoint holding its weights bitwise;
-    `export` of that checkpoint -> a Mixtral folder with the same logits; load_pretrained reads it (within 1e-4);
-    a checkpoint routed with --moe-bias-balance's biases is refused (a Mixtral has no field for them)."""
+    """`python -m nanomega.tools.hf import` of a Mixtral folder -> a step-0 checkpoint holding its
+    weights bitwise; `export` of that checkpoint -> a Mixtral folder with the same logits;
+    load_pretrained reads it (within 1e-4); a checkpoint routed with --moe-bias-balance's biases is
+    refused (a Mixtral has no field for them)."""
     transformers = pytest.importorskip("transformers")
     from nanomega import checkpoint, reshard
     from nanomega.model import GPTConfig
     from nanomega.tools import hf, hf_moe
-    cfg = GPTConfig(vocab_size=200, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=48,
-                    arch="llama", n_experts=4, top_k=2, tie_embeddings=False, attention="eager")
+
+    cfg = GPTConfig(
+        vocab_size=200,
+        block_size=32,
+        n_layer=2,
+        n_head=4,
+        n_kv_head=2,
+        n_embd=32,
+        ffn_hidden=48,
+        arch="llama",
+        n_experts=4,
+        top_k=2,
+        tie_embeddings=False,
+        attention="eager",
+    )
     src, out, dst = tmp_path / "src", tmp_path / "ckpt", tmp_path / "dst"
     theirs = hf_moe.to_hf({k: v.detach() for k, v in GPT(cfg, seed=3).named_parameters()}, cfg)
     theirs.save_pretrained(src)
@@ -252,7 +375,9 @@ def test_mixtral_folder_through_the_hf_command_line(tmp_path, capsys):
     with torch.no_grad():
         want = theirs(idx).logits
         assert torch.equal(again(idx).logits, want)
-        assert (hf.load_pretrained(dst)(idx)[..., :cfg.vocab_size] - want).abs().max().item() < 1e-4
+        assert (
+            hf.load_pretrained(dst)(idx)[..., : cfg.vocab_size] - want
+        ).abs().max().item() < 1e-4
     with pytest.raises(ValueError, match="--moe-bias-balance"):
         hf_moe.check(cfg, torch.tensor([[0.0, 0.001, 0.0, 0.0]]))
     hf_moe.check(cfg, torch.zeros(2, 4))

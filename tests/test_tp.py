@@ -1,17 +1,20 @@
 """Tensor and sequence parallelism (nanomega/tp.py, nanomega/rng.py) against dense PyTorch.
 
-One spawned world of 4 CPU ranks (gloo) holds two grids, (dp 2, tp 2) and (dp 1, tp 4); every distributed
-check runs in it once and returns numbers that the tests below assert on. All fp32.
-Tolerance (derived in tests/tolerance.py's terms; never bitwise between sharded and dense: a slice of a
-GEMM is not, on every BLAS kernel, bitwise the slice of the dense GEMM -- AVX2 and AVX-512 kernels block K
-differently): every compared number is the end of at most DEPTH = 8 reductions in sequence (2 blocks x
-qkv, proj, fc, proj), each of at most N = 160 terms (the vocab-parallel softmax at t = 4; the linears sum
-16-128), which sharded and dense sum in two orders: 2 likely(N) relative each, independent errors adding in
-quadrature over the chain: TOL = 2 likely(N) sqrt(DEPTH) = 3.4e-5, relative (max |a - b| / max |b|).
-After AdamW steps: Adam's update g / sqrt(v) is scale-free, so a relative gradient difference passes into
-the update unamplified while |g| >> eps (eps = 1e-6 here; the key bias, whose exact gradient is 0, is left
-out): TOL_STEPS = steps x TOL. Initial weights and slicing are compared bitwise (copies, no arithmetic).
+One spawned world of 4 CPU ranks (gloo) holds two grids, (dp 2, tp 2) and (dp 1, tp 4); every
+distributed check runs in it once and returns numbers that the tests below assert on. All fp32.
+Tolerance (derived in tests/tolerance.py's terms; never bitwise between sharded and dense: a slice
+of a GEMM is not, on every BLAS kernel, bitwise the slice of the dense GEMM -- AVX2 and AVX-512
+kernels block K differently): every compared number is the end of at most DEPTH = 8 reductions in
+sequence (2 blocks x qkv, proj, fc, proj), each of at most N = 160 terms (the vocab-parallel softmax
+at t = 4; the linears sum 16-128), which sharded and dense sum in two orders: 2 likely(N) relative
+each, independent errors adding in quadrature over the chain: TOL = 2 likely(N) sqrt(DEPTH) =
+3.4e-5, relative (max |a - b| / max |b|).
+After AdamW steps: Adam's update g / sqrt(v) is scale-free, so a relative gradient difference passes
+into the update unamplified while |g| >> eps (eps = 1e-6 here; the key bias, whose exact gradient is
+0, is left out): TOL_STEPS = steps x TOL. Initial weights and slicing are compared bitwise (copies,
+no arithmetic).
 """
+
 import types
 
 import pytest
@@ -25,7 +28,7 @@ from nanomega.rng import TrackedDropout, model_parallel_seed
 from tolerance import likely
 
 STEPS = 3
-TOL = 2 * likely(160) * 8 ** 0.5
+TOL = 2 * likely(160) * 8**0.5
 TOL_STEPS = STEPS * TOL
 
 
@@ -35,7 +38,8 @@ def _err(a, b):
 
 
 def _seq(x, axis, sp):
-    """This rank's piece of a (b, s, ...) activation: the whole of it, or its 1/t of the sequence under SP."""
+    """This rank's piece of a (b, s, ...) activation: the whole of it, or its 1/t of the sequence
+    under SP."""
     return x.chunk(axis.size, 1)[axis.rank] if sp else x
 
 
@@ -48,8 +52,12 @@ def _layers(axis, sp):
     dense = nn.Linear(h, 24)
     x, gy = torch.randn(b, s, h, requires_grad=True), torch.randn(b, s, 24)
     dense(x).backward(gy)
-    col = tp.ColumnParallelLinear(nn.Parameter(dense.weight.detach().chunk(t)[r].clone()),
-                                  nn.Parameter(dense.bias.detach().chunk(t)[r].clone()), axis, sp)
+    col = tp.ColumnParallelLinear(
+        nn.Parameter(dense.weight.detach().chunk(t)[r].clone()),
+        nn.Parameter(dense.bias.detach().chunk(t)[r].clone()),
+        axis,
+        sp,
+    )
     xl = piece(x.detach()).requires_grad_()
     y = col(xl)
     y.backward(gy.chunk(t, -1)[r])
@@ -61,21 +69,30 @@ def _layers(axis, sp):
     dense = nn.Linear(4 * h, h)
     x, gy = torch.randn(b, s, 4 * h, requires_grad=True), torch.randn(b, s, h)
     dense(x).backward(gy)
-    row = tp.RowParallelLinear(nn.Parameter(dense.weight.detach().chunk(t, 1)[r].clone()),
-                               nn.Parameter(dense.bias.detach().clone()), axis, sp)
+    row = tp.RowParallelLinear(
+        nn.Parameter(dense.weight.detach().chunk(t, 1)[r].clone()),
+        nn.Parameter(dense.bias.detach().clone()),
+        axis,
+        sp,
+    )
     xl = x.detach().chunk(t, -1)[r].requires_grad_()
     y = row(xl)
     y.backward(piece(gy))
     out["row out"] = _err(y, piece(dense(x)))
     out["row dx"] = _err(xl.grad, x.grad.chunk(t, -1)[r])
     out["row dw"] = _err(row.weight.grad, dense.weight.grad.chunk(t, 1)[r])
-    # under SP each rank's bias sees only its tokens; apply_tensor_parallel's hook sums them (tested below)
-    out["row db"] = _err(axis.all_reduce(row.bias.grad.clone()) if sp else row.bias.grad, dense.bias.grad)
+    # under SP each rank's bias sees only its tokens; apply_tensor_parallel's hook sums them (tested
+    # below)
+    out["row db"] = _err(
+        axis.all_reduce(row.bias.grad.clone()) if sp else row.bias.grad, dense.bias.grad
+    )
 
     dense = nn.Embedding(V, h)
     idx, gy = torch.randint(V, (b, s)), torch.randn(b, s, h)
     dense(idx).backward(gy)
-    emb = tp.VocabParallelEmbedding(nn.Parameter(dense.weight.detach().chunk(t)[r].clone()), axis, sp)
+    emb = tp.VocabParallelEmbedding(
+        nn.Parameter(dense.weight.detach().chunk(t)[r].clone()), axis, sp
+    )
     y = emb(idx)
     y.backward(piece(gy))
     out["embedding out"] = _err(y, piece(dense(idx)))
@@ -98,8 +115,15 @@ def _layers(axis, sp):
 
 
 def _config(t, **kw):
-    return GPTConfig(vocab_size=200, block_size=16, n_layer=2, n_head=4, n_embd=32,
-                     make_vocab_size_divisible_by=128 * t, **kw)
+    return GPTConfig(
+        vocab_size=200,
+        block_size=16,
+        n_layer=2,
+        n_head=4,
+        n_embd=32,
+        make_vocab_size_divisible_by=128 * t,
+        **kw,
+    )
 
 
 def _bytes_per_layer(grid, sp):
@@ -117,7 +141,8 @@ def _bytes_per_layer(grid, sp):
 
 
 def _gpt_vs_dense(grid, sp, steps=STEPS, freeze=None, **kw):
-    """The TP GPT and the dense GPT from one seed: loss, every gradient and every AdamW update, sliced."""
+    """The TP GPT and the dense GPT from one seed: loss, every gradient and every AdamW update,
+    sliced."""
     axis = grid.tp
     cfg = _config(axis.size, **kw)
     torch.manual_seed(1)
@@ -130,9 +155,17 @@ def _gpt_vs_dense(grid, sp, steps=STEPS, freeze=None, **kw):
     mine = dict(par.named_parameters())
     assert mine.keys() == dict(dense.named_parameters()).keys()
     sliced = lambda name, full: tp.shard_param(name, full, axis.rank, axis.size)
-    err = dict(init=max(_err(mine[n], sliced(n, p)) for n, p in dense.named_parameters()), loss=0.0,
-               grad0=0.0, grad=0.0, weight=0.0, missing=0)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6) for m in (dense, par)]
+    err = dict(
+        init=max(_err(mine[n], sliced(n, p)) for n, p in dense.named_parameters()),
+        loss=0.0,
+        grad0=0.0,
+        grad=0.0,
+        weight=0.0,
+        missing=0,
+    )
+    opts = [
+        torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6) for m in (dense, par)
+    ]
     gen = torch.Generator().manual_seed(2)
     for step in range(steps):
         idx, targets = torch.randint(cfg.vocab_size, (2, cfg.block_size), generator=gen).unbind(0)
@@ -153,14 +186,17 @@ def _gpt_vs_dense(grid, sp, steps=STEPS, freeze=None, **kw):
             opt.zero_grad()
         for n, p in dense.named_parameters():
             a, b = mine[n], sliced(n, p)
-            if n.endswith("c_attn.bias"):  # keep q and v: the key bias's exact gradient is 0 (softmax ignores a
-                a, b = a.view(3, -1)[0::2], b.view(3, -1)[0::2]  # per-row shift), so Adam steps on noise
+            # keep q and v: the key bias's exact gradient is 0 (softmax ignores a
+            if n.endswith("c_attn.bias"):
+                # per-row shift), so Adam steps on noise
+                a, b = a.view(3, -1)[0::2], b.view(3, -1)[0::2]
             err["weight"] = max(err["weight"], _err(a, b))
     return err
 
 
 def _dropout(grid, sp):
-    """Dropout under TP: reproducible, replicas identical, shard masks independent, recompute-safe."""
+    """Dropout under TP: reproducible, replicas identical, shard masks independent,
+    recompute-safe."""
     axis = grid.tp
     cfg = _config(axis.size, dropout=0.1)
 
@@ -184,7 +220,8 @@ def _dropout(grid, sp):
 
     (l1, g1, model), (l2, g2, _), (l3, g3, _) = run(), run(), run("full")
     same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b))
-    spread, ops = 0.0, torch.distributed.ReduceOp  # replicated parameters must stay equal across the tp group
+    # replicated parameters must stay equal across the tp group
+    spread, ops = 0.0, torch.distributed.ReduceOp
     for p in model.parameters():
         if not getattr(p, "tensor_parallel", False):
             hi, lo = (axis.all_reduce(p.detach().clone(), op=op) for op in (ops.MAX, ops.MIN))
@@ -200,10 +237,16 @@ def _dropout(grid, sp):
     sharded_equal = [torch.equal(m, masks[0][:4096]) for m in masks[0].view(axis.size, -1)]
     shared_equal = [torch.equal(m, masks[1][:4096]) for m in masks[1].view(axis.size, -1)]
     module = TrackedDropout(0.5, rng).train()
-    return dict(rerun=same([l1, *g1], [l2, *g2]), recompute=same([l1, *g1], [l3, *g3]), spread=spread,
-                loss_finite=bool(torch.isfinite(l1).all()), sharded_equal=sharded_equal,
-                shared_equal=shared_equal, kept=(sharded != 0).float().mean().item(),
-                module_kept=(module(ones) != 0).float().mean().item())
+    return dict(
+        rerun=same([l1, *g1], [l2, *g2]),
+        recompute=same([l1, *g1], [l3, *g3]),
+        spread=spread,
+        loss_finite=bool(torch.isfinite(l1).all()),
+        sharded_equal=sharded_equal,
+        shared_equal=shared_equal,
+        kept=(sharded != 0).float().mean().item(),
+        module_kept=(module(ones) != 0).float().mean().item(),
+    )
 
 
 def _world():
@@ -217,8 +260,9 @@ def _world():
     # the two dp replicas of the tp=2 grid run different cases side by side
     sp = g2.dp_rank == 1
     res[("gpt", 2, sp, "learned")] = _gpt_vs_dense(g2, sp)
-    res[("gpt", 2, sp, "alibi")] = _gpt_vs_dense(g2, sp, alibi=True, embed_layernorm=True,
-                                                 freeze="blocks.1.ln_2.weight")
+    res[("gpt", 2, sp, "alibi")] = _gpt_vs_dense(
+        g2, sp, alibi=True, embed_layernorm=True, freeze="blocks.1.ln_2.weight"
+    )
     res[("gpt", 4, True, "learned")] = _gpt_vs_dense(g4, True, steps=2)
     res[("dropout", sp)] = _dropout(g2, sp)
     return res
@@ -243,17 +287,30 @@ def test_bytes_per_layer_equal_the_formula(world, t):
     h = 32
     for res in world:
         fwd, both, B = res[("bytes", t, False)]
-        assert fwd == dict(all_reduce=2 * B, all_gather=0, reduce_scatter=0)  # g after attention and MLP
-        assert both == dict(all_reduce=4 * B, all_gather=0, reduce_scatter=0)  # + f before them, backward
+        # g after attention and MLP
+        assert fwd == dict(all_reduce=2 * B, all_gather=0, reduce_scatter=0)
+        # + f before them, backward
+        assert both == dict(all_reduce=4 * B, all_gather=0, reduce_scatter=0)
         fwd, both, B = res[("bytes", t, True)]
-        assert fwd == dict(all_reduce=0, all_gather=2 * B, reduce_scatter=2 * B)  # same bytes as 2 all-reduces
-        # backward: the conjugates (2 RS + 2 AG), 2 re-gathers of the stored shards for the weight gradients,
-        # and the gradient all-reduce of the replicated parameters (2 LayerNorms, 2 row biases = 6h floats)
+        # same bytes as 2 all-reduces
+        assert fwd == dict(all_reduce=0, all_gather=2 * B, reduce_scatter=2 * B)
+        # backward: the conjugates (2 RS + 2 AG), 2 re-gathers of the stored shards for the weight
+        # gradients, and the gradient all-reduce of the replicated parameters (2 LayerNorms, 2 row
+        # biases = 6h floats)
         assert both == dict(all_reduce=6 * h * 4, all_gather=6 * B, reduce_scatter=4 * B)
 
 
-@pytest.mark.parametrize("case", [(2, False, "learned"), (2, True, "learned"), (2, False, "alibi"),
-                                  (2, True, "alibi"), (4, True, "learned")], ids=str)
+@pytest.mark.parametrize(
+    "case",
+    [
+        (2, False, "learned"),
+        (2, True, "learned"),
+        (2, False, "alibi"),
+        (2, True, "alibi"),
+        (4, True, "learned"),
+    ],
+    ids=str,
+)
 def test_gpt_matches_dense_after_adamw_steps(world, case):
     for res in world:
         key = ("gpt",) + case
@@ -278,14 +335,31 @@ def test_dropout_reproducible_and_statistically_right(world, sp):
 
 
 def test_shard_unshard_round_trip_every_parameter():
-    cfg = GPTConfig(vocab_size=100, block_size=8, n_layer=2, n_head=4, n_embd=16, embed_layernorm=True,
-                    make_vocab_size_divisible_by=512)
+    cfg = GPTConfig(
+        vocab_size=100,
+        block_size=8,
+        n_layer=2,
+        n_head=4,
+        n_embd=16,
+        embed_layernorm=True,
+        make_vocab_size_divisible_by=512,
+    )
     for name, p in GPT(cfg).named_parameters():
         for t in (1, 2, 4):
             shards = [tp.shard_param(name, p, r, t) for r in range(t)]
             assert torch.equal(tp.unshard_param(name, shards), p), name
-    llama = GPTConfig(vocab_size=100, block_size=8, n_layer=1, n_head=4, n_kv_head=2, n_embd=16, arch="llama",
-                      ffn_hidden=24, tie_embeddings=False, make_vocab_size_divisible_by=512)
+    llama = GPTConfig(
+        vocab_size=100,
+        block_size=8,
+        n_layer=1,
+        n_head=4,
+        n_kv_head=2,
+        n_embd=16,
+        arch="llama",
+        ffn_hidden=24,
+        tie_embeddings=False,
+        make_vocab_size_divisible_by=512,
+    )
     for name, p in GPT(llama).named_parameters():
         for t in (1, 2, 4):
             kv = tp.kv_replicated(llama, t)  # tp 4 > 2 key/value heads: kv_proj held whole
@@ -293,23 +367,38 @@ def test_shard_unshard_round_trip_every_parameter():
             assert torch.equal(tp.unshard_param(name, shards, kv), p), name
             if name.endswith("kv_proj.weight"):
                 assert shards[0].shape[0] == (16 if kv else 16 // t), (t, shards[0].shape)
-    kv = torch.arange(2 * 2 * 4.0)  # (2, n_kv=2, head_dim=4): rank 1 of 2 gets k and v of key/value head 1
-    assert tp.shard_param("blocks.0.attn.kv_proj.weight", kv, 1, 2).tolist() == list(range(4, 8)) + list(range(12, 16))
-    qkv = torch.arange(3 * 16.0)  # (3, n_head=4, head_dim=4): rank 1 of 2 gets heads 2, 3 of q, k and v
-    assert tp.shard_param("blocks.0.attn.c_attn.bias", qkv, 1, 2).tolist() == \
-        list(range(8, 16)) + list(range(24, 32)) + list(range(40, 48))
+    # (2, n_kv=2, head_dim=4): rank 1 of 2 gets k and v of key/value head 1
+    kv = torch.arange(2 * 2 * 4.0)
+    assert tp.shard_param("blocks.0.attn.kv_proj.weight", kv, 1, 2).tolist() == list(
+        range(4, 8)
+    ) + list(range(12, 16))
+    # (3, n_head=4, head_dim=4): rank 1 of 2 gets heads 2, 3 of q, k and v
+    qkv = torch.arange(3 * 16.0)
+    assert tp.shard_param("blocks.0.attn.c_attn.bias", qkv, 1, 2).tolist() == list(
+        range(8, 16)
+    ) + list(range(24, 32)) + list(range(40, 48))
 
 
 def test_bad_shapes_give_one_clear_line():
     fake = lambda t: types.SimpleNamespace(size=t, rank=0)  # errors come before any collective
-    with pytest.raises(ValueError, match=r"^--tp 3 does not divide --n-head 4; choose --tp among 1, 2, 4$"):
+    with pytest.raises(
+        ValueError, match=r"^--tp 3 does not divide --n-head 4; choose --tp among 1, 2, 4$"
+    ):
         tp.apply_tensor_parallel(GPT(GPTConfig(n_head=4, n_embd=32)), fake(3))
-    with pytest.raises(ValueError, match=r"padded vocab size 256 is not divisible by --tp 3; .*128 \* tp"):
+    with pytest.raises(
+        ValueError, match=r"padded vocab size 256 is not divisible by --tp 3; .*128 \* tp"
+    ):
         tp.apply_tensor_parallel(GPT(GPTConfig(vocab_size=200, n_head=6, n_embd=48)), fake(3))
-    with pytest.raises(ValueError, match=r"--sequence-parallel needs --block-size 10 divisible by --tp 4"):
-        tp.apply_tensor_parallel(GPT(GPTConfig(block_size=10, make_vocab_size_divisible_by=512)), fake(4), True)
+    with pytest.raises(
+        ValueError, match=r"--sequence-parallel needs --block-size 10 divisible by --tp 4"
+    ):
+        tp.apply_tensor_parallel(
+            GPT(GPTConfig(block_size=10, make_vocab_size_divisible_by=512)), fake(4), True
+        )
     with pytest.raises(ValueError, match=r"dropout > 0 under tensor parallelism needs rng="):
-        tp.apply_tensor_parallel(GPT(GPTConfig(dropout=0.1, make_vocab_size_divisible_by=256)), fake(2))
+        tp.apply_tensor_parallel(
+            GPT(GPTConfig(dropout=0.1, make_vocab_size_divisible_by=256)), fake(2)
+        )
     with pytest.raises(ValueError, match=r"sequence length 6 divisible by --tp 4"):
         tp._reduce_scatter_seq(torch.zeros(1, 6, 2), fake(4))
     llama = dict(arch="llama", n_head=6, n_embd=48, make_vocab_size_divisible_by=512)
@@ -317,5 +406,7 @@ def test_bad_shapes_give_one_clear_line():
         tp.apply_tensor_parallel(GPT(GPTConfig(n_kv_head=3, **llama)), fake(2))
     with pytest.raises(ValueError, match=r"^--tp 4 does not divide --n-head 6"):
         tp.apply_tensor_parallel(GPT(GPTConfig(n_kv_head=2, **llama)), fake(4))
-    with pytest.raises(ValueError, match=r"^--tp 3 does not divide --ffn-hidden 100; choose --tp among 1, 2$"):
+    with pytest.raises(
+        ValueError, match=r"^--tp 3 does not divide --ffn-hidden 100; choose --tp among 1, 2$"
+    ):
         tp.apply_tensor_parallel(GPT(GPTConfig(n_kv_head=3, ffn_hidden=100, **llama)), fake(3))

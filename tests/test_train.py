@@ -1,4 +1,5 @@
 """The trainer end to end: exact resume, metrics, and one clear line for each kind of bad input."""
+
 import json
 import shutil
 import subprocess
@@ -11,14 +12,47 @@ import torch
 from nanomega import checkpoint, reshard, train
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
-         "--grad-accum", "2", "--eval-every", "3", "--eval-iters", "2", "--warmup", "2", "--peak-flops", "1e11",
-         "--dropout", "0.1", "--log-every", "100"]
+SMALL = [
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--block-size",
+    "32",
+    "--batch-size",
+    "4",
+    "--grad-accum",
+    "2",
+    "--eval-every",
+    "3",
+    "--eval-iters",
+    "2",
+    "--warmup",
+    "2",
+    "--peak-flops",
+    "1e11",
+    "--dropout",
+    "0.1",
+    "--log-every",
+    "100",
+]
 
 
 def run(corpus, out, *extra):
-    return train.main([*SMALL, "--corpus", str(corpus), "--data-cache", str(out.parent / "cache"),
-                       "--out-dir", str(out), *extra])
+    return train.main(
+        [
+            *SMALL,
+            "--corpus",
+            str(corpus),
+            "--data-cache",
+            str(out.parent / "cache"),
+            "--out-dir",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 def final_weights(out):
@@ -37,10 +71,14 @@ def test_exact_resume(corpus, tmp_path):
     run(corpus, resumed, "--max-steps", "6", "--save-every", "3", "--resume")
     a, b = final_weights(straight), final_weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    losses = lambda out: [r["loss"] for r in map(json.loads, open(out / "metrics.jsonl")) if "loss" in r]
+    losses = lambda out: [
+        r["loss"] for r in map(json.loads, open(out / "metrics.jsonl")) if "loss" in r
+    ]
     assert losses(straight)[3:] == losses(resumed)
-    assert not torch.equal(a["embed.wte.weight"], reshard.full_weights(
-        straight / "ckpt" / "step_000003")["embed.wte.weight"])  # it did train
+    assert not torch.equal(
+        a["embed.wte.weight"],
+        reshard.full_weights(straight / "ckpt" / "step_000003")["embed.wte.weight"],
+    )  # it did train
 
 
 def test_resume_without_checkpoint_starts_fresh(corpus, tmp_path):
@@ -49,8 +87,13 @@ def test_resume_without_checkpoint_starts_fresh(corpus, tmp_path):
 
 
 def cli(*args, cwd=ROOT):
-    out = subprocess.run([sys.executable, "nanomega/train.py", *args], cwd=cwd, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "nanomega/train.py", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return out.returncode, out.stderr.strip().splitlines()
 
 
@@ -86,4 +129,5 @@ def test_resume_refuses_other_shape_and_keeps_files(corpus, tmp_path):
         run(corpus, out, "--max-steps", "2", "--resume", "--n-layer", "3")
     with pytest.raises(ValueError, match="already holds a checkpoint"):
         run(corpus, out, "--max-steps", "2")
-    assert before == {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}  # nothing overwritten
+    # nothing overwritten
+    assert before == {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}

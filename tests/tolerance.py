@@ -1,9 +1,10 @@
 """Tolerances from the arithmetic: the one home of the suite's rounding-error bounds.
 
-Two computations of the same math in floating point (a fused kernel and PyTorch, a sharded model and the
-dense one) round differently, and how differently depends on the CPU: an AVX2 and an AVX-512 machine sum
-in other vector widths and run other BLAS kernels. So a tolerance is never what one CPU happened to give;
-it is a bound derived from the arithmetic, written where it is used in these terms:
+Two computations of the same math in floating point (a fused kernel and PyTorch, a sharded model and
+the dense one) round differently, and how differently depends on the CPU: an AVX2 and an AVX-512
+machine sum in other vector widths and run other BLAS kernels. So a tolerance is never what one CPU
+happened to give; it is a bound derived from the arithmetic, written where it is used in these
+terms:
 
     u           unit roundoff of a dtype: 2^-24 fp32, 2^-8 bf16, 2^-11 fp16, 2^-53 fp64
     gamma(n)    n u / (1 - n u): summing n terms in ANY order errs by at most gamma(n) * sum |terms|
@@ -13,10 +14,12 @@ it is a bound derived from the arithmetic, written where it is used in these ter
                 (Higham & Mary, "A New Approach to Probabilistic Rounding Error Analysis", SIAM J. Sci.
                 Comput. 2019): it fails with probability about 2 n exp(-LAMBDA^2 / 2) (< 1e-9 for n < 10^5)
 
-Worst-case gamma(n) is used where n is small or a kernel's error is deterministic (an exp with a stated
-ulp error); likely(n) where long sums would make gamma(n) too loose to catch a real bug. Bitwise equality
-is asserted only where the math guarantees it: the same kernel, the same shapes, the same reduction order.
+Worst-case gamma(n) is used where n is small or a kernel's error is deterministic (an exp with a
+stated ulp error); likely(n) where long sums would make gamma(n) too loose to catch a real bug.
+Bitwise equality is asserted only where the math guarantees it: the same kernel, the same shapes,
+the same reduction order.
 """
+
 import math
 
 import torch
@@ -30,25 +33,29 @@ def unit_roundoff(dtype: torch.dtype) -> float:
 
 
 def gamma(n: int, dtype: torch.dtype = torch.float32) -> float:
-    """Worst-case relative error (to sum |terms|) of an n-term sum in any order (Higham, Lemma 3.1)."""
+    """Worst-case relative error (to sum |terms|) of an n-term sum in any order (Higham, Lemma
+    3.1)."""
     nu = n * unit_roundoff(dtype)
     assert nu < 1, f"gamma({n}) undefined for {dtype}"
     return nu / (1 - nu)
 
 
 def likely(n: int, dtype: torch.dtype = torch.float32) -> float:
-    """Probabilistic relative error (to sum |terms|) of an n-term sum (Higham & Mary 2019, LAMBDA = 8)."""
+    """Probabilistic relative error (to sum |terms|) of an n-term sum (Higham & Mary 2019, LAMBDA =
+    8)."""
     return LAMBDA * math.sqrt(n) * unit_roundoff(dtype)
 
 
 def layout_rtol(steps: int, vocab: int, width: int, depth: int, min_loss: float = 4.0) -> float:
-    """Relative loss difference allowed between two layouts (tp/pp/dp/ZeRO) of one fp32 training run.
-    A layout changes only the order of sums. At step 1: the cross-entropy's logsumexp over `vocab` positive
-    terms (2 likely(vocab) relative to the sum: absolute on the loss) plus `depth` reductions of <= `width`
-    terms before it (2 likely(width) sqrt(depth) relative to logits of size < 1; at most twice that on the
-    loss). AdamW passes relative differences on unamplified (tests/test_tp.py), so by step k the difference
-    is <= k times step 1's; relative to losses that stay above `min_loss`."""
-    return steps * (2 * likely(vocab) + 4 * likely(width) * depth ** 0.5) / min_loss
+    """Relative loss difference allowed between two layouts (tp/pp/dp/ZeRO) of one fp32 training
+    run.
+    A layout changes only the order of sums. At step 1: the cross-entropy's logsumexp over `vocab`
+    positive terms (2 likely(vocab) relative to the sum: absolute on the loss) plus `depth`
+    reductions of <= `width` terms before it (2 likely(width) sqrt(depth) relative to logits of size
+    < 1; at most twice that on the loss). AdamW passes relative differences on unamplified
+    (tests/test_tp.py), so by step k the difference is <= k times step 1's; relative to losses that
+    stay above `min_loss`."""
+    return steps * (2 * likely(vocab) + 4 * likely(width) * depth**0.5) / min_loss
 
 
 def assert_within(got: torch.Tensor, want: torch.Tensor, bound, what: str = "") -> float:
@@ -57,6 +64,8 @@ def assert_within(got: torch.Tensor, want: torch.Tensor, bound, what: str = "") 
     diff = (got.detach().double() - want.detach().double()).abs()
     bound = torch.as_tensor(bound, dtype=torch.float64).expand_as(diff)
     worst = (diff / bound.clamp_min(1e-300)).max().item() if diff.numel() else 0.0
-    assert (diff <= bound).all(), (f"{what}: |got - want| up to {diff.max().item():.3g} exceeds the bound "
-                                   f"from the arithmetic ({worst:.3g}x it)")
+    assert (diff <= bound).all(), (
+        f"{what}: |got - want| up to {diff.max().item():.3g} exceeds the bound "
+        f"from the arithmetic ({worst:.3g}x it)"
+    )
     return worst

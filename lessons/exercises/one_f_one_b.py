@@ -1,20 +1,23 @@
 """Exercise 1f1b (lesson 05): the 1F1B schedule of one pipeline rank, as rounds of ops.
 
-p stages, this is stage `rank` (0 = first), m micro-batches. A schedule is a list of rounds; a round is a list of
-Op("F", mb) / Op("B", mb) that run back to back (the pipeline's p2p happens between rounds). 1F1B
-(PipeDream-Flush, Narayanan et al. 2021) runs in three phases:
+p stages, this is stage `rank` (0 = first), m micro-batches. A schedule is a list of rounds; a round
+is a list of Op("F", mb) / Op("B", mb) that run back to back (the pipeline's p2p happens between
+rounds). 1F1B (PipeDream-Flush, Narayanan et al. 2021) runs in three phases:
     warm-up    w = min(p - rank - 1, m) forwards: fill the pipeline (the last stage runs none)
     steady     m - w times: one forward, then one backward (the oldest micro-batch in flight)
     cool-down  the w backwards left
-so at most p - rank micro-batches are in flight on stage `rank` (activation memory ∝ p, not m as in GPipe).
+so at most p - rank micro-batches are in flight on stage `rank` (activation memory ∝ p, not m as in
+GPipe).
 Here every op is a round of its own: [[Op("F", 0)], [Op("F", 1)], [Op("B", 0)], ...].
-Example, p = 4, m = 6: rank 0 runs F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5; rank 3 runs F0 B0 F1 B1 ... F5 B5.
-Use nanomega's Op (the pipeline and the simulator test isinstance(step, Op)). `v` (virtual stages) is 1 here.
+Example, p = 4, m = 6: rank 0 runs F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5; rank 3 runs F0 B0 F1 B1 ...
+F5 B5.
+Use nanomega's Op (the pipeline and the simulator test isinstance(step, Op)). `v` (virtual stages)
+is 1 here.
 
-Replaces nanomega/schedules.py:one_f_one_b in the tests (the op orders, and the unit-clock simulator's bubble).
+Replaces nanomega/schedules.py:one_f_one_b in the tests (the op orders, and the unit-clock
+simulator's bubble).
 Grade:  python lessons/check.py --exercise 1f1b lessons/exercises/one_f_one_b.py
 """
-from nanomega.schedules import Op
 
 
 def one_f_one_b(p, rank, m, v=1):

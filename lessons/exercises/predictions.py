@@ -1,30 +1,35 @@
-"""Predict the number, then run. Replace each None by your prediction (a number, or an expression), with a
-line of reasoning; then `python lessons/check.py --predict lessons/exercises/predictions.py` measures each one
-you answered (lessons/predict.py) and prints RIGHT (within 1%) or WRONG. Work on a copy if you like.
+"""Predict the number, then run. Replace each None by your prediction (a number, or an expression),
+with a line of reasoning; then `python lessons/check.py --predict lessons/exercises/predictions.py`
+measures each one you answered (lessons/predict.py) and prints RIGHT (within 1%) or WRONG. Work on a
+copy if you like.
 
-The model of lessons 01's and 03's questions: nanomega.model's GPT-2 form, vocabulary V = 256 (no padding),
-context s = 16, L = 2 layers, 4 heads, width h = 32, tied embedding, fp32. Lesson 02's questions run the
-minimal track's files (lessons/minimal/dp_naive.py, zero1.py); per parameter, the model does not matter.
+The model of lessons 01's and 03's questions: nanomega.model's GPT-2 form, vocabulary V = 256 (no
+padding), context s = 16, L = 2 layers, 4 heads, width h = 32, tied embedding, fp32. Lesson 02's
+questions run the minimal track's files (lessons/minimal/dp_naive.py, zero1.py); per parameter, the
+model does not matter.
 """
+
 PREDICTIONS = {
     # lesson 01: the loss of the untrained model on random tokens (every token about equally likely)
     "loss-at-init": None,
-    # lesson 01: training FLOPs per token (forward + backward) counted by torch's FlopCounterMode, which counts
-    # matmuls only: the weight matrices (the tied LM head once) and attention's two s x s products
+    # lesson 01: training FLOPs per token (forward + backward) counted by torch's FlopCounterMode,
+    # which counts matmuls only: the weight matrices (the tied LM head once) and attention's two s x
+    # s products
     "flops-per-token": None,
-    # lesson 02: plain data parallelism on N = 2 ranks, fp32 gradients: bytes one rank puts on the wire per
-    # parameter per step (ring all-reduce)
+    # lesson 02: plain data parallelism on N = 2 ranks, fp32 gradients: bytes one rank puts on the
+    # wire per parameter per step (ring all-reduce)
     "dp-wire-bytes-per-param": None,
-    # lesson 02: ZeRO-1 on N = 2 ranks with AdamW: bytes of optimizer state (m and v, fp32) one rank holds per
-    # parameter of the model
+    # lesson 02: ZeRO-1 on N = 2 ranks with AdamW: bytes of optimizer state (m and v, fp32) one rank
+    # holds per parameter of the model
     "zero1-state-bytes-per-param": None,
-    # lesson 03: one transformer layer's FORWARD under tensor parallelism t = 2, input (b, s, h) = (2, 16, 32)
-    # fp32: bytes one rank puts on the wire (ring)
+    # lesson 03: one transformer layer's FORWARD under tensor parallelism t = 2, input (b, s, h) =
+    # (2, 16, 32) fp32: bytes one rank puts on the wire (ring)
     "tp-forward-wire-bytes": None,
-    # lesson 05: 1F1B with p = 4 stages and m = 8 micro-batches, a backward taking twice a forward: the idle
-    # share of the step (the bubble), as a fraction
+    # lesson 05: 1F1B with p = 4 stages and m = 8 micro-batches, a backward taking twice a forward:
+    # the idle share of the step (the bubble), as a fraction
     "1f1b-bubble": None,
-    # lesson 05: the most micro-batches whose activations the FIRST stage holds at once, 1F1B, p = 4, m = 8
+    # lesson 05: the most micro-batches whose activations the FIRST stage holds at once, 1F1B, p =
+    # 4, m = 8
     "1f1b-in-flight": None,
     # lesson 05: the same for GPipe (all forwards, then all backwards)
     "gpipe-in-flight": None,

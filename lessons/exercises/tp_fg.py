@@ -1,17 +1,21 @@
 """Exercise tp-fg (lesson 03): Megatron's conjugate operators f and g, as two autograd Functions.
 
-A column-parallel linear Y_i = X A_i starts with f; a row-parallel linear Z = sum_i Y_i B_i ends with g:
+A column-parallel linear Y_i = X A_i starts with f; a row-parallel linear Z = sum_i Y_i B_i ends
+with g:
     f  forward: the identity (every tp rank already holds all of X)
        backward: dL/dX = sum over the ranks of X's gradient through A_i -- an all-reduce
     g  forward: Z = sum_i Y_i B_i -- an all-reduce of the partial products
        backward: the identity (Z's gradient is the same on every rank)
 `tp` is a nanomega.dist.Axis: tp.all_reduce(t) sums t over the tp ranks IN PLACE and returns it.
-Mind two things: never all-reduce a tensor autograd still owns (the forward's input, the incoming gradient)
-in place -- clone it first; and backward returns one gradient per forward input (None for `tp`).
+Mind two things: never all-reduce a tensor autograd still owns (the forward's input, the incoming
+gradient) in place -- clone it first; and backward returns one gradient per forward input (None for
+`tp`).
 
-Replaces nanomega/tp.py:CopyToTensorParallel and nanomega/tp.py:ReduceFromTensorParallel in the tests.
+Replaces nanomega/tp.py:CopyToTensorParallel and nanomega/tp.py:ReduceFromTensorParallel in the
+tests.
 Grade:  python lessons/check.py --exercise tp-fg lessons/exercises/tp_fg.py
 """
+
 import torch
 
 

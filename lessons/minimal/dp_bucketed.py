@@ -1,15 +1,18 @@
-"""Minimal build, step 2: bucketed data parallelism -- gradients all-reduced in a few large buckets, each
-launched while backward still runs.
+"""Minimal build, step 2: bucketed data parallelism -- gradients all-reduced in a few large buckets,
+each launched while backward still runs.
 
-Idea: backward produces gradients from the last layer to the first. Group the parameters in that order into
-buckets of about CAP bytes, each with one flat buffer; a hook on each parameter copies its gradient into the
-bucket as soon as autograd has accumulated it, and when a bucket's last gradient arrives its all-reduce starts
-(asynchronously). The early layers' backward then runs while the late layers' gradients are on the wire, and
-a few large messages replace one per tensor. PyTorch's DDP (25 MB buckets) and nanomega/ddp.py work this way.
-Formula: the same bytes as dp_naive.py (2 (N - 1) / N x 4 per parameter); ceil(4 P / CAP) calls instead of one
-per tensor. The result is bitwise dp_naive's: each element is the same 2-term sum, divided by 2.
+Idea: backward produces gradients from the last layer to the first. Group the parameters in that
+order into buckets of about CAP bytes, each with one flat buffer; a hook on each parameter copies
+its gradient into the bucket as soon as autograd has accumulated it, and when a bucket's last
+gradient arrives its all-reduce starts (asynchronously). The early layers' backward then runs while
+the late layers' gradients are on the wire, and a few large messages replace one per tensor.
+PyTorch's DDP (25 MB buckets) and nanomega/ddp.py work this way.
+Formula: the same bytes as dp_naive.py (2 (N - 1) / N x 4 per parameter); ceil(4 P / CAP) calls
+instead of one per tensor. The result is bitwise dp_naive's: each element is the same 2-term sum,
+divided by 2.
 Run:  python lessons/minimal/dp_bucketed.py
 """
+
 import torch
 
 from nanomega import dist, worlds
@@ -25,10 +28,12 @@ class Bucket:
         offsets = [0]
         for p in params[:-1]:
             offsets.append(offsets[-1] + p.numel())
-        self.slots = {p: self.flat[o:o + p.numel()].view_as(p) for p, o in zip(params, offsets)}  # views
+        # views
+        self.slots = {p: self.flat[o : o + p.numel()].view_as(p) for p, o in zip(params, offsets)}
         self.ready, self.work = 0, None
         for p in params:
-            p.register_post_accumulate_grad_hook(self.arrived)  # runs once p.grad holds this backward's sum
+            # runs once p.grad holds this backward's sum
+            p.register_post_accumulate_grad_hook(self.arrived)
 
     def arrived(self, p):
         self.slots[p].copy_(p.grad)
@@ -47,7 +52,8 @@ class Bucket:
 
 
 def buckets(net, dp):
-    """Parameters in reverse (the order backward finishes them), cut into buckets of at most CAP bytes."""
+    """Parameters in reverse (the order backward finishes them), cut into buckets of at most CAP
+    bytes."""
     out, current = [], []
     for p in reversed(list(net.parameters())):
         if current and 4 * (sum(q.numel() for q in current) + p.numel()) > CAP:
@@ -73,12 +79,18 @@ def train(steps=common.STEPS):
         opt.zero_grad()
         losses.append((dp.all_reduce(loss.detach()) / dp.size).item())
     calls = sum(c for (op, _, _), (c, _) in grid.log.counts.items() if op == "all_reduce")
-    return dict(losses=losses, weights=common.weights(net), buckets=len(bucket_list),
-                calls=calls // steps - 1)  # per step, less the loss's all-reduce
+    return dict(
+        losses=losses,
+        weights=common.weights(net),
+        buckets=len(bucket_list),
+        calls=calls // steps - 1,
+    )  # per step, less the loss's all-reduce
 
 
 if __name__ == "__main__":
     out = worlds.launch(train, 2, 10)[0]
     for step, loss in enumerate(out["losses"]):
         print(f"step {step} loss {loss:.4f}")
-    print(f"{out['calls']} all-reduces of gradients per step ({out['buckets']} buckets of <= {CAP:,} bytes)")
+    print(
+        f"{out['calls']} all-reduces of gradients per step ({out['buckets']} buckets of <= {CAP:,} bytes)"
+    )

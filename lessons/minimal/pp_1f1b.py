@@ -1,17 +1,20 @@
-"""Minimal build, step 5: the 1F1B pipeline schedule -- the same bubble as AFAB, activations for p micro-batches
-instead of m.
+"""Minimal build, step 5: the 1F1B pipeline schedule -- the same bubble as AFAB, activations for p
+micro-batches instead of m.
 
-Idea (PipeDream-Flush, Narayanan et al. 2021): start micro-batch i's backward as soon as possible. Stage k runs
-warm-up = p - k - 1 forwards, then alternates one forward and one backward (the steady state), then runs the
-backwards left (the cool-down). At most p - k micro-batches are in flight on stage k, whatever m.
-The catch is deadlock: in the steady state a stage sends its output forward and waits for a gradient from the
-next stage, which is itself sending a gradient back and waiting for an activation. Each pair of messages goes
-in ONE batched call (Megatron's send_forward_recv_backward / send_backward_recv_forward), so both neighbours
-post both directions before either waits.
-Formula: bubble (p - 1) / (m + p - 1), as AFAB; peak activations ∝ min(m, p - k) micro-batches, not m.
-nanomega/schedules.py writes any schedule as data, and nanomega/pp.py runs it; this file is one schedule by hand.
+Idea (PipeDream-Flush, Narayanan et al. 2021): start micro-batch i's backward as soon as possible.
+Stage k runs warm-up = p - k - 1 forwards, then alternates one forward and one backward (the steady
+state), then runs the backwards left (the cool-down). At most p - k micro-batches are in flight on
+stage k, whatever m.
+The catch is deadlock: in the steady state a stage sends its output forward and waits for a gradient
+from the next stage, which is itself sending a gradient back and waiting for an activation. Each
+pair of messages goes in ONE batched call (Megatron's send_forward_recv_backward /
+send_backward_recv_forward), so both neighbours post both directions before either waits.
+Formula: bubble (p - 1) / (m + p - 1), as AFAB; peak activations ∝ min(m, p - k) micro-batches, not
+m. nanomega/schedules.py writes any schedule as data, and nanomega/pp.py runs it; this file is one
+schedule by hand.
 Run:  python lessons/minimal/pp_1f1b.py
 """
+
 import torch
 
 from nanomega import dist, worlds
@@ -29,12 +32,18 @@ def train(steps=common.STEPS):
     shape = (common.BATCH // MICRO, common.CONFIG.block_size, common.CONFIG.n_embd)  # (b, s, h)
 
     def exchange(send_fwd=None, send_bwd=None, recv_fwd=False, recv_bwd=False):
-        """One batched p2p call: an activation to rank + 1 and/or a gradient to rank - 1, and what comes back."""
+        """One batched p2p call: an activation to rank + 1 and/or a gradient to rank - 1, and what
+        comes back."""
         act = torch.empty(shape) if recv_fwd and not first else None
         grad = torch.empty(shape) if recv_bwd and not last else None
-        pp.p2p(sends=[(t, peer) for t, peer in ((send_fwd, rank + 1), (send_bwd, rank - 1))
-                      if t is not None and 0 <= peer < pp.size],
-               recvs=[(t, peer) for t, peer in ((act, rank - 1), (grad, rank + 1)) if t is not None])
+        pp.p2p(
+            sends=[
+                (t, peer)
+                for t, peer in ((send_fwd, rank + 1), (send_bwd, rank - 1))
+                if t is not None and 0 <= peer < pp.size
+            ],
+            recvs=[(t, peer) for t, peer in ((act, rank - 1), (grad, rank + 1)) if t is not None],
+        )
         return act, grad
 
     for step in range(steps):
@@ -80,5 +89,8 @@ if __name__ == "__main__":
     outs = worlds.launch(train, 2, 10)
     for step, loss in enumerate(outs[0]["losses"]):
         print(f"step {step} loss {loss:.4f}")
-    print("micro-batches in flight at most, per stage:", [o["peak_in_flight"] for o in outs],
-          f"(AFAB: {MICRO} on every stage)")
+    print(
+        "micro-batches in flight at most, per stage:",
+        [o["peak_in_flight"] for o in outs],
+        f"(AFAB: {MICRO} on every stage)",
+    )

@@ -1,14 +1,19 @@
 """Minimal build, step 4: a pipeline, all forwards then all backwards (AFAB, GPipe's schedule).
 
-Idea (Huang et al. 2019): cut the layers into p stages, one per rank, and the batch into m micro-batches.
-Stage k receives micro-batch i's activation (b, s, h) from stage k - 1, runs its layers, sends the output on;
-the last stage computes the loss. When all m forwards are done, the backwards run in the same order, each
-stage receiving d loss / d output from the next stage and sending d loss / d input to the previous one.
+Idea (Huang et al. 2019): cut the layers into p stages, one per rank, and the batch into m
+micro-batches.
+Stage k receives micro-batch i's activation (b, s, h) from stage k - 1, runs its layers, sends the
+output on; the last stage computes the loss. When all m forwards are done, the backwards run in the
+same order, each stage receiving d loss / d output from the next stage and sending d loss / d input
+to the previous one.
 Every stage keeps the activations of all m micro-batches until their backward: memory ∝ m.
-Formula: the idle share of a step (the bubble) is (p - 1) / (m + p - 1): the pipeline fills and drains once.
-The gradients add up over the micro-batches in order 0..m-1 on every stage: bitwise one process doing the same.
+Formula: the idle share of a step (the bubble) is (p - 1) / (m + p - 1): the pipeline fills and
+drains once.
+The gradients add up over the micro-batches in order 0..m-1 on every stage: bitwise one process
+doing the same.
 Run:  python lessons/minimal/pp_afab.py
 """
+
 import torch
 
 from nanomega import dist, worlds
@@ -36,7 +41,8 @@ def train(steps=common.STEPS):
                 x.requires_grad_()  # a leaf: its .grad is what backward sends to the previous stage
             y = net(x, targets.chunk(MICRO)[i] if last else None)
             if last:
-                y = y / MICRO  # the loss of micro-batch i, scaled so the m gradients add up to the mean's
+                # the loss of micro-batch i, scaled so the m gradients add up to the mean's
+                y = y / MICRO
                 total += y.detach()
             else:
                 pp.p2p(sends=[(y.detach(), rank + 1)])

@@ -11,6 +11,7 @@ nanomega/ops/guard.py.
 Formula: a job of N ranks, each failing with probability p per hour, survives an hour with (1-p)^N.
 Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
 """
+
 import os
 import re
 import shutil
@@ -19,6 +20,7 @@ import sys
 
 from nanomega import checkpoint, data, flash
 from nanomega.ops import lock
+
 
 def rank():
     return int(os.environ.get("RANK", 0))
@@ -36,7 +38,9 @@ def check_out_dir(out_dir, flag="--out-dir"):
     path = os.path.abspath(out_dir)
     while path != os.path.dirname(path):
         if os.path.exists(path) and not os.path.isdir(path):
-            raise ValueError(f"{flag} {out_dir}: {path} is a file, not a directory; choose another {flag}")
+            raise ValueError(
+                f"{flag} {out_dir}: {path} is a file, not a directory; choose another {flag}"
+            )
         path = os.path.dirname(path)
 
 
@@ -50,8 +54,10 @@ def claim_out_dir(out_dir, data_cache=None):
             lock.lock_out_dir(out_dir)
         except OSError as e:
             # read-only, no permission, no space: the flag and the fix, not a bare OSError
-            raise ValueError(f"--out-dir {out_dir}: cannot write there ({e.strerror}); choose a writable "
-                             f"--out-dir") from None
+            raise ValueError(
+                f"--out-dir {out_dir}: cannot write there ({e.strerror}); choose a writable "
+                f"--out-dir"
+            ) from None
         for path in clean_tmp(out_dir):
             say(f"resume: removed {path} (left by a save that did not finish)")
         for path in clean_prepare(data_cache or os.path.join(out_dir, "data")):
@@ -61,8 +67,12 @@ def claim_out_dir(out_dir, data_cache=None):
 def clean_tmp(out_dir):
     """Remove the `.tmp` files a crash left behind (only while this job holds the out-dir lock).
     Returns them."""
-    found = [os.path.join(d, f) for d, _, files in os.walk(os.path.join(out_dir, "ckpt")) for f in files
-             if f.endswith(".tmp")]
+    found = [
+        os.path.join(d, f)
+        for d, _, files in os.walk(os.path.join(out_dir, "ckpt"))
+        for f in files
+        if f.endswith(".tmp")
+    ]
     for path in found:
         os.remove(path)
     return found
@@ -75,16 +85,34 @@ def clean_prepare(folder):
     # no /proc (not Linux): remove none
     if not os.path.isdir(folder) or not os.path.isdir("/proc/self"):
         return []
-    mine = re.compile(re.escape(data.TMP.format(name="@", host=socket.gethostname(), pid="@")).replace("@", "(.+?)"))
-    gone = [os.path.join(folder, d) for d in os.listdir(folder)
-            if (m := mine.match(d)) and m.group(2).isdigit() and not os.path.exists(f"/proc/{m.group(2)}")]
+    mine = re.compile(
+        re.escape(data.TMP.format(name="@", host=socket.gethostname(), pid="@")).replace(
+            "@", "(.+?)"
+        )
+    )
+    gone = [
+        os.path.join(folder, d)
+        for d in os.listdir(folder)
+        if (m := mine.match(d))
+        and m.group(2).isdigit()
+        and not os.path.exists(f"/proc/{m.group(2)}")
+    ]
     for path in gone:
         shutil.rmtree(path, ignore_errors=True)
     return gone
 
 
-def find_checkpoint(out_dir, cfg, *, resume, resume_from, max_steps, tokenizer=None, allow_tokenizer_change=False,
-                    fast=None):
+def find_checkpoint(
+    out_dir,
+    cfg,
+    *,
+    resume,
+    resume_from,
+    max_steps,
+    tokenizer=None,
+    allow_tokenizer_change=False,
+    fast=None,
+):
     """The next step of the recipe: the checkpoint to resume from (or None), chosen
     before any collective.
 
@@ -99,19 +127,34 @@ def find_checkpoint(out_dir, cfg, *, resume, resume_from, max_steps, tokenizer=N
     the full discovery, here."""
     folder = checkpoint.latest(out_dir)
     if folder and not resume:
-        raise ValueError(f"--out-dir {out_dir} already holds a checkpoint ({folder}); "
-                         f"pass --resume to continue it or choose another --out-dir")
+        raise ValueError(
+            f"--out-dir {out_dir} already holds a checkpoint ({folder}); "
+            f"pass --resume to continue it or choose another --out-dir"
+        )
     if not resume:
         return None
     if fast and folder:
-        found, why = flash.look(out_dir, cfg, *fast) if resume_from is None else (None, "--resume-from")
-        if found and not refusal(found.folder, found.manifest, max_steps, tokenizer, allow_tokenizer_change):
-            found.full = lambda: find_checkpoint(out_dir, cfg, resume=True, resume_from=None, max_steps=max_steps,
-                                                 tokenizer=tokenizer, allow_tokenizer_change=allow_tokenizer_change)
+        found, why = (
+            flash.look(out_dir, cfg, *fast) if resume_from is None else (None, "--resume-from")
+        )
+        if found and not refusal(
+            found.folder, found.manifest, max_steps, tokenizer, allow_tokenizer_change
+        ):
+            found.full = lambda: find_checkpoint(
+                out_dir,
+                cfg,
+                resume=True,
+                resume_from=None,
+                max_steps=max_steps,
+                tokenizer=tokenizer,
+                allow_tokenizer_change=allow_tokenizer_change,
+            )
             return found
         if rank() == fast[2] - 1:  # the last rank, as train.py's log lines
-            print(f"resume: full discovery (every shard verified on disk): {why or 'the newest one is refused'}",
-                  flush=True)
+            print(
+                f"resume: full discovery (every shard verified on disk): {why or 'the newest one is refused'}",
+                flush=True,
+            )
     folder, skipped = checkpoint.find_resume(out_dir, cfg, resume_from)
     for reason in skipped:
         say(f"resume: skipped {reason}")
@@ -123,7 +166,9 @@ def find_checkpoint(out_dir, cfg, *, resume, resume_from, max_steps, tokenizer=N
         raise ValueError(problem)
     if resume_from is not None and rank() == 0:
         for moved in checkpoint.set_aside_newer(out_dir, manifest["step"]):
-            say(f"resume: moved {moved} (newer than step {manifest['step']}) to {out_dir}/ckpt/abandoned/")
+            say(
+                f"resume: moved {moved} (newer than step {manifest['step']}) to {out_dir}/ckpt/abandoned/"
+            )
     return folder
 
 
@@ -132,12 +177,16 @@ def refusal(folder, manifest, max_steps, tokenizer, allow_tokenizer_change):
     train), or None."""
     step, saved = manifest["step"], manifest["layout"].get("tokenizer_sha256")
     if tokenizer and saved and saved != tokenizer[1] and not allow_tokenizer_change:
-        return (f"--resume: the checkpoint in {folder} was trained with --tokenizer "
-                f"{manifest['layout'].get('tokenizer')}, not this --tokenizer {tokenizer[0]} (another "
-                f"token table); pass that one, or --allow-tokenizer-change to fine-tune with this one")
+        return (
+            f"--resume: the checkpoint in {folder} was trained with --tokenizer "
+            f"{manifest['layout'].get('tokenizer')}, not this --tokenizer {tokenizer[0]} (another "
+            f"token table); pass that one, or --allow-tokenizer-change to fine-tune with this one"
+        )
     if step >= max_steps:
-        return (f"--max-steps {max_steps} is at or below the checkpoint's step {step} ({folder}); "
-                f"raise --max-steps to train on")
+        return (
+            f"--max-steps {max_steps} is at or below the checkpoint's step {step} ({folder}); "
+            f"raise --max-steps to train on"
+        )
     return None
 
 
@@ -154,13 +203,22 @@ def settle(found, cfg, grid, engine, log):
         for reason in found.skipped:
             say(f"resume: skipped {reason}")
         if log:
-            print(f"resume: {name} verified by each rank from its shared-memory copy (" +
-                  (f"{peers} rank(s) also read a peer's shard from storage)" if peers else
-                   "no shard read from storage)"), flush=True)
+            print(
+                f"resume: {name} verified by each rank from its shared-memory copy ("
+                + (
+                    f"{peers} rank(s) also read a peer's shard from storage)"
+                    if peers
+                    else "no shard read from storage)"
+                ),
+                flush=True,
+            )
         return found.folder
     if log:
-        print(f"resume: full discovery (every shard verified on disk): {grid.world - verified} of {grid.world} "
-              f"ranks could not verify their shard of {name} from shared memory", flush=True)
+        print(
+            f"resume: full discovery (every shard verified on disk): {grid.world - verified} of {grid.world} "
+            f"ranks could not verify their shard of {name} from shared memory",
+            flush=True,
+        )
     return found.full()
 
 

@@ -1,10 +1,13 @@
-"""train.py's flags as one frozen Config: each flag declared once, with its help and its range beside it.
+"""train.py's flags as one frozen Config: each flag declared once, with its help and its range
+beside it.
 
-Idea: a field of Config is a flag. Its declaration says everything about it: its section (one group of
-`--help`), default, help, range (ops/ranges.py) and whether the model's shape (model.GPTConfig) takes it.
-The parser, the range table and `model_config` are generated from the declarations. `parse` reads the
-command line once (frozen: no module rewrites a flag later); ops/checks.py refuses a bad Config before
-any collective and fills in the derived values (dp = world / (tp x pp x cp), the vocabulary, ...).
+Idea: a field of Config is a flag. Its declaration says everything about it: its section (one group
+of `--help`), default, help, range (ops/ranges.py) and whether the model's shape (model.GPTConfig)
+takes it.
+The parser, the range table and `model_config` are generated from the declarations. `parse` reads
+the command line once (frozen: no module rewrites a flag later); ops/checks.py refuses a bad Config
+before any collective and fills in the derived values (dp = world / (tp x pp x cp), the vocabulary,
+...).
 Lesson: lessons/09-3d-parallelism.md
 """
 
@@ -24,9 +27,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 class Section:
     """A group of flags (one group in `--help`); calling it declares one flag: a field of Config.
 
-    default: the flag's default (a function: called when the parser is built); help: its `--help` line;
-    rule: its range (ranges.py: (ok(v, config), what it must be)); model: model.GPTConfig takes it;
-    names: its option strings (default: --field-name); argparse: add_argument's other keywords.
+    default: the flag's default (a function: called when the parser is built); help: its `--help`
+    line; rule: its range (ranges.py: (ok(v, config), what it must be)); model: model.GPTConfig
+    takes it; names: its option strings (default: --field-name); argparse: add_argument's other
+    keywords.
     """
 
     def __init__(self, title):

@@ -8,6 +8,7 @@ vote: hangs (Watchdog), NaN/inf and divergence (Skips), loss spikes (Spikes), an
 inject (--inject-fault, inject_fault, poisoned). The job's half: nanomega/ops/faults.py.
 Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
 """
+
 import contextlib
 import faulthandler
 import math
@@ -38,7 +39,13 @@ class Guard:
     beats), guard.paused() around an evaluation. Built after resume: the watchdog starts here."""
 
     def __init__(self, grid, spikes, *, on_nan, max_skipped, hang_timeout, out_dir, fault=None):
-        self.grid, self.spikes, self.on_nan, self.fault, self.injected = grid, spikes, on_nan, fault, None
+        self.grid, self.spikes, self.on_nan, self.fault, self.injected = (
+            grid,
+            spikes,
+            on_nan,
+            fault,
+            None,
+        )
         self.skips, self.watchdog = Skips(max_skipped), Watchdog(grid, hang_timeout, out_dir)
         # (step, grad norm, this rank's count of non-finite masters or None)
         self.nonfinite = (0, 0.0, None)
@@ -50,8 +57,11 @@ class Guard:
     @contextlib.contextmanager
     def forward_backward(self, model, step, data_step):
         self.watchdog.beat(step, "start")
-        self.injected = inject_fault(self.fault, rank=self.grid.rank, data_step=data_step, step=step)
-        with poisoned(model) if self.injected == "nan" else contextlib.nullcontext():  # this rank's loss: NaN
+        self.injected = inject_fault(
+            self.fault, rank=self.grid.rank, data_step=data_step, step=step
+        )
+        # this rank's loss: NaN
+        with poisoned(model) if self.injected == "nan" else contextlib.nullcontext():
             yield
         self.watchdog.beat(step, "backward done")
 
@@ -75,8 +85,10 @@ class Guard:
         if not info.get("finite", True):
             self.weights_voted(True)
         if self.on_nan == "stop" and not (info["stepped"] and math.isfinite(loss)):
-            raise FloatingPointError(f"step {step}: loss {loss} / grad norm {info['grad_norm']} not finite; "
-                                     f"stopping (--on-nan stop); the last checkpoint is untouched")
+            raise FloatingPointError(
+                f"step {step}: loss {loss} / grad norm {info['grad_norm']} not finite; "
+                f"stopping (--on-nan stop); the last checkpoint is untouched"
+            )
 
     def vote(self):
         """This step's count of non-finite masters for the step-boundary vote (Saves.at_step_end): 0
@@ -87,9 +99,11 @@ class Guard:
         """The vote found non-finite weights on some rank: stop, before any save."""
         if broken:
             step, norm, _ = self.nonfinite
-            raise FloatingPointError(f"step {step}: the update made the weights non-finite (grad norm {norm:.3g} "
-                                     f"was finite); stopped before saving, the last checkpoint is untouched: lower "
-                                     f"--lr or --weight-decay and --resume")
+            raise FloatingPointError(
+                f"step {step}: the update made the weights non-finite (grad norm {norm:.3g} "
+                f"was finite); stopped before saving, the last checkpoint is untouched: lower "
+                f"--lr or --weight-decay and --resume"
+            )
 
     def count(self, stepped, step):
         self.skips.update(stepped, step)
@@ -113,6 +127,7 @@ class Beating:
     """The shard's file as torch.save sees it: every write (one per record: a header, a whole
     tensor) is a beat, and a tensor's bytes go out in CHUNK pieces, a beat each: one parameter of 10
     GB written at 100 MB/s takes longer than a --hang-timeout."""
+
     CHUNK = 64 << 20
 
     def __init__(self, f, tick, freeze=False):
@@ -124,7 +139,7 @@ class Beating:
         data = memoryview(data).cast("B")  # torch.save hands memoryviews; count bytes
         for i in range(0, len(data), self.CHUNK):
             self.tick()
-            self.f.write(data[i:i + self.CHUNK])
+            self.f.write(data[i : i + self.CHUNK])
         return len(data)
 
     def flush(self):
@@ -141,9 +156,11 @@ class Skips:
     def update(self, stepped, step):
         self.run = 0 if stepped else self.run + 1
         if self.limit and self.run >= self.limit:
-            raise FloatingPointError(f"step {step}: {self.run} consecutive steps skipped (non-finite loss or "
-                                     f"gradients; --max-skipped {self.limit}); the run diverged: lower --lr or "
-                                     f"resume from an earlier checkpoint (--resume-from)")
+            raise FloatingPointError(
+                f"step {step}: {self.run} consecutive steps skipped (non-finite loss or "
+                f"gradients; --max-skipped {self.limit}); the run diverged: lower --lr or "
+                f"resume from an earlier checkpoint (--resume-from)"
+            )
 
     def may_save(self):
         return self.run == 0
@@ -170,8 +187,10 @@ class Spikes:
     def rolled_back(self, to_step, spike_step):
         self.windows.append((to_step + 1, spike_step))
         self.lr_scale *= self.factor
-        faults.say(f"step {spike_step}: loss spike; rolled back to step {to_step}, the data of steps {to_step + 1}-"
-            f"{spike_step} skipped, lr x {self.lr_scale:g}")
+        faults.say(
+            f"step {spike_step}: loss spike; rolled back to step {to_step}, the data of steps {to_step + 1}-"
+            f"{spike_step} skipped, lr x {self.lr_scale:g}"
+        )
 
     def state_dict(self):
         return dict(lr_scale=self.lr_scale, windows=list(self.windows))
@@ -189,7 +208,9 @@ def parse_fault(text):
     """--inject-fault KIND:RANK:STEP as (kind, rank, step)."""
     kind, *where = text.split(":")
     if kind not in FAULTS or len(where) != 2 or not all(w.isdigit() for w in where):
-        raise ValueError(f"--inject-fault {text!r}: expected KIND:RANK:STEP, KIND one of {', '.join(FAULTS)}")
+        raise ValueError(
+            f"--inject-fault {text!r}: expected KIND:RANK:STEP, KIND one of {', '.join(FAULTS)}"
+        )
     return kind, int(where[0]), int(where[1])
 
 
@@ -243,7 +264,8 @@ class Watchdog:
     def __init__(self, grid, timeout, out_dir):
         self.timeout, self.grid, self.out_dir = timeout, grid, out_dir
         self.store = dist.store()  # reachable when collectives are not
-        self.last, self.where, self.stopped = float("inf"), (0, 0), threading.Event()  # unarmed: see above
+        # unarmed: see above
+        self.last, self.where, self.stopped = float("inf"), (0, 0), threading.Event()
         # a save: when this rank last told the store, the job's count
         self.in_save, self.told, self.writes = False, 0.0, None
         if self.timeout:
@@ -253,7 +275,10 @@ class Watchdog:
     def beat(self, step, phase):
         # armed, or a backward was done before this beat
         armed = self.last != float("inf") or self.where[1] == 1
-        self.last, self.where = time.monotonic() if armed else float("inf"), (step, self.PHASES.index(phase))
+        self.last, self.where = (
+            time.monotonic() if armed else float("inf"),
+            (step, self.PHASES.index(phase)),
+        )
         if self.timeout:
             self.store.set(f"hang/progress/{self.grid.rank}", f"{step} {self.where[1]}")
 
@@ -309,22 +334,30 @@ class Watchdog:
         folder = os.path.join(self.out_dir, "hang")
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, f"rank_{rank}.txt"), "w") as f:
-            f.write(f"rank {rank}: no progress for {self.timeout:g} s at step {self.where[0]} "
-                    f"({self.PHASES[self.where[1]]}); Python stacks:\n")
+            f.write(
+                f"rank {rank}: no progress for {self.timeout:g} s at step {self.where[0]} "
+                f"({self.PHASES[self.where[1]]}); Python stacks:\n"
+            )
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
         self.store.set(f"hang/alive/{rank}", "1")
         time.sleep(max(2.0, 0.25 * self.timeout))  # let the other live ranks' watchdogs check in
         alive = [r for r in range(world) if self.store.check([f"hang/alive/{r}"])]
         if rank == min(alive):
-            progress = {r: tuple(int(x) for x in self.store.get(f"hang/progress/{r}").split())
-                        if self.store.check([f"hang/progress/{r}"]) else (0, -1) for r in range(world)}
+            progress = {
+                r: tuple(int(x) for x in self.store.get(f"hang/progress/{r}").split())
+                if self.store.check([f"hang/progress/{r}"])
+                else (0, -1)
+                for r in range(world)
+            }
             furthest = max(progress.values())
             silent = [r for r in range(world) if r not in alive]
             behind = [r for r in alive if progress[r] < furthest]
-            line = (f"hang: no progress for {self.timeout:g} s (--hang-timeout); furthest: step {furthest[0]} "
-                    f"({self.PHASES[furthest[1]]}); ranks {silent} did not answer (frozen or dead); ranks {behind} "
-                    f"did not reach that point; stacks of the live ranks in {folder}/")
+            line = (
+                f"hang: no progress for {self.timeout:g} s (--hang-timeout); furthest: step {furthest[0]} "
+                f"({self.PHASES[furthest[1]]}); ranks {silent} did not answer (frozen or dead); ranks {behind} "
+                f"did not reach that point; stacks of the live ranks in {folder}/"
+            )
             if not silent and not behind:
                 line += "; every rank reached it: a collective itself stalled"
             with open(os.path.join(folder, "report.txt"), "w") as f:

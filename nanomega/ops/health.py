@@ -12,6 +12,7 @@ on the last rank, and a non-zero exit naming the bad rank or host.
 Formula: bus bandwidth = 2(n-1)/n x bytes / seconds (the ring's traffic).
 Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
 """
+
 import argparse
 import socket
 import statistics
@@ -48,7 +49,7 @@ def matmul_rate(slow=False, device=torch.device("cpu")):
             time.sleep(3 * dt)
             dt *= 4
         best = min(best, dt)
-    return 2 * N ** 3 / best
+    return 2 * N**3 / best
 
 
 def known_checksum(device=torch.device("cpu")):
@@ -107,6 +108,7 @@ def pair_timer(grid, leaders, slow_rank=None):
     """pair_time(a, b) for find_bad_hosts: all-reduce seconds between two hosts' first ranks (best
     of REPS), shared with every rank by a world all-reduce (grid.all). Every rank calls it
     (grid.axis is collective)."""
+
     def pair_time(a, b):
         ranks = sorted({leaders[a], leaders[b]})
         pair = grid.axis("pair", ranks)  # None on the ranks outside the pair
@@ -124,6 +126,7 @@ def pair_timer(grid, leaders, slow_rank=None):
             t[0] = best if pair.rank == 0 else 0.0
         grid.all.all_reduce(t)
         return float(t)
+
     return pair_time
 
 
@@ -131,30 +134,51 @@ def check(grid, slow_rank=None, slow_factor=0.5, ranks_as_hosts=False):
     """Every rank: measure, gather, judge. Returns (table lines, [problems]) -- the
     same on every rank."""
     host = f"rank{grid.rank}" if ranks_as_hosts else socket.gethostname()
-    mine = dict(host=host, rate=matmul_rate(grid.rank == slow_rank, grid.device), sum=known_checksum(grid.device))
+    mine = dict(
+        host=host,
+        rate=matmul_rate(grid.rank == slow_rank, grid.device),
+        sum=known_checksum(grid.device),
+    )
     everyone = grid.all.all_gather_object(mine)
     links = {a.name: bus_bandwidth(a, grid.device) for a in (grid.tp, grid.pp, grid.dp)}
     median = statistics.median(r["rate"] for r in everyone)
     expect = statistics.mode(r["sum"] for r in everyone)
-    problems, lines = [], [f"{'rank':>4} {'host':<16} {'GFLOP/s':>8} {'vs median':>9} {'checksum':>9}"]
+    problems, lines = (
+        [],
+        [f"{'rank':>4} {'host':<16} {'GFLOP/s':>8} {'vs median':>9} {'checksum':>9}"],
+    )
     for r, e in enumerate(everyone):
         slow, wrong = e["rate"] < slow_factor * median, e["sum"] != expect
-        lines.append(f"{r:>4} {e['host'][:16]:<16} {e['rate'] / 1e9:8.2f} {e['rate'] / median:9.2f} "
-                     f"{'ok' if not wrong else 'WRONG':>9}" + ("  SLOW" if slow else ""))
+        lines.append(
+            f"{r:>4} {e['host'][:16]:<16} {e['rate'] / 1e9:8.2f} {e['rate'] / median:9.2f} "
+            f"{'ok' if not wrong else 'WRONG':>9}" + ("  SLOW" if slow else "")
+        )
         if slow:
-            problems.append(f"rank {r} ({e['host']}) computes at {e['rate'] / median:.2f}x the median")
+            problems.append(
+                f"rank {r} ({e['host']}) computes at {e['rate'] / median:.2f}x the median"
+            )
         if wrong:
             problems.append(f"rank {r} ({e['host']}) got a wrong result for a known computation")
     for name, bw in links.items():
-        lines.append(f"all-reduce on {name}: " + (f"{bw / 1e9:.2f} GB/s bus bandwidth (this rank's group)"
-                                                  if bw else "one rank, nothing to measure"))
+        lines.append(
+            f"all-reduce on {name}: "
+            + (
+                f"{bw / 1e9:.2f} GB/s bus bandwidth (this rank's group)"
+                if bw
+                else "one rank, nothing to measure"
+            )
+        )
     leaders = {}
     for r, e in enumerate(everyone):
         leaders.setdefault(e["host"], r)
     bad, times = find_bad_hosts(sorted(leaders), pair_timer(grid, leaders, slow_rank))
-    lines += [f"host pair {a} - {b}: {BYTES / t / 1e9:.2f} GB/s all-reduce" for (a, b), t in times.items()]
-    lines.append(f"hosts: {len(leaders)}" + ("; one pair: a slow link cannot be pinned on either host"
-                                             if len(leaders) == 2 else ""))
+    lines += [
+        f"host pair {a} - {b}: {BYTES / t / 1e9:.2f} GB/s all-reduce" for (a, b), t in times.items()
+    ]
+    lines.append(
+        f"hosts: {len(leaders)}"
+        + ("; one pair: a slow link cannot be pinned on either host" if len(leaders) == 2 else "")
+    )
     problems += [f"host {h} is slow in two host pairings" for h in bad]
     return lines, problems
 
@@ -166,14 +190,22 @@ def gate(grid, slow_rank=None):
     if grid.rank == grid.world - 1:
         print("\n".join(lines), flush=True)
     if problems:
-        raise ValueError(f"--health-check: {'; '.join(problems)}; exclude that host or replace the device")
+        raise ValueError(
+            f"--health-check: {'; '.join(problems)}; exclude that host or replace the device"
+        )
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Check every rank's compute, correctness and links.")
-    p.add_argument("--slow-rank", type=int, default=None, help="testing: make this rank's matmul 4x slower")
-    p.add_argument("--slow-factor", type=float, default=0.5, help="flag ranks below this x the median rate")
-    p.add_argument("--ranks-as-hosts", action="store_true", help="testing: treat every rank as its own host")
+    p.add_argument(
+        "--slow-rank", type=int, default=None, help="testing: make this rank's matmul 4x slower"
+    )
+    p.add_argument(
+        "--slow-factor", type=float, default=0.5, help="flag ranks below this x the median rate"
+    )
+    p.add_argument(
+        "--ranks-as-hosts", action="store_true", help="testing: treat every rank as its own host"
+    )
     args = p.parse_args(argv)
     dist.init("cpu")
     grid = dist.Grid(tdist.get_world_size(), 1, 1)

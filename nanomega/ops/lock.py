@@ -7,6 +7,7 @@ descriptor while the agent lives, and the restarted rank 0 of the same job (the 
 the lock.
 Lesson: lessons/10-checkpoints-and-failures.md
 """
+
 import fcntl
 import os
 import re
@@ -44,7 +45,9 @@ def torchrun_job():
 
 def restart_follows():
     """Whether torchrun will restart the workers after this one fails (restarts left)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) < int(
+        os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)
+    )
 
 
 def _holder_of(text):
@@ -77,7 +80,11 @@ def lock_out_dir(out_dir):
     if key in _LOCKS:
         return _LOCKS[key][0]
     os.makedirs(out_dir, exist_ok=True)
-    f, job, deadline = open(os.path.join(out_dir, ".lock"), "a+"), torchrun_job(), time.monotonic() + DYING_WAIT
+    f, job, deadline = (
+        open(os.path.join(out_dir, ".lock"), "a+"),
+        torchrun_job(),
+        time.monotonic() + DYING_WAIT,
+    )
     while True:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -94,16 +101,26 @@ def lock_out_dir(out_dir):
                 time.sleep(0.05)  # its holder sees the agent gone within HOLDER_POLL and lets go
                 continue
             f.close()
-            raise ValueError(f"--out-dir {out_dir} is in use by another job ({text or 'another process'} holds "
-                             f"{out_dir}/.lock); wait for it to end or choose another --out-dir") from None
+            raise ValueError(
+                f"--out-dir {out_dir} is in use by another job ({text or 'another process'} holds "
+                f"{out_dir}/.lock); wait for it to end or choose another --out-dir"
+            ) from None
     holder = None
     if job:  # the holder shares this descriptor (pass_fds), so the lock outlives this process
-        holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(job[2])], pass_fds=(f.fileno(),),
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  start_new_session=True)
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, str(job[2])],
+            pass_fds=(f.fileno(),),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     f.truncate(0)
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}" +
-            (f"; torchrun job {job[0]} agent {job[2]} holder {holder.pid}" if job else "") + "\n")
+    f.write(
+        f"pid {os.getpid()} on {socket.gethostname()}"
+        + (f"; torchrun job {job[0]} agent {job[2]} holder {holder.pid}" if job else "")
+        + "\n"
+    )
     f.flush()
     _LOCKS[key] = (f, holder)
     return f

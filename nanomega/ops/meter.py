@@ -9,6 +9,7 @@ Formula: MFU = model FLOPs per token x tokens per second / (devices x peak FLOP/
          (MFU above 1 is impossible: the peak is wrong, and the trainer says so once)
 Lesson: lessons/01-dense-model.md
 """
+
 import json
 import math
 import os
@@ -83,7 +84,7 @@ def measure_matmul(device, dtype, seconds=1.0, n=None):
         sync()
         best = min(best, time.perf_counter() - t0)
         reps += 1
-    return 2 * n ** 3 / best, reps
+    return 2 * n**3 / best, reps
 
 
 def peak_flops(device, dtype, tf32=True, override=None):
@@ -92,7 +93,9 @@ def peak_flops(device, dtype, tf32=True, override=None):
     device = torch.device(device)
     if override:
         return float(override), "--peak-flops"
-    name = dtype_name(dtype) + ("/tf32" if dtype == torch.float32 and tf32 and device.type == "cuda" else "")
+    name = dtype_name(dtype) + (
+        "/tf32" if dtype == torch.float32 and tf32 and device.type == "cuda" else ""
+    )
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device)
         peak = datasheet_peak(gpu, dtype, tf32)
@@ -108,13 +111,18 @@ def emulation_warning(device, dtype, seconds=0.25):
     if device.type != "cpu" or dtype == torch.float32:
         return None
     n = 512  # small: a clear ratio in 2 x `seconds`, even where 16 bits is 14x slower
-    slow, fast = measure_matmul(device, dtype, seconds, n)[0], measure_matmul(device, torch.float32, seconds, n)[0]
+    slow, fast = (
+        measure_matmul(device, dtype, seconds, n)[0],
+        measure_matmul(device, torch.float32, seconds, n)[0],
+    )
     if slow >= EMULATED * fast:
         return None
     name = dtype_name(dtype)
-    return (f"warning: --dtype {name} matmuls run at {slow / fast:.2f}x fp32's rate on this CPU "
-            f"({slow / 1e9:.0f} vs {fast / 1e9:.0f} GFLOP/s measured): it emulates {name}; use --dtype fp32 "
-            f"here, {name} on a GPU or an AMX CPU")
+    return (
+        f"warning: --dtype {name} matmuls run at {slow / fast:.2f}x fp32's rate on this CPU "
+        f"({slow / 1e9:.0f} vs {fast / 1e9:.0f} GFLOP/s measured): it emulates {name}; use --dtype fp32 "
+        f"here, {name} on a GPU or an AMX CPU"
+    )
 
 
 def mfu(flops_per_token, tokens_per_s, devices, peak):
@@ -161,14 +169,27 @@ def open_log(config, cfg, grid, step, *, n_params, log):
         if warning:
             print(warning, file=sys.stderr)
         if config.tp > 1:
-            print(f"vocab padded from {cfg.vocab_size} to {cfg.padded_vocab_size} (a multiple of 128 x tp)")
-        print(f"{grid}\nmodel: {n_params / 1e6:.2f}M parameters, {model_flops_per_token(cfg) / 1e6:.1f} "
-              f"MFLOP/token; global batch {config.global_batch} x {config.block_size} tokens; attention "
-              f"{config.attention}; peak {peak / 1e9:,.0f} GFLOP/s per rank ({source})")
+            print(
+                f"vocab padded from {cfg.vocab_size} to {cfg.padded_vocab_size} (a multiple of 128 x tp)"
+            )
+        print(
+            f"{grid}\nmodel: {n_params / 1e6:.2f}M parameters, {model_flops_per_token(cfg) / 1e6:.1f} "
+            f"MFLOP/token; global batch {config.global_batch} x {config.block_size} tokens; attention "
+            f"{config.attention}; peak {peak / 1e9:,.0f} GFLOP/s per rank ({source})"
+        )
         os.makedirs(config.out_dir, exist_ok=True)
-    return MetricsLog(config.out_dir, step, enabled=log, device=grid.device, world=grid.world,
-                      flops_per_token=model_flops_per_token(cfg), peak=peak, source=source,
-                      tokens_per_step=config.global_batch * config.block_size, log_every=config.log_every)
+    return MetricsLog(
+        config.out_dir,
+        step,
+        enabled=log,
+        device=grid.device,
+        world=grid.world,
+        flops_per_token=model_flops_per_token(cfg),
+        peak=peak,
+        source=source,
+        tokens_per_step=config.global_batch * config.block_size,
+        log_every=config.log_every,
+    )
 
 
 class MetricsLog:
@@ -177,10 +198,31 @@ class MetricsLog:
     the step a run starts from (written before a crash, or before a rollback) are removed so that
     they are redone, not doubled."""
 
-    def __init__(self, out_dir, step, *, enabled, device, flops_per_token, tokens_per_step, world, peak, source,
-                 log_every):
-        self.out_dir, self.enabled, self.device, self.log_every = out_dir, enabled, device, log_every
-        self.flops_per_token, self.tokens_per_step, self.world = flops_per_token, tokens_per_step, world
+    def __init__(
+        self,
+        out_dir,
+        step,
+        *,
+        enabled,
+        device,
+        flops_per_token,
+        tokens_per_step,
+        world,
+        peak,
+        source,
+        log_every,
+    ):
+        self.out_dir, self.enabled, self.device, self.log_every = (
+            out_dir,
+            enabled,
+            device,
+            log_every,
+        )
+        self.flops_per_token, self.tokens_per_step, self.world = (
+            flops_per_token,
+            tokens_per_step,
+            world,
+        )
         self.peak, self.source, self.mfu_warned, self.file = peak, source, False, None
         reset_peak_memory(device)
         self.reopen(step)
@@ -207,31 +249,56 @@ class MetricsLog:
         """A training step's row: throughput, MFU, this interval's peak memory, tokens
         seen (plot's x axis)."""
         tok_s = self.tokens_per_step / seconds
-        return dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm, skipped=skipped, tok_s=tok_s,
-                    mfu=mfu(self.flops_per_token, tok_s, self.world, self.peak), peak_flops=self.peak,
-                    mem_gib=peak_memory_gib(self.device), tokens=step * self.tokens_per_step)
+        return dict(
+            step=step,
+            loss=loss,
+            lr=lr,
+            grad_norm=grad_norm,
+            skipped=skipped,
+            tok_s=tok_s,
+            mfu=mfu(self.flops_per_token, tok_s, self.world, self.peak),
+            peak_flops=self.peak,
+            mem_gib=peak_memory_gib(self.device),
+            tokens=step * self.tokens_per_step,
+        )
 
     def log_validation(self, val):
         """Step 0's validation loss: where the curve starts (~ ln V)."""
         if self.enabled:
             print(f"step     0 val {val:.4f}", flush=True)
-            self.write(dict(step=0, val_loss=val, mfu=0.0, peak_flops=self.peak, mem_gib=peak_memory_gib(self.device)))
+            self.write(
+                dict(
+                    step=0,
+                    val_loss=val,
+                    mfu=0.0,
+                    peak_flops=self.peak,
+                    mem_gib=peak_memory_gib(self.device),
+                )
+            )
 
     def log_step(self, rec, *, spike):
         if not self.enabled:
             return
         if rec["mfu"] > 1 and not self.mfu_warned:
             self.mfu_warned = True
-            print(f"warning: MFU {rec['mfu']:.2f} > 1 is impossible: the peak {self.peak / 1e9:,.0f} GFLOP/s "
-                  f"({self.source}) is wrong; pass the device's real peak with --peak-flops", file=sys.stderr)
+            print(
+                f"warning: MFU {rec['mfu']:.2f} > 1 is impossible: the peak {self.peak / 1e9:,.0f} GFLOP/s "
+                f"({self.source}) is wrong; pass the device's real peak with --peak-flops",
+                file=sys.stderr,
+            )
         finite = not rec["skipped"] and math.isfinite(rec["loss"])
         if rec["step"] % self.log_every == 0 or "val_loss" in rec or spike or not finite:
             val = f" val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
-            note = " SKIPPED" + (" (loss spike)" if spike else " (not finite)") if rec["skipped"] else (
-                " LOSS SPIKE" if spike else "")
-            print(f"step {rec['step']:5d} loss {rec['loss']:.4f}{val} lr {rec['lr']:.2e} norm {rec['grad_norm']:.3f} "
-                  f"{rec['tok_s']:,.0f} tok/s mfu {100 * rec['mfu']:.1f}% mem {rec['mem_gib']:.2f} GiB{note}",
-                  flush=True)
+            note = (
+                " SKIPPED" + (" (loss spike)" if spike else " (not finite)")
+                if rec["skipped"]
+                else (" LOSS SPIKE" if spike else "")
+            )
+            print(
+                f"step {rec['step']:5d} loss {rec['loss']:.4f}{val} lr {rec['lr']:.2e} norm {rec['grad_norm']:.3f} "
+                f"{rec['tok_s']:,.0f} tok/s mfu {100 * rec['mfu']:.1f}% mem {rec['mem_gib']:.2f} GiB{note}",
+                flush=True,
+            )
             reset_peak_memory(self.device)  # the next line reports its own interval's peak
         self.write(rec)
 

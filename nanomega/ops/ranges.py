@@ -1,9 +1,10 @@
 """The range of every numeric flag, and the check that a value is finite and inside it.
 
-Idea: a rule is a pair (whether value v is allowed under Config c, what it must be). Each flag declares
-its rule beside its help (ops/flags.py); `check` walks that table first thing in checks.check. A float must
-be finite before it is compared at all (NaN fails every comparison), a flag whose default is None (off, or
-automatic) may be None, and a bad value is one line naming the flag, the value and its default as the fix.
+Idea: a rule is a pair (whether value v is allowed under Config c, what it must be). Each flag
+declares its rule beside its help (ops/flags.py); `check` walks that table first thing in
+checks.check. A float must be finite before it is compared at all (NaN fails every comparison), a
+flag whose default is None (off, or automatic) may be None, and a bad value is one line naming the
+flag, the value and its default as the fix.
 Lesson: lessons/12-when-training-breaks.md
 """
 
@@ -24,8 +25,8 @@ def above(lo, note=""):
 
 
 def check(config, rules, defaults):
-    """Raise one line for the first flag of rules ({name: rule}) outside its range; defaults(name): its
-    default."""
+    """Raise one line for the first flag of rules ({name: rule}) outside its range; defaults(name):
+    its default."""
     for name, (ok, text) in rules.items():
         value, default = getattr(config, name), defaults(name)
         if value is None and default is None:

@@ -7,6 +7,7 @@ never right after a skipped step, and the state holds everything a step depends 
 pieces by name, the data position, the loss scale, the RNG streams, the spike policy's lr scale).
 Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
 """
+
 import time
 
 from nanomega import async_checkpoint, checkpoint, flash, moe, reshard, rng
@@ -17,9 +18,19 @@ def layout(config, tokenizer_sha256):
     """What a checkpoint records of the job's layout (manifest["layout"]): a resume under the same
     one loads each rank's own shard and continues its RNG streams; under another one it reshards
     (reshard.py)."""
-    return dict(dp=config.dp, tp=config.tp, pp=config.pp, ep=config.ep, zero=config.zero, dtype=config.dtype,
-                tokenizer=config.tokenizer, tokenizer_sha256=tokenizer_sha256, virtual_stages=config.virtual_stages,
-                sequence_parallel=config.sequence_parallel, **({"cp": config.cp} if config.cp > 1 else {}))
+    return dict(
+        dp=config.dp,
+        tp=config.tp,
+        pp=config.pp,
+        ep=config.ep,
+        zero=config.zero,
+        dtype=config.dtype,
+        tokenizer=config.tokenizer,
+        tokenizer_sha256=tokenizer_sha256,
+        virtual_stages=config.virtual_stages,
+        sequence_parallel=config.sequence_parallel,
+        **({"cp": config.cp} if config.cp > 1 else {}),
+    )
 
 
 def rank_state(engine, sampler, scaler, step, grid, spikes=None, copy=True):
@@ -28,9 +39,15 @@ def rank_state(engine, sampler, scaler, step, grid, spikes=None, copy=True):
     and (MoE) every layer's routing bias (a buffer, not a parameter: collective over pp,
     moe.bias_table). copy=False: views of the live tensors, for AsyncSaver, which copies them once
     into its reused buffers."""
-    return dict(universal=reshard.pieces(engine, grid, copy), spikes=spikes and spikes.state_dict(),
-                moe_bias=moe.bias_table(engine.module, grid),
-                sampler=sampler.state_dict(), scaler=scaler.state_dict(), step=step, **rng.save_state(grid.device))
+    return dict(
+        universal=reshard.pieces(engine, grid, copy),
+        spikes=spikes and spikes.state_dict(),
+        moe_bias=moe.bias_table(engine.module, grid),
+        sampler=sampler.state_dict(),
+        scaler=scaler.state_dict(),
+        step=step,
+        **rng.save_state(grid.device),
+    )
 
 
 class Saves:
@@ -39,27 +56,50 @@ class Saves:
     when preempted (a vote: every rank stops at the same step); never right after a skipped step
     (the next finite step saves)."""
 
-    def __init__(self, out_dir, cfg, grid, layout, *, every, every_minutes, max_steps, async_save, keep_last,
-                 resumed_from, copies=None):
+    def __init__(
+        self,
+        out_dir,
+        cfg,
+        grid,
+        layout,
+        *,
+        every,
+        every_minutes,
+        max_steps,
+        async_save,
+        keep_last,
+        resumed_from,
+        copies=None,
+    ):
         self.out_dir, self.cfg, self.grid, self.layout = out_dir, cfg, grid, layout
         self.every, self.every_minutes, self.max_steps = every, every_minutes, max_steps
         self.keep_last, self.resumed_from = keep_last, resumed_from
-        self.copies = copies  # --flash-restore: a flash.Copies; each shard is also copied to shared memory
-        self.keep = copies.keep if copies else None  # by the writer thread (async) or this one, before the manifest
-        self.saver = async_checkpoint.AsyncSaver(out_dir, cfg, grid, layout, self.keep) if async_save else None
+        # --flash-restore: a flash.Copies; each shard is also copied to shared memory
+        self.copies = copies
+        # by the writer thread (async) or this one, before the manifest
+        self.keep = copies.keep if copies else None
+        self.saver = (
+            async_checkpoint.AsyncSaver(out_dir, cfg, grid, layout, self.keep)
+            if async_save
+            else None
+        )
         self.last, self.pending = time.time(), False
 
     def at_step_end(self, step, *, state, may_save, guard):
         """Save if due (state() builds this rank's checkpoint state); True when preempted: the loop
         ends."""
         due = (self.every and step % self.every == 0) or step == self.max_steps
-        late = bool(self.every_minutes) and time.time() - self.last >= 60 * self.every_minutes  # clocks differ
-        busy = self.saver is not None and self.saver.shard is not None and not self.saver.shard.done()
-        # one vote, one host sync: save (any rank's clock says so), stop (a preemption signal), a shard still
-        # being written (the manifest waits), non-finite weights after the update -- every rank must take each
-        # decision alike, or the next step hangs
-        due, preempted, busy, broken = lifecycle.grid_votes(self.grid, due or late, lifecycle.preempt_requested(), busy,
-                                                         guard.vote())
+        # clocks differ
+        late = bool(self.every_minutes) and time.time() - self.last >= 60 * self.every_minutes
+        busy = (
+            self.saver is not None and self.saver.shard is not None and not self.saver.shard.done()
+        )
+        # one vote, one host sync: save (any rank's clock says so), stop (a preemption signal), a
+        # shard still being written (the manifest waits), non-finite weights after the update --
+        # every rank must take each decision alike, or the next step hangs
+        due, preempted, busy, broken = lifecycle.grid_votes(
+            self.grid, due or late, lifecycle.preempt_requested(), busy, guard.vote()
+        )
         guard.weights_voted(broken)  # stops before any save
         if self.saver:  # the manifest of a background save, once every rank has written its shard
             self.saver.poll(lambda _: busy)
@@ -67,13 +107,17 @@ class Saves:
             self.copies.prune()
         if (due or preempted or self.pending) and not may_save:
             if due or preempted:
-                faults.say(f"step {step}: checkpoint not written (the step was skipped); the next finite step saves")
+                faults.say(
+                    f"step {step}: checkpoint not written (the step was skipped); the next finite step saves"
+                )
             self.pending = True
         elif due or preempted or self.pending:
             # async: views, copied once
             self.save(step, state(copy=self.saver is None), guard=guard)
         if preempted:
-            faults.say(f"step {step}: preempted (signal); exiting 0 after the last checkpoint; --resume continues")
+            faults.say(
+                f"step {step}: preempted (signal); exiting 0 after the last checkpoint; --resume continues"
+            )
         return preempted
 
     def save(self, step, state, *, guard):
@@ -84,7 +128,9 @@ class Saves:
             if self.saver:
                 self.saver.start(step, state, wrap)
             else:
-                checkpoint.save(self.out_dir, step, self.cfg, state, self.grid, self.layout, wrap, self.keep)
+                checkpoint.save(
+                    self.out_dir, step, self.cfg, state, self.grid, self.layout, wrap, self.keep
+                )
                 if self.copies:
                     self.copies.prune()
             faults.saved(self.out_dir, self.keep_last, self.resumed_from, self.grid, step)
@@ -103,8 +149,17 @@ class Saves:
         writes its manifest in the background, so before that every rank could see another
         newest checkpoint."""
         self.close(guard, step)
-        return roll_back(self.out_dir, self.cfg, self.grid, self.layout, engine=engine, scaler=scaler,
-                         spikes=spikes, step=step, copies=self.copies)
+        return roll_back(
+            self.out_dir,
+            self.cfg,
+            self.grid,
+            self.layout,
+            engine=engine,
+            scaler=scaler,
+            spikes=spikes,
+            step=step,
+            copies=self.copies,
+        )
 
 
 def restore(folder, cfg, grid, layout, *, engine, scaler, spikes, sampler=None, copies=None):
@@ -133,10 +188,15 @@ def roll_back(out_dir, cfg, grid, layout, *, engine, scaler, spikes, step, copie
     here (after a vote): with --flash-restore the fast discovery's vote (flash.look, flash.agree)
     may spare the full one, and each rank reloads its own shard from its copy."""
     found = flash.look(out_dir, cfg, copies, layout, grid.world)[0] if copies else None
-    fast = copies is not None and flash.agree(found, cfg, grid, engine)[0] == grid.world  # every rank votes
+    # every rank votes
+    fast = copies is not None and flash.agree(found, cfg, grid, engine)[0] == grid.world
     folder = found.folder if fast else checkpoint.find_resume(out_dir, cfg)[0]
     if folder is None:
-        raise FloatingPointError(f"step {step}: loss spike and no checkpoint to roll back to; use --save-every")
-    state = restore(folder, cfg, grid, layout, engine=engine, scaler=scaler, spikes=spikes, copies=copies)
+        raise FloatingPointError(
+            f"step {step}: loss spike and no checkpoint to roll back to; use --save-every"
+        )
+    state = restore(
+        folder, cfg, grid, layout, engine=engine, scaler=scaler, spikes=spikes, copies=copies
+    )
     spikes.rolled_back(state["step"], step)
     return state["step"]

@@ -14,6 +14,7 @@ Formula: tokens/s = workers x one process's encode rate, until reading or writin
          dominates.
 Lesson: lessons/01-dense-model.md
 """
+
 import argparse
 import gzip
 import hashlib
@@ -44,7 +45,9 @@ def _documents(path: Path, text_field: str):
     one document, yielded in pieces of ~UNIT_CHARS cut where chunked encoding equals whole encoding
     (data.SAFE_CUT)."""
     raw = open(path, "rb")
-    with io.TextIOWrapper(gzip.GzipFile(fileobj=raw) if path.name.endswith(".gz") else raw, encoding="utf-8") as f:
+    with io.TextIOWrapper(
+        gzip.GzipFile(fileobj=raw) if path.name.endswith(".gz") else raw, encoding="utf-8"
+    ) as f:
         if path.name.endswith((".jsonl", ".jsonl.gz")):
             for n, line in enumerate(f, 1):
                 if not line.strip():
@@ -54,8 +57,10 @@ def _documents(path: Path, text_field: str):
                     if not isinstance(text, str):
                         raise TypeError
                 except (json.JSONDecodeError, KeyError, TypeError):
-                    raise ValueError(f"{path} line {n} is not a JSON object with a string field "
-                                     f"{text_field!r}; fix the line or pass --text-field") from None
+                    raise ValueError(
+                        f"{path} line {n} is not a JSON object with a string field "
+                        f"{text_field!r}; fix the line or pass --text-field"
+                    ) from None
                 yield text, True, raw.tell()
             return
         rest = ""
@@ -63,8 +68,8 @@ def _documents(path: Path, text_field: str):
             rest += block
             cut = data.SAFE_CUT.search(rest, len(rest) // 2)
             if cut:
-                yield rest[:cut.start()], False, raw.tell()
-                rest = rest[cut.start():]
+                yield rest[: cut.start()], False, raw.tell()
+                rest = rest[cut.start() :]
         yield rest, True, raw.tell()
 
 
@@ -122,7 +127,7 @@ class _ShardWriter:
                 self.f, self.h = open(self.folder / name, "wb"), hashlib.sha256()
                 self.shards.append(dict(file=name, split=self.split, tokens=0, documents=0))
             cur = self.shards[-1]
-            take = ids[:self.limit - cur["tokens"]].astype(self.dtype).tobytes()
+            take = ids[: self.limit - cur["tokens"]].astype(self.dtype).tobytes()
             self.f.write(take)
             self.h.update(take)
             n = len(take) // np.dtype(self.dtype).itemsize
@@ -150,7 +155,10 @@ class _Progress:
         if show:
             try:
                 from tqdm import tqdm
-                self.tqdm = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", smoothing=0.1)
+
+                self.tqdm = tqdm(
+                    total=total, unit="B", unit_scale=True, desc="prepare", smoothing=0.1
+                )
             except ImportError:
                 pass
 
@@ -162,32 +170,52 @@ class _Progress:
         elif self.show and (time.perf_counter() - self.last > 5 or done == self.total):
             self.last = time.perf_counter()
             eta = (self.total - done) / max(done, 1) * (self.last - self.t0)
-            print(f"prepare: {done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB, {tokens:,} tokens, "
-                  f"{rate:,.0f} tok/s, ETA {eta:,.0f} s", flush=True)
+            print(
+                f"prepare: {done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB, {tokens:,} tokens, "
+                f"{rate:,.0f} tok/s, ETA {eta:,.0f} s",
+                flush=True,
+            )
 
     def close(self):
         if self.tqdm is not None:
             self.tqdm.close()
 
 
-def prepare(corpus, tokenizer, out, workers=1, text_field="text", shard_tokens=100_000_000, progress=True):
+def prepare(
+    corpus, tokenizer, out, workers=1, text_field="text", shard_tokens=100_000_000, progress=True
+):
     """Tokenize the corpus into `out` (shards + index.json); returns the index. An existing finished
     `out` for the same files and tokenizer is reused; the shards are built in a temporary folder
     renamed into place."""
     files, out = data.corpus_files(corpus), Path(out)
     enc = data.get_tokenizer(tokenizer)
-    sources = [dict(path=str(p.resolve()), bytes=p.stat().st_size, mtime_ns=p.stat().st_mtime_ns) for p in files]
-    key = dict(format=FORMAT, sources=sources, tokenizer_sha256=data.tokenizer_sha256(enc), text_field=text_field,
-               val_every=VAL_EVERY, shard_tokens=shard_tokens)
+    sources = [
+        dict(path=str(p.resolve()), bytes=p.stat().st_size, mtime_ns=p.stat().st_mtime_ns)
+        for p in files
+    ]
+    key = dict(
+        format=FORMAT,
+        sources=sources,
+        tokenizer_sha256=data.tokenizer_sha256(enc),
+        text_field=text_field,
+        val_every=VAL_EVERY,
+        shard_tokens=shard_tokens,
+    )
     if (out / "index.json").is_file():
         index = data.load_index(out)
         if {k: index.get(k) for k in key} == key:
             return index
-        raise ValueError(f"--out {out} holds data prepared from other files or settings; choose another folder")
+        raise ValueError(
+            f"--out {out} holds data prepared from other files or settings; choose another folder"
+        )
     dtype = np.uint16 if enc.n_vocab <= 1 << 16 else np.uint32
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=data.TMP.format(name=out.name, host=socket.gethostname(), pid=os.getpid()),
-                                dir=out.parent))
+    tmp = Path(
+        tempfile.mkdtemp(
+            prefix=data.TMP.format(name=out.name, host=socket.gethostname(), pid=os.getpid()),
+            dir=out.parent,
+        )
+    )
     writers = {s: _ShardWriter(tmp, s, dtype, shard_tokens) for s in ("train", "val")}
     bar = _Progress(sum(s["bytes"] for s in sources), progress)
     tokens, ctx = 0, multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork")
@@ -212,13 +240,27 @@ def prepare(corpus, tokenizer, out, workers=1, text_field="text", shard_tokens=1
         for w in writers.values():
             w.close()
         shards = writers["train"].shards + writers["val"].shards
-        split = {s: dict(tokens=sum(x["tokens"] for x in shards if x["split"] == s),
-                         documents=sum(x["documents"] for x in shards if x["split"] == s)) for s in ("train", "val")}
+        split = {
+            s: dict(
+                tokens=sum(x["tokens"] for x in shards if x["split"] == s),
+                documents=sum(x["documents"] for x in shards if x["split"] == s),
+            )
+            for s in ("train", "val")
+        }
         if not split["train"]["tokens"] or not split["val"]["tokens"]:
-            raise ValueError(f"--corpus {corpus}: {split['val']['documents'] + split['train']['documents']} "
-                             f"document(s); need at least 2 (document 0 is held out for validation)")
-        index = dict(key, tokenizer=tokenizer, vocab_size=enc.n_vocab, eot=enc.eot_token,
-                     dtype=np.dtype(dtype).name, splits=split, shards=shards)
+            raise ValueError(
+                f"--corpus {corpus}: {split['val']['documents'] + split['train']['documents']} "
+                f"document(s); need at least 2 (document 0 is held out for validation)"
+            )
+        index = dict(
+            key,
+            tokenizer=tokenizer,
+            vocab_size=enc.n_vocab,
+            eot=enc.eot_token,
+            dtype=np.dtype(dtype).name,
+            splits=split,
+            shards=shards,
+        )
         (tmp / "index.json").write_text(json.dumps(index, indent=1) + "\n")
         data.publish(tmp, out, "index.json")
     finally:
@@ -230,18 +272,29 @@ def prepare(corpus, tokenizer, out, workers=1, text_field="text", shard_tokens=1
 def cached(corpus, tokenizer, cache_dir, **kw) -> dict:
     """prepare() into cache_dir/corpus-<hash of the file list and tokenizer> (train.py's --corpus
     path)."""
-    files = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in data.corpus_files(corpus)]
-    key = hashlib.sha256(json.dumps([files, tokenizer, kw.get("text_field")]).encode()).hexdigest()[:12]
+    files = [
+        (str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns)
+        for p in data.corpus_files(corpus)
+    ]
+    key = hashlib.sha256(json.dumps([files, tokenizer, kw.get("text_field")]).encode()).hexdigest()[
+        :12
+    ]
     return prepare(corpus, tokenizer, Path(cache_dir) / f"corpus-{key}-v{FORMAT}", **kw)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Tokenize a corpus into token shards + index.json (streamed, parallel).")
-    p.add_argument("--corpus", required=True, help="a file, a directory or a glob of .txt[.gz] / .jsonl[.gz]")
+    p = argparse.ArgumentParser(
+        description="Tokenize a corpus into token shards + index.json (streamed, parallel)."
+    )
+    p.add_argument(
+        "--corpus", required=True, help="a file, a directory or a glob of .txt[.gz] / .jsonl[.gz]"
+    )
     p.add_argument("--tokenizer", default="shakespeare-4k")
     p.add_argument("--out", required=True)
     p.add_argument("--workers", type=int, default=os.cpu_count())
-    p.add_argument("--text-field", default="text", help="the JSON field holding a document's text (jsonl)")
+    p.add_argument(
+        "--text-field", default="text", help="the JSON field holding a document's text (jsonl)"
+    )
     p.add_argument("--shard-tokens", type=int, default=100_000_000)
     args = p.parse_args(argv)
     if args.workers < 1 or args.shard_tokens < 1:
@@ -249,11 +302,15 @@ def main(argv=None):
     t0 = time.perf_counter()
     for path in faults.clean_prepare(Path(args.out).parent):
         print(f"removed {path} (left by a preparation that was killed)", file=sys.stderr)
-    index = prepare(args.corpus, args.tokenizer, args.out, args.workers, args.text_field, args.shard_tokens)
+    index = prepare(
+        args.corpus, args.tokenizer, args.out, args.workers, args.text_field, args.shard_tokens
+    )
     s = index["splits"]
-    print(f"{args.out}: train {s['train']['tokens']:,} tokens ({s['train']['documents']:,} documents), "
-          f"val {s['val']['tokens']:,} ({s['val']['documents']:,}), {len(index['shards'])} shards, "
-          f"{index['dtype']}, {time.perf_counter() - t0:.1f} s")
+    print(
+        f"{args.out}: train {s['train']['tokens']:,} tokens ({s['train']['documents']:,} documents), "
+        f"val {s['val']['tokens']:,} ({s['val']['documents']:,}), {len(index['shards'])} shards, "
+        f"{index['dtype']}, {time.perf_counter() - t0:.1f} s"
+    )
 
 
 def cli():

@@ -20,10 +20,17 @@ Formulas (one set of constants, TIME, fitted on published runs):
                MFU = tokens x (6N + 12Lhs) / (step x GPUs x datasheet peak); days with the ramp-up
 Lesson: lessons/11-planning-a-run.md
 """
+
 from dataclasses import dataclass
 
-from nanomega.formulas import (activation_bytes_per_layer, layer_params, llama_activation_bytes_per_layer,
-                               llama_layer_params, moe_layer_params, zero_state_bytes)
+from nanomega.formulas import (
+    activation_bytes_per_layer,
+    layer_params,
+    llama_activation_bytes_per_layer,
+    llama_layer_params,
+    moe_layer_params,
+    zero_state_bytes,
+)
 from nanomega.model import SHAPE_KEYS, GPTConfig
 from nanomega.ops.presets import PRESETS
 from nanomega.pp import chunk_layers
@@ -65,7 +72,9 @@ class Model:
 
     def config(self):
         """This shape as a model.GPTConfig: the one home of its derived sizes (kv_heads, ffn)."""
-        return GPTConfig(**{k: getattr(self, "seq_len" if k == "block_size" else k) for k in SHAPE_KEYS})
+        return GPTConfig(
+            **{k: getattr(self, "seq_len" if k == "block_size" else k) for k in SHAPE_KEYS}
+        )
 
     @property
     def kv_heads(self):
@@ -144,7 +153,9 @@ def layers_per_stage(model, pp, v=1, split="trainer"):
     if split == "llama3":
         L = model.n_layer
         slots = [[chunk_layers(L + 2, pp, k, c, v) for c in range(v)] for k in range(pp)]
-        return [sum(len(range(max(r.start, 1), min(r.stop, L + 1))) for r in rank) for rank in slots]
+        return [
+            sum(len(range(max(r.start, 1), min(r.stop, L + 1))) for r in rank) for rank in slots
+        ]
     return [sum(len(chunk_layers(model.n_layer, pp, k, c, v)) for c in range(v)) for k in range(pp)]
 
 
@@ -153,7 +164,9 @@ def block_params(model, tp=1):
     experts (not / ep)."""
     h, f, a, kv = model.n_embd, model.ffn, model.n_head, model.kv_heads
     if model.n_experts:
-        return moe_layer_params(h, f, a, kv, model.n_experts, model.top_k, model.shared_experts, tp)[0]
+        return moe_layer_params(
+            h, f, a, kv, model.n_experts, model.top_k, model.shared_experts, tp
+        )[0]
     return llama_layer_params(h, f, a, kv, tp) if model.llama else layer_params(h, tp)
 
 
@@ -189,7 +202,10 @@ def rank_state_bytes(model, tp, pp, dp, zero, dtype="bf16", v=1, split="trainer"
     """(parameter, gradient, optimizer) bytes held by one GPU of each pipeline stage: what
     zero.ZeroEngine allocates, up to its flat buffers' padding (< dp elements per group) and Adam's
     4-byte step counters (train.py --dry-run builds a rank on meta and prints both)."""
-    return [zero_state_bytes(n, zero, dp, *PRECISIONS[dtype]) for n in stage_params(model, tp, pp, v, split)]
+    return [
+        zero_state_bytes(n, zero, dp, *PRECISIONS[dtype])
+        for n in stage_params(model, tp, pp, v, split)
+    ]
 
 
 def layer_activation_bytes(model, run, tp, recompute=None):
@@ -200,8 +216,22 @@ def layer_activation_bytes(model, run, tp, recompute=None):
     s, b, h, a = model.seq_len, run.micro_batch, model.n_embd, model.n_head
     eb = 4 if run.dtype == "fp32" else 2
     if model.llama:
-        return llama_activation_bytes_per_layer(s, b, h, a, model.kv_heads, model.ffn, tp, run.sp, recompute,
-                                                run.attention, act=eb, norm=eb)
+        return llama_activation_bytes_per_layer(
+            s,
+            b,
+            h,
+            a,
+            model.kv_heads,
+            model.ffn,
+            tp,
+            run.sp,
+            recompute,
+            run.attention,
+            act=eb,
+            norm=eb,
+        )
     if run.attention == "sdpa" and recompute == "none":
-        recompute = "selective"  # FlashAttention keeps q, k, v and the output, as selective recompute does
-    return activation_bytes_per_layer(s, b, h, a, tp, run.sp, recompute) * eb / 2  # the paper counts 2 bytes
+        # FlashAttention keeps q, k, v and the output, as selective recompute does
+        recompute = "selective"
+    # the paper counts 2 bytes
+    return activation_bytes_per_layer(s, b, h, a, tp, run.sp, recompute) * eb / 2

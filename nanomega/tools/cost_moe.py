@@ -18,10 +18,17 @@ Formulas:
                 NIC's bandwidth, the rest over NVLink; (m + (p-1)/v) pipeline slots, no overlap
 Lesson: lessons/14-experts.md
 """
+
 from dataclasses import replace
 
-from nanomega.formulas import (dp_comm_bytes, moe_all_to_all_bytes, moe_balanced_rows, moe_expert_params,
-                               moe_layer_params, zero_state_bytes)
+from nanomega.formulas import (
+    dp_comm_bytes,
+    moe_all_to_all_bytes,
+    moe_balanced_rows,
+    moe_expert_params,
+    moe_layer_params,
+    zero_state_bytes,
+)
 from nanomega.tools import cost, cost_time
 
 
@@ -32,7 +39,9 @@ def params(model):
     total = cost.n_params(model)
     if not model.n_experts:
         return total, total
-    layer, active = moe_layer_params(h, f, a, kv, model.n_experts, model.top_k, model.shared_experts)
+    layer, active = moe_layer_params(
+        h, f, a, kv, model.n_experts, model.top_k, model.shared_experts
+    )
     return total, total - model.n_layer * (layer - active)
 
 
@@ -55,8 +64,13 @@ def rank_state_bytes(model, tp, pp, dp, zero, dtype="bf16", v=1, split="trainer"
         return cost.rank_state_bytes(model, tp, pp, dp, zero, dtype, v, split)
     sizes = cost.PRECISIONS[dtype]
     out = []
-    for n, e in zip(cost.stage_params(model, tp, pp, v, split), expert_stage_params(model, tp, pp, v, split)):
-        dense, experts = zero_state_bytes(n - e, zero, dp, *sizes), zero_state_bytes(e // ep, zero, dp // ep, *sizes)
+    for n, e in zip(
+        cost.stage_params(model, tp, pp, v, split), expert_stage_params(model, tp, pp, v, split)
+    ):
+        dense, experts = (
+            zero_state_bytes(n - e, zero, dp, *sizes),
+            zero_state_bytes(e // ep, zero, dp // ep, *sizes),
+        )
         out.append(tuple(x + y for x, y in zip(dense, experts)))
     return out
 
@@ -64,8 +78,10 @@ def rank_state_bytes(model, tp, pp, dp, zero, dtype="bf16", v=1, split="trainer"
 def expert_state_bytes(model, tp, pp, dp, zero, dtype="bf16", v=1, split="trainer", ep=1):
     """Parameter + gradient + optimizer bytes of the routed experts one GPU of the
     heaviest stage holds."""
-    return max(sum(zero_state_bytes(e // ep, zero, dp // ep, *cost.PRECISIONS[dtype]))
-               for e in expert_stage_params(model, tp, pp, v, split))
+    return max(
+        sum(zero_state_bytes(e // ep, zero, dp // ep, *cost.PRECISIONS[dtype]))
+        for e in expert_stage_params(model, tp, pp, v, split)
+    )
 
 
 def dp_bytes(model, tp, pp, dp, zero, run, ep, m):
@@ -73,9 +89,14 @@ def dp_bytes(model, tp, pp, dp, zero, run, ep, m):
     edp (its experts)."""
     v = run.chunks if run.schedule == "interleaved" and pp > 1 else 1
     pb, gb = cost.PRECISIONS[run.dtype][:2]
-    return max(dp_comm_bytes(n - e, zero, dp, gb, pb, m) + dp_comm_bytes(e // ep, zero, dp // ep, gb, pb, m)
-               for n, e in zip(cost.stage_params(model, tp, pp, v, run.split),
-                               expert_stage_params(model, tp, pp, v, run.split)))
+    return max(
+        dp_comm_bytes(n - e, zero, dp, gb, pb, m)
+        + dp_comm_bytes(e // ep, zero, dp // ep, gb, pb, m)
+        for n, e in zip(
+            cost.stage_params(model, tp, pp, v, run.split),
+            expert_stage_params(model, tp, pp, v, run.split),
+        )
+    )
 
 
 def all_to_all(model, gpu, gpus, tp, pp, run, ep):
@@ -83,8 +104,9 @@ def all_to_all(model, gpu, gpus, tp, pp, run, ep):
     micro-batch's)."""
     v = run.chunks if run.schedule == "interleaved" and pp > 1 else 1
     rows = moe_balanced_rows(run.micro_batch * model.seq_len, model.top_k, ep)
-    per_layer = moe_all_to_all_bytes(rows, rows, model.n_embd, 4 if run.dtype == "fp32" else 2, ep,
-                                     model.n_experts // ep)
+    per_layer = moe_all_to_all_bytes(
+        rows, rows, model.n_embd, 4 if run.dtype == "fp32" else 2, ep, model.n_experts // ep
+    )
     nbytes = max(cost.layers_per_stage(model, pp, v, run.split)) * per_layer
     if ep == 1:
         return nbytes, 0.0
@@ -95,14 +117,20 @@ def all_to_all(model, gpu, gpus, tp, pp, run, ep):
 
 
 def step_seconds(model, gpu, gpus, tp, pp, zero, run, ep=1, time=cost_time.TIME, global_batch=None):
-    """(step seconds, dp bytes, all-to-all bytes, all-to-all seconds) per GPU and step: the stand-in's step, its dp
-    time replaced by the dense part's and the experts', + the all-to-all of every pipeline slot."""
+    """(step seconds, dp bytes, all-to-all bytes, all-to-all seconds) per GPU and step: the
+    stand-in's step, its dp time replaced by the dense part's and the experts', + the all-to-all of
+    every pipeline slot."""
     batch = run.global_batch if global_batch is None else global_batch
     dense, dp = stand_in(model), gpus // (tp * pp)
-    m, v = batch // (dp * run.micro_batch), run.chunks if run.schedule == "interleaved" and pp > 1 else 1
+    m, v = (
+        batch // (dp * run.micro_batch),
+        run.chunks if run.schedule == "interleaved" and pp > 1 else 1,
+    )
     step, _ = cost_time.step_seconds(dense, gpu, gpus, tp, pp, zero, run, time, batch)
     pb, gb = cost.PRECISIONS[run.dtype][:2]
-    charged = dp_comm_bytes(max(cost.stage_params(dense, tp, pp, v, run.split)), zero, dp, gb, pb, m)
+    charged = dp_comm_bytes(
+        max(cost.stage_params(dense, tp, pp, v, run.split)), zero, dp, gb, pb, m
+    )
     dp_b = dp_bytes(model, tp, pp, dp, zero, run, ep, m)
     a2a_b, a2a_s = all_to_all(model, gpu, gpus, tp, pp, run, ep)
     dp_bw = cost_time.links(gpu, gpus, tp, pp)[1]
@@ -118,21 +146,41 @@ def layout_error(model, gpus, tp, pp, zero, run, ep):
     if model.n_experts and (model.n_experts % ep or dp % ep):
         return f"--ep {ep} must divide --n-experts {model.n_experts} and dp {dp} (ep is carved out of dp)"
     if model.n_experts and (zero == 3 or run.offload or (run.sp and tp > 1)):
-        return "experts run with ZeRO 0-2, without offload and without sequence parallelism (--no-sp)"
+        return (
+            "experts run with ZeRO 0-2, without offload and without sequence parallelism (--no-sp)"
+        )
     return None
 
 
 def evaluate(model, gpu, gpus, tp, pp, zero, run, ep=1, time=cost_time.TIME):
-    """cost_time.evaluate with experts: the stand-in's estimate, with the experts' memory, dp bytes and all-to-all."""
+    """cost_time.evaluate with experts: the stand-in's estimate, with the experts' memory, dp bytes
+    and all-to-all."""
     if not model.n_experts:
         return cost_time.evaluate(model, gpu, gpus, tp, pp, zero, run, time)
     est = cost_time.evaluate(stand_in(model), gpu, gpus, tp, pp, zero, run, time)
     v = run.chunks if run.schedule == "interleaved" and pp > 1 else 1
-    params_b, grads_b, optim_b = max(rank_state_bytes(model, tp, pp, est.dp, zero, run.dtype, v, run.split, ep),
-                                     key=sum)
+    params_b, grads_b, optim_b = max(
+        rank_state_bytes(model, tp, pp, est.dp, zero, run.dtype, v, run.split, ep), key=sum
+    )
     step, dp_b, _, _ = step_seconds(model, gpu, gpus, tp, pp, zero, run, ep, time)
-    days = cost_time.train_seconds(lambda b: step_seconds(model, gpu, gpus, tp, pp, zero, run, ep, time, b)[0], run,
-                              model.seq_len) / 86400
+    days = (
+        cost_time.train_seconds(
+            lambda b: step_seconds(model, gpu, gpus, tp, pp, zero, run, ep, time, b)[0],
+            run,
+            model.seq_len,
+        )
+        / 86400
+    )
     fits = params_b + grads_b + optim_b + est.acts <= run.usable * gpu.memory
-    return replace(est, params=params_b, grads=grads_b, optim=optim_b, dp_comm=dp_b, step_s=step,
-                   tflops=est.tflops * est.step_s / step, mfu=est.mfu * est.step_s / step, days=days, fits=fits)
+    return replace(
+        est,
+        params=params_b,
+        grads=grads_b,
+        optim=optim_b,
+        dp_comm=dp_b,
+        step_s=step,
+        tflops=est.tflops * est.step_s / step,
+        mfu=est.mfu * est.step_s / step,
+        days=days,
+        fits=fits,
+    )

@@ -9,65 +9,99 @@ plus the data-parallel bytes over their link (no overlap, as Megatron-LM 2021); 
     MFU   = tokens x (6N + 12Lhs) / (step x GPUs x datasheet peak)
 Lesson: lessons/11-planning-a-run.md
 """
+
 from dataclasses import dataclass
 
-from nanomega.formulas import (dp_comm_bytes, flops_per_token, inflight_microbatches, offload_seconds,
-                               pipeline_bubble, pp_comm_bytes, tp_comm_bytes_per_layer)
-from nanomega.tools.cost import (PRECISIONS, flops_params, layer_activation_bytes, layers_per_stage,
-                                 padded_vocab, rank_state_bytes, stage_params)
+from nanomega.formulas import (
+    dp_comm_bytes,
+    flops_per_token,
+    inflight_microbatches,
+    offload_seconds,
+    pipeline_bubble,
+    pp_comm_bytes,
+    tp_comm_bytes_per_layer,
+)
+from nanomega.tools.cost import (
+    PRECISIONS,
+    flops_params,
+    layer_activation_bytes,
+    layers_per_stage,
+    padded_vocab,
+    rank_state_bytes,
+    stage_params,
+)
 
 
 @dataclass(frozen=True)
 class TimeModel:
-    """The constants of the time model, one set for every run, fitted on the calibration rows of lessons/11_plan.py
-    (Megatron-LM 2021 Table 1 rows 1, 3, 5, 7, 9 and BLOOM) and checked on the others (rows 2, 4, 6, 8, 10).
+    """The constants of the time model, one set for every run, fitted on the calibration rows of
+    lessons/11_plan.py (Megatron-LM 2021 Table 1 rows 1, 3, 5, 7, 9 and BLOOM) and checked on the
+    others (rows 2, 4, 6, 8, 10).
     The bytes are effective: what the memory-bound kernels cost, at the datasheet HBM bandwidth."""
-    matmul: float = 0.67  # fraction of peak a matmul reaches (qkv, proj, fc1, fc2, QK^T, AV, LM head)
-    elem: float = 110.0  # HBM bytes per (b, s, h) element and layer, forward + backward (LayerNorm, dropout, add)
-    score: float = 40.0  # HBM bytes per (b, a, s, s) score element and layer, forward + backward (mask, softmax)
+
+    # fraction of peak a matmul reaches (qkv, proj, fc1, fc2, QK^T, AV, LM head)
+    matmul: float = 0.67
+    # HBM bytes per (b, s, h) element and layer, forward + backward (LayerNorm, dropout, add)
+    elem: float = 110.0
+    # HBM bytes per (b, a, s, s) score element and layer, forward + backward (mask, softmax)
+    score: float = 40.0
 
 
 TIME = TimeModel()
 
 
-# ---- the cluster ------------------------------------------------------------------------------------------
+# ---- the cluster
+# ------------------------------------------------------------------------------------------
 def links(gpu, gpus, tp, pp):
-    """(pp, dp) bandwidths under the trainer's rank order rank = (d*pp + p)*tp + t. A pipeline is tp*pp
-    neighbouring ranks: on NVLink if that fits in a node. A dp group takes one rank per pipeline: inside a node
-    if all tp*pp*dp do, else it leaves through the NICs of its k members per node (a ring through a node
-    enters and leaves it once per member's NIC), k = per_node / (tp*pp) or 1."""
+    """(pp, dp) bandwidths under the trainer's rank order rank = (d*pp + p)*tp + t. A pipeline is
+    tp*pp neighbouring ranks: on NVLink if that fits in a node. A dp group takes one rank per
+    pipeline: inside a node if all tp*pp*dp do, else it leaves through the NICs of its k members per
+    node (a ring through a node enters and leaves it once per member's NIC), k = per_node / (tp*pp)
+    or 1."""
     per_node = min(gpu.per_node, gpus)
     pp_bw = gpu.intra_bw if tp * pp <= per_node else gpu.inter_bw
-    dp_bw = gpu.intra_bw if gpus <= per_node else min(gpu.intra_bw, max(1, per_node // (tp * pp)) * gpu.inter_bw)
+    dp_bw = (
+        gpu.intra_bw
+        if gpus <= per_node
+        else min(gpu.intra_bw, max(1, per_node // (tp * pp)) * gpu.inter_bw)
+    )
     return pp_bw, dp_bw
 
 
-# ---- time ---------------------------------------------------------------------------------------------
+# ---- time
+# ---------------------------------------------------------------------------------------------
 def layer_weights(model, tp=1):
-    """Matmul weights one TP rank multiplies per token in one layer: GPT-2 12h^2/t; Llama (2h^2 + 3hf)/t and
-    its own key/value heads' 2h (h/a) max(1, n_kv/t) (a rank holding k/v whole computes one group only)."""
+    """Matmul weights one TP rank multiplies per token in one layer: GPT-2 12h^2/t; Llama (2h^2 +
+    3hf)/t and its own key/value heads' 2h (h/a) max(1, n_kv/t) (a rank holding k/v whole computes
+    one group only)."""
     h = model.n_embd
     if model.llama:
-        return (2 * h * h + 3 * h * model.ffn) / tp + 2 * h * (h // model.n_head) * max(1, model.kv_heads // tp)
+        return (2 * h * h + 3 * h * model.ffn) / tp + 2 * h * (h // model.n_head) * max(
+            1, model.kv_heads // tp
+        )
     return 12 * h * h / tp
 
 
 def column_inputs(model):
-    """Column-parallel layers that gather (SP) or all-reduce the gradient of (TP) the block's input on their
-    own: GPT-2 qkv and fc; Llama q_proj, kv_proj and gate_up (tp.py splits q and k/v apart)."""
+    """Column-parallel layers that gather (SP) or all-reduce the gradient of (TP) the block's input
+    on their own: GPT-2 qkv and fc; Llama q_proj, kv_proj and gate_up (tp.py splits q and k/v
+    apart)."""
     return 3 if model.llama else 2
 
 
 def layer_seconds(model, gpu, run, tp, time=TIME):
-    """One layer, one micro-batch, forward + backward (+ recompute) on one GPU (the formula in the docstring)."""
+    """One layer, one micro-batch, forward + backward (+ recompute) on one GPU (the formula in the
+    docstring)."""
     b, s, h, a = run.micro_batch, model.seq_len, model.n_embd, model.n_head
     full, attn_again = run.recompute == "full", run.recompute in ("full", "selective")
     flash = run.attention == "sdpa"
     dense = 2 * b * s * layer_weights(model, tp) * (3 + full)  # forward 1, backward 2, recompute 1
-    # QK^T and AV (GQA shares k/v between heads, not the products); FlashAttention's backward reruns QK^T
+    # QK^T and AV (GQA shares k/v between heads, not the products); FlashAttention's backward reruns
+    # QK^T
     attn = 4 * b * s * s * h / tp * (3 + attn_again) + (2 * b * s * s * h / tp if flash else 0)
-    hbm = (time.elem * b * s * h / (tp if run.sp else 1) * (1 + full / 3)
-           + (0 if flash else time.score * b * a / tp * s * s * (1 + attn_again / 3)))
+    hbm = time.elem * b * s * h / (tp if run.sp else 1) * (1 + full / 3) + (
+        0 if flash else time.score * b * a / tp * s * s * (1 + attn_again / 3)
+    )
     eb = 4 if run.dtype == "fp32" else 2
     tp_b = tp_comm_bytes_per_layer(b, s, h, tp, eb, run.sp, run.recompute, column_inputs(model))
     return (dense + attn) / (gpu.peak_flops * time.matmul) + hbm / gpu.hbm_bw + tp_b / gpu.intra_bw
@@ -83,21 +117,34 @@ def step_seconds(model, gpu, gpus, tp, pp, zero, run, time=TIME, global_batch=No
     layer = layer_seconds(model, gpu, run, tp, time)
     head = 6 * run.micro_batch * model.seq_len * padded_vocab(model, tp) * model.n_embd / tp
     stages = [n * layer for n in layers_per_stage(model, pp, v, run.split)]
-    stages[-1] += head / (gpu.peak_flops * time.matmul)  # logits forward + 2 backward GEMMs, never recomputed
+    # logits forward + 2 backward GEMMs, never recomputed
+    stages[-1] += head / (gpu.peak_flops * time.matmul)
     pp_bw, dp_bw = links(gpu, gpus, tp, pp)
-    sends = pp_comm_bytes(run.micro_batch, model.seq_len, model.n_embd, tp, eb, 1, v) if pp > 1 else 0
+    sends = (
+        pp_comm_bytes(run.micro_batch, model.seq_len, model.n_embd, tp, eb, 1, v) if pp > 1 else 0
+    )
     slot = max(stages) + sends / pp_bw
     pipe = (m + (pp - 1) / v) * slot
     n = max(stage_params(model, tp, pp, v, run.split))
     dp_b = dp_comm_bytes(n, zero, dp, PRECISIONS[run.dtype][1], PRECISIONS[run.dtype][0], m)
-    host = offload_seconds(run.offload * (-(-n // dp) if zero else n), *PRECISIONS[run.dtype][1::-1], gpu.pcie_bw,
-                           gpu.host_bw) if run.offload else 0.0
-    return pipe + dp_b / dp_bw + host, pipeline_bubble(pp, m, v)  # = (p-1)/v slots of the m + (p-1)/v
+    host = (
+        offload_seconds(
+            run.offload * (-(-n // dp) if zero else n),
+            *PRECISIONS[run.dtype][1::-1],
+            gpu.pcie_bw,
+            gpu.host_bw,
+        )
+        if run.offload
+        else 0.0
+    )
+    # = (p-1)/v slots of the m + (p-1)/v
+    return pipe + dp_b / dp_bw + host, pipeline_bubble(pp, m, v)
 
 
 def train_seconds(step_at, run, seq_len):
-    """Seconds for run.tokens tokens. Ramp-up as Megatron's --rampup-batch-size START INC SAMPLES: the batch
-    grows START, START+INC, ... each for SAMPLES / ((B - START) / INC) samples, then stays at B."""
+    """Seconds for run.tokens tokens. Ramp-up as Megatron's --rampup-batch-size START INC SAMPLES:
+    the batch grows START, START+INC, ... each for SAMPLES / ((B - START) / INC) samples, then stays
+    at B."""
     total, done, seconds = run.tokens / seq_len, 0.0, 0.0
     if run.rampup:
         start, inc, samples = run.rampup
@@ -109,7 +156,8 @@ def train_seconds(step_at, run, seq_len):
     return seconds + max(0.0, total - done) / run.global_batch * step_at(run.global_batch)
 
 
-# ---- one layout's estimate --------------------------------------------------------------------------------
+# ---- one layout's estimate
+# --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Estimate:
     tp: int
@@ -146,15 +194,22 @@ def evaluate(model, gpu, gpus, tp, pp, zero, run, time=TIME):
     pb, gb, eb = *PRECISIONS[run.dtype][:2], 4 if run.dtype == "fp32" else 2
     layers = layers_per_stage(model, pp, v, run.split)
     act = layer_activation_bytes(model, run, tp)
-    # full recompute rebuilds one layer's whole activations in backward: the working set on top of the inputs
+    # full recompute rebuilds one layer's whole activations in backward: the working set on top of
+    # the inputs
     work = layer_activation_bytes(model, run, tp, "none") if run.recompute == "full" else 0
     stages = []
-    for k, (p_, g_, o_) in enumerate(rank_state_bytes(model, tp, pp, dp, zero, run.dtype, v, run.split)):
+    for k, (p_, g_, o_) in enumerate(
+        rank_state_bytes(model, tp, pp, dp, zero, run.dtype, v, run.split)
+    ):
         state = (p_, g_, o_ * (1 - run.offload))  # the offloaded share lives in host memory
         held = act * layers[k] * inflight_microbatches(pp - k, m, run.schedule, v) + work
         stages.append((sum(state) + held, state, held))
     _, (params, grads, optim), acts = max(stages, key=lambda x: x[0])
-    tp_b = m * max(layers) * tp_comm_bytes_per_layer(b, s, h, tp, eb, run.sp, run.recompute, column_inputs(model))
+    tp_b = (
+        m
+        * max(layers)
+        * tp_comm_bytes_per_layer(b, s, h, tp, eb, run.sp, run.recompute, column_inputs(model))
+    )
     pp_b = pp_comm_bytes(b, s, h, tp, eb, m, v) if pp > 1 else 0
     dp_b = dp_comm_bytes(max(stage_params(model, tp, pp, v, run.split)), zero, dp, gb, pb, m)
     step, bubble = step_seconds(model, gpu, gpus, tp, pp, zero, run, time)
@@ -163,8 +218,31 @@ def evaluate(model, gpu, gpus, tp, pp, zero, run, time=TIME):
     head = padded_vocab(model) * h
     tflops = tokens * flops_per_token(n, L, h, s, run.recompute, head) / (step * gpus)
     mfu = tokens * flops_per_token(n, L, h, s) / (step * gpus * gpu.peak_flops)
-    days = train_seconds(lambda batch: step_seconds(model, gpu, gpus, tp, pp, zero, run, time, batch)[0], run,
-                         s) / 86400
+    days = (
+        train_seconds(
+            lambda batch: step_seconds(model, gpu, gpus, tp, pp, zero, run, time, batch)[0], run, s
+        )
+        / 86400
+    )
     fits = params + grads + optim + acts <= run.usable * gpu.memory
-    return Estimate(tp, pp, dp, zero, m, tuple(layers), params, grads, optim, acts, tp_b, pp_b, dp_b, step, bubble,
-                    tflops, mfu, days, fits)
+    return Estimate(
+        tp,
+        pp,
+        dp,
+        zero,
+        m,
+        tuple(layers),
+        params,
+        grads,
+        optim,
+        acts,
+        tp_b,
+        pp_b,
+        dp_b,
+        step,
+        bubble,
+        tflops,
+        mfu,
+        days,
+        fits,
+    )

@@ -18,6 +18,7 @@ Formulas:
              zero rows: logits[..., :V] are equal
 Lesson: lessons/13-the-modern-block.md
 """
+
 import argparse
 import json
 import os
@@ -33,6 +34,7 @@ from nanomega.tools import hf_moe, tokenizer
 from nanomega.tools.hf_llama import llama_config
 from nanomega.tools.hf_weights import check_gpt2, from_hf, require_transformers, to_hf
 
+
 def hf_config(src):
     """config.json of a transformers folder, as a dict; the model types nanomega reads:
     gpt2, llama, mixtral."""
@@ -41,7 +43,9 @@ def hf_config(src):
         raise FileNotFoundError(f"{src} has no config.json: not a transformers model folder")
     c = json.loads(path.read_text())
     if c.get("model_type") not in ("gpt2", "llama", "mixtral"):
-        raise ValueError(f"{path}: model_type {c.get('model_type')!r} (nanomega: gpt2, llama or mixtral)")
+        raise ValueError(
+            f"{path}: model_type {c.get('model_type')!r} (nanomega: gpt2, llama or mixtral)"
+        )
     if c["model_type"] != "gpt2":  # refused before a weight is read
         (hf_moe.mixtral_config if c["model_type"] == "mixtral" else llama_config)(c)
     return c
@@ -51,22 +55,29 @@ def read_hf(src):
     """(GPTConfig, nanomega full weights) of a transformers GPT-2 or Llama folder."""
     transformers = require_transformers()
     kind = hf_config(src)["model_type"]
-    model_class = dict(llama=transformers.LlamaForCausalLM, mixtral=transformers.MixtralForCausalLM,
-                       gpt2=transformers.GPT2LMHeadModel)[kind]
+    model_class = dict(
+        llama=transformers.LlamaForCausalLM,
+        mixtral=transformers.MixtralForCausalLM,
+        gpt2=transformers.GPT2LMHeadModel,
+    )[kind]
     try:
         model = model_class.from_pretrained(src, local_files_only=True, dtype=torch.float32)
     except Exception as e:
         # a truncated or missing weights file: the library's own error type, as one line
         first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise ValueError(f"{src}: its weights cannot be read ({type(e).__name__}: {first}); copy or export the "
-                         f"folder again") from None
+        raise ValueError(
+            f"{src}: its weights cannot be read ({type(e).__name__}: {first}); copy or export the "
+            f"folder again"
+        ) from None
     cfg, weights = from_hf(model)
     try:
         # a value no flag would pass (rms_norm_eps 0, rope_theta NaN): named in the file that holds
         # it
         cfg.validate()
     except ValueError as e:
-        raise ValueError(f"{Path(src) / 'config.json'}: {e}, as nanomega reads it; fix the file") from None
+        raise ValueError(
+            f"{Path(src) / 'config.json'}: {e}, as nanomega reads it; fix the file"
+        ) from None
     return cfg, weights
 
 
@@ -80,7 +91,8 @@ def load_pretrained(src, attention="eager") -> GPT:
         model = GPT(cfg, seed=0)
     if cfg.tie_embeddings:
         weights["head.lm_head.weight"] = weights["embed.wte.weight"]
-    weights |= {k: b for k, b in model.state_dict().items() if k.endswith("expert_bias")}  # Mixtral has none: 0
+    # Mixtral has none: 0
+    weights |= {k: b for k, b in model.state_dict().items() if k.endswith("expert_bias")}
     model.load_state_dict(weights, assign=True)
     # assign leaves two Parameters on one tensor: make them one again, as GPT() ties them
     if cfg.tie_embeddings:
@@ -118,27 +130,37 @@ def import_tokenizer(src, out_dir):
 
 
 def import_(src, out_dir):
-    """A transformers GPT-2 or Llama folder -> a step-0 nanomega checkpoint in out_dir (single-process, dense).
-    What nanomega cannot represent (and, for a Llama, a tokenizer --tokenizer cannot read) is refused first."""
+    """A transformers GPT-2 or Llama folder -> a step-0 nanomega checkpoint in out_dir
+    (single-process, dense).
+    What nanomega cannot represent (and, for a Llama, a tokenizer --tokenizer cannot read) is
+    refused first."""
     require_transformers()
     if checkpoint.latest(out_dir) is not None:
-        raise ValueError(f"--out-dir {out_dir} already holds a checkpoint; choose an empty --out-dir")
+        raise ValueError(
+            f"--out-dir {out_dir} already holds a checkpoint; choose an empty --out-dir"
+        )
     # a Llama whose tokenizer --tokenizer cannot reproduce would fine-tune on ids it was not trained
     # on: refused. (GPT-2 as before: without a readable tokenizer the printed command asks for one.)
     why = tokenizer.from_hf(src)[1] if hf_config(src)["model_type"] != "gpt2" else None
     if why:
-        raise ValueError(f"{src}: {why}; nanomega's --tokenizer is byte-level BPE with GPT-2's pattern "
-                         f"(data.get_tokenizer); nanomega.tools.hf.load_pretrained(folder) still reads the weights")
+        raise ValueError(
+            f"{src}: {why}; nanomega's --tokenizer is byte-level BPE with GPT-2's pattern "
+            f"(data.get_tokenizer); nanomega.tools.hf.load_pretrained(folder) still reads the weights"
+        )
     cfg, weights = read_hf(src)
     os.makedirs(out_dir, exist_ok=True)
     tok = import_tokenizer(src, out_dir) or "shakespeare-4k"
     if data.get_tokenizer(tok).n_vocab != cfg.vocab_size:
         # the user must bring the tokenizer (--tokenizer) that has these cfg.vocab_size ids
         tok = None
-    pieces = [dict(name=k, shape=tuple(t.shape), start=0, end=t.numel(), master=t.reshape(-1), state={})
-              # reshard.load's by-name format; empty state: a fresh AdamW
-              for k, t in weights.items()]
-    state = dict(universal=dict(tp_rank=0, pieces=pieces), sampler=None, scaler=None, step=0, rng=None)
+    pieces = [
+        dict(name=k, shape=tuple(t.shape), start=0, end=t.numel(), master=t.reshape(-1), state={})
+        # reshard.load's by-name format; empty state: a fresh AdamW
+        for k, t in weights.items()
+    ]
+    state = dict(
+        universal=dict(tp_rank=0, pieces=pieces), sampler=None, scaler=None, step=0, rng=None
+    )
     layout = dict(imported_from=os.path.abspath(src), **({"tokenizer": tok} if tok else {}))
     # a world of one: no process group
     one_rank = types.SimpleNamespace(rank=0, world=1, barrier=lambda: None)
@@ -154,29 +176,48 @@ def train_flags(cfg: GPTConfig):
         v, flag = getattr(cfg, k), "--" + k.replace("_", "-")
         if k == "vocab_size" or (k not in SIZES and v == getattr(default, k)):
             continue
-        out.append("--untie-embeddings" if k == "tie_embeddings" else flag if v is True else f"{flag} {v}")
+        out.append(
+            "--untie-embeddings" if k == "tie_embeddings" else flag if v is True else f"{flag} {v}"
+        )
     return " ".join(out)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("export", help="checkpoint (any layout) -> transformers GPT-2, Llama or Mixtral folder")
+    e = sub.add_parser(
+        "export", help="checkpoint (any layout) -> transformers GPT-2, Llama or Mixtral folder"
+    )
     e.add_argument("--out-dir", default="out")
-    e.add_argument("--to", required=True, help="the folder to write (config.json, model.safetensors, tokenizer)")
-    i = sub.add_parser("import", help="transformers GPT-2, Llama or Mixtral folder -> step-0 checkpoint for "
-                       "train.py --resume")
+    e.add_argument(
+        "--to",
+        required=True,
+        help="the folder to write (config.json, model.safetensors, tokenizer)",
+    )
+    i = sub.add_parser(
+        "import",
+        help="transformers GPT-2, Llama or Mixtral folder -> step-0 checkpoint for "
+        "train.py --resume",
+    )
     i.add_argument("src")
     i.add_argument("--out-dir", required=True)
     args = p.parse_args(argv)
     if args.cmd == "export":
         to, with_tok = export(args.out_dir, args.to)
-        print(f"wrote {to}: config.json, model.safetensors" + (", tokenizer.json" if with_tok else
-              " (no HF tokenizer equivalent for this tokenizer)"))
+        print(
+            f"wrote {to}: config.json, model.safetensors"
+            + (
+                ", tokenizer.json"
+                if with_tok
+                else " (no HF tokenizer equivalent for this tokenizer)"
+            )
+        )
         return
     cfg, tok = import_(args.src, args.out_dir)
-    print(f"wrote a step-0 checkpoint to {args.out_dir}/ckpt; fine-tune with:\n  python nanomega/train.py --resume "
-          f"--out-dir {args.out_dir} {train_flags(cfg)} --tokenizer {tok or 'FILE_WITH_%d_IDS' % cfg.vocab_size}")
+    print(
+        f"wrote a step-0 checkpoint to {args.out_dir}/ckpt; fine-tune with:\n  python nanomega/train.py --resume "
+        f"--out-dir {args.out_dir} {train_flags(cfg)} --tokenizer {tok or 'FILE_WITH_%d_IDS' % cfg.vocab_size}"
+    )
 
 
 def cli():

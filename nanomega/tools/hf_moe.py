@@ -12,6 +12,7 @@ Per block i (transformers 5 stacks the experts; gate_up is [gate; up] on both si
     blocks.i.mlp.experts.e.c_proj.weight   (h, f)   model.layers.i.mlp.experts.down_proj[e]
 Lesson: lessons/14-experts.md
 """
+
 import dataclasses
 
 import torch
@@ -23,13 +24,28 @@ from nanomega.tools.hf_llama import llama_config, llama_name_map
 def mixtral_config(c: dict) -> GPTConfig:
     """The GPTConfig of a transformers Mixtral config (its dict); what nanomega cannot
     compute: one line."""
-    bad = [why for is_bad, why in [(c.get("sliding_window"), f"sliding_window {c.get('sliding_window')} (nanomega: "
-                                    "full causal attention)"),
-                                   (c.get("router_jitter_noise"), "router_jitter_noise (nanomega: none)")] if is_bad]
+    bad = [
+        why
+        for is_bad, why in [
+            (
+                c.get("sliding_window"),
+                f"sliding_window {c.get('sliding_window')} (nanomega: full causal attention)",
+            ),
+            (c.get("router_jitter_noise"), "router_jitter_noise (nanomega: none)"),
+        ]
+        if is_bad
+    ]
     if bad:
-        raise ValueError(f"this Mixtral differs from nanomega's: {'; '.join(bad)}; it cannot be imported exactly")
-    return dataclasses.replace(llama_config(c), n_experts=c["num_local_experts"], top_k=c["num_experts_per_tok"],
-                               router="mixtral", moe_aux_loss=c.get("router_aux_loss_coef", 0.001))
+        raise ValueError(
+            f"this Mixtral differs from nanomega's: {'; '.join(bad)}; it cannot be imported exactly"
+        )
+    return dataclasses.replace(
+        llama_config(c),
+        n_experts=c["num_local_experts"],
+        top_k=c["num_experts_per_tok"],
+        router="mixtral",
+        moe_aux_loss=c.get("router_aux_loss_coef", 0.001),
+    )
 
 
 def dense_names(n_layer, tied):
@@ -41,24 +57,42 @@ def check(cfg: GPTConfig, bias=None):
     """One line for an MoE model a Mixtral cannot hold; bias: the checkpoint's (n_layer,
     E) routing biases."""
     if cfg.router != "mixtral" or cfg.shared_experts or cfg.capacity_factor:
-        raise ValueError("Mixtral routes with --router mixtral, no --shared-experts, no --capacity-factor")
+        raise ValueError(
+            "Mixtral routes with --router mixtral, no --shared-experts, no --capacity-factor"
+        )
     if bias is not None and bias.abs().sum() > 0:
-        raise ValueError("this checkpoint routes with --moe-bias-balance's biases (DeepSeek-V3), which a Mixtral "
-                         "has no field for: its export would route otherwise; train without --moe-bias-balance")
+        raise ValueError(
+            "this checkpoint routes with --moe-bias-balance's biases (DeepSeek-V3), which a Mixtral "
+            "has no field for: its export would route otherwise; train without --moe-bias-balance"
+        )
 
 
 def to_hf(weights, cfg: GPTConfig):
     """transformers MixtralForCausalLM from nanomega full weights {name: tensor} of an
     MoE Llama (fp32)."""
     import transformers
+
     check(cfg)
     v = cfg.vocab_size
     hf_cfg = transformers.MixtralConfig(
-        vocab_size=v, hidden_size=cfg.n_embd, intermediate_size=cfg.ffn, num_hidden_layers=cfg.n_layer,
-        num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads, head_dim=cfg.n_embd // cfg.n_head,
-        max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-        tie_word_embeddings=cfg.tie_embeddings, num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
-        router_aux_loss_coef=cfg.moe_aux_loss, sliding_window=None, bos_token_id=v - 1, eos_token_id=v - 1)
+        vocab_size=v,
+        hidden_size=cfg.n_embd,
+        intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.n_embd // cfg.n_head,
+        max_position_embeddings=cfg.block_size,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_embeddings,
+        num_local_experts=cfg.n_experts,
+        num_experts_per_tok=cfg.top_k,
+        router_aux_loss_coef=cfg.moe_aux_loss,
+        sliding_window=None,
+        bos_token_id=v - 1,
+        eos_token_id=v - 1,
+    )
     state = {}
     for ours, theirs in dense_names(cfg.n_layer, cfg.tie_embeddings).items():
         t = weights[ours].float()
@@ -68,12 +102,15 @@ def to_hf(weights, cfg: GPTConfig):
         ours, theirs = f"blocks.{i}.mlp.", f"model.layers.{i}.mlp."
         state[theirs + "gate.weight"] = weights[ours + "router.weight"].float()
         for mine, name in (("gate_up", "gate_up_proj"), ("c_proj", "down_proj")):
-            state[theirs + "experts." + name] = torch.stack([weights[f"{ours}experts.{e}.{mine}.weight"].float()
-                                                             for e in range(cfg.n_experts)])
+            state[theirs + "experts." + name] = torch.stack(
+                [weights[f"{ours}experts.{e}.{mine}.weight"].float() for e in range(cfg.n_experts)]
+            )
     model = transformers.MixtralForCausalLM(hf_cfg)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if [k for k in missing if k != "lm_head.weight"] or unexpected:
-        raise ValueError(f"mixtral mapping incomplete: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise ValueError(
+            f"mixtral mapping incomplete: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     model.tie_weights()
     return model.eval()
 
@@ -82,14 +119,20 @@ def from_hf(model):
     """(GPTConfig, nanomega full weights) from a transformers MixtralForCausalLM."""
     cfg = mixtral_config(model.config.to_dict())
     theirs = {k: t.detach().float() for k, t in model.state_dict().items()}
-    weights = {ours: torch.cat([theirs[n] for n in names]) for ours, names in
-               dense_names(cfg.n_layer, cfg.tie_embeddings).items()}
+    weights = {
+        ours: torch.cat([theirs[n] for n in names])
+        for ours, names in dense_names(cfg.n_layer, cfg.tie_embeddings).items()
+    }
     for i in range(cfg.n_layer):
         ours, hf = f"blocks.{i}.mlp.", f"model.layers.{i}.mlp."
         weights[ours + "router.weight"] = theirs[hf + "gate.weight"].clone()
         for e in range(cfg.n_experts):
-            weights[f"{ours}experts.{e}.gate_up.weight"] = theirs[hf + "experts.gate_up_proj"][e].clone()
-            weights[f"{ours}experts.{e}.c_proj.weight"] = theirs[hf + "experts.down_proj"][e].clone()
+            weights[f"{ours}experts.{e}.gate_up.weight"] = theirs[hf + "experts.gate_up_proj"][
+                e
+            ].clone()
+            weights[f"{ours}experts.{e}.c_proj.weight"] = theirs[hf + "experts.down_proj"][
+                e
+            ].clone()
     # zero rows so tp can split V (hf.py does the same)
     pad = cfg.padded_vocab_size - cfg.vocab_size
     for name in ("embed.wte.weight", "head.lm_head.weight"):

@@ -7,6 +7,7 @@ Idea: nanomega's dense GPT is GPT-2 and, with arch="llama", Llama, up to names a
 Mixtral (a Llama whose MLP is experts) is tools/hf_moe.py; folders and the CLI are tools/hf.py.
 Lesson: lessons/13-the-modern-block.md
 """
+
 import torch
 
 from nanomega.model import GPTConfig
@@ -14,11 +15,28 @@ from nanomega.tools import hf_moe
 from nanomega.tools.hf_llama import LLAMA3_ROPE, llama_config, llama_name_map
 
 # nanomega name -> transformers GPT2LMHeadModel name, per block ({i}); Conv1D weights are transposed
-_BLOCK = {k: k for k in ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.c_attn.weight",
-                         "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias", "mlp.c_fc.weight",
-                         "mlp.c_proj.weight", "mlp.c_proj.bias")} | {"mlp.fc_bias": "mlp.c_fc.bias"}
-_TOP = {"embed.wte.weight": "transformer.wte.weight", "embed.wpe.weight": "transformer.wpe.weight",
-        "head.ln_f.weight": "transformer.ln_f.weight", "head.ln_f.bias": "transformer.ln_f.bias"}
+_BLOCK = {
+    k: k
+    for k in (
+        "ln_1.weight",
+        "ln_1.bias",
+        "ln_2.weight",
+        "ln_2.bias",
+        "attn.c_attn.weight",
+        "attn.c_attn.bias",
+        "attn.c_proj.weight",
+        "attn.c_proj.bias",
+        "mlp.c_fc.weight",
+        "mlp.c_proj.weight",
+        "mlp.c_proj.bias",
+    )
+} | {"mlp.fc_bias": "mlp.c_fc.bias"}
+_TOP = {
+    "embed.wte.weight": "transformer.wte.weight",
+    "embed.wpe.weight": "transformer.wpe.weight",
+    "head.ln_f.weight": "transformer.ln_f.weight",
+    "head.ln_f.bias": "transformer.ln_f.bias",
+}
 _CONV1D = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
 _PADDED = ("embed.wte.weight", "head.lm_head.weight")  # (V padded, h) here, (V, h) in transformers
 
@@ -29,7 +47,9 @@ def require_transformers():
         import safetensors  # noqa: F401  (save_pretrained writes model.safetensors with it)
         import transformers
     except ImportError:
-        raise ValueError("nanomega.tools.hf needs transformers and safetensors: pip install 'nanomega[hf]'") from None
+        raise ValueError(
+            "nanomega.tools.hf needs transformers and safetensors: pip install 'nanomega[hf]'"
+        ) from None
     return transformers
 
 
@@ -44,72 +64,131 @@ def name_map(n_layer):
 def check_gpt2(cfg: GPTConfig):
     if cfg.alibi or cfg.embed_layernorm:
         what = "ALiBi attention" if cfg.alibi else "an embedding LayerNorm"
-        raise ValueError(f"this model has {what} (BLOOM-style), which GPT-2 does not: it cannot be exported "
-                         f"as a GPT2LMHeadModel; train without --alibi/--embed-layernorm to export")
+        raise ValueError(
+            f"this model has {what} (BLOOM-style), which GPT-2 does not: it cannot be exported "
+            f"as a GPT2LMHeadModel; train without --alibi/--embed-layernorm to export"
+        )
 
 
 def to_hf(weights, cfg: GPTConfig):
-    """transformers GPT2LMHeadModel or LlamaForCausalLM (by cfg.arch) from nanomega full weights {name: tensor}
-    (fp32; padded rows dropped)."""
+    """transformers GPT2LMHeadModel or LlamaForCausalLM (by cfg.arch) from nanomega full weights
+    {name: tensor} (fp32; padded rows dropped)."""
     transformers = require_transformers()
     v = cfg.vocab_size
     if cfg.n_experts:  # a Llama with experts: Mixtral
         return hf_moe.to_hf(weights, cfg)
     if cfg.arch == "llama":
-        rope = None if cfg.rope_scaling == 1.0 else dict(rope_type="llama3", factor=cfg.rope_scaling, **LLAMA3_ROPE)
+        rope = (
+            None
+            if cfg.rope_scaling == 1.0
+            else dict(rope_type="llama3", factor=cfg.rope_scaling, **LLAMA3_ROPE)
+        )
         hf_cfg = transformers.LlamaConfig(
-            vocab_size=v, hidden_size=cfg.n_embd, intermediate_size=cfg.ffn, num_hidden_layers=cfg.n_layer,
-            num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads, head_dim=cfg.n_embd // cfg.n_head,
-            hidden_act="silu", max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
-            rope_theta=cfg.rope_theta, rope_scaling=rope, tie_word_embeddings=cfg.tie_embeddings,
-            attention_bias=False, mlp_bias=False, bos_token_id=v - 1, eos_token_id=v - 1)
-        names, model_class = llama_name_map(cfg.n_layer, cfg.tie_embeddings), transformers.LlamaForCausalLM
+            vocab_size=v,
+            hidden_size=cfg.n_embd,
+            intermediate_size=cfg.ffn,
+            num_hidden_layers=cfg.n_layer,
+            num_attention_heads=cfg.n_head,
+            num_key_value_heads=cfg.kv_heads,
+            head_dim=cfg.n_embd // cfg.n_head,
+            hidden_act="silu",
+            max_position_embeddings=cfg.block_size,
+            rms_norm_eps=cfg.norm_eps,
+            rope_theta=cfg.rope_theta,
+            rope_scaling=rope,
+            tie_word_embeddings=cfg.tie_embeddings,
+            attention_bias=False,
+            mlp_bias=False,
+            bos_token_id=v - 1,
+            eos_token_id=v - 1,
+        )
+        names, model_class = (
+            llama_name_map(cfg.n_layer, cfg.tie_embeddings),
+            transformers.LlamaForCausalLM,
+        )
     else:
         check_gpt2(cfg)
         hf_cfg = transformers.GPT2Config(
-            vocab_size=v, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
-            n_head=cfg.n_head, activation_function="gelu_new", resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
-            attn_pdrop=cfg.dropout, layer_norm_epsilon=cfg.norm_eps, bos_token_id=v - 1, eos_token_id=v - 1,
-            tie_word_embeddings=True)
-        names, model_class = {k: (n,) for k, n in name_map(cfg.n_layer).items()}, transformers.GPT2LMHeadModel
+            vocab_size=v,
+            n_positions=cfg.block_size,
+            n_embd=cfg.n_embd,
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            activation_function="gelu_new",
+            resid_pdrop=cfg.dropout,
+            embd_pdrop=cfg.dropout,
+            attn_pdrop=cfg.dropout,
+            layer_norm_epsilon=cfg.norm_eps,
+            bos_token_id=v - 1,
+            eos_token_id=v - 1,
+            tie_word_embeddings=True,
+        )
+        names, model_class = (
+            {k: (n,) for k, n in name_map(cfg.n_layer).items()},
+            transformers.GPT2LMHeadModel,
+        )
     state = {}
     for ours, theirs in names.items():
         t = weights[ours].float()
         t = t[:v] if ours in _PADDED else t  # (V_padded, h) -> (V, h)
         t = t.t() if ours.endswith(_CONV1D) and cfg.arch == "gpt2" else t
-        state.update(zip(theirs, (part.contiguous() for part in t.chunk(len(theirs)))))  # [k; v] -> k, v
+        # [k; v] -> k, v
+        state.update(zip(theirs, (part.contiguous() for part in t.chunk(len(theirs)))))
     model = model_class(hf_cfg)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    left = [k for k in missing if k != "lm_head.weight" and not k.endswith(".attn.bias")]  # tied / causal buffer
+    # tied / causal buffer
+    left = [k for k in missing if k != "lm_head.weight" and not k.endswith(".attn.bias")]
     if left or unexpected or (not cfg.tie_embeddings and "lm_head.weight" in missing):
-        raise ValueError(f"{cfg.arch} mapping incomplete: missing {left[:3]}, unexpected {unexpected[:3]}")
+        raise ValueError(
+            f"{cfg.arch} mapping incomplete: missing {left[:3]}, unexpected {unexpected[:3]}"
+        )
     model.tie_weights()
     return model.eval()
 
 
 def from_hf(model):
-    """(GPTConfig, nanomega full weights) from a transformers GPT2LMHeadModel or LlamaForCausalLM; refuses what
-    nanomega cannot compute."""
+    """(GPTConfig, nanomega full weights) from a transformers GPT2LMHeadModel or LlamaForCausalLM;
+    refuses what nanomega cannot compute."""
     if model.config.model_type == "mixtral":
         return hf_moe.from_hf(model)
     if model.config.model_type == "llama":
         cfg = llama_config(model.config.to_dict())
         theirs = model.state_dict()
-        weights = {ours: torch.cat([theirs[n].detach().float() for n in names])  # a copy, even of one tensor
-                   for ours, names in llama_name_map(cfg.n_layer, cfg.tie_embeddings).items()}
+        # a copy, even of one tensor
+        weights = {
+            ours: torch.cat([theirs[n].detach().float() for n in names])
+            for ours, names in llama_name_map(cfg.n_layer, cfg.tie_embeddings).items()
+        }
         return cfg, _pad_vocab(weights, cfg)
     c = model.config
     act = getattr(c, "activation_function", "gelu_new")
-    bad = [(act not in ("gelu_new", "gelu_pytorch_tanh"), f"activation_function {act!r} (nanomega: tanh GeLU)"),
-           (c.n_inner not in (None, 4 * c.n_embd), f"n_inner {c.n_inner} (nanomega: 4 x n_embd)"),
-           (getattr(c, "scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx"),
-           (not getattr(c, "scale_attn_weights", True), "scale_attn_weights False"),
-           (model.lm_head.weight.data_ptr() != model.transformer.wte.weight.data_ptr(), "an untied LM head")]
+    bad = [
+        (
+            act not in ("gelu_new", "gelu_pytorch_tanh"),
+            f"activation_function {act!r} (nanomega: tanh GeLU)",
+        ),
+        (c.n_inner not in (None, 4 * c.n_embd), f"n_inner {c.n_inner} (nanomega: 4 x n_embd)"),
+        (getattr(c, "scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx"),
+        (not getattr(c, "scale_attn_weights", True), "scale_attn_weights False"),
+        (
+            model.lm_head.weight.data_ptr() != model.transformer.wte.weight.data_ptr(),
+            "an untied LM head",
+        ),
+    ]
     bad = [why for is_bad, why in bad if is_bad]
     if bad:
-        raise ValueError(f"this GPT-2 differs from nanomega's: {'; '.join(bad)}; it cannot be imported exactly")
-    cfg = GPTConfig(vocab_size=c.vocab_size, block_size=c.n_positions, n_layer=c.n_layer, n_head=c.n_head,
-                    n_embd=c.n_embd, dropout=c.resid_pdrop, norm_eps=c.layer_norm_epsilon)
+        raise ValueError(
+            f"this GPT-2 differs from nanomega's: {'; '.join(bad)}; it cannot be imported exactly"
+        )
+    cfg = GPTConfig(
+        vocab_size=c.vocab_size,
+        block_size=c.n_positions,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        n_embd=c.n_embd,
+        dropout=c.resid_pdrop,
+        norm_eps=c.layer_norm_epsilon,
+    )
     theirs = model.state_dict()
     weights = {}
     for ours, name in name_map(cfg.n_layer).items():
@@ -123,5 +202,7 @@ def _pad_vocab(weights, cfg):
     for name in _PADDED:
         if name in weights:
             t = weights[name]
-            weights[name] = torch.cat([t, t.new_zeros(cfg.padded_vocab_size - cfg.vocab_size, t.shape[1])])
+            weights[name] = torch.cat(
+                [t, t.new_zeros(cfg.padded_vocab_size - cfg.vocab_size, t.shape[1])]
+            )
     return weights

@@ -6,20 +6,24 @@ the global batch); layout_error names the first rule one breaks. plan costs each
 time. When none fits, smallest_cluster doubles the GPUs until one does, then scans every size below.
 Lesson: lessons/11-planning-a-run.md
 """
+
 from nanomega.tools import cost_moe
 from nanomega.tools.cost import Run
 from nanomega.zero import pipeline_error
 
 
 def layout_error(model, gpu, gpus, tp, pp, zero, run, global_batch=None, ep=1):
-    """Why (tp, pp, zero) cannot run (with experts over ep ranks), in one line naming the flag, or None."""
+    """Why (tp, pp, zero) cannot run (with experts over ep ranks), in one line naming the flag, or
+    None."""
     batch = run.global_batch if global_batch is None else global_batch
     node = min(gpu.per_node, gpus)
     if tp < 1 or pp < 1:
         return f"--tp {tp} and --pp {pp} must be >= 1"
     if node % tp:
-        return (f"--tp {tp} must divide the {node} GPUs of a node (a tensor-parallel group that spans nodes talks "
-                f"over the network, not NVLink): use one of {[t for t in range(1, node + 1) if node % t == 0]}")
+        return (
+            f"--tp {tp} must divide the {node} GPUs of a node (a tensor-parallel group that spans nodes talks "
+            f"over the network, not NVLink): use one of {[t for t in range(1, node + 1) if node % t == 0]}"
+        )
     if gpus % (tp * pp):
         return f"--tp {tp} x --pp {pp} = {tp * pp} does not divide --gpus {gpus}"
     if model.n_head % tp:
@@ -27,8 +31,10 @@ def layout_error(model, gpu, gpus, tp, pp, zero, run, global_batch=None, ep=1):
     if model.llama and model.ffn % tp:
         return f"--tp {tp} does not divide the MLP width {model.ffn}"
     if model.llama and model.kv_heads % tp and tp % model.kv_heads:
-        return (f"--tp {tp} and the {model.kv_heads} key/value heads: one must divide the other (tp splits them, "
-                f"or holds them whole on every rank)")
+        return (
+            f"--tp {tp} and the {model.kv_heads} key/value heads: one must divide the other (tp splits them, "
+            f"or holds them whole on every rank)"
+        )
     if pp > model.n_layer:
         return f"--pp {pp} is more than the {model.n_layer} layers"
     dp = gpus // (tp * pp)
@@ -36,36 +42,49 @@ def layout_error(model, gpu, gpus, tp, pp, zero, run, global_batch=None, ep=1):
     if batch % unit:
         lo, hi = batch // unit * unit, -(-batch // unit) * unit
         near = f"{lo} or {hi}" if lo else f"{hi}"
-        return (f"--global-batch {batch} is not a multiple of dp {dp} x --micro-batch {run.micro_batch} = {unit} "
-                f"(Megatron refuses it too): use {near}")
+        return (
+            f"--global-batch {batch} is not a multiple of dp {dp} x --micro-batch {run.micro_batch} = {unit} "
+            f"(Megatron refuses it too): use {near}"
+        )
     if pipeline_error(zero, pp):
         return pipeline_error(zero, pp)
-    if run.schedule == "interleaved" and pp > 1 and (model.n_layer % (pp * run.chunks) or (batch // unit) % pp):
+    if (
+        run.schedule == "interleaved"
+        and pp > 1
+        and (model.n_layer % (pp * run.chunks) or (batch // unit) % pp)
+    ):
         return f"interleaved needs --pp x --chunks | {model.n_layer} layers and --pp | {batch // unit} micro-batches"
     return cost_moe.layout_error(model, gpus, tp, pp, zero, run, ep)
 
 
 def layouts(model, gpu, gpus, run, tp=None, pp=None, dp=None, ep=1):
-    """(tp, pp, zero) that can run, within the pins; no ZeRO at dp = 1 when ZeRO-0 is on the list."""
+    """(tp, pp, zero) that can run, within the pins; no ZeRO at dp = 1 when ZeRO-0 is on the
+    list."""
     for t in [tp] if tp else range(1, min(gpu.per_node, gpus) + 1):
         for p in [pp] if pp else range(1, model.n_layer + 1):
             for zero in run.zero:
-                if layout_error(model, gpu, gpus, t, p, zero, run, ep=ep) or (dp and gpus // (t * p) != dp):
+                if layout_error(model, gpu, gpus, t, p, zero, run, ep=ep) or (
+                    dp and gpus // (t * p) != dp
+                ):
                     continue
                 if not (zero > 0 and gpus // (t * p) == 1 and 0 in run.zero):
                     yield t, p, zero
 
 
 def plan(model, gpu, gpus, run=Run(), tp=None, pp=None, dp=None, ep=1):
-    """Every layout's Estimate (within the pins): those that fit first, each group ranked by step time."""
-    ests = [cost_moe.evaluate(model, gpu, gpus, t, p, z, run, ep)
-            for t, p, z in layouts(model, gpu, gpus, run, tp, pp, dp, ep)]
+    """Every layout's Estimate (within the pins): those that fit first, each group ranked by step
+    time."""
+    ests = [
+        cost_moe.evaluate(model, gpu, gpus, t, p, z, run, ep)
+        for t, p, z in layouts(model, gpu, gpus, run, tp, pp, dp, ep)
+    ]
     return sorted(ests, key=lambda e: (not e.fits, e.step_s))
 
 
 def smallest_cluster(model, gpu, run=Run(), limit=2**20, ep=1):
-    """Fewest GPUs (1, 2, 4 .. a node, then whole nodes) with a layout that fits, and its best layout. Doubles
-    until one fits, then scans every size below, since divisibility makes fitting not monotone in size."""
+    """Fewest GPUs (1, 2, 4 .. a node, then whole nodes) with a layout that fits, and its best
+    layout. Doubles until one fits, then scans every size below, since divisibility makes fitting
+    not monotone in size."""
     hi = gpu.per_node
     while not any(e.fits for e in plan(model, gpu, hi, run, ep=ep)):
         hi *= 2

@@ -12,6 +12,7 @@ Needs the `plot` extra (matplotlib). Fields a run did not log are left out, neve
 The lessons' figures are made this way from real runs by `python scripts/figures.py`.
 Lesson: lessons/01-dense-model.md
 """
+
 import argparse
 import json
 import os
@@ -68,6 +69,7 @@ def plot(outs, to, names=None, dpi=110):
     """Write the PNGs of runs `outs` to folder `to`; `names` labels the runs (default: their
     folders' names)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -76,16 +78,31 @@ def plot(outs, to, names=None, dpi=110):
     # step 0 has only a val loss: give it 0 tokens, for the tokens axis
     for train, vals in runs.values():
         for r in vals:
-            r.setdefault("tokens", 0 if r["step"] == 0 else next((t["tokens"] for t in train if t["step"] == r["step"]
-                                                                  and "tokens" in t), None))
+            r.setdefault(
+                "tokens",
+                0
+                if r["step"] == 0
+                else next(
+                    (t["tokens"] for t in train if t["step"] == r["step"] and "tokens" in t), None
+                ),
+            )
     written = []
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for ax, x in zip(axes, ("step", "tokens")):
         for val in (False, True):
             ax.set_prop_cycle(None)  # the same colour for a run's train and val curves
-            _series(ax, runs, "val_loss" if val else "loss", x, val, " (val)" if val else "",
-                    linestyle="--" if val else "-", marker="o" if val else None, markersize=3,
-                    linewidth=1 if val else 1.2)
+            _series(
+                ax,
+                runs,
+                "val_loss" if val else "loss",
+                x,
+                val,
+                " (val)" if val else "",
+                linestyle="--" if val else "-",
+                marker="o" if val else None,
+                markersize=3,
+                linewidth=1 if val else 1.2,
+            )
         ax.set_xlabel(x if x == "step" else "tokens seen")
         ax.set_ylabel("loss (solid: train, dashed: validation)")
         ax.grid(alpha=0.3)
@@ -93,13 +110,20 @@ def plot(outs, to, names=None, dpi=110):
     fig.tight_layout()
     written.append(_save(fig, plt, to, "loss.png", dpi))
 
-    panels = [("tok_s", "tokens/s"), ("mfu", "MFU"), ("mem_gib", "memory (GiB)"), ("lr", "learning rate")]
+    panels = [
+        ("tok_s", "tokens/s"),
+        ("mfu", "MFU"),
+        ("mem_gib", "memory (GiB)"),
+        ("lr", "learning rate"),
+    ]
     fig, axes = plt.subplots(2, 2, figsize=(12, 7))
     for ax, (key, label) in zip(axes.flat, panels):
         if _series(ax, runs, key, marker=".", markersize=3, linewidth=0.8):
             ax.legend(fontsize=8)
         else:
-            ax.text(0.5, 0.5, f"no run logged {key}", ha="center", va="center", transform=ax.transAxes)
+            ax.text(
+                0.5, 0.5, f"no run logged {key}", ha="center", va="center", transform=ax.transAxes
+            )
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -130,7 +154,9 @@ def main(argv=None):
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ValueError("nanomega.tools.plot needs matplotlib: pip install 'nanomega[plot]'") from None
+        raise ValueError(
+            "nanomega.tools.plot needs matplotlib: pip install 'nanomega[plot]'"
+        ) from None
     for path in plot(args.outs, args.to or os.path.join(args.outs[0], "plots")):
         print(path)
 

@@ -10,6 +10,7 @@ prints its engine's bytes beside the planner's (tools/cost.py, tools/cost_moe.py
 
 Lesson: lessons/09-3d-parallelism.md (the dry run), lessons/11-planning-a-run.md (the planner)
 """
+
 import os
 import time
 
@@ -40,15 +41,25 @@ def dry_run(config):
     planned = dict(zip(("params", "grads", "optimizer"), planned))
 
     # grid: meta.PaperGrid's repr
-    print(f"dry run: {grid}, ZeRO-{config.zero}, {config.dtype}: built on meta in {seconds:.1f} s\n"
-          f"{'':12} {'engine GB':>12} {'planner GB':>12} {'engine - planner (B)':>21}")
+    print(
+        f"dry run: {grid}, ZeRO-{config.zero}, {config.dtype}: built on meta in {seconds:.1f} s\n"
+        f"{'':12} {'engine GB':>12} {'planner GB':>12} {'engine - planner (B)':>21}"
+    )
     for k in planned:
         print(f"{k:<12} {held[k] / 1e9:12.3f} {planned[k] / 1e9:12.3f} {held[k] - planned[k]:21,}")
-    print(f"(the difference: flat buffers padded to a multiple of dp in each of "
-          f"{len(engine.groups)} groups, and Adam's 4-byte step counter per each of "
-          f"{len(engine.pieces)} pieces)")
-    return dict(engine=held, planner=planned, groups=len(engine.groups), pieces=len(engine.pieces),
-                dp=config.dp, seconds=seconds)
+    print(
+        f"(the difference: flat buffers padded to a multiple of dp in each of "
+        f"{len(engine.groups)} groups, and Adam's 4-byte step counter per each of "
+        f"{len(engine.pieces)} pieces)"
+    )
+    return dict(
+        engine=held,
+        planner=planned,
+        groups=len(engine.groups),
+        pieces=len(engine.pieces),
+        dp=config.dp,
+        seconds=seconds,
+    )
 
 
 def check_memory(config):
@@ -65,17 +76,26 @@ def check_memory(config):
         where = f"this host's memory shared by {ranks} rank{'s' if ranks > 1 else ''}"
     if need > have:
         n = cost.n_params(planner_model(config))
-        raise ValueError(f"the model ({n:,} parameters) needs {need / 1e9:,.3g} GB per rank for "
-                         f"its weights, gradients and optimizer state alone, more than {where}: "
-                         f"{have / 1e9:,.3g} GB; choose a smaller model, more ranks or --zero 3 "
-                         f"(python -m nanomega.tools.plan, --dry-run)")
+        raise ValueError(
+            f"the model ({n:,} parameters) needs {need / 1e9:,.3g} GB per rank for "
+            f"its weights, gradients and optimizer state alone, more than {where}: "
+            f"{have / 1e9:,.3g} GB; choose a smaller model, more ranks or --zero 3 "
+            f"(python -m nanomega.tools.plan, --dry-run)"
+        )
 
 
 def rank_state_bytes(config):
     """The planner's (params, grads, optimizer) bytes of one rank, per stage (experts / ep)."""
-    return cost_moe.rank_state_bytes(planner_model(config), config.tp, config.pp,
-                                     config.dp * config.cp, config.zero, config.dtype,
-                                     config.virtual_stages, ep=config.ep)
+    return cost_moe.rank_state_bytes(
+        planner_model(config),
+        config.tp,
+        config.pp,
+        config.dp * config.cp,
+        config.zero,
+        config.dtype,
+        config.virtual_stages,
+        ep=config.ep,
+    )
 
 
 def planner_model(config):

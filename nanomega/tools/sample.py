@@ -7,6 +7,7 @@ position's logits, divide by the temperature, keep the top k, sample, append, re
 reshard.full_weights rebuilds the full tensors of any layout.
 Lesson: lessons/01-dense-model.md
 """
+
 import argparse
 import os
 import sys
@@ -27,7 +28,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, generator=
     model.eval()
     vocab = model.cfg.vocab_size
     for _ in range(max_new_tokens):
-        logits = model(idx[:, -model.cfg.block_size:])[:, -1, :vocab].float()  # (b, V)
+        logits = model(idx[:, -model.cfg.block_size :])[:, -1, :vocab].float()  # (b, V)
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:
@@ -51,7 +52,8 @@ def load_model(out_dir):
     weights = reshard.full_weights(folder)  # saved under any tp x pp x dp x ZeRO layout
     if cfg.tie_embeddings:
         weights["head.lm_head.weight"] = weights["embed.wte.weight"]
-    weights |= {k: b for k, b in model.state_dict().items() if k.endswith("expert_bias")}  # buffers, set below
+    # buffers, set below
+    weights |= {k: b for k, b in model.state_dict().items() if k.endswith("expert_bias")}
     model.load_state_dict(weights, assign=True)
     if cfg.n_experts:  # the routing biases: buffers, saved beside the pieces (moe.bias_table)
         moe.load_bias_table(model, checkpoint.load_shard(folder, 0).get("moe_bias"))
@@ -75,7 +77,9 @@ def main(argv=None):
     ids = enc.encode(args.prompt, allowed_special="all") or [enc.eot_token]
     gen = torch.Generator().manual_seed(args.seed)
     for _ in range(args.num_samples):
-        out = generate(model, torch.tensor([ids]), args.max_new_tokens, args.temperature, args.top_k, gen)
+        out = generate(
+            model, torch.tensor([ids]), args.max_new_tokens, args.temperature, args.top_k, gen
+        )
         print(enc.decode(out[0].tolist()))
         print("-" * 40)
 

@@ -14,6 +14,7 @@ Formulas:
                     GPTConfig pads to 128 * tp)
 Lesson: lessons/01-dense-model.md
 """
+
 import argparse
 import base64
 import heapq
@@ -27,7 +28,14 @@ import regex  # tiktoken's own dependency; the stdlib re has no \p{L}
 
 # The encoding's pattern, special token and rank file are data.py's (get_tokenizer loads them); this
 # module only learns the ranks, from data.py's training split.
-from nanomega.data import DEFAULT_CORPUS, ENDOFTEXT, GPT2_PATTERN, RANK_FILE, read_corpus, split_train_val
+from nanomega.data import (
+    DEFAULT_CORPUS,
+    ENDOFTEXT,
+    GPT2_PATTERN,
+    RANK_FILE,
+    read_corpus,
+    split_train_val,
+)
 
 VOCAB_SIZE = 4096  # mergeable ranks + the one special token
 
@@ -115,15 +123,23 @@ def to_hf(enc):
     import transformers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
+
     # 5.16 and older read a file by path only
     if not hasattr(TikTokenConverter, "load_tiktoken_bpe"):
-        raise ValueError(f"writing the tokenizer needs transformers >= 5.17 (installed: "
-                         f"{transformers.__version__}); pip install -U 'nanomega[hf]'")
+        raise ValueError(
+            f"writing the tokenizer needs transformers >= 5.17 (installed: "
+            f"{transformers.__version__}); pip install -U 'nanomega[hf]'"
+        )
     conv = TikTokenConverter(pattern=GPT2_PATTERN, extra_special_tokens=[ENDOFTEXT])
     # the ranks we already hold, not a file or URL
     conv.load_tiktoken_bpe = lambda _: enc._mergeable_ranks
-    return PreTrainedTokenizerFast(tokenizer_object=conv.converted(), bos_token=ENDOFTEXT, eos_token=ENDOFTEXT,
-                                   unk_token=ENDOFTEXT, model_max_length=None)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=conv.converted(),
+        bos_token=ENDOFTEXT,
+        eos_token=ENDOFTEXT,
+        unk_token=ENDOFTEXT,
+        model_max_length=None,
+    )
 
 
 def from_hf(src):
@@ -139,21 +155,37 @@ def from_hf(src):
         kinds = [p.get("type") for p in parts]
         splits = [p.get("pattern", {}).get("Regex") for p in parts if p.get("type") == "Split"]
         # GPT-2's own: the pattern built in
-        if not (kinds == ["ByteLevel"] and parts[0].get("use_regex", True)
-                or kinds == ["Split", "ByteLevel"] and splits == [GPT2_PATTERN]):  # ours (to_hf)
-            how = f"splits text by {str(splits[0])[:40]!r}..." if splits else f"pre-tokenizes with {pre.get('type')}"
+        if not (
+            kinds == ["ByteLevel"]
+            and parts[0].get("use_regex", True)
+            or kinds == ["Split", "ByteLevel"]
+            and splits == [GPT2_PATTERN]
+        ):  # ours (to_hf)
+            how = (
+                f"splits text by {str(splits[0])[:40]!r}..."
+                if splits
+                else f"pre-tokenizes with {pre.get('type')}"
+            )
             return None, f"tokenizer.json {how} instead of GPT-2's pattern"
         if spec["model"].get("type") != "BPE":
             return None, f"tokenizer.json is a {spec['model'].get('type')} model, not a BPE"
-        vocab = dict(spec["model"].get("vocab", {}), **{t["content"]: t["id"] for t in spec.get("added_tokens", [])})
+        vocab = dict(
+            spec["model"].get("vocab", {}),
+            **{t["content"]: t["id"] for t in spec.get("added_tokens", [])},
+        )
     elif (src / "vocab.json").is_file():  # GPT-2's original files: vocab.json (+ merges.txt)
         vocab = json.loads((src / "vocab.json").read_text())
     else:
         return None, None
     # byte <-> the printable character HF shows
     from transformers.convert_slow_tokenizer import bytes_to_unicode
+
     dec = {v: k for k, v in bytes_to_unicode().items()}
-    ranks = {bytes(dec[ch] for ch in t): i for t, i in vocab.items() if t != ENDOFTEXT and set(t) <= dec.keys()}
+    ranks = {
+        bytes(dec[ch] for ch in t): i
+        for t, i in vocab.items()
+        if t != ENDOFTEXT and set(t) <= dec.keys()
+    }
     if sorted(ranks.values()) != list(range(len(ranks))) or vocab.get(ENDOFTEXT) != len(ranks):
         return None, f"its ids are not GPT-2's layout (ranks 0..n-1, then {ENDOFTEXT})"
     return ranks, None
@@ -171,8 +203,10 @@ def main():
     ranks = train_bpe(train_text, args.vocab_size - 1)
     seconds = time.perf_counter() - t0
     save_ranks(ranks, Path(args.out))
-    print(f"trained {len(ranks)} ranks (+{ENDOFTEXT} = vocab {len(ranks) + 1}) on {len(train_text):,} "
-          f"characters in {seconds:.1f} s -> {args.out}")
+    print(
+        f"trained {len(ranks)} ranks (+{ENDOFTEXT} = vocab {len(ranks) + 1}) on {len(train_text):,} "
+        f"characters in {seconds:.1f} s -> {args.out}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
-"""The grader's pytest plugin (`-p nanomega_grade_report`, loaded by lessons/grade.py): one JSON line per test
-phase in $NANOMEGA_GRADE_REPORT, written from the exception object itself, never from pytest's wording.
+"""The grader's pytest plugin (`-p nanomega_grade_report`, loaded by lessons/grade.py): one JSON
+line per test phase in $NANOMEGA_GRADE_REPORT, written from the exception object itself, never from
+pytest's wording.
 
-A line: {"node": id, "when": setup | call | teardown, "outcome": passed | failed | skipped, "reason": text}.
-A spawned rank's failure (nanomega.worlds.RankFailed) reads "rank N failed: Type: first line of its message".
-It uses only pytest's hook API (pytest_runtest_makereport, pytest_runtest_logreport), the same on every
-version pyproject allows.
+A line: {"node": id, "when": setup | call | teardown, "outcome": passed | failed | skipped,
+"reason": text}.
+A spawned rank's failure (nanomega.worlds.RankFailed) reads "rank N failed: Type: first line of its
+message".
+It uses only pytest's hook API (pytest_runtest_makereport, pytest_runtest_logreport), the same on
+every version pyproject allows.
 """
+
 import json
 import os
 
@@ -20,6 +24,7 @@ def _first_line(text):
 def reason(error):
     """One line: what was raised, and where, when a spawned rank raised it."""
     from nanomega.worlds import RankFailed
+
     if isinstance(error, RankFailed):
         return f"rank {error.rank} failed: {error.kind}: {_first_line(error.message)}"
     return f"{type(error).__name__}: {_first_line(error)}"
@@ -33,7 +38,12 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_runtest_logreport(report):
     error = _EXCEPTIONS.pop((report.nodeid, report.when), None)
-    line = dict(node=report.nodeid, when=report.when, outcome=report.outcome,
-                reason=reason(error) if error is not None else "")
-    with open(os.environ["NANOMEGA_GRADE_REPORT"], "a") as f:  # line by line: a crash keeps what ran
+    line = dict(
+        node=report.nodeid,
+        when=report.when,
+        outcome=report.outcome,
+        reason=reason(error) if error is not None else "",
+    )
+    # line by line: a crash keeps what ran
+    with open(os.environ["NANOMEGA_GRADE_REPORT"], "a") as f:
         f.write(json.dumps(line) + "\n")

@@ -1,15 +1,17 @@
 """Solution of the predictions (lessons/exercises/predictions.py), each with its formula."""
+
 import math
 
 V, s, L, h, t, p, m = 256, 16, 2, 32, 2, 4, 8
 PREDICTIONS = {
     "loss-at-init": math.log(V),  # uniform over V tokens: -ln(1/V)
-    # 6 flops per weight per token (2 forward, 4 backward) on the L 12 h^2 block weights and the V h head, plus
-    # attention's q k^T and (scores) v: 2 x 2 s h forward per layer, x 3 with backward
+    # 6 flops per weight per token (2 forward, 4 backward) on the L 12 h^2 block weights and the V h
+    # head, plus attention's q k^T and (scores) v: 2 x 2 s h forward per layer, x 3 with backward
     "flops-per-token": 6 * (L * 12 * h * h + V * h) + 12 * L * h * s,
     "dp-wire-bytes-per-param": 2 * (2 - 1) / 2 * 4,  # ring all-reduce: 2 (N - 1) / N of 4 bytes
     "zero1-state-bytes-per-param": 8 / 2,  # m and v: 8 bytes per parameter, split over N = 2
-    "tp-forward-wire-bytes": 2 * (2 * (t - 1) / t) * 2 * s * h * 4,  # 2 all-reduces (attention, MLP) of (b, s, h)
+    # 2 all-reduces (attention, MLP) of (b, s, h)
+    "tp-forward-wire-bytes": 2 * (2 * (t - 1) / t) * 2 * s * h * 4,
     "1f1b-bubble": (p - 1) / (m + p - 1),
     "1f1b-in-flight": p,  # stage k: p - k
     "gpipe-in-flight": m,

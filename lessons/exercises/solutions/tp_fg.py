@@ -1,4 +1,6 @@
-"""Solution of exercise tp-fg (lessons/exercises/tp_fg.py): what nanomega/tp.py does, written out."""
+"""Solution of exercise tp-fg (lessons/exercises/tp_fg.py): what nanomega/tp.py does, written
+out."""
+
 import torch
 
 

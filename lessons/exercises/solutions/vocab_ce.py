@@ -1,4 +1,6 @@
-"""Solution of exercise vocab-ce (lessons/exercises/vocab_ce.py): what nanomega/tp_loss.py does, written out."""
+"""Solution of exercise vocab-ce (lessons/exercises/vocab_ce.py): what nanomega/tp_loss.py does,
+written out."""
+
 import torch
 import torch.distributed as dist
 
