@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanomega import compose, dist, tp, worlds, zero  # noqa: E402
 from nanomega.model import GPT  # noqa: E402
-from nanomega.ops import checks, flags  # noqa: E402
+from nanomega.job import checks, flags  # noqa: E402
 
 # 1.02B parameters with a 4,096 vocabulary
 SHAPE = dict(n_layer=20, n_embd=2048, n_head=16, block_size=1024)

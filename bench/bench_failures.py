@@ -90,8 +90,8 @@ def async_stall(root, reps=7):
     thread), interleaved so that other jobs on the cores disturb both alike; and the floor: one copy
     of the same bytes between two warm buffers (memory bandwidth). Returns a dict of medians."""
     import torch
-    from nanomega.ops import flags, saves
-    from nanomega.ops.guard import Spikes
+    from nanomega.job import flags, saves
+    from nanomega.job.guard import Spikes
     from nanomega import compose, dist, precision, windows
 
     # as each rank under torchrun; 2 threads on 2 shared cores: see bench/RESULTS.md

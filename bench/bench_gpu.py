@@ -23,9 +23,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanomega.ops import flags  # noqa: E402
+from nanomega.job import flags  # noqa: E402
 from nanomega import compose, dist, train  # noqa: E402
-from nanomega.ops import meter  # noqa: E402
+from nanomega.job import meter  # noqa: E402
 from nanomega.formulas import model_flops_per_token as flops_per_token  # noqa: E402
 
 GPT2 = [

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanomega.ops import flags  # noqa: E402
+from nanomega.job import flags  # noqa: E402
 from nanomega import compose, dist, train  # noqa: E402
 
 

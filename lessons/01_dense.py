@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from check import check
 from nanomega.formulas import model_flops_per_token as flops_per_token
 from nanomega.model import GPT, GPTConfig
-from nanomega.ops import meter
+from nanomega.job import meter
 
 torch.manual_seed(0)
 cfg = GPTConfig(vocab_size=4096, block_size=128, n_layer=4, n_head=4, n_embd=128)

@@ -14,7 +14,7 @@ from check import check  # noqa: E402
 from nanomega import formulas  # noqa: E402
 from nanomega.model import GPT, GPTConfig  # noqa: E402
 from nanomega.modern import Rotary, ffn_hidden, rms_norm  # noqa: E402
-from nanomega.ops.presets import PRESETS  # noqa: E402
+from nanomega.job.presets import PRESETS  # noqa: E402
 
 torch.manual_seed(0)
 torch.set_num_threads(1)

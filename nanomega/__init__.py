@@ -41,10 +41,10 @@ its formulas and its lesson:
                       window)
 
 Beside the concepts, two folders a student may skip:
-    ops/    running a job: flags and their checks, failure handling, health check, meter (MFU,
+    job/    running a job: flags and their checks, failure handling, health check, meter (MFU,
             memory)
     tools/  commands around training: planner, HF interchange, plots, sampling, corpus and tokenizer
             preparation
-Imports point down: tools -> ops -> concepts; model.py imports only modern.py and moe.py (the
+Imports point down: tools -> job -> concepts; model.py imports only modern.py and moe.py (the
 block's pieces) and seams.py (its op table).
 """

@@ -63,7 +63,7 @@ def _index(state):
 
 def save(out_dir, step, cfg, state, grid, layout=None, wrap=None, keep=None):
     """Every rank calls this with its own `state`; returns the checkpoint folder once the manifest
-    exists. wrap(file): what torch.save writes the shard through (ops/guard.py: the hang watchdog
+    exists. wrap(file): what torch.save writes the shard through (job/guard.py: the hang watchdog
     counts its writes). keep(folder): called once this rank's shard is written, before the manifest
     (flash.py: a copy in memory)."""
     folder = write_shard(out_dir, step, state, grid.rank, wrap)

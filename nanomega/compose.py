@@ -15,7 +15,7 @@ import torch
 
 from nanomega import cp, ep, fused, meta, pp, precision, recompute, rng, tp, zero
 from nanomega.model import GPT
-from nanomega.ops import flags
+from nanomega.job import flags
 
 
 def build(config, grid):

@@ -51,7 +51,7 @@ VAL_FRACTION = 0.05
 SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz")
 # bump when the on-disk layout or the split rule changes: old cache folders are then ignored
 FORMAT = 1
-# a folder being prepared (one killed mid-way: ops/faults.py:clean_tmp removes it)
+# a folder being prepared (one killed mid-way: job/faults.py:clean_tmp removes it)
 TMP = ".{name}.tmp-{host}-{pid}-"
 # Chunks for the tokenizer end after a single "\n" between two non-space characters: GPT-2's and
 # cl100k's patterns both end a pre-token there whatever follows, so chunked encoding equals

@@ -32,7 +32,7 @@ from .seams import LayerNorm, Linear, Ops, call, in_order, layer_norm
 
 
 # The model's shape: the GPTConfig fields a checkpoint, a preset and the planner agree on
-# (checkpoint.py, ops/presets.py, tools/cost.py, tools/hf.py read them here). Dropout, attention and
+# (checkpoint.py, job/presets.py, tools/cost.py, tools/hf.py read them here). Dropout, attention and
 # the vocabulary padding (set by --tp, undone by resharding) are not part of it.
 SIZES = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
 SHAPE_KEYS = SIZES + (
@@ -142,7 +142,7 @@ class GPTConfig:
             for k in ("rope_theta", "rope_scaling", "norm_eps")
             if not 0 < getattr(self, k) < math.inf
         ]
-        # NaN fails both comparisons; the flags' table (ops/ranges.py) says this first, an HF config
+        # NaN fails both comparisons; the flags' table (job/ranges.py) says this first, an HF config
         # here
         if bad:
             raise ValueError(

@@ -5,7 +5,7 @@
 
 Read top-down: main -> train, the recipe (check the Config -> claim the out-dir -> find the
 checkpoint -> start -> data -> compose.build -> resume -> loop) -> train_step -> forward_backward
--> evaluate; the helpers below them. The policies around the loop live in nanomega/ops/, each
+-> evaluate; the helpers below them. The policies around the loop live in nanomega/job/, each
 named: flags.Config and checks.check (the flags; a bad one refused, pure), faults (the out-dir
 lock, resume discovery, preemption), guard.Guard (a step's failure policy: hang watchdog,
 --inject-fault, spikes, NaN), saves (when to checkpoint, restore, roll back), meter.MetricsLog
@@ -33,8 +33,8 @@ if __package__ in (None, ""):  # `python nanomega/train.py`: make the package im
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanomega import compose, data, dist, documents, flash, moe, pp, precision, schedules, windows
-from nanomega.ops import checks, faults, flags, health, lifecycle, meter, saves
-from nanomega.ops.guard import Guard, Spikes
+from nanomega.job import checks, faults, flags, health, lifecycle, meter, saves
+from nanomega.job.guard import Guard, Spikes
 from nanomega.tools import corpus, preflight
 
 
@@ -43,7 +43,7 @@ def main(argv=None):
     world of one) is ended after a clean end (dist.shutdown; NCCL warns about communicators left at
     exit); a launcher's (tests: worlds.launch) is left to it, and after an error the entrypoint
     still needs the store (lifecycle.lost_ranks)."""
-    # the command line, read once into a frozen Config (nanomega/ops/flags.py)
+    # the command line, read once into a frozen Config (nanomega/job/flags.py)
     config = flags.parse(argv)
     if config.dry_run:
         return preflight.dry_run(config)  # rank --rank built on paper (tools/preflight.py)
@@ -170,7 +170,7 @@ def train(config):
 def train_step(step, *, config, model, engine, grid, sampler, train_set, scaler, guard, metrics):
     """One optimizer step: lr(step) -> this dp rank's micro-batches -> forward/backward -> the
     loss agreed over dp and the gradient norm, read together (the one host sync before the
-    update) -> engine.step. The guard decides around it (nanomega/ops/guard.py): beats,
+    update) -> engine.step. The guard decides around it (nanomega/job/guard.py): beats,
     --inject-fault, the spike decision, --on-nan. Returns (metrics row, spike)."""
     # the learning rate and this dp rank's micro-batches
     t0 = time.perf_counter()
@@ -353,7 +353,7 @@ def start(config, cfg):
         print(
             f"--model {config.model}: {cfg.arch}, n_layer {cfg.n_layer}, n_head {cfg.n_head}"
             f"{llama}, n_embd {cfg.n_embd}, block_size {cfg.block_size} "
-            f"(nanomega/ops/presets.py; explicit shape flags override it)"
+            f"(nanomega/job/presets.py; explicit shape flags override it)"
         )
     return grid
 

@@ -405,7 +405,7 @@ class ZeroEngine:
         """reduce() (unless the caller did, and passes its norm read on the host), global norm,
         clip, step the owned pieces, write the parameters back (all-gather for stages 1-2), zero the
         gradients. -> dict(grad_norm, stepped, finite). skip=True drops the update (a loss spike,
-        ops/guard.Spikes) like a non-finite one. check_finite=False: the masters' finite check is
+        job/guard.Spikes) like a non-finite one. check_finite=False: the masters' finite check is
         the caller's (nonfinite_masters, no host sync; train.py votes on it at the step boundary):
         the weights are written back regardless."""
         if norm is None:

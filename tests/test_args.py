@@ -1,5 +1,5 @@
 """Bad configurations are refused on every rank before any collective: one clear line each, < 10 s;
-each flag is declared once (ops/flags.py:Config); the parser and the range table come from that."""
+each flag is declared once (job/flags.py:Config); the parser and the range table come from that."""
 
 import dataclasses
 import subprocess
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nanomega.model import GPTConfig
-from nanomega.ops import checks, flags
+from nanomega.job import checks, flags
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,7 +88,7 @@ BAD = [
     ),
 ]
 
-# issue 28: every numeric flag finite and in range (nanomega/ops/ranges.py); inf and NaN passed the
+# issue 28: every numeric flag finite and in range (nanomega/job/ranges.py); inf and NaN passed the
 # old checks (`lr > 0`, `weight_decay < 0`) and made every weight non-finite, or overflowed
 # timedelta / the seed
 NUMBERS = [
@@ -220,7 +220,7 @@ def test_cli_refuses_an_infinite_timeout_in_one_line(tmp_path):
 
 
 def test_model_preset_sets_the_shape_and_explicit_flags_override():
-    from nanomega.ops.presets import PRESETS
+    from nanomega.job.presets import PRESETS
 
     a = flags.parse(["--model", "gpt2-124m"])
     assert (a.n_layer, a.n_head, a.n_embd, a.block_size, a.alibi) == (12, 12, 768, 1024, False)

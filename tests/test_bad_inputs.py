@@ -212,7 +212,7 @@ def test_bad_tool_input_is_one_line(tmp_path, argv, want):
     assert time.perf_counter() - t0 < 20 and sorted(tmp_path.iterdir()) == []
 
 
-# The pure checks (ops/checks.py), in-process: each refusal is one ValueError line naming the flag,
+# The pure checks (job/checks.py), in-process: each refusal is one ValueError line naming the flag,
 # raised before any collective (a row costs milliseconds; TRAIN above shows, once per kind, that
 # such a line is what rank 0 prints and rank 1 keeps quiet). (flags after TINY, WORLD_SIZE, the
 # line)
@@ -237,7 +237,7 @@ CHECKS = [
 
 @pytest.mark.parametrize("extra,world,want", CHECKS, ids=[" ".join(e) for e, _, _ in CHECKS])
 def test_bad_moe_flags_are_one_line_from_the_checks(extra, world, want, monkeypatch):
-    from nanomega.ops import checks, flags
+    from nanomega.job import checks, flags
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     with pytest.raises(ValueError) as refused:

@@ -517,7 +517,7 @@ def test_cp_checkpoint_resumes_bitwise_and_under_cp1(trained, corpus):
     ],
 )
 def test_train_flags_refused_before_any_collective(argv, message, monkeypatch, tmp_path):
-    from nanomega.ops import checks, flags
+    from nanomega.job import checks, flags
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ValueError) as err:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as td
 
 from nanomega import dist, train, worlds
-from nanomega.ops import lifecycle
+from nanomega.job import lifecycle
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CORPUS_CHARS = 50_000  # of the embedded corpus, for conftest's `corpus`

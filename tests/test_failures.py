@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega.ops import checks, faults, flags
+from nanomega.job import checks, faults, flags
 from nanomega import async_checkpoint, checkpoint, data, dist, reshard, train
 from nanomega.tools import sample
-from nanomega.ops import health
+from nanomega.job import health
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -298,7 +298,7 @@ def test_second_job_on_an_out_dir_is_refused(corpus, tmp_path):
         [
             sys.executable,
             "-c",
-            "import sys, time; from nanomega.ops import lock; "
+            "import sys, time; from nanomega.job import lock; "
             "lock.lock_out_dir(sys.argv[1]); print('locked', flush=True); time.sleep(60)",
             str(out),
         ],
@@ -344,7 +344,7 @@ def _lock_as(out, run_id, then, agent_env=None):
         TORCHELASTIC_MAX_RESTARTS="1",
     )
     code = (
-        f"import os, sys; from nanomega.ops import lock\ntry:\n    lock.lock_out_dir(sys.argv[1])\n"
+        f"import os, sys; from nanomega.job import lock\ntry:\n    lock.lock_out_dir(sys.argv[1])\n"
         f"except ValueError as e:\n    print(e)\n    sys.exit(2)\n{then}"
     )
     return subprocess.run(
@@ -654,7 +654,7 @@ def test_health_check_names_the_slow_rank(tmp_path):
             "--standalone",
             "--nproc_per_node=2",
             "-m",
-            "nanomega.ops.health",
+            "nanomega.job.health",
             "--slow-rank",
             "1",
             "--ranks-as-hosts",
@@ -806,7 +806,7 @@ def test_a_long_save_is_not_a_hang_while_another_rank_writes(tmp_path, monkeypat
     and waits at the manifest's barrier. This rank waits (no writes of its own) while a second
     thread plays a rank still writing, a write counted every 0.1 s for 3 s, three --hang-timeouts of
     1 s: no report. Then the writer stops (frozen): a report after about one timeout."""
-    from nanomega.ops import guard
+    from nanomega.job import guard
 
     store = torch.distributed.HashStore()
     monkeypatch.setattr(dist, "store", lambda: store)
@@ -845,7 +845,7 @@ def test_the_watchdog_is_armed_after_the_first_step(tmp_path, monkeypatch):
     cold --compile on ranks sharing cores (minutes) ended the job as a hang. Now it is armed once
     the first step's backward is done: 3 silent timeouts before it, no report; after it, a report
     within about one timeout."""
-    from nanomega.ops import guard
+    from nanomega.job import guard
 
     monkeypatch.setattr(dist, "store", lambda: torch.distributed.HashStore())
     reports = []

@@ -121,7 +121,7 @@ def test_one_vote_per_step_boundary(grid, tmp_path, monkeypatch):
     flight). Now one vote carries all three, and the weights' finite check after the update: one
     all-reduce per axis (3: tp, pp, dp), one .tolist()."""
     from nanomega.model import GPTConfig
-    from nanomega.ops import saves
+    from nanomega.job import saves
 
     calls = []
     real = dist.Axis.all_reduce

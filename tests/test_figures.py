@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nanomega.ops import checks, flags
+from nanomega.job import checks, flags
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+\.png)\)")

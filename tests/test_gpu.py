@@ -478,7 +478,7 @@ def test_a_rank_built_on_cuda_holds_the_cpu_build_bitwise(extra, world):
     rank equals the CPU build of the same rank, bitwise (no collective: meta.PaperGrid stands for
     the rank)."""
     from nanomega import meta, train as trainer
-    from nanomega.ops import checks, flags
+    from nanomega.job import checks, flags
 
     for rank in range(world):
         config = checks.check(

@@ -1,6 +1,6 @@
 """The house rules, checked on the source (no training, a few seconds): the tree is formatted and
 linted (ruff, pyproject.toml's [tool.ruff]); imports point one way (no cycle; model.py imports only
-its block's pieces; ops/ never imports tools/); no private name is used across modules; a module
+its block's pieces; job/ never imports tools/); no private name is used across modules; a module
 holds at most MAX_CODE_LINES lines of code; only dist.py calls torch.distributed's collectives
 (every byte is counted by an Axis). Each rule fails on the code it forbids: see the test beside
 each."""
@@ -127,15 +127,15 @@ def test_imports_point_down():
         "the C++ loader stands alone: the engine's host Adam (cpu_adam.py) reaches it without the model"
     )
     for name, deps in g.items():
-        if name.startswith("nanomega.ops."):
+        if name.startswith("nanomega.job."):
             assert not {d for d in deps if d.startswith("nanomega.tools.")}, (
                 f"{name} imports tools/: {deps}"
             )
         # a concept imports concepts only; the composition and the loop (compose.py, train.py) read
-        # the Config (ops/), and train.py calls tools/ (the preflight, the corpus)
+        # the Config (job/), and train.py calls tools/ (the preflight, the corpus)
         if name.count(".") == 1 and name not in ("nanomega.train", "nanomega.compose"):
             assert not {d for d in deps if d.count(".") > 1}, (
-                f"{name} imports ops/ or tools/: {deps}"
+                f"{name} imports job/ or tools/: {deps}"
             )
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from nanomega import compose, cp, dist, fused, moe, recompute, seams, tp, train, worlds
 from nanomega.model import GPT, GPTConfig
-from nanomega.ops import checks, flags
+from nanomega.job import checks, flags
 
 REAL = F.linear
 SHAPE = [

@@ -12,8 +12,8 @@ import torch
 
 from nanomega import compose, meta, pp, tp, train, zero
 from nanomega.model import GPT, GPTConfig, INIT_BLOCK, draw
-from nanomega.ops import checks, flags
-from nanomega.ops.presets import PRESETS
+from nanomega.job import checks, flags
+from nanomega.job.presets import PRESETS
 from test_layouts import COMMON, LAYOUTS_4, LAYOUTS_8
 
 

@@ -1,4 +1,4 @@
-"""MFU and memory (nanomega/ops/meter.py) as the trainer reports them, and the host syncs of a
+"""MFU and memory (nanomega/job/meter.py) as the trainer reports them, and the host syncs of a
 step."""
 
 import collections
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nanomega import compose, dist, train
-from nanomega.ops import meter
+from nanomega.job import meter
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS_CHARS = 100_000  # of the embedded corpus, for conftest's `corpus`
@@ -198,5 +198,5 @@ def test_host_syncs_per_step(corpus, tmp_path, monkeypatch):
     per_step = {site: n for site, n in per_step.items() if n}
     assert per_step == {
         ("tolist", "train.py", "train_step"): 1,
-        ("tolist", "ops/lifecycle.py", "grid_votes"): 1,
+        ("tolist", "job/lifecycle.py", "grid_votes"): 1,
     }, per_step

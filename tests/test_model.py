@@ -7,7 +7,7 @@ import torch
 
 from nanomega.formulas import model_flops_per_token as flops_per_token
 from nanomega.model import GPT, GPTConfig, alibi_slopes
-from nanomega.ops.flags import parse
+from nanomega.job.flags import parse
 from nanomega.train import lr_at
 from tolerance import gamma
 

@@ -27,7 +27,7 @@ import torch
 
 from nanomega import compose, dist, formulas, moe, tp, train, worlds
 from nanomega.model import GPT
-from nanomega.ops import flags
+from nanomega.job import flags
 from tolerance import layout_rtol
 
 STEPS, SEQ, GLOBAL, VOCAB = 3, 16, 8, 256

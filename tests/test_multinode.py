@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from nanomega import dist, train, worlds
-from nanomega.ops import checks, lifecycle
+from nanomega.job import checks, lifecycle
 from tolerance import layout_rtol
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from nanomega import data
-from nanomega.ops import faults, lifecycle
+from nanomega.job import faults, lifecycle
 
 FORMAT = 1
 VAL_EVERY = 20  # documents 0, 20, 40, ... are validation: 5%, and never fewer than one

@@ -32,7 +32,7 @@ from nanomega.formulas import (
     zero_state_bytes,
 )
 from nanomega.model import SHAPE_KEYS, GPTConfig
-from nanomega.ops.presets import PRESETS
+from nanomega.job.presets import PRESETS
 from nanomega.pp import chunk_layers
 
 

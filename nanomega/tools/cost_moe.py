@@ -4,7 +4,7 @@ An MoE block (moe.py) holds E SwiGLU experts but runs each token through k of th
 ones), so per token it costs what a dense Llama block with a (k + shared) f wide MLP costs, while it
 holds the state of E experts, E/ep per GPU under expert parallelism (ep.py), plus two all-to-alls
 per layer. So a layout's estimate is tools/cost.py's for that dense stand-in, corrected where the
-experts differ; like the trainer (ops/checks.py), it refuses SP, ZeRO-3 and offload with experts.
+experts differ; like the trainer (job/checks.py), it refuses SP, ZeRO-3 and offload with experts.
 
 Formulas:
     parameters  total: cost.n_params (cost.block_params counts all E experts); active per token:

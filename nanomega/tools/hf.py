@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from nanomega import checkpoint, data, reshard
-from nanomega.ops import faults, lifecycle
+from nanomega.job import faults, lifecycle
 from nanomega.model import GPT, SHAPE_KEYS, SIZES, GPTConfig
 from nanomega.tools import hf_moe, tokenizer
 from nanomega.tools.hf_llama import llama_config

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 
 from nanomega import schedules
-from nanomega.ops import lifecycle
+from nanomega.job import lifecycle
 
 
 def read_run(out):

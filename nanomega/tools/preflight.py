@@ -18,7 +18,7 @@ import torch
 
 from nanomega import compose, dist, meta
 from nanomega.model import SHAPE_KEYS
-from nanomega.ops import checks, flags
+from nanomega.job import checks, flags
 from nanomega.tools import cost, cost_moe
 
 

@@ -18,7 +18,7 @@ if __package__ in (None, ""):  # `python nanomega/tools/sample.py`: make the pac
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from nanomega import checkpoint, data, moe, reshard
-from nanomega.ops import faults, lifecycle
+from nanomega.job import faults, lifecycle
 from nanomega.model import GPT
 
 

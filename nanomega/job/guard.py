@@ -5,7 +5,7 @@ step).
 Every rank must take the same decision at the same step, or the next collective hangs; so each
 decision is made from a value all ranks share (the loss agreed over dp, a reduced grad norm) or by a
 vote: hangs (Watchdog), NaN/inf and divergence (Skips), loss spikes (Spikes), and the faults tests
-inject (--inject-fault, inject_fault, poisoned). The job's half: nanomega/ops/faults.py.
+inject (--inject-fault, inject_fault, poisoned). The job's half: nanomega/job/faults.py.
 Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
 """
 
@@ -19,7 +19,7 @@ import threading
 import time
 
 from nanomega import dist
-from nanomega.ops import faults, lifecycle
+from nanomega.job import faults, lifecycle
 
 
 class Guard:

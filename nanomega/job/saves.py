@@ -11,7 +11,7 @@ Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks
 import time
 
 from nanomega import async_checkpoint, checkpoint, flash, moe, reshard, rng
-from nanomega.ops import faults, lifecycle
+from nanomega.job import faults, lifecycle
 
 
 def layout(config, tokenizer_sha256):

@@ -6,7 +6,7 @@ Idea: at scale a rank is preempted, orphaned or cut off routinely; each ends the
     orphans     a worker asks the kernel for SIGKILL when its torchrun agent dies (PDEATHSIG)
     job         around train.main: watchdogs stopped, handlers restored, the out-dir lock released
     errors      one line per expected failure (entrypoint); lost hosts named via the store
-Where a job starts from (the out-dir, the checkpoint to resume) is ops/faults.py.
+Where a job starts from (the out-dir, the checkpoint to resume) is job/faults.py.
 Lesson: lessons/10-checkpoints-and-failures.md
 """
 
@@ -24,8 +24,8 @@ import torch
 import torch.distributed as tdist
 
 from nanomega import dist, flash
-from nanomega.ops import lock
-from nanomega.ops.faults import rank, say
+from nanomega.job import lock
+from nanomega.job.faults import rank, say
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

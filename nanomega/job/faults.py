@@ -6,7 +6,7 @@ Every failure must cost at most one checkpoint interval and never a silent loss:
 (find_checkpoint; under --flash-restore settle() puts each rank's own check to one vote); workers
 die with their torchrun agent; preemption is agreed at a step boundary (grid_agrees); one-line
 errors. The step's half (hangs, NaN, divergence, loss spikes, --inject-fault):
-nanomega/ops/guard.py.
+nanomega/job/guard.py.
 
 Formula: a job of N ranks, each failing with probability p per hour, survives an hour with (1-p)^N.
 Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
@@ -19,7 +19,7 @@ import socket
 import sys
 
 from nanomega import checkpoint, data, flash
-from nanomega.ops import lock
+from nanomega.job import lock
 
 
 def rank():

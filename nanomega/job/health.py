@@ -6,7 +6,7 @@ its compute (a timed matmul against the median), its correctness (an exact known
 its links (an all-reduce per grid axis; between hosts, DLRover's pairing: find_bad_hosts). A table
 on the last rank, and a non-zero exit naming the bad rank or host.
 
-    torchrun --nproc_per_node=2 -m nanomega.ops.health      # alone
+    torchrun --nproc_per_node=2 -m nanomega.job.health      # alone
     torchrun ... nanomega/train.py --health-check ...        # before training
 
 Formula: bus bandwidth = 2(n-1)/n x bytes / seconds (the ring's traffic).

@@ -2,10 +2,10 @@
 beside it.
 
 Idea: a field of Config is a flag. Its declaration says everything about it: its section (one group
-of `--help`), default, help, range (ops/ranges.py) and whether the model's shape (model.GPTConfig)
+of `--help`), default, help, range (job/ranges.py) and whether the model's shape (model.GPTConfig)
 takes it.
 The parser, the range table and `model_config` are generated from the declarations. `parse` reads
-the command line once (frozen: no module rewrites a flag later); ops/checks.py refuses a bad Config
+the command line once (frozen: no module rewrites a flag later); job/checks.py refuses a bad Config
 before any collective and fills in the derived values (dp = world / (tp x pp x cp), the vocabulary,
 ...).
 Lesson: lessons/09-3d-parallelism.md
@@ -18,8 +18,8 @@ import sys
 import typing
 
 from nanomega.model import GPTConfig
-from nanomega.ops import presets
-from nanomega.ops.ranges import MAX_SEED, MAX_TIMEOUT, above, at_least
+from nanomega.job import presets
+from nanomega.job.ranges import MAX_SEED, MAX_TIMEOUT, above, at_least
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 
@@ -63,7 +63,7 @@ class Config:
     # the model's shape (model.GPTConfig), or a preset's
     model: str | None = MODEL(
         None,
-        "a preset shape from nanomega/ops/presets.py (gpt2-124m, ...); shape flags given explicitly "
+        "a preset shape from nanomega/job/presets.py (gpt2-124m, ...); shape flags given explicitly "
         "override it; the vocabulary stays the tokenizer's",
     )
     n_layer: int = MODEL(4, "transformer blocks", at_least(1), model=True)
@@ -329,7 +329,7 @@ class Config:
     )
     health_check: bool = FAILURES(
         False,
-        "check every rank's compute and links first (nanomega/ops/health.py); a bad rank stops "
+        "check every rank's compute and links first (nanomega/job/health.py); a bad rank stops "
         "the job with one line",
     )
     inject_fault: str | None = FAILURES(
