@@ -1,22 +1,9 @@
-"""Data: text -> token ids on disk (once) -> windows -> a deterministic, resumable stream of global
-batches.
+"""Data: text -> token ids on disk, once (windows.py reads them as windows and batches).
 
 The corpus is tokenized once into flat `train.bin` / `val.bin` arrays in a cache keyed by the corpus
-and tokenizer hashes, read through a memmap; the validation split is held-out text, the last ~5%. A
-sample is a window of block_size+1 tokens, and the order of the windows depends only on (seed,
-step): a resumed run sees the batches an uninterrupted one would, and each data-parallel rank
-computes its own share without communicating. Sharded corpora (tools/corpus.py) read as one sequence
-of windows.
-
-Formulas (T = block_size, N tokens in a split, B = global batch, d = dp size, m = micro batch,
-          a = grad accum):
-    window i      = tokens[i*T : i*T + T + 1]
-                    (stride T: windows share one token, so every token but the first is a target
-                    exactly once per epoch; the last (N-1) % T tokens are unused)
-    n_windows     = (N - 1) // T
-    stream        = perm_0 ++ perm_1 ++ ...,  perm_e = default_rng([seed, e]).permutation(n_windows)
-    step k        = stream[k*B : (k+1)*B],  B = m * a * d
-    dp rank r     = step k [r*m*a : (r+1)*m*a], cut into a micro-batches of m windows
+and tokenizer hashes, read through a memmap; the validation split is held-out text, the last ~5%.
+Sharded corpora (tools/corpus.py) are indexed here (load_index, split_paths) and read by
+windows.TokenDataset as one sequence of windows.
 Lesson: lessons/01-dense-model.md
 """
 

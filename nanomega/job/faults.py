@@ -1,12 +1,11 @@
-"""Failures at scale, the job's half: what a month-long run meets around its steps (OPT-175B's and
-BLOOM's logbooks).
+"""Failures at scale, the out-dir's half: one job per out-dir and the checkpoint to resume from
+(OPT-175B's and BLOOM's logbooks).
 
 Every failure must cost at most one checkpoint interval and never a silent loss: one job per out-dir
 (claim_out_dir, lock.py); resume from the newest verified checkpoint, chosen before any collective
-(find_checkpoint; under --flash-restore settle() puts each rank's own check to one vote); workers
-die with their torchrun agent; preemption is agreed at a step boundary (grid_agrees); one-line
-errors. The step's half (hangs, NaN, divergence, loss spikes, --inject-fault):
-nanomega/job/guard.py.
+(find_checkpoint; under --flash-restore settle() puts each rank's own check to one vote). The job's
+life (workers die with their agent, preemption agreed at a step boundary, one-line errors):
+job/lifecycle.py; the step's half (hangs, NaN, divergence, spikes, --inject-fault): job/guard.py.
 
 Formula: a job of N ranks, each failing with probability p per hour, survives an hour with (1-p)^N.
 Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md

@@ -1,23 +1,10 @@
-"""What one layout costs on one cluster: memory per GPU, bytes per step, step time, FLOP/s and days.
+"""What one layout holds: the model's shape, the GPUs and runs, parameters and memory per GPU.
 
 Puts the closed forms of formulas.py together for a model shape, a GPU and a tp x pp x dp x ZeRO
-layout (the trainer's: pp.stage_layers, dist.Grid's rank order). It is a model, not a measurement;
-tools/plan.py searches the layouts with it and is the command line. Memory is the heaviest stage's
-(fits if <= usable (0.9) x GPU memory); time is paced by the slowest stage, with no overlap (as
-Megatron-LM 2021). Blocks: GPT-2, Llama, Llama + experts (cost_moe.py).
-
-Formulas (one set of constants, TIME, fitted on published runs):
-    step       (one micro-batch through the slowest stage + its pipeline sends)
-               x (m + (p-1)/v) slots + dp bytes / link
-    a layer    matmul FLOPs / (peak x MATMUL)
-               + (ELEM bytes x bsh [/t with SP] + SCORE bytes x b(a/t)s^2) / HBM bandwidth
-               + tp bytes / NVLink
-               matmul FLOPs: Llama q, o 2h^2, k, v 2h^2 n_kv/a, SwiGLU 3hf; GPT-2 12h^2;
-               Run.attention "sdpa" (FlashAttention): no SCORE term, but its backward recomputes
-               QK^T (2bs^2h/t more matmul FLOPs)
-    report     TFLOP/s per GPU counting recompute (Megatron's eq. 3 accounting, as papers report
-               it);
-               MFU = tokens x (6N + 12Lhs) / (step x GPUs x datasheet peak); days with the ramp-up
+layout (the trainer's: pp.stage_layers, dist.Grid's rank order). It is a model, not a measurement.
+Memory is the heaviest stage's (fits if <= usable (0.9) x GPU memory). The step time, FLOP/s and
+days: tools/cost_time.py; the search over layouts: tools/layouts.py; the command line:
+tools/plan.py. Blocks: GPT-2, Llama, Llama + experts (cost_moe.py).
 Lesson: lessons/11-planning-a-run.md
 """
 

@@ -7,6 +7,9 @@ plus the data-parallel bytes over their link (no overlap, as Megatron-LM 2021); 
             + (ELEM x bsh [/t with SP] + SCORE x b(a/t)s^2) / HBM bandwidth
     step  = (m + (p-1)/v) x (slowest stage + its sends / link) + dp bytes / link [+ offload]
     MFU   = tokens x (6N + 12Lhs) / (step x GPUs x datasheet peak)
+matmul FLOPs: Llama q, o 2h^2, k, v 2h^2 n_kv/a, SwiGLU 3hf; GPT-2 12h^2. Run.attention "sdpa"
+(FlashAttention): no SCORE term, but its backward recomputes QK^T (2bs^2h/t more matmul FLOPs).
+TFLOP/s per GPU is reported counting recompute (Megatron's eq. 3 accounting, as papers report it).
 Lesson: lessons/11-planning-a-run.md
 """
 
