@@ -93,8 +93,11 @@ class AsyncSaver:
             if job is not None:
                 # waits; re-raises the writer's error (OSError: disk full ...) on this thread
                 job.result()
+
         if shard is None:
             return None
+
+        # the manifest: here, or on the writer thread once the shard is on disk (rank 0)
         folder = os.path.join(self.out_dir, "ckpt", f"step_{self.step:06d}")
         if not background:
             checkpoint.write_manifest(

@@ -115,6 +115,7 @@ def manifest_and_pointer(out_dir, folder, step, cfg, world, layout):
     shards = sorted(f for f in os.listdir(folder) if f.startswith("rank_") and f.endswith(".pt"))
     # write_shard's
     made = {f: json.load(open(os.path.join(folder, f[:-3] + ".json"))) for f in shards}
+
     manifest = dict(
         step=step,
         config=dataclasses.asdict(cfg),
@@ -124,6 +125,8 @@ def manifest_and_pointer(out_dir, folder, step, cfg, world, layout):
         sizes={f: m["size"] for f, m in made.items()},
         pieces={f: m["pieces"] for f, m in made.items()},
     )
+
+    # the manifest first, then the pointer to its folder
     replace_atomically(
         os.path.join(folder, "manifest.json"), write_text(json.dumps(manifest, indent=1))
     )
@@ -201,11 +204,14 @@ def read_manifest(folder, cfg, verify=None):
             f"--resume: the checkpoint in {folder} is for another model shape: {', '.join(diff)}; "
             f"use the same model flags or another --out-dir"
         )
+
     if len(manifest["shards"]) != manifest["world"]:
         raise CorruptCheckpoint(
             f"{folder}: the manifest lists {len(manifest['shards'])} shards for a world of "
             f"{manifest['world']}"
         )
+
+    # each shard: present, its size, and (those in verify) its checksum and finite values
     sizes = manifest.get("sizes", {})
     for name, digest in manifest["shards"].items():
         path = os.path.join(folder, name)
@@ -308,11 +314,13 @@ def retain(out_dir, keep_last, protect=(), upto=None):
     complete = [f for _, f in folders if os.path.isfile(os.path.join(f, "manifest.json"))]
     if not complete:
         return []
+
     newest = int(os.path.basename(complete[0])[5:])
     keep = set(complete[:keep_last]) | {os.path.abspath(p) for p in protect if p} | set(protect)
     gone = [
         f for s, f in folders if s < newest and f not in keep and os.path.abspath(f) not in keep
     ]
+
     for folder in gone:
         shutil.rmtree(folder)
     if gone:

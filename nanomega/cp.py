@@ -189,6 +189,7 @@ def attend_backward(saved, kv, src, layout, scale, dq):
     s_local, hd)."""
     q, out, dout, lse, delta = saved
     c, dkv = layout.c, torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+
     for a, b, mask in layout.pairs(src, q.device):
         dqa, dk, dv = pair_backward(
             _slot(q, a, c),
@@ -249,6 +250,7 @@ class RingAttention(torch.autograd.Function):
             torch.zeros(q.shape, dtype=torch.float32, device=q.device),
             None,
         )
+
         # K/V go round again (model dtype); their gradient (acc, fp32) one step behind them
         for t in range(n):
             # matched in order per peer
@@ -270,6 +272,7 @@ class RingAttention(torch.autograd.Function):
             acc = mine
             if t < n - 1:
                 kv = recvs[0]
+
         # after cp steps each block's gradient is complete one rank before home: one last hop
         if n > 1:
             home = torch.empty_like(acc)
@@ -396,6 +399,7 @@ def check(cfg, cp, method, tp=1):
     """One line for what this context parallelism cannot do, raised before any collective."""
     if method not in METHODS:
         raise ValueError(f"--cp-method {method!r} is not one of {', '.join(METHODS)}")
+
     if cp > 1 and cfg.block_size % (2 * cp):
         raise ValueError(
             f"--cp {cp} needs --block-size {cfg.block_size} divisible by 2 x cp = {2 * cp} "
@@ -406,6 +410,7 @@ def check(cfg, cp, method, tp=1):
             "--cp with --alibi or --dropout > 0: the context-parallel attention core has no ALiBi "
             "bias and no attention dropout; leave them out"
         )
+
     # this rank's key/value heads (tp replicates a group when tp > n_kv)
     kv = max(1, cfg.kv_heads // tp)
     if cp > 1 and method == "ulysses" and (cfg.n_head // tp % cp or kv % cp):

@@ -113,13 +113,17 @@ def reference_step(
     a bf16 tensor that receives the new param."""
     c = coefficients(lr, beta1, beta2, eps, weight_decay, step, grad_scale)
     p, g = param, grad * c["grad_scale"]  # times 1.0: the same bits
+
     if decoupled:
         p = param * c["decay"]
     else:
         g = g + c["l2"] * param
+
     m = c["beta1"] * exp_avg + c["one_minus_beta1"] * g
     v = c["beta2"] * exp_avg_sq + c["one_minus_beta2"] * (g * g)
     denom = sqrt_rounded(v) / c["bc2_sqrt"] + c["eps"]
+
+    # write back: the weights, the moments, and the bf16 copy
     param.copy_(p - (c["step_size"] * m) / denom)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
@@ -168,6 +172,8 @@ def adam_step(
             out=out,
         )
         return "pytorch"
+
+    # the C++ kernel
     return ext.adam_step(
         param,
         grad,
@@ -227,6 +233,7 @@ class CPUAdamW(torch.optim.Optimizer):
         ):
             if not ok:
                 raise ValueError(f"CPUAdamW: invalid {name} {value!r}")
+
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -264,6 +271,7 @@ class CPUAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+
         for i, group in enumerate(self.param_groups):
             # only a loaded torch state dict can bring these
             if group.get("amsgrad") or group.get("maximize"):
@@ -282,12 +290,15 @@ class CPUAdamW(torch.optim.Optimizer):
                         f"{grad.dtype}{' sparse' if grad.is_sparse else ''} tensor; CPUAdamW needs "
                         f"dense float32 CPU gradients"
                     )
+
                 state = self.state[p]
                 # as torch.optim.AdamW's for-loop and foreach paths: step a 0-d fp32 CPU tensor
                 if not state:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+
+                # the step: one pass of the kernel over p and its state
                 state["step"] += 1
                 adam_step(
                     p,

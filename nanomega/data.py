@@ -73,6 +73,7 @@ def get_tokenizer(name: str = "shakespeare-4k") -> tiktoken.Encoding:
                 else "pass an existing file (base64 token and rank per line)"
             )
             raise FileNotFoundError(f"--tokenizer: file {path} is missing; {fix}")
+
         # expected_hash also keeps tiktoken from returning a stale copy from its
         # path-keyed /tmp cache
         ranks = load_tiktoken_bpe(str(path), expected_hash=sha256_file(path))
@@ -83,6 +84,8 @@ def get_tokenizer(name: str = "shakespeare-4k") -> tiktoken.Encoding:
             special_tokens={ENDOFTEXT: len(ranks)},
             explicit_n_vocab=len(ranks) + 1,
         )
+
+    # a tiktoken encoding by name
     if name not in tiktoken.list_encoding_names():
         raise ValueError(
             f"unknown --tokenizer {name!r}; choose shakespeare-4k, a .tiktoken file, or one of "
@@ -104,6 +107,7 @@ def read_corpus(path) -> str:
         raise FileNotFoundError(
             f"--corpus {path}: no such file; pass a .txt or .txt.gz file (default {DEFAULT_CORPUS})"
         )
+
     try:
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
         text = raw.decode("utf-8")
@@ -116,6 +120,7 @@ def read_corpus(path) -> str:
         raise ValueError(
             f"--corpus {path} is not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8"
         ) from None
+
     if not text.strip():
         raise ValueError(f"--corpus {path} is empty; pass a file with text in it")
     return text

@@ -31,13 +31,17 @@ def start_equal(model, axis, init="verify", keep=lambda name: True):
     tensors = [p for k, p in model.named_parameters() if keep(k)] + [
         b for _, b in model.named_buffers()
     ]
+
     if axis.size == 1 or any(p.is_meta for p in model.parameters()):
         return
+
     if init == "broadcast":
         with torch.no_grad():
             for t in tensors:
                 axis.broadcast(t.data)
         return
+
+    # verify: every rank's 2 sums per tensor, gathered, against dp rank 0's
     sums = torch.stack(
         [
             torch.stack([t.detach().double().sum(), t.detach().double().square().sum()])
@@ -133,6 +137,7 @@ class GradBuckets:
         if not self._queued:  # once per backward: finish what is left when autograd is done
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
         buf, as_view = self._buffer(g, state)
         # autograd's own new tensor: accumulate it into the buffer, in grad_dtype
         if p.grad._base is not buf:
@@ -145,6 +150,7 @@ class GradBuckets:
             # dropped.
             keep = as_view and not self.to_params and p.dtype == self.grad_dtype
             p.grad = slot if keep else None
+
         if self._syncing():
             state.arrived.add(i)
             self._launch_ready(j)
@@ -189,11 +195,14 @@ class GradBuckets:
             for j, state in enumerate(self.progress):
                 if not state.launched:
                     self._reduce(j)
+
+        # wait for every reduction (the next backward adds into the same buffers), reset
         while self._pending:
             self._finish_one()
         for state in self.progress:
             state.arrived.clear()
             state.launched = False
+
         if self.to_params and synced:
             for g, state in zip(self.groups, self.progress):
                 if not g.split:

@@ -194,6 +194,7 @@ def layout(dp=1, pp=1, tp=1, cp=1, ep=1):
     world = dp * pp * cp * tp
     g = torch.arange(world).view(dp, pp, cp, tp)
     D, P, C, T = range(dp), range(pp), range(cp), range(tp)
+
     return {
         "tp": [g[d, p, c, :] for d in D for p in P for c in C],
         "cp": [g[d, p, :, t] for d in D for p in P for t in T],
@@ -242,6 +243,7 @@ class Grid:
         world, rank = dist.get_world_size(), dist.get_rank()
         check_layout(world, dp, pp, tp, cp, ep)
         self.world, self.rank, self.log, self.timeout = world, rank, CommLog(), world_timeout()
+
         self.groups = {}  # ranks -> process group
         replicas = {}  # the groups of dp and dp_cp -> their Axis
         for attr, slices in layout(dp, pp, tp, cp, ep).items():
@@ -252,6 +254,7 @@ class Grid:
             setattr(self, attr, axis or self._axis(SHORT.get(attr, attr), slices))
             if attr in ("dp", "dp_cp"):
                 replicas.setdefault(key, getattr(self, attr))
+
         self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = (
             self.dp.rank,
             self.pp.rank,
@@ -259,6 +262,7 @@ class Grid:
             self.tp.rank,
         )
         self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == pp - 1
+
         # the whole world (health, checks)
         self.all = Axis("all", dist.group.WORLD, range(world), rank, self.log)
         self.backend = dist.get_backend()

@@ -66,11 +66,13 @@ def dispatch_combine(x, experts, weights, keep, modules, n_experts, ep=None):
     if keep is not None:
         kept = keep.reshape(-1)
         token, expert, weight = token[kept], expert[kept], weight[kept]
+
     # expert-major, token order inside: the same on every layout
     order = torch.argsort(expert, stable=True)
     token, expert, weight = token[order], expert[order], weight[order]
     counts = torch.bincount(expert, minlength=n_experts)  # (E,) rows per expert
     rows = x[token]  # (n, h) permuted; its backward scatter-adds into x's gradient
+
     if ep is None or ep.size == 1:
         out = run_experts(rows, counts.tolist(), modules, 0)
     else:
@@ -86,6 +88,8 @@ def exchange(rows, counts, modules, ep):
     recv = torch.empty_like(send)  # (ep, E/ep): rows each rank sends for each of my experts
     ep.all_to_all(recv, send)
     in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+
+    # the rows to their experts' ranks
     got = AllToAll.apply(rows, ep, out_splits, in_splits)  # source-major, then my experts
     starts = (recv.flatten().cumsum(0) - recv.flatten()).view(ep.size, local).tolist()
     sizes = recv.tolist()
@@ -95,6 +99,7 @@ def exchange(rows, counts, modules, ep):
         for r in range(ep.size)
     ]
     regroup = torch.cat(regroup).to(rows.device) if regroup else torch.zeros(0, dtype=torch.long)
+
     out = run_experts(got[regroup], recv.sum(0).tolist(), modules, ep.rank * local)  # expert-major
     back = torch.empty_like(out).index_copy(0, regroup, out)  # source-major again
     return AllToAll.apply(back, ep, in_splits, out_splits)

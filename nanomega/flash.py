@@ -103,9 +103,11 @@ class Copies:
         for this job, one line."""
         if self.off is not None:
             return
+
         step = int(os.path.basename(ckpt_folder)[5:])
         shard = os.path.join(ckpt_folder, checkpoint.shard_name(self.rank))
         base = self.base(step)
+
         try:
             # write_shard's: sha256 and size of the bytes on disk
             made = json.load(open(shard[:-3] + ".json"))
@@ -113,6 +115,7 @@ class Copies:
             self.leftovers()
             self.prune()
             self.remove(step)  # a copy of this very step (a rollback saves a step again) is stale
+
             shutil.copyfile(shard, base + ".pt.tmp")
             if os.path.getsize(base + ".pt.tmp") != made["size"]:
                 raise OSError(f"the copy of {shard} is short")
@@ -165,9 +168,11 @@ class Copies:
         step, digest = manifest["step"], manifest["shards"].get(name)
         if name != checkpoint.shard_name(self.rank) or digest is None:
             return None  # another rank's shard (another layout): the disk
+
         # hashed already (look, then the restore): only this rank writes it
         if (step, digest) in self.verified:
             return self.verified[step, digest]
+
         base = self.base(step)
         try:
             made = json.load(open(base + ".json"))
@@ -181,6 +186,7 @@ class Copies:
                 return None
         except (OSError, ValueError, KeyError, TypeError):
             return None
+
         self.verified[step, digest] = base + ".pt"
         return base + ".pt"
 
@@ -235,11 +241,13 @@ def look(out_dir, cfg, copies, layout, world):
             # a save that did not finish: skipped alike by the full discovery
             skipped.append(f"{name}: {e}")
             continue
+
         if manifest["layout"] != layout or manifest["world"] != world:
             return (
                 None,
                 f"{name} was saved under another layout (resharding reads other ranks' shards)",
             )
+
         path = copies.find(manifest, checkpoint.shard_name(copies.rank))
         if path and checkpoint.nonfinite(checkpoint.load_shard(folder, copies.rank, path)):
             # a diverged step's copy hashes fine: the full discovery refuses its folder, and says so

@@ -111,6 +111,7 @@ def activation_bytes_per_layer(s, b, h, a, t=1, sp=False, recompute="none", act=
     sbh = s * b * h
     if recompute == "full":
         return act * sbh  # only the layer input (the paper's Table 2 counts it unsharded)
+
     replicated = 4 * act + 2 * mask  # in units of sbh: 10 with the paper's bytes
     split = 12 * act  # 24
     attn = 0 if recompute == "selective" else (probs + mask + act) * a * s / h  # 5as/h
@@ -167,8 +168,10 @@ def llama_activation_bytes_per_layer(
     rows = t if sp else 1  # SP shards the sequence of what TP replicates
     if recompute == "full":
         return act * sbh / rows
+
     q, kv = h / t, (h // a) * max(1, n_kv // t)
     replicated = (2 * (norm + act) * sbh + 2 * 4 * sb) / rows
+
     core = act * sb * (2 * q + 3 * kv)  # q, output; k and the kv_proj output (v)
     # k/v held whole: the rank's group of rows is sliced out (a copy) and kept by its matmul
     if n_kv % t:
@@ -182,6 +185,7 @@ def llama_activation_bytes_per_layer(
             + scores * b * (a // t) * s * s
             + mask * s * s
         )
+
     return replicated + core + swiglu * act * sb * f / t
 
 
@@ -253,11 +257,14 @@ def cp_comm_bytes_per_layer(method, c, b, s, hd, heads, kv_heads, dtype_bytes=2,
     would round at every hop)."""
     if c == 1:
         return 0, 0
+
     kv = 2 * b * (s // c) * kv_heads * hd  # K and V of this rank's tokens, elements
     if method == "ring":
         return (c - 1) * kv * dtype_bytes, (c - 1) * kv * dtype_bytes + c * kv * grad_bytes
     if method == "allgather":
         return (c - 1) * kv * dtype_bytes, (c - 1) * kv * (dtype_bytes + grad_bytes)
+
+    # ulysses: q, k, v and the output through all-to-all, (c-1)/c of each
     q = b * (s // c) * heads * hd
     moved = (c - 1) * (2 * q + kv) * dtype_bytes // c
     return moved, moved

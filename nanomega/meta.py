@@ -62,9 +62,11 @@ class Init:
         shape = list(p.shape)
         if rule is not None:
             shape[rule[0]] *= self.tp_size
+
         std = init_std(dense, self.cfg.n_layer)
         stop = p.numel() if stop is None else stop
         out, at = torch.empty(stop - start, device="cpu"), 0
+
         for first, n in segments(shape, rule, self.tp_rank, self.tp_size):
             lo, hi = max(start, at), min(stop, at + n)  # the part of this run in [start, stop)
             if lo < hi:
@@ -123,13 +125,16 @@ class PaperGrid:
             raise ValueError(
                 f"--rank {rank} is outside the {world} ranks of dp {dp} x pp {pp} x cp {cp} x tp {tp}"
             )
+
         dist.check_layout(world, dp, pp, tp, cp, ep)
         self.world, self.rank, self.device = world, rank, torch.device(device)
+
         for attr, slices in dist.layout(dp, pp, tp, cp, ep).items():
             # embed: only the end stages have one
             mine = next((s for s in slices if rank in s.tolist()), None)
             name = "dp" if attr == "dp_cp" and cp == 1 else dist.SHORT.get(attr, attr)
             setattr(self, attr, PaperAxis(name, mine, rank) if mine is not None else None)
+
         self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = (
             self.dp.rank,
             self.pp.rank,

@@ -35,6 +35,7 @@ def check(cfg):
                 "--shared-experts needs --n-experts (shared experts sit beside routed ones)"
             )
         return
+
     if cfg.arch != "llama":
         raise ValueError(
             "--n-experts replaces the Llama block's SwiGLU MLP by experts; add --arch llama"
@@ -45,6 +46,7 @@ def check(cfg):
         )
     if cfg.router not in ROUTERS:
         raise ValueError(f"--router {cfg.router!r} is not one of {', '.join(ROUTERS)}")
+
     for flag in ("capacity_factor", "moe_aux_loss", "moe_z_loss", "shared_experts"):
         if not 0 <= getattr(cfg, flag) < math.inf:
             raise ValueError(
@@ -144,6 +146,8 @@ class MoE(nn.Module):
             cfg.moe_aux_loss,
             cfg.moe_z_loss,
         )
+
+        # the router, the routed experts and the shared ones
         self.router = nn.Linear(h, cfg.n_experts, bias=False)  # (E, h)
         self.experts = nn.ModuleDict(
             {str(e): GatedMLP(h, f, cfg.dropout, ops=ops) for e in range(cfg.n_experts)}
@@ -153,6 +157,7 @@ class MoE(nn.Module):
             if cfg.shared_experts
             else None
         )
+
         # DeepSeek-V3's balancing bias: computed on the host (not drawn; like alibi_slopes), moved
         # by update_bias
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, device="cpu"))
@@ -239,14 +244,18 @@ def step_stats(model, grid):
     moes = layers(model)
     if not moes:
         return None
+
     n_experts, n_layer = next(iter(moes.values())).n_experts, model.cfg.n_layer
     rows = torch.zeros(n_layer, 3 + n_experts, dtype=torch.float64, device=grid.device)
     for i, moe in moes.items():
         if moe.booked is not None:
             rows[i] = moe.booked.to(rows.device)
         moe.booked = None
+
+    # summed over dp and pp: the same on every rank
     grid.dp.all_reduce(rows)
     grid.pp.all_reduce(rows)
+
     used = rows[:, 2] > 0
     per_layer = rows[used, 0] / rows[used, 2]
     return dict(

@@ -55,6 +55,7 @@ class Offload:
             {},
             {},
         )  # id(group) -> its host gradient buffer, its weights in the model's dtype
+
         for g in (
             groups
         ):  # a separate host copy even for an fp32 model on the CPU: the same path as on a GPU
@@ -66,6 +67,7 @@ class Offload:
                 else torch.empty(g.own.shape, dtype=g.own.dtype, pin_memory=pinned).copy_(g.master)
             )  # 2 bytes cross
             # (copied once: the padding between pieces, which no step writes, goes up as it came)
+
         # the copies' stream, beside the compute stream
         self.stream = torch.cuda.Stream(device) if pinned and groups else None
         self.moved = dict(
@@ -104,6 +106,8 @@ class Offload:
         ):  # the engine's pieces are fixed once it is built: sorted into groups once
             self.by_group = {id(g): [p for p in pieces if p.group is g] for g in self.groups}
         by_group = self.by_group
+
+        # the first group's gradient goes down now; each next one while the group before steps
         downs = [self._copy(self.grads[id(g)], g.grad_own, "down") for g in self.groups[:1]]
         ups = []
         for i, g in enumerate(self.groups):
@@ -119,6 +123,7 @@ class Offload:
                 if self.grads[id(g)].dtype == torch.float32
                 else self.grads[id(g)].float()
             )
+
             # the write-back's rounding to the model's dtype, on the host: into the host shard
             # itself (resident: nothing crosses now) or into the staging buffer that goes up; bf16
             # inside the kernel's pass
@@ -136,10 +141,12 @@ class Offload:
                     coefficient,
                     staged[at] if fused_out else None,
                 )
+
             if not fused_out and staged is not g.master:
                 staged.copy_(g.master)  # an fp16 model: the rounding as a pass of its own
             if id(g) not in self.resident:
                 ups.append(self._copy(g.own, staged, "up"))
+
         for done in ups:
             if done is not None:
                 done.synchronize()
@@ -158,6 +165,7 @@ class Offload:
             state.update(
                 step=torch.tensor(0.0), exp_avg=torch.zeros_like(m), exp_avg_sq=torch.zeros_like(m)
             )
+
         state["step"] += 1
         beta1, beta2 = group["betas"]
         cpu_adam.adam_step(

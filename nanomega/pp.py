@@ -44,12 +44,14 @@ def check_args(n_layer, pp, microbatches, schedule, virtual=1):
         raise ValueError(
             f"--schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}"
         )
+
     if microbatches < 1:
         raise ValueError(f"--microbatches must be >= 1, got {microbatches}")
     if virtual < 1:
         raise ValueError(f"--virtual-stages must be >= 1, got {virtual}")
     if schedule != "interleaved" and virtual > 1:
         raise ValueError(f"--virtual-stages {virtual} needs --schedule interleaved")
+
     if schedule == "interleaved":
         if virtual < 2 or pp < 2:
             raise ValueError(
@@ -67,6 +69,7 @@ def check_args(n_layer, pp, microbatches, schedule, virtual=1):
                 f"{pp} (micro-batches enter the chunks in groups of pp); use "
                 f"{-(-microbatches // pp) * pp}"
             )
+
     stage_layers(n_layer, pp * virtual, 0)
 
 

@@ -158,6 +158,7 @@ class LossScaler:
                 "LossScaler needs growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1, "
                 "init_scale > 0"
             )
+
         self.scale = float(init_scale) if dynamic else 1.0
         self.growth_factor, self.backoff_factor, self.growth_interval = (
             growth_factor,

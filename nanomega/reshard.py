@@ -40,6 +40,7 @@ def held(engine):
     frozen parameters (ZeRO-3: their shards; otherwise whole)."""
     out = [piece for piece in engine.pieces if piece.group is not None]
     frozen = engine.sharded.frozen if engine.sharded else []
+
     for g in frozen:
         out += [
             Piece(
@@ -55,6 +56,8 @@ def held(engine):
             )
             for i, a, b in g.pieces()
         ]
+
+    # frozen parameters held whole
     in_units = {id(p) for g in frozen for p in g.params}
     out += [
         Piece(k, tuple(p.shape), 0, p.numel(), p.detach().reshape(-1), replica=True)
@@ -72,6 +75,7 @@ def export_by_name(engine, copies=False, copy=True):
     buffers (fp32 models), to be copied before the next step."""
     out, grid = [], engine.grid
     take = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())
+
     for piece in held(engine):
         if (
             not copies
@@ -81,9 +85,11 @@ def export_by_name(engine, copies=False, copy=True):
             # one of the dp x cp replicas; a routed expert's are its edp ranks (dp
             # peers hold others: ep.py)
             continue
+
         p = piece.group.params[piece.index] if piece.group else None
         if not copies and p is not None and pp.is_shared_embedding_copy(p):
             continue
+
         state = engine.optimizer.state.get(piece.master, {})
         out.append(
             dict(
@@ -110,6 +116,8 @@ def import_by_name(engine, params_by_name, optim_state_by_name=None):
         raise ValueError(
             f"import_by_name: no tensor for parameters {missing[:3]} (of {len(missing)} missing)"
         )
+
+    # the weights: the masters, the frozen shards, the frozen parameters held whole
     for g in engine.groups:
         g.master.copy_(g.flatten([params_by_name[k] for k in g.names], torch.float32)[g.lo : g.hi])
     for g in engine.sharded.frozen if engine.sharded else []:
@@ -117,6 +125,8 @@ def import_by_name(engine, params_by_name, optim_state_by_name=None):
     for piece in held(engine):
         if piece.group is None:  # a frozen parameter held whole
             piece.master.copy_(params_by_name[piece.name].reshape(-1))
+
+    # the optimizer state, by name
     if optim_state_by_name is not None:
         optimizer = engine.optimizer
         optimizer.state.clear()
@@ -139,6 +149,7 @@ def import_by_name(engine, params_by_name, optim_state_by_name=None):
                     for k, v in st.items()
                 }
                 continue
+
             st = optim_state_by_name[piece.name]
             # element-wise state goes to the parameter's device at every stage (a checkpoint is read
             # to the CPU); scalars (Adam's step) where torch.optim keeps them: on the CPU, or beside
@@ -154,6 +165,7 @@ def import_by_name(engine, params_by_name, optim_state_by_name=None):
                 )
                 for k, v in st.items()
             }
+
     engine.write_back()
 
 
@@ -261,9 +273,11 @@ def _needed(engine, grid, saved_tp, saved_replicate_kv=False):
     mine = defaultdict(list)  # name -> ranges of this rank's tp-local tensor
     for piece in held(engine):
         mine[piece.name].append((piece.start, piece.end))
+
     params = dict(engine.module.named_parameters())
     need = {}
     t, r = grid.tp.size, grid.tp_rank
+
     for name, ranges in mine.items():
         source = pp.saved_name(name, params.get(name))
         if t == saved_tp:
@@ -314,13 +328,18 @@ def load(folder, cfg, engine, grid, layout, copy_of=None):
     same = manifest["layout"] == layout and manifest["world"] == grid.world
     saved_tp = manifest["layout"].get("tp", 1)
     saved_kv, kv = tp.kv_replicated(cfg, saved_tp), tp.kv_replicated(cfg, grid.tp.size)
+
+    # the shards holding what this rank needs, verified
     need = _needed(engine, grid, saved_tp, saved_kv)
     files = shards_needed(manifest, need)
     own = checkpoint.shard_name(grid.rank if same else 0)
     copies = {own: path} if same and copy_of and (path := copy_of(manifest, own)) else {}
     checkpoint.read_manifest(folder, cfg, verify=(set(files) | {own}) - set(copies))
+
     shards = {f: checkpoint.load_shard(folder, int(f[5:10]), copies.get(f)) for f in files}
     full = _assemble(shards.values(), need, saved_tp, saved_kv)
+
+    # each parameter cut to this rank's tp slice, with its optimizer state
     params, optim = {}, {}
     for name, p in engine.module.named_parameters():
         # the last stage's copy of the tied embedding: the embedding
@@ -340,6 +359,7 @@ def load(folder, cfg, engine, grid, layout, copy_of=None):
         params[name] = cut(master)
         if p.requires_grad:
             optim[name] = {k: cut(v) if is_elementwise(v) else v for k, v in state.items()}
+
     import_by_name(engine, params, optim)
     mine = (
         shards[own]

@@ -136,9 +136,12 @@ def simulate(p, m, schedule, v=1, t_f=1, t_b=2):
     make = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     plans = [comm_plan(make(p, r, m, v), p, r, v) for r in range(p)]
     _check_message_order(plans, p)
+
     pos, clock, posted = [0] * p, [0] * p, {}
     traces = [Trace(r) for r in range(p)]
     progress = True
+
+    # each rank runs until a message blocks it; done when no rank can move
     while progress:
         progress = False
         for r in range(p):
@@ -163,6 +166,7 @@ def simulate(p, m, schedule, v=1, t_f=1, t_b=2):
                     clock[r] = max(ends)
                 pos[r] += 1
                 progress = True
+
     stuck = [r for r in range(p) if pos[r] < len(plans[r])]
     if stuck:
         raise RuntimeError(
@@ -228,6 +232,7 @@ def draw_timeline(traces, path=None, width=None):
         int(t1 - t0) * (1 + max(len(_label(e, chunked)) for e in events)) if unit_clock else 120
     )
     scale = width / (t1 - t0)
+
     rows = []
     for t in traces:
         row = ["."] * width
@@ -236,6 +241,7 @@ def draw_timeline(traces, path=None, width=None):
             c1 = min(max(round((e.end - t0) * scale), c0 + 1), width)
             row[c0:c1] = (_label(e, chunked) + " " * (c1 - c0))[: c1 - c0]
         rows.append(f"rank {t.rank} |{''.join(row)}|")
+
     text = "\n".join(rows)
     return text + "\n" + _draw_png(traces, path, chunked) if path else text
 

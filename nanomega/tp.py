@@ -305,11 +305,13 @@ def check_tensor_parallel(cfg, tp_size, sequence_parallel=False):
     sizes += [("--ffn-hidden", cfg.ffn)] * (cfg.arch == "llama")
     common = math.gcd(*(n for _, n in sizes))
     choices = ", ".join(str(d) for d in range(1, cfg.n_head + 1) if common % d == 0)
+
     for flag, n in sizes:
         if n % tp_size:
             raise ValueError(
                 f"--tp {tp_size} does not divide {flag} {n}; choose --tp among {choices}"
             )
+
     if kv_replicated(cfg, tp_size) and tp_size % cfg.kv_heads:
         raise ValueError(
             f"--tp {tp_size} and --n-kv-head {cfg.kv_heads}: one must divide the other (tp splits "

@@ -27,17 +27,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             ids = torch.arange(tp.rank * v, (tp.rank + 1) * v, device=logits.device)
             # a rank of only padding: max -inf
             logits = logits.masked_fill(ids >= vocab_size, float("-inf"))
+
         shifted = logits - tp.all_reduce(logits.max(dim=-1).values, op=dist.ReduceOp.MAX)[:, None]
         local = targets - tp.rank * v
         mine = (local >= 0) & (local < v)  # an ignored target (-1) is never mine
         local = local.masked_fill(~mine, 0)
         exp = shifted.exp()
         target_logit = shifted.gather(1, local[:, None])[:, 0].masked_fill(~mine, 0.0)
+
         # (2, n): one all-reduce for both
         stats = tp.all_reduce(torch.stack([exp.sum(-1), target_logit]))
         valid = targets != -1
         count = valid.sum()
         loss = (stats[0].log() - stats[1]).masked_fill(~valid, 0.0).sum() / count
+
         # exp -> softmax
         ctx.save_for_backward(exp.div_(stats[0][:, None]), local, mine, valid, count)
         ctx.dtype = dtype

@@ -317,12 +317,15 @@ def load_data(config, world, log):
     default)."""
     cache = config.data_cache or os.path.join(config.out_dir, "data")
     files = None if config.data else data.corpus_files(config.corpus)
+
+    # one .txt file: the single-file cache of data.prepare
     if files and len(files) == 1 and files[0].name.endswith((".txt", ".txt.gz")):
         meta = data.prepare(files[0], config.tokenizer, cache)
         return [
             windows.TokenDataset(meta[f"{s}_bin"], meta["dtype"], config.block_size)
             for s in ("train", "val")
         ]
+
     if config.data:
         index = data.load_index(config.data)
     else:
@@ -334,6 +337,7 @@ def load_data(config, world, log):
             text_field=config.text_field,
             progress=log,
         )
+
     return [
         windows.TokenDataset(data.split_paths(index, s), index["dtype"], config.block_size)
         for s in ("train", "val")
@@ -368,6 +372,7 @@ def resume(found, cfg, grid, layout, *, engine, scaler, spikes, sampler, log, co
         if copies:
             copies.reset()  # a fresh start: any copy left in shared memory is of no use
         return 0, None
+
     state = saves.restore(
         folder,
         cfg,
@@ -379,9 +384,11 @@ def resume(found, cfg, grid, layout, *, engine, scaler, spikes, sampler, log, co
         sampler=sampler,
         copies=copies,
     )
+
     if log:
         how = "" if state.get("same_layout") else " (resharded)"
         print(f"resumed from {folder} at step {state['step']}{how}")
+
     if copies:
         # only a copy that served may serve again
         copies.reset(state["step"] if state["copies"] else None)

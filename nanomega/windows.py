@@ -31,6 +31,7 @@ class TokenDataset:
         dtype = np.dtype(dtype)
         if block_size < 1:
             raise ValueError(f"--block-size {block_size} must be >= 1")
+
         self.tokens, counts = [], []
         for path in paths:
             if not path.is_file():
@@ -44,6 +45,7 @@ class TokenDataset:
             if size:
                 self.tokens.append(np.memmap(path, dtype=dtype, mode="r"))  # (N_k,), read lazily
                 counts.append((size // dtype.itemsize - 1) // block_size)
+
         n_tokens = sum(len(t) for t in self.tokens)
         split = {"train": "training", "val": "validation"}.get(
             paths[0].stem.split("_")[0], paths[0].name
@@ -53,6 +55,7 @@ class TokenDataset:
                 f"--block-size {block_size} is larger than the {split} split ({n_tokens} tokens); "
                 f"use a smaller --block-size"
             )
+
         self.block_size = block_size
         self.starts = np.cumsum([0] + counts)  # (shards + 1,): first global window of each shard
         self.n_windows = int(self.starts[-1])

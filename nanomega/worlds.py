@@ -46,6 +46,7 @@ def _worker(rank, world, port, fn, args, queue, threads, env):
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
     )
+
     torch.set_num_threads(threads)  # ranks share the cores: oversubscription makes everything crawl
     try:
         init(device="cpu", timeout_s=120)
@@ -66,6 +67,7 @@ def launch(fn, world, *args, timeout=300, threads=1):
     ctx = mp.get_context("forkserver" if forkserver else "spawn")
     if forkserver:
         ctx.set_forkserver_preload(PRELOAD)  # before the server starts; later calls change nothing
+
     queue, port, env = ctx.Queue(), free_port(), dict(os.environ)
     procs = [
         ctx.Process(
@@ -73,8 +75,10 @@ def launch(fn, world, *args, timeout=300, threads=1):
         )
         for r in range(world)
     ]
+
     for p in procs:
         p.start()
+
     results = {}
     try:
         while len(results) < world:

@@ -50,12 +50,15 @@ class ShardedParameters:
         # copied up at each gather, `uploaded` bytes in all; on a CPU-only machine the same copies,
         # host to host
         self.axis, self.host, self.uploaded = axis, host, 0
+
+        # the units: the root, then each wrapped module
         modules = [model] + [
             m
             for m in (wrap(model) if callable(wrap) else wrap or default_wrap(model))
             if m is not model
         ]
         self.units = list({id(m): m for m in modules}.values())  # the root (the model) first
+
         owner = self._owners(model, named)
         self.groups, self.unit_groups, self.inflight = [], [], {}
         for u in range(len(self.units)):
@@ -79,6 +82,7 @@ class ShardedParameters:
                 self.release(g)
             self.unit_groups.append(groups)
             self.groups += groups
+
         self.frozen = [g for g in self.groups if not g.trainable]
         self.order, self.previous, self.post, self.visited, self.in_backward = (
             [],
@@ -87,6 +91,8 @@ class ShardedParameters:
             set(),
             False,
         )
+
+        # each unit gathered before its forward, released after it
         for u, m in enumerate(self.units):
             m.register_forward_pre_hook(functools.partial(self._pre_forward, u))
             m.register_forward_hook(functools.partial(self._post_forward, u))
@@ -118,6 +124,7 @@ class ShardedParameters:
                 # the first gather: flat.py made `full` without storage
                 if g.full.numel() != g.padded:
                     g.full.set_(g.full.untyped_storage(), 0, (g.padded,))
+
                 mine = g.shard
                 # the host shard goes up into its own slice; the all-gather then runs in place
                 if self.host:
@@ -126,6 +133,7 @@ class ShardedParameters:
                     mine.copy_(g.shard, non_blocking=True)
                     self.uploaded += g.shard.numel() * g.shard.element_size()
                 self.inflight[id(g)] = self.axis.start("all_gather", g.full, mine)
+
             if wait and id(g) in self.inflight:
                 work = self.inflight.pop(id(g))
                 if work is not None:

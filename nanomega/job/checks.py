@@ -40,6 +40,8 @@ def check(config):
             "--rank and --world are for --dry-run (torchrun sets both for a real run); add --dry-run "
             "or leave them out"
         )
+
+    # the world: dp, and the accumulation that keeps the global batch
     model_ranks = c.tp * c.pp * c.cp  # the ranks one replica of the model spans
     world = (c.world or model_ranks) if c.dry_run else world_size()
     if world % model_ranks:
@@ -59,6 +61,7 @@ def check(config):
                 f"pick a global batch divisible by {per_step} or another --batch-size"
             )
         grad_accum = c.global_batch // per_step
+
     # the engine's rules
     zero.check_config(c.zero, torch.optim.AdamW, c.pp, c.offload, c.offload_params)
     vocab_size = data.get_tokenizer(c.tokenizer).n_vocab
@@ -66,12 +69,15 @@ def check(config):
     eot = data.get_tokenizer(c.tokenizer).eot_token if c.document_mask else None
     if c.dry_run and c.model:  # no data is read: the preset's vocabulary, as the planner takes it
         vocab_size = presets.PRESETS[c.model]["vocab_size"]
+
     cfg = model_config(c, vocab_size)
     cfg.validate()
     check_experts(c, cfg, dp)
     tp.check_tensor_parallel(cfg, c.tp, c.sequence_parallel)
     pp.check_args(c.n_layer, c.pp, grad_accum, c.schedule, c.virtual_stages)
     cp.check(cfg, c.cp, c.cp_method, c.tp)
+
+    # combinations the engines cannot run
     if c.cp > 1 and c.sequence_parallel and (c.block_size // c.cp) % c.tp:
         raise ValueError(
             f"--cp {c.cp} with --sequence-parallel needs --block-size / cp = {c.block_size // c.cp} "
@@ -88,6 +94,8 @@ def check(config):
         raise ValueError(
             f"--recompute-layers {c.recompute_layers} is outside [0, --n-layer {c.n_layer}]"
         )
+
+    # the dtype on this device, then the data
     precision.check_dtype_supported(precision.parse_dtype(c.dtype), dist.default_device(c.device))
     if c.data:
         index = data.load_index(c.data)
@@ -97,9 +105,11 @@ def check(config):
             )
     else:
         data.corpus_files(c.corpus)  # raises the --corpus line when it names no file
+
     hang_timeout = check_failure_flags(c)
     if not c.dry_run:
         warn_spanning(c.tp, world)
+
     return dataclasses.replace(
         c,
         dp=dp,

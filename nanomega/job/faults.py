@@ -84,6 +84,7 @@ def clean_prepare(folder):
     # no /proc (not Linux): remove none
     if not os.path.isdir(folder) or not os.path.isdir("/proc/self"):
         return []
+
     mine = re.compile(
         re.escape(data.TMP.format(name="@", host=socket.gethostname(), pid="@")).replace(
             "@", "(.+?)"
@@ -96,6 +97,7 @@ def clean_prepare(folder):
         and m.group(2).isdigit()
         and not os.path.exists(f"/proc/{m.group(2)}")
     ]
+
     for path in gone:
         shutil.rmtree(path, ignore_errors=True)
     return gone
@@ -196,6 +198,7 @@ def settle(found, cfg, grid, engine, log):
     Anything else is find_checkpoint's answer."""
     if not isinstance(found, flash.Found):
         return found
+
     verified, peers = flash.agree(found, cfg, grid, engine)
     name = os.path.basename(found.folder)
     if verified == grid.world:
@@ -212,6 +215,8 @@ def settle(found, cfg, grid, engine, log):
                 flush=True,
             )
         return found.folder
+
+    # some rank short: every rank runs the full discovery
     if log:
         print(
             f"resume: full discovery (every shard verified on disk): {grid.world - verified} of {grid.world} "

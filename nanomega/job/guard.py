@@ -340,9 +340,13 @@ class Watchdog:
             )
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
+
+        # check in, then wait for the other live ranks
         self.store.set(f"hang/alive/{rank}", "1")
         time.sleep(max(2.0, 0.25 * self.timeout))  # let the other live ranks' watchdogs check in
         alive = [r for r in range(world) if self.store.check([f"hang/alive/{r}"])]
+
+        # the lowest live rank writes the report
         if rank == min(alive):
             progress = {
                 r: tuple(int(x) for x in self.store.get(f"hang/progress/{r}").split())
@@ -363,4 +367,5 @@ class Watchdog:
             with open(os.path.join(folder, "report.txt"), "w") as f:
                 f.write(line + "\n")
             print(line, file=sys.stderr, flush=True)
+
         os._exit(self.EXIT_CODE)  # the main thread is stuck in a collective: leave without it

@@ -93,12 +93,15 @@ def find_bad_hosts(hosts, pair_time, slow=2.0):
     times = {p: pair_time(*p) for p in pairs}
     if not times:
         return [], times
+
     median = statistics.median_low(times.values())
     slow_pairs = [p for p, t in times.items() if t > slow * median]
     suspects = sorted({h for p in slow_pairs for h in p})
     fast = [h for p in pairs if p not in slow_pairs for h in p if h not in suspects]
     if not fast:
         return suspects, times
+
+    # round 2: each suspect with a host from a fast pair
     again = {h: pair_time(h, fast[i % len(fast)]) for i, h in enumerate(suspects)}
     times.update({(h, fast[i % len(fast)]): t for i, (h, t) in enumerate(again.items())})
     return [h for h, t in again.items() if t > slow * median], times
@@ -141,6 +144,8 @@ def check(grid, slow_rank=None, slow_factor=0.5, ranks_as_hosts=False):
     )
     everyone = grid.all.all_gather_object(mine)
     links = {a.name: bus_bandwidth(a, grid.device) for a in (grid.tp, grid.pp, grid.dp)}
+
+    # judge: each rank's rate against the median, its checksum against the most common
     median = statistics.median(r["rate"] for r in everyone)
     expect = statistics.mode(r["sum"] for r in everyone)
     problems, lines = (
@@ -159,6 +164,7 @@ def check(grid, slow_rank=None, slow_factor=0.5, ranks_as_hosts=False):
             )
         if wrong:
             problems.append(f"rank {r} ({e['host']}) got a wrong result for a known computation")
+
     for name, bw in links.items():
         lines.append(
             f"all-reduce on {name}: "
@@ -168,6 +174,8 @@ def check(grid, slow_rank=None, slow_factor=0.5, ranks_as_hosts=False):
                 else "one rank, nothing to measure"
             )
         )
+
+    # hosts: one rank per host, then the pairwise bisection
     leaders = {}
     for r, e in enumerate(everyone):
         leaders.setdefault(e["host"], r)
@@ -206,10 +214,12 @@ def main(argv=None):
     p.add_argument(
         "--ranks-as-hosts", action="store_true", help="testing: treat every rank as its own host"
     )
+
     args = p.parse_args(argv)
     dist.init("cpu")
     grid = dist.Grid(tdist.get_world_size(), 1, 1)
     lines, problems = check(grid, args.slow_rank, args.slow_factor, args.ranks_as_hosts)
+
     if grid.rank == 0:
         print("\n".join(lines), flush=True)
         for line in problems:

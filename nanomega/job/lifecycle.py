@@ -112,6 +112,7 @@ def job(out_dir):
     _PREEMPTED.clear()
     die_with_parent()
     ended = False
+
     try:
         yield
         ended = True
@@ -120,6 +121,7 @@ def job(out_dir):
             _AT_JOB_END.pop()()
         for s in list(_OLD_HANDLERS):
             signal.signal(s, _OLD_HANDLERS.pop(s))
+
         restart = not ended and lock.restart_follows()
         lock.unlock_out_dir(out_dir, keep_for_restart=restart)
         # host RAM: a copy serves only a restart; a leftover of an earlier job of out_dir goes too

@@ -79,12 +79,15 @@ def lock_out_dir(out_dir):
     key = os.path.realpath(out_dir)
     if key in _LOCKS:
         return _LOCKS[key][0]
+
     os.makedirs(out_dir, exist_ok=True)
     f, job, deadline = (
         open(os.path.join(out_dir, ".lock"), "a+"),
         torchrun_job(),
         time.monotonic() + DYING_WAIT,
     )
+
+    # wait out a holder whose agent died; adopt our own job's lock; refuse another job
     while True:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -105,6 +108,7 @@ def lock_out_dir(out_dir):
                 f"--out-dir {out_dir} is in use by another job ({text or 'another process'} holds "
                 f"{out_dir}/.lock); wait for it to end or choose another --out-dir"
             ) from None
+
     holder = None
     if job:  # the holder shares this descriptor (pass_fds), so the lock outlives this process
         holder = subprocess.Popen(
@@ -115,6 +119,8 @@ def lock_out_dir(out_dir):
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
+
+    # who holds it, for the next one that asks (_holder_of)
     f.truncate(0)
     f.write(
         f"pid {os.getpid()} on {socket.gethostname()}"

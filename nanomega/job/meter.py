@@ -168,6 +168,7 @@ def open_log(config, cfg, grid, step, *, n_params, log):
         warning = emulation_warning(grid.device, dtype)
         if warning:
             print(warning, file=sys.stderr)
+
         if config.tp > 1:
             print(
                 f"vocab padded from {cfg.vocab_size} to {cfg.padded_vocab_size} (a multiple of 128 x tp)"
@@ -178,6 +179,7 @@ def open_log(config, cfg, grid, step, *, n_params, log):
             f"{config.attention}; peak {peak / 1e9:,.0f} GFLOP/s per rank ({source})"
         )
         os.makedirs(config.out_dir, exist_ok=True)
+
     return MetricsLog(
         config.out_dir,
         step,
@@ -224,6 +226,7 @@ class MetricsLog:
             world,
         )
         self.peak, self.source, self.mfu_warned, self.file = peak, source, False, None
+
         reset_peak_memory(device)
         self.reopen(step)
 
@@ -279,6 +282,7 @@ class MetricsLog:
     def log_step(self, rec, *, spike):
         if not self.enabled:
             return
+
         if rec["mfu"] > 1 and not self.mfu_warned:
             self.mfu_warned = True
             print(
@@ -286,6 +290,7 @@ class MetricsLog:
                 f"({self.source}) is wrong; pass the device's real peak with --peak-flops",
                 file=sys.stderr,
             )
+
         finite = not rec["skipped"] and math.isfinite(rec["loss"])
         if rec["step"] % self.log_every == 0 or "val_loss" in rec or spike or not finite:
             val = f" val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
@@ -300,6 +305,7 @@ class MetricsLog:
                 flush=True,
             )
             reset_peak_memory(self.device)  # the next line reports its own interval's peak
+
         self.write(rec)
 
     def write(self, rec):

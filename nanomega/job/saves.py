@@ -74,10 +74,12 @@ class Saves:
         self.out_dir, self.cfg, self.grid, self.layout = out_dir, cfg, grid, layout
         self.every, self.every_minutes, self.max_steps = every, every_minutes, max_steps
         self.keep_last, self.resumed_from = keep_last, resumed_from
+
         # --flash-restore: a flash.Copies; each shard is also copied to shared memory
         self.copies = copies
         # by the writer thread (async) or this one, before the manifest
         self.keep = copies.keep if copies else None
+
         self.saver = (
             async_checkpoint.AsyncSaver(out_dir, cfg, grid, layout, self.keep)
             if async_save
@@ -94,17 +96,21 @@ class Saves:
         busy = (
             self.saver is not None and self.saver.shard is not None and not self.saver.shard.done()
         )
+
         # one vote, one host sync: save (any rank's clock says so), stop (a preemption signal), a
         # shard still being written (the manifest waits), non-finite weights after the update --
         # every rank must take each decision alike, or the next step hangs
         due, preempted, busy, broken = lifecycle.grid_votes(
             self.grid, due or late, lifecycle.preempt_requested(), busy, guard.vote()
         )
+
         guard.weights_voted(broken)  # stops before any save
         if self.saver:  # the manifest of a background save, once every rank has written its shard
             self.saver.poll(lambda _: busy)
         if self.copies:  # the copy of an older checkpoint goes once a newer one is complete
             self.copies.prune()
+
+        # save now, or at the next finite step
         if (due or preempted or self.pending) and not may_save:
             if due or preempted:
                 faults.say(
@@ -114,6 +120,7 @@ class Saves:
         elif due or preempted or self.pending:
             # async: views, copied once
             self.save(step, state(copy=self.saver is None), guard=guard)
+
         if preempted:
             faults.say(
                 f"step {step}: preempted (signal); exiting 0 after the last checkpoint; --resume continues"

@@ -63,6 +63,8 @@ def _documents(path: Path, text_field: str):
                     ) from None
                 yield text, True, raw.tell()
             return
+
+        # plain text: pieces cut where chunked encoding equals whole encoding
         rest = ""
         while block := f.read(UNIT_CHARS):
             rest += block
@@ -201,6 +203,8 @@ def prepare(
         val_every=VAL_EVERY,
         shard_tokens=shard_tokens,
     )
+
+    # the same files and settings prepared already: reused
     if (out / "index.json").is_file():
         index = data.load_index(out)
         if {k: index.get(k) for k in key} == key:
@@ -208,6 +212,8 @@ def prepare(
         raise ValueError(
             f"--out {out} holds data prepared from other files or settings; choose another folder"
         )
+
+    # the shards, built in a temporary folder renamed into place
     dtype = np.uint16 if enc.n_vocab <= 1 << 16 else np.uint32
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(
@@ -216,6 +222,7 @@ def prepare(
             dir=out.parent,
         )
     )
+
     writers = {s: _ShardWriter(tmp, s, dtype, shard_tokens) for s in ("train", "val")}
     bar = _Progress(sum(s["bytes"] for s in sources), progress)
     tokens, ctx = 0, multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork")
@@ -237,6 +244,7 @@ def prepare(
                 writers[s].write(ids, docs)
                 tokens += len(ids)
                 bar.update(d, tokens)
+
         for w in writers.values():
             w.close()
         shards = writers["train"].shards + writers["val"].shards
@@ -252,6 +260,7 @@ def prepare(
                 f"--corpus {corpus}: {split['val']['documents'] + split['train']['documents']} "
                 f"document(s); need at least 2 (document 0 is held out for validation)"
             )
+
         index = dict(
             key,
             tokenizer=tokenizer,
@@ -296,15 +305,18 @@ def main(argv=None):
         "--text-field", default="text", help="the JSON field holding a document's text (jsonl)"
     )
     p.add_argument("--shard-tokens", type=int, default=100_000_000)
+
     args = p.parse_args(argv)
     if args.workers < 1 or args.shard_tokens < 1:
         raise ValueError("--workers and --shard-tokens must be >= 1")
+
     t0 = time.perf_counter()
     for path in faults.clean_prepare(Path(args.out).parent):
         print(f"removed {path} (left by a preparation that was killed)", file=sys.stderr)
     index = prepare(
         args.corpus, args.tokenizer, args.out, args.workers, args.text_field, args.shard_tokens
     )
+
     s = index["splits"]
     print(
         f"{args.out}: train {s['train']['tokens']:,} tokens ({s['train']['documents']:,} documents), "

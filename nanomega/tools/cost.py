@@ -202,6 +202,7 @@ def layer_activation_bytes(model, run, tp, recompute=None):
     recompute = run.recompute if recompute is None else recompute
     s, b, h, a = model.seq_len, run.micro_batch, model.n_embd, model.n_head
     eb = 4 if run.dtype == "fp32" else 2
+
     if model.llama:
         return llama_activation_bytes_per_layer(
             s,
@@ -217,6 +218,7 @@ def layer_activation_bytes(model, run, tp, recompute=None):
             act=eb,
             norm=eb,
         )
+
     if run.attention == "sdpa" and recompute == "none":
         # FlashAttention keeps q, k, v and the output, as selective recompute does
         recompute = "selective"

@@ -126,11 +126,14 @@ def step_seconds(model, gpu, gpus, tp, pp, zero, run, ep=1, time=cost_time.TIME,
         batch // (dp * run.micro_batch),
         run.chunks if run.schedule == "interleaved" and pp > 1 else 1,
     )
+
     step, _ = cost_time.step_seconds(dense, gpu, gpus, tp, pp, zero, run, time, batch)
     pb, gb = cost.PRECISIONS[run.dtype][:2]
     charged = dp_comm_bytes(
         max(cost.stage_params(dense, tp, pp, v, run.split)), zero, dp, gb, pb, m
     )
+
+    # the experts' dp bytes and the all-to-all of every pipeline slot
     dp_b = dp_bytes(model, tp, pp, dp, zero, run, ep, m)
     a2a_b, a2a_s = all_to_all(model, gpu, gpus, tp, pp, run, ep)
     dp_bw = cost_time.links(gpu, gpus, tp, pp)[1]
@@ -157,11 +160,13 @@ def evaluate(model, gpu, gpus, tp, pp, zero, run, ep=1, time=cost_time.TIME):
     and all-to-all."""
     if not model.n_experts:
         return cost_time.evaluate(model, gpu, gpus, tp, pp, zero, run, time)
+
     est = cost_time.evaluate(stand_in(model), gpu, gpus, tp, pp, zero, run, time)
     v = run.chunks if run.schedule == "interleaved" and pp > 1 else 1
     params_b, grads_b, optim_b = max(
         rank_state_bytes(model, tp, pp, est.dp, zero, run.dtype, v, run.split, ep), key=sum
     )
+
     step, dp_b, _, _ = step_seconds(model, gpu, gpus, tp, pp, zero, run, ep, time)
     days = (
         cost_time.train_seconds(
@@ -171,6 +176,7 @@ def evaluate(model, gpu, gpus, tp, pp, zero, run, ep=1, time=cost_time.TIME):
         )
         / 86400
     )
+
     fits = params_b + grads_b + optim_b + est.acts <= run.usable * gpu.memory
     return replace(
         est,

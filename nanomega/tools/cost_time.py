@@ -117,17 +117,22 @@ def step_seconds(model, gpu, gpus, tp, pp, zero, run, time=TIME, global_batch=No
     m = batch // (dp * run.micro_batch)
     v = run.chunks if run.schedule == "interleaved" and pp > 1 else 1
     eb = 4 if run.dtype == "fp32" else 2
+
+    # each stage's compute per micro-batch; the last stage has the head too
     layer = layer_seconds(model, gpu, run, tp, time)
     head = 6 * run.micro_batch * model.seq_len * padded_vocab(model, tp) * model.n_embd / tp
     stages = [n * layer for n in layers_per_stage(model, pp, v, run.split)]
     # logits forward + 2 backward GEMMs, never recomputed
     stages[-1] += head / (gpu.peak_flops * time.matmul)
+
     pp_bw, dp_bw = links(gpu, gpus, tp, pp)
     sends = (
         pp_comm_bytes(run.micro_batch, model.seq_len, model.n_embd, tp, eb, 1, v) if pp > 1 else 0
     )
     slot = max(stages) + sends / pp_bw
     pipe = (m + (pp - 1) / v) * slot
+
+    # dp's gradient bytes, and the host's copies and step (offload)
     n = max(stage_params(model, tp, pp, v, run.split))
     dp_b = dp_comm_bytes(n, zero, dp, PRECISIONS[run.dtype][1], PRECISIONS[run.dtype][0], m)
     host = (
@@ -140,6 +145,7 @@ def step_seconds(model, gpu, gpus, tp, pp, zero, run, time=TIME, global_batch=No
         if run.offload
         else 0.0
     )
+
     # = (p-1)/v slots of the m + (p-1)/v
     return pipe + dp_b / dp_bw + host, pipeline_bubble(pp, m, v)
 
@@ -195,6 +201,8 @@ def evaluate(model, gpu, gpus, tp, pp, zero, run, time=TIME):
     m = run.global_batch // (dp * b)
     v = run.chunks if run.schedule == "interleaved" and pp > 1 else 1
     pb, gb, eb = *PRECISIONS[run.dtype][:2], 4 if run.dtype == "fp32" else 2
+
+    # memory: the fullest stage's state and held activations
     layers = layers_per_stage(model, pp, v, run.split)
     act = layer_activation_bytes(model, run, tp)
     # full recompute rebuilds one layer's whole activations in backward: the working set on top of
@@ -208,6 +216,8 @@ def evaluate(model, gpu, gpus, tp, pp, zero, run, time=TIME):
         held = act * layers[k] * inflight_microbatches(pp - k, m, run.schedule, v) + work
         stages.append((sum(state) + held, state, held))
     _, (params, grads, optim), acts = max(stages, key=lambda x: x[0])
+
+    # bytes on the tp, pp and dp links
     tp_b = (
         m
         * max(layers)
@@ -215,6 +225,8 @@ def evaluate(model, gpu, gpus, tp, pp, zero, run, time=TIME):
     )
     pp_b = pp_comm_bytes(b, s, h, tp, eb, m, v) if pp > 1 else 0
     dp_b = dp_comm_bytes(max(stage_params(model, tp, pp, v, run.split)), zero, dp, gb, pb, m)
+
+    # time, FLOP/s, MFU
     step, bubble = step_seconds(model, gpu, gpus, tp, pp, zero, run, time)
     tokens = run.global_batch * s
     n = flops_params(model)
@@ -227,6 +239,7 @@ def evaluate(model, gpu, gpus, tp, pp, zero, run, time=TIME):
         )
         / 86400
     )
+
     fits = params + grads + optim + acts <= run.usable * gpu.memory
     return Estimate(
         tp,

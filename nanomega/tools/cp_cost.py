@@ -57,6 +57,8 @@ def evaluate(model, gpu, gpus, tp, pp, cp, zero, run, method="allgather", time=c
     m = run.global_batch // (dp * b)
     v = run.chunks if run.schedule == "interleaved" and pp > 1 else 1
     pb, gb, eb = *cost.PRECISIONS[run.dtype][:2], 4 if run.dtype == "fp32" else 2
+
+    # memory: the fullest stage's state and held activations
     layers = cost.layers_per_stage(model, pp, v, run.split)
     act = cost.layer_activation_bytes(local, run, tp)
     stages = []
@@ -66,6 +68,8 @@ def evaluate(model, gpu, gpus, tp, pp, cp, zero, run, method="allgather", time=c
         held = act * layers[k] * inflight_microbatches(pp - k, m, run.schedule, v)
         stages.append((sum(state) + held, state, held))
     _, (params, grads, optim), acts = max(stages, key=lambda x: x[0])
+
+    # time: m + (p-1)/v slots of the slowest stage, then dp
     layer, cp_b = cp_layer_seconds(model, gpu, run, tp, cp, method, time)
     head = (
         6 * b * (s // cp) * cost.padded_vocab(model, tp) * h / tp / (gpu.peak_flops * time.matmul)
@@ -78,6 +82,7 @@ def evaluate(model, gpu, gpus, tp, pp, cp, zero, run, method="allgather", time=c
     n = max(cost.stage_params(model, tp, pp, v, run.split))
     dp_b = dp_comm_bytes(n, zero, dp * cp, gb, pb, m)
     step = (m + (pp - 1) / v) * (max(times) + pp_b / pp_bw) + dp_b / dp_bw
+
     tokens, fpt = run.global_batch * s, cost.flops_params(model)
     extra = cost.padded_vocab(model) * h
     tflops = tokens * flops_per_token(fpt, L, h, s, run.recompute, extra) / (step * gpus)
@@ -89,6 +94,7 @@ def evaluate(model, gpu, gpus, tp, pp, cp, zero, run, method="allgather", time=c
             b, s // cp, h, tp, eb, run.sp, run.recompute, cost_time.column_inputs(model)
         )
     )
+
     days = run.tokens / tokens * step / 86400
     fits = params + grads + optim + acts <= run.usable * gpu.memory
     return cost_time.Estimate(

@@ -60,6 +60,7 @@ def read_hf(src):
         mixtral=transformers.MixtralForCausalLM,
         gpt2=transformers.GPT2LMHeadModel,
     )[kind]
+
     try:
         model = model_class.from_pretrained(src, local_files_only=True, dtype=torch.float32)
     except Exception as e:
@@ -69,6 +70,7 @@ def read_hf(src):
             f"{src}: its weights cannot be read ({type(e).__name__}: {first}); copy or export the "
             f"folder again"
         ) from None
+
     cfg, weights = from_hf(model)
     try:
         # a value no flag would pass (rms_norm_eps 0, rope_theta NaN): named in the file that holds
@@ -139,6 +141,7 @@ def import_(src, out_dir):
         raise ValueError(
             f"--out-dir {out_dir} already holds a checkpoint; choose an empty --out-dir"
         )
+
     # a Llama whose tokenizer --tokenizer cannot reproduce would fine-tune on ids it was not trained
     # on: refused. (GPT-2 as before: without a readable tokenizer the printed command asks for one.)
     why = tokenizer.from_hf(src)[1] if hf_config(src)["model_type"] != "gpt2" else None
@@ -147,12 +150,14 @@ def import_(src, out_dir):
             f"{src}: {why}; nanomega's --tokenizer is byte-level BPE with GPT-2's pattern "
             f"(data.get_tokenizer); nanomega.tools.hf.load_pretrained(folder) still reads the weights"
         )
+
     cfg, weights = read_hf(src)
     os.makedirs(out_dir, exist_ok=True)
     tok = import_tokenizer(src, out_dir) or "shakespeare-4k"
     if data.get_tokenizer(tok).n_vocab != cfg.vocab_size:
         # the user must bring the tokenizer (--tokenizer) that has these cfg.vocab_size ids
         tok = None
+
     pieces = [
         dict(name=k, shape=tuple(t.shape), start=0, end=t.numel(), master=t.reshape(-1), state={})
         # reshard.load's by-name format; empty state: a fresh AdamW
@@ -161,6 +166,7 @@ def import_(src, out_dir):
     state = dict(
         universal=dict(tp_rank=0, pieces=pieces), sampler=None, scaler=None, step=0, rng=None
     )
+
     layout = dict(imported_from=os.path.abspath(src), **({"tokenizer": tok} if tok else {}))
     # a world of one: no process group
     one_rank = types.SimpleNamespace(rank=0, world=1, barrier=lambda: None)
@@ -194,6 +200,7 @@ def main(argv=None):
         required=True,
         help="the folder to write (config.json, model.safetensors, tokenizer)",
     )
+
     i = sub.add_parser(
         "import",
         help="transformers GPT-2, Llama or Mixtral folder -> step-0 checkpoint for "
@@ -201,6 +208,7 @@ def main(argv=None):
     )
     i.add_argument("src")
     i.add_argument("--out-dir", required=True)
+
     args = p.parse_args(argv)
     if args.cmd == "export":
         to, with_tok = export(args.out_dir, args.to)
@@ -213,6 +221,7 @@ def main(argv=None):
             )
         )
         return
+
     cfg, tok = import_(args.src, args.out_dir)
     print(
         f"wrote a step-0 checkpoint to {args.out_dir}/ckpt; fine-tune with:\n  python nanomega/train.py --resume "

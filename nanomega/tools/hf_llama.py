@@ -58,6 +58,8 @@ def llama_config(c: dict) -> GPTConfig:
     key = "rope_parameters" if c.get("rope_parameters") else "rope_scaling"  # transformers 5 / 4
     rope = c.get(key) or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
+
+    # every field nanomega's Llama cannot match, named
     bad = [
         (c.get("attention_bias"), "attention_bias true (nanomega's Llama has no biases)"),
         (c.get("mlp_bias"), "mlp_bias true (nanomega's Llama has no biases)"),
@@ -84,11 +86,13 @@ def llama_config(c: dict) -> GPTConfig:
             (rope.get(k) != v, f"{key} {k} {rope.get(k)} (nanomega's llama3 rule: {v:g})")
             for k, v in LLAMA3_ROPE.items()
         ]
+
     bad = [why for is_bad, why in bad if is_bad]
     if bad:
         raise ValueError(
             f"this Llama differs from nanomega's: {'; '.join(bad)}; it cannot be imported exactly"
         )
+
     # transformers' defaults where a field is absent
     theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
     return GPTConfig(

@@ -35,10 +35,12 @@ def mixtral_config(c: dict) -> GPTConfig:
         ]
         if is_bad
     ]
+
     if bad:
         raise ValueError(
             f"this Mixtral differs from nanomega's: {'; '.join(bad)}; it cannot be imported exactly"
         )
+
     return dataclasses.replace(
         llama_config(c),
         n_experts=c["num_local_experts"],
@@ -123,6 +125,8 @@ def from_hf(model):
         ours: torch.cat([theirs[n] for n in names])
         for ours, names in dense_names(cfg.n_layer, cfg.tie_embeddings).items()
     }
+
+    # each layer's router and experts
     for i in range(cfg.n_layer):
         ours, hf = f"blocks.{i}.mlp.", f"model.layers.{i}.mlp."
         weights[ours + "router.weight"] = theirs[hf + "gate.weight"].clone()
@@ -133,6 +137,7 @@ def from_hf(model):
             weights[f"{ours}experts.{e}.c_proj.weight"] = theirs[hf + "experts.down_proj"][
                 e
             ].clone()
+
     # zero rows so tp can split V (hf.py does the same)
     pad = cfg.padded_vocab_size - cfg.vocab_size
     for name in ("embed.wte.weight", "head.lm_head.weight"):

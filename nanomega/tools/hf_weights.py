@@ -75,8 +75,11 @@ def to_hf(weights, cfg: GPTConfig):
     {name: tensor} (fp32; padded rows dropped)."""
     transformers = require_transformers()
     v = cfg.vocab_size
+
     if cfg.n_experts:  # a Llama with experts: Mixtral
         return hf_moe.to_hf(weights, cfg)
+
+    # the transformers config and the name map of each architecture
     if cfg.arch == "llama":
         rope = (
             None
@@ -127,6 +130,8 @@ def to_hf(weights, cfg: GPTConfig):
             {k: (n,) for k, n in name_map(cfg.n_layer).items()},
             transformers.GPT2LMHeadModel,
         )
+
+    # the weights under their names: padded rows dropped, GPT-2's Conv1D ones transposed
     state = {}
     for ours, theirs in names.items():
         t = weights[ours].float()
@@ -134,6 +139,8 @@ def to_hf(weights, cfg: GPTConfig):
         t = t.t() if ours.endswith(_CONV1D) and cfg.arch == "gpt2" else t
         # [k; v] -> k, v
         state.update(zip(theirs, (part.contiguous() for part in t.chunk(len(theirs)))))
+
+    # loaded; a mapping that left a weight out is refused
     model = model_class(hf_cfg)
     missing, unexpected = model.load_state_dict(state, strict=False)
     # tied / causal buffer
@@ -151,6 +158,7 @@ def from_hf(model):
     refuses what nanomega cannot compute."""
     if model.config.model_type == "mixtral":
         return hf_moe.from_hf(model)
+
     if model.config.model_type == "llama":
         cfg = llama_config(model.config.to_dict())
         theirs = model.state_dict()
@@ -160,6 +168,8 @@ def from_hf(model):
             for ours, names in llama_name_map(cfg.n_layer, cfg.tie_embeddings).items()
         }
         return cfg, _pad_vocab(weights, cfg)
+
+    # GPT-2: what nanomega cannot compute is refused
     c = model.config
     act = getattr(c, "activation_function", "gelu_new")
     bad = [
@@ -180,6 +190,7 @@ def from_hf(model):
         raise ValueError(
             f"this GPT-2 differs from nanomega's: {'; '.join(bad)}; it cannot be imported exactly"
         )
+
     cfg = GPTConfig(
         vocab_size=c.vocab_size,
         block_size=c.n_positions,
@@ -189,6 +200,7 @@ def from_hf(model):
         dropout=c.resid_pdrop,
         norm_eps=c.layer_norm_epsilon,
     )
+
     theirs = model.state_dict()
     weights = {}
     for ours, name in name_map(cfg.n_layer).items():

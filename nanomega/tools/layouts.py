@@ -17,6 +17,7 @@ def layout_error(model, gpu, gpus, tp, pp, zero, run, global_batch=None, ep=1):
     None."""
     batch = run.global_batch if global_batch is None else global_batch
     node = min(gpu.per_node, gpus)
+
     if tp < 1 or pp < 1:
         return f"--tp {tp} and --pp {pp} must be >= 1"
     if node % tp:
@@ -26,6 +27,8 @@ def layout_error(model, gpu, gpus, tp, pp, zero, run, global_batch=None, ep=1):
         )
     if gpus % (tp * pp):
         return f"--tp {tp} x --pp {pp} = {tp * pp} does not divide --gpus {gpus}"
+
+    # the model's shape
     if model.n_head % tp:
         return f"--tp {tp} does not divide the {model.n_head} heads"
     if model.llama and model.ffn % tp:
@@ -37,6 +40,8 @@ def layout_error(model, gpu, gpus, tp, pp, zero, run, global_batch=None, ep=1):
         )
     if pp > model.n_layer:
         return f"--pp {pp} is more than the {model.n_layer} layers"
+
+    # the batch
     dp = gpus // (tp * pp)
     unit = dp * run.micro_batch
     if batch % unit:
@@ -46,6 +51,7 @@ def layout_error(model, gpu, gpus, tp, pp, zero, run, global_batch=None, ep=1):
             f"--global-batch {batch} is not a multiple of dp {dp} x --micro-batch {run.micro_batch} = {unit} "
             f"(Megatron refuses it too): use {near}"
         )
+
     if pipeline_error(zero, pp):
         return pipeline_error(zero, pp)
     if (

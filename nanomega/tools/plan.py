@@ -46,6 +46,7 @@ def as_json(e, run, gpu):
     """One estimate, machine-readable: GB (1e9 bytes) per GPU by part, bytes sent, time,
     FLOP/s, MFU, days."""
     gb = {k: round(getattr(e, k) / 1e9, 3) for k in ("params", "grads", "optim", "acts")}
+
     return dict(
         tp=e.tp,
         pp=e.pp,
@@ -92,6 +93,8 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(
         prog="python -m nanomega.tools.plan", description=__doc__.split("\n")[0]
     )
+
+    # the model
     ap.add_argument(
         "--model",
         help=f"preset: {', '.join(MODELS)}; or give --layers --hidden --heads --vocab --seq",
@@ -108,6 +111,8 @@ def parse(argv=None):
         default=1,
         help="expert-parallel size, carved out of dp (experts / ep per GPU)",
     )
+
+    # the machine
     ap.add_argument("--gpus", type=int, required=True)
     ap.add_argument("--gpu", default="a100-80gb", choices=list(GPUS))
     ap.add_argument(
@@ -115,6 +120,8 @@ def parse(argv=None):
         type=float,
         help="GB/s each GPU sends to other nodes (default: the GPU preset's)",
     )
+
+    # the run
     ap.add_argument("--global-batch", type=int, default=Run.global_batch, help="sequences per step")
     ap.add_argument("--micro-batch", type=int, default=Run.micro_batch)
     ap.add_argument(
@@ -143,6 +150,8 @@ def parse(argv=None):
         "default for GPT-2-style presets); sdpa: FlashAttention, they stay on chip (default for "
         "the llama presets, as every Llama run)",
     )
+
+    # the search: pin a size, or narrow it
     ap.add_argument("--tp", type=int, help="pin the tensor-parallel size")
     ap.add_argument("--pp", type=int, help="pin the pipeline-parallel size")
     ap.add_argument("--dp", type=int, help="pin the data-parallel size")
@@ -157,6 +166,8 @@ def parse(argv=None):
     ap.add_argument(
         "--tokens", type=float, default=Run.tokens, help="token budget for the days column"
     )
+
+    # the output
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--json", action="store_true", help="print the estimates as JSON")
     return ap.parse_args(argv)

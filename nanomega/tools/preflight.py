@@ -68,12 +68,14 @@ def check_memory(config):
     counts them (the activations come on top) against its share of memory: its GPU's, or the
     host's split among its ranks."""
     need = max(map(sum, rank_state_bytes(config)))
+
     if dist.default_device(config.device).type == "cuda":
         have, where = torch.cuda.get_device_properties(0).total_memory, "a GPU's"
     else:
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
         where = f"this host's memory shared by {ranks} rank{'s' if ranks > 1 else ''}"
+
     if need > have:
         n = cost.n_params(planner_model(config))
         raise ValueError(

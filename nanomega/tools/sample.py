@@ -70,12 +70,15 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--num-samples", type=int, default=1)
     args = p.parse_args(argv)
+
     if args.temperature < 0 or args.max_new_tokens < 0 or args.top_k < 0:
         raise ValueError("--temperature, --max-new-tokens and --top-k must be >= 0")
+
     model, tokenizer = load_model(args.out_dir)
     enc = data.get_tokenizer(tokenizer)
     ids = enc.encode(args.prompt, allowed_special="all") or [enc.eot_token]
     gen = torch.Generator().manual_seed(args.seed)
+
     for _ in range(args.num_samples):
         out = generate(
             model, torch.tensor([ids]), args.max_new_tokens, args.temperature, args.top_k, gen
