@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nanomega import compose, dist, tp, worlds, zero  # noqa: E402
+from nanomega import compose, dist, tp, worlds, zero, zero_rules  # noqa: E402
 from nanomega.model import GPT  # noqa: E402
 from nanomega.job import checks, flags  # noqa: E402
 
@@ -59,7 +59,7 @@ def build(kind, layout):
         if grid.tp.size > 1:
             tp.apply_tensor_parallel(model, grid.tp)
         engine = zero.ZeroEngine(
-            model, torch.optim.AdamW, zero.weight_decay_groups(0.1), grid, config.zero
+            model, torch.optim.AdamW, zero_rules.weight_decay_groups(0.1), grid, config.zero
         )
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before

@@ -35,7 +35,8 @@ from bench_pp import timed
 from nanomega import dist, worlds
 from nanomega.flat import storage_bytes
 from nanomega.model import GPT, GPTConfig
-from nanomega.zero import ZeroEngine, weight_decay_groups
+from nanomega.zero import ZeroEngine
+from nanomega.zero_rules import weight_decay_groups
 
 CFG = dict(vocab_size=8192, block_size=128, n_layer=4, n_head=8, n_embd=512)
 MB, LR, WD = 4, 1e-4, 0.1

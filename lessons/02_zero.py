@@ -19,7 +19,8 @@ from nanomega import dist, worlds
 from nanomega.dist import RING
 from nanomega.model import GPT, GPTConfig
 from nanomega.precision import cast_model
-from nanomega.zero import ZeroEngine, weight_decay_groups
+from nanomega.zero import ZeroEngine
+from nanomega.zero_rules import weight_decay_groups
 
 CFG = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64)
 PER_PARAM = {

@@ -13,6 +13,7 @@ its formulas and its lesson:
         data.py       text -> tokens -> this rank's resumable batches
     02  ddp.py        data parallelism: gradient buckets reduced while backward runs
         flat.py       flat buffers and their shards: the bookkeeping under ZeRO
+        zero_rules.py ZeRO's rules: what each stage shards, the optimizers it steps, replica groups
         zero.py       ZeRO-1/2: the optimizer over this rank's pieces
         zero3.py      ZeRO-3: parameter units gathered on demand
         clip.py       the global gradient norm over dp, tp and pp: each element counted once

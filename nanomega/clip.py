@@ -52,7 +52,7 @@ def global_norm(shares, grid, over_dp, device):
 def global_norm_squared(shares, grid, over_dp, device):
     """The same sum of squares, left on the device (fp64, one element): a trainer reads it together
     with the loss, in the step's one host sync before the update (train.train_step).
-    shares: per replica group (zero.Replicas), (grads, axis, across): this rank's counted shares;
+    shares: per replica group (zero_rules.Replicas), (grads, axis, across): this rank's counted shares;
     the group's replicas, summed over when over_dp; None, or the ranks holding its other parameters
     (ep's experts), summed over too."""
     sq = None

@@ -13,7 +13,7 @@ Lesson: lessons/09-3d-parallelism.md
 
 import torch
 
-from nanomega import cp, ep, fused, meta, pp, precision, recompute, rng, tp, zero
+from nanomega import cp, ep, fused, meta, pp, precision, recompute, rng, tp, zero, zero_rules
 from nanomega.model import GPT
 from nanomega.job import flags
 
@@ -67,10 +67,10 @@ def build(config, grid):
     # x cp (and the tied embedding's extra sum over its two pipeline stages), the routed experts
     # over edp
     replicas = [
-        zero.Replicas("dense", grid.dp_cp, extra_sums=pp.tied_sums(model, grid)),
-        zero.Replicas(**ep.replica_group(grid)),
+        zero_rules.Replicas("dense", grid.dp_cp, extra_sums=pp.tied_sums(model, grid)),
+        zero_rules.Replicas(**ep.replica_group(grid)),
     ]
-    optim = zero.weight_decay_groups(config.weight_decay, **options)
+    optim = zero_rules.weight_decay_groups(config.weight_decay, **options)
     engine = zero.ZeroEngine(
         model,
         torch.optim.AdamW,

@@ -211,7 +211,7 @@ class CPUAdamW(torch.optim.Optimizer):
     (L2 decay). amsgrad, maximize, foreach, fused and capturable are not options: one fused path on
     the CPU."""
 
-    # an element's update reads only that element: ZeroEngine may shard it (zero.check_config)
+    # an element's update reads only that element: ZeroEngine may shard it (zero_rules.check_config)
     elementwise = True
 
     def __init__(

@@ -147,7 +147,7 @@ def check_engine(experts, stage, offload):
 
 
 def replica_group(grid):
-    """The routed experts' replica group, as zero.Replicas' fields (the table above): held alike by
+    """The routed experts' replica group, as zero_rules.Replicas' fields (the table above): held alike by
     the ranks of grid.edp, their mean also divided by ep (the sum covers every dp rank's tokens),
     other experts on the ep ranks (the norm and the finite check sum over ep); check_engine."""
     return dict(

@@ -137,7 +137,7 @@ def sum_tied_grad(grad, grid):
 
 
 def tied_sums(model, grid):
-    """zero.Replicas(extra_sums=...) of the dense group: this stage's copy of the tied embedding, in
+    """zero_rules.Replicas(extra_sums=...) of the dense group: this stage's copy of the tied embedding, in
     a bucket of its own, its reduced gradient summed over grid.embed with the other stage's
     (sum_tied_grad); () when this stage holds none."""
     weight = tied_embedding(model, grid)

@@ -1,9 +1,10 @@
 """ZeRO stages 0-3: one engine for any nn.Module and element-wise optimizer, over replica groups.
 
 Rank r of a group's N replicas owns the slice [r S, (r+1) S) of every flat buffer, S = ceil(n / N)
-(flat.py). STAGE says what each stage shards; ZeroEngine.__init__ is the one place reading it. Each
-replica group (Replicas: dense, experts, ...) is reduced over its own axis; the technique owning a
-rule builds its group (ep.py, pp.py), the composer passes them in (train.build).
+(flat.py). STAGE (zero_rules.py) says what each stage shards; ZeroEngine.__init__ is the one place
+reading it. Each replica group (zero_rules.Replicas: dense, experts, ...) is reduced over its own
+axis; the technique owning a rule builds its group (ep.py, pp.py), the composer passes them in
+(train.build).
     stage  keeps between micro-batches   reduce           write-back               bytes/param/rank
     0      the full gradient             all-reduce       none: all stepped whole  16
     1      the full gradient             reduce-scatter   all-gather the slices    4 + 12/N
@@ -14,7 +15,6 @@ rule builds its group (ep.py, pp.py), the composer passes them in (train.build).
 Lesson: lessons/02-data-parallel-and-zero.md
 """
 
-import dataclasses
 import math
 
 import torch
@@ -25,133 +25,7 @@ from .ddp import bucket_groups, start_equal
 from .flat import Piece, storage_bytes
 from .zero3 import ShardedParameters
 from .zero_buckets import Buckets, ScatterBuckets, ShardBuckets
-
-ELEMENTWISE = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adagrad,
-    torch.optim.Adamax,
-    torch.optim.Adadelta,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.RMSprop,
-    torch.optim.Rprop,
-    torch.optim.ASGD,
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Stage:
-    """What a ZeRO stage shards over the dp ranks; each field is one choice in
-    ZeroEngine.__init__."""
-
-    # flat groups split: a rank steps its slice (masters, Adam state 1/N), the norm sums ranks
-    optimizer: bool
-    gradients: bool  # ShardBuckets: only the slice's gradient kept, reduced each micro-batch
-    # zero3.ShardedParameters: parameters kept as 1/N shards, units gathered on demand
-    parameters: bool
-
-
-# = data parallelism (ddp.py)
-STAGE = {
-    0: Stage(optimizer=False, gradients=False, parameters=False),
-    1: Stage(optimizer=True, gradients=False, parameters=False),
-    2: Stage(optimizer=True, gradients=True, parameters=False),
-    3: Stage(optimizer=True, gradients=True, parameters=True),
-}
-
-
-def pipeline_error(stage, pp):
-    """Why ZeRO `stage` cannot run beside pp pipeline stages, or None: the one rule train.py and the
-    planner use."""
-    if pp > 1 and stage >= 2:
-        return (
-            f"--zero {stage} with --pp {pp}: ZeRO-2/3 shard gradients/parameters that every micro-batch of "
-            f"the pipeline needs again (DeepSpeed forbids it too); use --zero 0 or 1"
-        )
-    return None
-
-
-def check_config(stage, optimizer_cls, pp=1, offload=0.0, offload_params=False):
-    """One-line errors for a stage, an optimizer, a pipeline or an offload ZeRO cannot run, raised
-    before any collective."""
-    if stage not in STAGE:
-        raise ValueError(f"--zero {stage!r}: ZeRO stages are 0, 1, 2 and 3")
-    if offload or offload_params:
-        offloading.check(optimizer_cls, stage, offload, offload_params)
-    if pipeline_error(stage, pp):
-        raise ValueError(pipeline_error(stage, pp))
-    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
-        raise ValueError(
-            f"optimizer: a {type(optimizer_cls).__name__} is not a torch.optim.Optimizer class; pass "
-            f"e.g. torch.optim.AdamW (the class, not an instance)"
-        )
-    name = optimizer_cls.__name__
-    if optimizer_cls in (torch.optim.LBFGS, torch.optim.SparseAdam):
-        raise ValueError(
-            f"optimizer {name} cannot run under ZeroEngine (LBFGS needs a closure, SparseAdam "
-            f"sparse gradients); use AdamW, Adam or SGD"
-        )
-    if (
-        stage
-        and optimizer_cls not in ELEMENTWISE
-        and not getattr(optimizer_cls, "elementwise", False)
-    ):
-        raise ValueError(
-            f"--zero {stage}: optimizer {name} cannot be sharded: ZeRO steps 1-D slices of flat "
-            f"buffers, exact only for element-wise updates "
-            f"({', '.join(c.__name__ for c in ELEMENTWISE)}); use --zero 0 or one of those "
-            f"(or set {name}.elementwise = True if its update is element-wise)"
-        )
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Replicas:
-    """A replica group: parameters the ranks of `axis` hold alike. The engine reduces their
-    gradients over `axis` (and gathers their ZeRO slices over it); the technique that owns the rule
-    builds it: the dense weights over grid.dp_cp (the default), ep.replica_group: the routed experts
-    over grid.edp, pp.tied_sums: the tied embedding's extra sum over grid.embed. A new replica axis
-    (hybrid sharding) is one more group."""
-
-    name: str
-    axis: object  # dist.Axis
-    holds: object = None  # holds(name) -> bool; None: every parameter no other group holds
-    divide: int = 1  # after the mean over `axis`: experts' gradients sum the tokens of ep ranks too
-    across: object = None  # an Axis whose ranks hold the group's other parameters (ep's experts)
-    extra_sums: tuple = ()  # ((parameter, Axis), ...): a bucket each, its mean summed over Axis
-    whole: bool = False  # ZeRO-3: kept whole on every rank, all-reduced (replicated LayerNorms)
-    check: object = None  # check(stage, offload): one line for what the engine cannot do with them
-
-
-def owners(names, replicas):
-    """(the default group, {name: the group holding it}): the first group whose holds(name) is true,
-    else the default one (holds=None; the first such), which every list of groups has."""
-    default = next((r for r in replicas if r.holds is None), None)
-    if default is None:
-        raise ValueError(
-            "ZeroEngine(replicas=...): no default group; add Replicas(name, axis), holds=None"
-        )
-    return default, {
-        k: next((r for r in replicas if r.holds is not None and r.holds(k)), default) for k in names
-    }
-
-
-def weight_decay_groups(weight_decay, **options):
-    """A param_groups_fn: weight decay on >= 2-D parameters (matrices, embeddings), none on biases
-    and norms."""
-
-    def groups(named_params):
-        return [
-            dict(
-                params=[n for n, p in named_params if p.dim() >= 2],
-                weight_decay=weight_decay,
-                **options,
-            ),
-            dict(params=[n for n, p in named_params if p.dim() < 2], weight_decay=0.0, **options),
-        ]
-
-    return groups
+from .zero_rules import STAGE, Replicas, check_config, owners
 
 
 class ZeroEngine:

@@ -130,7 +130,7 @@ class ShardBuckets(GradBuckets):
 
 
 class Buckets:
-    """The buckets of several replica groups (zero.Replicas), each over its own axis, as one."""
+    """The buckets of several replica groups (zero_rules.Replicas), each over its own axis, as one."""
 
     def __init__(self, parts):
         self.parts = parts

@@ -91,7 +91,13 @@ def measure(root):
     n_params = len(a.args) + len(a.kwonlyargs) - 1  # without self
     path = [
         m
-        for m in ("nanomega.ddp", "nanomega.zero_buckets", "nanomega.zero", "nanomega.zero3")
+        for m in (
+            "nanomega.ddp",
+            "nanomega.zero_buckets",
+            "nanomega.zero_rules",
+            "nanomega.zero",
+            "nanomega.zero3",
+        )
         if m in code
     ]
     biggest = sorted(code.items(), key=lambda kv: -kv[1])[:5]

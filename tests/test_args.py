@@ -258,7 +258,7 @@ def test_the_cpu_suite_runs_on_the_cpu_on_a_gpu_host(monkeypatch):
 
 
 DERIVED = {"dp", "vocab_size", "fault", "eot"}  # filled in by checks.check, not flags
-# numeric flags whose range needs other flags (checks.check, pp.check_args, zero.check_config)
+# numeric flags whose range needs other flags (checks.check, pp.check_args, zero_rules.check_config)
 CHECKED_BY_CONCEPT = {"global_batch", "virtual_stages", "zero", "recompute_layers"}
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega import checkpoint, dist, extension, fused, precision, reshard, zero
+from nanomega import checkpoint, dist, extension, fused, precision, reshard, zero, zero_rules
 from nanomega.model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -367,7 +367,7 @@ def test_fused_adamw_resumes_on_the_device(device):
             gpt = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)).to(
                 device
             )
-            options = zero.weight_decay_groups(0.1, betas=(0.9, 0.95), fused=True)
+            options = zero_rules.weight_decay_groups(0.1, betas=(0.9, 0.95), fused=True)
             return gpt, zero.ZeroEngine(gpt, torch.optim.AdamW, options, grid, 1)
 
         (gpt, straight), (gpt2, resumed) = build(), build()

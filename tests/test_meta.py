@@ -243,7 +243,7 @@ PUBLISHED = [
     ("llama3-405b", 8, 16, 8192, 1, "bf16"),
 ]  # Llama 3 Table 4 row 1: TP8 PP16 DP64
 # every other preset: the largest tp of 8, 4, 2, 1 its heads allow, 2 stages and 2 replicas with
-# ZeRO-1; and the gpt3 family at ZeRO-3 (no pipeline: the rule of zero.pipeline_error)
+# ZeRO-1; and the gpt3 family at ZeRO-3 (no pipeline: the rule of zero_rules.pipeline_error)
 OTHERS = [
     (name, max(t for t in (1, 2, 4, 8) if PRESETS[name]["n_head"] % t == 0), 2, 0, 1, "bf16")
     for name in PRESETS

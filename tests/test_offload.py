@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega import cpu_adam, dist, reshard, train, worlds, zero
+from nanomega import cpu_adam, dist, reshard, train, worlds, zero, zero_rules
 from nanomega.model import GPT, GPTConfig
 from tolerance import layout_rtol
 
@@ -33,7 +33,7 @@ def build(grid, stage, optimizer, offload, dtype=torch.float32, params=False):
     return zero.ZeroEngine(
         model,
         optimizer,
-        zero.weight_decay_groups(**OPTIM),
+        zero_rules.weight_decay_groups(**OPTIM),
         grid,
         stage,
         bucket_mb=0.02,
@@ -208,7 +208,7 @@ def test_offload_refuses_what_it_cannot_do():
         )
     for stage, share in ((2, 1.0), (3, 0.5)):
         with pytest.raises(ValueError, match="--offload-params needs --zero 3 and --offload 1"):
-            zero.check_config(stage, torch.optim.AdamW, 1, share, offload_params=True)
+            zero_rules.check_config(stage, torch.optim.AdamW, 1, share, offload_params=True)
 
 
 def _train_runs(corpus, root):

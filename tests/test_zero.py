@@ -42,7 +42,8 @@ from nanomega.dist import RING
 from nanomega.model import GPT, GPTConfig
 from nanomega.precision import cast_model
 from nanomega.ddp import DistributedDataParallel
-from nanomega.zero import Replicas, ZeroEngine, weight_decay_groups
+from nanomega.zero import ZeroEngine
+from nanomega.zero_rules import Replicas, weight_decay_groups
 
 STEPS, ACCUM, CLIP, ABS, WHOLE, SCALE = 3, 2, 0.5, 1e-4, 1e-3, 4.0
 OPTIM = dict(weight_decay=0.1, lr=1e-2, betas=(0.9, 0.95))

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from nanomega import cp, data, dist, ep, moe, pp, precision, recompute, tp, zero
+from nanomega import cp, data, dist, ep, moe, pp, precision, recompute, tp, zero_rules
 from nanomega.job import faults, flags, guard, presets, ranges
 from nanomega.job.flags import model_config
 
@@ -63,7 +63,7 @@ def check(config):
         grad_accum = c.global_batch // per_step
 
     # the engine's rules
-    zero.check_config(c.zero, torch.optim.AdamW, c.pp, c.offload, c.offload_params)
+    zero_rules.check_config(c.zero, torch.optim.AdamW, c.pp, c.offload, c.offload_params)
     vocab_size = data.get_tokenizer(c.tokenizer).n_vocab
     # documents.ids counts them
     eot = data.get_tokenizer(c.tokenizer).eot_token if c.document_mask else None

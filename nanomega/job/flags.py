@@ -203,7 +203,7 @@ class Config:
     )
     schedule: str = PARALLEL("1f1b", "gpipe, 1f1b or interleaved")
     virtual_stages: int = PARALLEL(1, "model chunks per rank (interleaved)")  # pp.check_args
-    zero: int = PARALLEL(0, "ZeRO stage 0-3 (0: plain data parallelism)")  # zero.check_config
+    zero: int = PARALLEL(0, "ZeRO stage 0-3 (0: plain data parallelism)")  # zero_rules.check_config
     offload: float = PARALLEL(
         0.0,
         "ZeRO-Offload (--zero 1-3): the share (0-1) of the fp32 masters and Adam state kept in "

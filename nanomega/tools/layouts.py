@@ -9,7 +9,7 @@ Lesson: lessons/11-planning-a-run.md
 
 from nanomega.tools import cost_moe
 from nanomega.tools.cost import Run
-from nanomega.zero import pipeline_error
+from nanomega.zero_rules import pipeline_error
 
 
 def layout_error(model, gpu, gpus, tp, pp, zero, run, global_batch=None, ep=1):
