@@ -34,7 +34,8 @@ from torch.nn.parallel import DistributedDataParallel
 from bench_pp import timed
 from nanomega import dist, worlds
 from nanomega.flat import storage_bytes
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 from nanomega.zero import ZeroEngine, weight_decay_groups
 
 CFG = dict(vocab_size=8192, block_size=128, n_layer=4, n_head=8, n_embd=512)

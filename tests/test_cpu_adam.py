@@ -41,7 +41,8 @@ import torch.nn as nn
 
 from nanomega import cpu_adam, extension
 from nanomega.cpu_adam import CPUAdamW
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 from nanomega.zero import ZeroEngine, check_config, weight_decay_groups
 from nanomega import reshard
 from tolerance import unit_roundoff
