@@ -31,7 +31,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from nanomega import checkpoint, dist, extension, flash, reshard, zero  # noqa: E402
-from nanomega.model import GPT, GPTConfig  # noqa: E402
+from nanomega.gpt_config import GPTConfig  # noqa: E402
+from nanomega.model import GPT  # noqa: E402
 
 
 def drop_caches():

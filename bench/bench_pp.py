@@ -25,7 +25,8 @@ import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from nanomega import dist, pp, recompute, worlds
-from nanomega.model import GPT, GPTConfig, cross_entropy
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT, cross_entropy
 from nanomega.schedules import Trace, bubble_fraction
 
 CFG = dict(vocab_size=512, block_size=128, n_layer=8, n_head=4, n_embd=256)

@@ -26,7 +26,8 @@ import torch
 
 from bench_pp import rss_peak_rise
 from nanomega import dist
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 from nanomega.precision import DTYPES, cast_model
 from nanomega.formulas import activation_bytes_per_layer
 from nanomega.recompute import ActivationMeter, apply_recompute

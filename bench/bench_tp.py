@@ -33,7 +33,8 @@ from torch.distributed.tensor.parallel import (
 
 from bench_pp import rss_peak_rise, timed
 from nanomega import dist, tp, worlds
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 
 CFG = dict(
     vocab_size=4096,

@@ -13,7 +13,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanomega.formulas import model_flops_per_token as flops_per_token  # noqa: E402
-from nanomega.model import GPT, GPTConfig  # noqa: E402
+from nanomega.gpt_config import GPTConfig  # noqa: E402
+from nanomega.model import GPT  # noqa: E402
 from nanomega.job import meter  # noqa: E402
 
 

@@ -34,9 +34,10 @@ from torch.nn.parallel import DistributedDataParallel
 from bench_pp import timed
 from nanomega import dist, worlds
 from nanomega.flat import storage_bytes
-from nanomega.model import GPT, GPTConfig
 from nanomega.zero import ZeroEngine
 from nanomega.zero_rules import weight_decay_groups
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 
 CFG = dict(vocab_size=8192, block_size=128, n_layer=4, n_head=8, n_embd=512)
 MB, LR, WD = 4, 1e-4, 0.1

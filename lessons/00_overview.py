@@ -4,7 +4,10 @@
 import torch
 
 from check import check
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+
+# Compute: GPT-3 175B trained on 300B tokens (Brown et al. 2020, Table D.1 gives 3.14e23 FLOPs)
+from nanomega.model import GPT
 
 # Compute: GPT-3 175B trained on 300B tokens (Brown et al. 2020, Table D.1 gives 3.14e23 FLOPs)
 N, D = 174.6e9, 300e9

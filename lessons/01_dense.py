@@ -9,7 +9,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from check import check
 from nanomega.formulas import model_flops_per_token as flops_per_token
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 from nanomega.job import meter
 
 torch.manual_seed(0)

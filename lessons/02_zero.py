@@ -17,7 +17,8 @@ import torch
 from check import check
 from nanomega import dist, worlds
 from nanomega.dist import RING
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 from nanomega.precision import cast_model
 from nanomega.zero import ZeroEngine
 from nanomega.zero_rules import weight_decay_groups

@@ -8,7 +8,8 @@ import torch.nn as nn
 
 from check import check
 from nanomega import dist, tp, worlds
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 from nanomega.rng import model_parallel_seed
 
 B_, S, H, A, L = 2, 64, 64, 4, 2  # micro-batch, sequence, hidden, heads, layers

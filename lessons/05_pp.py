@@ -5,7 +5,8 @@ import torch
 
 from check import check
 from nanomega import dist, pp, recompute, worlds
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 from nanomega.schedules import Trace, bubble_fraction, draw_timeline, simulate
 
 P, M, V = 4, 8, 2

@@ -8,7 +8,8 @@ import torch
 
 from check import check
 from nanomega import dist
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 from nanomega.precision import DTYPES, cast_model, check_dtype_supported
 from nanomega.zero import ZeroEngine
 

@@ -12,7 +12,8 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from check import check  # noqa: E402
 from nanomega import formulas  # noqa: E402
-from nanomega.model import GPT, GPTConfig  # noqa: E402
+from nanomega.gpt_config import GPTConfig  # noqa: E402
+from nanomega.model import GPT  # noqa: E402
 from nanomega.modern import Rotary, ffn_hidden, rms_norm  # noqa: E402
 from nanomega.job.presets import PRESETS  # noqa: E402
 

@@ -11,7 +11,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from check import check  # noqa: E402
 from nanomega import compose, dist, formulas, moe, train, worlds  # noqa: E402
-from nanomega.model import GPT, GPTConfig  # noqa: E402
+from nanomega.gpt_config import GPTConfig  # noqa: E402
+from nanomega.model import GPT  # noqa: E402
 from nanomega.job import flags  # noqa: E402
 
 torch.manual_seed(0)

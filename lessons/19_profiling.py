@@ -19,7 +19,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from check import check  # noqa: E402
 from nanomega import dist, worlds  # noqa: E402
-from nanomega.model import GPT, GPTConfig  # noqa: E402
+from nanomega.gpt_config import GPTConfig  # noqa: E402
+from nanomega.model import GPT  # noqa: E402
 
 # vocabulary, sequence, layers, heads, hidden, micro-batch per rank
 V, S, L, A, H, B = 512, 64, 2, 4, 128, 4

@@ -18,7 +18,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from nanomega import dist, schedules, tp, worlds
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+
+# the minimal track, in the ranks too
+from nanomega.model import GPT
 
 # the minimal track, in the ranks too
 sys.path.insert(0, str(Path(__file__).resolve().parent / "minimal"))

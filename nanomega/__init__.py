@@ -7,6 +7,9 @@ its formulas and its lesson:
                       bytes
         worlds.py     local worlds: N CPU ranks on this machine (tests, lessons, bench)
     01  model.py      the dense GPT: the reference every sharded form is tested against
+        gpt_config.py its shape: GPTConfig (sizes, architecture, options) and its validation
+        initialization.py
+                      its values by parameter name: element i a function of (seed, name, i)
         seams.py      its op table: linear, attention core, norm, ... swapped by one call
         modern.py     the Llama block's pieces: rotary positions, RMSNorm, SwiGLU, grouped-query
                       (lesson 13)
@@ -47,5 +50,6 @@ Beside the concepts, two folders a student may skip:
     tools/  commands around training: planner, HF interchange, plots, sampling, corpus and tokenizer
             preparation
 Imports point down: tools -> job -> concepts; model.py imports only modern.py and moe.py (the
-block's pieces) and seams.py (its op table).
+block's pieces), seams.py (its op table), gpt_config.py (its shape) and initialization.py (its
+values).
 """

@@ -21,7 +21,7 @@ import shutil
 import torch
 
 from nanomega.data import sha256_file as _sha256
-from nanomega.model import SHAPE_KEYS, GPTConfig
+from nanomega.gpt_config import SHAPE_KEYS, GPTConfig
 
 
 class CorruptCheckpoint(ValueError):

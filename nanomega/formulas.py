@@ -321,8 +321,8 @@ def implied_mfu(total_flops, days, gpus, peak_flops):
 
 
 def model_flops_per_token(cfg, seq_len=None):
-    """Training FLOPs per token of a model.GPTConfig: flops_per_token's 6 N' + 12 L h s (PaLM
-    appendix B; nanoGPT's estimate_mfu) with N' counted from the config.
+    """Training FLOPs per token of a gpt_config.GPTConfig: flops_per_token's 6 N' + 12 L h s
+    (PaLM appendix B; nanoGPT's estimate_mfu) with N' counted from the config.
 
     N' counts every parameter that takes part in a matmul: blocks, and the (tied) vocab matrix once,
     since the LM head multiplies by it (an untied Llama head: its own matrix, and the embedding, a

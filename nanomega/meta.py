@@ -2,8 +2,9 @@
 
 Building the dense GPT on every rank and slicing it costs each rank the whole model in fp32; instead
 it is built on torch's meta device (shapes, no storage), tensor and pipeline parallelism cut it
-there, and each rank draws only the elements of its slices: model.draw makes element i of a dense
-parameter a function of (seed, name, i) alone, so the values are the dense model's, sliced.
+there, and each rank draws only the elements of its slices: initialization.draw makes element i
+of a dense parameter a function of (seed, name, i) alone, so the values are the dense model's,
+sliced.
 PaperGrid is rank R's place in a layout without a process group: train.py --dry-run counts its bytes
 against the planner's.
 
@@ -25,7 +26,7 @@ import torch
 
 from . import dist, pp, tp
 from .flat import set_data
-from .model import draw, init_std
+from .initialization import draw, init_std
 
 
 def segments(shape, rule, rank, size):
@@ -47,8 +48,8 @@ def segments(shape, rule, rank, size):
 
 
 class Init:
-    """The dense model's initialization (model.init_std, model.draw) as seen by one
-    tensor-parallel rank."""
+    """The dense model's initialization (initialization.init_std, initialization.draw) as seen
+    by one tensor-parallel rank."""
 
     def __init__(self, cfg, seed, tp_rank=0, tp_size=1):
         self.cfg, self.seed, self.tp_rank, self.tp_size = cfg, seed, tp_rank, tp_size

@@ -4,10 +4,10 @@ is checked against.
 Idea: pre-norm blocks between an embedding and an LM head (tied or not), from small named pieces
 (Embedding, CausalSelfAttention, MLP, Block, Head) that compute through their block's op table
 (seams.Ops): tp.py, cp.py, fused.py and recompute.py replace entries (GPT.replace_op), pp.py keeps
-some pieces on a stage -- no second model file. arch="llama" composes modern.py's pieces.
-Initialization: a rule per parameter name (init_std) and a draw whose element i depends on (seed,
-name, i) alone (draw), so a rank draws just its slice of the dense model's values, bitwise
-(meta.py).
+some pieces on a stage -- no second model file. arch="llama" composes modern.py's pieces. Its
+shape: GPTConfig (gpt_config.py). Initialization (initialization.py): a rule per parameter name and
+a draw whose element i depends on (seed, name, i) alone, so a rank draws just its slice of the dense
+model's values, bitwise (meta.py).
 Formulas (GPT-2; Llama's: modern.py; MoE: moe.py):
     parameters   N ~= 12 L h^2 + V h   (+ s h learned positions)
     FLOPs/token  6 N' + 12 L h s        (N' = N without position embeddings; 12 L h s: QK^T and AV,
@@ -17,142 +17,18 @@ Lesson: lessons/01-dense-model.md
 
 import contextlib
 import functools
-import hashlib
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from . import moe
-from .modern import RMSNorm, Rotary, document_mask, ffn_hidden, rms_norm, swiglu
+from .gpt_config import GPTConfig
+from .initialization import draw, init_std
+from .modern import RMSNorm, Rotary, document_mask, rms_norm, swiglu
 from . import seams
 from .seams import LayerNorm, Linear, Ops, call, in_order, layer_norm
-
-
-# The model's shape: the GPTConfig fields a checkpoint, a preset and the planner agree on
-# (checkpoint.py, job/presets.py, tools/cost.py, tools/hf.py read them here). Dropout, attention and
-# the vocabulary padding (set by --tp, undone by resharding) are not part of it.
-SIZES = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
-SHAPE_KEYS = SIZES + (
-    "alibi",
-    "embed_layernorm",
-    "arch",
-    "n_kv_head",
-    "ffn_hidden",
-    "rope_theta",
-    "rope_scaling",
-    "tie_embeddings",
-    "norm_eps",
-    "n_experts",
-    "top_k",
-    "shared_experts",
-)
-ARCHS = ("gpt2", "llama")
-ATTENTION = ("sdpa", "eager", "fused")
-
-
-@dataclass
-class GPTConfig:
-    vocab_size: int = 4096
-    block_size: int = 256
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    alibi: bool = False  # BLOOM: linear attention biases instead of learned positions
-    embed_layernorm: bool = False  # BLOOM: a LayerNorm right after the embedding
-    # gpt2: LayerNorm, GeLU MLP, biases; llama: RMSNorm, SwiGLU, rotary positions, no biases
-    arch: str = "gpt2"
-    # key/value heads (grouped-query attention); 0: n_head (multi-head attention)
-    n_kv_head: int = 0
-    # MLP width; 0: 4h (gpt2), modern.ffn_hidden(h) (llama: 2/3 4h up to a multiple of 256)
-    ffn_hidden: int = 0
-    rope_theta: float = 10000.0  # llama: RoPE base (Llama 3: 500,000)
-    # llama: Llama 3.1's frequency scaling factor (8 in 3.1, 32 in 3.2); 1: none
-    rope_scaling: float = 1.0
-    # the LM head is the token embedding (GPT-2, Llama 3.2 1B) or its own matrix
-    tie_embeddings: bool = True
-    norm_eps: float = 1e-5
-    make_vocab_size_divisible_by: int = 128  # Megatron pads V so each TP shard is a multiple of 128
-    # eager (the lessons' explicit softmax; train.py's default: sdpa), sdpa, fused
-    attention: str = "eager"
-    # mixture of experts (moe.py; llama): each MLP becomes E routed SwiGLU experts of width ffn
-    n_experts: int = 0
-    top_k: int = 2
-    # mixtral: top-k of the logits, softmax over k; deepseek (renormalized), qwen: top-k of E
-    router: str = "mixtral"
-    moe_aux_loss: float = 0.01  # Switch/GShard load-balancing loss coefficient
-    moe_z_loss: float = 0.0  # router z-loss coefficient
-    # 0: dropless; else assignments per expert and sequence <= ceil(cf s k / E)
-    capacity_factor: float = 0.0
-    # experts every token runs through (DeepSeek, Qwen2-MoE), as one wider SwiGLU
-    shared_experts: int = 0
-
-    @property
-    def padded_vocab_size(self) -> int:
-        m = self.make_vocab_size_divisible_by
-        return (self.vocab_size + m - 1) // m * m
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_head or self.n_head
-
-    @property
-    def ffn(self) -> int:
-        """The MLP's hidden width f."""
-        return self.ffn_hidden or (
-            ffn_hidden(self.n_embd) if self.arch == "llama" else 4 * self.n_embd
-        )
-
-    def validate(self) -> None:
-        for name in SIZES:
-            if getattr(self, name) < 1:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
-                )
-        if self.n_embd % self.n_head:
-            raise ValueError(
-                f"--n-embd {self.n_embd} is not divisible by --n-head {self.n_head}; "
-                f"pick n_embd as a multiple of n_head"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
-        if self.attention not in ATTENTION:
-            raise ValueError(f"--attention {self.attention!r} is not one of {', '.join(ATTENTION)}")
-        if self.arch not in ARCHS:
-            raise ValueError(f"--arch {self.arch!r} is not one of {', '.join(ARCHS)}")
-        if self.n_kv_head < 0 or self.n_head % self.kv_heads:
-            raise ValueError(
-                f"--n-kv-head {self.n_kv_head} does not divide --n-head {self.n_head}; choose among "
-                f"{', '.join(str(d) for d in range(1, self.n_head + 1) if self.n_head % d == 0)}"
-            )
-        if self.arch == "gpt2" and (self.n_kv_head or self.ffn_hidden or not self.tie_embeddings):
-            raise ValueError(
-                "--n-kv-head, --ffn-hidden and --untie-embeddings are for --arch llama"
-            )
-        if self.arch == "llama" and (self.alibi or self.embed_layernorm):
-            raise ValueError(
-                "--alibi and --embed-layernorm are BLOOM's (--arch gpt2); --arch llama uses rotary "
-                "positions and no embedding norm"
-            )
-        bad = [
-            k
-            for k in ("rope_theta", "rope_scaling", "norm_eps")
-            if not 0 < getattr(self, k) < math.inf
-        ]
-        # NaN fails both comparisons; the flags' table (job/ranges.py) says this first, an HF config
-        # here
-        if bad:
-            raise ValueError(
-                f"--{bad[0].replace('_', '-')} must be a finite number > 0, got {getattr(self, bad[0])}"
-            )
-        if self.arch == "llama" and (self.n_embd // self.n_head) % 2:
-            raise ValueError(
-                f"--arch llama: rotary positions need an even head size, got n_embd/n_head = "
-                f"{self.n_embd // self.n_head}"
-            )
 
 
 def bias_gelu(x, bias):
@@ -181,52 +57,6 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
     p = 2 ** math.floor(math.log2(n_head))
     slopes = powers(p) + powers(2 * p)[0::2][: n_head - p]
     return torch.tensor(slopes, device="cpu")
-
-
-# ---------------------------------------------------------------- initialization
-# elements one generator draws: any element of a parameter is drawn with its block alone
-INIT_BLOCK = 1 << 16
-
-
-def init_std(name, n_layer):
-    """GPT-2's initialization as a rule of a parameter's dense name (the same name in every layout):
-    biases 0.0, norm scales (LayerNorm, RMSNorm) None (ones), residual projections (c_proj:
-    attention's output, the MLP's down) N(0, 0.02/sqrt(2L)), every other matrix N(0, 0.02) -- for
-    Llama's q_proj, kv_proj, gate_up too."""
-    module, leaf = (["", ""] + name.split("."))[-2:]
-    if leaf in ("bias", "fc_bias"):
-        return 0.0
-    if module.startswith("ln"):
-        return None
-    return 0.02 / math.sqrt(2 * n_layer) if module == "c_proj" else 0.02
-
-
-@functools.lru_cache(maxsize=4)  # consecutive runs of a tensor-parallel slice often share a block
-def init_block(seed, name, k, std):
-    """Block k of parameter `name`: INIT_BLOCK normals from a CPU generator seeded by (seed, name,
-    k)."""
-    key = int.from_bytes(hashlib.sha256(f"{seed}/{name}/{k}".encode()).digest()[:8], "little") >> 1
-    return torch.empty(INIT_BLOCK, device="cpu").normal_(
-        0.0, std, generator=torch.Generator().manual_seed(key)
-    )
-
-
-def draw(seed, name, std, start, stop):
-    """Elements [start, stop) of the flattened parameter `name`, fp32 on the CPU: N(0, std) (0.0:
-    zeros, None: ones). A block is always drawn whole, so element i depends on (seed, name, i) only:
-    not on the parameter's size (a vocabulary padded further keeps its rows), nor the layout, nor
-    the device (drawn on the host). It does depend on the host's vector kernels for normal_: AVX2
-    and AVX-512 draw the same bits, a CPU without AVX2 (ATEN_CPU_CAPABILITY=default) others. The
-    host holds one block beyond what it returns."""
-    out = torch.empty(stop - start, device="cpu")
-    if std is None or std == 0.0:
-        return out.fill_(1.0 if std is None else 0.0)
-    for k in range(start // INIT_BLOCK, -(-stop // INIT_BLOCK)):
-        lo, hi = max(start, k * INIT_BLOCK), min(stop, (k + 1) * INIT_BLOCK)
-        out[lo - start : hi - start] = init_block(seed, name, k, std)[
-            lo - k * INIT_BLOCK : hi - k * INIT_BLOCK
-        ]
-    return out
 
 
 def eager_core(attn, q, k, v, docs=None):

@@ -17,7 +17,7 @@ import torch
 
 from nanomega import checkpoint, ep, pp, tp
 from nanomega.flat import Piece
-from nanomega.model import GPTConfig
+from nanomega.gpt_config import GPTConfig
 
 
 def is_elementwise(v):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega.model import GPTConfig
+from nanomega.gpt_config import GPTConfig
 from nanomega.job import checks, flags
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from nanomega import dist, fused, tp, train, worlds
-from nanomega.model import GPT, GPTConfig, eager_core, sdpa_core
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT, eager_core, sdpa_core
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS_CHARS = 200_000  # of the embedded corpus, for conftest's `corpus`

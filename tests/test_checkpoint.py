@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from nanomega import checkpoint, dist, reshard, rng, worlds, zero
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CFG = dict(vocab_size=128, block_size=16, n_layer=1, n_head=2, n_embd=16)

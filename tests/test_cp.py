@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from nanomega import checkpoint, cp, dist, documents, formulas, reshard, tp, train, worlds
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 from tolerance import layout_rtol, likely
 
 # the attention operation's shapes: grouped-query, 2 query heads per key head

@@ -41,9 +41,10 @@ import torch.nn as nn
 
 from nanomega import cpu_adam, extension
 from nanomega.cpu_adam import CPUAdamW
-from nanomega.model import GPT, GPTConfig
 from nanomega.zero import ZeroEngine
 from nanomega.zero_rules import check_config, weight_decay_groups
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 from nanomega import reshard
 from tolerance import unit_roundoff
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from nanomega import documents, extension, fused
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 from tolerance import likely
 
 EOT, V, S = 0, 200, 32

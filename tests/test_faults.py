@@ -120,7 +120,7 @@ def test_one_vote_per_step_boundary(grid, tmp_path, monkeypatch):
     and a blocking host sync (--save-every-minutes, the preemption signal, --async-save's shard in
     flight). Now one vote carries all three, and the weights' finite check after the update: one
     all-reduce per axis (3: tp, pp, dp), one .tolist()."""
-    from nanomega.model import GPTConfig
+    from nanomega.gpt_config import GPTConfig
     from nanomega.job import saves
 
     calls = []

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch.utils import cpp_extension
 
 from nanomega import extension, fused, model, modern, seams
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 from tolerance import LAMBDA, assert_within, unit_roundoff
 
 # Bounds from the arithmetic (tests/tolerance.py), per output: (K + LAMBDA sqrt(n)) u32 * S, where

@@ -30,7 +30,8 @@ import pytest
 import torch
 
 from nanomega import checkpoint, dist, extension, fused, precision, reshard, zero, zero_rules
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()

@@ -113,8 +113,21 @@ def test_no_import_cycle():
 
 def test_imports_point_down():
     g = graph()
-    assert g["nanomega.model"] == {"nanomega.modern", "nanomega.moe", "nanomega.seams"}, (
-        "model.py is the reference: it imports only its block's pieces and its op table"
+    assert g["nanomega.model"] == {
+        "nanomega.gpt_config",
+        "nanomega.initialization",
+        "nanomega.modern",
+        "nanomega.moe",
+        "nanomega.seams",
+    }, (
+        "model.py is the reference: it imports only its block's pieces, its op table, its shape "
+        "(gpt_config.py) and its values (initialization.py)"
+    )
+    assert g["nanomega.gpt_config"] == {"nanomega.modern"}, (
+        "gpt_config.py (the shape) imports only modern.py's MLP width rule"
+    )
+    assert g["nanomega.initialization"] == set(), (
+        "initialization.py (values by parameter name) imports nothing of ours"
     )
     assert g["nanomega.seams"] == set(), "seams.py (the op table, Linear) imports nothing of ours"
     assert g["nanomega.modern"] == {"nanomega.seams"}, (

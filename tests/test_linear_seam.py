@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from nanomega import compose, cp, dist, fused, moe, recompute, seams, tp, train, worlds
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 from nanomega.job import checks, flags
 
 REAL = F.linear

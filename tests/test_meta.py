@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from nanomega import compose, meta, pp, tp, train, zero
-from nanomega.model import GPT, GPTConfig, INIT_BLOCK, draw
+from nanomega.gpt_config import GPTConfig
+from nanomega.initialization import INIT_BLOCK, draw
+from nanomega.model import GPT
 from nanomega.job import checks, flags
 from nanomega.job.presets import PRESETS
 from test_layouts import COMMON, LAYOUTS_4, LAYOUTS_8

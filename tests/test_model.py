@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from nanomega.formulas import model_flops_per_token as flops_per_token
-from nanomega.model import GPT, GPTConfig, alibi_slopes
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT, alibi_slopes
 from nanomega.job.flags import parse
 from nanomega.train import lr_at
 from tolerance import gamma

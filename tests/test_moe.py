@@ -300,7 +300,7 @@ def test_mixtral_round_trip_logits():
     """nanomega's MoE Llama as a transformers Mixtral (built offline from its config) and back:
     logits within 1e-4 (fp32, the same math in another order), the weights back bitwise."""
     pytest.importorskip("transformers")
-    from nanomega.model import GPTConfig
+    from nanomega.gpt_config import GPTConfig
     from nanomega.tools import hf_moe
 
     cfg = GPTConfig(
@@ -344,7 +344,7 @@ def test_mixtral_folder_through_the_hf_command_line(tmp_path, capsys):
     refused (a Mixtral has no field for them)."""
     transformers = pytest.importorskip("transformers")
     from nanomega import checkpoint, reshard
-    from nanomega.model import GPTConfig
+    from nanomega.gpt_config import GPTConfig
     from nanomega.tools import hf, hf_moe
 
     cfg = GPTConfig(
@@ -365,7 +365,8 @@ def test_mixtral_folder_through_the_hf_command_line(tmp_path, capsys):
     theirs = hf_moe.to_hf({k: v.detach() for k, v in GPT(cfg, seed=3).named_parameters()}, cfg)
     theirs.save_pretrained(src)
     hf.main(["import", str(src), "--out-dir", str(out)])
-    assert "--n-experts 4" in capsys.readouterr().out  # the flags that resume it (model.SHAPE_KEYS)
+    # the flags that resume it (gpt_config.SHAPE_KEYS)
+    assert "--n-experts 4" in capsys.readouterr().out
     _, back = hf_moe.from_hf(theirs)
     saved = reshard.full_weights(checkpoint.latest(out))
     assert saved.keys() == back.keys() and all(torch.equal(saved[k], back[k]) for k in back)

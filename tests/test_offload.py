@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from nanomega import cpu_adam, dist, reshard, train, worlds, zero, zero_rules
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 from tolerance import layout_rtol
 
 # a small clip norm: clipping is active, so the host path must apply it too

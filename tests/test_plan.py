@@ -7,7 +7,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from nanomega import dist, formulas as F, worlds
 from nanomega.dist import RING
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 from nanomega.precision import cast_model
 from nanomega.recompute import apply_recompute, saved_bytes_per_layer
 from nanomega.tp import apply_tensor_parallel
@@ -148,7 +149,7 @@ LLAMA = dict(
 )
 def test_parameter_and_flop_counts_match_the_dense_model(kw):
     cfg = GPTConfig(**kw)
-    # the planner's Model is GPTConfig's shape (model.SHAPE_KEYS)
+    # the planner's Model is GPTConfig's shape (gpt_config.SHAPE_KEYS)
     model = C.Model.from_shape(vars(cfg))
     assert (model.kv_heads, model.ffn) == (cfg.kv_heads, cfg.ffn)
     gpt = GPT(cfg)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from nanomega import dist, pp, recompute, schedules, worlds
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 from nanomega.schedules import Op, Trace, bubble_fraction, draw_timeline, ops_in_order, simulate
 from tolerance import layout_rtol
 

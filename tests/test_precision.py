@@ -15,7 +15,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanomega import data
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 from nanomega.precision import LossScaler, cast_model, check_dtype_supported, parse_dtype, set_tf32
 from nanomega.zero import ZeroEngine
 from tolerance import unit_roundoff

@@ -18,7 +18,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from nanomega import dist, pp, recompute, tp, worlds
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 from nanomega.precision import cast_model
 from nanomega.formulas import activation_bytes_per_layer
 from nanomega.recompute import apply_recompute, saved_bytes_per_layer

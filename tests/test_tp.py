@@ -23,7 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanomega import dist, recompute, tp, tp_loss, worlds
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 from nanomega.rng import TrackedDropout, model_parallel_seed
 from tolerance import likely
 

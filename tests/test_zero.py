@@ -39,7 +39,8 @@ import torch.nn.functional as F
 
 from nanomega import clip, dist, pp, reshard, worlds
 from nanomega.dist import RING
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 from nanomega.precision import cast_model
 from nanomega.ddp import DistributedDataParallel
 from nanomega.zero import ZeroEngine

@@ -15,7 +15,9 @@ Lesson: lessons/README.md (the minimal-build track); checked by tests/test_minim
 
 import torch
 
-from nanomega.model import GPT, GPTConfig
+from nanomega.gpt_config import GPTConfig
+
+from nanomega.model import GPT
 
 STEPS, BATCH, LR = 3, 4, 1e-2
 CONFIG = GPTConfig(

@@ -2,8 +2,8 @@
 beside it.
 
 Idea: a field of Config is a flag. Its declaration says everything about it: its section (one group
-of `--help`), default, help, range (job/ranges.py) and whether the model's shape (model.GPTConfig)
-takes it.
+of `--help`), default, help, range (job/ranges.py) and whether the model's shape
+(gpt_config.GPTConfig) takes it.
 The parser, the range table and `model_config` are generated from the declarations. `parse` reads
 the command line once (frozen: no module rewrites a flag later); job/checks.py refuses a bad Config
 before any collective and fills in the derived values (dp = world / (tp x pp x cp), the vocabulary,
@@ -17,7 +17,7 @@ import os
 import sys
 import typing
 
-from nanomega.model import GPTConfig
+from nanomega.gpt_config import GPTConfig
 from nanomega.job import presets
 from nanomega.job.ranges import MAX_SEED, MAX_TIMEOUT, above, at_least
 
@@ -28,9 +28,9 @@ class Section:
     """A group of flags (one group in `--help`); calling it declares one flag: a field of Config.
 
     default: the flag's default (a function: called when the parser is built); help: its `--help`
-    line; rule: its range (ranges.py: (ok(v, config), what it must be)); model: model.GPTConfig
-    takes it; names: its option strings (default: --field-name); argparse: add_argument's other
-    keywords.
+    line; rule: its range (ranges.py: (ok(v, config), what it must be)); model:
+    gpt_config.GPTConfig takes it; names: its option strings (default: --field-name); argparse:
+    add_argument's other keywords.
     """
 
     def __init__(self, title):
@@ -60,7 +60,7 @@ DRY_RUN = Section("dry run")
 class Config:
     """Every flag of train.py, by section; then the values checks.check derives from them."""
 
-    # the model's shape (model.GPTConfig), or a preset's
+    # the model's shape (gpt_config.GPTConfig), or a preset's
     model: str | None = MODEL(
         None,
         "a preset shape from nanomega/job/presets.py (gpt2-124m, ...); shape flags given explicitly "
@@ -436,8 +436,8 @@ def named(f, argv):
 
 
 def model_config(config, vocab_size=None):
-    """The GPT's shape (model.GPTConfig): the flags declared model=True; its vocabulary: vocab_size,
-    else the Config's (the tokenizer's, once checked; 4096 before)."""
+    """The GPT's shape (gpt_config.GPTConfig): the flags declared model=True; its vocabulary:
+    vocab_size, else the Config's (the tokenizer's, once checked; 4096 before)."""
     shape = {f.name: getattr(config, f.name) for f in FLAGS if f.metadata["model"]}
     return GPTConfig(
         vocab_size=vocab_size or config.vocab_size,

@@ -1,14 +1,14 @@
 """Model presets: one table of named shapes, read by `train.py --model NAME` and the planner.
 
-Idea: keys are model.SHAPE_KEYS (GPTConfig's field names), so `GPTConfig(**PRESETS[name])` is the
-model. The trainer takes the shape and keeps its tokenizer's vocabulary (the data decides it); the
-planner takes the vocabulary too; explicit shape flags override a preset in both. A module of its
-own, importing only model.py: the planner must not pull in train.py's flags, nor the flags the
-planner. The sources are beside the rows.
+Idea: keys are gpt_config.SHAPE_KEYS (GPTConfig's field names), so `GPTConfig(**PRESETS[name])`
+is the model. The trainer takes the shape and keeps its tokenizer's vocabulary (the data decides
+it); the planner takes the vocabulary too; explicit shape flags override a preset in both. A module
+of its own, importing only gpt_config.py: the planner must not pull in train.py's flags, nor the
+flags the planner. The sources are beside the rows.
 Lessons: lessons/01-dense-model.md (the model), lessons/11-planning-a-run.md (the planner).
 """
 
-from nanomega.model import SHAPE_KEYS
+from nanomega.gpt_config import SHAPE_KEYS
 
 
 def _shape(
@@ -30,8 +30,8 @@ def _shape(
     top_k=2,
     shared_experts=0,
 ):
-    """One row, in the papers' column order, as {key: value} over model.SHAPE_KEYS (a key added
-    there and not here fails at import)."""
+    """One row, in the papers' column order, as {key: value} over gpt_config.SHAPE_KEYS (a key
+    added there and not here fails at import)."""
     row = locals()
     return {key: row[key] for key in SHAPE_KEYS}
 

@@ -18,7 +18,7 @@ from nanomega.formulas import (
     moe_layer_params,
     zero_state_bytes,
 )
-from nanomega.model import SHAPE_KEYS, GPTConfig
+from nanomega.gpt_config import SHAPE_KEYS, GPTConfig
 from nanomega.job.presets import PRESETS
 from nanomega.pp import chunk_layers
 
@@ -49,7 +49,7 @@ class Model:
 
     @classmethod
     def from_shape(cls, shape):
-        """A preset ({model.SHAPE_KEYS: value}) as a Model: GPTConfig's block_size is the
+        """A preset ({gpt_config.SHAPE_KEYS: value}) as a Model: GPTConfig's block_size is the
         planner's seq_len."""
         return cls(**{"seq_len" if k == "block_size" else k: shape[k] for k in SHAPE_KEYS})
 
@@ -58,7 +58,8 @@ class Model:
         return self.arch == "llama"
 
     def config(self):
-        """This shape as a model.GPTConfig: the one home of its derived sizes (kv_heads, ffn)."""
+        """This shape as a gpt_config.GPTConfig: the one home of its derived sizes (kv_heads,
+        ffn)."""
         return GPTConfig(
             **{k: getattr(self, "seq_len" if k == "block_size" else k) for k in SHAPE_KEYS}
         )

@@ -29,7 +29,8 @@ import torch
 
 from nanomega import checkpoint, data, reshard
 from nanomega.job import faults, lifecycle
-from nanomega.model import GPT, SHAPE_KEYS, SIZES, GPTConfig
+from nanomega.gpt_config import SHAPE_KEYS, SIZES, GPTConfig
+from nanomega.model import GPT
 from nanomega.tools import hf_moe, tokenizer
 from nanomega.tools.hf_llama import llama_config
 from nanomega.tools.hf_weights import check_gpt2, from_hf, require_transformers, to_hf
@@ -87,7 +88,7 @@ def load_pretrained(src, attention="eager") -> GPT:
     """The dense nanomega model (model.GPT: fp32, in eval mode, its head tied as the folder says) of
     a transformers GPT-2 or Llama folder; nothing is written, no tokenizer is read."""
     cfg, weights = read_hf(src)
-    # eager, sdpa or fused (model.ATTENTION): the model reads it when built
+    # eager, sdpa or fused (gpt_config.ATTENTION): the model reads it when built
     cfg.attention = attention
     with torch.device("meta"):  # shapes only: the weights are assigned, nothing is drawn first
         model = GPT(cfg, seed=0)

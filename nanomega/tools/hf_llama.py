@@ -8,7 +8,7 @@ tools/hf_moe.py (Mixtral: a Llama whose MLP is experts) both read a Llama throug
 Lesson: lessons/13-the-modern-block.md
 """
 
-from nanomega.model import GPTConfig
+from nanomega.gpt_config import GPTConfig
 from nanomega.modern import LLAMA3_HIGH_FREQ, LLAMA3_LOW_FREQ, LLAMA3_ORIGINAL_CONTEXT
 
 # nanomega name -> transformers LlamaForCausalLM names, per block (model.layers.{i}.); two names:

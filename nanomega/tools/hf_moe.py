@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from nanomega.model import GPTConfig
+from nanomega.gpt_config import GPTConfig
 from nanomega.tools.hf_llama import llama_config, llama_name_map
 
 

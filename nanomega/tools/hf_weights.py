@@ -10,7 +10,7 @@ Lesson: lessons/13-the-modern-block.md
 
 import torch
 
-from nanomega.model import GPTConfig
+from nanomega.gpt_config import GPTConfig
 from nanomega.tools import hf_moe
 from nanomega.tools.hf_llama import LLAMA3_ROPE, llama_config, llama_name_map
 

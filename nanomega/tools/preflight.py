@@ -17,7 +17,7 @@ import time
 import torch
 
 from nanomega import compose, dist, meta
-from nanomega.model import SHAPE_KEYS
+from nanomega.gpt_config import SHAPE_KEYS
 from nanomega.job import checks, flags
 from nanomega.tools import cost, cost_moe
 

@@ -1,0 +1,145 @@
+"""The model's shape: GPTConfig, the fields a GPT is built from, and the check that they make one.
+
+Idea: one dataclass names the dense model -- its sizes (V, s, L, a, h), its architecture (gpt2 or
+llama) and the options of each (ALiBi, grouped-query heads, the MLP width, RoPE, experts) -- and
+validate() refuses a shape no model can have, in one line naming the flag. The derived sizes
+(padded_vocab_size, kv_heads, ffn) have their one home here; SHAPE_KEYS are the fields a checkpoint,
+a preset and the planner agree on. A module of its own: the flags, presets, checkpoints and the
+planner read a shape without building a model (model.py).
+Formulas:
+    padded V   ceil(V / m) m   (m = make_vocab_size_divisible_by: 128 tp, so each tp shard is a
+                               multiple of 128)
+    kv heads   n_kv_head or n_head; n_head % kv heads == 0 (each key/value head serves
+               n_head / kv heads query heads)
+    ffn        ffn_hidden or 4h (gpt2), modern.ffn_hidden(h) (llama: 2/3 4h up to a multiple of 256)
+Lesson: lessons/01-dense-model.md
+"""
+
+import math
+from dataclasses import dataclass
+
+from .modern import ffn_hidden
+
+
+# The model's shape: the GPTConfig fields a checkpoint, a preset and the planner agree on
+# (checkpoint.py, job/presets.py, tools/cost.py, tools/hf.py read them here). Dropout, attention and
+# the vocabulary padding (set by --tp, undone by resharding) are not part of it.
+SIZES = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
+SHAPE_KEYS = SIZES + (
+    "alibi",
+    "embed_layernorm",
+    "arch",
+    "n_kv_head",
+    "ffn_hidden",
+    "rope_theta",
+    "rope_scaling",
+    "tie_embeddings",
+    "norm_eps",
+    "n_experts",
+    "top_k",
+    "shared_experts",
+)
+ARCHS = ("gpt2", "llama")
+ATTENTION = ("sdpa", "eager", "fused")
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 4096
+    block_size: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    alibi: bool = False  # BLOOM: linear attention biases instead of learned positions
+    embed_layernorm: bool = False  # BLOOM: a LayerNorm right after the embedding
+    # gpt2: LayerNorm, GeLU MLP, biases; llama: RMSNorm, SwiGLU, rotary positions, no biases
+    arch: str = "gpt2"
+    # key/value heads (grouped-query attention); 0: n_head (multi-head attention)
+    n_kv_head: int = 0
+    # MLP width; 0: 4h (gpt2), modern.ffn_hidden(h) (llama: 2/3 4h up to a multiple of 256)
+    ffn_hidden: int = 0
+    rope_theta: float = 10000.0  # llama: RoPE base (Llama 3: 500,000)
+    # llama: Llama 3.1's frequency scaling factor (8 in 3.1, 32 in 3.2); 1: none
+    rope_scaling: float = 1.0
+    # the LM head is the token embedding (GPT-2, Llama 3.2 1B) or its own matrix
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+    make_vocab_size_divisible_by: int = 128  # Megatron pads V so each TP shard is a multiple of 128
+    # eager (the lessons' explicit softmax; train.py's default: sdpa), sdpa, fused
+    attention: str = "eager"
+    # mixture of experts (moe.py; llama): each MLP becomes E routed SwiGLU experts of width ffn
+    n_experts: int = 0
+    top_k: int = 2
+    # mixtral: top-k of the logits, softmax over k; deepseek (renormalized), qwen: top-k of E
+    router: str = "mixtral"
+    moe_aux_loss: float = 0.01  # Switch/GShard load-balancing loss coefficient
+    moe_z_loss: float = 0.0  # router z-loss coefficient
+    # 0: dropless; else assignments per expert and sequence <= ceil(cf s k / E)
+    capacity_factor: float = 0.0
+    # experts every token runs through (DeepSeek, Qwen2-MoE), as one wider SwiGLU
+    shared_experts: int = 0
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.make_vocab_size_divisible_by
+        return (self.vocab_size + m - 1) // m * m
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def ffn(self) -> int:
+        """The MLP's hidden width f."""
+        return self.ffn_hidden or (
+            ffn_hidden(self.n_embd) if self.arch == "llama" else 4 * self.n_embd
+        )
+
+    def validate(self) -> None:
+        for name in SIZES:
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"--n-embd {self.n_embd} is not divisible by --n-head {self.n_head}; "
+                f"pick n_embd as a multiple of n_head"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"--attention {self.attention!r} is not one of {', '.join(ATTENTION)}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"--arch {self.arch!r} is not one of {', '.join(ARCHS)}")
+        if self.n_kv_head < 0 or self.n_head % self.kv_heads:
+            raise ValueError(
+                f"--n-kv-head {self.n_kv_head} does not divide --n-head {self.n_head}; choose among "
+                f"{', '.join(str(d) for d in range(1, self.n_head + 1) if self.n_head % d == 0)}"
+            )
+        if self.arch == "gpt2" and (self.n_kv_head or self.ffn_hidden or not self.tie_embeddings):
+            raise ValueError(
+                "--n-kv-head, --ffn-hidden and --untie-embeddings are for --arch llama"
+            )
+        if self.arch == "llama" and (self.alibi or self.embed_layernorm):
+            raise ValueError(
+                "--alibi and --embed-layernorm are BLOOM's (--arch gpt2); --arch llama uses rotary "
+                "positions and no embedding norm"
+            )
+        bad = [
+            k
+            for k in ("rope_theta", "rope_scaling", "norm_eps")
+            if not 0 < getattr(self, k) < math.inf
+        ]
+        # NaN fails both comparisons; the flags' table (job/ranges.py) says this first, an HF config
+        # here
+        if bad:
+            raise ValueError(
+                f"--{bad[0].replace('_', '-')} must be a finite number > 0, got {getattr(self, bad[0])}"
+            )
+        if self.arch == "llama" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(
+                f"--arch llama: rotary positions need an even head size, got n_embd/n_head = "
+                f"{self.n_embd // self.n_head}"
+            )
