@@ -45,8 +45,8 @@ its formulas and its lesson:
                       window)
 
 Beside the concepts, two folders a student may skip:
-    job/    running a job: flags and their checks, failure handling, health check, meter (MFU,
-            memory)
+    job/    running a job: flags (declared: config.py; parsed: flags.py) and their checks, failure
+            handling, health check, meter (MFU, memory)
     tools/  commands around training: planner, HF interchange, plots, sampling, corpus and tokenizer
             preparation
 Imports point down: tools -> job -> concepts; model.py imports only modern.py and moe.py (the

@@ -6,10 +6,10 @@
 Read top-down: main -> train, the recipe (check the Config -> claim the out-dir -> find the
 checkpoint -> start -> data -> compose.build -> resume -> loop) -> train_step -> forward_backward
 -> evaluate; the helpers below them. The policies around the loop live in nanomega/job/, each
-named: flags.Config and checks.check (the flags; a bad one refused, pure), faults (the out-dir
-lock, resume discovery, preemption), guard.Guard (a step's failure policy: hang watchdog,
---inject-fault, spikes, NaN), saves (when to checkpoint, restore, roll back), meter.MetricsLog
-(lines and metrics.jsonl).
+named: config.Config, flags.parse and checks.check (the flags: declared, read, a bad one refused,
+pure), faults (the out-dir lock, resume discovery, preemption), guard.Guard (a step's failure
+policy: hang watchdog, --inject-fault, spikes, NaN), saves (when to checkpoint, restore, roll
+back), meter.MetricsLog (lines and metrics.jsonl).
 
     step = lr(step) -> this dp rank's micro-batches -> forward/backward (pipeline schedule, or a
            plain loop; no gradient sync until the last) -> engine.step (reduce, clip at
@@ -43,7 +43,7 @@ def main(argv=None):
     world of one) is ended after a clean end (dist.shutdown; NCCL warns about communicators left at
     exit); a launcher's (tests: worlds.launch) is left to it, and after an error the entrypoint
     still needs the store (lifecycle.lost_ranks)."""
-    # the command line, read once into a frozen Config (nanomega/job/flags.py)
+    # the command line, read once into a frozen Config (nanomega/job/flags.py; job/config.py)
     config = flags.parse(argv)
     if config.dry_run:
         return preflight.dry_run(config)  # rank --rank built on paper (tools/preflight.py)

@@ -1,5 +1,6 @@
 """Bad configurations are refused on every rank before any collective: one clear line each, < 10 s;
-each flag is declared once (job/flags.py:Config); the parser and the range table come from that."""
+each flag is declared once (job/config.py:Config); the parser and the range table come from that
+(job/flags.py)."""
 
 import dataclasses
 import subprocess
@@ -12,6 +13,7 @@ import torch
 
 from nanomega.gpt_config import GPTConfig
 from nanomega.job import checks, flags
+from nanomega.job.config import Config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -275,7 +277,7 @@ def test_every_flag_declared_once_and_the_parser_generated_from_it():
     model_config takes exactly GPTConfig's shape (less the vocabulary and its padding, which the
     tokenizer and --tp decide)."""
     p = flags.parser()
-    assert coverage(flags.Config, p) == (set(), set(), set())
+    assert coverage(Config, p) == (set(), set(), set())
     groups = {a.dest: g.title for g in p._action_groups for a in g._group_actions}
     assert all(groups[f.name] == f.metadata["section"] for f in flags.FLAGS)
     assert len({f.metadata["section"] for f in flags.FLAGS}) == 10
@@ -288,7 +290,7 @@ def test_every_flag_declared_once_and_the_parser_generated_from_it():
 
     # the check can fail: a field no flag sets, a flag no field holds, a field set by two flags
     fields = [("lonely", int, 0)]
-    bad = dataclasses.make_dataclass("Bad", fields, bases=(flags.Config,), frozen=True)
+    bad = dataclasses.make_dataclass("Bad", fields, bases=(Config,), frozen=True)
     p.add_argument("--stray", type=int)
     p.add_argument("--tensor-parallel", dest="tp", type=int)
     assert coverage(bad, p) == ({"lonely"}, {"stray"}, {"tp"})

@@ -1,7 +1,7 @@
 """The range of every numeric flag, and the check that a value is finite and inside it.
 
 Idea: a rule is a pair (whether value v is allowed under Config c, what it must be). Each flag
-declares its rule beside its help (job/flags.py); `check` walks that table first thing in
+declares its rule beside its help (job/config.py); `check` walks that table first thing in
 checks.check. A float must be finite before it is compared at all (NaN fails every comparison), a
 flag whose default is None (off, or automatic) may be None, and a bad value is one line naming the
 flag, the value and its default as the fix.
