@@ -56,6 +56,15 @@ LAYOUTS_2 = [
         ],
     ),
 ]
+# the Llama block and the layouts of its techniques: context parallel, experts over ep
+LLAMA = [*PAIR, "--arch", "llama", "--n-kv-head", "2"]
+LAYOUTS_2 += [
+    ("llama-tp2-sp-zero1", [*LLAMA, "--tp", "2", "--sequence-parallel", "--zero", "1"]),
+    ("llama-cp2-ring-zero1", [*LLAMA, "--cp", "2", "--cp-method", "ring", "--zero", "1"]),
+    ("llama-cp2-ulysses-zero0", [*LLAMA, "--cp", "2", "--cp-method", "ulysses", "--zero", "0"]),
+    ("moe-ep2-zero1", [*LLAMA, "--n-experts", "4", "--top-k", "2", "--ep", "2", "--zero", "1"]),
+    ("moe-dp2-zero2", [*LLAMA, "--n-experts", "4", "--top-k", "2", "--zero", "2"]),
+]
 
 
 def flags(corpus, out, extra):
