@@ -13,11 +13,14 @@ its formulas and its lesson:
         seams.py      its op table: linear, attention core, norm, ... swapped by one call
         modern.py     the Llama block's pieces: rotary positions, RMSNorm, SwiGLU, grouped-query
                       (lesson 13)
-        data.py       text -> tokens -> this rank's resumable batches
-    02  ddp.py        data parallelism: gradient buckets reduced while backward runs
+        data.py       text -> tokens on disk, once
+        windows.py    token windows -> this rank's resumable batches
+    02  ddp.py        data parallelism: gradient buckets all-reduced while backward runs
         flat.py       flat buffers and their shards: the bookkeeping under ZeRO
+        zero_buckets.py
+                      ZeRO's buckets: reduce-scattered, only this rank's slice kept (ZeRO-2/3)
         zero_rules.py ZeRO's rules: what each stage shards, the optimizers it steps, replica groups
-        zero.py       ZeRO-1/2: the optimizer over this rank's pieces
+        zero.py       the engine: the optimizer over this rank's pieces, per replica group
         zero3.py      ZeRO-3: parameter units gathered on demand
         clip.py       the global gradient norm over dp, tp and pp: each element counted once
         offload.py    ZeRO-Offload: optimizer state (and ZeRO-3's parameter shards) in host memory
@@ -31,11 +34,13 @@ its formulas and its lesson:
     07  recompute.py  full and selective activation recompute
     08  fused.py, csrc/
                       fused C++/CUDA kernels
+        extension.py  their loader: csrc/ built once per machine, cached by key
         cpu_adam.py   CPUAdamW: the Adam/AdamW step in one fused C++ pass over host fp32 buffers
     09  meta.py       build any size: the model on meta, each rank draws only its slice (+ dry run)
-        train.py      the composer: TP -> PP -> recompute -> precision -> DP/ZeRO, then the loop
-    10  checkpoint.py, reshard.py
-                      sharded checkpoints; any layout loads any other
+        compose.py    the composition: TP -> EP -> CP -> PP -> recompute -> fused -> precision -> engine
+        train.py      the loop, read top-down: main -> train -> train_step -> forward_backward
+    10  checkpoint.py, async_checkpoint.py, reshard.py
+                      sharded checkpoints (--async-save: written by a thread); any layout loads any other
         flash.py      each rank's newest shard also in shared memory: a restart reads it from there
     11  formulas.py   the closed forms (FLOPs, bytes, activations) the planner and the tests use
     14  moe.py        mixture of experts: the router, balancing, capacity, shared experts

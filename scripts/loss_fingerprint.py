@@ -9,7 +9,8 @@ preserve behaviour, then diff:
 Same machine, same thread counts (one per rank): the comparison is bitwise, not within a tolerance.
 The layouts are tests/test_layouts.py's (4 and 8 ranks) plus 2-rank runs that cover the other engine
 paths (ZeRO stages under bf16/fp16, clipping, weight decay, recompute, eager and fused attention,
-gradient accumulation). ~6 min on 2 cores.
+gradient accumulation) and the Llama block's techniques (tp2 + SP, cp2 ring and Ulysses, experts over
+ep2 and under ZeRO-2). ~2 min on 2 cores.
 """
 
 import gzip
