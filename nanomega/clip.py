@@ -6,14 +6,15 @@ element once, and one all-reduce per axis adds the shares; in fp64, chunk by chu
 does not matter and every layout computes the dense model's norm (tests/test_layouts.py: bitwise).
     counted here   a tp slice on every tp rank; a tp replica (LayerNorm, row-parallel bias) on tp
                    rank 0 only; a dp replica on dp rank 0 only when the pieces differ per dp rank
-                   (ZeRO-1..3's shards); the last pipeline stage's copy of the tied embedding never
+                   (ZeRO-1..3's shards); a copy its replica group marks uncounted never (the
+                   last pipeline stage's tied embedding: zero_rules.Replicas, pp.tied_rule)
     ||g||^2        = all_reduce_dp(if sharded) o all_reduce_tp o all_reduce_pp ( sum ||piece||^2 )
 Lesson: lessons/02-data-parallel-and-zero.md
 """
 
 import torch
 
-from . import pp, tp
+from . import tp
 
 # elements per fp64 chunk of the norm (a whole fp64 copy would cost 2x the gradient)
 NORM_CHUNK = 2**20
@@ -37,10 +38,8 @@ def counts(p, replica, grid, over_dp):
     """Whether this rank's piece of parameter p is its share of the global norm (the table above).
     replica: every dp rank holds this same piece; over_dp: the pieces differ per dp rank
     (ZeRO-1..3)."""
-    return (
-        (grid.tp_rank == 0 or tp.is_tensor_parallel(p))
-        and not pp.is_shared_embedding_copy(p)
-        and not (replica and over_dp and grid.dp_cp.rank)
+    return (grid.tp_rank == 0 or tp.is_tensor_parallel(p)) and not (
+        replica and over_dp and grid.dp_cp.rank
     )
 
 

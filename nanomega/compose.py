@@ -67,7 +67,7 @@ def build(config, grid):
     # x cp (and the tied embedding's extra sum over its two pipeline stages), the routed experts
     # over edp
     replicas = [
-        zero_rules.Replicas("dense", grid.dp_cp, extra_sums=pp.tied_sums(model, grid)),
+        zero_rules.Replicas("dense", grid.dp_cp, **pp.tied_rule(model, grid)),
         zero_rules.Replicas(**ep.replica_group(grid)),
     ]
     optim = zero_rules.weight_decay_groups(config.weight_decay, **options)

@@ -131,17 +131,19 @@ def tied_embedding(model, grid):
 def sum_tied_grad(grad, grid):
     """Sum the embedding gradient of the first stage and the LM-head gradient of the last
     (Megatron's embedding group), so both copies take the dense model's step: p.grad here
-    (sync_tied_grads); under zero.ZeroEngine, tied_sums tells the engine to sum its fp32 gradient
+    (sync_tied_grads); under zero.ZeroEngine, tied_rule tells the engine to sum its fp32 gradient
     slice the same way."""
     grid.embed.all_reduce(grad)
 
 
-def tied_sums(model, grid):
-    """zero_rules.Replicas(extra_sums=...) of the dense group: this stage's copy of the tied embedding, in
-    a bucket of its own, its reduced gradient summed over grid.embed with the other stage's
-    (sum_tied_grad); () when this stage holds none."""
+def tied_rule(model, grid):
+    """The dense group's pipeline rule, zero_rules.Replicas(**tied_rule(...)): this stage's copy of
+    the tied embedding in a bucket of its own, its reduced gradient summed over grid.embed with the
+    other stage's (sum_tied_grad; extra_sums: () when this stage holds none), and the last stage's
+    copy left out of the global norm (uncounted: the first stage's counts it)."""
     weight = tied_embedding(model, grid)
-    return () if weight is None else ((weight, grid.embed),)
+    extra = () if weight is None else ((weight, grid.embed),)
+    return dict(extra_sums=extra, uncounted=is_shared_embedding_copy)
 
 
 def sync_tied_grads(model, grid):

@@ -4,7 +4,7 @@ Rank r of a group's N replicas owns the slice [r S, (r+1) S) of every flat buffe
 (flat.py). STAGE (zero_rules.py) says what each stage shards; ZeroEngine.__init__ is the one place
 reading it. Each replica group (zero_rules.Replicas: dense, experts, ...) is reduced over its own
 axis; the technique owning a rule builds its group (ep.py, pp.py), the composer passes them in
-(train.build).
+(compose.build).
     stage  keeps between micro-batches   reduce           write-back               bytes/param/rank
     0      the full gradient             all-reduce       none: all stepped whole  16
     1      the full gradient             reduce-scatter   all-gather the slices    4 + 12/N
@@ -161,12 +161,13 @@ class ZeroEngine:
         self.offload = offloading.Offload(host, self.groups[0].device, resident)
         self.optimizer = self._build_optimizer(optimizer_cls, specs)
 
-        # this rank's share of the norm: fixed by the layout
+        # this rank's share of the norm: fixed by the layout (and a group's copies another rank counts)
         self.norm_pieces = [
             piece
             for piece in self.pieces
             if piece.group
             and clip.counts(piece.group.params[piece.index], piece.replica, grid, self.norm_over_dp)
+            and not self.uncounted(piece)
         ]
 
     def no_sync(self):
@@ -227,6 +228,11 @@ class ZeroEngine:
                 group["params"].append(empty)
                 self.pieces.append(Piece("", (0,), 0, 0, empty, replica=False))
         return optimizer_cls(groups)
+
+    def uncounted(self, piece):
+        """Whether piece's replica group marks it a copy another rank counts in the norm."""
+        rule = self.rule[id(piece.group)].uncounted
+        return rule is not None and rule(piece.group.params[piece.index])
 
     def _grad(self, piece):
         g = piece.group

@@ -103,7 +103,7 @@ class Replicas:
     """A replica group: parameters the ranks of `axis` hold alike. The engine reduces their
     gradients over `axis` (and gathers their ZeRO slices over it); the technique that owns the rule
     builds it: the dense weights over grid.dp_cp (the default), ep.replica_group: the routed experts
-    over grid.edp, pp.tied_sums: the tied embedding's extra sum over grid.embed. A new replica axis
+    over grid.edp, pp.tied_rule: the tied embedding's extra sum over grid.embed. A new replica axis
     (hybrid sharding) is one more group."""
 
     name: str
@@ -114,6 +114,7 @@ class Replicas:
     extra_sums: tuple = ()  # ((parameter, Axis), ...): a bucket each, its mean summed over Axis
     whole: bool = False  # ZeRO-3: kept whole on every rank, all-reduced (replicated LayerNorms)
     check: object = None  # check(stage, offload): one line for what the engine cannot do with them
+    uncounted: object = None  # uncounted(p) -> bool: a copy another rank counts in the norm (pp's)
 
 
 def owners(names, replicas):

@@ -463,7 +463,7 @@ def _zero3_peak(grid):
 
 def _pipeline():
     """dp=1 x pp=2 (pp.train_step, 1F1B): the tied embedding lives on both stages; the engine sums
-    its two gradients over grid.embed (pp.tied_sums) and counts it once in the norm. Each stage
+    its two gradients over grid.embed (pp.tied_rule) and counts it once in the norm. Each stage
     compares its own weights."""
     grid = dist.Grid(1, 2, 1)
     model = pp.build_stage(_build("gpt"), grid)
@@ -473,7 +473,7 @@ def _pipeline():
         weight_decay_groups(**OPTIM),
         grid,
         1,
-        replicas=[Replicas("dense", grid.dp_cp, extra_sums=pp.tied_sums(model, grid))],
+        replicas=[Replicas("dense", grid.dp_cp, **pp.tied_rule(model, grid))],
     )
     norms = []
     for step in range(STEPS):
