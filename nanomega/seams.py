@@ -56,10 +56,8 @@ class Ops:
     layer: Callable | None = None
 
     def replace(self, name, fn):
-        """Replace entry `name` (one it uses; an unknown name is an error, not a new entry)."""
-        if name not in {f.name for f in fields(self)}:
-            names = ", ".join(f.name for f in fields(self))
-            raise ValueError(f"no op {name!r} in the table; its entries are {names}")
+        """Replace entry `name` (an unknown name is an error, not a new entry)."""
+        check_name(name)
         setattr(self, name, fn)
 
     def entries(self):
@@ -79,12 +77,16 @@ def describe(fn) -> str:
     return f"{module.removeprefix('nanomega.')}.{fn.__qualname__}"
 
 
+def check_name(name):
+    """One line for a name that is no entry of the table."""
+    names = [f.name for f in fields(Ops)]
+    if name not in names:
+        raise ValueError(f"no op {name!r}; the entries are {', '.join(names)}")
+
+
 def replace(tables, name, fn, blocks=None):
     """Entry `name` becomes fn in every table of {key: Ops} using it (blocks: only these keys)."""
-    if name not in {f.name for f in fields(Ops)}:
-        raise ValueError(
-            f"no op {name!r}; the entries are {', '.join(f.name for f in fields(Ops))}"
-        )
+    check_name(name)
     for key, ops in tables.items():
         if (blocks is None or key in blocks) and getattr(ops, name) is not None:
             ops.replace(name, fn)

@@ -161,13 +161,17 @@ class ZeroEngine:
         self.offload = offloading.Offload(host, self.groups[0].device, resident)
         self.optimizer = self._build_optimizer(optimizer_cls, specs)
 
-        # this rank's share of the norm: fixed by the layout (and a group's copies another rank counts)
-        self.norm_pieces = [
+        # this rank's share of the norm, per replica group: fixed by the layout (and by a group's
+        # copies another rank counts)
+        counted = [
             piece
             for piece in self.pieces
             if piece.group
             and clip.counts(piece.group.params[piece.index], piece.replica, grid, self.norm_over_dp)
             and not self.uncounted(piece)
+        ]
+        self.norm_pieces = [
+            (r, [p for p in counted if self.rule[id(p.group)] is r]) for r, _ in self.replicas
         ]
 
     def no_sync(self):
@@ -275,8 +279,7 @@ class ZeroEngine:
 
         # the norm: each group's counted shares, summed over its axis (sharded) and its `across`
         shares = []
-        for r, _groups in self.replicas:
-            mine = [p for p in self.norm_pieces if self.rule[id(p.group)] is r]
+        for r, mine in self.norm_pieces:
             grads = [self._grad(p).float() if host(p.group) else p.master.grad for p in mine]
             shares.append((grads, r.axis, r.across))
         return clip.global_norm_squared(shares, self.grid, self.norm_over_dp, self.groups[0].device)
