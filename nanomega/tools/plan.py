@@ -93,17 +93,20 @@ def main(argv=None):
     pinned = (args.tp, args.pp, args.dp)
     if args.tp and args.pp:  # a pinned layout that cannot run: say exactly why
         errors = [
-            layout_error(model, gpu, args.gpus, args.tp, args.pp, z, run, ep=args.ep)
+            layout_error(model, gpu, args.gpus // args.cp, args.tp, args.pp, z, run, ep=args.ep)
             for z in run.zero
         ]
         why = errors[0] if all(errors) else None
-        if args.dp and args.dp * args.tp * args.pp != args.gpus:
-            why = f"--dp {args.dp} x --tp {args.tp} x --pp {args.pp} != --gpus {args.gpus}"
+        if args.dp and args.dp * args.tp * args.pp * args.cp != args.gpus:
+            cp = f" x --cp {args.cp}" if args.cp > 1 else ""
+            why = f"--dp {args.dp} x --tp {args.tp} x --pp {args.pp}{cp} != --gpus {args.gpus}"
         if why:
             raise SystemExit(f"plan: {why}")
     if run.rampup:
         unit_ok = lambda e: all((x % (e.dp * run.micro_batch)) == 0 for x in run.rampup[:2])
-    ests = plan(model, gpu, args.gpus, run, *pinned, ep=args.ep)
+    ests = plan(
+        model, gpu, args.gpus, run, *pinned, ep=args.ep, cp=args.cp, cp_method=args.cp_method
+    )
     if run.rampup and ests and not any(unit_ok(e) for e in ests):
         e = ests[0]
         raise SystemExit(
@@ -123,6 +126,9 @@ def main(argv=None):
             f"V={model.vocab_size} s={model.seq_len} | {args.gpus} x {args.gpu}, {run.usable:.0%} of "
             f"{gpu.memory / 1e9:.1f} GB usable | batch {run.global_batch} x {model.seq_len}, {run.dtype}, "
             f"recompute {run.recompute}{', SP' if run.sp else ''}, {run.schedule}"
+            f"{', llama3 split' if run.split == 'llama3' else ''}"
+            f"{f', cp {args.cp} ' + args.cp_method if args.cp > 1 else ''}"
+            f"{', dp overlap' if run.overlap == 'overlap' else ''}{', tp overlap' if run.tp_overlap else ''}"
             f"{', sdpa attention' if run.attention == 'sdpa' else ''}"
             + (
                 f", offload {run.offload:g} of the optimizer state (PCIe {gpu.pcie_bw / 1e9:g} GB/s)"
@@ -131,6 +137,10 @@ def main(argv=None):
             )
         )
     if not ests or not ests[0].fits:
+        if (
+            any(pinned) and ests and not args.json
+        ):  # what the pinned layout would cost, then why not
+            print(table(ests[: args.top], run))
         least = min(ests, key=lambda e: e.memory, default=None)
         why = (
             f"{name} needs {least.memory / 1e9:.1f} GB/GPU at least ({describe(least)})"

@@ -40,6 +40,15 @@ def parse(argv=None):
     ap.add_argument("--gpus", type=int, required=True)
     ap.add_argument("--gpu", default="a100-80gb", choices=list(GPUS))
     ap.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="measured dense TFLOP/s per GPU in place of the preset's datasheet peak (MFU is then "
+        "against it)",
+    )
+    ap.add_argument(
+        "--hbm-tbps", type=float, help="measured TB/s of GPU memory (default: the preset's)"
+    )
+    ap.add_argument(
         "--inter-bw",
         type=float,
         help="GB/s each GPU sends to other nodes (default: the GPU preset's)",
@@ -83,6 +92,34 @@ def parse(argv=None):
     ap.add_argument("--schedule", default=Run.schedule, choices=["gpipe", "1f1b", "interleaved"])
     ap.add_argument(
         "--chunks", type=int, default=Run.chunks, help="model chunks per stage (interleaved)"
+    )
+    ap.add_argument(
+        "--split",
+        default=Run.split,
+        choices=["trainer", "llama3"],
+        help="layers per stage: the trainer's, or Llama 3's (the embedding and the head a layer's "
+        "slot each: the first and last stages hold a layer less; train.py cannot run it)",
+    )
+    ap.add_argument(
+        "--cp", type=int, default=1, help="context-parallel size (with --tp and --pp pinned)"
+    )
+    ap.add_argument(
+        "--cp-method",
+        default="allgather",
+        choices=["allgather", "ring", "ulysses"],
+        help="how attention trades keys and values over cp (Llama 3: allgather)",
+    )
+    ap.add_argument(
+        "--overlap",
+        default=Run.overlap,
+        choices=["none", "overlap"],
+        help="none: every dp byte waits (Megatron-LM 2021, what the time model was fitted on); "
+        "overlap: buckets in backward, ZeRO-3's prefetch (tools/overlap.py)",
+    )
+    ap.add_argument(
+        "--tp-overlap",
+        action="store_true",
+        help="tp's collectives hide behind the matmuls (Megatron's --tp-comm-overlap, async TP)",
     )
     ap.add_argument(
         "--usable", type=float, default=Run.usable, help="fraction of GPU memory to plan for"
@@ -131,6 +168,8 @@ def configure(argv=None):
     gpu, name = GPUS[args.gpu], args.model or "model"
     if args.inter_bw is not None:
         gpu = replace(gpu, inter_bw=args.inter_bw * 1e9)
+    measured = {"peak_flops": (args.peak_tflops, 1e12), "hbm_bw": (args.hbm_tbps, 1e12)}
+    gpu = replace(gpu, **{k: x * u for k, (x, u) in measured.items() if x is not None})
     if args.gpus < 1 or (args.gpus > gpu.per_node and args.gpus % gpu.per_node):
         raise SystemExit(
             f"plan: --gpus {args.gpus} must be at most one node or whole {gpu.per_node}-GPU nodes"
@@ -142,13 +181,15 @@ def configure(argv=None):
     if (
         not all(
             math.isfinite(x) and x > 0
-            for x in (args.chunks, args.usable, args.tokens, args.top, args.inter_bw or 1)
+            for x in (args.chunks, args.usable, args.tokens, args.top, args.cp)
+            + tuple(x or 1 for x in (args.inter_bw, args.peak_tflops, args.hbm_tbps))
         )
         or args.usable > 1
         or not 0 <= args.offload <= 1
     ):
         raise SystemExit(
-            "plan: --chunks, --usable, --tokens, --inter-bw and --top must be positive and finite, "
+            "plan: --chunks, --cp, --usable, --tokens, --inter-bw, --peak-tflops, --hbm-tbps and "
+            "--top must be positive and finite, "
             "--usable at most 1 (a fraction of GPU memory), --offload in [0, 1]"
         )
     if args.offload and args.zero == "0":
@@ -179,5 +220,18 @@ def configure(argv=None):
         tuple(args.rampup) if args.rampup else None,
         args.attention or ("sdpa" if model.llama else "eager"),
         offload=args.offload,
+        split=args.split,
+        overlap=args.overlap,
+        tp_overlap=args.tp_overlap,
     )
+    if args.cp > 1 and not (
+        args.tp
+        and args.pp
+        and model.seq_len % (2 * args.cp) == 0
+        and args.gpus % (args.tp * args.pp * args.cp) == 0
+    ):
+        raise SystemExit(
+            f"plan: --cp {args.cp} needs --tp and --pp pinned, --tp x --pp x --cp dividing --gpus and "
+            f"--seq {model.seq_len} a multiple of 2 x --cp (a cp rank holds two chunks of a sequence)"
+        )
     return args, model, gpu, run, name
