@@ -16,7 +16,15 @@ from nanomega.dist import RING
 from nanomega.gpt_config import GPTConfig
 from nanomega.model import GPT
 from nanomega.precision import cast_model
-from nanomega.tools import cost as C, cost_time as CT, overlap, plan as P, published as PUB
+from nanomega.tools import (
+    cost as C,
+    cost_time as CT,
+    heatmap,
+    layouts,
+    overlap,
+    plan as P,
+    published as PUB,
+)
 from nanomega.zero import ZeroEngine
 from nanomega.zero_rules import weight_decay_groups
 
@@ -169,3 +177,24 @@ def test_gpu_presets_are_the_datasheets():
     assert (g["h200"].memory, g["h200"].hbm_bw) == (141e9, 4.8e12)
     assert (g["b200"].peak_flops, g["b200"].memory, g["b200"].hbm_bw) == (2.25e15, 180e9, 8e12)
     assert g["h100-pcie"].peak_flops == 756e12 and g["h100-pcie"].intra_bw < g["h100-sxm"].intra_bw
+
+
+def test_heatmap_numbers_are_the_planners(tmp_path):
+    """Each cell of lesson 11's figure is the best MFU among the layouts that fit, computed here
+    the long way (every ZeRO stage through layout_error and cost_time.evaluate); the figure's texts
+    are those numbers."""
+    g = heatmap.lesson_grid()
+    model, gpu, run = C.MODELS["llama3-70b"], C.GPUS["h100-sxm"], heatmap.LESSON_RUN
+    for (tp, pp), row in zip(g.layouts, g.mfu):
+        for n, cell in zip(g.nodes, row):
+            gpus = 8 * n
+            ests = [CT.evaluate(model, gpu, gpus, tp, pp, z, run) for z in range(4)
+                    if not layouts.layout_error(model, gpu, gpus, tp, pp, z, run)]  # fmt: skip
+            fit = [e.mfu for e in ests if e.fits]
+            assert cell == (pytest.approx(max(fit)) if fit else None), (tp, pp, n)
+    assert sum(x is not None for row in g.mfu for x in row) >= 30
+    pytest.importorskip("matplotlib", reason="drawing needs the plot extra (matplotlib)")
+    fig = heatmap.draw(g, tmp_path / "mfu.png")
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert texts == [heatmap.label(x) for row in g.mfu for x in row if x is not None]
+    assert (tmp_path / "mfu.png").read_bytes()[:4] == b"\x89PNG"
