@@ -66,10 +66,9 @@ def test_overlap_none_is_the_sum_the_constants_were_fitted_with():
     for row in ROWS:
         plain, own = PUB.estimate(row, "none"), PUB.estimate(row)
         assert own.step_s <= plain.step_s * (1 + 1e-12), row.name
-        if row.cp == 1:
-            assert plain.exposed_s == pytest.approx(plain.comm_s), row.name
-            assert 0 <= own.exposed_s <= own.comm_s * (1 + 1e-12), row.name
-            assert own.comm_s == pytest.approx(plain.comm_s), row.name
+        assert plain.exposed_s == pytest.approx(plain.comm_s), row.name
+        assert 0 <= own.exposed_s <= own.comm_s * (1 + 1e-9), row.name
+        assert own.comm_s == pytest.approx(plain.comm_s), row.name
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
@@ -160,7 +159,7 @@ def test_cli_plans_the_131k_context_parallel_row(capsys):
     argv = ["--model", "llama3-405b", "--seq", "131072", "--gpus", "16384", "--gpu", "h200",
             "--hbm-tbps", "3.35", "--global-batch", "128", "--tp", "8", "--pp", "16", "--cp", "16",
             "--zero", "1", "--schedule", "interleaved", "--chunks", "8", "--split", "llama3",
-            "--recompute", "none", "--json"]  # fmt: skip
+            "--recompute", "none", "--overlap", "overlap", "--json"]  # fmt: skip
     P.main(argv)
     e = json.loads(capsys.readouterr().out)["estimates"][0]
     # H200 measured at H100's HBM bandwidth is an H100 SXM with more memory: the row's estimate

@@ -61,6 +61,8 @@ def as_json(e, run, gpu):
             k: round(getattr(e, k + "_comm") / 1e9, 3) for k in ("tp", "pp", "dp")
         },
         step_s=round(e.step_s, 3),
+        comm_s=round(e.comm_s, 3),  # every byte's seconds on its link (tools/overlap.py)
+        exposed_comm_s=round(e.exposed_s, 3),  # of which the step waits for
         bubble=round(e.bubble, 4),
         tflops_per_gpu=round(e.tflops / 1e12, 1),
         mfu=round(e.mfu, 4),
@@ -175,7 +177,10 @@ def main(argv=None):
         )
         return
     print(table(fit[: args.top], run))
-    print(f"recommended: {describe(fit[0])} ({len(fit)} of {len(ests)} layouts fit)")
+    print(
+        f"recommended: {describe(fit[0])} ({len(fit)} of {len(ests)} layouts fit); communication "
+        f"{fit[0].comm_s:.3g} s per step, {fit[0].exposed_s:.3g} s of it exposed"
+    )
     if model.n_experts:
         print(experts_line(model, gpu, args.gpus, fit[0], run, args.ep))
 
