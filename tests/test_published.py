@@ -64,7 +64,7 @@ def test_overlap_none_is_the_sum_the_constants_were_fitted_with():
     """Run.overlap "none" prices every dp and tp second as waited for (Megatron-LM 2021); the
     overlap model only removes time, never adds it, and never hides more than there is."""
     for row in ROWS:
-        plain, own = PUB.estimate(row, "none"), PUB.estimate(row)
+        plain, own = PUB.estimate(row, plain=True), PUB.estimate(row)
         assert own.step_s <= plain.step_s * (1 + 1e-12), row.name
         assert plain.exposed_s == pytest.approx(plain.comm_s), row.name
         assert 0 <= own.exposed_s <= own.comm_s * (1 + 1e-9), row.name
@@ -197,3 +197,12 @@ def test_heatmap_numbers_are_the_planners(tmp_path):
     texts = [t.get_text() for t in fig.axes[0].texts]
     assert texts == [heatmap.label(x) for row in g.mfu for x in row if x is not None]
     assert (tmp_path / "mfu.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    "flag,value", [("--cp", "0"), ("--peak-tflops", "nan"), ("--hbm-tbps", "-1")]
+)
+def test_cli_refuses_bad_measured_numbers(flag, value):
+    with pytest.raises(SystemExit) as e:
+        P.main(["--model", "tiny", "--gpus", "4", "--global-batch", "8", flag, value])
+    assert str(e.value) == "plan: --cp, --peak-tflops and --hbm-tbps must be positive and finite"

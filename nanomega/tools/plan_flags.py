@@ -168,6 +168,9 @@ def configure(argv=None):
     gpu, name = GPUS[args.gpu], args.model or "model"
     if args.inter_bw is not None:
         gpu = replace(gpu, inter_bw=args.inter_bw * 1e9)
+    new = (args.cp, args.peak_tflops or 1, args.hbm_tbps or 1)
+    if not all(math.isfinite(x) and x > 0 for x in new):
+        raise SystemExit("plan: --cp, --peak-tflops and --hbm-tbps must be positive and finite")
     measured = {"peak_flops": (args.peak_tflops, 1e12), "hbm_bw": (args.hbm_tbps, 1e12)}
     gpu = replace(gpu, **{k: x * u for k, (x, u) in measured.items() if x is not None})
     if args.gpus < 1 or (args.gpus > gpu.per_node and args.gpus % gpu.per_node):
@@ -181,15 +184,13 @@ def configure(argv=None):
     if (
         not all(
             math.isfinite(x) and x > 0
-            for x in (args.chunks, args.usable, args.tokens, args.top, args.cp)
-            + tuple(x or 1 for x in (args.inter_bw, args.peak_tflops, args.hbm_tbps))
+            for x in (args.chunks, args.usable, args.tokens, args.top, args.inter_bw or 1)
         )
         or args.usable > 1
         or not 0 <= args.offload <= 1
     ):
         raise SystemExit(
-            "plan: --chunks, --cp, --usable, --tokens, --inter-bw, --peak-tflops, --hbm-tbps and "
-            "--top must be positive and finite, "
+            "plan: --chunks, --usable, --tokens, --inter-bw and --top must be positive and finite, "
             "--usable at most 1 (a fraction of GPU memory), --offload in [0, 1]"
         )
     if args.offload and args.zero == "0":

@@ -50,19 +50,19 @@ class Row:
         return f"tp{self.tp}{cp} pp{self.pp}{v} dp{self.gpus // (self.tp * self.pp * self.cp)} z{self.zero}"
 
 
-def estimate(row, overlap=None):
-    """The planner's Estimate of the row's layout: with the run's own overlap, or none at all
-    (overlap "none": neither dp's nor tp's)."""
-    run = row.run if overlap is None else replace(row.run, overlap="none", tp_overlap=False)
+def estimate(row, plain=False):
+    """The planner's Estimate of the row's layout: with the run's own overlap, or (plain) none at
+    all, neither dp's nor tp's: the sum TimeModel was fitted with."""
+    run = replace(row.run, overlap="none", tp_overlap=False) if plain else row.run
     args = (row.model, CLUSTERS[row.gpu], row.gpus, row.tp, row.pp)
     if row.cp > 1:
         return cp_cost.evaluate(*args, row.cp, row.zero, run, "allgather")[0]
     return cost_time.evaluate(*args, row.zero, run)
 
 
-def predict(row, overlap=None):
-    """The row's figure as the planner predicts it."""
-    e = estimate(row, overlap)
+def predict(row, plain=False):
+    """The row's figure as the planner predicts it (plain: without overlap)."""
+    e = estimate(row, plain)
     if row.metric == "tflops":
         return e.tflops / 1e12
     if row.metric == "mfu":
@@ -265,7 +265,7 @@ def table():
     ]
     for role in ("calibration", "out-of-sample"):
         for r in (r for r in rows() if r.role == role):
-            plain, over = predict(r, "none"), predict(r)
+            plain, over = predict(r, plain=True), predict(r)
             err = over / r.published - 1
             flag = " (miss)" if r.role == "out-of-sample" and abs(err) > BAND else ""
             lines.append(
