@@ -191,4 +191,7 @@ def evaluate(model, gpu, gpus, tp, pp, zero, run, ep=1, time=cost_time.TIME):
         mfu=est.mfu * est.step_s / step,
         days=days,
         fits=fits,
+        # the experts' extra seconds are communication, all of it waited for
+        comm_s=est.comm_s + step - est.step_s,
+        exposed_s=est.exposed_s + step - est.step_s,
     )
