@@ -7,12 +7,21 @@ lessons/11_plan.py
 """
 
 import itertools
+import sys
 from dataclasses import replace
 
 from check import check
 
 from nanomega import formulas as F
-from nanomega.tools import cost as C, cost_time as CT, cp_cost as CPC, layouts, plan as P
+from nanomega.tools import (
+    cost as C,
+    cost_time as CT,
+    cp_cost as CPC,
+    heatmap,
+    layouts,
+    plan as P,
+    published as PUB,
+)
 
 print(
     "== ZeRO (Rajbhandari et al. 2020, Fig. 1): 7.5B parameters, 64 GPUs, fp16 + Adam (2 + 2 + K=12 bytes)"
@@ -400,3 +409,28 @@ try:
     P.main(["--model", "gpt3-175b", "--gpus", "8", "--global-batch", "1536"])
 except SystemExit as e:
     print(e)
+
+print("== Every published row (tools/published.py): calibration first, then out-of-sample")
+print(PUB.table())
+for row in PUB.rows():
+    if row.role == "out-of-sample" and row.name not in PUB.MISSES:
+        check(
+            f"{row.name} ({row.layout()}), out of sample",
+            PUB.predict(row),
+            row.published,
+            rtol=PUB.BAND,
+            labels=("planner", "published"),
+        )
+for name, why in PUB.MISSES.items():
+    print(f"miss: {name}: {why}")
+
+print("== Finding the best configuration: Llama 3 70B on H100 SXM, batch 512 x 8192")
+g = heatmap.lesson_grid()
+for (tp, pp), row in zip(g.layouts, g.mfu):
+    if any(x is not None for x in row):
+        print(f"  tp{tp} pp{pp:<2} " + " ".join(f"{heatmap.label(x):>4}" for x in row))
+print(f"  nodes    {' '.join(f'{n:>4}' for n in g.nodes)}")
+if "--figure" in sys.argv:
+    path = sys.argv[sys.argv.index("--figure") + 1]
+    heatmap.draw(g, path, "Llama 3 70B on H100 SXM, batch 512 x 8192: predicted MFU")
+    print(f"figure: {path}")

@@ -148,7 +148,10 @@ FIGURES = {
 }
 
 # figures a lesson's own experiment draws (`python SCRIPT --figure PATH`), not from training runs
-SCRIPTED = {"14_expert_loads.png": "lessons/14_experts.py"}
+SCRIPTED = {
+    "11_mfu_heatmap.png": "lessons/11_plan.py",
+    "14_expert_loads.png": "lessons/14_experts.py",
+}
 
 
 def flags(name, root):

@@ -88,15 +88,25 @@ class GPU:
     host_bw: float = 51e9  # bytes/s of host memory, one GPU's share (ZeRO-Offload's CPU Adam)
 
 
-# NVIDIA datasheets; DGX A100: 8x 200 Gb/s HDR InfiniBand, DGX H100: 8x 400 Gb/s
-# NDR, one NIC per GPU;
+# NVIDIA datasheets, dense bf16 (without 2:4 sparsity), one direction of NVLink, each GPU's NIC:
+# A100 SXM 80GB (DGX A100: 8x 200 Gb/s HDR InfiniBand); H100 SXM 80GB and PCIe (NVIDIA H100 Tensor
+# Core GPU datasheet; DGX H100: 8x 400 Gb/s NDR); H200 SXM (NVIDIA H200 datasheet: 141 GB HBM3e,
+# 4.8 TB/s); B200 (NVIDIA DGX B200 datasheet: 1,440 GB and 64 TB/s HBM3e over 8 GPUs, NVLink 5
+# 1.8 TB/s both directions, 8x 400 Gb/s ConnectX-7; HGX B200: 4.5 PFLOP/s bf16 with sparsity).
+# h100-96gb: torchtitan's Grand Teton H100s (benchmarks/llama3_h100_202412_torchtitan.md: 96 GB
+# HBM2e at 2.4 TB/s, 500 W; its footnote: peak between SXM's and NVL's, SXM's used for its MFU).
+# host: PCIe 4 / 5 x16 (32 / 64 GB/s, ~80% reached), 2 sockets x 8 DDR4-3200 / DDR5-4800 channels
+# over 8 GPUs. --peak-tflops, --hbm-tbps, --inter-bw (plan.py) replace a preset's numbers by measured
+# ones.
 GPUS = {
-    # host: PCIe 4 / 5 x16 (32 / 64 GB/s, ~80% reached), 2 sockets x 8 DDR4-3200 / DDR5-4800
-    # channels over 8 GPUs
-    # NVLink 3: 600 GB/s both directions
     "a100-80gb": GPU(312e12, 80 * 2**30, 2039e9, 300e9, 25e9, 8, 25e9, 51e9),
-    # H100 SXM, NVLink 4: 900 GB/s both
-    "h100-80gb": GPU(989e12, 80 * 2**30, 3350e9, 450e9, 50e9, 8, 50e9, 77e9),
+    "h100-80gb": GPU(989e12, 80 * 2**30, 3350e9, 450e9, 50e9, 8, 50e9, 77e9),  # = h100-sxm
+    "h100-sxm": GPU(989e12, 80 * 2**30, 3350e9, 450e9, 50e9, 8, 50e9, 77e9),
+    # PCIe card: 756 TFLOP/s, HBM2e 2.0 TB/s; GPUs of a node talk over PCIe 5 (NVLink bridges pairs)
+    "h100-pcie": GPU(756e12, 80 * 2**30, 2000e9, 64e9, 50e9, 8, 50e9, 77e9),
+    "h100-96gb": GPU(989e12, 96 * 2**30, 2400e9, 450e9, 50e9, 8, 50e9, 77e9),
+    "h200": GPU(989e12, 141e9, 4800e9, 450e9, 50e9, 8, 50e9, 77e9),
+    "b200": GPU(2250e12, 180e9, 8000e9, 900e9, 50e9, 8, 50e9, 77e9),
 }
 # bytes/param (params, grads, optimizer) as the engine allocates them: gradients reduced in fp32
 # whatever the model's dtype (Megatron's main_grad), fp32 masters + Adam m, v for 16-bit models, m
@@ -124,6 +134,10 @@ class Run:
     split: str = "trainer"  # layers per stage: the trainer's, or "llama3" (layers_per_stage)
     # ZeRO-Offload: the share of the optimizer state in host memory (offload.py)
     offload: float = 0.0
+    # which communication hides behind compute: "none" (Megatron-LM 2021, the calibration rows) or
+    # "overlap" (tools/overlap.py: buckets in backward, ZeRO-3's prefetch, as FSDP and the engine)
+    overlap: str = "none"
+    tp_overlap: bool = False  # tp's collectives chunked beside the matmuls (overlap.tp_exposed)
 
 
 # ---- model shapes --------------------------------------------------------------------------------

@@ -127,6 +127,8 @@ def step_seconds(model, gpu, gpus, tp, pp, zero, run, ep=1, time=cost_time.TIME,
         run.chunks if run.schedule == "interleaved" and pp > 1 else 1,
     )
 
+    # its dp bytes are charged here whole: experts are priced without overlap (tools/overlap.py)
+    run = replace(run, overlap="none")
     step, _ = cost_time.step_seconds(dense, gpu, gpus, tp, pp, zero, run, time, batch)
     pb, gb = cost.PRECISIONS[run.dtype][:2]
     charged = dp_comm_bytes(
@@ -189,4 +191,7 @@ def evaluate(model, gpu, gpus, tp, pp, zero, run, ep=1, time=cost_time.TIME):
         mfu=est.mfu * est.step_s / step,
         days=days,
         fits=fits,
+        # the experts' extra seconds are communication, all of it waited for
+        comm_s=est.comm_s + step - est.step_s,
+        exposed_s=est.exposed_s + step - est.step_s,
     )

@@ -1,11 +1,12 @@
 """How long one layout's step takes, and one layout's whole estimate (memory: tools/cost.py).
 
 Idea: one micro-batch through the slowest pipeline stage plus its sends, times (m + (p-1)/v) slots,
-plus the data-parallel bytes over their link (no overlap, as Megatron-LM 2021); one set of constants
-(TIME) fitted on published runs. evaluate adds tools/cost.py's memory: one layout's Estimate.
+plus the data-parallel seconds not hidden behind compute (tools/overlap.py; Run.overlap "none": all
+of them, as Megatron-LM 2021); one set of constants (TIME) fitted on the calibration rows of
+tools/published.py. evaluate adds tools/cost.py's memory: one layout's Estimate.
     layer = matmul FLOPs / (peak x MATMUL) + tp bytes / NVLink
             + (ELEM x bsh [/t with SP] + SCORE x b(a/t)s^2) / HBM bandwidth
-    step  = (m + (p-1)/v) x (slowest stage + its sends / link) + dp bytes / link [+ offload]
+    step  = (m + (p-1)/v) x (slowest stage + its sends / link) + exposed dp seconds [+ offload]
     MFU   = tokens x (6N + 12Lhs) / (step x GPUs x datasheet peak)
 matmul FLOPs: Llama q, o 2h^2, k, v 2h^2 n_kv/a, SwiGLU 3hf; GPT-2 12h^2. Run.attention "sdpa"
 (FlashAttention): no SCORE term, but its backward recomputes QK^T (2bs^2h/t more matmul FLOPs).
@@ -24,6 +25,7 @@ from nanomega.formulas import (
     pp_comm_bytes,
     tp_comm_bytes_per_layer,
 )
+from nanomega.tools import overlap
 from nanomega.tools.cost import (
     PRECISIONS,
     flops_params,
@@ -38,15 +40,19 @@ from nanomega.tools.cost import (
 @dataclass(frozen=True)
 class TimeModel:
     """The constants of the time model, one set for every run, fitted on the calibration rows of
-    lessons/11_plan.py (Megatron-LM 2021 Table 1 rows 1, 3, 5, 7, 9 and BLOOM) and checked on the
-    others (rows 2, 4, 6, 8, 10).
+    tools/published.py (Megatron-LM 2021 Table 1 rows 1, 3, 5, 7, 9 and BLOOM, all A100, eager
+    attention, full recompute, no overlap) and never refitted since; every other row of
+    tools/published.py is out of sample (its table says which).
     The bytes are effective: what the memory-bound kernels cost, at the datasheet HBM bandwidth."""
 
-    # fraction of peak a matmul reaches (qkv, proj, fc1, fc2, QK^T, AV, LM head)
+    # fraction of peak a matmul reaches (qkv, proj, fc1, fc2, QK^T, AV, LM head); fitted on: Table
+    # 1 rows 1, 3, 5, 7, 9 and BLOOM (one value for every GEMM size: see published.SMALL_GEMMS)
     matmul: float = 0.67
-    # HBM bytes per (b, s, h) element and layer, forward + backward (LayerNorm, dropout, add)
+    # HBM bytes per (b, s, h) element and layer, forward + backward (LayerNorm, dropout, add);
+    # fitted on: the same rows
     elem: float = 110.0
-    # HBM bytes per (b, a, s, s) score element and layer, forward + backward (mask, softmax)
+    # HBM bytes per (b, a, s, s) score element and layer, forward + backward (mask, softmax);
+    # fitted on: the same rows (eager attention; sdpa runs have no such term)
     score: float = 40.0
 
 
@@ -95,6 +101,13 @@ def column_inputs(model):
 def layer_seconds(model, gpu, run, tp, time=TIME):
     """One layer, one micro-batch, forward + backward (+ recompute) on one GPU (the formula in the
     docstring)."""
+    compute, _, tp_exposed = layer_parts(model, gpu, run, tp, time)
+    return compute + tp_exposed
+
+
+def layer_parts(model, gpu, run, tp, time=TIME):
+    """(compute seconds, tp seconds, tp seconds not hidden) of one layer and micro-batch: with
+    run.tp_overlap the collectives hide behind the matmuls they feed (overlap.tp_exposed)."""
     b, s, h, a = run.micro_batch, model.seq_len, model.n_embd, model.n_head
     full, attn_again = run.recompute == "full", run.recompute in ("full", "selective")
     flash = run.attention == "sdpa"
@@ -107,11 +120,22 @@ def layer_seconds(model, gpu, run, tp, time=TIME):
     )
     eb = 4 if run.dtype == "fp32" else 2
     tp_b = tp_comm_bytes_per_layer(b, s, h, tp, eb, run.sp, run.recompute, column_inputs(model))
-    return (dense + attn) / (gpu.peak_flops * time.matmul) + hbm / gpu.hbm_bw + tp_b / gpu.intra_bw
+    matmul = dense / (gpu.peak_flops * time.matmul)
+    tp_s = tp_b / gpu.intra_bw
+    compute = (dense + attn) / (gpu.peak_flops * time.matmul) + hbm / gpu.hbm_bw
+    return compute, tp_s, overlap.tp_exposed(tp_s, matmul, run.tp_overlap)
 
 
-def step_seconds(model, gpu, gpus, tp, pp, zero, run, time=TIME, global_batch=None):
-    """(step seconds, bubble fraction) at a global batch (default run.global_batch)."""
+@dataclass(frozen=True)
+class StepTime:
+    step: float  # seconds
+    bubble: float  # fraction of the pipeline time idle
+    comm: float  # seconds of tp, pp and dp bytes on their links (+ offload's copies)
+    exposed: float  # of which the step waits for (tools/overlap.py)
+
+
+def step_time(model, gpu, gpus, tp, pp, zero, run, time=TIME, global_batch=None):
+    """One step's StepTime at a global batch (default run.global_batch)."""
     batch = run.global_batch if global_batch is None else global_batch
     dp = gpus // (tp * pp)
     m = batch // (dp * run.micro_batch)
@@ -121,7 +145,8 @@ def step_seconds(model, gpu, gpus, tp, pp, zero, run, time=TIME, global_batch=No
     # each stage's compute per micro-batch; the last stage has the head too
     layer = layer_seconds(model, gpu, run, tp, time)
     head = 6 * run.micro_batch * model.seq_len * padded_vocab(model, tp) * model.n_embd / tp
-    stages = [n * layer for n in layers_per_stage(model, pp, v, run.split)]
+    layers = layers_per_stage(model, pp, v, run.split)
+    stages = [n * layer for n in layers]
     # logits forward + 2 backward GEMMs, never recomputed
     stages[-1] += head / (gpu.peak_flops * time.matmul)
 
@@ -132,9 +157,14 @@ def step_seconds(model, gpu, gpus, tp, pp, zero, run, time=TIME, global_batch=No
     slot = max(stages) + sends / pp_bw
     pipe = (m + (pp - 1) / v) * slot
 
-    # dp's gradient bytes, and the host's copies and step (offload)
+    # dp's gradient (and ZeRO-3's parameter) bytes, what of them hides behind compute (overlap.py)
     n = max(stage_params(model, tp, pp, v, run.split))
-    dp_b = dp_comm_bytes(n, zero, dp, PRECISIONS[run.dtype][1], PRECISIONS[run.dtype][0], m)
+    pb, gb = PRECISIONS[run.dtype][:2]
+    units = max(layers) + 1
+    dp_t = overlap.dp_seconds(
+        n, zero, dp, m, gb, pb, dp_bw, max(stages), run.recompute, units, run.overlap
+    )
+    # the host's copies and step (offload)
     host = (
         offload_seconds(
             run.offload * (-(-n // dp) if zero else n),
@@ -146,8 +176,22 @@ def step_seconds(model, gpu, gpus, tp, pp, zero, run, time=TIME, global_batch=No
         else 0.0
     )
 
-    # = (p-1)/v slots of the m + (p-1)/v
-    return pipe + dp_b / dp_bw + host, pipeline_bubble(pp, m, v)
+    # tp's collectives (those not hidden by run.tp_overlap) and pp's sends wait inside the slots
+    _, tp_s, tp_exposed = layer_parts(model, gpu, run, tp, time)
+    waits = m * sends / pp_bw + host
+    tp_total, tp_waits = m * max(layers) * tp_s, m * max(layers) * tp_exposed
+    return StepTime(
+        pipe + dp_t.exposed + host,
+        pipeline_bubble(pp, m, v),
+        waits + tp_total + dp_t.total,
+        waits + tp_waits + dp_t.exposed,
+    )
+
+
+def step_seconds(model, gpu, gpus, tp, pp, zero, run, time=TIME, global_batch=None):
+    """(step seconds, bubble fraction) at a global batch (default run.global_batch)."""
+    t = step_time(model, gpu, gpus, tp, pp, zero, run, time, global_batch)
+    return t.step, t.bubble
 
 
 def train_seconds(step_at, run, seq_len):
@@ -188,6 +232,8 @@ class Estimate:
     mfu: float  # model FLOPs (6N + 12Lhs) / datasheet peak
     days: float  # run.tokens, with the batch ramp-up
     fits: bool
+    comm_s: float = 0.0  # seconds of communication per step (StepTime.comm)
+    exposed_s: float = 0.0  # of which not hidden behind compute (StepTime.exposed)
 
     @property
     def memory(self):
@@ -227,7 +273,8 @@ def evaluate(model, gpu, gpus, tp, pp, zero, run, time=TIME):
     dp_b = dp_comm_bytes(max(stage_params(model, tp, pp, v, run.split)), zero, dp, gb, pb, m)
 
     # time, FLOP/s, MFU
-    step, bubble = step_seconds(model, gpu, gpus, tp, pp, zero, run, time)
+    t = step_time(model, gpu, gpus, tp, pp, zero, run, time)
+    step, bubble = t.step, t.bubble
     tokens = run.global_batch * s
     n = flops_params(model)
     head = padded_vocab(model) * h
@@ -261,4 +308,6 @@ def evaluate(model, gpu, gpus, tp, pp, zero, run, time=TIME):
         mfu,
         days,
         fits,
+        t.comm,
+        t.exposed,
     )

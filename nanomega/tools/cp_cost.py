@@ -10,6 +10,7 @@ and pp's bytes -- except:
                neighbours first: a cp group leaves the node when tp x cp > GPUs per node). allgather (Llama 3's)
                is exposed; ring overlaps its sends with the blocks' attention: max(compute, sends) per layer
     state      ZeRO shards over dp x cp (the weights' replicas: zero.py's dp_cp), activations at s/cp
+    dp time    tools/overlap.py's exposed seconds over dp x cp (Run.overlap "none": all of them)
 The result is a tools/cost_time.Estimate (its dp is the data-parallel size, its tp_comm the tp bytes
 at s/cp).
 Lesson: lessons/15-long-context.md
@@ -26,7 +27,7 @@ from nanomega.formulas import (
     pp_comm_bytes,
     tp_comm_bytes_per_layer,
 )
-from nanomega.tools import cost, cost_time
+from nanomega.tools import cost, cost_time, overlap
 
 
 def cp_layer_seconds(model, gpu, run, tp, cp, method="allgather", time=cost_time.TIME):
@@ -46,6 +47,20 @@ def cp_layer_seconds(model, gpu, run, tp, cp, method="allgather", time=cost_time
     link = gpu.intra_bw if tp * cp <= gpu.per_node else gpu.inter_bw
     comm = sent / link
     return local + (max(attn, comm) if method == "ring" else attn + comm), sent
+
+
+def cp_exposed_seconds(model, gpu, run, tp, cp, method="allgather", time=cost_time.TIME):
+    """(seconds of one layer's tp and cp bytes on their links, of which waited for) per
+    micro-batch: what the layer takes beyond the same layer on links of endless bandwidth (the
+    ring's sends hide behind the other blocks' attention; tp's as cost_time.layer_parts says)."""
+    local = replace(model, seq_len=model.seq_len // cp)
+    _, tp_s, _ = cost_time.layer_parts(local, gpu, run, tp, time)
+    layer, sent = cp_layer_seconds(model, gpu, run, tp, cp, method, time)
+    endless = replace(gpu, intra_bw=float("inf"), inter_bw=float("inf"))
+    link = gpu.intra_bw if tp * cp <= gpu.per_node else gpu.inter_bw
+    return tp_s + sent / link, layer - cp_layer_seconds(model, endless, run, tp, cp, method, time)[
+        0
+    ]
 
 
 def evaluate(model, gpu, gpus, tp, pp, cp, zero, run, method="allgather", time=cost_time.TIME):
@@ -81,7 +96,10 @@ def evaluate(model, gpu, gpus, tp, pp, cp, zero, run, method="allgather", time=c
     pp_b = pp_comm_bytes(b, s // cp, h, tp, eb, 1, v) if pp > 1 else 0
     n = max(cost.stage_params(model, tp, pp, v, run.split))
     dp_b = dp_comm_bytes(n, zero, dp * cp, gb, pb, m)
-    step = (m + (pp - 1) / v) * (max(times) + pp_b / pp_bw) + dp_b / dp_bw
+    dp_t = overlap.dp_seconds(
+        n, zero, dp * cp, m, gb, pb, dp_bw, max(times), run.recompute, max(layers) + 1, run.overlap
+    )
+    step = (m + (pp - 1) / v) * (max(times) + pp_b / pp_bw) + dp_t.exposed
 
     tokens, fpt = run.global_batch * s, cost.flops_params(model)
     extra = cost.padded_vocab(model) * h
@@ -95,6 +113,7 @@ def evaluate(model, gpu, gpus, tp, pp, cp, zero, run, method="allgather", time=c
         )
     )
 
+    comm_s, exposed_s = cp_exposed_seconds(model, gpu, run, tp, cp, method, time)
     days = run.tokens / tokens * step / 86400
     fits = params + grads + optim + acts <= run.usable * gpu.memory
     return cost_time.Estimate(
@@ -117,4 +136,6 @@ def evaluate(model, gpu, gpus, tp, pp, cp, zero, run, method="allgather", time=c
         mfu,
         days,
         fits,
+        m * max(layers) * comm_s + (m * pp_b / pp_bw if pp > 1 else 0.0) + dp_t.total,
+        m * max(layers) * exposed_s + (m * pp_b / pp_bw if pp > 1 else 0.0) + dp_t.exposed,
     ), m * max(layers) * cp_b

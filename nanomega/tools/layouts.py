@@ -7,7 +7,7 @@ time. When none fits, smallest_cluster doubles the GPUs until one does, then sca
 Lesson: lessons/11-planning-a-run.md
 """
 
-from nanomega.tools import cost_moe
+from nanomega.tools import cost_moe, cp_cost
 from nanomega.tools.cost import Run
 from nanomega.zero_rules import pipeline_error
 
@@ -54,12 +54,16 @@ def layout_error(model, gpu, gpus, tp, pp, zero, run, global_batch=None, ep=1):
 
     if pipeline_error(zero, pp):
         return pipeline_error(zero, pp)
+    slots = model.n_layer + (2 if run.split == "llama3" else 0)  # Llama 3's: embedding, head
     if (
         run.schedule == "interleaved"
         and pp > 1
-        and (model.n_layer % (pp * run.chunks) or (batch // unit) % pp)
+        and (slots % (pp * run.chunks) or (batch // unit) % pp)
     ):
-        return f"interleaved needs --pp x --chunks | {model.n_layer} layers and --pp | {batch // unit} micro-batches"
+        what = f"{model.n_layer} layers" + (" + 2" if run.split == "llama3" else "")
+        return (
+            f"interleaved needs --pp x --chunks | {what} and --pp | {batch // unit} micro-batches"
+        )
     return cost_moe.layout_error(model, gpus, tp, pp, zero, run, ep)
 
 
@@ -77,13 +81,19 @@ def layouts(model, gpu, gpus, run, tp=None, pp=None, dp=None, ep=1):
                     yield t, p, zero
 
 
-def plan(model, gpu, gpus, run=Run(), tp=None, pp=None, dp=None, ep=1):
+def plan(model, gpu, gpus, run=Run(), tp=None, pp=None, dp=None, ep=1, cp=1, cp_method="allgather"):
     """Every layout's Estimate (within the pins): those that fit first, each group ranked by step
-    time."""
-    ests = [
-        cost_moe.evaluate(model, gpu, gpus, t, p, z, run, ep)
-        for t, p, z in layouts(model, gpu, gpus, run, tp, pp, dp, ep)
-    ]
+    time. With cp > 1 each layout of gpus / cp GPUs takes a cp axis (tools/cp_cost.py)."""
+    if cp > 1:
+        found = layouts(model, gpu, gpus // cp, run, tp, pp, dp, ep)
+        ests = [
+            cp_cost.evaluate(model, gpu, gpus, t, p, cp, z, run, cp_method)[0] for t, p, z in found
+        ]
+    else:
+        ests = [
+            cost_moe.evaluate(model, gpu, gpus, t, p, z, run, ep)
+            for t, p, z in layouts(model, gpu, gpus, run, tp, pp, dp, ep)
+        ]
     return sorted(ests, key=lambda e: (not e.fits, e.step_s))
 
 
