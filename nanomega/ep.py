@@ -98,7 +98,7 @@ def exchange(rows, counts, modules, ep):
         for j in range(local)
         for r in range(ep.size)
     ]
-    regroup = torch.cat(regroup).to(rows.device) if regroup else torch.zeros(0, dtype=torch.long)
+    regroup = torch.cat(regroup).to(rows.device) if regroup else rows.new_zeros(0, dtype=torch.long)
 
     out = run_experts(got[regroup], recv.sum(0).tolist(), modules, ep.rank * local)  # expert-major
     back = torch.empty_like(out).index_copy(0, regroup, out)  # source-major again

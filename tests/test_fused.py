@@ -53,7 +53,7 @@ def softmax64(scores, scale):
     """The causal softmax in the input's own dtype (model.causal_softmax computes in fp32 whatever
     comes in)."""
     s_q, s_k = scores.shape[-2:]
-    future = torch.ones(s_q, s_k, dtype=torch.bool).triu(s_k - s_q + 1)
+    future = torch.ones(s_q, s_k, dtype=torch.bool, device=scores.device).triu(s_k - s_q + 1)
     return torch.softmax((scores * scale).masked_fill(future, float("-inf")), dim=-1)
 
 
@@ -210,6 +210,24 @@ def check(name, op, inputs, grad):
     ):
         assert g.dtype == inputs[0].dtype
         assert_within(g, w, bound(name, S, n, g.dtype), f"{name} output {i}")
+
+
+@pytest.mark.parametrize("name,op,shapes", list(cases()))
+def test_references_run_on_cuda_tensors(name, op, shapes):
+    """The GPU tier compares its kernels with these references on CUDA inputs (tests/test_gpu.py):
+    every tensor a reference or its bound builds (a mask, an index) must be on the input's device,
+    or CUDA refuses it and the kernel is never compared (issue 42 H1: softmax64's mask on the CPU
+    failed all 18 CUDA causal-softmax cases). Fake CUDA tensors check the devices with no GPU:
+    the forward and the bounds (autograd's engine cannot run fake CUDA tensors without CUDA; the
+    backward reuses the forward's tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        inputs = [torch.randn(s, dtype=torch.float64, device="cuda") for s in shapes]
+        grad = torch.randn(out_shape(name, shapes), dtype=torch.float64, device="cuda")
+        want = [reference(name)(*inputs)]
+        sizes = [S for S, _ in magnitudes(name, inputs, grad, want)]
+    assert all(t.device.type == "cuda" for t in want + sizes if isinstance(t, torch.Tensor))
 
 
 @pytest.mark.parametrize("name,op,shapes", list(cases()))
