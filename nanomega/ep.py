@@ -7,8 +7,9 @@ E/ep experts each (expert e on ep rank e // (E/ep)) and different tokens. After 
     counts       trades the rows per expert: an all-to-all of (ep, E/ep) int64 counts
     dispatch     sends rank r the rows of r's experts: all_to_all_single with uneven splits (gloo has no list form)
     computes     the rows it received, regrouped expert-major, one expert at a time (moe.py says why a loop)
-    combine      sends the results back (the splits swapped), unpermutes them and adds each, times its router
-                 weight, into its token's output row (index_add: a token's k experts summed)
+    combine      sends the results back (the splits swapped), unpermutes them, each times its router weight
+                 into its own row, and sums each token's k rows in choice order (no atomic adds on a GPU:
+                 index_add's order of k >= 3 additions would vary)
 The backward of an all-to-all is the all-to-all with the splits swapped (AllToAll).
 Which group reduces which gradient (dist.layout: dp index d = e_out x ep + e):
     dense weights   every dp rank holds them: reduced over grid.dp (dp_cp under context parallelism)
@@ -61,15 +62,17 @@ def dispatch_combine(x, experts, weights, keep, modules, n_experts, ep=None):
     global index; ep: their Axis. One host sync (the counts read once): a boolean mask, bincount or
     a second read would each wait for the GPU (issue 42 M5)."""
     T, k = experts.shape
-    # (T k,): the token of each assignment; a dropped one goes to bucket E, after every expert's
-    token = torch.arange(T, device=x.device).repeat_interleave(k)
+    # (T k,): assignment a is token a // k's choice a % k; a dropped one goes to bucket E, after
+    # every expert's
+    slot = torch.arange(T * k, device=x.device)
+    token = slot // k
     expert, weight = experts.reshape(-1), weights.reshape(-1)
     if keep is not None:
         expert = expert.masked_fill(~keep.reshape(-1), n_experts)
 
     # expert-major, token order inside: the same on every layout; the kept ones first
     order = torch.argsort(expert, stable=True)
-    token, expert, weight = token[order], expert[order], weight[order]
+    slot, token, expert, weight = slot[order], token[order], expert[order], weight[order]
     counts = torch.zeros(n_experts + 1, dtype=torch.long, device=x.device)
     counts.index_add_(0, expert, torch.ones_like(expert))  # (E + 1,) rows per expert, then dropped
 
@@ -79,7 +82,12 @@ def dispatch_combine(x, experts, weights, keep, modules, n_experts, ep=None):
         out = run_experts(x[token[:n]], sizes, modules, 0)  # x[token]'s backward scatter-adds
     else:
         n, out = exchange(x, token, counts[:-1], modules, ep)
-    return torch.zeros_like(x).index_add(0, token[:n], out * weight[:n, None].to(out.dtype))
+
+    # combine: each weighted output into its assignment's own row (no two alike: no atomic adds on
+    # a GPU), then each token's k rows summed in choice order: the same sum on every device
+    weighted = out * weight[:n, None].to(out.dtype)  # (n, h)
+    rows = x.new_zeros(T * k, x.shape[-1]).index_copy(0, slot[:n], weighted)  # (T k, h)
+    return rows.view(T, k, -1).sum(1)  # (T, h)
 
 
 def exchange(x, token, counts, modules, ep):

@@ -453,3 +453,48 @@ def test_one_host_sync_per_moe_layer_forward(monkeypatch, capacity_factor):
     assert syncs.count == cfg.n_layer
     if capacity_factor:  # the capacity dropped some assignments: the count covers that path
         assert any(not layer.last["keep"].all() for layer in moe.layers(gpt).values())
+
+
+def test_combine_adds_no_two_outputs_into_one_row():
+    """Issue 42 (low): a CUDA index_add adds by atomics, so a token's k >= 3 expert outputs summed in
+    one row would add in a varying order (k = 2 is exact either way). The combine puts each
+    assignment's weighted output in a row of its own (index_copy) and sums each token's k rows in
+    choice order: no floating-point index_add or accumulating index_put in the forward. The values:
+    the weighted sum over each token's kept choices (float64, top_k 3, a capacity drop)."""
+    from nanomega import ep
+
+    torch.manual_seed(0)
+    T, h, E, k = 6, 4, 4, 3
+    x = torch.randn(T, h, dtype=torch.float64)
+    modules = {str(e): torch.nn.Linear(h, h, dtype=torch.float64) for e in range(E)}
+    experts = torch.stack([torch.randperm(E)[:k] for _ in range(T)])  # (T, k) distinct choices
+    weights = torch.rand(T, k, dtype=torch.float64)
+    keep = torch.ones(T, k, dtype=torch.bool)
+    keep[1, 2] = keep[4, 0] = False
+    adds = []
+
+    class Adds(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = func._schema.name
+            accumulate = name.startswith("aten::index_put") and (
+                kwargs.get("accumulate") or (len(args) > 3 and args[3])
+            )
+            if (name.startswith("aten::index_add") or accumulate) and args[0].is_floating_point():
+                adds.append(name)
+            return func(*args, **kwargs)
+
+    with Adds():
+        y = ep.dispatch_combine(x, experts, weights, keep, modules, E)
+    assert adds == []
+    want = torch.stack(
+        [
+            sum(
+                weights[t, j] * modules[str(int(experts[t, j]))](x[t])
+                for j in range(k)
+                if keep[t, j]
+            )
+            for t in range(T)
+        ]
+    )
+    torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
