@@ -40,7 +40,7 @@ __device__ A block_reduce(A v, Op op) {
 constexpr double kA2 = 2 * 0.7978845608028654;
 constexpr double kB = 0.044715;
 
-// e = exp(-2z), -2z clamped to [-80, 80] (fast-math division of 1 by 1 + inf is not 0)
+// e = exp(-2z), -2z clamped to [-80, 80] (as on the CPU, where fast-math division of 1 by 1 + inf is not 0)
 template <typename A>
 __device__ A exp_neg_2z(A u) {
   const A two_z = u * (A(kA2) + A(kA2 * kB) * u * u);
