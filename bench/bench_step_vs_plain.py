@@ -61,7 +61,7 @@ class PlainGPT(nn.Module):
                 )
 
     def forward(self, idx, targets):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)

@@ -7,8 +7,9 @@ E/ep experts each (expert e on ep rank e // (E/ep)) and different tokens. After 
     counts       trades the rows per expert: an all-to-all of (ep, E/ep) int64 counts
     dispatch     sends rank r the rows of r's experts: all_to_all_single with uneven splits (gloo has no list form)
     computes     the rows it received, regrouped expert-major, one expert at a time (moe.py says why a loop)
-    combine      sends the results back (the splits swapped), unpermutes them and adds each, times its router
-                 weight, into its token's output row (index_add: a token's k experts summed)
+    combine      sends the results back (the splits swapped), unpermutes them, each times its router weight
+                 into its own row, and sums each token's k rows in choice order (no atomic adds on a GPU:
+                 index_add's order of k >= 3 additions would vary)
 The backward of an all-to-all is the all-to-all with the splits swapped (AllToAll).
 Which group reduces which gradient (dist.layout: dp index d = e_out x ep + e):
     dense weights   every dp rank holds them: reduced over grid.dp (dp_cp under context parallelism)
@@ -58,51 +59,60 @@ def run_experts(rows, sizes, experts, first):
 def dispatch_combine(x, experts, weights, keep, modules, n_experts, ep=None):
     """sum_j weights[t, j] expert_{experts[t, j]}(x[t]) over the kept assignments. x (T, h);
     experts, weights, keep (T, k) (keep None: dropless); modules: the experts this rank holds, by
-    global index; ep: their Axis."""
+    global index; ep: their Axis. One host sync (the counts read once): a boolean mask, bincount or
+    a second read would each wait for the GPU (issue 42 M5)."""
     T, k = experts.shape
-    # (T k,): the token of each assignment
-    token = torch.arange(T, device=x.device).repeat_interleave(k)
+    # (T k,): assignment a is token a // k's choice a % k; a dropped one goes to bucket E, after
+    # every expert's
+    slot = torch.arange(T * k, device=x.device)
+    token = slot // k
     expert, weight = experts.reshape(-1), weights.reshape(-1)
     if keep is not None:
-        kept = keep.reshape(-1)
-        token, expert, weight = token[kept], expert[kept], weight[kept]
+        expert = expert.masked_fill(~keep.reshape(-1), n_experts)
 
-    # expert-major, token order inside: the same on every layout
+    # expert-major, token order inside: the same on every layout; the kept ones first
     order = torch.argsort(expert, stable=True)
-    token, expert, weight = token[order], expert[order], weight[order]
-    counts = torch.bincount(expert, minlength=n_experts)  # (E,) rows per expert
-    rows = x[token]  # (n, h) permuted; its backward scatter-adds into x's gradient
+    slot, token, expert, weight = slot[order], token[order], expert[order], weight[order]
+    counts = torch.zeros(n_experts + 1, dtype=torch.long, device=x.device)
+    counts.index_add_(0, expert, torch.ones_like(expert))  # (E + 1,) rows per expert, then dropped
 
     if ep is None or ep.size == 1:
-        out = run_experts(rows, counts.tolist(), modules, 0)
+        sizes = counts.tolist()[:-1]  # the host sync
+        n = sum(sizes)  # kept assignments
+        out = run_experts(x[token[:n]], sizes, modules, 0)  # x[token]'s backward scatter-adds
     else:
-        out = exchange(rows, counts, modules, ep)
-    return torch.zeros_like(x).index_add(0, token, out * weight[:, None].to(out.dtype))
+        n, out = exchange(x, token, counts[:-1], modules, ep)
+
+    # combine: each weighted output into its assignment's own row (no two alike: no atomic adds on
+    # a GPU), then each token's k rows summed in choice order: the same sum on every device
+    weighted = out * weight[:n, None].to(out.dtype)  # (n, h)
+    rows = x.new_zeros(T * k, x.shape[-1]).index_copy(0, slot[:n], weighted)  # (T k, h)
+    return rows.view(T, k, -1).sum(1)  # (T, h)
 
 
-def exchange(rows, counts, modules, ep):
-    """rows (n, h) in global expert order -> their experts' outputs (n, h), computed on the experts'
-    ranks."""
+def exchange(x, token, counts, modules, ep):
+    """(kept rows n, their outputs): rows x[token[:n]] to their experts' ranks (counts (E,) per
+    expert, expert-major), computed there, sent back in their order. Collective over the ep ranks.
+    One host sync: this rank's counts and the ones it receives, read together."""
     local = counts.numel() // ep.size
     send = counts.view(ep.size, local)  # (ep, E/ep): rows for each expert of each rank
     recv = torch.empty_like(send)  # (ep, E/ep): rows each rank sends for each of my experts
     ep.all_to_all(recv, send)
-    in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+    sent, received = torch.stack([send, recv]).tolist()  # the host sync
+    in_splits, out_splits = [sum(r) for r in sent], [sum(r) for r in received]
 
     # the rows to their experts' ranks
-    got = AllToAll.apply(rows, ep, out_splits, in_splits)  # source-major, then my experts
-    starts = (recv.flatten().cumsum(0) - recv.flatten()).view(ep.size, local).tolist()
-    sizes = recv.tolist()
-    regroup = [
-        torch.arange(starts[r][j], starts[r][j] + sizes[r][j])
-        for j in range(local)
-        for r in range(ep.size)
-    ]
-    regroup = torch.cat(regroup).to(rows.device) if regroup else torch.zeros(0, dtype=torch.long)
+    n = sum(in_splits)
+    got = AllToAll.apply(x[token[:n]], ep, out_splits, in_splits)  # source-major, then my experts
+    # expert-major: each received row labelled with its expert, sorted stably (source order kept)
+    label = torch.arange(local, device=x.device).repeat(ep.size)  # (ep E/ep,)
+    label = label.repeat_interleave(recv.flatten(), output_size=sum(out_splits))
+    regroup = torch.argsort(label, stable=True)
 
-    out = run_experts(got[regroup], recv.sum(0).tolist(), modules, ep.rank * local)  # expert-major
+    sizes = [sum(r[j] for r in received) for j in range(local)]
+    out = run_experts(got[regroup], sizes, modules, ep.rank * local)  # expert-major
     back = torch.empty_like(out).index_copy(0, regroup, out)  # source-major again
-    return AllToAll.apply(back, ep, in_splits, out_splits)
+    return n, AllToAll.apply(back, ep, in_splits, out_splits)
 
 
 def apply_expert_parallel(model, ep):

@@ -193,8 +193,9 @@ class MoE(nn.Module):
 
         # the step's statistics, and the aux losses' way into backward
         aux, z = balance_loss(probs.view(b, s, -1), experts, self.n_experts), z_loss(logits)  # (b,)
-        kept = experts if keep is None else experts[keep]
-        load = torch.bincount(kept.flatten(), minlength=self.n_experts).double()  # (E,) computed
+        # (E,) assignments computed: a sum of ones, as bincount, without its host sync
+        kept = torch.ones_like(experts, dtype=torch.float64) if keep is None else keep.double()
+        load = kept.new_zeros(self.n_experts).index_add_(0, experts.flatten(), kept.flatten())
         self.last = dict(experts=experts, keep=keep, aux=aux.detach(), z=z.detach(), load=load)
         if not torch.is_grad_enabled():
             return y

@@ -68,8 +68,10 @@ class Offload:
             )  # 2 bytes cross
             # (copied once: the padding between pieces, which no step writes, goes up as it came)
 
-        # the copies' stream, beside the compute stream
-        self.stream = torch.cuda.Stream(device) if pinned and groups else None
+        # the copies' streams, beside the compute stream: one per direction, so that an upload
+        # never queues behind the next group's download (a GPU copies both ways at once)
+        cuda = pinned and groups
+        self.streams = {way: torch.cuda.Stream(device) for way in ("down", "up")} if cuda else None
         self.moved = dict(
             down=0, up=0
         )  # bytes copied device -> host and host -> device (lessons/02_zero.py)
@@ -82,13 +84,14 @@ class Offload:
         """dst.copy_(src), queued on the copy stream on a GPU; returns the event that marks it done
         (or None)."""
         self.moved[way] += src.numel() * src.element_size()
-        if self.stream is None:
+        if self.streams is None:
             dst.copy_(src)
             return None
-        self.stream.wait_stream(
+        stream = self.streams[way]
+        stream.wait_stream(
             torch.cuda.current_stream(self.device)
         )  # src is ready on the compute stream
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
@@ -98,7 +101,7 @@ class Offload:
     def step(self, pieces, optimizer, group_of, coefficient):
         """Step the pieces of the offloaded groups: per group, its gradient down (the next group's
         already copying), scaled by the clip coefficient, the CPU Adam step of each piece, its
-        weights up; waits for the uploads. Returns the groups stepped here (their weights written
+        weights up; the compute stream waits for the uploads. Returns the groups stepped here (their weights written
         back already:
         ZeroEngine.write_back's skip)."""
         if (
@@ -147,9 +150,12 @@ class Offload:
             if id(g) not in self.resident:
                 ups.append(self._copy(g.own, staged, "up"))
 
+        # the compute stream, not the host, waits for the weights: the host goes on at once (its
+        # staging buffers are next written after the next step's download, which the compute
+        # stream orders after these uploads)
         for done in ups:
             if done is not None:
-                done.synchronize()
+                torch.cuda.current_stream(self.device).wait_event(done)
         return self.groups
 
     @staticmethod

@@ -228,7 +228,7 @@ def train_step(step, *, config, model, engine, grid, sampler, train_set, scaler,
         lr=lr,
         grad_norm=info["grad_norm"],
         skipped=not info["stepped"],
-        seconds=time.perf_counter() - t0,
+        started=t0,
     )
     if routing:
         load = routing["load"]  # (n_layer, E): max load / mean load, 1 when balanced

@@ -7,12 +7,15 @@ unit is prefetched. A parameter used by several units (a tied embedding) belongs
     memory per rank  16/N bytes per parameter + the gathered units (current + prefetched)
     bytes per step   all-gather (N-1)/N Psi twice (forward, backward) + reduce-scatter (N-1)/N Psi
                      = 3 (N-1)/N Psi = 1.5x data parallelism's all-reduce
-    offload_params   + 2 x 2 Psi/N bytes host -> device per step (bf16 model: each gather's shard)
+    offload_params   + 2 x 2 Psi/N bytes host -> device per step (bf16 model: each gather's shard),
+                     uploaded on a side stream with the all-gather behind it: a prefetch's copy
+                     overlaps the current unit's compute (which waits only when it needs the unit)
 Limits: a parameter is used only inside its unit's forward (or sits in the root); activation
 recompute must be non-reentrant (torch.utils.checkpoint(use_reentrant=False), as recompute.py does).
 Lesson: lessons/02-data-parallel-and-zero.md
 """
 
+import contextlib
 import functools
 
 import torch
@@ -49,7 +52,7 @@ class ShardedParameters:
         # host: parameter offload (ZeRO-Infinity's offload_param): every shard in host memory,
         # copied up at each gather, `uploaded` bytes in all; on a CPU-only machine the same copies,
         # host to host
-        self.axis, self.host, self.uploaded = axis, host, 0
+        self.axis, self.host, self.uploaded, self.stream = axis, host, 0, None
 
         # the units: the root, then each wrapped module
         modules = [model] + [
@@ -125,20 +128,40 @@ class ShardedParameters:
                 if g.full.numel() != g.padded:
                     g.full.set_(g.full.untyped_storage(), 0, (g.padded,))
 
-                mine = g.shard
-                # the host shard goes up into its own slice; the all-gather then runs in place
-                if self.host:
-                    mine = g.full[g.lo : g.hi]
-                    # pinned: asynchronous, ordered before the gather
-                    mine.copy_(g.shard, non_blocking=True)
-                    self.uploaded += g.shard.numel() * g.shard.element_size()
-                self.inflight[id(g)] = self.axis.start("all_gather", g.full, mine)
+                self.inflight[id(g)] = self.start_gather(g)
 
             if wait and id(g) in self.inflight:
                 work = self.inflight.pop(id(g))
                 if work is not None:
                     work.wait()
                 g.bind(g.full)
+
+    def start_gather(self, g):
+        """The all-gather of g's shards into g.full (running); under parameter offload the host
+        shard goes up into its own slice first, and the all-gather runs in place behind it."""
+        if not self.host:
+            return self.axis.start("all_gather", g.full, g.shard)
+        mine = g.full[g.lo : g.hi]
+        with self.uploading(g.device):
+            mine.copy_(g.shard, non_blocking=True)  # pinned: asynchronous
+            work = self.axis.start("all_gather", g.full, mine)
+        self.uploaded += g.shard.numel() * g.shard.element_size()
+        return work
+
+    @contextlib.contextmanager
+    def uploading(self, device):
+        """On a GPU, the upload stream made current: it first waits for the compute stream (which
+        allocated the slice), then takes the copy and the all-gather issued behind it (NCCL waits
+        for the stream current at the call); the compute stream waits only at the gather's
+        work.wait(), when the unit is needed. On a CPU: host-to-host copies, in order."""
+        if device.type != "cuda":
+            yield
+            return
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device)
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self.stream):
+            yield
 
     def release(self, g):
         """Free a group's gathered parameters (its shard stays)."""

@@ -1,36 +1,34 @@
 #!/usr/bin/env bash
-# The day a GPU is lent: one command for the GPU tier and the GPU benchmark, every result in one file.
+# The day a GPU is lent: every phase under one deadline, every result in $OUT (scripts/gpu_check.py).
 #
-#     bash scripts/gpu_check.sh [OUT]        # OUT default: gpu_check.md (then copy its tables into bench/RESULTS.md)
+#     OUT=/folder/that/comes/back bash scripts/gpu_check.sh     # default OUT: ./gpu_check_out
+#     GPU_CHECK_DEADLINE=480 (seconds, all phases together)      GPU_CHECK_FORCE=1 (CUDA phases on a CPU)
 #
-# 1. the machine: GPU name(s), driver, CUDA, torch, the CPU
-# 2. the GPU tier: python -m pytest -m gpu (CUDA kernels vs eager, training vs CPU, ZeRO stages, offload,
-#    save/resume, compile; the NCCL layouts when >= 2 GPUs are visible)
-# 3. bench/bench_gpu.py: GPT-2 124M bf16, sdpa / eager / fused attention, compile off / on: tokens/s, MFU, memory
-# Budget: ~9 minutes on one GPU (each part has its own timeout, so one stuck part cannot eat the others').
+# Writes OUT/gpu_check.md (the summary, first and after every phase) and OUT/gpu_check/*.log; nothing
+# else in OUT is touched. Nothing is downloaded: the checkout is imported from PYTHONPATH.
 set -u
 cd "$(dirname "$0")/.."
-OUT=${1:-gpu_check.md}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 unset NANOMEGA_DEVICE  # the CPU suite's default; here the GPU is the point
-{
-  echo "# GPU check, $(date -u +%F)"
-  echo
-  echo '## Machine'
-  echo '```'
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || echo "nvidia-smi: not found"
-  python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
-  python -c "from nanomega import extension; print(extension.cpu_summary())"
-  echo '```'
-  echo
-  echo '## GPU tier: python -m pytest -m gpu'
-  echo '```'
-  timeout 360 python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tail -40
-  echo "exit status: ${PIPESTATUS[0]}"
-  echo '```'
-  echo
-  echo '## Benchmark: python bench/bench_gpu.py'
-  timeout 240 python bench/bench_gpu.py --steps 20 2>&1 | tail -30
-  echo
-  echo "exit status: ${PIPESTATUS[0]}"
-} 2>&1 | tee "$OUT"
+
+# the interpreter that has torch: $PYTHON, else python3 (a GPU image's), else python
+for PY in ${PYTHON:-} python3 python; do
+  if command -v "$PY" >/dev/null && "$PY" -c "import torch" 2>/dev/null; then
+    break
+  fi
+  PY=""
+done
+if [ -z "$PY" ]; then
+  echo "gpu_check: no python3 or python here imports torch; set PYTHON=/path/to/python" >&2
+  exit 2
+fi
+
+"$PY" scripts/gpu_check.py "$@"
+rc=$?
+# the driver itself killed (e.g. by an outer timeout): its summary is on disk, show it
+if [ "$rc" -ge 128 ]; then
+  summary="${OUT:-${1:-gpu_check_out}}/gpu_check.md"
+  echo "gpu_check: the driver ended by signal $((rc - 128)); its summary so far:"
+  cat "$summary" 2>/dev/null
+fi
+exit "$rc"

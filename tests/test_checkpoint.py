@@ -93,6 +93,32 @@ def test_full_state_gathers_only_cpu_tensors(grid, monkeypatch):
     )
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_synchronous_save_copies_masters_and_moments_straight_to_the_host(grid, stage):
+    """Issue 42 M3: the synchronous save's export (reshard.pieces, copy=True) must not clone each
+    fp32 master and Adam moment on its device first (+12 bytes per parameter on the GPU while the
+    save lasts): every one leaves by a single copy to the CPU. Seen on any device through the ops
+    dispatched: no clone of a whole tensor, one _to_copy to the CPU per master and moment."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    engine, ops = trained_engine(grid, stage), []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            ops.append((func, args[0].numel() if torch.is_tensor(args[0]) else 0, kwargs))
+            return func(*args, **kwargs)
+
+    with Record():
+        pieces = reshard.pieces(engine, grid)["pieces"]
+    clones = [n for f, n, _ in ops if f is torch.ops.aten.clone.default and n > 1]
+    to_host = [k for f, _, k in ops if f is torch.ops.aten._to_copy.default]
+    assert clones == []
+    assert len(to_host) == 3 * len(pieces)  # master, exp_avg, exp_avg_sq
+    assert all(k.get("device") == torch.device("cpu") for k in to_host)
+    assert all(p["master"].device.type == "cpu" for p in pieces)
+
+
 def _save_and_reload(tmp):
     """In a world of 2: save under (dp 2, ZeRO stage s), load under other stages; report the shards
     read."""

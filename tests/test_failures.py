@@ -675,6 +675,26 @@ def test_health_check_names_the_slow_rank(tmp_path):
     )
 
 
+def test_health_check_on_a_gpu_measures_bandwidth_not_launches(monkeypatch):
+    """Issue 42 (low): a 256^3 matmul and a 1 MiB all-reduce time a GPU's kernel launches, not its
+    compute or links; on CUDA the sizes are ~1 ms of an H100's matmul and a bandwidth-bound
+    all-reduce. The command line picks the device as train.py does (it was always the CPU)."""
+    assert health.sizes("cpu") == (256, 1 << 20)
+    n, size = health.sizes("cuda")
+    assert 2 * n**3 / 989e12 > 0.5e-3 and size >= 64 << 20  # H100 SXM's dense bf16 peak
+    asked = []
+
+    def init(device="auto", timeout_s=None):
+        asked.append(device)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(health.dist, "init", init)
+    for argv, device in (([], "auto"), (["--device", "cuda"], "cuda")):
+        with pytest.raises(SystemExit):
+            health.main(argv)
+        assert asked[-1] == device
+
+
 def test_host_bisection_finds_the_slow_host():
     """DLRover's pairing: with a simulated link where host c is 5x slower, round 1 flags (c, d),
     round 2 re-pairs c and d with fast hosts and only c stays slow. Every rank must call pair_time

@@ -53,7 +53,7 @@ def softmax64(scores, scale):
     """The causal softmax in the input's own dtype (model.causal_softmax computes in fp32 whatever
     comes in)."""
     s_q, s_k = scores.shape[-2:]
-    future = torch.ones(s_q, s_k, dtype=torch.bool).triu(s_k - s_q + 1)
+    future = torch.ones(s_q, s_k, dtype=torch.bool, device=scores.device).triu(s_k - s_q + 1)
     return torch.softmax((scores * scale).masked_fill(future, float("-inf")), dim=-1)
 
 
@@ -210,6 +210,24 @@ def check(name, op, inputs, grad):
     ):
         assert g.dtype == inputs[0].dtype
         assert_within(g, w, bound(name, S, n, g.dtype), f"{name} output {i}")
+
+
+@pytest.mark.parametrize("name,op,shapes", list(cases()))
+def test_references_run_on_cuda_tensors(name, op, shapes):
+    """The GPU tier compares its kernels with these references on CUDA inputs (tests/test_gpu.py):
+    every tensor a reference or its bound builds (a mask, an index) must be on the input's device,
+    or CUDA refuses it and the kernel is never compared (issue 42 H1: softmax64's mask on the CPU
+    failed all 18 CUDA causal-softmax cases). Fake CUDA tensors check the devices with no GPU:
+    the forward and the bounds (autograd's engine cannot run fake CUDA tensors without CUDA; the
+    backward reuses the forward's tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        inputs = [torch.randn(s, dtype=torch.float64, device="cuda") for s in shapes]
+        grad = torch.randn(out_shape(name, shapes), dtype=torch.float64, device="cuda")
+        want = [reference(name)(*inputs)]
+        sizes = [S for S, _ in magnitudes(name, inputs, grad, want)]
+    assert all(t.device.type == "cuda" for t in want + sizes if isinstance(t, torch.Tensor))
 
 
 @pytest.mark.parametrize("name,op,shapes", list(cases()))
@@ -512,6 +530,54 @@ def test_cuda_build_is_keyed_by_gpu_architecture_and_cuda_version(monkeypatch, t
     )
 
 
+def test_a_failed_cuda_build_keeps_the_cpu_kernels_and_is_not_retried(
+    monkeypatch, tmp_path, capsys
+):
+    """Issue 42 M4: a CUDA build that fails (stubbed: nvcc's error) must not lose the CPU kernels
+    and CPU Adam (the CPU-only build loads instead) and is tried once: later loads, in this process
+    or any other (a FAILED file in the CUDA build's folder), go straight to the CPU build."""
+    monkeypatch.setenv("NANOMEGA_BUILD_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/usr/local/cuda")
+    calls = []
+
+    def load(name, sources, **kw):
+        calls.append(name)
+        if name == "nanomega_fused_cuda":
+            raise RuntimeError(
+                f"Error building extension '{name}'\nfused_cuda.cu(9): error: forced"
+            )
+        return name, [os.path.basename(s) for s in sources]
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    for _ in range(3):  # three kernel tests, say
+        name, sources = extension.load_extension()
+        assert name == "nanomega_fused_cpu" and "cpu_adam.cpp" in sources
+    assert calls == ["nanomega_fused_cuda"] + 3 * ["nanomega_fused_cpu"]
+    err = capsys.readouterr().err
+    assert err.count("the CUDA build failed") == 1 and "error: forced" in err
+    failed = os.path.join(extension.build_args(with_cuda=True)["build_directory"], "FAILED")
+    assert os.path.exists(failed)
+    os.remove(failed)  # as the notice says: deleted, the next load tries the CUDA build again
+    extension.load_extension()
+    assert calls[-2:] == ["nanomega_fused_cuda", "nanomega_fused_cpu"]
+
+
+def test_cuda_kernels_are_built_without_fast_math(monkeypatch, tmp_path):
+    """Issue 42 (low): --use_fast_math turns exp into __expf, whose error grows with |x| (the CUDA
+    Programming Guide's intrinsic functions), past the bounds derived above near the kernels' clamp
+    (|x| = 80); the kernels are bound by memory (fused.py), so it bought nothing. The build does
+    not pass it (nor does cuda_checks below)."""
+    monkeypatch.setenv("NANOMEGA_BUILD_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/usr/local/cuda")
+    monkeypatch.setattr(cpp_extension, "load", lambda name, sources, **kw: kw)
+    flags = extension.load_extension()["extra_cuda_cflags"]
+    assert "-O3" in flags and not any("fast_math" in f or "fast-math" in f for f in flags)
+
+
 def test_build_failure_falls_back_to_pytorch(monkeypatch, capsys):
     def broken(verbose=False):
         raise RuntimeError("Error building extension 'nanomega_fused_cpu'\nc++: not found")
@@ -573,7 +639,6 @@ def cuda_checks(nvcc, cache):
             "-c",
             "-arch=sm_80",
             "-O3",
-            "--use_fast_math",
             "-Xcompiler",
             "-fPIC",
             *common,
@@ -622,3 +687,83 @@ def test_cuda_sources_compile():
         else:
             open(stamp, "w").close()
     assert not failed, "\n".join(failed)
+
+
+def ptxas_shared_bytes(nvcc, cache):
+    """{demangled kernel: static shared bytes} of fused_cuda.cu for sm_90, from `nvcc -Xptxas -v`
+    (~40 s cold; cached by the sources' and the command's hash)."""
+    src, cmd = next(cuda_checks(nvcc, cache))
+    cmd = [a.replace("-arch=sm_80", "-arch=sm_90") for a in cmd] + ["-Xptxas", "-v"]
+    h = hashlib.sha256(" ".join(a for a in cmd if not a.startswith("-I")).encode())
+    for name in sorted(os.listdir(extension.CSRC)):
+        with open(os.path.join(extension.CSRC, name), "rb") as f:
+            h.update(f.read())
+    log = os.path.join(cache, f"ptxas.{h.hexdigest()[:16]}.log")
+    if not os.path.exists(log):
+        res = subprocess.run(
+            cmd + [os.path.join(extension.CSRC, src)], capture_output=True, text=True, timeout=900
+        )
+        assert res.returncode == 0, res.stderr[-4000:]
+        with open(log + ".tmp", "w") as f:
+            f.write(res.stderr + res.stdout)
+        os.replace(log + ".tmp", log)
+    shared, kernel = {}, None
+    for line in open(log):
+        if "Compiling entry function" in line:
+            kernel = line.split("'")[1]
+        elif kernel and "bytes smem" in line:
+            shared[kernel] = int(line.split("bytes smem")[0].split(",")[-1])
+    names = subprocess.run(["c++filt"], input="\n".join(shared), capture_output=True, text=True)
+    return dict(zip(names.stdout.splitlines(), shared.values()))
+
+
+def row_cache_bytes(widths, a_size, cache):
+    """csrc/fused_cuda_limits.h's layer_norm_row_cache_bytes(H, a_size) for each width: the rule
+    the launch uses, compiled by the host compiler and run."""
+    prog = os.path.join(cache, "row_cache.cpp")
+    with open(prog, "w") as f:
+        f.write(
+            '#include <cstdio>\n#include <cstdlib>\n#include "fused_cuda_limits.h"\n'
+            "int main(int argc, char** argv) {\n  for (int i = 2; i < argc; ++i)\n"
+            '    std::printf("%lld\\n", (long long)nanomega::cuda::layer_norm_row_cache_bytes('
+            "std::atoll(argv[i]), std::atoll(argv[1])));\n}\n"
+        )
+    exe = os.path.join(cache, "row_cache")
+    cxx = os.environ.get("CXX", "c++")
+    subprocess.run([cxx, "-std=c++17", f"-I{extension.CSRC}", prog, "-o", exe], check=True)
+    out = subprocess.run([exe, str(a_size), *map(str, widths)], capture_output=True, text=True)
+    return [int(v) for v in out.stdout.split()]
+
+
+@pytest.mark.skipif(
+    shutil.which("nvcc") is None or shutil.which("c++filt") is None,
+    reason="nvcc or c++filt is not on PATH: the kernels' shared memory cannot be read",
+)
+def test_layer_norm_shared_memory_fits_every_preset_width(tmp_path):
+    """The fused LayerNorm forward's launch asks for its static shared memory (ptxas, sm_90) plus
+    the dynamic bytes of its row cache (the launch's rule, csrc/fused_cuda_limits.h); past 48 KiB a
+    launch without the opt-in attribute fails. Every preset's width, and the widths around the
+    limit, must fit in every dtype (issue 42 M1: n_embd 12288 in fp32 asked for 48 KiB + 32 B).
+    Compiled and computed only: no GPU runs the launch here."""
+    from nanomega.job.presets import PRESETS
+
+    widths = sorted({p["n_embd"] for p in PRESETS.values()} | {6144, 12280, 12288, 12289})
+    static = {
+        k.split("<")[1].split(",")[0]: v  # the kernel's T: float, double, c10::Half, c10::BFloat16
+        for k, v in ptxas_shared_bytes(shutil.which("nvcc"), nvcc_cache()).items()
+        if "::layer_norm_fwd_kernel<" in k
+    }
+    assert len(static) == 4, static
+    for t, smem in static.items():
+        a_size = 8 if t == "double" else 4  # at::opmath_type: fp32 for the 16-bit types
+        dynamic = row_cache_bytes(widths, a_size, str(tmp_path))
+        for h, dyn in zip(widths, dynamic):
+            assert smem + dyn <= 48 * 1024, f"{t} H={h}: {smem} static + {dyn} dynamic bytes"
+        # the cache is used wherever it fits: GPT-2's and GPT-3 XL's widths in fp32
+        assert t == "double" or all(d > 0 for h, d in zip(widths, dynamic) if h <= 4096)
+
+
+def nvcc_cache():
+    cache = os.path.join(extension.build_dir(), "nvcc_check")
+    os.makedirs(cache, exist_ok=True)
+    return cache

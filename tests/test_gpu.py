@@ -41,6 +41,8 @@ NEEDS_CUDA = pytest.mark.skipif(
     reason="GPU tier: needs CUDA (torch.cuda.is_available() is False on "
     "this machine); run `python -m pytest -m gpu` where a GPU is",
 )
+# the tests that train in subprocesses (train.py, torchrun): gpu_check.sh runs them after the bench
+TRAINS = pytest.mark.trains
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=NEEDS_CUDA)]
 TWO_GPUS = pytest.mark.skipif(
     not CUDA or torch.cuda.device_count() < 2, reason="needs >= 2 CUDA GPUs for NCCL layouts"
@@ -176,6 +178,7 @@ def test_attention_cores_agree(device, dtype):
             torch.testing.assert_close(a, b, rtol=tol, atol=tol * 1e-2)
 
 
+@TRAINS
 # ---------------------------------------------------------------- training
 @NEEDS_CUDA
 def test_thirty_steps_fp32_close_to_cpu_and_bf16_close_to_fp32(corpus, tmp_path):
@@ -193,6 +196,7 @@ def test_thirty_steps_fp32_close_to_cpu_and_bf16_close_to_fp32(corpus, tmp_path)
     assert all(r["mem_gib"] > 0 and r["mfu"] <= 1 for r in gpu)
 
 
+@TRAINS
 @NEEDS_CUDA
 def test_offload_on_cuda_pinned_and_close_to_the_device_step(corpus, tmp_path):
     """ZeRO-Offload (offload.py) where it is meant to run: host masters pinned, copies on a CUDA
@@ -285,6 +289,7 @@ LLAMA = [
 ]
 
 
+@TRAINS
 @NEEDS_CUDA
 def test_the_llama_block_on_cuda_close_to_cpu_fused_and_bf16(corpus, tmp_path):
     """The Llama block (RoPE tables cast to the device, SDPA with enable_gqa, SwiGLU, RMSNorm): the
@@ -301,6 +306,7 @@ def test_the_llama_block_on_cuda_close_to_cpu_fused_and_bf16(corpus, tmp_path):
     assert losses(bf16) == pytest.approx(losses(gpu), rel=2e-2)
 
 
+@TRAINS
 @NEEDS_CUDA
 def test_save_resume_bitwise_and_sample_on_cpu(corpus, tmp_path):
     """dropout 0.1 on the GPU: 6 steps == 3, save, resume, 3 (CUDA generator restored); then the GPU
@@ -417,6 +423,7 @@ def test_zero_engine_stages_on_one_device(device):
                 torch.testing.assert_close(result[stage][k], v, rtol=1e-6, atol=1e-7)
 
 
+@TRAINS
 @NEEDS_CUDA
 def test_compile_gives_the_same_losses(corpus, tmp_path):
     """--compile (inductor, per block): fused element-wise kernels round differently (~1e-6 per op);
@@ -427,6 +434,7 @@ def test_compile_gives_the_same_losses(corpus, tmp_path):
     )
 
 
+@TRAINS
 @NEEDS_CUDA
 def test_pinned_batches_and_datasheet_peak(corpus, tmp_path):
     from nanomega import train as trainer
@@ -437,6 +445,7 @@ def test_pinned_batches_and_datasheet_peak(corpus, tmp_path):
     assert all(0 < r["mfu"] <= 1 and r["peak_flops"] > 1e12 for r in rows)
 
 
+@TRAINS
 # ---------------------------------------------------------------- NCCL
 @TWO_GPUS
 @pytest.mark.parametrize(

@@ -200,3 +200,34 @@ def test_host_syncs_per_step(corpus, tmp_path, monkeypatch):
         ("tolist", "train.py", "train_step"): 1,
         ("tolist", "job/lifecycle.py", "grid_votes"): 1,
     }, per_step
+
+
+def test_step_time_includes_the_device_finishing_its_work(monkeypatch, tmp_path):
+    """Issue 42 M2: CUDA launches return at once, so a clock stopped right after engine.step
+    leaves the optimizer step's device time out (the vote's sync came later, off the clock). The
+    row waits for the device first: a device that takes 0.2 s to finish (a stubbed sync) shows in
+    tokens/s. No GPU needed: torch.cuda's calls are stubbed."""
+    calls = []
+    monkeypatch.setattr(
+        torch.cuda, "synchronize", lambda d=None: calls.append(d) or time.sleep(0.2)
+    )
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d=None: None)
+    cuda = torch.device("cuda", 0)
+    log = meter.MetricsLog(
+        str(tmp_path),
+        0,
+        enabled=False,
+        device=cuda,
+        flops_per_token=1,
+        tokens_per_step=1000,
+        world=1,
+        peak=1e12,
+        source="stub",
+        log_every=1,
+    )
+    rec = log.row(
+        step=1, loss=1.0, lr=0.1, grad_norm=1.0, skipped=False, started=time.perf_counter()
+    )
+    assert calls == [cuda]
+    assert rec["tok_s"] <= 1000 / 0.2

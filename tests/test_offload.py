@@ -301,3 +301,60 @@ def test_train_with_offload_follows_the_same_curve_and_resumes(corpus, tmp_path)
         curve("resumed")[2:] == pytest.approx(curve("plain")[2:], rel=rtol)
         and len(curve("resumed")) == 4
     )
+
+
+def test_parameter_uploads_go_on_a_side_stream_with_the_all_gather_behind_them(grid, monkeypatch):
+    """Issue 42 M6: under parameter offload each gather's host-to-device copy went on the compute
+    stream, so a prefetch's upload queued behind (and ahead of) the current unit's compute. Now the
+    copy and the all-gather are issued inside `uploading` (on a GPU: a side stream that first waits
+    for the compute stream); the compute stream waits only at the gather's work.wait(). CPU: the
+    order of the calls, and a stubbed torch.cuda for the stream part (the values: the bitwise test
+    above)."""
+    from nanomega import zero3
+
+    engine, events = build(grid, 3, cpu_adam.CPUAdamW, 1.0, params=True), []
+    sharded, start = engine.sharded, engine.sharded.axis.start
+
+    @contextlib.contextmanager
+    def uploading(device):
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    def started(op, *args):
+        events.append(op)
+        return start(op, *args)
+
+    monkeypatch.setattr(sharded, "uploading", uploading)
+    monkeypatch.setattr(sharded.axis, "start", started)
+    x = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    engine.module(x, x).backward()
+    gathers = [i for i, e in enumerate(events) if e == "all_gather"]
+    assert gathers and all(events[i - 1] == "enter" and events[i + 1] == "exit" for i in gathers)
+
+    # the stream part with torch.cuda stubbed: wait for the compute stream, then switch to the side
+    calls = []
+
+    class Stream:
+        def __init__(self, device):
+            calls.append(("new", device.type))
+
+        def wait_stream(self, other):
+            calls.append(("wait", other))
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: "compute")
+    monkeypatch.setattr(
+        torch.cuda,
+        "stream",
+        lambda s: calls.append(("current", type(s).__name__)) or contextlib.nullcontext(),
+    )
+    fresh = zero3.ShardedParameters.uploading
+    for _ in range(2):
+        with fresh(sharded, torch.device("cuda", 0)):
+            calls.append("copy and all-gather")
+    assert calls == [("new", "cuda")] + 2 * [
+        ("wait", "compute"),
+        ("current", "Stream"),
+        "copy and all-gather",
+    ]

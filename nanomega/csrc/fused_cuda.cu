@@ -9,12 +9,10 @@
 #include <algorithm>
 
 #include "fused_cuda.h"
+#include "fused_cuda_limits.h"
 
 namespace nanomega::cuda {
 namespace {
-
-constexpr int kThreads = 256;  // threads per row-block; a row of any width is walked in strides of it
-constexpr int kWarps = kThreads / 32;
 
 struct Sum {
   template <typename A>
@@ -42,7 +40,7 @@ __device__ A block_reduce(A v, Op op) {
 constexpr double kA2 = 2 * 0.7978845608028654;
 constexpr double kB = 0.044715;
 
-// e = exp(-2z), -2z clamped to [-80, 80] (fast-math division of 1 by 1 + inf is not 0)
+// e = exp(-2z), -2z clamped to [-80, 80] (as on the CPU, where fast-math division of 1 by 1 + inf is not 0)
 template <typename A>
 __device__ A exp_neg_2z(A u) {
   const A two_z = u * (A(kA2) + A(kA2 * kB) * u * u);
@@ -69,9 +67,9 @@ __device__ A exp_neg(A g) {
 }
 
 // The row is read from global memory once: its values are kept (as A) in dynamic shared memory for the
-// variance and output passes when `cached` (H x sizeof(A) <= kRowCacheBytes), else read again (from L2).
+// variance and output passes when `cached` (layer_norm_row_cache_bytes > 0: the row fits beside
+// block_reduce's partials in 48 KiB), else read again (from L2).
 // Each thread reads back only the columns it wrote, so no barrier is needed between the passes.
-constexpr int64_t kRowCacheBytes = 48 * 1024;  // the dynamic shared memory a block gets without opting in
 
 template <typename T, typename A>
 __global__ void layer_norm_fwd_kernel(const T* x, const T* w, const T* b, T* y, A* mean, A* rstd,
@@ -314,10 +312,9 @@ int64_t column_chunks(int64_t rows, int64_t H) {  // blocks of 32 columns x chun
 template <typename T>
 void Launch<T>::layer_norm_fwd(const T* x, const T* w, const T* b, T* y, A* mean, A* rstd, int64_t rows,
                                int64_t H, A eps, cudaStream_t stream) {
-  const bool cached = H * int64_t(sizeof(A)) <= kRowCacheBytes;
+  const int64_t cache = layer_norm_row_cache_bytes(H, sizeof(A));
   if (rows > 0) {
-    layer_norm_fwd_kernel<T, A><<<rows, kThreads, cached ? H * sizeof(A) : 0, stream>>>(x, w, b, y, mean, rstd, H,
-                                                                                       eps, cached);
+    layer_norm_fwd_kernel<T, A><<<rows, kThreads, cache, stream>>>(x, w, b, y, mean, rstd, H, eps, cache > 0);
   }
 }
 

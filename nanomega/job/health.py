@@ -24,7 +24,14 @@ import torch.distributed as tdist
 
 from nanomega import dist
 
-N, REPS, BYTES = 256, 5, 1 << 20
+REPS = 5
+
+
+def sizes(device):
+    """(n, bytes): the matmul's side and the all-reduce's size. On a CPU 256 and 1 MiB take
+    milliseconds; on a GPU they would time the launch (a 256^3 matmul is ~0.03 us of an H100's
+    peak), so there 8192 (~1 ms) and 256 MiB (a bandwidth-bound all-reduce)."""
+    return (8192, 256 << 20) if torch.device(device).type == "cuda" else (256, 1 << 20)
 
 
 def synchronize(device):
@@ -35,8 +42,9 @@ def synchronize(device):
 
 
 def matmul_rate(slow=False, device=torch.device("cpu")):
-    """FLOP/s of an N x N fp32 matmul on `device` (best of REPS)."""
-    a, b = torch.randn(N, N, device=device), torch.randn(N, N, device=device)
+    """FLOP/s of an n x n fp32 matmul on `device` (best of REPS)."""
+    n = sizes(device)[0]
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     best = float("inf")
     # on a GPU one more: the first call pays the kernel's set-up
     for _ in range(REPS + (device.type == "cuda")):
@@ -49,16 +57,16 @@ def matmul_rate(slow=False, device=torch.device("cpu")):
             time.sleep(3 * dt)
             dt *= 4
         best = min(best, dt)
-    return 2 * N**3 / best
+    return 2 * n**3 / best
 
 
 def known_checksum(device=torch.device("cpu")):
     """An exact result: integer entries in [-8, 8), so every product and partial sum is an exact
     float64 -- in any BLAS, on the device under test (drawn on the host: the same inputs
     everywhere)."""
-    g = torch.Generator().manual_seed(1234)
-    a = torch.randint(-8, 8, (N, N), generator=g, dtype=torch.float64).to(device)
-    b = torch.randint(-8, 8, (N, N), generator=g, dtype=torch.float64).to(device)
+    g, n = torch.Generator().manual_seed(1234), min(sizes(device)[0], 2048)  # fp64: exact sums
+    a = torch.randint(-8, 8, (n, n), generator=g, dtype=torch.float64).to(device)
+    b = torch.randint(-8, 8, (n, n), generator=g, dtype=torch.float64).to(device)
     return float((a @ b).sum())
 
 
@@ -67,7 +75,8 @@ def bus_bandwidth(axis, device=torch.device("cpu")):
     axis."""
     if axis.size < 2:
         return None
-    t = torch.ones(BYTES // 4, device=device)  # on the device: NCCL has no CPU tensors
+    size = sizes(device)[1]
+    t = torch.ones(size // 4, device=device)  # on the device: NCCL has no CPU tensors
     best = float("inf")
     for _ in range(REPS):
         axis.barrier()
@@ -77,7 +86,7 @@ def bus_bandwidth(axis, device=torch.device("cpu")):
         synchronize(t.device)
         best = min(best, time.perf_counter() - t0)
     # the ring's traffic, as dist.py counts it
-    return dist.RING["all_reduce"](axis.size) * BYTES / best
+    return dist.RING["all_reduce"](axis.size) * size / best
 
 
 def find_bad_hosts(hosts, pair_time, slow=2.0):
@@ -117,7 +126,7 @@ def pair_timer(grid, leaders, slow_rank=None):
         pair = grid.axis("pair", ranks)  # None on the ranks outside the pair
         t = torch.zeros(1, device=grid.device)
         if pair is not None:
-            buf, best = torch.ones(BYTES // 4, device=grid.device), float("inf")
+            buf, best = torch.ones(sizes(grid.device)[1] // 4, device=grid.device), float("inf")
             for _ in range(REPS):
                 synchronize(buf.device)
                 t0 = time.perf_counter()
@@ -181,7 +190,8 @@ def check(grid, slow_rank=None, slow_factor=0.5, ranks_as_hosts=False):
         leaders.setdefault(e["host"], r)
     bad, times = find_bad_hosts(sorted(leaders), pair_timer(grid, leaders, slow_rank))
     lines += [
-        f"host pair {a} - {b}: {BYTES / t / 1e9:.2f} GB/s all-reduce" for (a, b), t in times.items()
+        f"host pair {a} - {b}: {sizes(grid.device)[1] / t / 1e9:.2f} GB/s all-reduce"
+        for (a, b), t in times.items()
     ]
     lines.append(
         f"hosts: {len(leaders)}"
@@ -215,8 +225,9 @@ def main(argv=None):
         "--ranks-as-hosts", action="store_true", help="testing: treat every rank as its own host"
     )
 
+    p.add_argument("--device", default="auto", help="auto (CUDA where it is), cuda or cpu")
     args = p.parse_args(argv)
-    dist.init("cpu")
+    dist.init(args.device)
     grid = dist.Grid(tdist.get_world_size(), 1, 1)
     lines, problems = check(grid, args.slow_rank, args.slow_factor, args.ranks_as_hosts)
 

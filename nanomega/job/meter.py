@@ -125,6 +125,14 @@ def emulation_warning(device, dtype, seconds=0.25):
     )
 
 
+def device_done(device):
+    """Wait until the device has run what was queued: a clock stopped after this measures device
+    time, not launch time (CUDA launches return at once). A no-op on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def mfu(flops_per_token, tokens_per_s, devices, peak):
     return flops_per_token * tokens_per_s / (devices * peak)
 
@@ -248,10 +256,12 @@ class MetricsLog:
             checkpoint.replace_atomically(path, checkpoint.write_text("".join(keep)))
         self.file = open(path, "a")
 
-    def row(self, *, step, loss, lr, grad_norm, skipped, seconds):
+    def row(self, *, step, loss, lr, grad_norm, skipped, started):
         """A training step's row: throughput, MFU, this interval's peak memory, tokens
-        seen (plot's x axis)."""
-        tok_s = self.tokens_per_step / seconds
+        seen (plot's x axis). The step's time runs from `started` (perf_counter) until the device
+        has finished its queued work, the optimizer step's included (issue 42 M2)."""
+        device_done(self.device)
+        tok_s = self.tokens_per_step / (time.perf_counter() - started)
         return dict(
             step=step,
             loss=loss,
