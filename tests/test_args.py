@@ -72,6 +72,8 @@ BAD = [
     ),
     (1, ["--arch", "llama", "--alibi"], "--alibi and --embed-layernorm are BLOOM's"),
     (1, ["--offload", "1"], "--offload needs --zero 1, 2 or 3"),
+    # issue 43: named as itself, not as --offload
+    (1, ["--offload-params"], "--offload-params needs --zero 3 and --offload 1 (got --zero 0"),
     (
         4,
         [

@@ -275,6 +275,12 @@ class Config:
         "resume a checkpoint trained with another --tokenizer (refused otherwise: its token ids "
         "would mean other text)",
     )
+    allow_arithmetic_change: bool = CHECKPOINTS(
+        False,
+        "resume a checkpoint trained with another --router, --capacity-factor, --moe-aux-loss, "
+        "--moe-z-loss, --moe-bias-balance or --document-mask (refused otherwise: every step would "
+        "compute otherwise; job/faults.py ARITHMETIC)",
+    )
 
     # what the run does when a step or a rank goes wrong (lesson 12)
     on_nan: str = FAILURES(
