@@ -131,6 +131,8 @@ NUMBERS = [
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--offload", "nan"], "--offload must be in [0, 1]"),
     (["--zero", "1", "--offload", "1.5"], "--offload must be in [0, 1]"),
+    # issue 43: it took 59 s and ended out of memory, not naming --world
+    (["--dry-run", "--world", "100000000"], "--world must be in [1, 1,048,576]"),
 ]
 
 
