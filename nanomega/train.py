@@ -85,7 +85,7 @@ def train(config):
     grid = start(config, cfg)
     log = grid.rank == grid.world - 1  # the last rank: last pipeline stage, where the loss lives
     train_set, val_set = load_data(config, grid.world, log)
-    checks.check_batch_fits(config, len(train_set))
+    checks.check_data(config, train_set)  # the batch fits, documents for --document-mask
     sampler = windows.Sampler(len(train_set), config.global_batch, config.seed)
     model, engine, n_params = compose.build(config, grid)  # the layout's pieces (compose.py)
     scaler = precision.LossScaler.for_dtype(precision.parse_dtype(config.dtype))

@@ -71,8 +71,11 @@ def claim_out_dir(out_dir, data_cache=None):
     """A step of train.py's recipe, after the checks and before any collective: rank 0 takes
     OUT/.lock (one job per out-dir) and removes the `.tmp` files of a save that did not finish and
     the folders of a data preparation killed mid-way (in --data-cache, default OUT/data). Every rank
-    may call it."""
+    may call it. An out-dir it creates is remembered: a job that fails before writing anything of
+    its own there leaves nothing (forget_out_dir)."""
     if rank() == 0:
+        if not os.path.exists(out_dir):
+            _CREATED.add(os.path.realpath(out_dir))
         try:
             lock.lock_out_dir(out_dir)
         except OSError as e:
@@ -85,6 +88,23 @@ def claim_out_dir(out_dir, data_cache=None):
             say(f"resume: removed {path} (left by a save that did not finish)")
         for path in clean_prepare(data_cache or os.path.join(out_dir, "data")):
             say(f"removed {path} (left by a data preparation that was killed)")
+
+
+_CREATED = set()  # the out-dirs claim_out_dir created (realpath)
+
+
+def forget_out_dir(out_dir):
+    """After a failed job, its lock released: rank 0 removes an out-dir this job created when it
+    holds nothing but the lock and the data cache (a corpus or data refusal: nothing is left
+    behind, not even OUT/.lock). Returns whether it did."""
+    key = os.path.realpath(out_dir)
+    if key not in _CREATED:
+        return False
+    _CREATED.discard(key)
+    if not set(os.listdir(out_dir)) <= {".lock", "data"}:
+        return False  # a checkpoint, metrics, hang dumps: the job's own, kept
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return True
 
 
 def clean_tmp(out_dir):

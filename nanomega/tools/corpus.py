@@ -158,8 +158,9 @@ class _Progress:
             try:
                 from tqdm import tqdm
 
+                # shown after a second: an error in the first lines is its one line, no 0% bar
                 self.tqdm = tqdm(
-                    total=total, unit="B", unit_scale=True, desc="prepare", smoothing=0.1
+                    total=total, unit="B", unit_scale=True, desc="prepare", smoothing=0.1, delay=1.0
                 )
             except ImportError:
                 pass
@@ -178,8 +179,10 @@ class _Progress:
                 flush=True,
             )
 
-    def close(self):
+    def close(self, clear=False):
+        """clear: a failure's bar is wiped, its error line is what stays."""
         if self.tqdm is not None:
+            self.tqdm.leave = self.tqdm.leave and not clear
             self.tqdm.close()
 
 
@@ -272,8 +275,9 @@ def prepare(
         )
         (tmp / "index.json").write_text(json.dumps(index, indent=1) + "\n")
         data.publish(tmp, out, "index.json")
-    finally:
         bar.close()
+    finally:
+        bar.close(clear=True)  # (after a failure; a closed bar stays as it was)
         shutil.rmtree(tmp, ignore_errors=True)
     return data.load_index(out)
 
