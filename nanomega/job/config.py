@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 import os
 
-from nanomega.job.ranges import MAX_SEED, MAX_TIMEOUT, MAX_WORLD, above, at_least
+from nanomega.job.ranges import MAX_SEED, MAX_TIMEOUT, MAX_WORLD, above, at_least, within
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 
@@ -350,9 +350,7 @@ class Config:
     )
     rank: int = DRY_RUN(0, "the rank --dry-run builds", at_least(0))
     world: int | None = DRY_RUN(
-        None,
-        "the world size --dry-run assumes (default: tp x pp)",
-        (lambda v, c: 1 <= v <= MAX_WORLD, f"in [1, {MAX_WORLD:,}] (a dry run's rank tables)"),
+        None, "the world size --dry-run assumes (default: tp x pp)", within(1, MAX_WORLD)
     )
 
     # derived by checks.check: dp = world / (tp x pp x cp); the tokenizer's vocabulary;

@@ -23,6 +23,10 @@ def at_least(lo):
     return lambda v, c: v >= lo, f">= {lo}"
 
 
+def within(lo, hi, note=""):
+    return lambda v, c: lo <= v <= hi, f"in [{lo:,}, {hi:,}]{note}"
+
+
 def above(lo, note=""):
     return lambda v, c: v > lo, f"> {lo}{note}"
 
