@@ -6,8 +6,10 @@
 
 nanomega's dense GPT *is* GPT-2, and with arch="llama" it *is* Llama (RoPE in HF's rotate-half
 layout: q and k need no permutation), so the exchange is a renaming plus a few details (Mixtral:
-tools/hf_moe.py). The checkpoint of any layout is read through reshard.full_weights; what nanomega
-cannot compute is refused in one line naming the field, before anything is written. Tokenizers go
+tools/hf_moe.py). The checkpoint of any layout is read through reshard.full_weights. A folder is
+trusted in nothing (tools/hf_check.py: config.json field by field, every tensor's name and shape,
+transformers' load report): what is damaged, or what nanomega cannot compute, is refused in one
+line naming the file and the field or tensor, before anything is written. Tokenizers go
 through tools/tokenizer.py (to_hf, from_hf). Needs the `hf` extra: pip install transformers
 safetensors.
 
