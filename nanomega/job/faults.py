@@ -74,8 +74,7 @@ def claim_out_dir(out_dir, data_cache=None):
     may call it. An out-dir it creates is remembered: a job that fails before writing anything of
     its own there leaves nothing (forget_out_dir)."""
     if rank() == 0:
-        if not os.path.exists(out_dir):
-            _CREATED.add(os.path.realpath(out_dir))
+        new = not os.path.exists(out_dir)
         try:
             lock.lock_out_dir(out_dir)
         except OSError as e:
@@ -84,6 +83,8 @@ def claim_out_dir(out_dir, data_cache=None):
                 f"--out-dir {out_dir}: cannot write there ({e.strerror}); choose a writable "
                 f"--out-dir"
             ) from None
+        if new:  # (created by the lock just taken)
+            _CREATED.add(os.path.realpath(out_dir))
         for path in clean_tmp(out_dir):
             say(f"resume: removed {path} (left by a save that did not finish)")
         for path in clean_prepare(data_cache or os.path.join(out_dir, "data")):
@@ -101,7 +102,7 @@ def forget_out_dir(out_dir):
     if key not in _CREATED:
         return False
     _CREATED.discard(key)
-    if not set(os.listdir(out_dir)) <= {".lock", "data"}:
+    if not os.path.isdir(out_dir) or not set(os.listdir(out_dir)) <= {".lock", "data"}:
         return False  # a checkpoint, metrics, hang dumps: the job's own, kept
     shutil.rmtree(out_dir, ignore_errors=True)
     return True

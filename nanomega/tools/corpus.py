@@ -153,19 +153,21 @@ class _Progress:
 
     def __init__(self, total, show):
         self.total, self.t0, self.last, self.tqdm = total, time.perf_counter(), 0.0, None
-        self.show = show
-        if show:
+        self.show, self.started = show, False
+
+    def update(self, done, tokens):
+        # the bar appears with the first tokens: an error in the first lines is its one line, no 0%
+        # bar before it
+        if self.show and not self.started:
+            self.started = True
             try:
                 from tqdm import tqdm
 
-                # shown after a second: an error in the first lines is its one line, no 0% bar
                 self.tqdm = tqdm(
-                    total=total, unit="B", unit_scale=True, desc="prepare", smoothing=0.1, delay=1.0
+                    total=self.total, unit="B", unit_scale=True, desc="prepare", smoothing=0.1
                 )
             except ImportError:
                 pass
-
-    def update(self, done, tokens):
         rate = tokens / max(time.perf_counter() - self.t0, 1e-9)
         if self.tqdm is not None:
             self.tqdm.update(done - self.tqdm.n)
