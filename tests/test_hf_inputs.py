@@ -54,6 +54,12 @@ def folders(tmp_path_factory):
     }
     for kind, model in models.items():
         model.save_pretrained(root / kind)
+    # PyTorch's older format: the same Llama as pytorch_model.bin
+    (root / "llama-bin").mkdir()
+    shutil.copy(root / "llama" / "config.json", root / "llama-bin")
+    torch.save(
+        load_file(root / "llama" / "model.safetensors"), root / "llama-bin" / "pytorch_model.bin"
+    )
     return root
 
 
@@ -141,6 +147,15 @@ DAMAGED = {  # name: (kind, damage, the file named, the field or tensor named)
     "llama-config-a-list": ("llama", text("config.json", "[32]"), "config.json", "not an object"),
     "llama-tokenizer-not-json": ("llama", text("tokenizer.json", "<html>"), "tokenizer.json", ""),
     "llama-truncated": ("llama", truncate, "model.safetensors", "cannot be read"),
+    "llama-bin-missing-tensor": (
+        "llama-bin",
+        lambda src: torch.save(
+            {k: t for k, t in torch.load(src / "pytorch_model.bin").items() if k != Q0},
+            src / "pytorch_model.bin",
+        ),
+        "pytorch_model.bin",
+        Q0,
+    ),
     "mixtral-top-k-8-of-4": (
         "mixtral",
         config(lambda c: c.update(num_experts_per_tok=8)),
@@ -206,7 +221,7 @@ def test_a_damaged_folder_is_one_line_naming_file_and_key(case, folders, tmp_pat
     assert "Traceback" not in stderr and not out.exists()
 
 
-@pytest.mark.parametrize("kind", ["llama", "mixtral", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "mixtral", "gpt2", "llama-bin"])
 def test_a_well_formed_folder_imports_quietly(kind, folders, tmp_path, capfd):
     """The same command on the undamaged folder: exit 0, a step-0 checkpoint, and nothing of
     transformers' (progress bars, load reports, warnings) on the console."""

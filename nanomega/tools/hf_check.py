@@ -25,6 +25,8 @@ import re
 import warnings
 from pathlib import Path
 
+import torch
+
 from nanomega import moe
 
 # a field's rule: (what it must be, test); a number is an int or float, never a bool
@@ -96,6 +98,11 @@ FIELD_OF_FLAG = {
         moe_aux_loss="router_aux_loss_coef",
     ),
 }
+# the weights files transformers reads, in its order of preference: (the shards' index, one file)
+WEIGHTS = (
+    ("model.safetensors.index.json", "model.safetensors"),
+    ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+)
 # tensors a folder may hold that transformers ignores: GPT-2's causal-mask buffers, old Llamas'
 # rotary frequencies
 IGNORED = re.compile(r"\.attn\.(masked_)?bias$|\.rotary_emb\.inv_freq$")
@@ -181,31 +188,38 @@ def expected_tensors(cfg, kind, names):
 
 
 def tensor_shapes(src):
-    """{name: (shape, file)} from the headers of the folder's safetensors files (one, or the
-    shards of model.safetensors.index.json); no weight is read."""
+    """{name: (shape, file)} of the folder's weights files (safetensors, or PyTorch's .bin; one, or
+    the shards its index lists), read from their headers (.bin: memory-mapped): no weight is
+    read."""
     from safetensors import safe_open
 
     src = Path(src)
-    index = src / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: no weight_map object")
-        files = sorted(set(weight_map.values()))
-    elif (src / "model.safetensors").is_file():
-        files = ["model.safetensors"]
+    for index, single in WEIGHTS:
+        if (src / index).is_file():
+            weight_map = read_json(src / index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{src / index}: no weight_map object")
+            files = sorted(set(weight_map.values()))
+            break
+        if (src / single).is_file():
+            files = [single]
+            break
     else:
         raise ValueError(
-            f"{src}: no model.safetensors (nor model.safetensors.index.json); nanomega reads "
-            f"safetensors folders: save_pretrained writes one"
+            f"{src}: no model.safetensors nor pytorch_model.bin (nor their index); save_pretrained "
+            f"writes one"
         )
 
     shapes = {}
     for name in files:
         try:
-            with safe_open(src / name, "pt") as f:
-                shapes |= {k: (tuple(f.get_slice(k).get_shape()), name) for k in f.keys()}
-        except Exception as e:  # truncated, missing or not safetensors: the library's own type
+            if name.endswith(".safetensors"):
+                with safe_open(src / name, "pt") as f:
+                    shapes |= {k: (tuple(f.get_slice(k).get_shape()), name) for k in f.keys()}
+            else:
+                state = torch.load(src / name, map_location="cpu", mmap=True, weights_only=True)
+                shapes |= {k: (tuple(t.shape), name) for k, t in state.items()}
+        except Exception as e:  # truncated, missing or another format: the library's own type
             first = (str(e).strip().splitlines() or [""])[0][:200]
             raise ValueError(
                 f"{src}: its weights cannot be read ({src / name}: {type(e).__name__}: {first}); "
@@ -233,9 +247,12 @@ def check_tensors(src, cfg, kind):
         for k in want
         if k in found and found[k][0] != want[k]
     ]
-    files = sorted({found[k][1] for k in extra + [w.split()[0] for w in wrong]}) or [
-        "model.safetensors"
-    ]
+    # the file named: the one holding a tensor that differs, else the folder's one weights file
+    # (sharded: its index)
+    held = sorted({f for _, f in found.values()}) or ["model.safetensors"]
+    index = WEIGHTS[0 if held[0].endswith(".safetensors") else 1][0]
+    files = sorted({found[k][1] for k in extra + [w.split()[0] for w in wrong]})
+    files = files or (held if len(held) == 1 else [index])
     problems = [
         _listed(what, items)
         for what, items in (
