@@ -101,7 +101,8 @@ class GradBuckets:
         self.groups, self.axis, self.grad_dtype = groups, axis, grad_dtype
         self.to_params = to_params
         self.progress = [Progress() for _ in groups]
-        self._no_sync, self._queued, self._pending = False, False, deque()
+        # _backward: the autograd graph task whose end is queued (None: none in progress)
+        self._no_sync, self._backward, self._pending = False, None, deque()
         # the hooks hold self weakly: Python's gc does not see a parameter's post-accumulate-grad
         # hooks, so parameter -> hook -> self -> groups -> parameter would never be freed (nor the
         # gradient buffers)
@@ -134,8 +135,10 @@ class GradBuckets:
 
     def _on_grad(self, j, i, p):
         g, state = self.groups[j], self.progress[j]
-        if not self._queued:  # once per backward: finish what is left when autograd is done
-            self._queued = True
+        task = torch._C._current_graph_task_id()
+        if task != self._backward:  # once per backward: finish what is left when autograd is done
+            self._settle()  # (a backward that raised never reached its end: its work waited here)
+            self._backward = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
         buf, as_view = self._buffer(g, state)
@@ -185,11 +188,26 @@ class GradBuckets:
             work.wait()
         finish()
 
+    def _settle(self):
+        """Wait for every reduction still in flight and start the bookkeeping afresh. Autograd drops
+        the end-of-backward callback of a backward that raised: its all-reduces stayed in flight,
+        past the step and (a harness ending there) past the process group, and the next backward
+        never finished. Here the next backward, zero_grad or finish waits for them; the failed
+        step's partial sums stay in the buffers until zero_grad."""
+        while self._pending:
+            work, _ = self._pending.popleft()
+            if work is not None:
+                work.wait()
+        self._backward = None
+        for state in self.progress:
+            state.arrived.clear()
+            state.launched, state.bucket = False, None
+
     def _end_backward(self):
         """Autograd's last callback: reduce what unused parameters held back (in index order), wait
         for every reduction (the next backward adds into the same buffers), reset; to_params: hand
         p.grad the means."""
-        self._queued = False
+        self._backward = None
         synced = self._syncing()
         if synced:
             for j, state in enumerate(self.progress):
@@ -221,7 +239,9 @@ class GradBuckets:
             self._finish_one()
 
     def zero_grad(self):
-        """Start the next step's accumulation at zero."""
+        """Start the next step's accumulation at zero (what a failed backward left in flight
+        waited for first)."""
+        self._settle()
         for g, state in zip(self.groups, self.progress):
             state.reduced = False
             if g.grad is not None:

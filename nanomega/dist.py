@@ -183,17 +183,22 @@ class Axis:
         return out
 
 
-def layout(dp=1, pp=1, tp=1, cp=1, ep=1):
+def layout(dp=1, pp=1, tp=1, cp=1, ep=1, rank=None):
     """Every group of every axis as lists of ranks, {Grid attribute: [[ranks], ...]}: the one home
     of the layout (Grid builds these groups, meta.PaperGrid finds a rank's). Ranks as
     arange(world).view(dp, pp, cp, tp): tp fastest (neighbours inside a node), then cp (it trades
     keys and values every layer), pp, and dp outermost. dp_cp: the replicas of a dense weight (its
     gradient is reduced over dp and cp: cp ranks hold the same weights, other tokens). ep is carved
     out of dp (Megatron's way): dp index d = e_out x ep + e; ep: the ranks that trade tokens for one
-    set of experts; edp: the replicas of one expert (same e, over e_out and cp)."""
+    set of experts; edp: the replicas of one expert (same e, over e_out and cp). rank: only the
+    groups that hold it (meta.PaperGrid: one rank of any world without listing every group)."""
     world = dp * pp * cp * tp
     g = torch.arange(world).view(dp, pp, cp, tp)
     D, P, C, T = range(dp), range(pp), range(cp), range(tp)
+    O, E = range(dp // ep), range(ep)  # ep's outer index and its index inside dp
+    if rank is not None:  # the rank's own coordinates only
+        d, p, c, t = (int(i) for i in torch.unravel_index(torch.tensor(rank), g.shape))
+        D, P, C, T, O, E = [d], [p], [c], [t], [d // ep], [d % ep]
 
     return {
         "tp": [g[d, p, c, :] for d in D for p in P for c in C],
@@ -201,14 +206,8 @@ def layout(dp=1, pp=1, tp=1, cp=1, ep=1):
         "pp": [g[d, :, c, t] for d in D for c in C for t in T],
         "dp": [g[:, p, c, t] for p in P for c in C for t in T],
         "dp_cp": [g[:, p, :, t].flatten() for p in P for t in T],
-        "ep": [
-            g[o * ep : (o + 1) * ep, p, c, t]
-            for o in range(dp // ep)
-            for p in P
-            for c in C
-            for t in T
-        ],
-        "edp": [g[e::ep, p, :, t].flatten() for e in range(ep) for p in P for t in T],
+        "ep": [g[o * ep : (o + 1) * ep, p, c, t] for o in O for p in P for c in C for t in T],
+        "edp": [g[e::ep, p, :, t].flatten() for e in E for p in P for t in T],
         # tied embedding: first and last stage sum its gradients (Megatron's embedding group)
         "embed": [g[d, [0, pp - 1], c, t].unique() for d in D for c in C for t in T],
     }

@@ -105,7 +105,9 @@ class PaperAxis:
     asking it for a collective raises (a dry run builds; it never trains)."""
 
     def __init__(self, name, ranks, rank):
-        self.name, self.ranks = name, [int(r) for r in ranks]
+        # (tolist: a million ranks in a moment, not one tensor element at a time)
+        self.name = name
+        self.ranks = ranks.tolist() if torch.is_tensor(ranks) else [int(r) for r in ranks]
         self.size, self.rank = len(self.ranks), self.ranks.index(rank)
 
     def __getattr__(self, op):
@@ -130,7 +132,7 @@ class PaperGrid:
         dist.check_layout(world, dp, pp, tp, cp, ep)
         self.world, self.rank, self.device = world, rank, torch.device(device)
 
-        for attr, slices in dist.layout(dp, pp, tp, cp, ep).items():
+        for attr, slices in dist.layout(dp, pp, tp, cp, ep, rank).items():
             # embed: only the end stages have one
             mine = next((s for s in slices if rank in s.tolist()), None)
             name = "dp" if attr == "dp_cp" and cp == 1 else dist.SHORT.get(attr, attr)

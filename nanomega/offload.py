@@ -202,13 +202,14 @@ def check(optimizer_cls, stage, fraction=1.0, params=False):
         raise ValueError(
             f"--offload: the CPU step computes Adam/AdamW, not {optimizer_cls.__name__}"
         )
-    if stage == 0:
-        raise ValueError(
-            "--offload needs --zero 1, 2 or 3 (ZeRO-Offload offloads a ZeRO engine's optimizer state)"
-        )
+    # (--offload-params alone is named as itself, not as --offload)
     if params and (stage != 3 or fraction != 1.0):
         raise ValueError(
             f"--offload-params needs --zero 3 and --offload 1 (got --zero {stage}, --offload "
             f"{fraction:g}): parameter shards exist at stage 3 only, and the CPU step that updates them "
             f"must hold every master"
+        )
+    if stage == 0:
+        raise ValueError(
+            "--offload needs --zero 1, 2 or 3 (ZeRO-Offload offloads a ZeRO engine's optimizer state)"
         )

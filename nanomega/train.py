@@ -67,8 +67,8 @@ def train(config):
     cfg = flags.model_config(config)
     preflight.check_memory(config)
     faults.claim_out_dir(config.out_dir, config.data_cache)
-    tokenizer = (config.tokenizer, data.tokenizer_sha256(data.get_tokenizer(config.tokenizer)))
-    layout = saves.layout(config, tokenizer[1])  # what a checkpoint records of this job's layout
+    # what a checkpoint records of this job's layout (and a resume compares)
+    layout = saves.layout(config, data.tokenizer_sha256(data.get_tokenizer(config.tokenizer)))
     copies = flash.Copies(config.out_dir, faults.rank()) if config.flash_restore else None
     found = faults.find_checkpoint(
         config.out_dir,
@@ -76,8 +76,8 @@ def train(config):
         resume=config.resume,
         resume_from=config.resume_from,
         max_steps=config.max_steps,
-        tokenizer=tokenizer,
-        allow_tokenizer_change=config.allow_tokenizer_change,
+        recorded=layout,
+        allowed=faults.overrides(config),
         fast=copies and (copies, layout, checks.world_size()),
     )
 
@@ -85,7 +85,7 @@ def train(config):
     grid = start(config, cfg)
     log = grid.rank == grid.world - 1  # the last rank: last pipeline stage, where the loss lives
     train_set, val_set = load_data(config, grid.world, log)
-    checks.check_batch_fits(config, len(train_set))
+    checks.check_data(config, train_set)  # the batch fits, documents for --document-mask
     sampler = windows.Sampler(len(train_set), config.global_batch, config.seed)
     model, engine, n_params = compose.build(config, grid)  # the layout's pieces (compose.py)
     scaler = precision.LossScaler.for_dtype(precision.parse_dtype(config.dtype))
@@ -216,9 +216,10 @@ def train_step(step, *, config, model, engine, grid, sampler, train_set, scaler,
     sampler.advance()
     guard.finished(step + 1, loss, info)  # --on-nan stop
 
-    # MoE: the step's aux loss and expert loads (the same on every rank), the router's bias
+    # MoE: the step's aux loss and expert loads (the same on every rank), the router's bias (a
+    # learner: it moves only on a step the engine took, as every other)
     routing = moe.step_stats(model, grid)
-    if routing and config.moe_bias_balance:
+    if routing and config.moe_bias_balance and info["stepped"]:
         moe.update_bias(model, routing["load"], config.moe_bias_balance)
 
     # the step's row

@@ -121,6 +121,7 @@ class ShardBuckets(GradBuckets):
         """As ddp.GradBuckets.zero_grad; a group holding only a shard of its parameters (ZeRO-3)
         frees gradient (allocated again by the next backward) unless the caller's optimizer reads
         it."""
+        self._settle()
         for g, state in zip(self.groups, self.progress):
             state.reduced = False
             if g.shard is not None and g.split and not self.to_params:

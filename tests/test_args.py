@@ -72,6 +72,8 @@ BAD = [
     ),
     (1, ["--arch", "llama", "--alibi"], "--alibi and --embed-layernorm are BLOOM's"),
     (1, ["--offload", "1"], "--offload needs --zero 1, 2 or 3"),
+    # issue 43: named as itself, not as --offload
+    (1, ["--offload-params"], "--offload-params needs --zero 3 and --offload 1 (got --zero 0"),
     (
         4,
         [
@@ -129,6 +131,8 @@ NUMBERS = [
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--offload", "nan"], "--offload must be in [0, 1]"),
     (["--zero", "1", "--offload", "1.5"], "--offload must be in [0, 1]"),
+    # issue 43: it took 59 s and ended out of memory, not naming --world
+    (["--dry-run", "--world", "100000000"], "--world must be in [1, 1,048,576]"),
 ]
 
 

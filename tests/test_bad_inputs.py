@@ -245,3 +245,48 @@ def test_bad_moe_flags_are_one_line_from_the_checks(extra, world, want, monkeypa
     assert want in str(refused.value) and len(str(refused.value).splitlines()) == 1, str(
         refused.value
     )
+
+
+def say_once(_):
+    from nanomega.job import lifecycle
+
+    return lifecycle.first_to_say("disk-full")
+
+
+def test_a_failure_every_rank_meets_is_one_line_per_job():
+    """Issue 43: a full disk printed the same line from every rank; the first rank to report it
+    (one counter in the job's store) says it, the others exit quietly."""
+    from nanomega import worlds
+
+    assert sorted(worlds.launch(say_once, 2, None, timeout=120)) == [False, True]
+
+
+# (a corpus, extra flags, the one line): refused once the data is read, after start-up
+DATA = {
+    "bad-jsonl": ('{"text": "a"}\nnot json\n', [], "line 2 is not a JSON object"),
+    "document-mask-no-eot": (None, ["--document-mask"], "holds no end-of-text token"),
+}
+
+
+@pytest.mark.parametrize("case", DATA)
+def test_a_data_refusal_is_one_line_and_leaves_no_out_dir(inputs, tmp_path, case):
+    """Issue 43: a corpus error came after a "0%" progress bar and left OUT/.lock (and OUT/data)
+    behind; --document-mask on data without an end-of-text token was accepted (the mask did
+    nothing). One process: these are found after start-up."""
+    text, extra, want = DATA[case]
+    corpus = inputs / "small.txt"
+    if text is not None:
+        corpus = tmp_path / "bad.jsonl"
+        corpus.write_text(text)
+    out = tmp_path / "out"
+    p = subprocess.run(
+        [sys.executable, "nanomega/train.py", *TINY, "--corpus", str(corpus), "--out-dir", str(out)]
+        + extra,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and want in p.stderr, p.stderr[-2000:]
+    assert "prepare" not in p.stderr and not out.exists()

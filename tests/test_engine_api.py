@@ -91,12 +91,61 @@ def _zero_grad(grid):
     return out
 
 
+def _raise_in_backward(module):
+    """The gradient reaching module's output raises: the backward stops there, after the later
+    layers' gradient buckets were launched."""
+
+    def boom(grad):
+        raise RuntimeError("injected: backward failed")
+
+    def arm(module, inputs, out):
+        out.register_hook(boom)  # (returns None: the output stays as it is)
+
+    return module.register_forward_hook(arm)
+
+
+def _failed_backward(grid):
+    """Issue 43: a backward that raised midway left its reductions in flight and its bookkeeping
+    stale (autograd drops the end-of-backward callback), so they outlived the step, and the group
+    when a harness ended there; the next backward never finished. After zero_grad() nothing is in
+    flight and the training that follows is bitwise the one without the failed backward."""
+    out = {}
+    for stage in ("ddp", 0, 1, 2, 3):
+        wrap = (
+            (lambda: DistributedDataParallel(_build("gpt"), grid, bucket_mb=0.05))
+            if stage == "ddp"
+            else (lambda: _engine(grid, "gpt", stage))
+        )
+        engine = wrap()
+        hook = _raise_in_backward(engine.module.embed)
+        with contextlib.suppress(RuntimeError):
+            engine.module(*_batch("gpt", 99, grid.dp_rank, 0)).backward()
+        hook.remove()
+        engine.zero_grad()
+        # reductions still in flight, in each set of buckets
+        left = sum(len(b._pending) for b in getattr(engine.buckets, "parts", [engine.buckets]))
+        if stage == "ddp":  # one synced step, its mean gradients against a fresh DDP's
+            clean = DistributedDataParallel(_build("gpt"), grid, bucket_mb=0.05)
+            for ddp in (engine, clean):
+                ddp.module(*_batch("gpt", 0, grid.dp_rank, 0)).backward()
+            grads = dict(engine.module.named_parameters())
+            out[stage] = [left] + _bitwise(
+                {k: p.grad for k, p in clean.module.named_parameters() if p.grad is not None},
+                {k: grads[k].grad for k in grads},
+            )
+            continue
+        clean = _weights(_train(_engine(grid, "gpt", stage), "gpt", 0, 2)[0])
+        out[stage] = [left] + _bitwise(_weights(_train(engine, "gpt", 0, 2)[0]), clean)
+    return out
+
+
 def _world(world):
     grid = dist.Grid(world, 1, 1)
     return dict(
         buffers=_buffers(grid),
         fsdp={k: _fsdp(grid, k) for k in ("toy", "gpt")},
         zero_grad=_zero_grad(grid),
+        failed_backward=_failed_backward(grid),
     )
 
 
@@ -122,6 +171,11 @@ def test_zero3_with_your_own_optimizer_equals_one_process(world2):
 def test_zero_grad_drops_the_accumulated_gradients(world2):
     for rank in world2:
         assert rank["zero_grad"] == {0: [], 1: [], 2: [], 3: [], "ddp": []}
+
+
+def test_a_failed_backward_leaves_nothing_in_flight(world2):
+    for rank in world2:
+        assert rank["failed_backward"] == {s: [0] for s in ("ddp", 0, 1, 2, 3)}
 
 
 def test_a_dropped_engine_frees_its_parameters_and_gradient_buffers(grid):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega.job import checks, faults, flags
+from nanomega.job import checks, faults, flags, saves
 from nanomega import async_checkpoint, checkpoint, data, dist, reshard, train
 from nanomega.tools import sample
 from nanomega.job import health
@@ -93,15 +93,15 @@ def find_checkpoint(corpus, out, *extra):
     config = checks.check(
         flags.parse([*SMALL, "--corpus", str(corpus), "--out-dir", str(out), *extra])
     )
-    tokenizer = (config.tokenizer, data.tokenizer_sha256(data.get_tokenizer(config.tokenizer)))
+    sha256 = data.tokenizer_sha256(data.get_tokenizer(config.tokenizer))
     return faults.find_checkpoint(
         config.out_dir,
         flags.model_config(config),
         resume=config.resume,
         resume_from=config.resume_from,
         max_steps=config.max_steps,
-        tokenizer=tokenizer,
-        allow_tokenizer_change=config.allow_tokenizer_change,
+        recorded=saves.layout(config, sha256),
+        allowed=faults.overrides(config),
     )
 
 

@@ -10,7 +10,7 @@ import resource
 import pytest
 import torch
 
-from nanomega import compose, meta, pp, tp, train, zero
+from nanomega import compose, dist, meta, pp, tp, train, zero
 from nanomega.gpt_config import GPTConfig
 from nanomega.initialization import INIT_BLOCK, draw
 from nanomega.model import GPT
@@ -327,3 +327,15 @@ def test_a_dry_run_allocates_nothing_and_a_paper_grid_refuses_collectives():
         meta.PaperGrid(2, 1, 2, 4)
     with pytest.raises(ValueError, match="--rank and --world are for --dry-run"):
         checks.check(flags.parse(["--rank", "3"]))
+
+
+@pytest.mark.parametrize("dp,pp,tp,cp,ep", [(4, 2, 2, 1, 2), (2, 3, 2, 2, 1), (6, 2, 1, 2, 3)])
+def test_a_paper_grid_finds_its_own_groups_as_the_whole_layout_lists_them(dp, pp, tp, cp, ep):
+    """Issue 43: dist.layout(..., rank) lists only that rank's groups (a dry run of a million ranks
+    in seconds): for every rank, the groups holding it are the whole layout's."""
+    whole = dist.layout(dp, pp, tp, cp, ep)
+    for rank in range(dp * pp * tp * cp):
+        mine = dist.layout(dp, pp, tp, cp, ep, rank)
+        for axis, groups in whole.items():
+            want = [g.tolist() for g in groups if rank in g.tolist()]
+            assert [g.tolist() for g in mine[axis] if rank in g.tolist()] == want, (axis, rank)

@@ -140,16 +140,25 @@ def check_experts(c, cfg, dp):
         raise ValueError("--moe-bias-balance needs --n-experts")
 
 
-def check_batch_fits(config, n_windows):
+def check_data(config, train_set):
     """Once the data is known (after start-up: every rank raises the same line): one step may not
-    take more sequences than an epoch holds; --batch-size 1000000000 was a numpy MemoryError in the
-    sampler on every rank."""
-    c = config
+    take more sequences than an epoch holds (--batch-size 1000000000 was a numpy MemoryError in the
+    sampler on every rank); --document-mask needs documents: without one end-of-text token every
+    window is one document and the mask does nothing."""
+    c, n_windows = config, len(train_set)
     if c.global_batch > n_windows:
         raise ValueError(
             f"--batch-size {c.batch_size} x --grad-accum {c.grad_accum} x dp {c.dp} = {c.global_batch} "
             f"sequences per step is more than the {n_windows} training windows of --block-size "
             f"{c.block_size} in the data; lower --batch-size (or --global-batch)"
+        )
+    # the first end-of-text token ends the scan (documents are short); none: all of it is read
+    chunks = (t[i : i + (1 << 24)] for t in train_set.tokens for i in range(0, len(t), 1 << 24))
+    if c.eot is not None and not any((chunk == c.eot).any() for chunk in chunks):
+        raise ValueError(
+            f"--document-mask: the training data ({c.data or c.corpus}) holds no end-of-text token, "
+            f"so every window would be one document and the mask would do nothing (a single .txt "
+            f"file is one document); pass a corpus of documents (.jsonl) or leave --document-mask out"
         )
 
 

@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 import os
 
-from nanomega.job.ranges import MAX_SEED, MAX_TIMEOUT, above, at_least
+from nanomega.job.ranges import MAX_SEED, MAX_TIMEOUT, MAX_WORLD, above, at_least, within
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 
@@ -275,6 +275,12 @@ class Config:
         "resume a checkpoint trained with another --tokenizer (refused otherwise: its token ids "
         "would mean other text)",
     )
+    allow_arithmetic_change: bool = CHECKPOINTS(
+        False,
+        "resume a checkpoint trained with another --router, --capacity-factor, --moe-aux-loss, "
+        "--moe-z-loss, --moe-bias-balance or --document-mask (refused otherwise: every step would "
+        "compute otherwise; job/faults.py ARITHMETIC)",
+    )
 
     # what the run does when a step or a rank goes wrong (lesson 12)
     on_nan: str = FAILURES(
@@ -344,7 +350,7 @@ class Config:
     )
     rank: int = DRY_RUN(0, "the rank --dry-run builds", at_least(0))
     world: int | None = DRY_RUN(
-        None, "the world size --dry-run assumes (default: tp x pp)", at_least(1)
+        None, "the world size --dry-run assumes (default: tp x pp)", within(1, MAX_WORLD)
     )
 
     # derived by checks.check: dp = world / (tp x pp x cp); the tokenizer's vocabulary;

@@ -31,6 +31,30 @@ def say(message):
         print(message, file=sys.stderr, flush=True)
 
 
+# The options that change a step's arithmetic beyond the model's shape (checkpoint.read_manifest
+# compares gpt_config.SHAPE_KEYS): what a checkpoint records of them (saves.layout) and a resume
+# compares; the routing ones only with experts
+ROUTING = ("router", "capacity_factor", "moe_aux_loss", "moe_z_loss", "moe_bias_balance")
+ARITHMETIC = ROUTING + ("document_mask",)
+# what a resume compares with the checkpoint's layout: (key, the value shown: its flag's name, why
+# it matters, the flag that allows a deliberate change)
+RESUME_CHECKS = (
+    ("tokenizer_sha256", "tokenizer", "another token table", "--allow-tokenizer-change"),
+    *((k, k, "every step computes otherwise", "--allow-arithmetic-change") for k in ARITHMETIC),
+)
+
+
+def arithmetic(config):
+    """{option: value} of this job's ARITHMETIC options (saves.layout records them)."""
+    return {k: getattr(config, k) for k in ARITHMETIC if config.n_experts or k not in ROUTING}
+
+
+def overrides(config):
+    """The override flags of RESUME_CHECKS this job passes (--allow-tokenizer-change, ...)."""
+    flags = {row[-1] for row in RESUME_CHECKS}
+    return {f for f in flags if getattr(config, f[2:].replace("-", "_"))}
+
+
 def check_out_dir(out_dir, flag="--out-dir"):
     """A folder flag (--out-dir, --data-cache) must be (or be creatable as) a directory: no regular
     file on its path."""
@@ -47,8 +71,10 @@ def claim_out_dir(out_dir, data_cache=None):
     """A step of train.py's recipe, after the checks and before any collective: rank 0 takes
     OUT/.lock (one job per out-dir) and removes the `.tmp` files of a save that did not finish and
     the folders of a data preparation killed mid-way (in --data-cache, default OUT/data). Every rank
-    may call it."""
+    may call it. An out-dir it creates is remembered: a job that fails before writing anything of
+    its own there leaves nothing (forget_out_dir)."""
     if rank() == 0:
+        new = not os.path.exists(out_dir)
         try:
             lock.lock_out_dir(out_dir)
         except OSError as e:
@@ -57,10 +83,29 @@ def claim_out_dir(out_dir, data_cache=None):
                 f"--out-dir {out_dir}: cannot write there ({e.strerror}); choose a writable "
                 f"--out-dir"
             ) from None
+        if new:  # (created by the lock just taken)
+            _CREATED.add(os.path.realpath(out_dir))
         for path in clean_tmp(out_dir):
             say(f"resume: removed {path} (left by a save that did not finish)")
         for path in clean_prepare(data_cache or os.path.join(out_dir, "data")):
             say(f"removed {path} (left by a data preparation that was killed)")
+
+
+_CREATED = set()  # the out-dirs claim_out_dir created (realpath)
+
+
+def forget_out_dir(out_dir):
+    """After a failed job, its lock released: rank 0 removes an out-dir this job created when it
+    holds nothing but the lock and the data cache (a corpus or data refusal: nothing is left
+    behind, not even OUT/.lock). Returns whether it did."""
+    key = os.path.realpath(out_dir)
+    if key not in _CREATED:
+        return False
+    _CREATED.discard(key)
+    if not os.path.isdir(out_dir) or not set(os.listdir(out_dir)) <= {".lock", "data"}:
+        return False  # a checkpoint, metrics, hang dumps: the job's own, kept
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return True
 
 
 def clean_tmp(out_dir):
@@ -110,8 +155,8 @@ def find_checkpoint(
     resume,
     resume_from,
     max_steps,
-    tokenizer=None,
-    allow_tokenizer_change=False,
+    recorded=None,
+    allowed=(),
     fast=None,
 ):
     """The next step of the recipe: the checkpoint to resume from (or None), chosen
@@ -119,8 +164,9 @@ def find_checkpoint(
 
     A checkpoint in out_dir without --resume is refused (nothing is overwritten); so is one at or
     past --max-steps (nothing to do is an error, not a silent no-op), and one trained with another
-    tokenizer (tokenizer: (name, data.tokenizer_sha256) of --tokenizer; the same vocabulary size
-    with other ids would resume silently into nonsense) unless allow_tokenizer_change. --resume-from
+    tokenizer or other options of a step's arithmetic (RESUME_CHECKS: the checkpoint's layout
+    against `recorded`, this job's saves.layout) unless the override flag is in `allowed`
+    (overrides(config)). --resume-from
     STEP: rank 0 moves the newer checkpoints aside to OUT/ckpt/abandoned/ (kept, not deleted). fast:
     (flash.Copies, layout, world) under --flash-restore: when the newest complete folder passes
     every check a manifest allows (flash.look) and none of the refusals above, a flash.Found -- no
@@ -138,17 +184,15 @@ def find_checkpoint(
         found, why = (
             flash.look(out_dir, cfg, *fast) if resume_from is None else (None, "--resume-from")
         )
-        if found and not refusal(
-            found.folder, found.manifest, max_steps, tokenizer, allow_tokenizer_change
-        ):
+        if found and not refusal(found.folder, found.manifest, max_steps, recorded, allowed):
             found.full = lambda: find_checkpoint(
                 out_dir,
                 cfg,
                 resume=True,
                 resume_from=None,
                 max_steps=max_steps,
-                tokenizer=tokenizer,
-                allow_tokenizer_change=allow_tokenizer_change,
+                recorded=recorded,
+                allowed=allowed,
             )
             return found
         if rank() == fast[2] - 1:  # the last rank, as train.py's log lines
@@ -162,7 +206,7 @@ def find_checkpoint(
     if folder is None:
         return None
     manifest = checkpoint.read_manifest_json(folder)  # find_resume verified it
-    problem = refusal(folder, manifest, max_steps, tokenizer, allow_tokenizer_change)
+    problem = refusal(folder, manifest, max_steps, recorded, allowed)
     if problem:
         raise ValueError(problem)
     if resume_from is not None and rank() == 0:
@@ -173,16 +217,19 @@ def find_checkpoint(
     return folder
 
 
-def refusal(folder, manifest, max_steps, tokenizer, allow_tokenizer_change):
-    """Why the checkpoint found in `folder` may not be resumed (another tokenizer, nothing left to
-    train), or None."""
-    step, saved = manifest["step"], manifest["layout"].get("tokenizer_sha256")
-    if tokenizer and saved and saved != tokenizer[1] and not allow_tokenizer_change:
-        return (
-            f"--resume: the checkpoint in {folder} was trained with --tokenizer "
-            f"{manifest['layout'].get('tokenizer')}, not this --tokenizer {tokenizer[0]} (another "
-            f"token table); pass that one, or --allow-tokenizer-change to fine-tune with this one"
-        )
+def refusal(folder, manifest, max_steps, recorded=None, allowed=()):
+    """Why the checkpoint found in `folder` may not be resumed (another tokenizer or other
+    arithmetic than `recorded` says, RESUME_CHECKS; nothing left to train), or None. A key either
+    side lacks (a checkpoint older than it, a dense model's routing) is not compared."""
+    step, saved, now = manifest["step"], manifest["layout"], recorded or {}
+    for key, shown, why, override in RESUME_CHECKS:
+        if key in saved and key in now and saved[key] != now[key] and override not in allowed:
+            flag = "--" + shown.replace("_", "-")
+            return (
+                f"--resume: the checkpoint in {folder} was trained with {flag} {saved.get(shown)}, "
+                f"not this {flag} {now.get(shown)} ({why}); pass that one, or {override} to "
+                f"change it deliberately"
+            )
     if step >= max_steps:
         return (
             f"--max-steps {max_steps} is at or below the checkpoint's step {step} ({folder}); "

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as tdist
 
 from nanomega import dist, flash
-from nanomega.job import lock
+from nanomega.job import faults, lock
 from nanomega.job.faults import rank, say
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -124,6 +124,8 @@ def job(out_dir):
 
         restart = not ended and lock.restart_follows()
         lock.unlock_out_dir(out_dir, keep_for_restart=restart)
+        if not ended and not restart:  # refused before writing: no out-dir left behind
+            faults.forget_out_dir(out_dir)
         # host RAM: a copy serves only a restart; a leftover of an earlier job of out_dir goes too
         if not restart:
             flash.drop(out_dir, rank())
@@ -164,8 +166,10 @@ def entrypoint(main):
             # quiet: the rank that failed first prints, and torchrun names it as the root cause
             sys.exit(1)
         handler.record_exception(e)
-        # the same line from every rank it reaches
+        # a full disk reaches every rank that writes: the first to report it says it, once
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            if not first_to_say("enospc"):
+                sys.exit(1)
             print(
                 f"error: rank {rank()}: no space left on the device of {e.filename or 'the output'}: free space, "
                 f"lower --keep-last or choose another --out-dir / --data-cache; the newest complete checkpoint is "
@@ -176,6 +180,20 @@ def entrypoint(main):
             sys.exit(1)
         print(f"error: rank {rank()}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+def first_to_say(what, wait_s=5.0):
+    """Whether this rank is the job's first to report `what` (one counter in the job's store; True
+    without a process group or when the store does not answer within wait_s): a failure every
+    rank meets is one line per job, not one per rank."""
+    if not tdist.is_initialized():
+        return True
+    try:
+        kv = dist.store()
+        kv.set_timeout(datetime.timedelta(seconds=wait_s))
+        return kv.add(f"nanomega/said/{what}", 1) == 1
+    except Exception:  # the store is gone too: better twice than never
+        return True
 
 
 COMM_ERRORS = ("gloo", "NCCL", "Timed out", "Connection", "timeout")

@@ -14,10 +14,17 @@ import math
 MAX_TIMEOUT = 30 * 86400
 # torch seeds are signed 64-bit and rng.py adds 100 x pp_rank: leave room below 2**63
 MAX_SEED = 2**62
+# --dry-run's world: a million ranks builds in seconds (meta.PaperGrid finds only its own groups);
+# far above it the rank tables alone outgrow a laptop's memory
+MAX_WORLD = 2**20
 
 
 def at_least(lo):
     return lambda v, c: v >= lo, f">= {lo}"
+
+
+def within(lo, hi, note=""):
+    return lambda v, c: lo <= v <= hi, f"in [{lo:,}, {hi:,}]{note}"
 
 
 def above(lo, note=""):

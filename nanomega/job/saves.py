@@ -30,6 +30,7 @@ def layout(config, tokenizer_sha256):
         virtual_stages=config.virtual_stages,
         sequence_parallel=config.sequence_parallel,
         **({"cp": config.cp} if config.cp > 1 else {}),
+        **faults.arithmetic(config),  # what a resume compares (faults.RESUME_CHECKS)
     )
 
 

@@ -153,18 +153,21 @@ class _Progress:
 
     def __init__(self, total, show):
         self.total, self.t0, self.last, self.tqdm = total, time.perf_counter(), 0.0, None
-        self.show = show
-        if show:
+        self.show, self.started = show, False
+
+    def update(self, done, tokens):
+        # the bar appears with the first tokens: an error in the first lines is its one line, no 0%
+        # bar before it
+        if self.show and not self.started:
+            self.started = True
             try:
                 from tqdm import tqdm
 
                 self.tqdm = tqdm(
-                    total=total, unit="B", unit_scale=True, desc="prepare", smoothing=0.1
+                    total=self.total, unit="B", unit_scale=True, desc="prepare", smoothing=0.1
                 )
             except ImportError:
                 pass
-
-    def update(self, done, tokens):
         rate = tokens / max(time.perf_counter() - self.t0, 1e-9)
         if self.tqdm is not None:
             self.tqdm.update(done - self.tqdm.n)
@@ -178,8 +181,10 @@ class _Progress:
                 flush=True,
             )
 
-    def close(self):
+    def close(self, clear=False):
+        """clear: a failure's bar is wiped, its error line is what stays."""
         if self.tqdm is not None:
+            self.tqdm.leave = self.tqdm.leave and not clear
             self.tqdm.close()
 
 
@@ -272,8 +277,9 @@ def prepare(
         )
         (tmp / "index.json").write_text(json.dumps(index, indent=1) + "\n")
         data.publish(tmp, out, "index.json")
-    finally:
         bar.close()
+    finally:
+        bar.close(clear=True)  # (after a failure; a closed bar stays as it was)
         shutil.rmtree(tmp, ignore_errors=True)
     return data.load_index(out)
 

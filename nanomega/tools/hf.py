@@ -6,8 +6,10 @@
 
 nanomega's dense GPT *is* GPT-2, and with arch="llama" it *is* Llama (RoPE in HF's rotate-half
 layout: q and k need no permutation), so the exchange is a renaming plus a few details (Mixtral:
-tools/hf_moe.py). The checkpoint of any layout is read through reshard.full_weights; what nanomega
-cannot compute is refused in one line naming the field, before anything is written. Tokenizers go
+tools/hf_moe.py). The checkpoint of any layout is read through reshard.full_weights. A folder is
+trusted in nothing (tools/hf_check.py: config.json field by field, every tensor's name and shape,
+transformers' load report): what is damaged, or what nanomega cannot compute, is refused in one
+line naming the file and the field or tensor, before anything is written. Tokenizers go
 through tools/tokenizer.py (to_hf, from_hf). Needs the `hf` extra: pip install transformers
 safetensors.
 
@@ -20,7 +22,6 @@ Lesson: lessons/13-the-modern-block.md
 """
 
 import argparse
-import json
 import os
 import types
 from pathlib import Path
@@ -31,57 +32,62 @@ from nanomega import checkpoint, data, reshard
 from nanomega.job import faults, lifecycle
 from nanomega.gpt_config import SHAPE_KEYS, SIZES, GPTConfig
 from nanomega.model import GPT
-from nanomega.tools import hf_moe, tokenizer
+from nanomega.tools import hf_check, hf_moe, tokenizer
 from nanomega.tools.hf_llama import llama_config
-from nanomega.tools.hf_weights import check_gpt2, from_hf, require_transformers, to_hf
+from nanomega.tools.hf_weights import check_gpt2, from_hf, gpt2_config, require_transformers, to_hf
+
+# model_type -> its config.json read as a GPTConfig (what nanomega cannot compute: one line)
+CONFIGS = dict(gpt2=gpt2_config, llama=llama_config, mixtral=hf_moe.mixtral_config)
 
 
 def hf_config(src):
-    """config.json of a transformers folder, as a dict; the model types nanomega reads:
-    gpt2, llama, mixtral."""
+    """(config.json of a transformers folder as a dict, the GPTConfig nanomega reads from it): the
+    model types nanomega reads (gpt2, llama, mixtral), every field checked (tools/hf_check.py)
+    before a weight is read."""
     path = Path(src) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{src} has no config.json: not a transformers model folder")
-    c = json.loads(path.read_text())
-    if c.get("model_type") not in ("gpt2", "llama", "mixtral"):
-        raise ValueError(
-            f"{path}: model_type {c.get('model_type')!r} (nanomega: gpt2, llama or mixtral)"
-        )
-    if c["model_type"] != "gpt2":  # refused before a weight is read
-        (hf_moe.mixtral_config if c["model_type"] == "mixtral" else llama_config)(c)
-    return c
+    c = hf_check.read_json(path)
+    kind = c.get("model_type")
+    if kind not in CONFIGS:
+        raise ValueError(f"{path}: model_type {kind!r} (nanomega: gpt2, llama or mixtral)")
+    hf_check.check_fields(path, c, kind)
+    try:
+        cfg = CONFIGS[kind](c)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    return c, hf_check.check_shape(path, cfg, kind)
 
 
 def read_hf(src):
-    """(GPTConfig, nanomega full weights) of a transformers GPT-2 or Llama folder."""
+    """(GPTConfig, nanomega full weights) of a transformers GPT-2, Llama or Mixtral folder: its
+    config and its tensors' names and shapes checked first, then transformers' load report."""
     transformers = require_transformers()
-    kind = hf_config(src)["model_type"]
+    c, cfg = hf_config(src)
+    hf_check.check_tensors(src, cfg, c["model_type"])
     model_class = dict(
         llama=transformers.LlamaForCausalLM,
         mixtral=transformers.MixtralForCausalLM,
         gpt2=transformers.GPT2LMHeadModel,
-    )[kind]
+    )[c["model_type"]]
 
     try:
-        model = model_class.from_pretrained(src, local_files_only=True, dtype=torch.float32)
+        with hf_check.quiet(transformers):
+            model, info = model_class.from_pretrained(
+                src, local_files_only=True, dtype=torch.float32, output_loading_info=True
+            )
     except Exception as e:
-        # a truncated or missing weights file: the library's own error type, as one line
+        # a file the headers did not give away: the library's own error type, as one line
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise ValueError(
             f"{src}: its weights cannot be read ({type(e).__name__}: {first}); copy or export the "
             f"folder again"
         ) from None
+    hf_check.check_load_report(src, info)
 
     cfg, weights = from_hf(model)
-    try:
-        # a value no flag would pass (rms_norm_eps 0, rope_theta NaN): named in the file that holds
-        # it
-        cfg.validate()
-    except ValueError as e:
-        raise ValueError(
-            f"{Path(src) / 'config.json'}: {e}, as nanomega reads it; fix the file"
-        ) from None
-    return cfg, weights
+    # as transformers read it: checked as training checks it, named in the file that holds it
+    return hf_check.check_shape(Path(src) / "config.json", cfg, c["model_type"]), weights
 
 
 def load_pretrained(src, attention="eager") -> GPT:
@@ -145,8 +151,11 @@ def import_(src, out_dir):
 
     # a Llama whose tokenizer --tokenizer cannot reproduce would fine-tune on ids it was not trained
     # on: refused. (GPT-2 as before: without a readable tokenizer the printed command asks for one.)
-    why = tokenizer.from_hf(src)[1] if hf_config(src)["model_type"] != "gpt2" else None
-    if why:
+    # (every kind's tokenizer files are read here, before anything is written: a damaged one is
+    # named)
+    kind = hf_config(src)[0]["model_type"]
+    why = tokenizer.from_hf(src)[1]
+    if why and kind != "gpt2":
         raise ValueError(
             f"{src}: {why}; nanomega's --tokenizer is byte-level BPE with GPT-2's pattern "
             f"(data.get_tokenizer); nanomega.tools.hf.load_pretrained(folder) still reads the weights"

@@ -170,36 +170,7 @@ def from_hf(model):
         return cfg, _pad_vocab(weights, cfg)
 
     # GPT-2: what nanomega cannot compute is refused
-    c = model.config
-    act = getattr(c, "activation_function", "gelu_new")
-    bad = [
-        (
-            act not in ("gelu_new", "gelu_pytorch_tanh"),
-            f"activation_function {act!r} (nanomega: tanh GeLU)",
-        ),
-        (c.n_inner not in (None, 4 * c.n_embd), f"n_inner {c.n_inner} (nanomega: 4 x n_embd)"),
-        (getattr(c, "scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx"),
-        (not getattr(c, "scale_attn_weights", True), "scale_attn_weights False"),
-        (
-            model.lm_head.weight.data_ptr() != model.transformer.wte.weight.data_ptr(),
-            "an untied LM head",
-        ),
-    ]
-    bad = [why for is_bad, why in bad if is_bad]
-    if bad:
-        raise ValueError(
-            f"this GPT-2 differs from nanomega's: {'; '.join(bad)}; it cannot be imported exactly"
-        )
-
-    cfg = GPTConfig(
-        vocab_size=c.vocab_size,
-        block_size=c.n_positions,
-        n_layer=c.n_layer,
-        n_head=c.n_head,
-        n_embd=c.n_embd,
-        dropout=c.resid_pdrop,
-        norm_eps=c.layer_norm_epsilon,
-    )
+    cfg = gpt2_config(model.config.to_dict())
 
     theirs = model.state_dict()
     weights = {}
@@ -207,6 +178,36 @@ def from_hf(model):
         t = theirs[name].detach().float()
         weights[ours] = t.t().contiguous() if ours.endswith(_CONV1D) else t.clone()
     return cfg, _pad_vocab(weights, cfg)
+
+
+def gpt2_config(c: dict) -> GPTConfig:
+    """The GPTConfig of a transformers GPT-2 config (config.json's dict); every field nanomega
+    cannot compute is named in one ValueError line."""
+    act, n_inner = c.get("activation_function", "gelu_new"), c.get("n_inner")
+    bad = [
+        (
+            act not in ("gelu_new", "gelu_pytorch_tanh"),
+            f"activation_function {act!r} (nanomega: tanh GeLU)",
+        ),
+        (n_inner not in (None, 4 * c["n_embd"]), f"n_inner {n_inner} (nanomega: 4 x n_embd)"),
+        (c.get("scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx"),
+        (not c.get("scale_attn_weights", True), "scale_attn_weights False"),
+        (c.get("tie_word_embeddings") is False, "an untied LM head"),
+    ]
+    bad = [why for is_bad, why in bad if is_bad]
+    if bad:
+        raise ValueError(
+            f"this GPT-2 differs from nanomega's: {'; '.join(bad)}; it cannot be imported exactly"
+        )
+    return GPTConfig(
+        vocab_size=c["vocab_size"],
+        block_size=c["n_positions"],
+        n_layer=c["n_layer"],
+        n_head=c["n_head"],
+        n_embd=c["n_embd"],
+        dropout=c.get("resid_pdrop", 0.1),  # transformers' defaults where a field is absent
+        norm_eps=c.get("layer_norm_epsilon", 1e-5),
+    )
 
 
 def _pad_vocab(weights, cfg):

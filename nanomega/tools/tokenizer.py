@@ -18,7 +18,6 @@ Lesson: lessons/01-dense-model.md
 import argparse
 import base64
 import heapq
-import json
 import os
 import time
 from collections import Counter, defaultdict
@@ -146,10 +145,12 @@ def from_hf(src):
     """(ranks {token bytes: rank}, None) of the GPT-2-layout byte-level BPE in folder `src`
     (tokenizer.json or vocab.json); (None, why not) when data.get_tokenizer would encode otherwise;
     (None, None) when `src` has none."""
+    from nanomega.tools.hf_check import read_json  # (its one line names a file that is not JSON)
+
     src = Path(src)
     # the BPE vocabulary, and the special tokens kept apart from it
     if (src / "tokenizer.json").is_file():
-        spec = json.loads((src / "tokenizer.json").read_text())
+        spec = read_json(src / "tokenizer.json")
         pre = spec.get("pre_tokenizer") or {}
         parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
         kinds = [p.get("type") for p in parts]
@@ -167,14 +168,15 @@ def from_hf(src):
                 else f"pre-tokenizes with {pre.get('type')}"
             )
             return None, f"tokenizer.json {how} instead of GPT-2's pattern"
-        if spec["model"].get("type") != "BPE":
-            return None, f"tokenizer.json is a {spec['model'].get('type')} model, not a BPE"
+        model = spec.get("model") if isinstance(spec.get("model"), dict) else {}
+        if model.get("type") != "BPE":
+            return None, f"tokenizer.json is a {model.get('type')} model, not a BPE"
         vocab = dict(
-            spec["model"].get("vocab", {}),
+            model.get("vocab", {}),
             **{t["content"]: t["id"] for t in spec.get("added_tokens", [])},
         )
     elif (src / "vocab.json").is_file():  # GPT-2's original files: vocab.json (+ merges.txt)
-        vocab = json.loads((src / "vocab.json").read_text())
+        vocab = read_json(src / "vocab.json")
     else:
         return None, None
     # byte <-> the printable character HF shows

@@ -1,0 +1,304 @@
+"""The one checked way in from Hugging Face: a folder's config.json, its tensors and its tokenizer
+files checked before a weight is read into a model, and before anything is written.
+
+Idea: an import trusts nothing in the folder. Each refusal is one ValueError line naming the file
+and the field or the tensor (tools/hf.py turns it into one line on stderr, exit 2):
+    config.json   JSON and an object; each field nanomega reads present (or one transformers
+                  defaults), of its type, in its range (FIELDS); then the shape as training checks
+                  it (GPTConfig.validate, moe.check), its flags named by the file's fields
+    tensors       every tensor the config implies present with its exact shape, nothing else
+                  (read from the safetensors headers: no weight is loaded)
+    the load      transformers' own report (output_loading_info): any missing, unexpected or
+                  mismatched key refused by name; its progress bars, warnings and logging kept off
+                  the console (quiet)
+Formulas (the tensors a config implies, per block; hd = h / heads, f the MLP width):
+    llama    q, o (h, h)   k, v (kv hd, h)   gate, up (f, h)   down (h, f)   norms (h)
+    mixtral  router (E, h); experts (E, 2f, h) and (E, h, f), or per expert w1, w3 (f, h), w2 (h, f)
+    gpt2     c_attn (h, 3h)  c_fc (h, 4h)  c_proj (h, h), (4h, h): Conv1D's (in, out), biases
+Lesson: lessons/13-the-modern-block.md
+"""
+
+import contextlib
+import json
+import math
+import re
+import warnings
+from pathlib import Path
+
+import torch
+
+from nanomega import moe
+
+# a field's rule: (what it must be, test); a number is an int or float, never a bool
+_NUMBER = (int, float)
+SIZE = ("an integer >= 1", lambda v: type(v) is int and v >= 1)
+POSITIVE = ("a finite number > 0", lambda v: isinstance(v, _NUMBER) and 0 < v < math.inf)
+COEFFICIENT = ("a finite number >= 0", lambda v: isinstance(v, _NUMBER) and 0 <= v < math.inf)
+FLAG = ("true or false", lambda v: type(v) is bool)
+TABLE = ("an object or null", lambda v: isinstance(v, dict))
+
+# model_type -> {field: (required, rule)}; an absent optional field takes transformers' default,
+# null is absent
+_LLAMA = {
+    "vocab_size": (True, SIZE),
+    "hidden_size": (True, SIZE),
+    "intermediate_size": (True, SIZE),
+    "num_hidden_layers": (True, SIZE),
+    "num_attention_heads": (True, SIZE),
+    "num_key_value_heads": (False, SIZE),
+    "head_dim": (False, SIZE),
+    "max_position_embeddings": (False, SIZE),
+    "rms_norm_eps": (False, POSITIVE),
+    "rope_theta": (False, POSITIVE),
+    "rope_scaling": (False, TABLE),
+    "rope_parameters": (False, TABLE),
+    "tie_word_embeddings": (False, FLAG),
+}
+FIELDS = {
+    "llama": _LLAMA,
+    "mixtral": _LLAMA
+    | {
+        "num_local_experts": (True, SIZE),
+        "num_experts_per_tok": (True, SIZE),
+        "router_aux_loss_coef": (False, COEFFICIENT),
+    },
+    "gpt2": {
+        "vocab_size": (True, SIZE),
+        "n_positions": (True, SIZE),
+        "n_embd": (True, SIZE),
+        "n_layer": (True, SIZE),
+        "n_head": (True, SIZE),
+        "n_inner": (False, SIZE),
+        "layer_norm_epsilon": (False, POSITIVE),
+    },
+}
+# nanomega's flag -> the field of config.json that sets it, to name a training check's refusal
+FIELD_OF_FLAG = {
+    "gpt2": dict(
+        vocab_size="vocab_size",
+        block_size="n_positions",
+        n_embd="n_embd",
+        n_layer="n_layer",
+        n_head="n_head",
+        norm_eps="layer_norm_epsilon",
+    ),
+    "llama": dict(
+        vocab_size="vocab_size",
+        block_size="max_position_embeddings",
+        n_embd="hidden_size",
+        n_layer="num_hidden_layers",
+        n_head="num_attention_heads",
+        n_kv_head="num_key_value_heads",
+        ffn_hidden="intermediate_size",
+        norm_eps="rms_norm_eps",
+        rope_theta="rope_theta",
+        rope_scaling="rope_scaling factor",
+        n_experts="num_local_experts",
+        top_k="num_experts_per_tok",
+        moe_aux_loss="router_aux_loss_coef",
+    ),
+}
+# the weights files transformers reads, in its order of preference: (the shards' index, one file)
+WEIGHTS = (
+    ("model.safetensors.index.json", "model.safetensors"),
+    ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+)
+# tensors a folder may hold that transformers ignores: GPT-2's causal-mask buffers, old Llamas'
+# rotary frequencies
+IGNORED = re.compile(r"\.attn\.(masked_)?bias$|\.rotary_emb\.inv_freq$")
+
+
+def read_json(path):
+    """The JSON object in `path`, or one line naming the file."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not JSON ({e}); copy or export the folder again") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def check_fields(path, c, kind):
+    """Each field nanomega reads of a `kind` config.json (dict c): present, of its type, in
+    range."""
+    for field, (required, (what, ok)) in FIELDS[kind].items():
+        if c.get(field) is None:
+            if required:
+                raise ValueError(f"{path}: no {field} (nanomega reads it: {what})")
+            continue
+        if not ok(c[field]):
+            raise ValueError(f"{path}: {field} {c[field]!r} must be {what}")
+
+
+def check_shape(path, cfg, kind):
+    """The GPTConfig read from `path` checked as training checks it (its validation and the MoE
+    checks), the refusal naming the file's fields."""
+    try:
+        cfg.validate()
+        moe.check(cfg)
+    except ValueError as e:
+        table = FIELD_OF_FLAG["gpt2" if kind == "gpt2" else "llama"]
+        flags = re.findall(r"--([a-z-]+)", str(e))
+        fields = [table[f.replace("-", "_")] for f in flags if f.replace("-", "_") in table]
+        named = f" (in this file: {', '.join(dict.fromkeys(fields))})" if fields else ""
+        raise ValueError(f"{path}: {e}, as nanomega reads it{named}; fix the file") from None
+    return cfg
+
+
+def expected_tensors(cfg, kind, names):
+    """{name: shape} of every tensor a `kind` folder of GPTConfig cfg holds; names: the folder's
+    (which of Mixtral's two expert layouts, and GPT-2's prefix)."""
+    v, h, f, L = cfg.vocab_size, cfg.n_embd, cfg.ffn, cfg.n_layer
+    if kind == "gpt2":
+        out = {"wte.weight": (v, h), "wpe.weight": (cfg.block_size, h)}
+        out |= {"ln_f.weight": (h,), "ln_f.bias": (h,)}
+        block = {"ln_1.weight": (h,), "ln_1.bias": (h,), "ln_2.weight": (h,), "ln_2.bias": (h,)}
+        block |= {"attn.c_attn.weight": (h, 3 * h), "attn.c_attn.bias": (3 * h,)}
+        block |= {"attn.c_proj.weight": (h, h), "attn.c_proj.bias": (h,)}
+        block |= {"mlp.c_fc.weight": (h, f), "mlp.c_fc.bias": (f,)}
+        block |= {"mlp.c_proj.weight": (f, h), "mlp.c_proj.bias": (h,)}
+        out |= {f"h.{i}.{k}": s for i in range(L) for k, s in block.items()}
+        # transformers writes GPT-2 under transformer.; OpenAI's files have no prefix
+        prefix = "transformer." if any(n.startswith("transformer.") for n in names) else ""
+        return {prefix + k: s for k, s in out.items()}
+
+    # a Llama (a Mixtral's attention and norms are a Llama's)
+    kv = cfg.kv_heads * (h // cfg.n_head)
+    out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = (v, h)
+    block = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    block |= {"self_attn.q_proj.weight": (h, h), "self_attn.o_proj.weight": (h, h)}
+    block |= {"self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h)}
+    if kind == "llama":
+        block |= {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h)}
+        block["mlp.down_proj.weight"] = (h, f)
+    elif any(".block_sparse_moe." in n for n in names):  # Mixtral as released (and saved by HF)
+        e = cfg.n_experts
+        block["block_sparse_moe.gate.weight"] = (e, h)
+        for j in range(e):
+            w = f"block_sparse_moe.experts.{j}."
+            block |= {w + "w1.weight": (f, h), w + "w3.weight": (f, h), w + "w2.weight": (h, f)}
+    else:  # transformers 5's stacked experts
+        block["mlp.gate.weight"] = (cfg.n_experts, h)
+        block["mlp.experts.gate_up_proj"] = (cfg.n_experts, 2 * f, h)
+        block["mlp.experts.down_proj"] = (cfg.n_experts, h, f)
+    return out | {f"model.layers.{i}.{k}": s for i in range(L) for k, s in block.items()}
+
+
+def tensor_shapes(src):
+    """{name: (shape, file)} of the folder's weights files (safetensors, or PyTorch's .bin; one, or
+    the shards its index lists), read from their headers (.bin: memory-mapped): no weight is
+    read."""
+    from safetensors import safe_open
+
+    src = Path(src)
+    for index, single in WEIGHTS:
+        if (src / index).is_file():
+            weight_map = read_json(src / index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{src / index}: no weight_map object")
+            files = sorted(set(weight_map.values()))
+            break
+        if (src / single).is_file():
+            files = [single]
+            break
+    else:
+        raise ValueError(
+            f"{src}: no model.safetensors nor pytorch_model.bin (nor their index); save_pretrained "
+            f"writes one"
+        )
+
+    shapes = {}
+    for name in files:
+        try:
+            if name.endswith(".safetensors"):
+                with safe_open(src / name, "pt") as f:
+                    shapes |= {k: (tuple(f.get_slice(k).get_shape()), name) for k in f.keys()}
+            else:
+                state = torch.load(src / name, map_location="cpu", mmap=True, weights_only=True)
+                shapes |= {k: (tuple(t.shape), name) for k, t in state.items()}
+        except Exception as e:  # truncated, missing or another format: the library's own type
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise ValueError(
+                f"{src}: its weights cannot be read ({src / name}: {type(e).__name__}: {first}); "
+                f"copy or export the folder again"
+            ) from None
+    return shapes
+
+
+def _listed(what, items):
+    """'2 tensors missing: a, b' (the first three named)."""
+    n = f"{len(items)} tensor{'s' if len(items) > 1 else ''}"
+    return f"{n} {what}: " + ", ".join(items[:3]) + (", ..." if len(items) > 3 else "")
+
+
+def check_tensors(src, cfg, kind):
+    """Every tensor the config implies present with its shape, nothing else: one line naming the
+    file and the first tensors that differ."""
+    found = tensor_shapes(src)
+    want = expected_tensors(cfg, kind, found)
+    tied = "lm_head.weight" if cfg.tie_embeddings else None  # an old save's copy: tied anyway
+    missing = [f"{k} {want[k]}" for k in want if k not in found]
+    extra = [k for k in found if k not in want and k != tied and not IGNORED.search(k)]
+    wrong = [
+        f"{k} {found[k][0]} (config.json: {want[k]})"
+        for k in want
+        if k in found and found[k][0] != want[k]
+    ]
+    # the file named: the one holding a tensor that differs, else the folder's one weights file
+    # (sharded: its index)
+    held = sorted({f for _, f in found.values()}) or ["model.safetensors"]
+    index = WEIGHTS[0 if held[0].endswith(".safetensors") else 1][0]
+    files = sorted({found[k][1] for k in extra + [w.split()[0] for w in wrong]})
+    files = files or (held if len(held) == 1 else [index])
+    problems = [
+        _listed(what, items)
+        for what, items in (
+            ("missing", missing),
+            ("unexpected", extra),
+            ("of another shape", wrong),
+        )
+        if items
+    ]
+    if problems:
+        raise ValueError(
+            f"{Path(src) / files[0]}: {'; '.join(problems)}; nanomega imports a folder "
+            f"whose weights are all there, as its config.json says"
+        )
+
+
+def check_load_report(src, info):
+    """transformers' loading info (from_pretrained(..., output_loading_info=True)): anything it
+    did not load as saved, named."""
+    problems = [
+        _listed(what, sorted(map(str, info.get(key) or ())))
+        for key, what in (
+            ("missing_keys", "missing (transformers would draw them at random)"),
+            ("unexpected_keys", "unexpected"),
+            ("mismatched_keys", "of another shape"),
+            ("error_msgs", "not loaded"),
+        )
+        if info.get(key)
+    ]
+    if problems:
+        raise ValueError(f"{src}: transformers' load report: {'; '.join(problems)}")
+
+
+@contextlib.contextmanager
+def quiet(transformers):
+    """transformers' progress bars, warnings and logging off the console (restored after): a
+    problem is ours to name, in one line."""
+    log = transformers.utils.logging
+    verbosity, bars = log.get_verbosity(), log.is_progress_bar_enabled()
+    log.set_verbosity(log.CRITICAL + 1)
+    log.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        log.set_verbosity(verbosity)
+        if bars:
+            log.enable_progress_bar()
