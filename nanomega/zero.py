@@ -25,7 +25,8 @@ from .ddp import bucket_groups, start_equal
 from .flat import Piece, storage_bytes
 from .zero3 import ShardedParameters
 from .zero_buckets import Buckets, ScatterBuckets, ShardBuckets
-from .zero_rules import STAGE, Replicas, check_config, owners
+from .owners import Owners
+from .zero_rules import STAGE, Replicas, check_config, owners, whole_matrices
 
 
 class ZeroEngine:
@@ -160,6 +161,14 @@ class ZeroEngine:
         resident = [g for g in self.sharded.groups if g.trainable] if offload_params else []
         self.offload = offloading.Offload(host, self.groups[0].device, resident)
         self.optimizer = self._build_optimizer(optimizer_cls, specs)
+        if whole_matrices(optimizer_cls):  # the seam: who computes each sharded matrix (owners.py)
+            groups, whole = self.optimizer.param_groups, self.optimizer.whole
+            self.owners = Owners(
+                [(r.axis, gs) for r, gs in self.replicas],
+                self.pieces,
+                lambda k: groups[self.group_of[k]] if whole(groups[self.group_of[k]]) else None,
+            )
+            self.optimizer.place(self.owners)
 
         # this rank's share of the norm, per replica group: fixed by the layout (and by a group's
         # copies another rank counts)
