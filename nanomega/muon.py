@@ -24,6 +24,8 @@ import math
 
 import torch
 
+from . import zero_rules
+
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the speedrun's quintic, tuned for speed, not a fixpoint
 STEPS = 5
 
@@ -134,3 +136,22 @@ def param_groups(weight_decay, **options):
         ]
 
     return groups
+
+
+def choose(name):
+    """--optimizer: (the optimizer class, its param_groups_fn(weight_decay, **options))."""
+    if name == "muon":
+        return Muon, param_groups
+    return torch.optim.AdamW, zero_rules.weight_decay_groups
+
+
+def check(name, tp):
+    """One line for what Muon cannot do here: a tensor-parallel matrix would be orthogonalized per
+    tp shard, which is another optimizer than one process's."""
+    if name not in ("adamw", "muon"):
+        raise ValueError(f"--optimizer {name!r}: choose adamw or muon")
+    if name == "muon" and tp > 1:
+        raise ValueError(
+            f"--optimizer muon with --tp {tp}: a tensor-parallel matrix would be orthogonalized per "
+            f"shard (not gathered over tp: not built); use --tp 1 (dp, ZeRO 0-3, pp and ep work)"
+        )

@@ -1,0 +1,91 @@
+"""Muon (--optimizer muon) in the layouts against one process: dp2 under ZeRO-1 and ZeRO-3, pp2
+and ep2 (a mixture of experts: each expert's matrices orthogonalized alone), built by
+compose.build as train.py builds them.
+
+Each layout sums its gradients in another order than one process, so the losses agree to
+rounding: tolerance.layout_rtol over STEPS steps. Muon passes those differences on the way AdamW
+does -- the orthogonalized update is a smooth function of the momentum, whose relative change is the
+gradients' -- and its steps 2+ use the updated weights, so a wrong piece, owner or matrix shows as a
+difference of the order of lr (checked: a matrix orthogonalized per tp shard, which --tp refuses).
+Tolerance: layout_rtol with V = 256, width = the model's widest sum, depth 2 x blocks + 1.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from nanomega import compose, dist, train, worlds
+from nanomega.job import checks, flags
+from tolerance import layout_rtol
+
+STEPS, SEQ, GLOBAL, VOCAB = 3, 16, 8, 256
+COMMON = ["--n-layer", "2", "--n-head", "4", "--n-embd", "32", "--block-size", str(SEQ)]
+COMMON += ["--attention", "eager", "--lr", "3e-3", "--device", "cpu", "--optimizer", "muon"]
+DENSE = COMMON
+EXPERTS = COMMON + ["--arch", "llama", "--ffn-hidden", "64", "--n-experts", "4", "--top-k", "2"]
+RTOL = layout_rtol(STEPS, vocab=VOCAB, width=64, depth=5)
+# (name, flags, dp, pp, cp, ep, zero)
+LAYOUTS = [
+    ("dp2-zero1", DENSE, 2, 1, 1, 1, 1),
+    ("dp2-zero3", DENSE, 2, 1, 1, 1, 3),
+    ("pp2-zero1", DENSE, 1, 2, 1, 1, 1),
+    ("ep2-zero1", EXPERTS, 2, 1, 1, 2, 1),
+]
+
+
+def batch():
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, VOCAB, (GLOBAL, SEQ + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def run(argv, dp, pp, cp, ep, zero):
+    """STEPS steps of one layout on this rank -> losses, norms, whether this is the last stage."""
+    b = GLOBAL // dp // 2  # two micro-batches per step
+    argv = argv + ["--pp", str(pp), "--cp", str(cp), "--ep", str(ep), "--zero", str(zero)]
+    config = flags.parse(argv + ["--batch-size", str(b), "--grad-accum", "2"])
+    config = dataclasses.replace(config, dp=dp, vocab_size=VOCAB)
+    grid = dist.Grid(dp, pp, 1, cp, ep=ep)
+    model, engine, _ = compose.build(config, grid)
+    x, y = batch()
+    mine = slice(grid.dp_rank * GLOBAL // dp, (grid.dp_rank + 1) * GLOBAL // dp)
+    batches = [(x[mine][i : i + b], y[mine][i : i + b]) for i in range(0, GLOBAL // dp, b)]
+    out = dict(losses=[], norms=[], last=grid.last_stage, owners=engine.owners.table())
+    for _ in range(STEPS):
+        engine.set_lr(config.lr)
+        loss = train.forward_backward(model, engine, grid, batches, config)
+        loss = grid.dp.all_reduce(torch.as_tensor(loss, dtype=torch.float64).reshape(1)).item() / dp
+        out["norms"].append(engine.step(clip_norm=1.0)["grad_norm"])
+        out["losses"].append(loss)
+    return out
+
+
+def references():
+    return dict(dense=run(DENSE, 1, 1, 1, 1, 0), experts=run(EXPERTS, 1, 1, 1, 1, 0))
+
+
+def layouts():
+    return {name: run(argv, *rest) for name, argv, *rest in LAYOUTS}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return worlds.launch(references, 1)[0], worlds.launch(layouts, 2)
+
+
+@pytest.mark.parametrize("name", [name for name, *_ in LAYOUTS])
+def test_muon_layout_equals_one_process(runs, name):
+    ref, results = runs
+    res = [r[name] for r in results if r[name]["last"]][0]
+    want = ref["experts" if "ep2" in name else "dense"]
+    for key in ("losses", "norms"):
+        for got, w in zip(res[key], want[key]):
+            assert abs(got - w) <= RTOL * abs(w), f"{name} {key}: {res[key]} vs {want[key]}"
+    print(name, res["owners"] or "(no sharded matrix)")
+
+
+def test_tensor_parallel_muon_is_refused_in_one_line():
+    config = flags.parse(DENSE + ["--tp", "2", "--dry-run"])
+    with pytest.raises(ValueError, match="--optimizer muon with --tp 2"):
+        checks.check(config)
