@@ -86,6 +86,9 @@ class Owners:
         for axis, mats, owner, _ in self.plans:
             n, me = axis.size, axis.rank
             device = next(g.master.device for g, _, _ in mats)
+            if device.type == "meta":  # a dry run (meta.PaperGrid): shapes only, no collective
+                out.update({id(p): torch.empty_like(p) for (g, i), p in pieces.items()})
+                continue
 
             # the inputs' pieces to their owners: to rank d, its matrices' pieces held here
             send = [[] for _ in range(n)]

@@ -89,3 +89,37 @@ def test_tensor_parallel_muon_is_refused_in_one_line():
     config = flags.parse(DENSE + ["--tp", "2", "--dry-run"])
     with pytest.raises(ValueError, match="--optimizer muon with --tp 2"):
         checks.check(config)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--model", "gpt3-1.3b", "--pp", "2", "--world", "8", "--zero", "1"],
+        ["--model", "mixtral-8x7b", "--pp", "2", "--world", "16", "--ep", "4", "--zero", "1"],
+    ],
+    ids=["gpt3-1.3b-pp2-dp4", "mixtral-pp2-dp8-ep4"],
+)
+def test_planner_counts_one_buffer_for_muon_matrices(argv):
+    """The dry run (a rank built on meta, one step taken for the optimizer's state) against the
+    planner. AdamW: equal up to each flat group's padding (< dp elements) and Adam's 4-byte step per
+    piece (tests/test_meta.py's check). Muon saves 4 bytes per matrix element this rank steps; the
+    planner says 1/dp of the stage's matrices, but ZeRO cuts the flat buffers by position, not by
+    kind, so a rank's slice may hold up to all of the stage's other elements (norms, biases,
+    embeddings) in place of matrix elements: |engine - planner| <= 4 x those (from the planner's
+    own counts: 12 bytes per element under AdamW in bf16, 4 per matrix element saved)."""
+    base = argv + ["--dtype", "bf16", "--grad-accum", "2", "--dry-run"]
+    world = int(argv[argv.index("--world") + 1])
+    for rank in (0, world - 1):
+        adamw, muon_ = (
+            train.main(base + ["--rank", str(rank), "--optimizer", name])
+            for name in ("adamw", "muon")
+        )
+        engine, plan, slack = adamw["engine"], adamw["planner"], adamw["groups"] * adamw["dp"]
+        assert abs(engine["optimizer"] - 4 * adamw["pieces"] - plan["optimizer"]) <= 12 * slack
+        assert muon_["engine"]["params"] == engine["params"]
+        assert muon_["engine"]["grads"] == engine["grads"]
+        saved = engine["optimizer"] - muon_["engine"]["optimizer"]
+        planned = plan["optimizer"] - muon_["planner"]["optimizer"]
+        others = (plan["optimizer"] / 12 - planned / 4) * adamw["dp"]
+        assert planned > 0.5 * plan["optimizer"] / 3  # most of a block is its matrices
+        assert abs(saved - planned) <= 4 * others + 4 * adamw["pieces"] + 12 * slack
