@@ -10,9 +10,9 @@ Muon, the NanoGPT speedrun's). Embeddings, the head, norms, biases and the MoE r
                    A = X X^T,  X <- a X + (b A + c A A) X      a, b, c = 3.4445, -4.7750, 2.0315
     on the singular values: s <- a s + b s^3 + c s^5, which takes (0, 1] into about [0.7, 1.2]
     update     W <- W (1 - lr wd) - lr k(rows, cols) X
-               k = 0.2 sqrt(max(rows, cols)) (Moonlight: the update's RMS that of AdamW, so --lr,
-               --weight-decay and the schedule serve both; Liu et al. 2025, "Muon is Scalable for LLM
-               Training", arXiv:2502.16982, sec. 2.2); scale="speedrun": max(1, rows/cols)^0.5 (lr 0.02)
+               k = 0.2 sqrt(max(rows, cols)): Moonlight's, the update's RMS that of AdamW, so --lr,
+               --weight-decay and the schedule serve both (Liu et al. 2025, "Muon is Scalable for
+               LLM Training", arXiv:2502.16982, sec. 2.2); scale="speedrun": max(1, rows/cols)^0.5
 The iteration runs in fp32 here (the speedrun's bf16 pays on tensor cores; a CPU without bf16
 units emulates it, and fp32 keeps the SVD comparison's bound at fp32 rounding).
 The momentum is element-wise, so ZeRO shards it like Adam's state; only the orthogonalization needs
@@ -145,13 +145,7 @@ def choose(name):
     return torch.optim.AdamW, zero_rules.weight_decay_groups
 
 
-def check(name, tp):
-    """One line for what Muon cannot do here: a tensor-parallel matrix would be orthogonalized per
-    tp shard, which is another optimizer than one process's."""
+def check(name):
+    """One line for an --optimizer that is not one of ours."""
     if name not in ("adamw", "muon"):
         raise ValueError(f"--optimizer {name!r}: choose adamw or muon")
-    if name == "muon" and tp > 1:
-        raise ValueError(
-            f"--optimizer muon with --tp {tp}: a tensor-parallel matrix would be orthogonalized per "
-            f"shard (not gathered over tp: not built); use --tp 1 (dp, ZeRO 0-3, pp and ep work)"
-        )

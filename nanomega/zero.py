@@ -167,6 +167,7 @@ class ZeroEngine:
                 [(r.axis, gs) for r, gs in self.replicas],
                 self.pieces,
                 lambda k: groups[self.group_of[k]] if whole(groups[self.group_of[k]]) else None,
+                grid.tp if grid is not None else None,
             )
             self.optimizer.place(self.owners)
 

@@ -4,8 +4,9 @@ Newton-Schulz against the SVD: in exact arithmetic the iteration acts on each si
 s <- a s + b s^3 + c s^5, so U diag(p^5(s / |G|_F)) V^T (fp64 SVD) is its exact result. The bound is
 a first-order one: iteration k adds its own rounding delta_k (its three matmuls, Frobenius norms,
 gamma(n) each: Higham's Lemma 3.1 on every dot product) and passes the error before it through the
-polynomial's Frechet derivative, whose gain on the matrix's spectrum s_k is at most L_k = the largest
-divided difference |p(s_i) -+ p(s_j)| / |s_i -+ s_j| (and p(s)/s on a rectangle's complement):
+polynomial's Frechet derivative, whose gain on the matrix's spectrum s_k is at most L_k = the
+largest divided difference |p(s_i) -+ p(s_j)| / |s_i -+ s_j| (and p(s)/s on a rectangle's
+complement):
     |X_5 - X*|_F <= sum_k delta_k prod_{j>k} L_j
 In fp64 that bound is ~1e-9, and a wrong coefficient (b + 1e-3: ~2e-2) or step count (~2) is far
 outside it. In fp32 (what the engine runs) the same bound, with likely(n) for gamma(n), is ~0.5 --
@@ -54,7 +55,7 @@ def _svd_reference(g, steps=muon.STEPS):
 
 
 def _bound(g, dtype, err):
-    """sum_k delta_k prod_{j>k} L_j (module docstring), Frobenius; err(n, dtype): gamma or likely."""
+    """sum_k delta_k prod_{j>k} L_j (module docstring), Frobenius; err(n, dtype): gamma, likely."""
     s = torch.linalg.svdvals(g.double()) / (g.double().norm() + 1e-7)
     r, n, rect = min(g.shape), max(g.shape), g.shape[0] != g.shape[1]
     u = torch.finfo(dtype).eps / 2

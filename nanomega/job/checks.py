@@ -61,7 +61,7 @@ def check(config):
         grad_accum = c.global_batch // per_step
 
     # the engine's rules
-    muon.check(c.optimizer, c.tp)
+    muon.check(c.optimizer)
     zero_rules.check_config(c.zero, muon.choose(c.optimizer)[0], c.pp, c.offload, c.offload_params)
     vocab_size = data.get_tokenizer(c.tokenizer).n_vocab
     # documents.ids counts them
