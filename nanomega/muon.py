@@ -73,6 +73,9 @@ class Muon(torch.optim.AdamW):
     MUON = dict(muon=False, momentum=0.95, nesterov=True, ns_steps=STEPS, scale="moonlight")
 
     def __init__(self, params, **adamw):
+        params = list(params)
+        if params and not isinstance(params[0], dict):  # tensors: one AdamW group
+            params = [dict(params=params)]
         groups = [dict(self.MUON, **g) for g in params]
         super().__init__(groups, **adamw)
         self.owners = None  # owners.Owners once the engine places the pieces
