@@ -16,7 +16,8 @@ Muon, the NanoGPT speedrun's). Embeddings, the head, norms, biases and the MoE r
 The iteration runs in fp32 here (the speedrun's bf16 pays on tensor cores; a CPU without bf16
 units emulates it, and fp32 keeps the SVD comparison's bound at fp32 rounding).
 The momentum is element-wise, so ZeRO shards it like Adam's state; only the orthogonalization needs
-a whole matrix: under ZeRO, owners.py gives each matrix one rank that orthogonalizes it.
+a whole matrix: under ZeRO, owners.py gives each matrix one rank that orthogonalizes it (a
+tensor-parallel one gathered over tp first).
 Lesson: lessons/02-data-parallel-and-zero.md
 """
 

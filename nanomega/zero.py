@@ -4,7 +4,8 @@ Rank r of a group's N replicas owns the slice [r S, (r+1) S) of every flat buffe
 (flat.py). STAGE (zero_rules.py) says what each stage shards; ZeroEngine.__init__ is the one place
 reading it. Each replica group (zero_rules.Replicas: dense, experts, ...) is reduced over its own
 axis; the technique owning a rule builds its group (ep.py, pp.py), the composer passes them in
-(compose.build).
+(compose.build). An optimizer needing whole matrices (muon.Muon) gets, through one seam
+(zero_rules.whole_matrices), an owners.Owners: which rank computes each sharded matrix's update.
     stage  keeps between micro-batches   reduce           write-back               bytes/param/rank
     0      the full gradient             all-reduce       none: all stepped whole  16
     1      the full gradient             reduce-scatter   all-gather the slices    4 + 12/N
