@@ -22,6 +22,8 @@ its formulas and its lesson:
         zero_rules.py ZeRO's rules: what each stage shards, the optimizers it steps, replica groups
         zero.py       the engine: the optimizer over this rank's pieces, per replica group
         zero3.py      ZeRO-3: parameter units gathered on demand
+        muon.py       Muon: the blocks' matrices stepped by their momentum orthogonalized
+        owners.py     owner-compute: each sharded matrix's update computed whole on one rank
         clip.py       the global gradient norm over dp, tp and pp: each element counted once
         offload.py    ZeRO-Offload: optimizer state (and ZeRO-3's parameter shards) in host memory
     03  tp.py, rng.py

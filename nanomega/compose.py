@@ -13,7 +13,7 @@ Lesson: lessons/09-3d-parallelism.md
 
 import torch
 
-from nanomega import cp, ep, fused, meta, pp, precision, recompute, rng, tp, zero, zero_rules
+from nanomega import cp, ep, fused, meta, muon, pp, precision, recompute, rng, tp, zero, zero_rules
 from nanomega.model import GPT
 from nanomega.job import flags
 
@@ -70,11 +70,12 @@ def build(config, grid):
         zero_rules.Replicas("dense", grid.dp_cp, **pp.tied_rule(model, grid)),
         zero_rules.Replicas(**ep.replica_group(grid)),
     ]
-    optim = zero_rules.weight_decay_groups(config.weight_decay, **options)
+    # --optimizer: AdamW, or Muon on the hidden matrices (muon.py) and AdamW on the rest
+    optimizer_cls, groups = muon.choose(config.optimizer)
     engine = zero.ZeroEngine(
         model,
-        torch.optim.AdamW,
-        optim,
+        optimizer_cls,
+        groups(config.weight_decay, **options),
         grid,
         config.zero,
         replicas=replicas,

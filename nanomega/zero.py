@@ -4,7 +4,8 @@ Rank r of a group's N replicas owns the slice [r S, (r+1) S) of every flat buffe
 (flat.py). STAGE (zero_rules.py) says what each stage shards; ZeroEngine.__init__ is the one place
 reading it. Each replica group (zero_rules.Replicas: dense, experts, ...) is reduced over its own
 axis; the technique owning a rule builds its group (ep.py, pp.py), the composer passes them in
-(compose.build).
+(compose.build). An optimizer needing whole matrices (muon.Muon) gets, through one seam
+(zero_rules.whole_matrices), an owners.Owners: which rank computes each sharded matrix's update.
     stage  keeps between micro-batches   reduce           write-back               bytes/param/rank
     0      the full gradient             all-reduce       none: all stepped whole  16
     1      the full gradient             reduce-scatter   all-gather the slices    4 + 12/N
@@ -25,7 +26,8 @@ from .ddp import bucket_groups, start_equal
 from .flat import Piece, storage_bytes
 from .zero3 import ShardedParameters
 from .zero_buckets import Buckets, ScatterBuckets, ShardBuckets
-from .zero_rules import STAGE, Replicas, check_config, owners
+from .owners import Owners
+from .zero_rules import STAGE, Replicas, check_config, owners, whole_matrices
 
 
 class ZeroEngine:
@@ -160,6 +162,15 @@ class ZeroEngine:
         resident = [g for g in self.sharded.groups if g.trainable] if offload_params else []
         self.offload = offloading.Offload(host, self.groups[0].device, resident)
         self.optimizer = self._build_optimizer(optimizer_cls, specs)
+        if whole_matrices(optimizer_cls):  # the seam: who computes each sharded matrix (owners.py)
+            groups, whole = self.optimizer.param_groups, self.optimizer.whole
+            self.owners = Owners(
+                [(r.axis, gs) for r, gs in self.replicas],
+                self.pieces,
+                lambda k: groups[self.group_of[k]] if whole(groups[self.group_of[k]]) else None,
+                grid.tp if grid is not None else None,
+            )
+            self.optimizer.place(self.owners)
 
         # this rank's share of the norm, per replica group: fixed by the layout (and by a group's
         # copies another rank counts)

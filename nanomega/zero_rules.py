@@ -4,7 +4,8 @@ optimizers and layouts it can run (check_config, pipeline_error), and the replic
 A stage is three choices (Stage): the optimizer state, the gradients, the parameters split 1/N over
 a replica group's N ranks; each cuts bytes/param/rank (bf16 weights, fp32 gradients, Adam's 12):
     2 + 4 + 12 = 18 (stage 0)  ->  2 + 4 + 12/N  ->  2 + (4 + 12)/N  ->  (2 + 4 + 12)/N (stage 3)
-Sharding steps 1-D slices of flat buffers, exact only for an element-wise optimizer (ELEMENTWISE).
+Sharding steps 1-D slices of flat buffers, exact only for an element-wise optimizer (ELEMENTWISE);
+one that needs whole matrices (Muon) plugs in through one seam, whole_matrices (owners.py).
 A replica group is a set of parameters the ranks of one axis hold alike, reduced over that axis:
 the dense weights over dp_cp, ep's experts over edp, pp's tied embedding's extra sum; owners()
 gives each parameter its group. Nothing here allocates or communicates; ZeroEngine (zero.py)
@@ -85,10 +86,13 @@ def check_config(stage, optimizer_cls, pp=1, offload=0.0, offload_params=False):
             f"optimizer {name} cannot run under ZeroEngine (LBFGS needs a closure, SparseAdam "
             f"sparse gradients); use AdamW, Adam or SGD"
         )
+    if offload and whole_matrices(optimizer_cls):
+        raise ValueError(f"--offload: the CPU step computes Adam/AdamW, not {name}'s matrices")
     if (
         stage
         and optimizer_cls not in ELEMENTWISE
         and not getattr(optimizer_cls, "elementwise", False)
+        and not whole_matrices(optimizer_cls)
     ):
         raise ValueError(
             f"--zero {stage}: optimizer {name} cannot be sharded: ZeRO steps 1-D slices of flat "
@@ -96,6 +100,13 @@ def check_config(stage, optimizer_cls, pp=1, offload=0.0, offload_params=False):
             f"({', '.join(c.__name__ for c in ELEMENTWISE)}); use --zero 0 or one of those "
             f"(or set {name}.elementwise = True if its update is element-wise)"
         )
+
+
+def whole_matrices(optimizer_cls):
+    """The seam for an optimizer that is not element-wise (muon.Muon): it says elementwise = False
+    and has place(owners) and whole(param group); ZeroEngine then hands it an owners.Owners that
+    gives each sharded matrix of a group whose whole(...) is true one rank computing its update."""
+    return getattr(optimizer_cls, "elementwise", None) is False and hasattr(optimizer_cls, "place")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -10,9 +10,7 @@ Lesson: lessons/09-3d-parallelism.md
 import dataclasses
 import os
 
-import torch
-
-from nanomega import cp, data, dist, ep, moe, pp, precision, recompute, tp, zero_rules
+from nanomega import cp, data, dist, ep, moe, muon, pp, precision, recompute, tp, zero_rules
 from nanomega.job import faults, flags, guard, presets, ranges
 from nanomega.job.flags import model_config
 
@@ -63,7 +61,8 @@ def check(config):
         grad_accum = c.global_batch // per_step
 
     # the engine's rules
-    zero_rules.check_config(c.zero, torch.optim.AdamW, c.pp, c.offload, c.offload_params)
+    muon.check(c.optimizer)
+    zero_rules.check_config(c.zero, muon.choose(c.optimizer)[0], c.pp, c.offload, c.offload_params)
     vocab_size = data.get_tokenizer(c.tokenizer).n_vocab
     # documents.ids counts them
     eot = data.get_tokenizer(c.tokenizer).eot_token if c.document_mask else None

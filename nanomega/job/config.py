@@ -173,6 +173,11 @@ class Config:
     warmup: int = OPTIMIZER(20, "steps of linear warm-up to --lr", at_least(0))
     max_steps: int = OPTIMIZER(600, "optimizer steps; the cosine decay ends here", at_least(1))
     weight_decay: float = OPTIMIZER(0.1, "AdamW weight decay (not on biases, norms)", at_least(0))
+    optimizer: str = OPTIMIZER(
+        "adamw",
+        "adamw, or muon: the blocks' matrices by Muon (nanomega/muon.py), the rest by AdamW",
+        choices=["adamw", "muon"],
+    )
     grad_clip: float = OPTIMIZER(1.0, "clip the global gradient norm (0: off)", at_least(0))
     seed: int = OPTIMIZER(
         1337,

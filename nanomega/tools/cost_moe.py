@@ -75,6 +75,20 @@ def rank_state_bytes(model, tp, pp, dp, zero, dtype="bf16", v=1, split="trainer"
     return out
 
 
+def muon_saved_bytes(model, tp, pp, dp, zero, v=1, split="trainer", ep=1):
+    """Optimizer bytes --optimizer muon saves on one GPU of each stage: the blocks' matrices (all
+    but norms, biases and the router: muon.is_hidden_matrix) keep one fp32 buffer, the momentum,
+    not Adam's two (m, v); the dense ones sharded over dp, this ep rank's experts over edp."""
+    h, layers = model.n_embd, cost.layers_per_stage(model, pp, v, split)
+    vectors = 2 * h + model.n_experts * h if model.llama else 7 * h // tp + 6 * h
+    experts = expert_stage_params(model, tp, pp, v, split) if model.n_experts else [0] * len(layers)
+    return [
+        zero_state_bytes(n * (cost.block_params(model, tp) - vectors) - e, zero, dp, 0, 0, 4)[2]
+        + zero_state_bytes(e // ep, zero, dp // ep, 0, 0, 4)[2]
+        for n, e in zip(layers, experts)
+    ]
+
+
 def expert_state_bytes(model, tp, pp, dp, zero, dtype="bf16", v=1, split="trainer", ep=1):
     """Parameter + gradient + optimizer bytes of the routed experts one GPU of the
     heaviest stage holds."""

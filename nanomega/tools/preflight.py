@@ -87,8 +87,9 @@ def check_memory(config):
 
 
 def rank_state_bytes(config):
-    """The planner's (params, grads, optimizer) bytes of one rank, per stage (experts / ep)."""
-    return cost_moe.rank_state_bytes(
+    """The planner's (params, grads, optimizer) bytes of one rank, per stage (experts / ep); Muon's
+    matrices: one buffer, not Adam's two (cost_moe.muon_saved_bytes)."""
+    out = cost_moe.rank_state_bytes(
         planner_model(config),
         config.tp,
         config.pp,
@@ -98,6 +99,18 @@ def rank_state_bytes(config):
         config.virtual_stages,
         ep=config.ep,
     )
+    if config.optimizer != "muon":
+        return out
+    saved = cost_moe.muon_saved_bytes(
+        planner_model(config),
+        config.tp,
+        config.pp,
+        config.dp * config.cp,
+        config.zero,
+        config.virtual_stages,
+        ep=config.ep,
+    )
+    return [(p, g, o - s) for (p, g, o), s in zip(out, saved)]
 
 
 def planner_model(config):
