@@ -40,16 +40,18 @@ def test_dry_run_skips_cuda_phases_and_writes_beside_what_is_in_out(tmp_path):
 
 
 def test_deadline_kills_the_running_phase_and_skips_the_rest(tmp_path):
-    """The CUDA phases forced onto this CPU: the smoke phase fails at once (no CUDA) and the tier's
-    pytest runs for minutes here, so the deadline kills whichever phase is running then (with its
-    process group), and every later phase is skipped; the summary on disk and on stdout says so,
-    within seconds of the deadline. (Which phase it is depends on this machine's load.)"""
+    """The CUDA phases forced onto this CPU: the smoke phase fails at once (no CUDA), and the phases
+    after it run for minutes on a CPU, so the deadline kills whichever phase is running then (with
+    its process group), and every later phase is skipped; the summary on disk and on stdout says
+    so, within seconds of the deadline. (Which phase it is depends on this machine's speed and load:
+    the tier's pytest, the bench, ...)"""
     deadline = 20
     rc, stdout, seconds, status = check(tmp_path, deadline, force=True)
     assert rc == 1
     states = [status[name] for name in PHASES]
-    killed = next(i for i, s in enumerate(states) if s.startswith("timed out"))
-    assert killed <= PHASES.index("tier"), states  # the tier's pytest cannot finish in 20 s here
+    # some phase is killed: the bench, the trains and the model runs each take minutes on a CPU
+    killed = next((i for i, s in enumerate(states) if s.startswith("timed out")), None)
+    assert killed is not None, states
     assert all(s == "ok" or s.startswith("failed") for s in states[:killed]), states
     assert all(s == "skipped: the deadline is spent" for s in states[killed + 1 :]), states
     assert f"| {PHASES[killed]} | timed out" in stdout
