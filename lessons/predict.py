@@ -47,7 +47,7 @@ def flops_per_token():
 
 
 def bubble_1f1b():
-    return schedules.bubble_fraction(schedules.simulate(4, 8, "1f1b"))
+    return schedules.bubble_fraction(schedules.simulate(4, 12, "1f1b"))
 
 
 def in_flight(schedule):

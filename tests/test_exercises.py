@@ -35,6 +35,18 @@ def one_f_one_b(p, rank, m, v=1):
     return rounds + [[Op("B", i)] for i in range(m - warmup, m)]
 """
 
+# the most common 1F1B bug: a warm-up of p - rank - 1 forwards even when there are fewer micro-batches
+UNCAPPED_1F1B = """from nanomega.schedules import Op
+
+
+def one_f_one_b(p, rank, m, v=1):
+    warmup = p - rank - 1  # not capped at m: the planted bug
+    rounds = [[Op("F", i)] for i in range(warmup)]
+    for i in range(m - warmup):
+        rounds += [[Op("F", warmup + i)], [Op("B", i)]]
+    return rounds + [[Op("B", i)] for i in range(max(m - warmup, 0), m)]
+"""
+
 
 def check(*args):
     env = dict(
@@ -99,20 +111,35 @@ def test_a_file_without_the_names_is_one_line(tmp_path):
 
 
 def test_predictions_graded_right_and_wrong(tmp_path):
-    """One run: the solution's answers with one made wrong ((p-1)/(m+p) for the 1F1B bubble) and one
-    removed: seven measured RIGHT, the wrong one WRONG, the missing one unanswered."""
+    """One run: the solution's answers with one made wrong (the 1F1B bubble as (p-1)/m, idle over the
+    ideal time: the common wrong convention) and one removed: seven measured RIGHT, the wrong one
+    WRONG, the missing one unanswered."""
     solution = (EX / "solutions" / "predictions.py").read_text()
     # the untouched starter answers nothing
     assert (EX / "predictions.py").read_text().count(": None,") == 8
     wrong = tmp_path / "wrong.py"
     wrong.write_text(
-        solution.replace('"1f1b-bubble": (p - 1) / (m + p - 1),', '"1f1b-bubble": 3 / 12,').replace(
+        solution.replace("(p - 1) / (12 + p - 1),", "(p - 1) / 12,").replace(
             '"gpipe-in-flight": m,', '"gpipe-in-flight": None,'
         )
     )
     rc, _, out = check("--predict", str(wrong))
     assert (
-        rc == 1 and "predict 1f1b-bubble (lesson 05): yours 0.25, measured 0.272727 -> WRONG" in out
+        rc == 1 and "predict 1f1b-bubble (lesson 05): yours 0.25, measured 0.2 -> WRONG" in out
     ), out
     assert out.count("-> RIGHT") == 6 and out.count("no prediction yet") == 1, out
     assert "predictions: 6/8 right" in out, out
+
+
+def test_quick_catches_an_uncapped_warmup_and_prints_the_case(tmp_path):
+    """`--quick` runs one test: it must hold a case with fewer micro-batches than stages, and the
+    failure line names the case (p, rank, m) and both orders."""
+    buggy = tmp_path / "uncapped_1f1b.py"
+    buggy.write_text(UNCAPPED_1F1B)
+    rc, verdicts, out = check("--quick", "--exercise", "1f1b", str(buggy))
+    assert verdicts == {"1f1b": "FAIL"} and rc == 1, out
+    assert re.search(
+        r"^FAIL tests/test_pp.py::test_op_orders_literal .*1f1b p=4 rank=0 m=2: got \S+, want F0F1B0B1",
+        out,
+        re.M,
+    ), out

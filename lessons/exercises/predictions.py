@@ -25,8 +25,9 @@ PREDICTIONS = {
     # lesson 03: one transformer layer's FORWARD under tensor parallelism t = 2, input (b, s, h) =
     # (2, 16, 32) fp32: bytes one rank puts on the wire (ring)
     "tp-forward-wire-bytes": None,
-    # lesson 05: 1F1B with p = 4 stages and m = 8 micro-batches, a backward taking twice a forward:
-    # the idle share of the step (the bubble), as a fraction
+    # lesson 05: 1F1B with p = 4 stages and m = 12 micro-batches, a backward taking twice a forward:
+    # the idle share of the whole step (the bubble), as a fraction. Careful: Narayanan et al.'s
+    # "bubble time fraction" is idle time over the IDEAL time, not over the step
     "1f1b-bubble": None,
     # lesson 05: the most micro-batches whose activations the FIRST stage holds at once, 1F1B, p =
     # 4, m = 8

@@ -12,7 +12,7 @@ PREDICTIONS = {
     "zero1-state-bytes-per-param": 8 / 2,  # m and v: 8 bytes per parameter, split over N = 2
     # 2 all-reduces (attention, MLP) of (b, s, h)
     "tp-forward-wire-bytes": 2 * (2 * (t - 1) / t) * 2 * s * h * 4,
-    "1f1b-bubble": (p - 1) / (m + p - 1),
+    "1f1b-bubble": (p - 1) / (12 + p - 1),  # m = 12 here: idle / step
     "1f1b-in-flight": p,  # stage k: p - k
     "gpipe-in-flight": m,
 }
