@@ -1,0 +1,315 @@
+"""Pictures of the ideas, drawn from the code that does them, so that they cannot drift from it.
+
+Each diagram is two functions: one computes what the picture shows by calling nanomega (or running
+the lesson's own algorithm), the other draws it. tests/test_diagrams.py holds each computed picture
+against the rule the lesson states (a ring's chunk after n - 1 steps, ZeRO's bytes per parameter, the
+causal tiles, ...); scripts/figures.py redraws them all:
+    python lessons/diagrams.py --figure lessons/figures/diagram_ring.png   # one diagram
+    python lessons/diagrams.py                                             # all of them
+Needs the `plot` extra (matplotlib) to draw; the data functions need only torch.
+"""
+
+import argparse
+import os
+import queue
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "lessons"))
+
+from nanomega import cp, schedules, tp, zero_rules  # noqa: E402
+
+FOLDER = ROOT / "lessons" / "figures"
+DPI = 72
+
+
+# ---------------------------------------------------------------------------------------------------
+# what each picture shows, computed
+
+
+class ThreadRing:
+    """The slice of dist.Axis that lesson 17's ring all-reduce uses (size, rank, p2p), for n threads
+    standing in for n ranks: a send is put in the receiver's queue, a receive takes from its own."""
+
+    def __init__(self, rank, boxes):
+        self.rank, self.size, self.boxes = rank, len(boxes), boxes
+
+    def p2p(self, sends, recvs):
+        for tensor, peer in sends:
+            self.boxes[peer].put(tensor)
+        for buf, _ in recvs:
+            buf.copy_(self.boxes[self.rank].get(timeout=10))
+
+
+def ring_steps(n=4):
+    """Lesson 17's ring all-reduce run on n threads, each chunk tagged so that what travels can be
+    read: element 0 of rank r's chunk c is 2^r (a sum of them names the ranks it holds), element 1
+    is c (a sum of k of them is k c). Returns [(step, rank, chunk, ranks summed in it)] of every
+    send, in the order the ranks sent them."""
+    import importlib.util
+
+    # the lesson's script by path (its name starts with a digit); its experiment runs under __main__ only
+    spec = importlib.util.spec_from_file_location(
+        "collectives", ROOT / "lessons" / "17_collectives.py"
+    )
+    lesson = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lesson)
+
+    boxes, sent = [queue.Queue() for _ in range(n)], []
+    lock = threading.Lock()
+
+    class Recording(ThreadRing):
+        def p2p(self, sends, recvs):
+            with lock:
+                step = sum(1 for s in sent if s[1] == self.rank)
+                for tensor, _ in sends:
+                    mask, k_times_c = int(tensor[0]), int(tensor[1])
+                    ranks = tuple(r for r in range(n) if mask >> r & 1)
+                    sent.append((step, self.rank, k_times_c // len(ranks), ranks))
+            super().p2p(sends, recvs)
+
+    def rank_main(r):
+        x = torch.tensor([[2.0**r, c] for c in range(n)], dtype=torch.float64).flatten()
+        lesson.ring_all_reduce(Recording(r, boxes), x)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sorted(sent)
+
+
+def zero_memory(n=4):
+    """{stage: (weights, gradients, optimizer) bytes per parameter on one of n ranks}, from
+    zero_rules.STAGE: bf16 weights 2, fp32 gradients 4, Adam's fp32 master, m and v 12."""
+    return {
+        stage: (
+            2 / (n if rule.parameters else 1),
+            4 / (n if rule.gradients else 1),
+            12 / (n if rule.optimizer else 1),
+        )
+        for stage, rule in zero_rules.STAGE.items()
+    }
+
+
+def tp_owners(h=8, t=2):
+    """Which tp rank holds each element of the MLP's two matrices, from tp.shard_param: the first
+    split by output rows (column-parallel), the second by input columns (row-parallel)."""
+    owners = {}
+    for name, shape in (
+        ("blocks.0.mlp.c_fc.weight", (4 * h, h)),
+        ("blocks.0.mlp.c_proj.weight", (h, 4 * h)),
+    ):
+        full = torch.full(shape, -1)
+        for rank in range(t):
+            tp.shard_param(name, full, rank, t).fill_(rank)  # a view into full
+        owners[name] = full
+    return owners
+
+
+def cp_chunks(s=16, n=4):
+    """{rank: its token positions} for context parallelism over n ranks (cp.positions), and each
+    rank's causal work in (chunk, chunk) pairs."""
+    held = {rank: cp.positions(s, n, rank).tolist() for rank in range(n)}
+    work = {rank: sum(q >= k for q in held[rank] for k in range(s)) for rank in range(n)}
+    return held, work
+
+
+def causal_tiles(s=8 * 32, block=32):
+    """The (query tile, key tile) pairs a causal FlashAttention computes: on and below the diagonal."""
+    t = s // block
+    return [(i, j) for i in range(t) for j in range(t) if j <= i], t
+
+
+def gqa_groups(n_head=8, n_kv=2):
+    """Which key/value head each query head reads: model.py's repeat_interleave of the kv heads."""
+    kv = torch.arange(n_kv).view(1, n_kv, 1, 1)
+    return kv.repeat_interleave(n_head // n_kv, dim=1).flatten().tolist()
+
+
+# ---------------------------------------------------------------------------------------------------
+# drawing
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def draw_ring(path):
+    plt = _plt()
+    n, sends = 4, ring_steps(4)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    colours = plt.get_cmap("tab10")
+    for step, rank, chunk, ranks in sends:
+        ax.add_patch(
+            plt.Rectangle((step, n - 1 - rank), 0.95, 0.9, color=colours(chunk), alpha=0.35)
+        )
+        label = f"c{chunk}\n" + "+".join(map(str, ranks))
+        ax.text(step + 0.47, n - 0.55 - rank, label, ha="center", va="center", fontsize=8)
+    ax.axvline(n - 1 - 0.025, color="k", lw=1)
+    ax.set_xlim(0, 2 * (n - 1))
+    ax.set_ylim(0, n)
+    ax.set_yticks([n - 0.55 - r for r in range(n)], [f"rank {r}" for r in range(n)])
+    ax.set_xticks([s + 0.47 for s in range(2 * (n - 1))], [f"{s + 1}" for s in range(2 * (n - 1))])
+    ax.set_xlabel("step: reduce-scatter (left of the line), then all-gather; each rank sends right")
+    ax.set_title(
+        "Ring all-reduce, 4 ranks: the chunk each rank sends (c) and the ranks summed in it"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
+def draw_zero(path):
+    plt = _plt()
+    n, memory = 4, zero_memory(4)
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    parts = ("bf16 weights", "fp32 gradients", "Adam state (fp32 master, m, v)")
+    left = [0.0] * len(memory)
+    for i, part in enumerate(parts):
+        widths = [memory[s][i] for s in memory]
+        ax.barh([f"ZeRO-{s}" for s in memory], widths, left=left, label=part)
+        left = [a + b for a, b in zip(left, widths)]
+    for y, total in enumerate(left):
+        ax.text(total + 0.2, y, f"{total:g} B", va="center", fontsize=9)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 21)
+    ax.set_xlabel(f"bytes per parameter on one of N = {n} data-parallel ranks (zero_rules.STAGE)")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
+def draw_tp(path):
+    plt = _plt()
+    owners = tp_owners()
+    fig, axes = plt.subplots(1, 2, figsize=(7, 3.6))
+    titles = (
+        "c_fc (4h, h): column-parallel,\nsplit by output rows; f before it",
+        "c_proj (h, 4h): row-parallel,\nsplit by input columns; g after it",
+    )
+    for ax, grid, title in zip(axes, owners.values(), titles):
+        ax.imshow(grid.numpy(), cmap="Pastel1", vmin=0, vmax=8, aspect="auto")
+        for rank in grid.unique().tolist():  # each rank's name at the middle of its block
+            rows, cols = (grid == rank).nonzero(as_tuple=True)
+            ax.text(
+                cols.float().mean().item(), rows.float().mean().item(), f"rank {rank}", ha="center"
+            )
+        ax.set_title(title, fontsize=9)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.suptitle(
+        "Megatron's MLP over tp = 2: which rank holds each weight (tp.shard_param)", fontsize=10
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
+def draw_1f1b(path):
+    traces = schedules.simulate(4, 8, "1f1b")
+    schedules.draw_timeline(traces, path)
+
+
+def draw_cp(path):
+    plt = _plt()
+    s, n = 16, 4
+    held, work = cp_chunks(s, n)
+    fig, ax = plt.subplots(figsize=(7, 3))
+    colours = plt.get_cmap("tab10")
+    for rank, positions in held.items():
+        for pos in positions:
+            ax.add_patch(
+                plt.Rectangle((pos, n - 1 - rank), 0.95, 0.9, color=colours(rank), alpha=0.5)
+            )
+        ax.text(s + 0.3, n - 0.55 - rank, f"{work[rank]} (q, k) pairs", va="center", fontsize=9)
+    ax.set_xlim(0, s + 4)
+    ax.set_ylim(0, n)
+    ax.set_yticks([n - 0.55 - r for r in range(n)], [f"rank {r}" for r in range(n)])
+    ax.set_xticks(range(0, s, 2))
+    ax.set_xlabel(
+        "token position; each rank holds a head chunk and its mirror tail chunk (cp.positions)"
+    )
+    ax.set_title(f"Context parallelism, cp = {n}, s = {s}: equal causal work per rank")
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
+def draw_flash(path):
+    plt = _plt()
+    computed, t = causal_tiles()
+    fig, ax = plt.subplots(figsize=(4, 4))
+    for i in range(t):
+        for j in range(t):
+            done = (i, j) in computed
+            ax.add_patch(
+                plt.Rectangle((j, t - 1 - i), 0.95, 0.95, color="tab:blue" if done else "0.9")
+            )
+    ax.set_xlim(0, t)
+    ax.set_ylim(0, t)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_xlabel("key tiles")
+    ax.set_ylabel("query tiles")
+    ax.set_title(f"Causal tiles, T = {t}: {len(computed)} of {t * t} computed", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
+def draw_gqa(path):
+    plt = _plt()
+    groups = gqa_groups()
+    n_head, n_kv = len(groups), max(groups) + 1
+    fig, ax = plt.subplots(figsize=(6, 2.4))
+    for h, g in enumerate(groups):
+        ax.plot([h, g * n_head / n_kv + (n_head / n_kv - 1) / 2], [1, 0], color="0.5")
+    ax.scatter(range(n_head), [1] * n_head, s=300, color="tab:blue", zorder=3)
+    ax.scatter(
+        [g * n_head / n_kv + (n_head / n_kv - 1) / 2 for g in range(n_kv)],
+        [0] * n_kv,
+        s=300,
+        color="tab:orange",
+        zorder=3,
+    )
+    ax.set_yticks([0, 1], ["k/v heads", "query heads"])
+    ax.set_xticks([])
+    ax.set_ylim(-0.4, 1.4)
+    ax.set_title(
+        f"Grouped-query attention: {n_head} query heads read {n_kv} key/value heads", fontsize=10
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
+DIAGRAMS = {
+    "diagram_ring.png": draw_ring,
+    "diagram_zero.png": draw_zero,
+    "diagram_tp.png": draw_tp,
+    "diagram_1f1b.png": draw_1f1b,
+    "diagram_cp.png": draw_cp,
+    "diagram_flash.png": draw_flash,
+    "diagram_gqa.png": draw_gqa,
+}
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description="draw the lessons' diagrams into lessons/figures/")
+    p.add_argument("--figure", default=None, help="one diagram's path (default: all of them)")
+    args = p.parse_args()
+    paths = [Path(args.figure)] if args.figure else [FOLDER / name for name in DIAGRAMS]
+    for path in paths:
+        if path.name not in DIAGRAMS:
+            sys.exit(
+                f"lessons/diagrams.py: no diagram {path.name}; choose from {', '.join(DIAGRAMS)}"
+            )
+        DIAGRAMS[path.name](os.fspath(path))
+        print(f"wrote {path}")
