@@ -46,20 +46,32 @@ class ThreadRing:
             buf.copy_(self.boxes[self.rank].get(timeout=10))
 
 
+def lesson_script(name):
+    """A lesson's script as a module, by path (its name starts with a digit); its experiment runs
+    under __main__ only, so loading it runs nothing."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), ROOT / "lessons" / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def on_threads(n, rank_main):
+    """rank_main(rank) on n threads at once, joined."""
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def ring_steps(n=4):
     """Lesson 17's ring all-reduce run on n threads, each chunk tagged so that what travels can be
     read: element 0 of rank r's chunk c is 2^r (a sum of them names the ranks it holds), element 1
     is c (a sum of k of them is k c). Returns [(step, rank, chunk, ranks summed in it)] of every
     send, in the order the ranks sent them."""
-    import importlib.util
-
-    # the lesson's script by path (its name starts with a digit); its experiment runs under __main__ only
-    spec = importlib.util.spec_from_file_location(
-        "collectives", ROOT / "lessons" / "17_collectives.py"
-    )
-    lesson = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lesson)
-
+    lesson = lesson_script("17_collectives.py")
     boxes, sent = [queue.Queue() for _ in range(n)], []
     lock = threading.Lock()
 
@@ -77,11 +89,7 @@ def ring_steps(n=4):
         x = torch.tensor([[2.0**r, c] for c in range(n)], dtype=torch.float64).flatten()
         lesson.ring_all_reduce(Recording(r, boxes), x)
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    on_threads(n, rank_main)
     return sorted(sent)
 
 

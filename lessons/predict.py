@@ -62,6 +62,40 @@ def in_flight(schedule):
     return peak
 
 
+def gqa_attention_params():
+    # one Llama block's attention on meta: h = 64, 8 query heads, 2 key/value heads, no biases
+    cfg = GPTConfig(**{**CFG, "n_head": 8, "n_embd": 64}, n_kv_head=2, arch="llama", ffn_hidden=128)
+    with torch.device("meta"):
+        attn = GPT(cfg).blocks["0"].attn
+    return sum(p.numel() for p in attn.parameters())
+
+
+def moe_active_params():
+    # one MoE block's MLP: the router plus the top_k experts a token is sent to (each expert alike)
+    cfg = GPTConfig(**CFG, arch="llama", ffn_hidden=64, n_experts=4, top_k=2)
+    with torch.device("meta"):
+        mlp = GPT(cfg).blocks["0"].mlp
+    expert = sum(p.numel() for p in mlp.experts["0"].parameters())
+    return mlp.router.weight.numel() + cfg.top_k * expert
+
+
+def ring_bytes_per_rank():
+    # lesson 17's ring all-reduce run on 8 threads standing in for ranks, its sends' bytes counted
+    import diagrams  # lessons/diagrams.py: the ring on threads
+
+    n, sent = 8, []
+
+    class Counting(diagrams.ThreadRing):
+        def p2p(self, sends, recvs):
+            sent.extend(t.numel() * t.element_size() for t, peer in sends if self.rank == 0)
+            super().p2p(sends, recvs)
+
+    lesson = diagrams.lesson_script("17_collectives.py")
+    boxes = [diagrams.queue.Queue() for _ in range(n)]
+    diagrams.on_threads(n, lambda r: lesson.ring_all_reduce(Counting(r, boxes), torch.ones(1024)))
+    return sum(sent)
+
+
 def _world():
     """One world of 2: plain DP's and ZeRO-1's bytes per parameter, and a tp=2 layer's forward
     bytes."""
@@ -90,6 +124,9 @@ QUESTIONS = {  # name: (lesson, how it is measured)
     "1f1b-bubble": ("05", bubble_1f1b),
     "1f1b-in-flight": ("05", in_flight("1f1b")),
     "gpipe-in-flight": ("05", in_flight("gpipe")),
+    "gqa-attention-params": ("13", gqa_attention_params),
+    "moe-active-params": ("14", moe_active_params),
+    "ring-bytes-per-rank": ("17", ring_bytes_per_rank),
 }
 
 

@@ -34,4 +34,15 @@ PREDICTIONS = {
     "1f1b-in-flight": None,
     # lesson 05: the same for GPipe (all forwards, then all backwards)
     "gpipe-in-flight": None,
+    # lesson 13: parameters of one Llama block's attention (q, k, v and output projections, no
+    # biases) at width h = 64 with 8 query heads and 2 key/value heads. Careful: k and v are as wide
+    # as the key/value heads, not as h
+    "gqa-attention-params": None,
+    # lesson 14: a MoE block at width h = 32, SwiGLU experts of width f = 64 (three h x f matrices
+    # each), E = 4 experts, top-2: the parameters of the MLP that one token's output depends on (the
+    # router counts: it scores every expert)
+    "moe-active-params": None,
+    # lesson 17: a ring all-reduce over n = 8 ranks of a 1024-element fp32 tensor: bytes ONE rank
+    # sends. Careful: per rank, not summed over the ranks, and both phases
+    "ring-bytes-per-rank": None,
 }

@@ -15,4 +15,8 @@ PREDICTIONS = {
     "1f1b-bubble": (p - 1) / (12 + p - 1),  # m = 12 here: idle / step
     "1f1b-in-flight": p,  # stage k: p - k
     "gpipe-in-flight": m,
+    # q and the output h x h each; k and v h x (n_kv h / n_head) each
+    "gqa-attention-params": 2 * 64 * 64 + 2 * 64 * (2 * 64 // 8),
+    "moe-active-params": 4 * 32 + 2 * 3 * 32 * 64,  # router E h + k experts of 3 h f
+    "ring-bytes-per-rank": 2 * (8 - 1) / 8 * 1024 * 4,  # 2 (n - 1) / n x B
 }
