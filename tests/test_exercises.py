@@ -23,6 +23,7 @@ SOLUTIONS = {
     "vocab-ce": "vocab_ce.py",
     "1f1b": "one_f_one_b.py",
     "flat": "flat.py",
+    "cp-merge": "cp_merge.py",
 }
 BUGGY_1F1B = """from nanomega.schedules import Op
 
@@ -45,6 +46,17 @@ def one_f_one_b(p, rank, m, v=1):
     for i in range(m - warmup):
         rounds += [[Op("F", warmup + i)], [Op("B", i)]]
     return rounds + [[Op("B", i)] for i in range(max(m - warmup, 0), m)]
+"""
+
+# a merge that averages the two parts instead of weighting each by its share of the union's sum
+UNWEIGHTED_MERGE = """from nanomega.cp import positions, torch
+
+
+def merge(acc, new):
+    if acc is None:
+        return new
+    (o1, l1), (o2, l2) = acc, new
+    return (o1 + o2) / 2, torch.logaddexp(l1, l2)  # the planted bug: no re-weighting
 """
 
 
@@ -75,7 +87,7 @@ def test_every_solution_passes_its_tests():
     rc, verdicts, out = check(*pairs(EX / "solutions", SOLUTIONS))
     assert verdicts == dict.fromkeys(SOLUTIONS, "PASS") and rc == 0, out
     # every test ran, none skipped
-    assert len(re.findall(r"^PASS ", out, re.M)) >= 9 + 9 + 12 + 16, out
+    assert len(re.findall(r"^PASS ", out, re.M)) >= 9 + 9 + 12 + 16 + 9, out
 
 
 def test_untouched_starters_and_a_planted_bug_fail(tmp_path):
@@ -85,10 +97,17 @@ def test_untouched_starters_and_a_planted_bug_fail(tmp_path):
     same way in the pytest process itself."""
     buggy = tmp_path / "buggy_1f1b.py"
     buggy.write_text(BUGGY_1F1B)
+    merge = tmp_path / "unweighted_merge.py"
+    merge.write_text(UNWEIGHTED_MERGE)
     rc, verdicts, out = check(
-        "--quick", *pairs(EX, ["tp-fg", "flat"]), "--exercise", "1f1b", str(buggy)
+        "--quick",
+        *pairs(EX, ["tp-fg", "flat"]),
+        *("--exercise", "1f1b", str(buggy), "--exercise", "cp-merge", str(merge)),
     )
-    assert verdicts == dict.fromkeys(["tp-fg", "flat", "1f1b"], "FAIL") and rc == 1, out
+    assert verdicts == dict.fromkeys(["tp-fg", "flat", "1f1b", "cp-merge"], "FAIL") and rc == 1, out
+    assert re.search(r"^FAIL tests/test_cp_merge.py::.*merged output: \|got - want\|", out, re.M), (
+        out
+    )
     for name in ("tp-fg", "flat"):  # raised in a spawned rank: the substitution reached the ranks
         assert re.search(
             rf"^FAIL .*\(rank \d failed: NotImplementedError: exercise {name}:", out, re.M
@@ -107,7 +126,7 @@ def test_a_file_without_the_names_is_one_line(tmp_path):
         "nanomega.tp:CopyToTensorParallel; keep the starter's names"
     ], out
     rc, _, out = check("--exercise", "no-such", str(empty))
-    assert rc == 2 and "choose one of tp-fg, vocab-ce, 1f1b, flat" in out, out
+    assert rc == 2 and "choose one of tp-fg, vocab-ce, 1f1b, cp-merge, flat" in out, out
 
 
 def test_predictions_graded_right_and_wrong(tmp_path):
