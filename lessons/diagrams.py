@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "lessons"))
 
-from nanomega import cp, schedules, tp, zero_rules  # noqa: E402
+from nanomega import cp, dist, schedules, tp, zero_rules  # noqa: E402
 
 FOLDER = ROOT / "lessons" / "figures"
 DPI = 72
@@ -139,6 +139,21 @@ def gqa_groups(n_head=8, n_kv=2):
     """Which key/value head each query head reads: model.py's repeat_interleave of the kv heads."""
     kv = torch.arange(n_kv).view(1, n_kv, 1, 1)
     return kv.repeat_interleave(n_head // n_kv, dim=1).flatten().tolist()
+
+
+def grid_groups(dp=2, pp=2, tp=4):
+    """{rank: (dp, pp, tp) coordinates} and the tp, pp and dp groups of a 3D layout, from
+    dist.layout: tp fastest (neighbours inside a node), then pp, dp outermost."""
+    groups = {
+        axis: [g.tolist() for g in dist.layout(dp=dp, pp=pp, tp=tp)[axis]]
+        for axis in ("tp", "pp", "dp")
+    }
+    coords = {}
+    for axis in ("dp", "pp", "tp"):
+        for group in groups[axis]:
+            for index, rank in enumerate(group):
+                coords.setdefault(rank, {})[axis] = index
+    return {r: (c["dp"], c["pp"], c["tp"]) for r, c in sorted(coords.items())}, groups
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -298,7 +313,42 @@ def draw_gqa(path):
     fig.savefig(path, dpi=DPI)
 
 
+def draw_grid(path):
+    plt = _plt()
+    coords, groups = grid_groups()
+    fig, ax = plt.subplots(figsize=(7.5, 3))
+    colours = plt.get_cmap("tab10")
+    per_node = 8
+    for rank, (d, p, t) in coords.items():
+        x, y = rank % per_node, 1 - rank // per_node
+        ax.add_patch(
+            plt.Rectangle((x + 0.05, y + 0.1), 0.9, 0.8, color=colours(2 * d + p), alpha=0.35)
+        )
+        ax.text(
+            x + 0.5,
+            y + 0.5,
+            f"rank {rank}\ndp{d} pp{p} tp{t}",
+            ha="center",
+            va="center",
+            fontsize=8,
+        )
+    for node in range(len(coords) // per_node):
+        ax.add_patch(plt.Rectangle((0, 1 - node), per_node, 1, fill=False, lw=2))
+        ax.text(per_node + 0.1, 1.5 - node, f"node {node}", va="center", fontsize=9)
+    ax.set_xlim(0, per_node + 1.2)
+    ax.set_ylim(0, 2)
+    ax.axis("off")
+    ax.set_title(
+        "dp 2 x pp 2 x tp 4 on two 8-GPU nodes (dist.layout): a colour is one (dp, pp) tp group of 4 "
+        "neighbours;\npp pairs sit in one node, dp replicas across nodes",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
 DIAGRAMS = {
+    "diagram_grid.png": draw_grid,
     "diagram_ring.png": draw_ring,
     "diagram_zero.png": draw_zero,
     "diagram_tp.png": draw_tp,

@@ -66,6 +66,13 @@ def test_cp_ranks_hold_a_head_and_its_mirror_tail_with_equal_work():
     assert len(set(work.values())) == 1
 
 
+def test_grid_puts_tp_neighbours_inside_a_node_and_dp_outermost():
+    coords, groups = diagrams.grid_groups(dp=2, pp=2, tp=4)
+    assert all(group == list(range(group[0], group[0] + 4)) for group in groups["tp"])
+    assert all(r // 8 == coords_dp for r, (coords_dp, _, _) in coords.items())  # dp picks the node
+    assert coords[5] == (0, 1, 1) and len(groups["pp"]) == 8 and len(groups["dp"]) == 8
+
+
 def test_causal_tiles_are_the_lower_triangle():
     computed, t = diagrams.causal_tiles()
     assert len(computed) == t * (t + 1) // 2 and all(j <= i for i, j in computed)
