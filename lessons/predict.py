@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from nanomega import dist, schedules, tp, worlds
+from nanomega import cp, dist, recompute, schedules, tp, worlds
 from nanomega.gpt_config import GPTConfig
 
 # the minimal track, in the ranks too
@@ -60,6 +60,14 @@ def in_flight(schedule):
         return most
 
     return peak
+
+
+def full_recompute_saved_bytes():
+    # autograd's saved bytes in block 0 under full recompute, the GPT above on a (4, 16) batch
+    torch.manual_seed(0)
+    model = recompute.apply_recompute(GPT(GPTConfig(**CFG)), "full")
+    x = torch.randint(256, (4, 16))
+    return recompute.saved_bytes_per_layer(model, lambda: model(x, x.roll(1, 1)))["0"]
 
 
 def gqa_attention_params():
@@ -107,11 +115,19 @@ def _world():
     ).blocks["0"]
     grid.log.reset()
     block(torch.randn(2, 16, 32))
+    tp_bytes = grid.log.wire_bytes("tp")
+
+    # ring attention over cp = 2: this rank's 8 of 16 tokens, 4 heads of 8, fp32, forward only
+    ring = dist.Grid(cp=2)
+    q, k, v = (torch.randn(1, 4, 8, 8) for _ in range(3))
+    ring.log.reset()
+    cp.attention(q, k, v, ring.cp, "ring")
     # less the loss's 4
     return {
         "dp-wire-bytes-per-param": (naive["bytes_per_step"] - 4) / naive["params"],
         "zero1-state-bytes-per-param": zero["state_bytes"] / zero["params"],
-        "tp-forward-wire-bytes": grid.log.wire_bytes("tp"),
+        "tp-forward-wire-bytes": tp_bytes,
+        "cp-ring-forward-bytes": ring.log.wire_bytes("cp"),
     }
 
 
@@ -124,8 +140,10 @@ QUESTIONS = {  # name: (lesson, how it is measured)
     "1f1b-bubble": ("05", bubble_1f1b),
     "1f1b-in-flight": ("05", in_flight("1f1b")),
     "gpipe-in-flight": ("05", in_flight("gpipe")),
+    "full-recompute-saved-bytes": ("07", full_recompute_saved_bytes),
     "gqa-attention-params": ("13", gqa_attention_params),
     "moe-active-params": ("14", moe_active_params),
+    "cp-ring-forward-bytes": ("15", "world"),
     "ring-bytes-per-rank": ("17", ring_bytes_per_rank),
 }
 

@@ -34,6 +34,9 @@ PREDICTIONS = {
     "1f1b-in-flight": None,
     # lesson 05: the same for GPipe (all forwards, then all backwards)
     "gpipe-in-flight": None,
+    # lesson 07: full recompute, the GPT above on a (4, 16) batch: the bytes autograd keeps for
+    # backward inside one block during the forward. Careful: what the block recomputes is not kept
+    "full-recompute-saved-bytes": None,
     # lesson 13: parameters of one Llama block's attention (q, k, v and output projections, no
     # biases) at width h = 64 with 8 query heads and 2 key/value heads. Careful: k and v are as wide
     # as the key/value heads, not as h
@@ -45,4 +48,8 @@ PREDICTIONS = {
     # lesson 17: a ring all-reduce over n = 8 ranks of a 1024-element fp32 tensor: bytes ONE rank
     # sends. Careful: per rank, not summed over the ranks, and both phases
     "ring-bytes-per-rank": None,
+    # lesson 15: ring attention over cp = 2, one layer's FORWARD: each rank holds 8 of 16 tokens, 4
+    # heads of 8 dims, batch 1, fp32, no grouped-query: bytes one rank sends. Careful: the ring moves
+    # keys and values, not queries
+    "cp-ring-forward-bytes": None,
 }
