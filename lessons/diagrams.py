@@ -121,6 +121,45 @@ def tp_owners(h=8, t=2):
     return owners
 
 
+class TracingAxis:
+    """A tensor-parallel axis of `size` ranks seen from rank 0 alone: each collective is recorded
+    as (op, input shape, output shape) and returns a tensor of the right shape (values are not the
+    real sums: only the shapes and the order are drawn)."""
+
+    def __init__(self, size=2):
+        self.name, self.size, self.rank, self.trace = "tp", size, 0, []
+
+    def all_reduce(self, t, op=None):
+        self.trace.append(("all_reduce", tuple(t.shape), tuple(t.shape)))
+        return t
+
+    def all_gather(self, out, t):
+        self.trace.append(("all_gather", tuple(t.shape), tuple(out.shape)))
+        return out.copy_(torch.cat([t] * self.size))
+
+    def reduce_scatter(self, out, t):
+        self.trace.append(("reduce_scatter", tuple(t.shape), tuple(out.shape)))
+        return out.copy_(t[: out.shape[0]])
+
+    def start(self, op, out, t=None):  # the overlapped form: done at once, no Work to wait on
+        getattr(self, op)(*((out, t) if t is not None else (out,)))
+
+
+def sp_trace(n_layer=2, t=2, b=2, s=16, h=32):
+    """The collectives of one forward of a GPT under tp + sequence parallelism, in order, from
+    tp.apply_tensor_parallel's modules run on a TracingAxis: [(op, input shape, output shape)]."""
+    from nanomega.gpt_config import GPTConfig
+    from nanomega.model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=s, n_layer=n_layer, n_head=4, n_embd=h))
+    axis = TracingAxis(t)
+    tp.apply_tensor_parallel(model, axis, sequence_parallel=True)
+    x = torch.randint(256, (b, s))
+    model(x, x)
+    return axis.trace
+
+
 def cp_chunks(s=16, n=4):
     """{rank: its token positions} for context parallelism over n ranks (cp.positions), and each
     rank's causal work in (chunk, chunk) pairs."""
@@ -243,6 +282,48 @@ def draw_1f1b(path):
     schedules.draw_timeline(traces, path)
 
 
+def draw_sp(path):
+    plt = _plt()
+    trace = sp_trace(n_layer=1)
+    fig, ax = plt.subplots(figsize=(9, 2.2))
+    names = {
+        "all_gather": "all-gather",
+        "reduce_scatter": "reduce-scatter",
+        "all_reduce": "all-reduce",
+    }
+    where = [
+        "embedding\n(vocab split)",
+        "attention\n(heads split)",
+        "MLP\n(cols, rows)",
+        "LM head",
+    ]
+    x, region = 0.0, 0
+    for op, *_ in trace:
+        if op == "all_reduce":  # the loss's few floats (lesson 03), not an activation
+            continue
+        # the region before the collective: sequence-split after a reduce-scatter
+        split = op == "all_gather"
+        colour = "tab:green" if split else "tab:blue"
+        label = "LN, dropout,\nresidual\n(b, s/t, h)" if split else where[min(region, 3)]
+        ax.add_patch(plt.Rectangle((x, 0.3), 1.6, 0.5, color=colour, alpha=0.3))
+        ax.text(x + 0.8, 0.55, label, ha="center", va="center", fontsize=7)
+        ax.annotate(names[op], (x + 1.6, 0.85), ha="center", fontsize=7, color="k")
+        region += not split
+        x += 1.8
+    ax.add_patch(plt.Rectangle((x, 0.3), 1.6, 0.5, color="tab:blue", alpha=0.3))
+    ax.text(x + 0.8, 0.55, where[3], ha="center", va="center", fontsize=7)
+    ax.set_xlim(-0.1, x + 1.8)
+    ax.set_ylim(0.1, 1.0)
+    ax.axis("off")
+    ax.set_title(
+        "One layer's forward under tp + SP (tp.py's modules, traced): green holds 1/t of the tokens, "
+        "blue all of them",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
 def draw_cp(path):
     plt = _plt()
     s, n = 16, 4
@@ -353,6 +434,7 @@ DIAGRAMS = {
     "diagram_zero.png": draw_zero,
     "diagram_tp.png": draw_tp,
     "diagram_1f1b.png": draw_1f1b,
+    "diagram_sp.png": draw_sp,
     "diagram_cp.png": draw_cp,
     "diagram_flash.png": draw_flash,
     "diagram_gqa.png": draw_gqa,

@@ -157,6 +157,7 @@ SCRIPTED = {
     "diagram_zero.png": "lessons/diagrams.py",
     "diagram_tp.png": "lessons/diagrams.py",
     "diagram_1f1b.png": "lessons/diagrams.py",
+    "diagram_sp.png": "lessons/diagrams.py",
     "diagram_cp.png": "lessons/diagrams.py",
     "diagram_flash.png": "lessons/diagrams.py",
     "diagram_gqa.png": "lessons/diagrams.py",

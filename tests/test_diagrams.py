@@ -44,6 +44,21 @@ def test_tp_splits_columns_then_rows():
         assert (fc[rows] == rank).all() and (proj[:, rows] == rank).all()
 
 
+def test_sp_forward_is_gather_then_reduce_scatter_twice_per_layer_and_no_all_reduce():
+    t, b, s, h = 2, 2, 16, 32
+    trace = diagrams.sp_trace(n_layer=2, t=t, b=b, s=s, h=h)
+    split, full = (t * b, s // t, h), (b, s // t, h)  # (b, s/t, h) per rank; t of them stacked
+    activations = [op for op in trace if op[0] != "all_reduce"]
+    # embedding: reduce-scatter into sequence shards; each layer: gather -> attention -> scatter,
+    # gather -> MLP -> scatter; the LM head: one last gather
+    want = [("reduce_scatter", split, full)]
+    want += [("all_gather", full, split), ("reduce_scatter", split, full)] * 2 * 2
+    want += [("all_gather", full, split)]
+    assert activations == want
+    # the only all-reduces are the vocabulary-parallel loss's few floats per row, not activations
+    assert all(op[1][-1] != h or len(op[1]) < 3 for op in trace if op[0] == "all_reduce")
+
+
 def test_1f1b_picture_has_the_formula_bubble_and_p_minus_rank_in_flight():
     p, m = 4, 8
     traces = schedules.simulate(p, m, "1f1b")
