@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "lessons"))
 
-from nanomega import cp, dist, schedules, tp, zero_rules  # noqa: E402
+from nanomega import cp, dist, flat, schedules, tp, zero_rules  # noqa: E402
 
 FOLDER = ROOT / "lessons" / "figures"
 DPI = 72
@@ -158,6 +158,25 @@ def sp_trace(n_layer=2, t=2, b=2, s=16, h=32):
     x = torch.randint(256, (b, s))
     model(x, x)
     return axis.trace
+
+
+RESHARD_PARAMS = (("wte", 24), ("ln.w", 6), ("attn.w", 30), ("mlp.w", 20))  # names, element counts
+
+
+def shard_pieces(n):
+    """{rank: [(name, start, end)]}: the elements of each parameter rank r owns when the flat
+    buffer of RESHARD_PARAMS is split over n ranks (flat.FlatGroup.pieces, turned into the
+    parameter's own coordinates, the (name, start, end) a checkpoint saves)."""
+    named = [(name, torch.zeros(size)) for name, size in RESHARD_PARAMS]
+    owned = {}
+    for rank in range(n):
+        group = flat.FlatGroup(named, n, rank, split=True, keep="shard")
+        offsets = dict(zip(group.names, group.offsets))
+        owned[rank] = [
+            (group.names[i], a - offsets[group.names[i]], b - offsets[group.names[i]])
+            for i, a, b in group.pieces()
+        ]
+    return owned
 
 
 def cp_chunks(s=16, n=4):
@@ -324,6 +343,40 @@ def draw_sp(path):
     fig.savefig(path, dpi=DPI)
 
 
+def draw_reshard(path):
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 2.6))
+    colours = plt.get_cmap("tab10")
+    sizes = [size for _, size in RESHARD_PARAMS]
+    offset = {name: sum(sizes[:i]) for i, (name, _) in enumerate(RESHARD_PARAMS)}
+    total = sum(sizes)
+    for row, n in enumerate((4, 2)):
+        y = 1 - row
+        for rank, pieces in shard_pieces(n).items():
+            for i, (name, a, b) in enumerate(pieces):
+                colour = colours([p for p, _ in RESHARD_PARAMS].index(name))
+                ax.add_patch(
+                    plt.Rectangle((offset[name] + a, y + 0.15), b - a, 0.6, color=colour, alpha=0.5)
+                )
+                if i == 0:
+                    ax.text(offset[name] + a + 0.5, y + 0.82, f"rank {rank}", fontsize=7)
+            lo = rank * -(-total // n)  # rank r owns [r S, (r + 1) S), S = ceil(total / n)
+            ax.axvline(lo, ymin=(y + 0.1) / 2, ymax=(y + 0.9) / 2, color="k", lw=1)
+        ax.text(-1, y + 0.45, f"N = {n}", ha="right", va="center", fontsize=9)
+    for name, size in RESHARD_PARAMS:
+        ax.text(offset[name] + size / 2, 0.02, name, ha="center", fontsize=8)
+    ax.set_xlim(-8, total + 2)
+    ax.set_ylim(0, 2)
+    ax.axis("off")
+    ax.set_title(
+        "One flat buffer split over 4 and over 2 ranks (flat.FlatGroup): a checkpoint saves each "
+        "piece as (name, start, end),\nso a run at N = 2 reads what N = 4 wrote by name",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
 def draw_cp(path):
     plt = _plt()
     s, n = 16, 4
@@ -436,6 +489,7 @@ DIAGRAMS = {
     "diagram_1f1b.png": draw_1f1b,
     "diagram_sp.png": draw_sp,
     "diagram_cp.png": draw_cp,
+    "diagram_reshard.png": draw_reshard,
     "diagram_flash.png": draw_flash,
     "diagram_gqa.png": draw_gqa,
 }

@@ -159,6 +159,7 @@ SCRIPTED = {
     "diagram_1f1b.png": "lessons/diagrams.py",
     "diagram_sp.png": "lessons/diagrams.py",
     "diagram_cp.png": "lessons/diagrams.py",
+    "diagram_reshard.png": "lessons/diagrams.py",
     "diagram_flash.png": "lessons/diagrams.py",
     "diagram_gqa.png": "lessons/diagrams.py",
 }

@@ -59,6 +59,20 @@ def test_sp_forward_is_gather_then_reduce_scatter_twice_per_layer_and_no_all_red
     assert all(op[1][-1] != h or len(op[1]) < 3 for op in trace if op[0] == "all_reduce")
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_reshard_pieces_cover_every_parameter_once_at_any_n(n):
+    owned = diagrams.shard_pieces(n)
+    for name, size in diagrams.RESHARD_PARAMS:
+        ranges = sorted((a, b) for pieces in owned.values() for p, a, b in pieces if p == name)
+        assert ranges[0][0] == 0 and ranges[-1][1] == size, name
+        assert all(b1 == a2 for (_, b1), (a2, _) in zip(ranges, ranges[1:])), (
+            name
+        )  # no gap, no overlap
+    # each rank owns ceil(80 / n) elements of the buffer, the last one what is left
+    sizes = [sum(b - a for _, a, b in owned[r]) for r in range(n)]
+    assert sizes == [min(-(-80 // n), 80 - r * -(-80 // n)) for r in range(n)]
+
+
 def test_1f1b_picture_has_the_formula_bubble_and_p_minus_rank_in_flight():
     p, m = 4, 8
     traces = schedules.simulate(p, m, "1f1b")
