@@ -10,6 +10,7 @@ Needs the `plot` extra (matplotlib) to draw; the data functions need only torch.
 """
 
 import argparse
+import ast
 import os
 import queue
 import sys
@@ -177,6 +178,29 @@ def shard_pieces(n):
             for i, a, b in group.pieces()
         ]
     return owned
+
+
+STEPS = ("apply_", "build_stage", "cast_model", "materialize", "ZeroEngine")  # what composes
+
+
+def compose_order():
+    """The techniques nanomega/compose.py:build applies, in its source order: each call of a
+    module's apply_*, pp.build_stage, precision.cast_model, meta.materialize and zero.ZeroEngine,
+    read from the code itself (ast), as "module.function"."""
+    tree = ast.parse((ROOT / "nanomega" / "compose.py").read_text())
+    build = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "build")
+    calls = [
+        n
+        for n in ast.walk(build)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and isinstance(n.func.value, ast.Name)
+        and n.func.attr.startswith(STEPS)
+    ]
+    return [
+        f"{c.func.value.id}.{c.func.attr}"
+        for c in sorted(calls, key=lambda c: (c.lineno, c.col_offset))
+    ]
 
 
 def cp_chunks(s=16, n=4):
@@ -377,6 +401,26 @@ def draw_reshard(path):
     fig.savefig(path, dpi=DPI)
 
 
+def draw_compose(path):
+    plt = _plt()
+    steps = compose_order()
+    fig, ax = plt.subplots(figsize=(4.2, 0.45 * len(steps) + 0.8))
+    for i, step in enumerate(steps):
+        y = len(steps) - 1 - i
+        ax.add_patch(plt.Rectangle((0, y + 0.1), 1, 0.7, color="tab:blue", alpha=0.25))
+        ax.text(0.5, y + 0.45, step, ha="center", va="center", fontsize=8)
+        if i:
+            ax.annotate("", (0.5, y + 0.8), (0.5, y + 1.1), arrowprops=dict(arrowstyle="->"))
+    ax.set_xlim(-0.05, 1.05)
+    ax.set_ylim(0, len(steps))
+    ax.axis("off")
+    ax.set_title(
+        "compose.build: one rank's model, in this order\n(read from its source)", fontsize=9
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
 def draw_cp(path):
     plt = _plt()
     s, n = 16, 4
@@ -482,6 +526,7 @@ def draw_grid(path):
 
 
 DIAGRAMS = {
+    "diagram_compose.png": draw_compose,
     "diagram_grid.png": draw_grid,
     "diagram_ring.png": draw_ring,
     "diagram_zero.png": draw_zero,

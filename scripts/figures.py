@@ -152,6 +152,7 @@ SCRIPTED = {
     "11_mfu_heatmap.png": "lessons/11_plan.py",
     "14_expert_loads.png": "lessons/14_experts.py",
     # the pictures of the ideas: drawn from the code that does them, no run needed
+    "diagram_compose.png": "lessons/diagrams.py",
     "diagram_grid.png": "lessons/diagrams.py",
     "diagram_ring.png": "lessons/diagrams.py",
     "diagram_zero.png": "lessons/diagrams.py",

@@ -102,6 +102,23 @@ def test_grid_puts_tp_neighbours_inside_a_node_and_dp_outermost():
     assert coords[5] == (0, 1, 1) and len(groups["pp"]) == 8 and len(groups["dp"]) == 8
 
 
+def test_compose_order_is_the_lessons_order():
+    """Lesson 09's order: tensor parallel -> experts, context parallel -> pipeline stage ->
+    recompute -> fused kernels -> precision -> the engine (a new technique may add a step between)."""
+    order = diagrams.compose_order()
+    lesson = [
+        "tp.apply_tensor_parallel",
+        "ep.apply_expert_parallel",
+        "cp.apply_context_parallel",
+        "pp.build_stage",
+        "recompute.apply_recompute",
+        "fused.apply_fused",
+        "precision.cast_model",
+        "zero.ZeroEngine",
+    ]
+    assert [step for step in order if step in lesson] == lesson, order
+
+
 def test_causal_tiles_are_the_lower_triangle():
     computed, t = diagrams.causal_tiles()
     assert len(computed) == t * (t + 1) // 2 and all(j <= i for i, j in computed)
