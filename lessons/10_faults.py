@@ -15,8 +15,9 @@ from nanomega import checkpoint, reshard  # noqa: E402
 
 # 1. the failure law: N devices, each failing independently with probability p per day. Two
 # published rates:
-#    BLOOM: "1-2 GPU failures a week" on 384 A100s (BigScience, The Technology Behind BLOOM Training, 2022):
-#    1.5 / 7 / 384 = 5.6e-4 per GPU per day; DLRover's 0.27% per GPU per day (as cited by this project's survey).
+#    BLOOM: "1-2 GPU failures a week" on a cluster of "about 400 GPUs" (BigScience, The Technology Behind
+#    BLOOM Training, 2022), counted over the job's 384: 1.5 / 7 / 384 = 5.6e-4 per GPU per day; DLRover's
+#    0.27% per GPU per day ("about 8% per card in a month", docs/blogs/stabilize_llm_training_cn.md).
 import math  # noqa: E402
 
 n = 1000

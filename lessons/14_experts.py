@@ -121,9 +121,11 @@ def main(figure=None):
     total, active = formulas.moe_layer_params(4096, 14336, 32, 8, 8, 2)
     check("Mixtral 8x7B block parameters, counted on meta vs formula", block, total)
     full = 32 * total + 2 * 32000 * 4096 + 4096
+    n_active = 32 * active + 2 * 32000 * 4096
     print(
-        f"Mixtral 8x7B: {full / 1e9:.1f} B parameters, {(32 * active + 2 * 32000 * 4096) / 1e9:.1f} B active "
-        f"per token: {6 * (32 * active + 32000 * 4096) / 1e9:.0f} GFLOP/token of training (6 N_active)"
+        f"Mixtral 8x7B: {full / 1e9:.1f} B parameters, {n_active / 1e9:.1f} B active per token: "
+        f"6 N_active = {6 * n_active / 1e9:.0f} GFLOP/token of training, "
+        f"{6 * (n_active - 32000 * 4096) / 1e9:.0f} without the input embedding (a lookup, not a matmul)"
     )
     # 2. the two routing conventions: Mixtral's softmax over the top-k logits = softmax over all,
     # top-k, renormalized

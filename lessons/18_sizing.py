@@ -4,6 +4,7 @@ against published tables.
 Run from the repository root: python lessons/18_sizing.py
 """
 
+import math
 import os
 import sys
 from dataclasses import replace
@@ -74,10 +75,18 @@ for size, batch, lr in GPT3:
     print(
         f"  {size:>5}: batch {batch / 1e6:3.1f}M tokens ({batch / 2048:5.0f} sequences of 2048), lr {lr:.1e}"
     )
-warm = 375e6 / 3.2e6
+
+# the 175B run's warm-up (375M tokens) happens inside its batch ramp (32k -> 3.2M tokens, linear in the tokens
+# seen, over the first 4-12B tokens: App. B): a batch b(T) = b0 + (b1 - b0) T / R tokens at T tokens, so the
+# steps over the first W tokens are the integral of dT / b(T) = R / (b1 - b0) ln(b(W) / b0)
+b0, b1, warm = 32e3, 3.2e6, 375e6
+steps = {
+    ramp: ramp / (b1 - b0) * math.log((b0 + (b1 - b0) * warm / ramp) / b0) for ramp in (4e9, 12e9)
+}
 print(
-    f"  warm-up 375M tokens = {warm:.0f} steps of 3.2M tokens for 175B; cosine decay to 10% of the peak over 260B"
-    f" tokens; the batch ramped up linearly from 32k tokens over the first 4-12B tokens"
+    f"  175B: warm-up 375M tokens, inside the batch ramp from 32k tokens over the first 4-12B tokens: "
+    f"{steps[4e9]:,.0f} steps (ramp over 4B) to {steps[12e9]:,.0f} (over 12B), not {warm / b1:.0f} steps of "
+    f"3.2M; cosine decay to 10% of the peak over 260B tokens"
 )
 
 # 4. what the budget costs on a cluster: the planner on a compute-optimal 70B (the llama3-70b preset

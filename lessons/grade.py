@@ -90,6 +90,13 @@ EXERCISES = {
         "tests/test_pp.py::test_op_orders_literal",
         "the 1F1B schedule: warm-up, steady state, cool-down",
     ),
+    "cp-merge": Exercise(
+        "15",
+        ("nanomega.cp:merge", "nanomega.cp:positions"),
+        ("tests/test_cp_merge.py",),
+        "tests/test_cp_merge.py::test_merge_equals_softmax_over_both_key_sets[(0, 6, 12)]",
+        "context parallelism's online-softmax merge and its head/tail chunks",
+    ),
     "flat": Exercise(
         "02",
         (

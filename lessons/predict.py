@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from nanomega import dist, schedules, tp, worlds
+from nanomega import cp, dist, recompute, schedules, tp, worlds
 from nanomega.gpt_config import GPTConfig
 
 # the minimal track, in the ranks too
@@ -47,7 +47,7 @@ def flops_per_token():
 
 
 def bubble_1f1b():
-    return schedules.bubble_fraction(schedules.simulate(4, 8, "1f1b"))
+    return schedules.bubble_fraction(schedules.simulate(4, 12, "1f1b"))
 
 
 def in_flight(schedule):
@@ -62,6 +62,48 @@ def in_flight(schedule):
     return peak
 
 
+def full_recompute_saved_bytes():
+    # autograd's saved bytes in block 0 under full recompute, the GPT above on a (4, 16) batch
+    torch.manual_seed(0)
+    model = recompute.apply_recompute(GPT(GPTConfig(**CFG)), "full")
+    x = torch.randint(256, (4, 16))
+    return recompute.saved_bytes_per_layer(model, lambda: model(x, x.roll(1, 1)))["0"]
+
+
+def gqa_attention_params():
+    # one Llama block's attention on meta: h = 64, 8 query heads, 2 key/value heads, no biases
+    cfg = GPTConfig(**{**CFG, "n_head": 8, "n_embd": 64}, n_kv_head=2, arch="llama", ffn_hidden=128)
+    with torch.device("meta"):
+        attn = GPT(cfg).blocks["0"].attn
+    return sum(p.numel() for p in attn.parameters())
+
+
+def moe_active_params():
+    # one MoE block's MLP: the router plus the top_k experts a token is sent to (each expert alike)
+    cfg = GPTConfig(**CFG, arch="llama", ffn_hidden=64, n_experts=4, top_k=2)
+    with torch.device("meta"):
+        mlp = GPT(cfg).blocks["0"].mlp
+    expert = sum(p.numel() for p in mlp.experts["0"].parameters())
+    return mlp.router.weight.numel() + cfg.top_k * expert
+
+
+def ring_bytes_per_rank():
+    # lesson 17's ring all-reduce run on 8 threads standing in for ranks, its sends' bytes counted
+    import diagrams  # lessons/diagrams.py: the ring on threads
+
+    n, sent = 8, []
+
+    class Counting(diagrams.ThreadRing):
+        def p2p(self, sends, recvs):
+            sent.extend(t.numel() * t.element_size() for t, peer in sends if self.rank == 0)
+            super().p2p(sends, recvs)
+
+    lesson = diagrams.lesson_script("17_collectives.py")
+    boxes = [diagrams.queue.Queue() for _ in range(n)]
+    diagrams.on_threads(n, lambda r: lesson.ring_all_reduce(Counting(r, boxes), torch.ones(1024)))
+    return sum(sent)
+
+
 def _world():
     """One world of 2: plain DP's and ZeRO-1's bytes per parameter, and a tp=2 layer's forward
     bytes."""
@@ -73,11 +115,19 @@ def _world():
     ).blocks["0"]
     grid.log.reset()
     block(torch.randn(2, 16, 32))
+    tp_bytes = grid.log.wire_bytes("tp")
+
+    # ring attention over cp = 2: this rank's 8 of 16 tokens, 4 heads of 8, fp32, forward only
+    ring = dist.Grid(cp=2)
+    q, k, v = (torch.randn(1, 4, 8, 8) for _ in range(3))
+    ring.log.reset()
+    cp.attention(q, k, v, ring.cp, "ring")
     # less the loss's 4
     return {
         "dp-wire-bytes-per-param": (naive["bytes_per_step"] - 4) / naive["params"],
         "zero1-state-bytes-per-param": zero["state_bytes"] / zero["params"],
-        "tp-forward-wire-bytes": grid.log.wire_bytes("tp"),
+        "tp-forward-wire-bytes": tp_bytes,
+        "cp-ring-forward-bytes": ring.log.wire_bytes("cp"),
     }
 
 
@@ -90,6 +140,11 @@ QUESTIONS = {  # name: (lesson, how it is measured)
     "1f1b-bubble": ("05", bubble_1f1b),
     "1f1b-in-flight": ("05", in_flight("1f1b")),
     "gpipe-in-flight": ("05", in_flight("gpipe")),
+    "full-recompute-saved-bytes": ("07", full_recompute_saved_bytes),
+    "gqa-attention-params": ("13", gqa_attention_params),
+    "moe-active-params": ("14", moe_active_params),
+    "cp-ring-forward-bytes": ("15", "world"),
+    "ring-bytes-per-rank": ("17", ring_bytes_per_rank),
 }
 
 

@@ -8,7 +8,8 @@ Muon, the NanoGPT speedrun's). Embeddings, the head, norms, biases and the MoE r
     momentum   B <- B + (1 - beta)(G - B)      U = G + beta (B - G)   (Nesterov; beta 0.95)
     Newton-Schulz  X0 = U / |U|_F (wide: rows <= cols, else on U^T), 5 times:
                    A = X X^T,  X <- a X + (b A + c A A) X      a, b, c = 3.4445, -4.7750, 2.0315
-    on the singular values: s <- a s + b s^3 + c s^5, which takes (0, 1] into about [0.7, 1.2]
+    on the singular values: s <- a s + b s^3 + c s^5, which takes [0.0015, 1] into about [0.68, 1.2]
+                   (a smaller s grows at most a^5 = 485-fold)
     update     W <- W (1 - lr wd) - lr k(rows, cols) X
                k = 0.2 sqrt(max(rows, cols)): Moonlight's, the update's RMS that of AdamW, so --lr,
                --weight-decay and the schedule serve both (Liu et al. 2025, "Muon is Scalable for

@@ -151,6 +151,18 @@ FIGURES = {
 SCRIPTED = {
     "11_mfu_heatmap.png": "lessons/11_plan.py",
     "14_expert_loads.png": "lessons/14_experts.py",
+    # the pictures of the ideas: drawn from the code that does them, no run needed
+    "diagram_compose.png": "lessons/diagrams.py",
+    "diagram_grid.png": "lessons/diagrams.py",
+    "diagram_ring.png": "lessons/diagrams.py",
+    "diagram_zero.png": "lessons/diagrams.py",
+    "diagram_tp.png": "lessons/diagrams.py",
+    "diagram_1f1b.png": "lessons/diagrams.py",
+    "diagram_sp.png": "lessons/diagrams.py",
+    "diagram_cp.png": "lessons/diagrams.py",
+    "diagram_reshard.png": "lessons/diagrams.py",
+    "diagram_flash.png": "lessons/diagrams.py",
+    "diagram_gqa.png": "lessons/diagrams.py",
 }
 
 

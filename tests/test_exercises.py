@@ -23,6 +23,7 @@ SOLUTIONS = {
     "vocab-ce": "vocab_ce.py",
     "1f1b": "one_f_one_b.py",
     "flat": "flat.py",
+    "cp-merge": "cp_merge.py",
 }
 BUGGY_1F1B = """from nanomega.schedules import Op
 
@@ -33,6 +34,29 @@ def one_f_one_b(p, rank, m, v=1):
     for i in range(m - warmup):
         rounds += [[Op("F", warmup + i)], [Op("B", i)]]
     return rounds + [[Op("B", i)] for i in range(m - warmup, m)]
+"""
+
+# the most common 1F1B bug: a warm-up of p - rank - 1 forwards even when there are fewer micro-batches
+UNCAPPED_1F1B = """from nanomega.schedules import Op
+
+
+def one_f_one_b(p, rank, m, v=1):
+    warmup = p - rank - 1  # not capped at m: the planted bug
+    rounds = [[Op("F", i)] for i in range(warmup)]
+    for i in range(m - warmup):
+        rounds += [[Op("F", warmup + i)], [Op("B", i)]]
+    return rounds + [[Op("B", i)] for i in range(max(m - warmup, 0), m)]
+"""
+
+# a merge that averages the two parts instead of weighting each by its share of the union's sum
+UNWEIGHTED_MERGE = """from nanomega.cp import positions, torch
+
+
+def merge(acc, new):
+    if acc is None:
+        return new
+    (o1, l1), (o2, l2) = acc, new
+    return (o1 + o2) / 2, torch.logaddexp(l1, l2)  # the planted bug: no re-weighting
 """
 
 
@@ -63,7 +87,7 @@ def test_every_solution_passes_its_tests():
     rc, verdicts, out = check(*pairs(EX / "solutions", SOLUTIONS))
     assert verdicts == dict.fromkeys(SOLUTIONS, "PASS") and rc == 0, out
     # every test ran, none skipped
-    assert len(re.findall(r"^PASS ", out, re.M)) >= 9 + 9 + 12 + 16, out
+    assert len(re.findall(r"^PASS ", out, re.M)) >= 9 + 9 + 12 + 16 + 9, out
 
 
 def test_untouched_starters_and_a_planted_bug_fail(tmp_path):
@@ -73,10 +97,17 @@ def test_untouched_starters_and_a_planted_bug_fail(tmp_path):
     same way in the pytest process itself."""
     buggy = tmp_path / "buggy_1f1b.py"
     buggy.write_text(BUGGY_1F1B)
+    merge = tmp_path / "unweighted_merge.py"
+    merge.write_text(UNWEIGHTED_MERGE)
     rc, verdicts, out = check(
-        "--quick", *pairs(EX, ["tp-fg", "flat"]), "--exercise", "1f1b", str(buggy)
+        "--quick",
+        *pairs(EX, ["tp-fg", "flat"]),
+        *("--exercise", "1f1b", str(buggy), "--exercise", "cp-merge", str(merge)),
     )
-    assert verdicts == dict.fromkeys(["tp-fg", "flat", "1f1b"], "FAIL") and rc == 1, out
+    assert verdicts == dict.fromkeys(["tp-fg", "flat", "1f1b", "cp-merge"], "FAIL") and rc == 1, out
+    assert re.search(r"^FAIL tests/test_cp_merge.py::.*merged output: \|got - want\|", out, re.M), (
+        out
+    )
     for name in ("tp-fg", "flat"):  # raised in a spawned rank: the substitution reached the ranks
         assert re.search(
             rf"^FAIL .*\(rank \d failed: NotImplementedError: exercise {name}:", out, re.M
@@ -95,24 +126,39 @@ def test_a_file_without_the_names_is_one_line(tmp_path):
         "nanomega.tp:CopyToTensorParallel; keep the starter's names"
     ], out
     rc, _, out = check("--exercise", "no-such", str(empty))
-    assert rc == 2 and "choose one of tp-fg, vocab-ce, 1f1b, flat" in out, out
+    assert rc == 2 and "choose one of tp-fg, vocab-ce, 1f1b, cp-merge, flat" in out, out
 
 
 def test_predictions_graded_right_and_wrong(tmp_path):
-    """One run: the solution's answers with one made wrong ((p-1)/(m+p) for the 1F1B bubble) and one
-    removed: seven measured RIGHT, the wrong one WRONG, the missing one unanswered."""
+    """One run: the solution's answers with one made wrong (the 1F1B bubble as (p-1)/m, idle over the
+    ideal time: the common wrong convention) and one removed: the eleven others measured RIGHT, the wrong one
+    WRONG, the missing one unanswered."""
     solution = (EX / "solutions" / "predictions.py").read_text()
     # the untouched starter answers nothing
-    assert (EX / "predictions.py").read_text().count(": None,") == 8
+    assert (EX / "predictions.py").read_text().count(": None,") == 13
     wrong = tmp_path / "wrong.py"
     wrong.write_text(
-        solution.replace('"1f1b-bubble": (p - 1) / (m + p - 1),', '"1f1b-bubble": 3 / 12,').replace(
+        solution.replace("(p - 1) / (12 + p - 1),", "(p - 1) / 12,").replace(
             '"gpipe-in-flight": m,', '"gpipe-in-flight": None,'
         )
     )
     rc, _, out = check("--predict", str(wrong))
     assert (
-        rc == 1 and "predict 1f1b-bubble (lesson 05): yours 0.25, measured 0.272727 -> WRONG" in out
+        rc == 1 and "predict 1f1b-bubble (lesson 05): yours 0.25, measured 0.2 -> WRONG" in out
     ), out
-    assert out.count("-> RIGHT") == 6 and out.count("no prediction yet") == 1, out
-    assert "predictions: 6/8 right" in out, out
+    assert out.count("-> RIGHT") == 11 and out.count("no prediction yet") == 1, out
+    assert "predictions: 11/13 right" in out, out
+
+
+def test_quick_catches_an_uncapped_warmup_and_prints_the_case(tmp_path):
+    """`--quick` runs one test: it must hold a case with fewer micro-batches than stages, and the
+    failure line names the case (p, rank, m) and both orders."""
+    buggy = tmp_path / "uncapped_1f1b.py"
+    buggy.write_text(UNCAPPED_1F1B)
+    rc, verdicts, out = check("--quick", "--exercise", "1f1b", str(buggy))
+    assert verdicts == {"1f1b": "FAIL"} and rc == 1, out
+    assert re.search(
+        r"^FAIL tests/test_pp.py::test_op_orders_literal .*1f1b p=4 rank=0 m=2: got \S+, want F0F1B0B1",
+        out,
+        re.M,
+    ), out

@@ -43,17 +43,23 @@ def expected_interleaved(p, rank, m, v):
     return ops + bwd[m * v - warmup :]
 
 
+def order(ops):
+    """A rank's ops as one short string, "F0F1B0...": what a failing case prints."""
+    return "".join(f"{o.kind}{o.mb}" for o in ops)
+
+
 def test_op_orders_literal():
     # p = 4, m = 6: Narayanan et al. 2021 fig. 4 (top), the stage that waits longest for its first
-    # backward
-    assert (
-        "".join(f"{o.kind}{o.mb}" for o in ops_in_order(schedules.one_f_one_b(4, 0, 6)))
-        == "F0F1F2F3B0F4B1F5B2B3B4B5"
-    )
-    assert (
-        "".join(f"{o.kind}{o.mb}" for o in ops_in_order(schedules.one_f_one_b(4, 3, 6)))
-        == "F0B0F1B1F2B2F3B3F4B4F5B5"
-    )
+    # backward, and the last stage; p = 4, m = 2: fewer micro-batches than stages, so the warm-up
+    # stops at m (the case a warm-up of p - rank - 1 forwards gets wrong)
+    for p, rank, m, want in [
+        (4, 0, 6, "F0F1F2F3B0F4B1F5B2B3B4B5"),
+        (4, 3, 6, "F0B0F1B1F2B2F3B3F4B4F5B5"),
+        (4, 0, 2, "F0F1B0B1"),
+        (3, 0, 1, "F0B0"),
+    ]:
+        got = order(ops_in_order(schedules.one_f_one_b(p, rank, m)))
+        assert got == want, f"1f1b p={p} rank={rank} m={m}: got {got}, want {want}"
     assert (
         "".join(f"{o.kind}{o.mb}" for o in ops_in_order(schedules.gpipe(4, 2, 3))) == "F0F1F2B0B1B2"
     )
@@ -72,7 +78,9 @@ def test_op_orders_many(p):
         for rank in range(p):
             gpipe = [Op("F", i) for i in range(m)] + [Op("B", i) for i in range(m)]
             assert ops_in_order(schedules.gpipe(p, rank, m)) == gpipe
-            assert ops_in_order(schedules.one_f_one_b(p, rank, m)) == expected_1f1b(p, rank, m)
+            got = order(ops_in_order(schedules.one_f_one_b(p, rank, m)))
+            want = order(expected_1f1b(p, rank, m))
+            assert got == want, f"1f1b p={p} rank={rank} m={m}: got {got}, want {want}"
             for v in (2, 3):
                 if p > 1 and m % p == 0:
                     ops = ops_in_order(schedules.interleaved_1f1b(p, rank, m, v))

@@ -25,12 +25,31 @@ PREDICTIONS = {
     # lesson 03: one transformer layer's FORWARD under tensor parallelism t = 2, input (b, s, h) =
     # (2, 16, 32) fp32: bytes one rank puts on the wire (ring)
     "tp-forward-wire-bytes": None,
-    # lesson 05: 1F1B with p = 4 stages and m = 8 micro-batches, a backward taking twice a forward:
-    # the idle share of the step (the bubble), as a fraction
+    # lesson 05: 1F1B with p = 4 stages and m = 12 micro-batches, a backward taking twice a forward:
+    # the idle share of the whole step (the bubble), as a fraction. Careful: Narayanan et al.'s
+    # "bubble time fraction" is idle time over the IDEAL time, not over the step
     "1f1b-bubble": None,
     # lesson 05: the most micro-batches whose activations the FIRST stage holds at once, 1F1B, p =
     # 4, m = 8
     "1f1b-in-flight": None,
     # lesson 05: the same for GPipe (all forwards, then all backwards)
     "gpipe-in-flight": None,
+    # lesson 07: full recompute, the GPT above on a (4, 16) batch: the bytes autograd keeps for
+    # backward inside one block during the forward. Careful: what the block recomputes is not kept
+    "full-recompute-saved-bytes": None,
+    # lesson 13: parameters of one Llama block's attention (q, k, v and output projections, no
+    # biases) at width h = 64 with 8 query heads and 2 key/value heads. Careful: k and v are as wide
+    # as the key/value heads, not as h
+    "gqa-attention-params": None,
+    # lesson 14: a MoE block at width h = 32, SwiGLU experts of width f = 64 (three h x f matrices
+    # each), E = 4 experts, top-2: the parameters of the MLP that one token's output depends on (the
+    # router counts: it scores every expert)
+    "moe-active-params": None,
+    # lesson 17: a ring all-reduce over n = 8 ranks of a 1024-element fp32 tensor: bytes ONE rank
+    # sends. Careful: per rank, not summed over the ranks, and both phases
+    "ring-bytes-per-rank": None,
+    # lesson 15: ring attention over cp = 2, one layer's FORWARD: each rank holds 8 of 16 tokens, 4
+    # heads of 8 dims, batch 1, fp32, no grouped-query: bytes one rank sends. Careful: the ring moves
+    # keys and values, not queries
+    "cp-ring-forward-bytes": None,
 }

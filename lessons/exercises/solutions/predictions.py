@@ -12,7 +12,13 @@ PREDICTIONS = {
     "zero1-state-bytes-per-param": 8 / 2,  # m and v: 8 bytes per parameter, split over N = 2
     # 2 all-reduces (attention, MLP) of (b, s, h)
     "tp-forward-wire-bytes": 2 * (2 * (t - 1) / t) * 2 * s * h * 4,
-    "1f1b-bubble": (p - 1) / (m + p - 1),
+    "1f1b-bubble": (p - 1) / (12 + p - 1),  # m = 12 here: idle / step
     "1f1b-in-flight": p,  # stage k: p - k
     "gpipe-in-flight": m,
+    # q and the output h x h each; k and v h x (n_kv h / n_head) each
+    "full-recompute-saved-bytes": 4 * 16 * 32 * 4,  # the block's input (b, s, h), fp32
+    "gqa-attention-params": 2 * 64 * 64 + 2 * 64 * (2 * 64 // 8),
+    "moe-active-params": 4 * 32 + 2 * 3 * 32 * 64,  # router E h + k experts of 3 h f
+    "ring-bytes-per-rank": 2 * (8 - 1) / 8 * 1024 * 4,  # 2 (n - 1) / n x B
+    "cp-ring-forward-bytes": (2 - 1) * 2 * (1 * 8 * 4 * 8) * 4,  # (cp - 1) x K and V, fp32
 }
