@@ -213,3 +213,22 @@ def test_group_flags_are_deepseek_v3s():
     moe.check(dataclasses.replace(moe_cfg(n_experts=E), router="deepseek_v3", n_group=4))
     with pytest.raises(ValueError, match="raise --topk-group"):
         moe.check(moe_cfg(n_experts=E, router="deepseek_v3", n_group=8, top_k=3))
+
+
+def test_balance_coefficient_is_converted_to_and_from_transformers():
+    """One layer, one sequence: transformers' Mixtral aux term (coefficient x load_balancing_loss,
+    which is top_k x moe.balance_loss) equals ours after export, and import gives ours back."""
+    pytest.importorskip("transformers", reason="the test extra: transformers")
+    from nanomega.tools import hf_moe
+
+    cfg = moe_cfg(n_experts=4, top_k=2, moe_aux_loss=0.01, tie_embeddings=False)
+    model = GPT(cfg, seed=7).eval()
+    theirs = hf_moe.to_hf({k: v.detach() for k, v in model.named_parameters()}, cfg)
+    idx = torch.randint(0, cfg.vocab_size, (1, 32), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        model(idx)
+        out = theirs(idx, output_router_logits=True)
+    ours_term = cfg.moe_aux_loss * moe.layers(model)[0].last["aux"].item()
+    theirs_term = theirs.config.router_aux_loss_coef * out.aux_loss.item()
+    assert abs(theirs_term - ours_term) < 1e-6 * ours_term
+    assert hf_moe.from_hf(theirs)[0].moe_aux_loss == pytest.approx(cfg.moe_aux_loss, rel=1e-12)

@@ -4,7 +4,11 @@ Mixtral is a Llama whose MLP is moe.py's block with router="mixtral" (softmax ov
 top-k, the k weights renormalized: the same weights as a softmax over the top-k logits), no shared
 experts, no capacity. Everything outside the MLP maps as hf.py's Llama; `python -m nanomega.tools.hf
 import / export` reads and writes a Mixtral folder through this module. What nanomega cannot compute
-is refused (see the lesson); the aux loss coefficient travels as router_aux_loss_coef.
+is refused (see the lesson); the aux loss coefficient travels as router_aux_loss_coef, converted
+(transformers' load_balancing_loss_func divides the assignments by the tokens, shares summing to k;
+moe.balance_loss by the assignments, shares summing to 1):
+
+    aux loss   transformers' = k x ours, so router_aux_loss_coef = moe_aux_loss / k
 
 Per block i (transformers 5 stacks the experts; gate_up is [gate; up] on both sides):
     blocks.i.mlp.router.weight             (E, h)   model.layers.i.mlp.gate.weight
@@ -46,7 +50,7 @@ def mixtral_config(c: dict) -> GPTConfig:
         n_experts=c["num_local_experts"],
         top_k=c["num_experts_per_tok"],
         router="mixtral",
-        moe_aux_loss=c.get("router_aux_loss_coef", 0.001),
+        moe_aux_loss=c.get("router_aux_loss_coef", 0.001) * c["num_experts_per_tok"],
     )
 
 
@@ -90,7 +94,7 @@ def to_hf(weights, cfg: GPTConfig):
         tie_word_embeddings=cfg.tie_embeddings,
         num_local_experts=cfg.n_experts,
         num_experts_per_tok=cfg.top_k,
-        router_aux_loss_coef=cfg.moe_aux_loss,
+        router_aux_loss_coef=cfg.moe_aux_loss / cfg.top_k,
         sliding_window=None,
         bos_token_id=v - 1,
         eos_token_id=v - 1,
