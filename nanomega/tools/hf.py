@@ -37,7 +37,7 @@ from nanomega.tools.hf_llama import llama_config
 from nanomega.tools.hf_weights import check_gpt2, from_hf, gpt2_config, require_transformers, to_hf
 
 # model_type -> its config.json read as a GPTConfig (what nanomega cannot compute: one line)
-CONFIGS = dict(gpt2=gpt2_config, llama=llama_config, mixtral=hf_moe.mixtral_config)
+CONFIGS = dict(gpt2=gpt2_config, llama=llama_config, **hf_moe.CONFIGS)  # + mixtral, qwen2_moe
 
 
 def hf_config(src):
@@ -50,7 +50,7 @@ def hf_config(src):
     c = hf_check.read_json(path)
     kind = c.get("model_type")
     if kind not in CONFIGS:
-        raise ValueError(f"{path}: model_type {kind!r} (nanomega: gpt2, llama or mixtral)")
+        raise ValueError(f"{path}: model_type {kind!r} (nanomega: {', '.join(CONFIGS)})")
     hf_check.check_fields(path, c, kind)
     try:
         cfg = CONFIGS[kind](c)
@@ -68,6 +68,7 @@ def read_hf(src):
     model_class = dict(
         llama=transformers.LlamaForCausalLM,
         mixtral=transformers.MixtralForCausalLM,
+        qwen2_moe=transformers.Qwen2MoeForCausalLM,
         gpt2=transformers.GPT2LMHeadModel,
     )[c["model_type"]]
 
