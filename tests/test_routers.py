@@ -93,7 +93,7 @@ def ours(x, weight, bias, router):
     return dense(w, experts)
 
 
-def test_each_router_is_the_models_it_is_named_for_and_no_other():
+def test_each_router_is_its_models_and_no_other():
     routers, weight, bias = references()
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -232,3 +232,20 @@ def test_balance_coefficient_is_converted_to_and_from_transformers():
     theirs_term = theirs.config.router_aux_loss_coef * out.aux_loss.item()
     assert abs(theirs_term - ours_term) < 1e-6 * ours_term
     assert hf_moe.from_hf(theirs)[0].moe_aux_loss == pytest.approx(cfg.moe_aux_loss, rel=1e-12)
+
+
+def test_deepseek_v3_flags_reach_the_block():
+    from nanomega.job import checks, flags
+
+    argv = ["--arch", "llama", "--n-experts", "8", "--router", "deepseek_v3", "--device", "cpu"]
+    argv += ["--n-group", "4", "--topk-group", "2", "--routed-scaling", "2.5", "--n-embd", "32"]
+    cfg = flags.model_config(checks.check(flags.parse(argv)))
+    block = moe.layers(GPT(cfg, seed=0))[0]
+    assert (block.router_kind, block.groups, block.scale) == ("deepseek_v3", (4, 2), 2.5)
+    x = torch.randn(2, 8, cfg.n_embd, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        assert block(x).shape == x.shape
+        w, _, _ = moe.route(
+            block.router(x).flatten(0, 1), 2, block.router_kind, None, block.groups, block.scale
+        )
+    assert torch.allclose(w.sum(-1), torch.full((16,), 2.5))
