@@ -87,7 +87,7 @@ def test_what_qwen2_moe_nanomega_cannot_compute_is_one_line():
         hf_moe.qwen2_moe_config(c | dict(qkv_bias=False, mlp_only_layers=[1]))
 
 
-def test_qwen2_moe_folder_through_the_hf_command_line(tmp_path):
+def test_qwen2_moe_folder_through_the_hf_command_line(tmp_path, capsys):
     from nanomega import checkpoint, reshard
     from nanomega.tools import hf
 
@@ -96,6 +96,10 @@ def test_qwen2_moe_folder_through_the_hf_command_line(tmp_path):
     src, out, dst = tmp_path / "src", tmp_path / "ckpt", tmp_path / "dst"
     theirs.save_pretrained(src)
     hf.main(["import", str(src), "--out-dir", str(out)])
+    # the command it prints routes as the model does (--router default: mixtral)
+    assert "--router softmax_topk " in capsys.readouterr().out
+    manifest = checkpoint.read_manifest_json(checkpoint.latest(out))
+    assert manifest["layout"]["router"] == "softmax_topk"  # a resume under mixtral: refused
     _, back = hf_moe.from_hf(theirs)
     saved = reshard.full_weights(checkpoint.latest(out))
     assert saved.keys() == back.keys() and all(torch.equal(saved[k], back[k]) for k in back)

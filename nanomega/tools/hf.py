@@ -179,17 +179,23 @@ def import_(src, out_dir):
     )
 
     layout = dict(imported_from=os.path.abspath(src), **({"tokenizer": tok} if tok else {}))
+    layout |= routing(cfg)  # a fine-tune under another router is refused (faults.RESUME_CHECKS)
     # a world of one: no process group
     one_rank = types.SimpleNamespace(rank=0, world=1, barrier=lambda: None)
     checkpoint.save(out_dir, 0, cfg, state, one_rank, layout)
     return cfg, tok
 
 
+def routing(cfg: GPTConfig):
+    """{option: value} of an MoE model's routing arithmetic the GPTConfig holds (faults.ROUTING)."""
+    return {k: getattr(cfg, k) for k in faults.ROUTING if cfg.n_experts and hasattr(cfg, k)}
+
+
 def train_flags(cfg: GPTConfig):
-    """train.py's model flags that rebuild cfg (a resume compares every SHAPE_KEYS field); the
-    vocabulary comes with --tokenizer."""
+    """train.py's model flags that rebuild cfg (a resume compares every SHAPE_KEYS field, and the
+    routing options an import records); the vocabulary comes with --tokenizer."""
     out, default = [], GPTConfig()
-    for k in SHAPE_KEYS:
+    for k in SHAPE_KEYS + tuple(routing(cfg)):
         v, flag = getattr(cfg, k), "--" + k.replace("_", "-")
         if k == "vocab_size" or (k not in SIZES and v == getattr(default, k)):
             continue
