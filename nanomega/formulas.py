@@ -60,11 +60,13 @@ def llama_layer_params(h, f, a, n_kv, t=1):
 
 
 # ---- memory --------------------------------------------------------------------------------------
-def moe_layer_params(h, f, a, n_kv, n_experts, top_k, shared=0, t=1):
+def moe_layer_params(h, f, a, n_kv, n_experts, top_k, shared=0, t=1, gate=False):
     """(total, active per token) parameters of one MoE Llama block on one TP rank: attention and
     norms as llama_layer_params, E experts of 3hf (split by t), the (E, h) router (replicated),
-    shared experts 3hf each; a token uses k routed experts."""
-    base = llama_layer_params(h, 0, a, n_kv, t) + n_experts * h + moe_expert_params(h, f, shared, t)
+    shared experts 3hf each (gate: Qwen2-MoE's (1, h) gate, replicated); a token uses k routed
+    experts."""
+    base = llama_layer_params(h, 0, a, n_kv, t) + (n_experts + gate) * h
+    base += moe_expert_params(h, f, shared, t)
     return base + moe_expert_params(h, f, n_experts, t), base + moe_expert_params(h, f, top_k, t)
 
 
@@ -335,7 +337,14 @@ def model_flops_per_token(cfg, seq_len=None):
             llama_layer_params(h, cfg.ffn, cfg.n_head, cfg.kv_heads)
             if not cfg.n_experts
             else moe_layer_params(
-                h, cfg.ffn, cfg.n_head, cfg.kv_heads, cfg.n_experts, cfg.top_k, cfg.shared_experts
+                h,
+                cfg.ffn,
+                cfg.n_head,
+                cfg.kv_heads,
+                cfg.n_experts,
+                cfg.top_k,
+                cfg.shared_experts,
+                gate=cfg.shared_expert_gate,
             )[1]
         )
         n = L * per_layer + cfg.padded_vocab_size * h + h

@@ -38,6 +38,7 @@ SHAPE_KEYS = SIZES + (
     "n_experts",
     "top_k",
     "shared_experts",
+    "shared_expert_gate",
 )
 ARCHS = ("gpt2", "llama")
 ATTENTION = ("sdpa", "eager", "fused")
@@ -71,14 +72,18 @@ class GPTConfig:
     # mixture of experts (moe.py; llama): each MLP becomes E routed SwiGLU experts of width ffn
     n_experts: int = 0
     top_k: int = 2
-    # mixtral: top-k of the logits, softmax over k; deepseek (renormalized), qwen: top-k of E
+    # moe.ROUTERS: mixtral, softmax_topk, softmax_topk_norm, deepseek_v3 (old names: moe.RENAMED)
     router: str = "mixtral"
+    n_group: int = 1  # deepseek_v3: expert groups (DeepSeek-V3: 8)
+    topk_group: int = 1  # deepseek_v3: groups a token may route to (DeepSeek-V3: 4)
+    routed_scaling: float = 1.0  # deepseek_v3: the routed weights x this (DeepSeek-V3: 2.5)
     moe_aux_loss: float = 0.01  # Switch/GShard load-balancing loss coefficient
     moe_z_loss: float = 0.0  # router z-loss coefficient
     # 0: dropless; else assignments per expert and sequence <= ceil(cf s k / E)
     capacity_factor: float = 0.0
     # experts every token runs through (DeepSeek, Qwen2-MoE), as one wider SwiGLU
     shared_experts: int = 0
+    shared_expert_gate: bool = False  # Qwen2-MoE: shared output x sigmoid(x . w_gate)
 
     @property
     def padded_vocab_size(self) -> int:

@@ -1,14 +1,18 @@
 """Mixture of experts: a router sends each token to k of E SwiGLU experts (the Llama block's MLP).
 
 Idea: E experts hold E x the MLP parameters, but each token runs through only k of them (the FLOPs
-of k MLPs). A router (one (E, h) matrix, fp32) scores the tokens and picks: mixtral (top-k of the
-logits, softmax over k) or deepseek / qwen (softmax over E, top-k, renormalized / not). Balance
-comes from the Switch/GShard aux loss, DeepSeek-V3's choice-only bias (update_bias) or a capacity
-per expert and sequence; the z-loss keeps the logits small. Every statistic is taken per sequence,
+of k MLPs). A router (one (E, h) matrix, fp32) scores the tokens and picks k by one of the rules
+of ROUTERS, each named for the models that use it. Balance comes from the Switch/GShard aux loss,
+DeepSeek-V3's choice-only bias (update_bias, kept in fp32 whatever the model's dtype) or a capacity
+per expert and sequence; the z-loss keeps the logits small. Shared experts run on every token,
+ungated (DeepSeek) or times sigmoid(x . w_gate) (Qwen2-MoE's shared_expert_gate). Every statistic is taken per sequence,
 the unit no layout splits, so no layout changes the loss; the aux losses join the backward at their
 block (AuxLossToGrad).
 Formulas (one home: formulas.py):
     aux loss          E sum_e f_e P_e  (f_e: share of the assignments, P_e: mean router probability)
+                      (transformers' load_balancing_loss_func: k x this; tools/hf_moe.py converts)
+    deepseek_v3       s = sigmoid(l); chosen: top-k of s + b among the topk_group groups of best
+                      top-2 sum; w = scale s_chosen / sum s_chosen; P_e from s / sum_e s
     capacity          C = ceil(cf s k / E) assignments per expert and sequence (cf = 0: dropless)
     parameters/layer  E 3hf + E h (router); active per token k 3hf + E h
     FLOPs per token   6 N_active + 12 L h s
@@ -24,7 +28,22 @@ import torch.nn.functional as F
 from .ep import dispatch_combine
 from .modern import GatedMLP
 
-ROUTERS = ("mixtral", "deepseek", "qwen")
+# The routing rules, named for the models that use them (checked against each model's HF code)
+ROUTERS = {
+    "mixtral": "top-k of the logits, softmax over the k (Mixtral; the same weights as "
+    "softmax_topk_norm)",
+    "softmax_topk": "softmax over E, top-k, not renormalized (DeepSeek-V2, Qwen2-MoE, OLMoE)",
+    "softmax_topk_norm": "softmax over E, top-k, renormalized over the k (Qwen3-MoE)",
+    "deepseek_v3": "sigmoid scores, top-k of score + bias within the best --topk-group of "
+    "--n-group groups, normalized over the k, x --routed-scaling (DeepSeek-V3)",
+}
+# names used before issue 48, and the rule each computed (checkpoints that record one keep it)
+RENAMED = {"deepseek": "softmax_topk_norm", "qwen": "softmax_topk"}
+
+
+def rule(router):
+    """The ROUTERS name of a router, old names mapped to the rule they computed."""
+    return RENAMED.get(router, router)
 
 
 def check(cfg):
@@ -44,20 +63,55 @@ def check(cfg):
         raise ValueError(
             f"--n-experts {cfg.n_experts} must be >= 2 and --top-k {cfg.top_k} in [1, n_experts]"
         )
-    if cfg.router not in ROUTERS:
+    if cfg.shared_expert_gate and not cfg.shared_experts:
+        raise ValueError("--shared-expert-gate gates the shared experts: add --shared-experts")
+    if rule(cfg.router) not in ROUTERS:
         raise ValueError(f"--router {cfg.router!r} is not one of {', '.join(ROUTERS)}")
+    check_groups(cfg)
 
-    for flag in ("capacity_factor", "moe_aux_loss", "moe_z_loss", "shared_experts"):
+    for flag in (
+        "capacity_factor",
+        "moe_aux_loss",
+        "moe_z_loss",
+        "shared_experts",
+        "routed_scaling",
+    ):
         if not 0 <= getattr(cfg, flag) < math.inf:
             raise ValueError(
                 f"--{flag.replace('_', '-')} must be a finite number >= 0, got {getattr(cfg, flag)}"
             )
 
 
-def route(logits, k, router="mixtral", bias=None):
-    """logits (T, E) fp32 -> weights (T, k), experts (T, k) (best first), probs (T, E) (softmax over
-    all E). bias (E,): added to the scores for the choice only (DeepSeek-V3), never to the
-    weights."""
+def check_groups(cfg):
+    """One line for a deepseek_v3 group limit that cannot be (the other routers take no groups)."""
+    groups, n, e, k = (cfg.n_group, cfg.topk_group), cfg.n_group, cfg.n_experts, cfg.top_k
+    if rule(cfg.router) != "deepseek_v3":
+        if groups != (1, 1) or cfg.routed_scaling != 1.0:
+            raise ValueError(
+                "--n-group, --topk-group and --routed-scaling are --router deepseek_v3's; add it "
+                "or leave them out"
+            )
+        return
+    if n < 1 or e % n or (n > 1 and e // n < 2) or not 1 <= cfg.topk_group <= n:
+        raise ValueError(
+            f"--n-group {n} must divide --n-experts {e} into groups of >= 2 (a group's score is its "
+            f"top-2 sum) and --topk-group {cfg.topk_group} be in [1, n_group]"
+        )
+    if k > cfg.topk_group * e // n:
+        raise ValueError(
+            f"--top-k {k} is more than the {cfg.topk_group * e // n} experts of --topk-group "
+            f"{cfg.topk_group} groups; raise --topk-group"
+        )
+
+
+def route(logits, k, router="mixtral", bias=None, groups=(1, 1), scale=1.0):
+    """logits (T, E) fp32 -> weights (T, k), experts (T, k), probs (T, E) (the affinities the
+    balance loss averages: softmax over all E; deepseek_v3: sigmoid normalized over E). bias (E,):
+    added to the scores for the choice only (DeepSeek-V3), never to the weights. groups (n_group,
+    topk_group) and scale: deepseek_v3's group limit and routed scaling factor."""
+    router = rule(router)
+    if router == "deepseek_v3":
+        return sigmoid_route(logits, k, bias, groups, scale)
     probs = logits.softmax(-1)
     score = logits if router == "mixtral" else probs
     experts = (score if bias is None else score + bias.float()).topk(k, dim=-1).indices
@@ -65,10 +119,33 @@ def route(logits, k, router="mixtral", bias=None):
         return logits.gather(-1, experts).softmax(-1), experts, probs
     weights = probs.gather(-1, experts)
     return (
-        (weights / weights.sum(-1, keepdim=True) if router == "deepseek" else weights),
+        (weights / weights.sum(-1, keepdim=True) if router == "softmax_topk_norm" else weights),
         experts,
         probs,
     )
+
+
+def sigmoid_route(logits, k, bias, groups, scale):
+    """DeepSeek-V3's rule (Sec. 2.1.2; transformers' DeepseekV3TopkRouter): sigmoid affinities, the
+    choice on affinity + bias within the topk_group groups whose two best sum highest, the chosen
+    affinities (no bias) normalized to 1 and times scale."""
+    scores = logits.sigmoid()  # (T, E)
+    choice = scores if bias is None else scores + bias.float()
+
+    # node-limited routing: only the experts of each token's best topk_group groups compete
+    (n_group, topk_group), (t, e) = groups, scores.shape
+    if n_group > 1:
+        by_group = choice.view(t, n_group, e // n_group)  # (T, G, E/G)
+        best = by_group.topk(2, dim=-1).values.sum(-1).topk(topk_group, dim=-1).indices  # (T, g)
+        allowed = torch.zeros(t, n_group, dtype=torch.bool, device=scores.device)
+        allowed = allowed.scatter(1, best, True)[..., None].expand(-1, -1, e // n_group)
+        allowed = allowed.reshape(t, e)  # (T, E): each group's flag for each of its experts
+        choice = choice.masked_fill(~allowed, -math.inf)
+
+    experts = choice.topk(k, dim=-1).indices  # (T, k)
+    weights = scores.gather(-1, experts)
+    weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * scale
+    return weights, experts, scores / scores.sum(-1, keepdim=True)
 
 
 def capacity(cf, s, k, n_experts):
@@ -140,7 +217,8 @@ class MoE(nn.Module):
         super().__init__()
         h, f = cfg.n_embd, cfg.ffn
         self.ops = ops  # the block's table: the router's matmul and every expert's are its linear
-        self.n_experts, self.top_k, self.router_kind = cfg.n_experts, cfg.top_k, cfg.router
+        self.n_experts, self.top_k, self.router_kind = cfg.n_experts, cfg.top_k, rule(cfg.router)
+        self.groups, self.scale = (cfg.n_group, cfg.topk_group), cfg.routed_scaling
         self.capacity_factor, self.aux_coef, self.z_coef = (
             cfg.capacity_factor,
             cfg.moe_aux_loss,
@@ -157,10 +235,14 @@ class MoE(nn.Module):
             if cfg.shared_experts
             else None
         )
+        # Qwen2-MoE: the shared experts' output times sigmoid(x . w) per token (a (1, h) matrix)
+        self.shared_gate = nn.Linear(h, 1, bias=False) if cfg.shared_expert_gate else None
 
         # DeepSeek-V3's balancing bias: computed on the host (not drawn; like alibi_slopes), moved
         # by update_bias
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, device="cpu"))
+        self.fp32_buffers = ("expert_bias",)  # precision.cast_model leaves it fp32: 1e-3 steps
+        # round away in bf16 once |b| > 0.25
         self.ep, self.grad_scale, self.last, self.booked = None, 1.0, {}, None
 
     def forward(self, x):  # (b, s, h) -> (b, s, h)
@@ -169,7 +251,9 @@ class MoE(nn.Module):
         # route: fp32 logits, as every trainer does; k experts and their weights per token
         logits = self.ops.linear(x.float(), self.router.weight.float())  # (b, s, E)
         tokens = logits.flatten(0, 1)  # (b s, E)
-        weights, experts, probs = route(tokens, self.top_k, self.router_kind, self.expert_bias)
+        weights, experts, probs = route(
+            tokens, self.top_k, self.router_kind, self.expert_bias, self.groups, self.scale
+        )
         experts = experts.view(b, s, -1)  # (b, s, k)
         keep = None  # dropless; else the assignments within each expert's capacity
         if self.capacity_factor:
@@ -188,8 +272,11 @@ class MoE(nn.Module):
             self.ep,
         )
         y = y.view(b, s, h)
-        if self.shared is not None:
+        if self.shared is not None and self.shared_gate is None:
             y = y + self.shared(x)
+        elif self.shared is not None:
+            gate = self.ops.linear(x, self.shared_gate.weight).sigmoid()  # (b, s, 1)
+            y = y + gate * self.shared(x)
 
         # the step's statistics, and the aux losses' way into backward
         aux, z = balance_loss(probs.view(b, s, -1), experts, self.n_experts), z_loss(logits)  # (b,)

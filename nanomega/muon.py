@@ -55,9 +55,14 @@ def shape_scale(rows, cols, rule="moonlight"):
 
 
 def is_hidden_matrix(name, p):
-    """A 2-D weight of a block other than the MoE router: what Muon steps (embeddings, head, norms,
-    biases and the router stay on AdamW)."""
-    return p.dim() == 2 and name.startswith("blocks.") and ".router." not in name
+    """A 2-D weight of a block other than the MoE router and shared gate: what Muon steps
+    (embeddings, head, norms, biases, the router and the (1, h) shared gate stay on AdamW)."""
+    return (
+        p.dim() == 2
+        and name.startswith("blocks.")
+        and ".router." not in name
+        and ".shared_gate." not in name
+    )
 
 
 def orthogonalized(u, group):

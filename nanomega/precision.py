@@ -97,7 +97,8 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """Cast every floating parameter and buffer to `dtype` in place (Megatron's Float16Module does
     the same).
 
-    Nothing in the model stays fp32: the fp32 copy of each weight lives in the optimizer engine
+    Nothing in the model stays fp32 but the buffers a module lists in `fp32_buffers` (statistics
+    stepped outside autograd: the MoE routing bias): the fp32 copy of each weight lives in the optimizer engine
     (master weights), not here. LayerNorm weights in bf16 are fine because torch's layer_norm
     accumulates mean and variance in fp32 internally; softmax and loss upcast their input themselves
     (model.causal_softmax, model.cross_entropy), so they run in fp32 whatever the model dtype.
@@ -106,7 +107,14 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """
     if not dtype.is_floating_point:
         raise ValueError(f"cast_model needs a floating dtype, got {dtype}")
-    return model.to(dtype=dtype)
+    model.to(dtype=dtype)
+
+    # the buffers a module names in fp32_buffers stay fp32 (moe.MoE's routing bias: its 1e-3 steps
+    # round to nothing in bf16 once |b| passes 0.25)
+    for module in model.modules():
+        for name in getattr(module, "fp32_buffers", ()):
+            setattr(module, name, getattr(module, name).float())
+    return model
 
 
 def fp32_master(weights: torch.Tensor) -> torch.Tensor:

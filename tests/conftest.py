@@ -66,6 +66,7 @@ QUICK = {
     "faults": "tests/test_faults.py::test_nan_step_is_skipped_or_stops",
     "experts and EP == one process": "tests/test_moe.py::test_losses_and_norms_match_single_process",
     "HF interchange": "tests/test_moe.py::test_mixtral_round_trip_logits",
+    "routers == transformers": "tests/test_routers.py::test_each_router_is_its_models_and_no_other",
     "context parallel == full attention": "tests/test_cp.py::test_attention_equals_full_attention[op-(2, 'ring')]",
     "document masks": "tests/test_documents.py",
     "the planner": "tests/test_plan.py::test_cli_plans_llama3_405b",

@@ -472,7 +472,7 @@ REFUSED = {  # name: (what config.json or tokenizer.json says, a word of the one
         dict(rope_scaling=dict(LLAMA3_ROPE, low_freq_factor=2.0)),
         "low_freq_factor 2.0",
     ),
-    "model-type": ("mistral", "model_type 'mistral' (nanomega: gpt2, llama or mixtral)"),
+    "model-type": ("mistral", "model_type 'mistral' (nanomega: gpt2, llama, mixtral, qwen2_moe)"),
     "llama3-tokenizer": (LLAMA3_SPLIT, "instead of GPT-2's pattern"),
     "sentencepiece": (
         {"type": "Metaspace", "replacement": "\u2581"},

@@ -66,7 +66,7 @@ CAPACITY = BASE + [
     "--capacity-factor",
     "1.0",
     "--router",
-    "deepseek",
+    "softmax_topk_norm",
     "--shared-experts",
     "1",
     "--moe-z-loss",

@@ -91,7 +91,7 @@ def find(corpus, out, *extra):
 @pytest.mark.parametrize(
     "flag,value",
     [
-        ("--router", "deepseek"),
+        ("--router", "softmax_topk"),
         ("--capacity-factor", "1.5"),
         ("--moe-aux-loss", "0.02"),
         ("--moe-z-loss", "0.001"),
@@ -113,7 +113,7 @@ def test_a_resume_under_another_router_is_one_line_then_allowed(nan_run, corpus,
     out = tmp_path / "out"
     shutil.copytree(nan_run[0], out, ignore=shutil.ignore_patterns(".lock"))
     before = sorted(p.name for p in (out / "ckpt").iterdir())
-    resume = args(corpus, out, "--max-steps", "4", "--resume", "--router", "deepseek")
+    resume = args(corpus, out, "--max-steps", "4", "--resume", "--router", "softmax_topk")
     p = subprocess.run(
         [sys.executable, "nanomega/train.py", *resume],
         cwd=ROOT,
@@ -123,7 +123,7 @@ def test_a_resume_under_another_router_is_one_line_then_allowed(nan_run, corpus,
         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)),
     )
     assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr[-3000:]
-    assert "trained with --router mixtral, not this --router deepseek" in p.stderr
+    assert "trained with --router mixtral, not this --router softmax_topk" in p.stderr
     assert sorted(p.name for p in (out / "ckpt").iterdir()) == before and p.stdout == ""
 
     rec = train.main([*resume, "--allow-arithmetic-change"])  # deliberate: accepted

@@ -69,6 +69,11 @@ def check(config):
     if c.dry_run and c.model:  # no data is read: the preset's vocabulary, as the planner takes it
         vocab_size = presets.PRESETS[c.model]["vocab_size"]
 
+    if c.router in moe.RENAMED:  # the rule it always computed, under its name
+        faults.say(
+            f"--router {c.router} is now called {moe.rule(c.router)} ({moe.ROUTERS[moe.rule(c.router)]})"
+        )
+        c = dataclasses.replace(c, router=moe.rule(c.router))
     cfg = model_config(c, vocab_size)
     cfg.validate()
     check_experts(c, cfg, dp)

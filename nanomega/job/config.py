@@ -105,9 +105,19 @@ class Config:
     top_k: int = EXPERTS(2, "experts per token", at_least(1), model=True)
     router: str = EXPERTS(
         "mixtral",
-        "mixtral (top-k of the logits, softmax over k), deepseek (softmax over all, top-k, "
-        "renormalized) or qwen (the same, not renormalized)",
+        "mixtral (top-k of the logits, softmax over k), softmax_topk (softmax over all, top-k: "
+        "DeepSeek-V2, Qwen2-MoE, OLMoE), softmax_topk_norm (the same renormalized: Qwen3-MoE) or "
+        "deepseek_v3 (sigmoid, group-limited, normalized, scaled); moe.ROUTERS",
         model=True,
+    )
+    n_group: int = EXPERTS(
+        1, "deepseek_v3: expert groups (nodes; DeepSeek-V3: 8)", at_least(1), model=True
+    )
+    topk_group: int = EXPERTS(
+        1, "deepseek_v3: groups one token may use (DeepSeek-V3: 4)", at_least(1), model=True
+    )
+    routed_scaling: float = EXPERTS(
+        1.0, "deepseek_v3: routed weights x this (DeepSeek-V3: 2.5)", above(0), model=True
     )
     moe_aux_loss: float = EXPERTS(
         0.01, "load-balancing loss coefficient (Switch)", at_least(0), model=True
@@ -121,6 +131,9 @@ class Config:
     )
     shared_experts: int = EXPERTS(
         0, "experts every token also runs through", at_least(0), model=True
+    )
+    shared_expert_gate: bool = EXPERTS(
+        False, "Qwen2-MoE: the shared experts' output x sigmoid(x . w_gate)", model=True
     )
     moe_bias_balance: float = EXPERTS(
         0.0,

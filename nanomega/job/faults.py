@@ -17,7 +17,7 @@ import shutil
 import socket
 import sys
 
-from nanomega import checkpoint, data, flash
+from nanomega import checkpoint, data, flash, moe
 from nanomega.job import lock
 
 
@@ -35,6 +35,7 @@ def say(message):
 # compares gpt_config.SHAPE_KEYS): what a checkpoint records of them (saves.layout) and a resume
 # compares; the routing ones only with experts
 ROUTING = ("router", "capacity_factor", "moe_aux_loss", "moe_z_loss", "moe_bias_balance")
+ROUTING += ("n_group", "topk_group", "routed_scaling")
 ARITHMETIC = ROUTING + ("document_mask",)
 # what a resume compares with the checkpoint's layout: (key, the value shown: its flag's name, why
 # it matters, the flag that allows a deliberate change)
@@ -222,6 +223,8 @@ def refusal(folder, manifest, max_steps, recorded=None, allowed=()):
     arithmetic than `recorded` says, RESUME_CHECKS; nothing left to train), or None. A key either
     side lacks (a checkpoint older than it, a dense model's routing) is not compared."""
     step, saved, now = manifest["step"], manifest["layout"], recorded or {}
+    if "router" in saved:  # an old name is the rule it computed (moe.RENAMED)
+        saved = {**saved, "router": moe.rule(saved["router"])}
     for key, shown, why, override in RESUME_CHECKS:
         if key in saved and key in now and saved[key] != now[key] and override not in allowed:
             flag = "--" + shown.replace("_", "-")

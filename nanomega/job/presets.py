@@ -29,6 +29,7 @@ def _shape(
     n_experts=0,
     top_k=2,
     shared_experts=0,
+    shared_expert_gate=False,
 ):
     """One row, in the papers' column order, as {key: value} over gpt_config.SHAPE_KEYS (a key
     added there and not here fails at import)."""

@@ -46,6 +46,7 @@ class Model:
     # all-to-all)
     top_k: int = 2
     shared_experts: int = 0
+    shared_expert_gate: bool = False  # Qwen2-MoE: a (1, h) gate per block
 
     @classmethod
     def from_shape(cls, shape):
@@ -167,7 +168,15 @@ def block_params(model, tp=1):
     h, f, a, kv = model.n_embd, model.ffn, model.n_head, model.kv_heads
     if model.n_experts:
         return moe_layer_params(
-            h, f, a, kv, model.n_experts, model.top_k, model.shared_experts, tp
+            h,
+            f,
+            a,
+            kv,
+            model.n_experts,
+            model.top_k,
+            model.shared_experts,
+            tp,
+            gate=model.shared_expert_gate,
         )[0]
     return llama_layer_params(h, f, a, kv, tp) if model.llama else layer_params(h, tp)
 

@@ -40,7 +40,14 @@ def params(model):
     if not model.n_experts:
         return total, total
     layer, active = moe_layer_params(
-        h, f, a, kv, model.n_experts, model.top_k, model.shared_experts
+        h,
+        f,
+        a,
+        kv,
+        model.n_experts,
+        model.top_k,
+        model.shared_experts,
+        gate=model.shared_expert_gate,
     )
     return total, total - model.n_layer * (layer - active)
 

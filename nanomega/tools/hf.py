@@ -37,7 +37,7 @@ from nanomega.tools.hf_llama import llama_config
 from nanomega.tools.hf_weights import check_gpt2, from_hf, gpt2_config, require_transformers, to_hf
 
 # model_type -> its config.json read as a GPTConfig (what nanomega cannot compute: one line)
-CONFIGS = dict(gpt2=gpt2_config, llama=llama_config, mixtral=hf_moe.mixtral_config)
+CONFIGS = dict(gpt2=gpt2_config, llama=llama_config, **hf_moe.CONFIGS)  # + mixtral, qwen2_moe
 
 
 def hf_config(src):
@@ -50,7 +50,7 @@ def hf_config(src):
     c = hf_check.read_json(path)
     kind = c.get("model_type")
     if kind not in CONFIGS:
-        raise ValueError(f"{path}: model_type {kind!r} (nanomega: gpt2, llama or mixtral)")
+        raise ValueError(f"{path}: model_type {kind!r} (nanomega: {', '.join(CONFIGS)})")
     hf_check.check_fields(path, c, kind)
     try:
         cfg = CONFIGS[kind](c)
@@ -68,6 +68,7 @@ def read_hf(src):
     model_class = dict(
         llama=transformers.LlamaForCausalLM,
         mixtral=transformers.MixtralForCausalLM,
+        qwen2_moe=transformers.Qwen2MoeForCausalLM,
         gpt2=transformers.GPT2LMHeadModel,
     )[c["model_type"]]
 
@@ -178,17 +179,23 @@ def import_(src, out_dir):
     )
 
     layout = dict(imported_from=os.path.abspath(src), **({"tokenizer": tok} if tok else {}))
+    layout |= routing(cfg)  # a fine-tune under another router is refused (faults.RESUME_CHECKS)
     # a world of one: no process group
     one_rank = types.SimpleNamespace(rank=0, world=1, barrier=lambda: None)
     checkpoint.save(out_dir, 0, cfg, state, one_rank, layout)
     return cfg, tok
 
 
+def routing(cfg: GPTConfig):
+    """{option: value} of an MoE model's routing arithmetic the GPTConfig holds (faults.ROUTING)."""
+    return {k: getattr(cfg, k) for k in faults.ROUTING if cfg.n_experts and hasattr(cfg, k)}
+
+
 def train_flags(cfg: GPTConfig):
-    """train.py's model flags that rebuild cfg (a resume compares every SHAPE_KEYS field); the
-    vocabulary comes with --tokenizer."""
+    """train.py's model flags that rebuild cfg (a resume compares every SHAPE_KEYS field, and the
+    routing options an import records); the vocabulary comes with --tokenizer."""
     out, default = [], GPTConfig()
-    for k in SHAPE_KEYS:
+    for k in SHAPE_KEYS + tuple(routing(cfg)):
         v, flag = getattr(cfg, k), "--" + k.replace("_", "-")
         if k == "vocab_size" or (k not in SIZES and v == getattr(default, k)):
             continue

@@ -14,6 +14,7 @@ and the field or the tensor (tools/hf.py turns it into one line on stderr, exit 
 Formulas (the tensors a config implies, per block; hd = h / heads, f the MLP width):
     llama    q, o (h, h)   k, v (kv hd, h)   gate, up (f, h)   down (h, f)   norms (h)
     mixtral  router (E, h); experts (E, 2f, h) and (E, h, f), or per expert w1, w3 (f, h), w2 (h, f)
+    qwen2_moe  mixtral's stacked experts; shared gate, up (n f, h), down (h, n f); its gate (1, h)
     gpt2     c_attn (h, 3h)  c_fc (h, 4h)  c_proj (h, h), (4h, h): Conv1D's (in, out), biases
 Lesson: lessons/13-the-modern-block.md
 """
@@ -60,6 +61,16 @@ FIELDS = {
     | {
         "num_local_experts": (True, SIZE),
         "num_experts_per_tok": (True, SIZE),
+        "router_aux_loss_coef": (False, COEFFICIENT),
+    },
+    "qwen2_moe": _LLAMA
+    | {
+        "moe_intermediate_size": (True, SIZE),
+        "shared_expert_intermediate_size": (True, SIZE),
+        "num_experts": (True, SIZE),
+        "num_experts_per_tok": (True, SIZE),
+        "norm_topk_prob": (False, FLAG),
+        "qkv_bias": (False, FLAG),
         "router_aux_loss_coef": (False, COEFFICIENT),
     },
     "gpt2": {
@@ -180,10 +191,26 @@ def expected_tensors(cfg, kind, names):
         for j in range(e):
             w = f"block_sparse_moe.experts.{j}."
             block |= {w + "w1.weight": (f, h), w + "w3.weight": (f, h), w + "w2.weight": (h, f)}
+    elif any(".mlp.experts.0.gate_proj." in n for n in names):  # Qwen2-MoE as saved: per expert
+        block["mlp.gate.weight"] = (cfg.n_experts, h)
+        for j in range(cfg.n_experts):
+            w = f"mlp.experts.{j}."
+            block |= {w + "gate_proj.weight": (f, h), w + "up_proj.weight": (f, h)}
+            block[w + "down_proj.weight"] = (h, f)
     else:  # transformers 5's stacked experts
         block["mlp.gate.weight"] = (cfg.n_experts, h)
         block["mlp.experts.gate_up_proj"] = (cfg.n_experts, 2 * f, h)
         block["mlp.experts.down_proj"] = (cfg.n_experts, h, f)
+    if kind == "qwen2_moe":  # the shared experts, one SwiGLU n f wide, and their (1, h) gate
+        nf = f * cfg.shared_experts
+        block |= {
+            "mlp.shared_expert.gate_proj.weight": (nf, h),
+            "mlp.shared_expert_gate.weight": (1, h),
+        }
+        block |= {
+            "mlp.shared_expert.up_proj.weight": (nf, h),
+            "mlp.shared_expert.down_proj.weight": (h, nf),
+        }
     return out | {f"model.layers.{i}.{k}": s for i in range(L) for k, s in block.items()}
 
 

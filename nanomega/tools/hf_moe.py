@@ -1,15 +1,26 @@
-"""Hugging Face in and out for the MoE Llama: nanomega <-> a transformers `MixtralForCausalLM`.
+"""Hugging Face in and out for the MoE Llama: nanomega <-> a transformers `MixtralForCausalLM` or
+`Qwen2MoeForCausalLM`.
 
 Mixtral is a Llama whose MLP is moe.py's block with router="mixtral" (softmax over the E logits,
 top-k, the k weights renormalized: the same weights as a softmax over the top-k logits), no shared
-experts, no capacity. Everything outside the MLP maps as hf.py's Llama; `python -m nanomega.tools.hf
-import / export` reads and writes a Mixtral folder through this module. What nanomega cannot compute
-is refused (see the lesson); the aux loss coefficient travels as router_aux_loss_coef.
+experts, no capacity. Qwen2-MoE (qkv_bias false, every layer MoE) is the same block routed by
+softmax_topk (norm_topk_prob false) or softmax_topk_norm (true), plus shared experts times a sigmoid
+gate (--shared-expert-gate): a model with the gate exports as Qwen2-MoE, one without as Mixtral.
+Everything outside the MLP maps as hf.py's Llama; `python -m nanomega.tools.hf import / export`
+reads and writes a Mixtral folder through this module. What nanomega cannot compute is refused (see
+the lesson); the aux loss coefficient travels as router_aux_loss_coef, converted
+(transformers' load_balancing_loss_func divides the assignments by the tokens, shares summing to k;
+moe.balance_loss by the assignments, shares summing to 1):
+
+    aux loss   transformers' = k x ours, so router_aux_loss_coef = moe_aux_loss / k
 
 Per block i (transformers 5 stacks the experts; gate_up is [gate; up] on both sides):
     blocks.i.mlp.router.weight             (E, h)   model.layers.i.mlp.gate.weight
     blocks.i.mlp.experts.e.gate_up.weight  (2f, h)  model.layers.i.mlp.experts.gate_up_proj[e]
     blocks.i.mlp.experts.e.c_proj.weight   (h, f)   model.layers.i.mlp.experts.down_proj[e]
+    blocks.i.mlp.shared.gate_up.weight   (2nf, h)   mlp.shared_expert.gate_proj, up_proj (Qwen2-MoE)
+    blocks.i.mlp.shared.c_proj.weight     (h, nf)   mlp.shared_expert.down_proj
+    blocks.i.mlp.shared_gate.weight        (1, h)   mlp.shared_expert_gate.weight
 Lesson: lessons/14-experts.md
 """
 
@@ -17,6 +28,7 @@ import dataclasses
 
 import torch
 
+from nanomega import moe
 from nanomega.gpt_config import GPTConfig
 from nanomega.tools.hf_llama import llama_config, llama_name_map
 
@@ -46,8 +58,72 @@ def mixtral_config(c: dict) -> GPTConfig:
         n_experts=c["num_local_experts"],
         top_k=c["num_experts_per_tok"],
         router="mixtral",
-        moe_aux_loss=c.get("router_aux_loss_coef", 0.001),
+        moe_aux_loss=c.get("router_aux_loss_coef", 0.001) * c["num_experts_per_tok"],
     )
+
+
+def qwen2_moe_config(c: dict) -> GPTConfig:
+    """The GPTConfig of a transformers Qwen2-MoE config (its dict); what nanomega cannot
+    compute: one line."""
+    f, shared = c["moe_intermediate_size"], c.get("shared_expert_intermediate_size", 0)
+    bad = [
+        why
+        for is_bad, why in [
+            (c.get("qkv_bias", True), "qkv_bias true (nanomega's Llama has no attention biases)"),
+            (c.get("use_sliding_window"), "use_sliding_window (nanomega: full causal attention)"),
+            (
+                c.get("decoder_sparse_step", 1) != 1 or c.get("mlp_only_layers"),
+                "dense layers (decoder_sparse_step, mlp_only_layers; nanomega: every layer MoE)",
+            ),
+            (
+                not shared or shared % f,
+                f"shared_expert_intermediate_size {shared} (nanomega: a multiple >= 1 of "
+                f"moe_intermediate_size {f})",
+            ),
+        ]
+        if is_bad
+    ]
+    if bad:
+        raise ValueError(
+            f"this Qwen2-MoE differs from nanomega's: {'; '.join(bad)}; it cannot be imported exactly"
+        )
+
+    k = c["num_experts_per_tok"]
+    return dataclasses.replace(
+        llama_config({**c, "intermediate_size": f}),
+        n_experts=c["num_experts"],
+        top_k=k,
+        router="softmax_topk_norm" if c.get("norm_topk_prob") else "softmax_topk",
+        shared_experts=shared // f,
+        shared_expert_gate=True,
+        moe_aux_loss=c.get("router_aux_loss_coef", 0.001) * k,
+    )
+
+
+# model_type -> its config read as a GPTConfig
+CONFIGS = dict(mixtral=mixtral_config, qwen2_moe=qwen2_moe_config)
+# nanomega name -> Qwen2-MoE's names of the shared experts and their gate, per block (.mlp.)
+SHARED = {
+    "shared.gate_up.weight": ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight"),
+    "shared.c_proj.weight": ("shared_expert.down_proj.weight",),
+    "shared_gate.weight": ("shared_expert_gate.weight",),
+}
+
+
+def family(cfg: GPTConfig):
+    """The transformers model_type an MoE Llama exports as: qwen2_moe with the shared gate."""
+    return "qwen2_moe" if cfg.shared_expert_gate else "mixtral"
+
+
+def moe_names(cfg: GPTConfig):
+    """{nanomega name: (transformers names)} of every weight but the stacked experts."""
+    names = dense_names(cfg.n_layer, cfg.tie_embeddings)
+    for i in range(cfg.n_layer):
+        ours, theirs = f"blocks.{i}.mlp.", f"model.layers.{i}.mlp."
+        names[ours + "router.weight"] = (theirs + "gate.weight",)
+        if family(cfg) == "qwen2_moe":
+            names |= {ours + a: tuple(theirs + n for n in b) for a, b in SHARED.items()}
+    return names
 
 
 def dense_names(n_layer, tied):
@@ -56,80 +132,107 @@ def dense_names(n_layer, tied):
 
 
 def check(cfg: GPTConfig, bias=None):
-    """One line for an MoE model a Mixtral cannot hold; bias: the checkpoint's (n_layer,
-    E) routing biases."""
-    if cfg.router != "mixtral" or cfg.shared_experts or cfg.capacity_factor:
+    """One line for an MoE model neither a Mixtral nor a Qwen2-MoE can hold; bias: the
+    checkpoint's (n_layer, E) routing biases."""
+    if family(cfg) == "mixtral" and (cfg.router != "mixtral" or cfg.shared_experts):
         raise ValueError(
-            "Mixtral routes with --router mixtral, no --shared-experts, no --capacity-factor"
+            "Mixtral routes with --router mixtral and no --shared-experts; Qwen2-MoE with "
+            "softmax_topk or softmax_topk_norm and --shared-experts with --shared-expert-gate"
         )
+    if family(cfg) == "qwen2_moe" and moe.rule(cfg.router) not in QWEN_ROUTERS:
+        raise ValueError(f"Qwen2-MoE routes with --router {' or '.join(QWEN_ROUTERS)}")
+    if cfg.capacity_factor:
+        raise ValueError("transformers' MoE models drop no token: train without --capacity-factor")
     if bias is not None and bias.abs().sum() > 0:
         raise ValueError(
             "this checkpoint routes with --moe-bias-balance's biases (DeepSeek-V3), which a Mixtral "
-            "has no field for: its export would route otherwise; train without --moe-bias-balance"
+            "or Qwen2-MoE has no field for: its export would route otherwise; train without "
+            "--moe-bias-balance"
         )
 
 
-def to_hf(weights, cfg: GPTConfig):
-    """transformers MixtralForCausalLM from nanomega full weights {name: tensor} of an
-    MoE Llama (fp32)."""
+QWEN_ROUTERS = ("softmax_topk", "softmax_topk_norm")  # norm_topk_prob false, true
+
+
+def hf_config(cfg: GPTConfig):
+    """(the transformers config of cfg, its model class): Mixtral, or Qwen2-MoE with the gate."""
     import transformers
 
-    check(cfg)
     v = cfg.vocab_size
-    hf_cfg = transformers.MixtralConfig(
+    common = dict(
         vocab_size=v,
         hidden_size=cfg.n_embd,
         intermediate_size=cfg.ffn,
         num_hidden_layers=cfg.n_layer,
         num_attention_heads=cfg.n_head,
         num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.n_embd // cfg.n_head,
         max_position_embeddings=cfg.block_size,
         rms_norm_eps=cfg.norm_eps,
         rope_theta=cfg.rope_theta,
         tie_word_embeddings=cfg.tie_embeddings,
-        num_local_experts=cfg.n_experts,
         num_experts_per_tok=cfg.top_k,
-        router_aux_loss_coef=cfg.moe_aux_loss,
-        sliding_window=None,
+        router_aux_loss_coef=cfg.moe_aux_loss / cfg.top_k,
         bos_token_id=v - 1,
         eos_token_id=v - 1,
     )
-    state = {}
-    for ours, theirs in dense_names(cfg.n_layer, cfg.tie_embeddings).items():
+    if family(cfg) == "mixtral":
+        return transformers.MixtralConfig(
+            head_dim=cfg.n_embd // cfg.n_head,
+            num_local_experts=cfg.n_experts,
+            sliding_window=None,
+            **common,
+        ), transformers.MixtralForCausalLM
+    return transformers.Qwen2MoeConfig(
+        moe_intermediate_size=cfg.ffn,
+        shared_expert_intermediate_size=cfg.ffn * cfg.shared_experts,
+        num_experts=cfg.n_experts,
+        norm_topk_prob=moe.rule(cfg.router) == "softmax_topk_norm",
+        qkv_bias=False,
+        use_sliding_window=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        **common,
+    ), transformers.Qwen2MoeForCausalLM
+
+
+def to_hf(weights, cfg: GPTConfig):
+    """transformers MixtralForCausalLM (Qwen2MoeForCausalLM with --shared-expert-gate) from
+    nanomega full weights {name: tensor} of an MoE Llama (fp32)."""
+    check(cfg)
+    hf_cfg, model_class = hf_config(cfg)
+    v, state = cfg.vocab_size, {}
+    for ours, theirs in moe_names(cfg).items():
         t = weights[ours].float()
         t = t[:v] if ours in ("embed.wte.weight", "head.lm_head.weight") else t
         state.update(zip(theirs, (part.contiguous() for part in t.chunk(len(theirs)))))
     for i in range(cfg.n_layer):
         ours, theirs = f"blocks.{i}.mlp.", f"model.layers.{i}.mlp."
-        state[theirs + "gate.weight"] = weights[ours + "router.weight"].float()
         for mine, name in (("gate_up", "gate_up_proj"), ("c_proj", "down_proj")):
             state[theirs + "experts." + name] = torch.stack(
                 [weights[f"{ours}experts.{e}.{mine}.weight"].float() for e in range(cfg.n_experts)]
             )
-    model = transformers.MixtralForCausalLM(hf_cfg)
+    model = model_class(hf_cfg)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if [k for k in missing if k != "lm_head.weight"] or unexpected:
         raise ValueError(
-            f"mixtral mapping incomplete: missing {missing[:3]}, unexpected {unexpected[:3]}"
+            f"{family(cfg)} mapping incomplete: missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
     model.tie_weights()
     return model.eval()
 
 
 def from_hf(model):
-    """(GPTConfig, nanomega full weights) from a transformers MixtralForCausalLM."""
-    cfg = mixtral_config(model.config.to_dict())
+    """(GPTConfig, nanomega full weights) from a transformers MixtralForCausalLM or
+    Qwen2MoeForCausalLM."""
+    cfg = CONFIGS[model.config.model_type](model.config.to_dict())
     theirs = {k: t.detach().float() for k, t in model.state_dict().items()}
     weights = {
-        ours: torch.cat([theirs[n] for n in names])
-        for ours, names in dense_names(cfg.n_layer, cfg.tie_embeddings).items()
+        ours: torch.cat([theirs[n] for n in names]) for ours, names in moe_names(cfg).items()
     }
 
-    # each layer's router and experts
+    # each layer's experts, unstacked
     for i in range(cfg.n_layer):
         ours, hf = f"blocks.{i}.mlp.", f"model.layers.{i}.mlp."
-        weights[ours + "router.weight"] = theirs[hf + "gate.weight"].clone()
         for e in range(cfg.n_experts):
             weights[f"{ours}experts.{e}.gate_up.weight"] = theirs[hf + "experts.gate_up_proj"][
                 e

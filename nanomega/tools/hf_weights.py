@@ -156,7 +156,7 @@ def to_hf(weights, cfg: GPTConfig):
 def from_hf(model):
     """(GPTConfig, nanomega full weights) from a transformers GPT2LMHeadModel or LlamaForCausalLM;
     refuses what nanomega cannot compute."""
-    if model.config.model_type == "mixtral":
+    if model.config.model_type in hf_moe.CONFIGS:  # Mixtral, Qwen2-MoE
         return hf_moe.from_hf(model)
 
     if model.config.model_type == "llama":
