@@ -127,19 +127,25 @@ def main(figure=None):
         f"6 N_active = {6 * n_active / 1e9:.0f} GFLOP/token of training, "
         f"{6 * (n_active - 32000 * 4096) / 1e9:.0f} without the input embedding (a lookup, not a matmul)"
     )
-    # 2. the two routing conventions: Mixtral's softmax over the top-k logits = softmax over all,
-    # top-k, renormalized
+    # 2. the routing conventions: Mixtral's softmax over the top-k logits = softmax over all, top-k,
+    # renormalized (Qwen3-MoE's); without the renormalization (DeepSeek-V2's, Qwen2-MoE's) the same
+    # experts, weights summing to less than 1
     logits = torch.randn(1000, 8)
     w_mixtral, e_mixtral, _ = moe.route(logits, 2, "mixtral")
-    w_deepseek, e_deepseek, _ = moe.route(logits, 2, "deepseek")
-    check(
-        "mixtral vs deepseek (renormalized): same experts", int((e_mixtral != e_deepseek).sum()), 0
-    )
+    w_norm, e_norm, _ = moe.route(logits, 2, "softmax_topk_norm")
+    w_plain, e_plain, _ = moe.route(logits, 2, "softmax_topk")
+    check("mixtral vs softmax_topk_norm: same experts", int((e_mixtral != e_norm).sum()), 0)
     # a few ulps apart (the two softmaxes round differently, by CPU): count the weights that differ
     # by more
     check(
-        "mixtral vs deepseek (renormalized): weights more than 1e-6 apart",
-        int(((w_mixtral - w_deepseek).abs() > 1e-6).sum()),
+        "mixtral vs softmax_topk_norm: weights more than 1e-6 apart",
+        int(((w_mixtral - w_norm).abs() > 1e-6).sum()),
+        0,
+    )
+    check("softmax_topk vs softmax_topk_norm: same experts", int((e_plain != e_norm).sum()), 0)
+    check(
+        "softmax_topk: tokens whose weights sum to 1 or more (of 1000)",
+        int((w_plain.sum(-1) >= 1).sum()),
         0,
     )
     # 3. the aux loss: 1 when balanced, E when one expert takes every token
