@@ -165,9 +165,10 @@ def simulate(p, m, schedule, v=1, t_f=1, t_b=2, t_w=0):
     """Run every rank's plan on a unit clock: F takes t_f, B t_b (a backward is ~2 forwards of
     FLOPs; with W ops, B is the input gradient alone and W the weight gradients), messages take no
     time. A batched call completes only when every peer has posted the matching call (the
-    strictest, NCCL-like rendezvous); the rank posts it and goes on until an op needs one of its
-    receives; a later call to the same peer waits for it (calls between two ranks complete in
-    order). A plan that finishes here cannot deadlock. Returns one Trace per rank."""
+    strictest, NCCL-like rendezvous); the rank waits for it there, or (a plan with W ops, whose W
+    run while calls are in flight) goes on until an op needs one of its receives. A later call to
+    the same peer waits for it (calls between two ranks complete in order). pp.py waits where this
+    does; a plan that finishes here cannot deadlock. Returns one Trace per rank."""
     # a name, or a schedule function
     make = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     plans = [comm_plan(make(p, r, m, v), p, r, v) for r in range(p)]
@@ -178,6 +179,8 @@ def simulate(p, m, schedule, v=1, t_f=1, t_b=2, t_w=0):
     pos, clock, posted = [0] * p, [0] * p, {}
     calls = [[] for _ in range(p)]  # per rank: [call, posted at] in posting order
     where, last = {}, {}  # (rank, message) -> its call; (rank, peer) -> the last call between them
+    split = [any(isinstance(s, Op) and s.kind == "W" for s in plan) for plan in plans]
+    waiting = [False] * p  # posted its current call, waits for it
     traces = [Trace(r) for r in range(p)]
     progress = True
 
@@ -205,16 +208,22 @@ def simulate(p, m, schedule, v=1, t_f=1, t_b=2, t_w=0):
                     )
                     clock[r] = start + dur
                 else:
-                    peers = {peer(msg, p, r) for msg in step.sends + step.recvs}
-                    earlier = [done(r, last[(r, q)]) for q in peers if (r, q) in last]
-                    if None in earlier:
-                        break  # an earlier call to that peer is still in flight
-                    start = max([clock[r]] + earlier)
-                    posted.update({(msg, "send"): start for msg in step.sends})
-                    posted.update({(msg, "recv"): start for msg in step.recvs})
-                    calls[r].append((step, start))
-                    where.update({(r, msg): len(calls[r]) - 1 for msg in step.recvs})
-                    last.update({(r, q): len(calls[r]) - 1 for q in peers})
+                    if not waiting[r]:  # post the call
+                        peers = {peer(msg, p, r) for msg in step.sends + step.recvs}
+                        earlier = [done(r, last[(r, q)]) for q in peers if (r, q) in last]
+                        if None in earlier:
+                            break  # an earlier call to that peer is still in flight
+                        start = max([clock[r]] + earlier)
+                        posted.update({(msg, "send"): start for msg in step.sends})
+                        posted.update({(msg, "recv"): start for msg in step.recvs})
+                        calls[r].append((step, start))
+                        where.update({(r, msg): len(calls[r]) - 1 for msg in step.recvs})
+                        last.update({(r, q): len(calls[r]) - 1 for q in peers})
+                        waiting[r] = not split[r]
+                    if waiting[r]:  # without W ops the rank waits for each call as it posts it
+                        if done(r, len(calls[r]) - 1) is None:
+                            break
+                        clock[r], waiting[r] = done(r, len(calls[r]) - 1), False
                 pos[r] += 1
                 progress = True
 
