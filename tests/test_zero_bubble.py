@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanomega import dist, pp, schedules, train, wgrad, worlds
+from nanomega import dist, formulas, pp, schedules, train, wgrad, worlds
 from nanomega.gpt_config import GPTConfig
 from nanomega.model import GPT
-from nanomega.schedules import Op, Trace, ops_in_order, peak_inflight, simulate
+from nanomega.schedules import Op, Trace, bubble_fraction, ops_in_order, peak_inflight, simulate
 from test_layouts import COMMON, flags
 
 
@@ -253,3 +253,14 @@ def test_train_zb_h1_equals_1f1b_bitwise(corpus, tmp_path):
             curves.append(([r["loss"] for r in recs if "loss" in r], recs[-1]["val_loss"]))
         steps = int(COMMON[COMMON.index("--max-steps") + 1])
         assert curves[0] == curves[1] and len(curves[0][0]) == steps, (name, curves)
+
+
+def test_planner_prices_zb_h1_with_the_simulated_bubble():
+    """The planner's ZB-H1 bubble (formulas.pipeline_bubble at ZB_H1_SLOTS, T_F = T_B = T_W) is the
+    simulator's idle share; its memory per stage is 1F1B's (p micro-batches at most)."""
+    for p in (2, 4, 8):
+        for m in (p, 2 * p, 4 * p):
+            traces = simulate(p, m, "zb-h1", t_f=1, t_b=1, t_w=1)
+            bubble = formulas.pipeline_bubble(p, m, formulas.ZB_H1_SLOTS)
+            assert abs(bubble_fraction(traces) - bubble) <= 1e-12, (p, m)
+            assert formulas.inflight_microbatches(p, m, "zb-h1") == max(map(peak_inflight, traces))
