@@ -358,7 +358,7 @@ def _draw_png(traces, path, chunked):
                 [(e.start - t0, e.end - e.start)],
                 (t.rank - 0.4, 0.8),
                 edgecolor="black",
-                color="tab:blue" if e.op == "F" else "tab:orange",
+                color={"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}[e.op],
                 linewidth=0.3,
             )
             ax.text(
@@ -371,7 +371,7 @@ def _draw_png(traces, path, chunked):
             )
     ax.set_yticks(range(len(traces)), [f"rank {t.rank}" for t in traces])
     ax.invert_yaxis()
-    ax.set_xlabel("time (blue: forward, orange: backward)")
+    ax.set_xlabel("time (blue: forward, orange: backward, green: weight gradients W)")
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return f"(timeline PNG written to {path})"
