@@ -341,7 +341,7 @@ class Calls:
     def __init__(self, grid, p, rank, deallocate, eager):
         self.grid, self.p, self.rank, self.deallocate = grid, p, rank, deallocate
         self.eager = eager
-        self.calls = []  # [works, peers, receives, sent tensors]
+        self.calls = []  # (works, peers, receives, [(message, tensor) sent])
 
     def post(self, step, sent, inbox):
         peers = {peer(msg, self.p, self.rank) for msg in step.sends + step.recvs}
@@ -352,8 +352,8 @@ class Calls:
             recvs=[(inbox[msg], peer(msg, self.p, self.rank)) for msg in step.recvs],
             wait=False,
         )
-        sent = [t for msg, t in zip(step.sends, sent) if msg[0] == "F"]
-        self.calls.append((works, peers, set(step.recvs), sent))
+        # every sent tensor stays referenced until its call completes; forward outputs are freed then
+        self.calls.append((works, peers, set(step.recvs), list(zip(step.sends, sent))))
         if not self.eager:
             self.wait_all()
 
@@ -366,11 +366,11 @@ class Calls:
             self._wait(call)
 
     def _wait(self, call):
-        self.calls.remove(call)
+        self.calls = [c for c in self.calls if c is not call]  # by identity: calls hold tensors
         for work in call[0] or []:
             work.wait()
-        for t in call[3] if self.deallocate else []:
-            if t._base is None:
+        for msg, t in call[3] if self.deallocate else []:
+            if msg[0] == "F" and t._base is None:
                 t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
 
