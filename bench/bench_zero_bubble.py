@@ -3,12 +3,13 @@ formulas predict from the measured op times.
 
 Same dense GPT, the same 4-stage split and micro-batches; 4 gloo ranks, one thread each; the two
 schedules alternate step by step (the minimum over --steps is the least disturbed step). From each
-schedule's wall-clock trace: the mean op times t_f, t_b (1F1B: the whole backward; ZB-H1: B, the input
-gradient) and t_w, the bubble measured (schedules.bubble_fraction), and the predicted step time
+schedule's wall-clock trace: the mean op times t_f, t_b (1F1B: the whole backward; ZB-H1: B, the
+input gradient) and t_w, the bubble measured (schedules.bubble_fraction), and the predicted step
+time
     1F1B   (m + p - 1)(t_f + t_bw)                        t_bw: 1F1B's whole backward
     ZB-H1  m (t_f + t_b + t_w) + (p - 1)(t_f + t_b - t_w) (Qi et al. 2024, Table 1)
 On a machine with fewer cores than ranks the ranks share cores: one rank's idle time is another's
-compute time, and the measured gain is smaller than the formulas' (they assume a core per stage).
+compute time, and the measured gain is not the formulas' (they assume a core per stage).
 Usage: python bench/bench_zero_bubble.py [--microbatches 8] [--steps 5]
 """
 
@@ -87,7 +88,8 @@ def main():
         "zb-h1": (p - 1) * (t_f + t_b - t_w) / predicted["zb-h1"],
     }
     print(f"p={p} m={m} x ({MB} x {SEQ}) tokens, {CFG}; mean op times (ms): F {t_f * 1e3:.1f}, "
-          f"1F1B's backward {t_bw * 1e3:.1f}, ZB-H1's B {t_b * 1e3:.1f}, W {t_w * 1e3:.1f}")  # fmt: skip
+          f"1F1B's backward {t_bw * 1e3:.1f}, ZB-H1's B {t_b * 1e3:.1f}, "
+          f"W {t_w * 1e3:.1f}")  # fmt: skip
     print("| schedule | step time min (median) | predicted | bubble measured (formula) |")
     print("| --- | --- | --- | --- |")
     for s in times:

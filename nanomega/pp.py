@@ -3,14 +3,16 @@ them.
 
 Idea: stage k of p keeps only its share of the blocks (the embedding on the first stage, the final
 norm, head and loss on the last). A step runs m micro-batches through the stages in the order a
-schedule gives (schedules.py: GPipe, 1F1B, interleaved 1F1B); neighbours exchange activations
-(forward) and their gradients (backward) with batched isend/irecv of shapes known in advance. The
-tied embedding lives twice, on the first and the last stage, and the two copies' gradients are
-summed over grid.embed so they stay equal.
+schedule gives (schedules.py: GPipe, 1F1B, interleaved 1F1B, ZB-H1); neighbours exchange
+activations (forward) and their gradients (backward) with batched isend/irecv of shapes known in
+advance. The tied embedding lives twice, on the first and the last stage, and the two copies'
+gradients are summed over grid.embed so they stay equal. A zero-bubble schedule's B computes input
+gradients and stashes the weight-gradient GEMMs for its W op (wgrad.py), which runs while p2p calls
+are in flight.
 
 Formulas (p stages, m micro-batches of activation memory A each, v chunks per rank):
     bubble = (p - 1) / (v m + p - 1) of every rank's step time
-    activations held per stage: GPipe m A, 1F1B min(m, p - rank) A
+    activations held per stage: GPipe m A, 1F1B min(m, p - rank) A, ZB-H1 (to W) min(m, p) A
     a sent output (mb, s, h) is freed once sent (Megatron's deallocate trick): saves that much per in-flight mb
 Lesson: lessons/05-pipeline-parallel.md
 """
@@ -352,7 +354,7 @@ class Calls:
             recvs=[(inbox[msg], peer(msg, self.p, self.rank)) for msg in step.recvs],
             wait=False,
         )
-        # every sent tensor stays referenced until its call completes; forward outputs are freed then
+        # every sent tensor stays referenced until its call completes; forward outputs freed then
         self.calls.append((works, peers, set(step.recvs), list(zip(step.sends, sent))))
         if not self.eager:
             self.wait_all()
