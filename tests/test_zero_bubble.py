@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanomega import dist, formulas, pp, schedules, train, wgrad, worlds
+from nanomega import checkpoint, dist, formulas, pp, reshard, schedules, train, wgrad, worlds
 from nanomega.gpt_config import GPTConfig
 from nanomega.model import GPT
 from nanomega.schedules import Op, Trace, bubble_fraction, ops_in_order, peak_inflight, simulate
@@ -223,8 +223,8 @@ def test_zb_h1_equals_dense():
 LLAMA_MOE = ["--arch", "llama", "--n-kv-head", "2", "--n-experts", "4", "--top-k", "2"]
 COMPOSED = [
     ("pp4", ["--pp", "4", "--batch-size", "1", "--grad-accum", "8"]),
-    ("tp2-sp-pp2", ["--tp", "2", "--sequence-parallel", "--pp", "2", "--batch-size", "2",
-                    "--grad-accum", "4"]),
+    ("tp2-sp-pp2-selective", ["--tp", "2", "--sequence-parallel", "--pp", "2", "--recompute",
+                              "selective", "--batch-size", "2", "--grad-accum", "4"]),
     ("dp2-pp2-zero1-full", ["--pp", "2", "--zero", "1", "--recompute", "full", "--batch-size", "1",
                             "--grad-accum", "4"]),
     ("moe-ep2-pp2-zero1", [*LLAMA_MOE, "--ep", "2", "--pp", "2", "--zero", "1", "--batch-size",
@@ -241,7 +241,9 @@ def _train_both(corpus, root):
 
 
 def test_train_zb_h1_equals_1f1b_bitwise(corpus, tmp_path):
-    """The same layout under --schedule zb-h1 and 1f1b: every loss and the validation loss bitwise
+    """The same layout under --schedule zb-h1 and 1f1b (tp2 + SP with selective recompute, ZeRO-1
+    over dp 2 with full recompute, experts over ep 2): every loss, the validation loss and the final
+    weights bitwise
     (B and W are F.linear's GEMMs, every gradient accumulates in the same micro-batch order);
     1F1B itself equals the dense model (tests/test_layouts.py, test_pp.py)."""
     worlds.launch(_train_both, 4, corpus, tmp_path, timeout=600)
@@ -253,6 +255,12 @@ def test_train_zb_h1_equals_1f1b_bitwise(corpus, tmp_path):
             curves.append(([r["loss"] for r in recs if "loss" in r], recs[-1]["val_loss"]))
         steps = int(COMMON[COMMON.index("--max-steps") + 1])
         assert curves[0] == curves[1] and len(curves[0][0]) == steps, (name, curves)
+        # and the final weights, from the checkpoints (every parameter, by its dense name)
+        a, b = (
+            reshard.full_weights(checkpoint.latest(tmp_path / f"{name}-{s}"))
+            for s in ("1f1b", "zb-h1")
+        )
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
 
 
 def test_planner_prices_zb_h1_with_the_simulated_bubble():
