@@ -7,7 +7,7 @@ from check import check
 from nanomega import dist, pp, recompute, worlds
 from nanomega.gpt_config import GPTConfig
 from nanomega.model import GPT
-from nanomega.schedules import Trace, bubble_fraction, draw_timeline, simulate
+from nanomega.schedules import Trace, bubble_fraction, draw_timeline, peak_inflight, simulate
 
 P, M, V = 4, 8, 2
 # 2 blocks per stage
@@ -59,6 +59,24 @@ if __name__ == "__main__":
             (P - 1) / (v * M),
             rtol=1e-9,
         )
+
+    # zero bubble (Qi et al. 2024): the backward split into B (input gradient) and W (weights)
+    print(f"\n--- zero bubble, unit clock: F = B = W = 1, p = {P}, m = {M} (paper, Table 1) ---")
+    t = 1  # T_F = T_B = T_W
+    for schedule, kw, idle, peak in (
+        ("1f1b", dict(t_b=2 * t), (P - 1) * 3 * t, P),  # B and W as one backward
+        ("zb-h1", dict(t_b=t, t_w=t), (P - 1) * t, P),
+    ):
+        traces = simulate(P, M, schedule, t_f=t, **kw)
+        if schedule == "zb-h1":
+            print(draw_timeline(traces))
+        span = max(e.end for tr in traces for e in tr.events)
+        worst = max(span - sum(e.end - e.start for e in tr.events) for tr in traces)
+        check(f"{schedule} idle per rank, unit clock", worst, idle, labels=("simulated", "paper"))
+        check(
+            f"{schedule} peak micro-batches held", max(map(peak_inflight, traces)), peak,
+            labels=("simulated", "paper"),
+        )  # fmt: skip
 
     print(
         f"\n--- real run: 4 gloo ranks on this CPU, {CFG.n_layer} blocks h={CFG.n_embd}, micro-batch {MB}x{SEQ} ---"

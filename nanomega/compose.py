@@ -13,7 +13,22 @@ Lesson: lessons/09-3d-parallelism.md
 
 import torch
 
-from nanomega import cp, ep, fused, meta, muon, pp, precision, recompute, rng, tp, zero, zero_rules
+from nanomega import (
+    cp,
+    ep,
+    fused,
+    meta,
+    muon,
+    pp,
+    precision,
+    recompute,
+    rng,
+    schedules,
+    tp,
+    wgrad,
+    zero,
+    zero_rules,
+)
 from nanomega.model import GPT
 from nanomega.job import flags
 
@@ -39,9 +54,11 @@ def build(config, grid):
     # context parallel: attention over the cp axis; positions per chunk
     cp.apply_context_parallel(model, grid.cp, config.cp_method)
 
-    # pipeline parallel: this rank's stage
+    # pipeline parallel: this rank's stage; a zero-bubble schedule's linears split their backward
     if grid.pp.size > 1:
         pp.build_stage(model, grid, config.virtual_stages)
+        if config.schedule in schedules.SPLIT:
+            wgrad.split_backward(model)
 
     # activation recompute, fused kernels, precision: the ops inside whatever the rank now holds
     recompute.apply_recompute(model, config.recompute, config.recompute_layers)

@@ -134,6 +134,8 @@ class GradBuckets:
         return g.grad, True
 
     def _on_grad(self, j, i, p):
+        if p.grad is None:  # a weight gradient deferred to a zero-bubble W (wgrad.py): none yet
+            return
         g, state = self.groups[j], self.progress[j]
         task = torch._C._current_graph_task_id()
         if task != self._backward:  # once per backward: finish what is left when autograd is done

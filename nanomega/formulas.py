@@ -197,7 +197,9 @@ def inflight_microbatches(p, m, schedule="1f1b", v=1):
     (p-1)/(pv)) layers."""
     if p == 1:
         return 1  # plain gradient accumulation: one micro-batch at a time
-    return {"gpipe": m, "1f1b": min(p, m), "interleaved": p + (p - 1) / v}[schedule]
+    return {"gpipe": m, "1f1b": min(p, m), "interleaved": p + (p - 1) / v, "zb-h1": min(p, m)}[
+        schedule
+    ]
 
 
 def offload_seconds(n, grad_bytes, param_bytes, pcie_bw, host_bw, adam_bytes=28):
@@ -300,8 +302,12 @@ def collective_seconds(op, n, nbytes, alpha, beta, algo="ring"):
 def pipeline_bubble(p, m, v=1):
     """Idle fraction of the step: each stage waits p-1 slots out of v*m + p-1 (a slot = one
     micro-batch's forward + backward of one chunk; interleaving shrinks the slots by v).
-    Time = ideal * (1 + (p-1)/(v m))."""
+    Time = ideal * (1 + (p-1)/(v m)). ZB-H1 idles (p-1)(T_F + T_B - T_W) (Qi et al. 2024, Table 1),
+    a third of a slot per ramp step at T_F = T_B = T_W: v = ZB_H1_SLOTS gives its bubble."""
     return (p - 1) / (v * m + p - 1)
+
+
+ZB_H1_SLOTS = 3  # ZB-H1's ramp: (T_F + T_B - T_W) / (T_F + T_B + T_W) = 1/3 slot at equal times
 
 
 def flops_per_token(n_params, n_layer, h, s, recompute="none", head_params=0):

@@ -3,14 +3,16 @@ them.
 
 Idea: stage k of p keeps only its share of the blocks (the embedding on the first stage, the final
 norm, head and loss on the last). A step runs m micro-batches through the stages in the order a
-schedule gives (schedules.py: GPipe, 1F1B, interleaved 1F1B); neighbours exchange activations
-(forward) and their gradients (backward) with batched isend/irecv of shapes known in advance. The
-tied embedding lives twice, on the first and the last stage, and the two copies' gradients are
-summed over grid.embed so they stay equal.
+schedule gives (schedules.py: GPipe, 1F1B, interleaved 1F1B, ZB-H1); neighbours exchange
+activations (forward) and their gradients (backward) with batched isend/irecv of shapes known in
+advance. The tied embedding lives twice, on the first and the last stage, and the two copies'
+gradients are summed over grid.embed so they stay equal. A zero-bubble schedule's B computes input
+gradients and stashes the weight-gradient GEMMs for its W op (wgrad.py), which runs while p2p calls
+are in flight.
 
 Formulas (p stages, m micro-batches of activation memory A each, v chunks per rank):
     bubble = (p - 1) / (v m + p - 1) of every rank's step time
-    activations held per stage: GPipe m A, 1F1B min(m, p - rank) A
+    activations held per stage: GPipe m A, 1F1B min(m, p - rank) A, ZB-H1 (to W) min(m, p) A
     a sent output (mb, s, h) is freed once sent (Megatron's deallocate trick): saves that much per in-flight mb
 Lesson: lessons/05-pipeline-parallel.md
 """
@@ -20,8 +22,8 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from . import schedules
-from .schedules import SCHEDULES, Comm, comm_plan, ops_in_order, peer, recv_msg, send_msg
+from . import schedules, wgrad
+from .schedules import SCHEDULES, SPLIT, Comm, comm_plan, ops_in_order, peer, recv_msg, send_msg
 
 
 def stage_layers(n_layer, pp, pp_rank) -> range:
@@ -38,11 +40,16 @@ def stage_layers(n_layer, pp, pp_rank) -> range:
     return range(start, start + size + (pp_rank < extra))
 
 
-def check_args(n_layer, pp, microbatches, schedule, virtual=1):
+def check_args(n_layer, pp, microbatches, schedule, virtual=1, compiled=False):
     """One-line errors for a pipeline layout that cannot run; call it before any collective."""
     if schedule not in SCHEDULES:
         raise ValueError(
             f"--schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}"
+        )
+    if schedule in SPLIT and compiled:
+        raise ValueError(
+            f"--schedule {schedule} defers weight gradients at run time, which a torch.compile'd "
+            f"block's traced backward cannot do: drop --compile, or use --schedule 1f1b"
         )
 
     if microbatches < 1:
@@ -191,6 +198,11 @@ def train_step(
     schedules.Trace) records wall-clock spans and the memory high-water marks.
     """
     check_args(model.cfg.n_layer, grid.pp.size, len(micro_batches), schedule, virtual)
+    if schedule in SPLIT and not wgrad.is_split(model):
+        raise ValueError(
+            f"--schedule {schedule} runs W ops: the model's linear entry must split its backward "
+            f"(wgrad.split_backward(model), compose.build does it)"
+        )
     rounds = SCHEDULES[schedule](grid.pp.size, grid.pp_rank, len(micro_batches), virtual)
     losses = _run(
         model,
@@ -251,10 +263,15 @@ def _run(
     x0 = micro_batches[0][0]
     shape = act_shape or (x0.shape[0], x0.shape[1], model.cfg.n_embd)
     dtype = next(model.blocks.parameters()).dtype
-    last_backward = {op.chunk: op for op in ops_in_order(rounds) if op.kind == "B"}
+    split = any(op.kind == "W" for op in ops_in_order(rounds))
+    # the op that reduces each chunk's gradients: its last W (split backward), else its last B
+    last_grad_op = {
+        op.chunk: op for op in ops_in_order(rounds) if op.kind == ("W" if split else "B")
+    }
     sync = torch.accelerator.synchronize if grid.device.type != "cpu" else (lambda: None)
-    # live: (chunk, mb) -> (input, output) awaiting backward
-    live, inbox, outbox, losses = {}, {}, {}, []
+    # live: (chunk, mb) -> (input, output) awaiting B; deferred: (chunk, mb) -> W's stash
+    live, deferred, inbox, outbox, losses = {}, {}, {}, {}, []
+    calls = Calls(grid, p, rank, deallocate, eager=split)
 
     for step in comm_plan(rounds, p, rank, virtual):
         if isinstance(step, Comm):
@@ -268,20 +285,14 @@ def _run(
                     for msg in step.recvs
                 }
             )
-            grid.pp.p2p(
-                sends=[(outbox[msg], peer(msg, p, rank)) for msg in step.sends],
-                recvs=[(inbox[msg], peer(msg, p, rank)) for msg in step.recvs],
-            )
-            for msg in step.sends:
-                sent = outbox.pop(msg)
-                # autograd needs only its grad_fn
-                if deallocate and msg[0] == "F" and sent._base is None:
-                    sent.data = torch.empty(0, dtype=sent.dtype, device=sent.device)
+            calls.post(step, [outbox.pop(msg) for msg in step.sends], inbox)
             if trace:
                 held = sum(out.untyped_storage().nbytes() for _, out in live.values() if out.dim())
                 trace.peak_output_bytes = max(trace.peak_output_bytes, held)
             continue
         vs = step.chunk * p + rank
+        calls.wait_for(recv_msg(step, p, rank, virtual))
+        reduce = step == last_grad_op.get(step.chunk)
         with trace.span(step, sync) if trace else contextlib.nullcontext():
             if step.kind == "F":
                 x, y, *docs = micro_batches[step.mb]
@@ -295,23 +306,74 @@ def _run(
                     out = out / m * loss_scale
                 if torch.is_grad_enabled():
                     live[(step.chunk, step.mb)] = (x, out)
-                if trace:
-                    trace.peak_inflight = max(trace.peak_inflight, len(live))
-            else:
+            elif step.kind == "B":
                 x, out = live.pop((step.chunk, step.mb))
                 grad = (
                     torch.ones_like(out)
                     if vs == last_vs
                     else inbox.pop(recv_msg(step, p, rank, virtual))
                 )
-                with no_sync() if step != last_backward[step.chunk] else contextlib.nullcontext():
+                # split: the weight gradients wait in a stash for this micro-batch's W
+                defer = wgrad.deferring() if split else contextlib.nullcontext()
+                with no_sync() if not reduce else contextlib.nullcontext(), defer as stash:
                     _backward(out, grad)
+                if split:
+                    deferred[(step.chunk, step.mb)] = stash
+            else:
+                with no_sync() if not reduce else contextlib.nullcontext():
+                    wgrad.flush(deferred.pop((step.chunk, step.mb)))
+            if trace:
+                held = len(set(live) | set(deferred))
+                trace.peak_inflight = max(trace.peak_inflight, held)
         msg = send_msg(step, p, rank, virtual)
         if msg:
             outbox[msg] = out if step.kind == "F" else x.grad
 
+    calls.wait_all()
     losses = torch.stack(losses) if losses else torch.zeros(m, device=grid.device)
     return grid.pp.broadcast(losses, src_index=p - 1)  # each micro-batch's loss, on every stage
+
+
+class Calls:
+    """This rank's batched p2p calls in flight (schedules.simulate's model): an op waits for the
+    call holding its input, a call for the earlier ones to the same peer; a sent output is freed
+    once its call completed (its autograd graph needs only the grad_fn: Megatron's deallocate).
+    Without W ops (eager False) every call is waited for as it is posted: the next op needs it."""
+
+    def __init__(self, grid, p, rank, deallocate, eager):
+        self.grid, self.p, self.rank, self.deallocate = grid, p, rank, deallocate
+        self.eager = eager
+        self.calls = []  # (works, peers, receives, [(message, tensor) sent])
+
+    def post(self, step, sent, inbox):
+        peers = {peer(msg, self.p, self.rank) for msg in step.sends + step.recvs}
+        for call in [c for c in self.calls if c[1] & peers]:
+            self._wait(call)
+        works = self.grid.pp.p2p(
+            sends=[(t, peer(msg, self.p, self.rank)) for msg, t in zip(step.sends, sent)],
+            recvs=[(inbox[msg], peer(msg, self.p, self.rank)) for msg in step.recvs],
+            wait=False,
+        )
+        # every sent tensor stays referenced until its call completes; forward outputs freed then
+        self.calls.append((works, peers, set(step.recvs), list(zip(step.sends, sent))))
+        if not self.eager:
+            self.wait_all()
+
+    def wait_for(self, msg):
+        for call in [c for c in self.calls if msg in c[2]]:
+            self._wait(call)
+
+    def wait_all(self):
+        for call in list(self.calls):
+            self._wait(call)
+
+    def _wait(self, call):
+        self.calls = [c for c in self.calls if c is not call]  # by identity: calls hold tensors
+        for work in call[0] or []:
+            work.wait()
+        for msg, t in call[3] if self.deallocate else []:
+            if msg[0] == "F" and t._base is None:
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
 
 def _backward(out, grad):

@@ -7,10 +7,12 @@ ranks can deadlock, and how long they sit idle (`simulate`). No torch, no proces
 very same plan with real tensors.
 
 Formulas (p stages, m micro-batches, v virtual stages per rank, forward t_f and backward t_b per
-          stage):
+          stage; split backward: B the input gradient t_b, W the weight gradient t_w):
     GPipe, 1F1B:        step time (m + p - 1)(t_f + t_b),    bubble = (p - 1) / (m + p - 1)
     interleaved 1F1B:   each chunk is 1/v of a stage,        bubble = (p - 1) / (v m + p - 1)
     micro-batches alive on rank r: GPipe m, 1F1B min(m, p - r)  (activation memory ∝ m vs ∝ p)
+    ZB-H1 (Qi et al. 2024, Table 1): idle per rank (p - 1)(t_f + t_b - t_w), vs 1F1B's
+                        (p - 1)(t_f + t_b + t_w); alive min(m, p) on every rank (1F1B's peak)
 Lesson: lessons/05-pipeline-parallel.md
 """
 
@@ -18,7 +20,8 @@ import contextlib
 import time
 from collections import namedtuple
 
-# kind "F" or "B"; chunk = model chunk on this rank
+# kind "F", "B" (the input gradient; with no W, the whole backward) or "W" (the weight gradients);
+# chunk = model chunk on this rank
 Op = namedtuple("Op", "kind mb chunk", defaults=(0,))
 Comm = namedtuple("Comm", "sends recvs")  # one batched isend/irecv: lists of messages
 # A message is ("F", mb, vs): the activation virtual stage vs sends to vs + 1, or ("B", mb, vs): the
@@ -67,6 +70,22 @@ def _warmup_steady_cooldown(fwd, bwd, warmup, pair):
     )
 
 
+def zb_h1(p, rank, m, v=1):
+    """ZB-H1 (Qi et al. 2024, sec. 3.1, Fig. 3): 1F1B's forwards and input-gradient backwards B;
+    each rank runs its weight-gradient passes W `rank` B's late, so they fill what would be its
+    wait for the cool-down's gradients (the last rank, which waits longest, delays most)."""
+    warmup = min(p - rank - 1, m)
+    ops, w = [Op("F", i) for i in range(warmup)], 0
+    for b in range(m):
+        if warmup + b < m:
+            ops.append(Op("F", warmup + b))
+        ops.append(Op("B", b))
+        if b + 1 - w > rank:  # W of the oldest micro-batch, `rank` B's behind
+            ops.append(Op("W", w))
+            w += 1
+    return [[op] for op in ops + [Op("W", i) for i in range(w, m)]]
+
+
 def forward_only(p, rank, m, v=1):
     """Evaluation: the forwards alone, in the interleaved order (any m: the last
     group takes the rest)."""
@@ -81,7 +100,8 @@ def _chunk_order(p, m, v):
     return [(mb, c) for group in groups for c in range(v) for mb in group]
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b}
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb-h1": zb_h1}
+SPLIT = {"zb-h1"}  # schedules with W ops: the backward split (wgrad.py)
 
 
 def ops_in_order(rounds):
@@ -91,16 +111,20 @@ def ops_in_order(rounds):
 
 def recv_msg(op, p, rank, v):
     """The message op needs before it can run: the input activation (F) or the output gradient
-    (B)."""
+    (B); a weight-gradient op W needs none."""
     vs = op.chunk * p + rank
+    if op.kind == "W":
+        return None
     if op.kind == "F":
         return ("F", op.mb, vs - 1) if vs > 0 else None
     return ("B", op.mb, vs + 1) if vs < p * v - 1 else None
 
 
 def send_msg(op, p, rank, v):
-    """The message op produces: its output activation (F) or its input gradient (B)."""
+    """The message op produces: its output activation (F) or its input gradient (B); W none."""
     vs = op.chunk * p + rank
+    if op.kind == "W":
+        return None
     if op.kind == "F":
         return ("F", op.mb, vs) if vs < p * v - 1 else None
     return ("B", op.mb, vs) if vs > 0 else None
@@ -114,32 +138,57 @@ def peer(msg, p, rank):
 
 
 def comm_plan(rounds, p, rank, v=1):
-    """Ops with one batched p2p call before each round: it sends what the previous round produced
-    and receives what this round needs (Megatron's send_forward_recv_backward pattern), so that two
-    neighbours never both wait on a message the other has not posted."""
-    steps, pending = [], []
-    for rnd in rounds:
-        needs = [msg for msg in (recv_msg(op, p, rank, v) for op in rnd) if msg]
-        if needs or pending:
-            steps.append(Comm(pending, needs))
+    """Ops with batched p2p calls between them: after a round, one call sends what it produced and
+    receives what the next round needing anything needs (Megatron's send_forward_recv_backward
+    pattern), so that two neighbours never both wait on a message the other has not posted. Rounds
+    that need nothing (a W) run while that call is in flight."""
+    needs = [[msg for msg in (recv_msg(op, p, rank, v) for op in rnd) if msg] for rnd in rounds]
+    sends = [[msg for msg in (send_msg(op, p, rank, v) for op in rnd) if msg] for rnd in rounds]
+    steps, requested = [], set()
+    for i, rnd in enumerate(rounds):
+        if not requested.issuperset(needs[i]):
+            steps.append(Comm([], needs[i]))
         steps += rnd
-        pending = [msg for msg in (send_msg(op, p, rank, v) for op in rnd) if msg]
-    return steps + ([Comm(pending, [])] if pending else [])
+        if not sends[i]:
+            continue
+        ahead = []  # the receives of the next round that needs any, unless a round sends first
+        for j in range(i + 1, len(rounds)):
+            if needs[j] or sends[j]:
+                ahead = needs[j]
+                break
+        requested.update(ahead)
+        steps.append(Comm(sends[i], ahead))
+    return steps
 
 
-def simulate(p, m, schedule, v=1, t_f=1, t_b=2):
-    """Run every rank's plan on a unit clock: F takes t_f, B takes t_b (a backward is ~2 forwards of
-    FLOPs), messages take no time. A batched call finishes only when every peer has posted the
-    matching call (the strictest, NCCL-like rendezvous), so a plan that finishes here cannot
-    deadlock. Returns one Trace per rank."""
+def simulate(p, m, schedule, v=1, t_f=1, t_b=2, t_w=0):
+    """Run every rank's plan on a unit clock: F takes t_f, B t_b (a backward is ~2 forwards of
+    FLOPs; with W ops, B is the input gradient alone and W the weight gradients), messages take no
+    time. A batched call completes only when every peer has posted the matching call (the
+    strictest, NCCL-like rendezvous); the rank waits for it there, or (a plan with W ops, whose W
+    run while calls are in flight) goes on until an op needs one of its receives. A later call to
+    the same peer waits for it (calls between two ranks complete in order). pp.py waits where this
+    does; a plan that finishes here cannot deadlock. Returns one Trace per rank."""
     # a name, or a schedule function
     make = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     plans = [comm_plan(make(p, r, m, v), p, r, v) for r in range(p)]
+    for r, plan in enumerate(plans):
+        _check_op_order([s for s in plan if isinstance(s, Op)], r, m, v)
     _check_message_order(plans, p)
 
     pos, clock, posted = [0] * p, [0] * p, {}
+    calls = [[] for _ in range(p)]  # per rank: [call, posted at] in posting order
+    where, last = {}, {}  # (rank, message) -> its call; (rank, peer) -> the last call between them
+    split = [any(isinstance(s, Op) and s.kind == "W" for s in plan) for plan in plans]
+    waiting = [False] * p  # posted its current call, waits for it
     traces = [Trace(r) for r in range(p)]
     progress = True
+
+    def done(r, k):  # when rank r's call k completed, or None while a peer has not posted
+        call, start = calls[r][k]
+        ends = [posted.get((msg, "recv")) for msg in call.sends]
+        ends += [posted.get((msg, "send")) for msg in call.recvs]
+        return None if None in ends else max([start] + ends)
 
     # each rank runs until a message blocks it; done when no rank can move
     while progress:
@@ -148,32 +197,61 @@ def simulate(p, m, schedule, v=1, t_f=1, t_b=2):
             while pos[r] < len(plans[r]):
                 step = plans[r][pos[r]]
                 if isinstance(step, Op):
-                    dur = t_f if step.kind == "F" else t_b
+                    msg = recv_msg(step, p, r, v)
+                    k = where.get((r, msg))
+                    if msg and (k is None or done(r, k) is None):
+                        break  # its input has not arrived
+                    start = max(clock[r], done(r, k)) if msg else clock[r]
+                    dur = {"F": t_f, "B": t_b, "W": t_w}[step.kind]
                     traces[r].events.append(
-                        Event(step.kind, step.mb, clock[r], clock[r] + dur, step.chunk)
+                        Event(step.kind, step.mb, start, start + dur, step.chunk)
                     )
-                    clock[r] += dur
+                    clock[r] = start + dur
                 else:
-                    ends = [clock[r]]
-                    for msg, side in [(s, "send") for s in step.sends] + [
-                        (s, "recv") for s in step.recvs
-                    ]:
-                        posted.setdefault((msg, side), clock[r])
-                        other = posted.get((msg, "recv" if side == "send" else "send"))
-                        ends.append(other)
-                    if None in ends:
-                        break  # blocked until the peer posts its side
-                    clock[r] = max(ends)
+                    if not waiting[r]:  # post the call
+                        peers = {peer(msg, p, r) for msg in step.sends + step.recvs}
+                        earlier = [done(r, last[(r, q)]) for q in peers if (r, q) in last]
+                        if None in earlier:
+                            break  # an earlier call to that peer is still in flight
+                        start = max([clock[r]] + earlier)
+                        posted.update({(msg, "send"): start for msg in step.sends})
+                        posted.update({(msg, "recv"): start for msg in step.recvs})
+                        calls[r].append((step, start))
+                        where.update({(r, msg): len(calls[r]) - 1 for msg in step.recvs})
+                        last.update({(r, q): len(calls[r]) - 1 for q in peers})
+                        waiting[r] = not split[r]
+                    if waiting[r]:  # without W ops the rank waits for each call as it posts it
+                        if done(r, len(calls[r]) - 1) is None:
+                            break
+                        clock[r], waiting[r] = done(r, len(calls[r]) - 1), False
                 pos[r] += 1
                 progress = True
 
-    stuck = [r for r in range(p) if pos[r] < len(plans[r])]
+    stuck = [
+        r
+        for r in range(p)
+        if pos[r] < len(plans[r]) or None in [done(r, k) for k in range(len(calls[r]))]
+    ]
     if stuck:
         raise RuntimeError(
             f"{schedule} p={p} m={m} v={v} deadlocks: ranks {stuck} wait at "
-            f"{[plans[r][pos[r]] for r in stuck]}"
+            f"{[plans[r][pos[r]] if pos[r] < len(plans[r]) else 'the end' for r in stuck]}"
         )
     return traces
+
+
+def _check_op_order(ops, rank, m, v):
+    """Every micro-batch of every chunk runs F, then B, then (a split backward) W, once each."""
+    kinds = "FBW" if any(op.kind == "W" for op in ops) else "FB"
+    seen = {}
+    for op in ops:
+        done = seen.setdefault((op.chunk, op.mb), "")
+        if kinds[len(done) : len(done) + 1] != op.kind:
+            raise RuntimeError(f"rank {rank}: {op} after {done or 'nothing'} of its micro-batch")
+        seen[(op.chunk, op.mb)] += op.kind
+    if any(seen.get((c, mb)) != kinds for c in range(v) for mb in range(m)) and len(seen):
+        if not all(done == "F" for done in seen.values()):  # forward_only: F alone
+            raise RuntimeError(f"rank {rank}: not every micro-batch runs {kinds}")
 
 
 def _check_message_order(plans, p):
@@ -211,6 +289,20 @@ class Trace:
         yield
         sync()
         self.events.append(Event(op.kind, op.mb, start, time.perf_counter(), op.chunk))
+
+
+def peak_inflight(trace):
+    """Most micro-batches (per chunk) whose forward ran and whose backward's last op (W when the
+    schedule splits it, else B) did not yet: the activations and the W inputs a rank holds."""
+    split = any(e.op == "W" for e in trace.events)
+    alive, peak = set(), 0
+    for e in sorted(trace.events, key=lambda e: e.start):
+        if e.op == "F":
+            alive.add((e.chunk, e.mb))
+        elif e.op == "W" or not split:
+            alive.discard((e.chunk, e.mb))
+        peak = max(peak, len(alive))
+    return peak
 
 
 def bubble_fraction(traces):
@@ -266,7 +358,7 @@ def _draw_png(traces, path, chunked):
                 [(e.start - t0, e.end - e.start)],
                 (t.rank - 0.4, 0.8),
                 edgecolor="black",
-                color="tab:blue" if e.op == "F" else "tab:orange",
+                color={"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}[e.op],
                 linewidth=0.3,
             )
             ax.text(
@@ -279,7 +371,7 @@ def _draw_png(traces, path, chunked):
             )
     ax.set_yticks(range(len(traces)), [f"rank {t.rank}" for t in traces])
     ax.invert_yaxis()
-    ax.set_xlabel("time (blue: forward, orange: backward)")
+    ax.set_xlabel("time (blue: forward, orange: backward, green: weight gradients W)")
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return f"(timeline PNG written to {path})"

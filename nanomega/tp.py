@@ -7,7 +7,8 @@ bracketed by the conjugate operators f (identity forward, all-reduce backward) a
 forward, identity backward). With t > n_kv (GQA) each rank holds the small k/v weight whole
 (GroupKeyValue). Sequence parallelism also splits what lies between the pairs along the sequence: g
 becomes a reduce-scatter, f an all-gather. The local matmuls are the op table's `linear` entry
-(seams.py); the communication stays here.
+(seams.py); the communication stays here. The sequence-parallel linear hands its weight-gradient
+GEMM to wgrad.defer, so a zero-bubble schedule's W computes it (wgrad.py).
 Formulas, per layer and rank, B = b s h bytes, ring over t ranks (derived in the lessons):
     TP  forward 2 all-reduces = 2 * 2(t-1)/t * B    backward the same
     SP  forward 2 x (all-gather + reduce-scatter): the same bytes
@@ -23,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanomega import wgrad
 from nanomega.rng import TrackedDropout
 from nanomega.seams import Ops
 from nanomega.tp_loss import vocab_parallel_cross_entropy
@@ -126,7 +128,10 @@ class LinearWithSequenceGather(torch.autograd.Function):
         grad_w = grad_b = None
         if ctx.needs_input_grad[1]:
             total = _gather_seq(x, ctx.tp)  # (b, s, h): the price of storing only the shard
-            grad_w = linear(grad.flatten(0, -2).t(), total.flatten(0, -2).t())  # (out/t, h)
+            # (out/t, h), now or at a zero-bubble schedule's W (wgrad.py)
+            grad_w = wgrad.defer(
+                weight, lambda: linear(grad.flatten(0, -2).t(), total.flatten(0, -2).t())
+            )
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.flatten(0, -2).sum(0)
         return grad_x, grad_w, grad_b, None, None

@@ -43,6 +43,8 @@ BAD = [
         "--n-layer 6 is not divisible by --pp 2 x --virtual-stages 2",
     ),
     (2, ["--pp", "2", "--schedule", "zigzag"], "--schedule 'zigzag' is unknown"),
+    (2, ["--pp", "2", "--schedule", "zb-h1", "--compile"], "defers weight gradients at run time"),
+    (2, ["--pp", "2", "--schedule", "zb-h1", "--virtual-stages", "2"], "needs --schedule inter"),
     (
         2,
         ["--tp", "2", "--sequence-parallel", "--block-size", "33"],

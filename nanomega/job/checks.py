@@ -78,7 +78,7 @@ def check(config):
     cfg.validate()
     check_experts(c, cfg, dp)
     tp.check_tensor_parallel(cfg, c.tp, c.sequence_parallel)
-    pp.check_args(c.n_layer, c.pp, grad_accum, c.schedule, c.virtual_stages)
+    pp.check_args(c.n_layer, c.pp, grad_accum, c.schedule, c.virtual_stages, c.compile)
     cp.check(cfg, c.cp, c.cp_method, c.tp)
 
     # combinations the engines cannot run

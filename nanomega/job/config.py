@@ -214,7 +214,9 @@ class Config:
         "ring (K/V passed rank to rank), allgather (Llama 3's) or ulysses (all-to-all to head "
         "shards: cp must divide the heads per tp rank)",
     )
-    schedule: str = PARALLEL("1f1b", "gpipe, 1f1b or interleaved")
+    schedule: str = PARALLEL(
+        "1f1b", "gpipe, 1f1b, interleaved or zb-h1 (zero bubble: the backward split, wgrad.py)"
+    )
     virtual_stages: int = PARALLEL(1, "model chunks per rank (interleaved)")  # pp.check_args
     zero: int = PARALLEL(0, "ZeRO stage 0-3 (0: plain data parallelism)")  # zero.check_config
     offload: float = PARALLEL(

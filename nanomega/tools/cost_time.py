@@ -21,6 +21,7 @@ from nanomega.formulas import (
     flops_per_token,
     inflight_microbatches,
     offload_seconds,
+    ZB_H1_SLOTS,
     pipeline_bubble,
     pp_comm_bytes,
     tp_comm_bytes_per_layer,
@@ -155,7 +156,9 @@ def step_time(model, gpu, gpus, tp, pp, zero, run, time=TIME, global_batch=None)
         pp_comm_bytes(run.micro_batch, model.seq_len, model.n_embd, tp, eb, 1, v) if pp > 1 else 0
     )
     slot = max(stages) + sends / pp_bw
-    pipe = (m + (pp - 1) / v) * slot
+    # the ramp: p - 1 slots of one chunk; ZB-H1's W fill two thirds of each (formulas.py)
+    ramp_v = ZB_H1_SLOTS if run.schedule == "zb-h1" else v
+    pipe = (m + (pp - 1) / ramp_v) * slot
 
     # dp's gradient (and ZeRO-3's parameter) bytes, what of them hides behind compute (overlap.py)
     n = max(stage_params(model, tp, pp, v, run.split))
@@ -182,7 +185,7 @@ def step_time(model, gpu, gpus, tp, pp, zero, run, time=TIME, global_batch=None)
     tp_total, tp_waits = m * max(layers) * tp_s, m * max(layers) * tp_exposed
     return StepTime(
         pipe + dp_t.exposed + host,
-        pipeline_bubble(pp, m, v),
+        pipeline_bubble(pp, m, ramp_v),
         waits + tp_total + dp_t.total,
         waits + tp_waits + dp_t.exposed,
     )
