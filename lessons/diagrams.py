@@ -421,6 +421,11 @@ def draw_compose(path):
     fig.savefig(path, dpi=DPI)
 
 
+def draw_zb_h1(path):
+    # the paper's unit setting: F, B (input gradient) and W (weight gradients) one unit each
+    schedules.draw_timeline(schedules.simulate(4, 8, "zb-h1", t_f=1, t_b=1, t_w=1), path)
+
+
 def draw_cp(path):
     plt = _plt()
     s, n = 16, 4
@@ -532,6 +537,7 @@ DIAGRAMS = {
     "diagram_zero.png": draw_zero,
     "diagram_tp.png": draw_tp,
     "diagram_1f1b.png": draw_1f1b,
+    "05_timeline_zb-h1_unit_clock.png": draw_zb_h1,
     "diagram_sp.png": draw_sp,
     "diagram_cp.png": draw_cp,
     "diagram_reshard.png": draw_reshard,

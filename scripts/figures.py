@@ -158,6 +158,7 @@ SCRIPTED = {
     "diagram_zero.png": "lessons/diagrams.py",
     "diagram_tp.png": "lessons/diagrams.py",
     "diagram_1f1b.png": "lessons/diagrams.py",
+    "05_timeline_zb-h1_unit_clock.png": "lessons/diagrams.py",
     "diagram_sp.png": "lessons/diagrams.py",
     "diagram_cp.png": "lessons/diagrams.py",
     "diagram_reshard.png": "lessons/diagrams.py",
