@@ -465,14 +465,27 @@ REFUSED = {  # name: (what config.json or tokenizer.json says, a word of the one
         "head_dim 16 (nanomega: hidden_size / num_attention_heads = 8)",
     ),
     "rope-type": (
-        dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)),
-        "rope_type 'yarn'",
+        dict(
+            rope_scaling=dict(rope_type="longrope", short_factor=[1.0] * 4, long_factor=[2.0] * 4)
+        ),
+        "rope_type 'longrope'",
+    ),
+    "yarn-mscale": (
+        dict(
+            rope_scaling=dict(
+                rope_type="yarn", factor=4.0, original_max_position_embeddings=64, mscale=0.7
+            )
+        ),
+        "mscale 0.7",
     ),
     "llama3-constants": (
         dict(rope_scaling=dict(LLAMA3_ROPE, low_freq_factor=2.0)),
         "low_freq_factor 2.0",
     ),
-    "model-type": ("mistral", "model_type 'mistral' (nanomega: gpt2, llama or mixtral)"),
+    "model-type": (
+        "mistral",
+        "model_type 'mistral' (nanomega: gpt2, llama, qwen2, qwen3, mixtral)",
+    ),
     "llama3-tokenizer": (LLAMA3_SPLIT, "instead of GPT-2's pattern"),
     "sentencepiece": (
         {"type": "Metaspace", "replacement": "\u2581"},

@@ -1,27 +1,30 @@
-"""Hugging Face in and out: a nanomega checkpoint <-> a transformers GPT-2, Llama or Mixtral folder.
+"""Hugging Face in and out: a nanomega checkpoint <-> a transformers GPT-2, Llama, Qwen2, Qwen3 or
+Mixtral folder.
 
     python -m nanomega.tools.hf export --out-dir out --to mine  # -> config.json, model.safetensors
     python -m nanomega.tools.hf import mine --out-dir ft        # -> a step-0 checkpoint (--resume)
     model = nanomega.tools.hf.load_pretrained("mine")           # -> the dense model.GPT, fp32
 
 nanomega's dense GPT *is* GPT-2, and with arch="llama" it *is* Llama (RoPE in HF's rotate-half
-layout: q and k need no permutation), so the exchange is a renaming plus a few details (Mixtral:
-tools/hf_moe.py). The checkpoint of any layout is read through reshard.full_weights. A folder is
-trusted in nothing (tools/hf_check.py: config.json field by field, every tensor's name and shape,
-transformers' load report): what is damaged, or what nanomega cannot compute, is refused in one
-line naming the file and the field or tensor, before anything is written. Tokenizers go
-through tools/tokenizer.py (to_hf, from_hf). Needs the `hf` extra: pip install transformers
-safetensors.
+layout: q and k need no permutation), so the exchange is a renaming plus a few details (Qwen2's
+q, k, v biases and Qwen3's QK-norm: tools/hf_llama.py; Mixtral: tools/hf_moe.py). The checkpoint of
+any layout is read through reshard.full_weights. A folder is trusted in nothing (tools/hf_check.py:
+config.json field by field, every tensor's name and shape, transformers' load report): what is
+damaged, or what nanomega cannot compute, is refused in one line naming the file and the field or
+tensor, before anything is written. Tokenizers go through tools/tokenizer.py (to_hf, from_hf).
+Needs the `hf` extra: pip install transformers safetensors.
 
 Formulas:
     GPT-2    W_hf = W^T (in, out): transformers' Conv1D weight is the transpose of nn.Linear's
     Llama    kv_proj = [k_proj; v_proj], gate_up = [gate_proj; up_proj], stacked by rows
+    Qwen2    kv_proj.bias = [k_proj.bias; v_proj.bias]
     vocab    export keeps the first V rows of the embedding (and of an untied head), import appends
              zero rows: logits[..., :V] are equal
 Lesson: lessons/13-the-modern-block.md
 """
 
 import argparse
+import functools
 import os
 import types
 from pathlib import Path
@@ -33,16 +36,20 @@ from nanomega.job import faults, lifecycle
 from nanomega.gpt_config import SHAPE_KEYS, SIZES, GPTConfig
 from nanomega.model import GPT
 from nanomega.tools import hf_check, hf_moe, tokenizer
-from nanomega.tools.hf_llama import llama_config
+from nanomega.tools.hf_llama import DENSE, llama_config
 from nanomega.tools.hf_weights import check_gpt2, from_hf, gpt2_config, require_transformers, to_hf
 
 # model_type -> its config.json read as a GPTConfig (what nanomega cannot compute: one line)
-CONFIGS = dict(gpt2=gpt2_config, llama=llama_config, mixtral=hf_moe.mixtral_config)
+CONFIGS = dict(
+    gpt2=gpt2_config,
+    **{kind: functools.partial(llama_config, kind=kind) for kind in DENSE},
+    mixtral=hf_moe.mixtral_config,
+)
 
 
 def hf_config(src):
     """(config.json of a transformers folder as a dict, the GPTConfig nanomega reads from it): the
-    model types nanomega reads (gpt2, llama, mixtral), every field checked (tools/hf_check.py)
+    model types nanomega reads (gpt2, llama, qwen2, qwen3, mixtral), every field checked (tools/hf_check.py)
     before a weight is read."""
     path = Path(src) / "config.json"
     if not path.is_file():
@@ -50,7 +57,7 @@ def hf_config(src):
     c = hf_check.read_json(path)
     kind = c.get("model_type")
     if kind not in CONFIGS:
-        raise ValueError(f"{path}: model_type {kind!r} (nanomega: gpt2, llama or mixtral)")
+        raise ValueError(f"{path}: model_type {kind!r} (nanomega: {', '.join(CONFIGS)})")
     hf_check.check_fields(path, c, kind)
     try:
         cfg = CONFIGS[kind](c)
@@ -60,13 +67,15 @@ def hf_config(src):
 
 
 def read_hf(src):
-    """(GPTConfig, nanomega full weights) of a transformers GPT-2, Llama or Mixtral folder: its
+    """(GPTConfig, nanomega full weights) of a transformers GPT-2, Llama, Qwen or Mixtral folder: its
     config and its tensors' names and shapes checked first, then transformers' load report."""
     transformers = require_transformers()
     c, cfg = hf_config(src)
     hf_check.check_tensors(src, cfg, c["model_type"])
     model_class = dict(
         llama=transformers.LlamaForCausalLM,
+        qwen2=transformers.Qwen2ForCausalLM,
+        qwen3=transformers.Qwen3ForCausalLM,
         mixtral=transformers.MixtralForCausalLM,
         gpt2=transformers.GPT2LMHeadModel,
     )[c["model_type"]]
@@ -92,7 +101,7 @@ def read_hf(src):
 
 def load_pretrained(src, attention="eager") -> GPT:
     """The dense nanomega model (model.GPT: fp32, in eval mode, its head tied as the folder says) of
-    a transformers GPT-2 or Llama folder; nothing is written, no tokenizer is read."""
+    a transformers GPT-2, Llama, Qwen or Mixtral folder; nothing is written, no tokenizer is read."""
     cfg, weights = read_hf(src)
     # eager, sdpa or fused (gpt_config.ATTENTION): the model reads it when built
     cfg.attention = attention
@@ -110,7 +119,7 @@ def load_pretrained(src, attention="eager") -> GPT:
 
 
 def export(out_dir, to):
-    """Write the latest checkpoint of out_dir as a transformers GPT-2, Llama or Mixtral folder
+    """Write the latest checkpoint of out_dir as a transformers GPT-2, Llama, Qwen or Mixtral folder
     `to`; returns it."""
     folder, cfg, tok_name, skipped = checkpoint.saved_model(out_dir)  # the newest that verifies
     for reason in skipped:
@@ -139,7 +148,7 @@ def import_tokenizer(src, out_dir):
 
 
 def import_(src, out_dir):
-    """A transformers GPT-2 or Llama folder -> a step-0 nanomega checkpoint in out_dir
+    """A transformers GPT-2, Llama, Qwen or Mixtral folder -> a step-0 nanomega checkpoint in out_dir
     (single-process, dense).
     What nanomega cannot represent (and, for a Llama, a tokenizer --tokenizer cannot read) is
     refused first."""
@@ -202,7 +211,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser(
-        "export", help="checkpoint (any layout) -> transformers GPT-2, Llama or Mixtral folder"
+        "export",
+        help="checkpoint (any layout) -> transformers GPT-2, Llama, Qwen or Mixtral folder",
     )
     e.add_argument("--out-dir", default="out")
     e.add_argument(
@@ -213,7 +223,7 @@ def main(argv=None):
 
     i = sub.add_parser(
         "import",
-        help="transformers GPT-2, Llama or Mixtral folder -> step-0 checkpoint for "
+        help="transformers GPT-2, Llama, Qwen or Mixtral folder -> step-0 checkpoint for "
         "train.py --resume",
     )
     i.add_argument("src")

@@ -12,7 +12,7 @@ import torch
 
 from nanomega.gpt_config import GPTConfig
 from nanomega.tools import hf_moe
-from nanomega.tools.hf_llama import LLAMA3_ROPE, llama_config, llama_name_map
+from nanomega.tools.hf_llama import DENSE, hf_rope, llama_config, llama_name_map
 
 # nanomega name -> transformers GPT2LMHeadModel name, per block ({i}); Conv1D weights are transposed
 _BLOCK = {
@@ -71,8 +71,9 @@ def check_gpt2(cfg: GPTConfig):
 
 
 def to_hf(weights, cfg: GPTConfig):
-    """transformers GPT2LMHeadModel or LlamaForCausalLM (by cfg.arch) from nanomega full weights
-    {name: tensor} (fp32; padded rows dropped)."""
+    """transformers GPT2LMHeadModel, or (cfg.arch llama) LlamaForCausalLM, Qwen2ForCausalLM (qkv_bias)
+    or Qwen3ForCausalLM (qk_norm), from nanomega full weights {name: tensor} (fp32; padded rows
+    dropped)."""
     transformers = require_transformers()
     v = cfg.vocab_size
 
@@ -81,12 +82,21 @@ def to_hf(weights, cfg: GPTConfig):
 
     # the transformers config and the name map of each architecture
     if cfg.arch == "llama":
-        rope = (
-            None
-            if cfg.rope_scaling == 1.0
-            else dict(rope_type="llama3", factor=cfg.rope_scaling, **LLAMA3_ROPE)
-        )
-        hf_cfg = transformers.LlamaConfig(
+        # Qwen2 (q, k, v biases) or Qwen3 (QK-norm) where the block has them, else Llama
+        kind = "qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else "llama"
+        if cfg.qkv_bias and cfg.qk_norm:
+            raise ValueError(
+                "--qkv-bias with --qk-norm has no transformers class (Qwen2: biases, Qwen3: "
+                "QK-norm); train with one of them to export"
+            )
+        config_class, model_class = dict(
+            llama=(transformers.LlamaConfig, transformers.LlamaForCausalLM),
+            qwen2=(transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+            qwen3=(transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        )[kind]
+        # (dynamic NTK's frequencies change past max_position_embeddings: the original context)
+        dynamic = cfg.rope_type == "dynamic" and cfg.rope_scaling != 1.0
+        hf_cfg = config_class(
             vocab_size=v,
             hidden_size=cfg.n_embd,
             intermediate_size=cfg.ffn,
@@ -95,20 +105,17 @@ def to_hf(weights, cfg: GPTConfig):
             num_key_value_heads=cfg.kv_heads,
             head_dim=cfg.n_embd // cfg.n_head,
             hidden_act="silu",
-            max_position_embeddings=cfg.block_size,
+            max_position_embeddings=cfg.rope_original_context if dynamic else cfg.block_size,
             rms_norm_eps=cfg.norm_eps,
             rope_theta=cfg.rope_theta,
-            rope_scaling=rope,
+            rope_scaling=hf_rope(cfg),
             tie_word_embeddings=cfg.tie_embeddings,
-            attention_bias=False,
-            mlp_bias=False,
             bos_token_id=v - 1,
             eos_token_id=v - 1,
+            **(dict(attention_bias=False, mlp_bias=False) if kind == "llama" else {}),
+            **(dict(attention_bias=False) if kind == "qwen3" else {}),
         )
-        names, model_class = (
-            llama_name_map(cfg.n_layer, cfg.tie_embeddings),
-            transformers.LlamaForCausalLM,
-        )
+        names = llama_name_map(cfg.n_layer, cfg.tie_embeddings, cfg.qkv_bias, cfg.qk_norm)
     else:
         check_gpt2(cfg)
         hf_cfg = transformers.GPT2Config(
@@ -154,20 +161,27 @@ def to_hf(weights, cfg: GPTConfig):
 
 
 def from_hf(model):
-    """(GPTConfig, nanomega full weights) from a transformers GPT2LMHeadModel or LlamaForCausalLM;
-    refuses what nanomega cannot compute."""
+    """(GPTConfig, nanomega full weights) from a transformers GPT-2, Llama, Qwen2, Qwen3 or Mixtral
+    model (by its model_type); refuses what nanomega cannot compute, and any other type, in one
+    line."""
     if model.config.model_type == "mixtral":
         return hf_moe.from_hf(model)
 
-    if model.config.model_type == "llama":
-        cfg = llama_config(model.config.to_dict())
+    kind = model.config.model_type
+    if kind in DENSE:
+        cfg = llama_config(model.config.to_dict(), kind)
         theirs = model.state_dict()
         # a copy, even of one tensor
+        names = llama_name_map(cfg.n_layer, cfg.tie_embeddings, cfg.qkv_bias, cfg.qk_norm)
         weights = {
             ours: torch.cat([theirs[n].detach().float() for n in names])
-            for ours, names in llama_name_map(cfg.n_layer, cfg.tie_embeddings).items()
+            for ours, names in names.items()
         }
         return cfg, _pad_vocab(weights, cfg)
+    if kind != "gpt2":
+        raise ValueError(
+            f"model_type {kind!r}: nanomega reads gpt2, {', '.join(DENSE)} and mixtral models"
+        )
 
     # GPT-2: what nanomega cannot compute is refused
     cfg = gpt2_config(model.config.to_dict())
