@@ -167,8 +167,9 @@ def test_rope_rule_against_transformers(rule):
 # ---------------------------------------------------------------- tp2 = dense, with biases
 LAYOUTS = [  # (name, flags of the block, the layout); global batch 8
     ("qwen2-tp2", ["--qkv-bias"], ["--tp", "2"]),
-    ("qwen2-kv1-tp2", ["--qkv-bias", "--n-kv-head", "1"], ["--tp", "2"]),
-    ("qwen3-tp2-sp", ["--qk-norm"], ["--tp", "2", "--sequence-parallel"]),
+    # one key/value head for two ranks: tp.GroupKeyValue's whole weight and bias, under SP
+    ("qwen2-kv1-tp2-sp", ["--qkv-bias", "--n-kv-head", "1"], ["--tp", "2", "--sequence-parallel"]),
+    ("qwen3-tp2", ["--qk-norm"], ["--tp", "2"]),
 ]
 BATCH = ["--batch-size", "2", "--grad-accum", "4"]
 CORPUS_CHARS = 200_000

@@ -26,6 +26,7 @@ Lesson: lessons/13-the-modern-block.md
 import argparse
 import functools
 import os
+import shutil
 import types
 from pathlib import Path
 
@@ -39,6 +40,8 @@ from nanomega.tools import hf_check, hf_moe, tokenizer
 from nanomega.tools.hf_llama import DENSE, llama_config
 from nanomega.tools.hf_weights import check_gpt2, from_hf, gpt2_config, require_transformers, to_hf
 
+# a Hugging Face tokenizer: the file the tokenizers library reads, and its settings (BOS, EOS)
+HF_TOKENIZER = ("tokenizer.json", "tokenizer_config.json")
 # model_type -> its config.json read as a GPTConfig (what nanomega cannot compute: one line)
 CONFIGS = dict(
     gpt2=gpt2_config,
@@ -130,18 +133,33 @@ def export(out_dir, to):
         hf_moe.check(cfg, checkpoint.load_shard(folder, 0).get("moe_bias"))
     model = to_hf(reshard.full_weights(folder), cfg)
     model.save_pretrained(to)  # config.json + model.safetensors (safe serialization is the default)
-    tok = tokenizer.to_hf(data.get_tokenizer(tok_name))
+    enc = data.get_tokenizer(tok_name)
+    if isinstance(enc, data.HFTokenizer):  # an imported tokenizer.json goes back as it came
+        copy_tokenizer(Path(tok_name).parent, to)
+        return to, True
+    tok = tokenizer.to_hf(enc)
     if tok is not None:
         tok.save_pretrained(to)
     return to, tok is not None
 
 
+def copy_tokenizer(src, to):
+    """tokenizer.json (and tokenizer_config.json: BOS, EOS, the chat template) from folder src to
+    folder to; returns the copied tokenizer.json's path."""
+    os.makedirs(to, exist_ok=True)
+    for name in HF_TOKENIZER:
+        if (Path(src) / name).is_file():
+            shutil.copyfile(Path(src) / name, Path(to) / name)
+    return str(Path(to).resolve() / HF_TOKENIZER[0])
+
+
 def import_tokenizer(src, out_dir):
-    """GPT-2 byte-level BPE (vocab.json, or tokenizer.json) in `src` -> out_dir/tokenizer.tiktoken,
-    or None."""
+    """The tokenizer of folder `src` for --tokenizer, or None: GPT-2's byte-level BPE (vocab.json,
+    or tokenizer.json in GPT-2's layout) -> out_dir/tokenizer.tiktoken; any other tokenizer.json
+    (Llama 3's, Qwen's, ...) copied to out_dir, read by the tokenizers library (data.HFTokenizer)."""
     ranks, _ = tokenizer.from_hf(src)
     if ranks is None:
-        return None
+        return copy_tokenizer(src, out_dir) if (Path(src) / HF_TOKENIZER[0]).is_file() else None
     path = Path(out_dir).resolve() / "tokenizer.tiktoken"
     tokenizer.save_ranks(ranks, path)
     return str(path)
@@ -160,10 +178,13 @@ def import_(src, out_dir):
 
     # a Llama whose tokenizer --tokenizer cannot reproduce would fine-tune on ids it was not trained
     # on: refused. (GPT-2 as before: without a readable tokenizer the printed command asks for one.)
-    # (every kind's tokenizer files are read here, before anything is written: a damaged one is
-    # named)
+    # Every tokenizer file is read here, before anything is written: a damaged one is named. A
+    # tokenizer.json not in GPT-2's layout is read by the tokenizers library (data.HFTokenizer).
     kind = hf_config(src)[0]["model_type"]
     why = tokenizer.from_hf(src)[1]
+    if why and (Path(src) / HF_TOKENIZER[0]).is_file():
+        data.HFTokenizer(Path(src) / HF_TOKENIZER[0])  # read by the tokenizers library, or one line
+        why = None
     if why and kind != "gpt2":
         raise ValueError(
             f"{src}: {why}; nanomega's --tokenizer is byte-level BPE with GPT-2's pattern "
@@ -186,7 +207,13 @@ def import_(src, out_dir):
         universal=dict(tp_rank=0, pieces=pieces), sampler=None, scaler=None, step=0, rng=None
     )
 
-    layout = dict(imported_from=os.path.abspath(src), **({"tokenizer": tok} if tok else {}))
+    # the tokenizer and its fingerprint: the first fine-tune's resume compares it (RESUME_CHECKS)
+    fingerprint = (
+        dict(tokenizer_sha256=data.tokenizer_sha256(data.get_tokenizer(tok))) if tok else {}
+    )
+    layout = dict(
+        imported_from=os.path.abspath(src), **({"tokenizer": tok} if tok else {}), **fingerprint
+    )
     # a world of one: no process group
     one_rank = types.SimpleNamespace(rank=0, world=1, barrier=lambda: None)
     checkpoint.save(out_dir, 0, cfg, state, one_rank, layout)
