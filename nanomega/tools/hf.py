@@ -25,6 +25,7 @@ Lesson: lessons/13-the-modern-block.md
 
 import argparse
 import functools
+import json
 import os
 import shutil
 import types
@@ -32,13 +33,13 @@ from pathlib import Path
 
 import torch
 
-from nanomega import checkpoint, data, reshard
+from nanomega import checkpoint, data
 from nanomega.job import faults, lifecycle
 from nanomega.gpt_config import SHAPE_KEYS, SIZES, GPTConfig
 from nanomega.model import GPT
-from nanomega.tools import hf_check, hf_moe, tokenizer
+from nanomega.tools import hf_check, hf_moe, hf_shards, tokenizer
 from nanomega.tools.hf_llama import DENSE, llama_config
-from nanomega.tools.hf_weights import check_gpt2, from_hf, gpt2_config, require_transformers, to_hf
+from nanomega.tools.hf_weights import check_gpt2, from_hf, gpt2_config, require_transformers
 
 # a Hugging Face tokenizer: the file the tokenizers library reads, and its settings (BOS, EOS)
 HF_TOKENIZER = ("tokenizer.json", "tokenizer_config.json")
@@ -121,9 +122,10 @@ def load_pretrained(src, attention="eager") -> GPT:
     return model.eval()
 
 
-def export(out_dir, to):
+def export(out_dir, to, max_shard_size=hf_shards.MAX_SHARD_SIZE):
     """Write the latest checkpoint of out_dir as a transformers GPT-2, Llama, Qwen or Mixtral folder
-    `to`; returns it."""
+    `to`, streamed one safetensors shard (of at most max_shard_size bytes) at a time
+    (tools/hf_shards.py); returns (to, whether a tokenizer was written)."""
     folder, cfg, tok_name, skipped = checkpoint.saved_model(out_dir)  # the newest that verifies
     for reason in skipped:
         faults.say(f"export: skipped {reason}")
@@ -131,8 +133,7 @@ def export(out_dir, to):
     # what a Mixtral cannot hold, before reading the weights: the routing bias is in rank 0's shard
     if cfg.n_experts:
         hf_moe.check(cfg, checkpoint.load_shard(folder, 0).get("moe_bias"))
-    model = to_hf(reshard.full_weights(folder), cfg)
-    model.save_pretrained(to)  # config.json + model.safetensors (safe serialization is the default)
+    hf_shards.write(folder, cfg, to, max_shard_size)  # config.json + safetensors (+ their index)
     enc = data.get_tokenizer(tok_name)
     if isinstance(enc, data.HFTokenizer):  # an imported tokenizer.json goes back as it came
         copy_tokenizer(Path(tok_name).parent, to)
@@ -198,6 +199,20 @@ def import_(src, out_dir):
         # the user must bring the tokenizer (--tokenizer) that has these cfg.vocab_size ids
         tok = None
 
+    # the tokenizer and its fingerprint: the first fine-tune's resume compares it (RESUME_CHECKS)
+    fingerprint = (
+        dict(tokenizer_sha256=data.tokenizer_sha256(data.get_tokenizer(tok))) if tok else {}
+    )
+    layout = dict(
+        imported_from=os.path.abspath(src), **({"tokenizer": tok} if tok else {}), **fingerprint
+    )
+    save_dense(out_dir, cfg, weights, layout)
+    return cfg, tok
+
+
+def save_dense(out_dir, cfg, weights, layout):
+    """Full weights {name: tensor} -> a step-0 checkpoint of one process in out_dir, with a fresh
+    optimizer (train.py --resume fine-tunes it under any layout)."""
     pieces = [
         dict(name=k, shape=tuple(t.shape), start=0, end=t.numel(), master=t.reshape(-1), state={})
         # reshard.load's by-name format; empty state: a fresh AdamW
@@ -206,18 +221,9 @@ def import_(src, out_dir):
     state = dict(
         universal=dict(tp_rank=0, pieces=pieces), sampler=None, scaler=None, step=0, rng=None
     )
-
-    # the tokenizer and its fingerprint: the first fine-tune's resume compares it (RESUME_CHECKS)
-    fingerprint = (
-        dict(tokenizer_sha256=data.tokenizer_sha256(data.get_tokenizer(tok))) if tok else {}
-    )
-    layout = dict(
-        imported_from=os.path.abspath(src), **({"tokenizer": tok} if tok else {}), **fingerprint
-    )
     # a world of one: no process group
     one_rank = types.SimpleNamespace(rank=0, world=1, barrier=lambda: None)
     checkpoint.save(out_dir, 0, cfg, state, one_rank, layout)
-    return cfg, tok
 
 
 def train_flags(cfg: GPTConfig):
@@ -247,6 +253,12 @@ def main(argv=None):
         required=True,
         help="the folder to write (config.json, model.safetensors, tokenizer)",
     )
+    e.add_argument(
+        "--max-shard-size",
+        type=float,
+        default=hf_shards.MAX_SHARD_SIZE / 1024**3,
+        help="GiB per safetensors shard: the export holds about one in memory (default 5)",
+    )
 
     i = sub.add_parser(
         "import",
@@ -258,9 +270,16 @@ def main(argv=None):
 
     args = p.parse_args(argv)
     if args.cmd == "export":
-        to, with_tok = export(args.out_dir, args.to)
+        if not args.max_shard_size > 0:
+            raise ValueError(f"--max-shard-size must be > 0 GiB, got {args.max_shard_size}")
+        to, with_tok = export(args.out_dir, args.to, int(args.max_shard_size * 1024**3))
+        index = Path(to) / hf_shards.INDEX
+        shards = (
+            len(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else 0
+        )
         print(
-            f"wrote {to}: config.json, model.safetensors"
+            f"wrote {to}: config.json, "
+            + (f"{shards} safetensors shards + {index.name}" if shards else "model.safetensors")
             + (
                 ", tokenizer.json"
                 if with_tok

@@ -14,6 +14,7 @@ Lesson: lessons/14-experts.md
 """
 
 import dataclasses
+import functools
 
 import torch
 
@@ -69,9 +70,9 @@ def check(cfg: GPTConfig, bias=None):
         )
 
 
-def to_hf(weights, cfg: GPTConfig):
-    """transformers MixtralForCausalLM from nanomega full weights {name: tensor} of an
-    MoE Llama (fp32)."""
+def hf_model(cfg: GPTConfig):
+    """(transformers MixtralConfig, MixtralForCausalLM, {nanomega name: (transformers names)} of
+    everything but the experts) of an MoE Llama."""
     import transformers
 
     check(cfg)
@@ -95,26 +96,41 @@ def to_hf(weights, cfg: GPTConfig):
         bos_token_id=v - 1,
         eos_token_id=v - 1,
     )
-    state = {}
-    for ours, theirs in dense_names(cfg.n_layer, cfg.tie_embeddings).items():
-        t = weights[ours].float()
-        t = t[:v] if ours in ("embed.wte.weight", "head.lm_head.weight") else t
-        state.update(zip(theirs, (part.contiguous() for part in t.chunk(len(theirs)))))
+    hf_cfg.architectures = ["MixtralForCausalLM"]
+    return hf_cfg, transformers.MixtralForCausalLM, dense_names(cfg.n_layer, cfg.tie_embeddings)
+
+
+def _part(i, k, padded, v, tensors):
+    """Part i of k of one nanomega tensor (its first v rows when padded), in its own memory."""
+    t = tensors[0].float()
+    return (t[:v] if padded else t).chunk(k)[i].clone()
+
+
+def _stacked(tensors):
+    """The experts' tensors of one layer stacked, (E, ...) (transformers 5's layout)."""
+    return torch.stack([t.float() for t in tensors])
+
+
+def hf_tensors(cfg: GPTConfig):
+    """[(transformers name, [nanomega names], make)] of a Mixtral (hf_weights.hf_tensors)."""
+    v, out = cfg.vocab_size, []
+    for ours, theirs in hf_model(cfg)[2].items():
+        padded = ours in ("embed.wte.weight", "head.lm_head.weight")
+        for i, name in enumerate(theirs):
+            out.append((name, [ours], functools.partial(_part, i, len(theirs), padded, v)))
     for i in range(cfg.n_layer):
         ours, theirs = f"blocks.{i}.mlp.", f"model.layers.{i}.mlp."
-        state[theirs + "gate.weight"] = weights[ours + "router.weight"].float()
-        for mine, name in (("gate_up", "gate_up_proj"), ("c_proj", "down_proj")):
-            state[theirs + "experts." + name] = torch.stack(
-                [weights[f"{ours}experts.{e}.{mine}.weight"].float() for e in range(cfg.n_experts)]
+        out.append(
+            (
+                theirs + "gate.weight",
+                [ours + "router.weight"],
+                functools.partial(_part, 0, 1, False, v),
             )
-    model = transformers.MixtralForCausalLM(hf_cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if [k for k in missing if k != "lm_head.weight"] or unexpected:
-        raise ValueError(
-            f"mixtral mapping incomplete: missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
-    model.tie_weights()
-    return model.eval()
+        for mine, name in (("gate_up", "gate_up_proj"), ("c_proj", "down_proj")):
+            experts = [f"{ours}experts.{e}.{mine}.weight" for e in range(cfg.n_experts)]
+            out.append((theirs + "experts." + name, experts, _stacked))
+    return out
 
 
 def from_hf(model):

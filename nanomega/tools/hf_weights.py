@@ -8,6 +8,8 @@ Mixtral (a Llama whose MLP is experts) is tools/hf_moe.py; folders and the CLI a
 Lesson: lessons/13-the-modern-block.md
 """
 
+import functools
+
 import torch
 
 from nanomega.gpt_config import GPTConfig
@@ -70,15 +72,15 @@ def check_gpt2(cfg: GPTConfig):
         )
 
 
-def to_hf(weights, cfg: GPTConfig):
-    """transformers GPT2LMHeadModel, or (cfg.arch llama) LlamaForCausalLM, Qwen2ForCausalLM (qkv_bias)
-    or Qwen3ForCausalLM (qk_norm), from nanomega full weights {name: tensor} (fp32; padded rows
-    dropped)."""
+def hf_model(cfg: GPTConfig):
+    """(transformers config, model class, {nanomega name: (transformers names)}) of cfg:
+    GPT2LMHeadModel, or (cfg.arch llama) LlamaForCausalLM, Qwen2ForCausalLM (qkv_bias) or
+    Qwen3ForCausalLM (qk_norm); MixtralForCausalLM with experts (its MLP's names: hf_moe.py)."""
     transformers = require_transformers()
     v = cfg.vocab_size
 
     if cfg.n_experts:  # a Llama with experts: Mixtral
-        return hf_moe.to_hf(weights, cfg)
+        return hf_moe.hf_model(cfg)
 
     # the transformers config and the name map of each architecture
     if cfg.arch == "llama":
@@ -137,15 +139,37 @@ def to_hf(weights, cfg: GPTConfig):
             {k: (n,) for k, n in name_map(cfg.n_layer).items()},
             transformers.GPT2LMHeadModel,
         )
+    hf_cfg.architectures = [model_class.__name__]
+    return hf_cfg, model_class, names
 
-    # the weights under their names: padded rows dropped, GPT-2's Conv1D ones transposed
-    state = {}
-    for ours, theirs in names.items():
-        t = weights[ours].float()
-        t = t[:v] if ours in _PADDED else t  # (V_padded, h) -> (V, h)
-        t = t.t() if ours.endswith(_CONV1D) and cfg.arch == "gpt2" else t
-        # [k; v] -> k, v
-        state.update(zip(theirs, (part.contiguous() for part in t.chunk(len(theirs)))))
+
+def _part(ours, i, k, cfg, tensors):
+    """Part i of k of the nanomega tensor `ours` (of tensors, one) as transformers holds it: padded
+    rows dropped, GPT-2's Conv1D weights transposed, [k; v] and [gate; up] cut by rows."""
+    t = tensors[0].float()
+    t = t[: cfg.vocab_size] if ours in _PADDED else t  # (V_padded, h) -> (V, h)
+    t = t.t() if ours.endswith(_CONV1D) and cfg.arch == "gpt2" else t
+    return t.chunk(k)[i].clone()  # (its own memory: safetensors refuses shared storage)
+
+
+def hf_tensors(cfg: GPTConfig):
+    """[(transformers name, [nanomega names], make)]: each tensor of cfg's transformers model, the
+    nanomega parameters it is made of, and make(their full tensors) -> it. One tensor at a time:
+    tools/hf_shards.py streams an export with it."""
+    if cfg.n_experts:
+        return hf_moe.hf_tensors(cfg)
+    return [
+        (name, [ours], functools.partial(_part, ours, i, len(theirs), cfg))
+        for ours, theirs in hf_model(cfg)[2].items()
+        for i, name in enumerate(theirs)
+    ]
+
+
+def to_hf(weights, cfg: GPTConfig):
+    """The transformers model of cfg (hf_model) from nanomega full weights {name: tensor}, in
+    memory (fp32; padded rows dropped)."""
+    hf_cfg, model_class, _ = hf_model(cfg)
+    state = {name: make([weights[n] for n in ours]) for name, ours, make in hf_tensors(cfg)}
 
     # loaded; a mapping that left a weight out is refused
     model = model_class(hf_cfg)
