@@ -252,6 +252,9 @@ class Config:
     # what the run prints and measures
     out_dir: str = LOGGING("out", "checkpoints, metrics.jsonl, traces (one job at a time)")
     log_every: int = LOGGING(10, "print a line every N steps", at_least(1))
+    tensorboard: str | None = LOGGING(
+        None, "also write metrics.jsonl's scalars as TensorBoard events to DIR (the extra)"
+    )
     eval_every: int = LOGGING(100, "validation loss every N steps (0: never)", at_least(0))
     eval_iters: int = LOGGING(10, "global batches per validation", at_least(1))
     peak_flops: float | None = LOGGING(
