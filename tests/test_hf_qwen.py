@@ -3,8 +3,9 @@ and out of transformers; then the biased and QK-normed blocks under tp2 equal to
 
 HF: small random configs built here (no download), weights at scale (embedding N(0, 1), matrices
 N(0, 1/fan_in), biases N(0, 1), norm scales 1 +- 0.2), so a bias, a norm or a rotation left out
-moves the logits by far more than the bound. Tolerance: 1e-4 on logits of size ~10 (the issue's
-bound; the same fp32 operations in another order differ by ~1e-7, measured 1.5e-7).
+moves the logits by far more than the bound. Tolerance: 1e-4 on logits up to ~35 (the issue's
+bound; the same fp32 operations in another order (transformers' sdpa against our eager core) differ by
+~1e-6: measured 9.5e-6 on the tied Qwen2's logits of 34, 0 to 2.2e-6 on the RoPE models).
 RoPE: each rule's inverse frequencies and attention factor against transformers' own
 ROPE_INIT_FUNCTIONS for a sequence of 320 tokens, longer than the original context (256; dynamic:
 max_position_embeddings 256): equal up to one fp32 rounding of each frequency (rtol 2^-22); then
@@ -154,7 +155,9 @@ def test_rope_rule_against_transformers(rule):
     mine = GPT(cfg, seed=0).eval()
     mine.load_state_dict(weights)
     ref = logits(ref_model, idx)
-    assert (logits(mine, idx) - ref).abs().max() < 1e-4
+    diff = (logits(mine, idx) - ref).abs().max().item()
+    print(f"{rule}: max |logit diff| {diff:.2e} at {S} tokens (logits up to {ref.abs().max():.1f})")
+    assert diff < 1e-4
     plain = GPT(dataclasses.replace(cfg, rope_scaling=1.0), seed=0).eval()
     plain.load_state_dict(weights)
     assert (logits(plain, idx) - ref).abs().max() > 1e-2

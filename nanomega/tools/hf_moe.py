@@ -103,7 +103,7 @@ def hf_model(cfg: GPTConfig):
 def _part(i, k, padded, v, tensors):
     """Part i of k of one nanomega tensor (its first v rows when padded), in its own memory."""
     t = tensors[0].float()
-    return (t[:v] if padded else t).chunk(k)[i].clone()
+    return (t[:v] if padded else t).chunk(k)[i].clone(memory_format=torch.contiguous_format)
 
 
 def _stacked(tensors):

@@ -149,7 +149,8 @@ def _part(ours, i, k, cfg, tensors):
     t = tensors[0].float()
     t = t[: cfg.vocab_size] if ours in _PADDED else t  # (V_padded, h) -> (V, h)
     t = t.t() if ours.endswith(_CONV1D) and cfg.arch == "gpt2" else t
-    return t.chunk(k)[i].clone()  # (its own memory: safetensors refuses shared storage)
+    # its own contiguous memory: safetensors refuses shared storage and strides
+    return t.chunk(k)[i].clone(memory_format=torch.contiguous_format)
 
 
 def hf_tensors(cfg: GPTConfig):
