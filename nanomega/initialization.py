@@ -34,7 +34,7 @@ def init_std(name, n_layer):
     module, leaf = (["", ""] + name.split("."))[-2:]
     if leaf in ("bias", "fc_bias"):
         return 0.0
-    if module.startswith("ln"):
+    if module.startswith("ln") or module.endswith("_norm"):  # Qwen3's q_norm, k_norm too
         return None
     return 0.02 / math.sqrt(2 * n_layer) if module == "c_proj" else 0.02
 

@@ -151,15 +151,20 @@ class CausalSelfAttention(nn.Module):
         h, self.n_head, self.n_kv_head = cfg.n_embd, cfg.n_head, cfg.kv_heads
         self.head_dim = h // cfg.n_head
         self.ops = ops
-        if cfg.arch == "llama":  # q by heads; k and v stacked (2, n_kv, hd) by rows; no biases
-            self.q_proj = Linear(h, h, bias=False, ops=ops)
-            self.kv_proj = Linear(h, 2 * self.n_kv_head * self.head_dim, bias=False, ops=ops)
+        # llama: q by heads; k and v stacked (2, n_kv, hd) by rows; biases only with qkv_bias (Qwen2)
+        if cfg.arch == "llama":
+            self.q_proj = Linear(h, h, bias=cfg.qkv_bias, ops=ops)
+            kv = 2 * self.n_kv_head * self.head_dim
+            self.kv_proj = Linear(h, kv, bias=cfg.qkv_bias, ops=ops)
         else:
             self.c_attn = Linear(h, 3 * h, ops=ops)  # output laid out as (3, n_head, head_dim)
         self.c_proj = Linear(h, h, bias=cfg.arch != "llama", ops=ops)
         self.attn_drop = nn.Dropout(cfg.dropout)
         self.resid_drop = nn.Dropout(cfg.dropout)
         self.rotary = rotary  # modern.Rotary (llama), shared by every layer; None: the embedding's
+        # Qwen3's QK-norm: one RMSNorm scale (hd,) for every query head, one for every key head
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, ops=ops) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, ops=ops) if cfg.qk_norm else None
         # ALiBi slopes of the heads this module holds (tp.py keeps only its own heads' slopes)
         self.register_buffer(
             "slopes", alibi_slopes(cfg.n_head) if cfg.alibi else None, persistent=False
@@ -183,8 +188,11 @@ class CausalSelfAttention(nn.Module):
             )  # (b, nh, s, hd) each
         q = self.q_proj(x)  # (b, s, h)
         b, s = q.shape[:2]
-        k, v = self.kv_proj(x).view(b, s, 2, self.n_kv_head, self.head_dim).permute(2, 0, 3, 1, 4)
-        return q.view(b, s, self.n_head, self.head_dim).transpose(1, 2), k, v
+        q = q.view(b, s, self.n_head, self.head_dim)
+        k, v = self.kv_proj(x).view(b, s, 2, self.n_kv_head, self.head_dim).unbind(2)
+        if self.q_norm is not None:  # (b, s, heads, hd): each head normalized over hd
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def core(self, q, k, v, docs=None):
         """The table's attention core on this module's heads (what selective recompute
@@ -274,7 +282,13 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.embed = Embedding(cfg)
         rotary = (
-            Rotary(cfg.n_embd // cfg.n_head, cfg.rope_theta, cfg.rope_scaling)
+            Rotary(
+                cfg.n_embd // cfg.n_head,
+                cfg.rope_theta,
+                cfg.rope_scaling,
+                cfg.rope_type,
+                cfg.rope_original_context,
+            )
             if cfg.arch == "llama"
             else None
         )

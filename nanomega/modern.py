@@ -23,6 +23,9 @@ from .seams import Linear, Ops
 # Llama 3.1's frequency scaling (its params.json: low 1, high 4, original context 8192; factor 8 in
 # 3.1, 32 in 3.2)
 LLAMA3_LOW_FREQ, LLAMA3_HIGH_FREQ, LLAMA3_ORIGINAL_CONTEXT = 1.0, 4.0, 8192
+# YaRN's ramp (Peng et al. 2023; transformers' defaults): dimensions turning more than 32 times over
+# the original context kept, fewer than once interpolated
+YARN_BETA_FAST, YARN_BETA_SLOW = 32, 1
 
 
 def ffn_hidden(h, multiplier=1.0, multiple_of=256):
@@ -33,23 +36,54 @@ def ffn_hidden(h, multiplier=1.0, multiple_of=256):
     return multiple_of * -(-f // multiple_of)
 
 
-def rope_frequencies(head_dim, theta=10000.0, scaling=1.0):
-    """(head_dim/2,) fp32 inverse frequencies theta^(-2i/d), on the CPU even inside a meta context.
-    scaling > 1: Llama 3.1's rule -- wavelengths longer than the original context / LLAMA3_LOW_FREQ
-    are stretched by `scaling`, shorter than context / LLAMA3_HIGH_FREQ kept, the band between
-    interpolated smoothly."""
+def rope_frequencies(head_dim, theta=10000.0, scaling=1.0, kind="llama3", original=8192, seq=0):
+    """((head_dim/2,) fp32 inverse frequencies, attention factor), on the CPU even inside a meta
+    context: theta^(-2i/d), rescaled when scaling > 1 by the rule `kind` as transformers defines it
+    (its ROPE_INIT_FUNCTIONS; `original`: the pretraining context, `seq`: the sequence length,
+    which only dynamic reads). The attention factor multiplies cos and sin (YaRN's; else 1)."""
     inv = 1.0 / theta ** (
         torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     )
     if scaling == 1.0:
-        return inv
+        return inv, 1.0
+
+    # linear (position interpolation): every frequency divided by the factor
+    if kind == "linear":
+        return inv / scaling, 1.0
+
+    # dynamic NTK: past the original context, a larger base for the sequence's length
+    if kind == "dynamic":
+        base = theta * (scaling * max(seq, original) / original - (scaling - 1)) ** (
+            head_dim / (head_dim - 2)
+        )
+        return rope_frequencies(head_dim, base)
+
+    # YaRN: high frequencies kept, low ones interpolated, a linear ramp between (in dimensions)
+    if kind == "yarn":
+
+        def dim_of(rotations):  # the dimension that turns `rotations` times over the context
+            return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low = max(math.floor(dim_of(YARN_BETA_FAST)), 0)
+        high = min(math.ceil(dim_of(YARN_BETA_SLOW)), head_dim - 1)
+        high += 0.001 if low == high else 0  # no division by 0
+        ramp = torch.arange(head_dim // 2, dtype=torch.float32, device="cpu")
+        ramp = ((ramp - low) / (high - low)).clamp(0, 1)
+        pos = theta ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)
+        kept = 1 - ramp  # 1: extrapolated (kept), 0: interpolated
+        inv = 1.0 / (scaling * pos) * (1 - kept) + 1.0 / pos * kept
+        return inv, 0.1 * math.log(scaling) + 1.0 if scaling > 1 else 1.0
+
+    # llama3: wavelengths longer than original / LOW stretched by the factor, shorter than
+    # original / HIGH kept, the band between interpolated smoothly
     wavelen = 2 * math.pi / inv
-    ctx = LLAMA3_ORIGINAL_CONTEXT
     # 0 long ... 1 short
-    smooth = (ctx / wavelen - LLAMA3_LOW_FREQ) / (LLAMA3_HIGH_FREQ - LLAMA3_LOW_FREQ)
-    stretched = torch.where(wavelen > ctx / LLAMA3_LOW_FREQ, inv / scaling, inv)
-    between = (wavelen >= ctx / LLAMA3_HIGH_FREQ) & (wavelen <= ctx / LLAMA3_LOW_FREQ)
-    return torch.where(between, (1 - smooth) * stretched / scaling + smooth * stretched, stretched)
+    smooth = (original / wavelen - LLAMA3_LOW_FREQ) / (LLAMA3_HIGH_FREQ - LLAMA3_LOW_FREQ)
+    stretched = torch.where(wavelen > original / LLAMA3_LOW_FREQ, inv / scaling, inv)
+    between = (wavelen >= original / LLAMA3_HIGH_FREQ) & (wavelen <= original / LLAMA3_LOW_FREQ)
+    return torch.where(
+        between, (1 - smooth) * stretched / scaling + smooth * stretched, stretched
+    ), 1.0
 
 
 class Rotary:
@@ -57,21 +91,26 @@ class Rotary:
     position * inv_freq_i. Not a module and no buffer: the tables are computed from the config on
     the host in fp32 (so a bf16 cast of the model never rounds the frequencies), cached per device
     and dtype, grown to the longest sequence seen and sliced; one Rotary is shared by every layer of
-    a model."""
+    a model. Dynamic NTK's frequencies depend on the sequence's length: a table per length past the
+    original context."""
 
-    def __init__(self, head_dim, theta=10000.0, scaling=1.0):
-        self.inv_freq = rope_frequencies(head_dim, theta, scaling)  # (hd/2,)
-        self.tables = {}  # (device, dtype) -> (cos, sin), each (s_max, hd)
+    def __init__(self, head_dim, theta=10000.0, scaling=1.0, kind="llama3", original=8192):
+        self.rule = (head_dim, theta, scaling, kind, original)
+        self.inv_freq, self.factor = rope_frequencies(*self.rule)  # (hd/2,), YaRN's factor
+        self.dynamic = kind == "dynamic" and scaling != 1.0
+        self.tables = {}  # (device, dtype, length past the original context or 0) -> (cos, sin)
 
     def table(self, s, device, dtype):
-        cos_sin = self.tables.get((device, dtype))
+        past = s if self.dynamic and s > self.rule[4] else 0
+        cos_sin = self.tables.get((device, dtype, past))
         if cos_sin is None or cos_sin[0].shape[0] < s:
-            angle = torch.outer(torch.arange(s, dtype=torch.float32), self.inv_freq)  # (s, hd/2)
+            inv = rope_frequencies(*self.rule, seq=s)[0] if past else self.inv_freq
+            angle = torch.outer(torch.arange(s, dtype=torch.float32), inv)  # (s, hd/2)
             # (s, hd): both halves of a pair share an angle
             angle = torch.cat((angle, angle), dim=-1)
-            cos_sin = self.tables[(device, dtype)] = (
-                angle.cos().to(device, dtype),
-                angle.sin().to(device, dtype),
+            cos_sin = self.tables[(device, dtype, past)] = (
+                (angle.cos() * self.factor).to(device, dtype),
+                (angle.sin() * self.factor).to(device, dtype),
             )
         return cos_sin[0][:s], cos_sin[1][:s]
 

@@ -371,6 +371,25 @@ def load(folder, cfg, engine, grid, layout, copy_of=None):
     return dict(mine, same_layout=same, shards_read=sorted(files), copies=sorted(copies))
 
 
+def weight_reader(folder):
+    """(read, names): read(name) -> that parameter's full fp32 tensor, assembled on demand from the
+    memory-mapped shards, so one parameter at a time is in memory (hf export streams with it)."""
+    manifest = checkpoint.read_manifest_json(folder)
+    shards = [checkpoint.load_shard(folder, r) for r in range(manifest["world"])]
+    saved_tp = manifest["layout"].get("tp", 1)
+    kv = tp.kv_replicated(GPTConfig(**manifest["config"]), saved_tp)
+    pieces = defaultdict(lambda: defaultdict(list))  # name -> tp rank -> its pieces, no state
+    for shard in shards:
+        for p in shard["universal"]["pieces"]:
+            pieces[p["name"]][shard["universal"]["tp_rank"]].append(dict(p, state={}))
+
+    def read(name):
+        one = [dict(universal=dict(tp_rank=r, pieces=ps)) for r, ps in pieces[name].items()]
+        return _assemble(one, None, saved_tp, kv)[name][0]
+
+    return read, list(pieces)
+
+
 def full_weights(folder):
     """{name: full fp32 tensor} of a checkpoint saved under any layout (for sampling and tests)."""
     manifest = checkpoint.read_manifest_json(folder)

@@ -186,9 +186,10 @@ class GroupKeyValue(nn.Module):
     weight; its gradient, this rank's heads' share, is summed over tp by apply_tensor_parallel's
     hook."""
 
-    def __init__(self, weight, group, n_kv, tp, sequence_parallel=False, *, ops=None):
+    def __init__(self, weight, group, n_kv, tp, sequence_parallel=False, *, ops=None, bias=None):
         super().__init__()
         self.weight = weight  # (2 * n_kv * hd, h), replicated
+        self.register_parameter("bias", bias)  # (2 * n_kv * hd,) replicated, or None
         self.group, self.n_kv, self.tp, self.sequence_parallel = group, n_kv, tp, sequence_parallel
         self.ops = ops or Ops(linear=F.linear)
 
@@ -196,9 +197,10 @@ class GroupKeyValue(nn.Module):
         self, x
     ):  # (b, s, h), or (b, s/t, h) under SP -> (b, s, 2 hd): this group's k and v
         w = self.weight.unflatten(0, (2, self.n_kv, -1))[:, self.group].flatten(0, 1)  # (2 hd, h)
+        b = None if self.bias is None else self.bias.view(2, self.n_kv, -1)[:, self.group].flatten()
         if self.sequence_parallel:
-            return LinearWithSequenceGather.apply(x, w, None, self.tp, self.ops.linear)
-        return self.ops.linear(CopyToTensorParallel.apply(x, self.tp), w)
+            return LinearWithSequenceGather.apply(x, w, b, self.tp, self.ops.linear)
+        return self.ops.linear(CopyToTensorParallel.apply(x, self.tp), w, b)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -247,10 +249,13 @@ _SPLIT = {
     "fc_bias": (0, 1),
     "c_proj.weight": (1, 1),
     "q_proj.weight": (0, 1),
+    "q_proj.bias": (0, 1),
     "kv_proj.weight": (0, 2),
+    "kv_proj.bias": (0, 2),
     "gate_up.weight": (0, 2),
 }
 KV = "kv_proj.weight"
+KV_BIAS = "kv_proj.bias"  # Qwen2's: split (or replicated) with its weight
 
 
 def kv_replicated(cfg, tp_size):
@@ -266,7 +271,7 @@ def shard_rule(name, replicate_kv=False):
         (rule for suffix, rule in _SPLIT.items() if name == suffix or name.endswith("." + suffix)),
         None,
     )
-    return None if replicate_kv and name.endswith(KV) else rule
+    return None if replicate_kv and name.endswith((KV, KV_BIAS)) else rule
 
 
 def shard_param(name, full, tp_rank, tp_size, replicate_kv=False):
@@ -359,6 +364,14 @@ def apply_tensor_parallel(model, tp, sequence_parallel=False, rng=None):
     def column(weight, name, bias=None):  # this rank's output features of a dense (out, in) weight
         return ColumnParallelLinear(_shard(weight, name, tp), bias, tp, sp, ops=ops)
 
+    def column_of(linear, name):  # the same, its bias (if any) split with it (Qwen2's q, k, v)
+        bias = (
+            None
+            if linear.bias is None
+            else _shard(linear.bias, name[: -len("weight")] + "bias", tp)
+        )
+        return column(linear.weight, name, bias)
+
     def row(linear):  # this rank's input features of a dense c_proj; its bias stays replicated
         return RowParallelLinear(
             _shard(linear.weight, "c_proj.weight", tp), linear.bias, tp, sp, ops=ops
@@ -373,15 +386,18 @@ def apply_tensor_parallel(model, tp, sequence_parallel=False, rng=None):
         # Llama: q by heads; k/v by key/value heads, or the one group of this rank's heads (t >
         # n_kv)
         else:
-            attn.q_proj = column(attn.q_proj.weight, "q_proj.weight")
+            attn.q_proj = column_of(attn.q_proj, "q_proj.weight")
             if kv_replicated(cfg, tp.size):
                 group = tp.rank * attn.n_head // tp.size // (attn.n_head // attn.n_kv_head)
+                kv = attn.kv_proj
                 attn.kv_proj = GroupKeyValue(
-                    attn.kv_proj.weight, group, attn.n_kv_head, tp, sp, ops=ops
+                    kv.weight, group, attn.n_kv_head, tp, sp, ops=ops, bias=kv.bias
                 )
-                summed.append(attn.kv_proj.weight)
+                summed += [p for p in (kv.weight, kv.bias) if p is not None]
             else:
-                attn.kv_proj = column(attn.kv_proj.weight, KV)
+                attn.kv_proj = column_of(attn.kv_proj, KV)
+            # Qwen3's QK-norm scales are replicated; each rank's heads give a part of their gradient
+            summed += [n.weight for n in (attn.q_norm, attn.k_norm) if n is not None]
             attn.n_kv_head = max(1, attn.n_kv_head // tp.size)
         attn.c_proj = row(attn.c_proj)
         attn.n_head //= tp.size  # (b, s, 3h/t) viewed as (b, s, 3, n_head/t, head_dim)

@@ -18,7 +18,7 @@ from nanomega.gpt_config import GPTConfig
 from nanomega.model import GPT
 
 transformers = pytest.importorskip("transformers", reason="the test extra: transformers")
-from nanomega.tools import hf_moe  # noqa: E402  (needs transformers)
+from nanomega.tools import hf_moe, hf_weights  # noqa: E402  (needs transformers)
 
 
 def qwen_cfg(router):
@@ -60,7 +60,7 @@ def test_qwen2_moe_round_trip_logits(router):
     cfg = qwen_cfg(router)
     ours = random_model(cfg)
     weights = {k: v.detach() for k, v in ours.named_parameters()}
-    theirs = hf_moe.to_hf(weights, cfg)
+    theirs = hf_weights.to_hf(weights, cfg)
     assert type(theirs).__name__ == "Qwen2MoeForCausalLM"
     with torch.no_grad():
         got, want = theirs(IDX).logits, ours(IDX)[..., : cfg.vocab_size]
@@ -92,7 +92,7 @@ def test_qwen2_moe_folder_through_the_hf_command_line(tmp_path, capsys):
     from nanomega.tools import hf
 
     cfg = qwen_cfg("softmax_topk")
-    theirs = hf_moe.to_hf({k: v.detach() for k, v in random_model(cfg).named_parameters()}, cfg)
+    theirs = hf_weights.to_hf({k: v.detach() for k, v in random_model(cfg).named_parameters()}, cfg)
     src, out, dst = tmp_path / "src", tmp_path / "ckpt", tmp_path / "dst"
     theirs.save_pretrained(src)
     hf.main(["import", str(src), "--out-dir", str(out)])

@@ -302,7 +302,7 @@ def test_mixtral_round_trip_logits():
     logits within 1e-4 (fp32, the same math in another order), the weights back bitwise."""
     pytest.importorskip("transformers")
     from nanomega.gpt_config import GPTConfig
-    from nanomega.tools import hf_moe
+    from nanomega.tools import hf_moe, hf_weights
 
     cfg = GPTConfig(
         vocab_size=200,
@@ -321,7 +321,7 @@ def test_mixtral_round_trip_logits():
     ours = GPT(cfg, seed=3).eval()
     # the routing bias is a buffer: not Mixtral's
     weights = {k: v.detach() for k, v in ours.named_parameters()}
-    theirs = hf_moe.to_hf(weights, cfg)
+    theirs = hf_weights.to_hf(weights, cfg)
     idx = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         got, want = theirs(idx).logits, ours(idx)[..., : cfg.vocab_size]
@@ -346,7 +346,7 @@ def test_mixtral_folder_through_the_hf_command_line(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     from nanomega import checkpoint, reshard
     from nanomega.gpt_config import GPTConfig
-    from nanomega.tools import hf, hf_moe
+    from nanomega.tools import hf, hf_moe, hf_weights
 
     cfg = GPTConfig(
         vocab_size=200,
@@ -363,7 +363,7 @@ def test_mixtral_folder_through_the_hf_command_line(tmp_path, capsys):
         attention="eager",
     )
     src, out, dst = tmp_path / "src", tmp_path / "ckpt", tmp_path / "dst"
-    theirs = hf_moe.to_hf({k: v.detach() for k, v in GPT(cfg, seed=3).named_parameters()}, cfg)
+    theirs = hf_weights.to_hf({k: v.detach() for k, v in GPT(cfg, seed=3).named_parameters()}, cfg)
     theirs.save_pretrained(src)
     hf.main(["import", str(src), "--out-dir", str(out)])
     # the flags that resume it (gpt_config.SHAPE_KEYS)

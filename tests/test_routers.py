@@ -219,11 +219,11 @@ def test_balance_coefficient_is_converted_to_and_from_transformers():
     """One layer, one sequence: transformers' Mixtral aux term (coefficient x load_balancing_loss,
     which is top_k x moe.balance_loss) equals ours after export, and import gives ours back."""
     pytest.importorskip("transformers", reason="the test extra: transformers")
-    from nanomega.tools import hf_moe
+    from nanomega.tools import hf_moe, hf_weights
 
     cfg = moe_cfg(n_experts=4, top_k=2, moe_aux_loss=0.01, tie_embeddings=False)
     model = GPT(cfg, seed=7).eval()
-    theirs = hf_moe.to_hf({k: v.detach() for k, v in model.named_parameters()}, cfg)
+    theirs = hf_weights.to_hf({k: v.detach() for k, v in model.named_parameters()}, cfg)
     idx = torch.randint(0, cfg.vocab_size, (1, 32), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         model(idx)

@@ -11,7 +11,7 @@ import dataclasses
 import os
 
 from nanomega import cp, data, dist, ep, moe, muon, pp, precision, recompute, tp, zero_rules
-from nanomega.job import faults, flags, guard, presets, ranges
+from nanomega.job import faults, flags, guard, meter, presets, ranges
 from nanomega.job.flags import model_config
 
 
@@ -176,6 +176,9 @@ def check_failure_flags(c):
     faults.check_out_dir(c.out_dir)
     if c.data_cache:
         faults.check_out_dir(c.data_cache, "--data-cache")
+    if c.tensorboard:
+        faults.check_out_dir(c.tensorboard, "--tensorboard")
+        meter.require_tensorboard()
     return hang_timeout
 
 

@@ -85,10 +85,18 @@ class Config:
     rope_theta: float = MODEL(10000.0, "llama: rotary base (Llama 3: 500000)", above(0), model=True)
     rope_scaling: float = MODEL(
         1.0,
-        "llama: Llama 3.1's frequency scaling factor",
+        "llama: RoPE's frequency scaling factor (Llama 3.1: 8)",
         above(0, " (1: no scaling)"),
         model=True,
     )
+    rope_type: str = MODEL(
+        "llama3", "llama: --rope-scaling's rule: llama3, linear, dynamic or yarn", model=True
+    )
+    rope_original_context: int = MODEL(
+        8192, "llama: the pretraining context of --rope-scaling", at_least(1), model=True
+    )
+    qkv_bias: bool = MODEL(False, "llama: biases on q, k and v (Qwen2)", model=True)
+    qk_norm: bool = MODEL(False, "llama: RMSNorm on each head of q and k (Qwen3)", model=True)
     tie_embeddings: bool = MODEL(
         True,
         "llama: an LM head of its own instead of the token embedding",
@@ -259,6 +267,9 @@ class Config:
     # what the run prints and measures
     out_dir: str = LOGGING("out", "checkpoints, metrics.jsonl, traces (one job at a time)")
     log_every: int = LOGGING(10, "print a line every N steps", at_least(1))
+    tensorboard: str | None = LOGGING(
+        None, "also write metrics.jsonl's scalars as TensorBoard events to DIR (the extra)"
+    )
     eval_every: int = LOGGING(100, "validation loss every N steps (0: never)", at_least(0))
     eval_iters: int = LOGGING(10, "global batches per validation", at_least(1))
     peak_flops: float | None = LOGGING(

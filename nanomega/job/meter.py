@@ -3,7 +3,8 @@
 MFU (PaLM, appendix B) divides the model's own arithmetic (formulas.model_flops_per_token, not what
 recompute adds) by the device's peak in the dtype the matmuls run in: a known GPU's datasheet number
 (the table below), --peak-flops, or else a measured matmul peak, labelled "measured". Memory is this
-rank's peak over each log interval. MetricsLog writes the log lines and OUT/metrics.jsonl.
+rank's peak over each log interval. MetricsLog writes the log lines and OUT/metrics.jsonl, and with
+--tensorboard DIR each row's numbers as TensorBoard scalars (tag = the row's key, at its step).
 
 Formula: MFU = model FLOPs per token x tokens per second / (devices x peak FLOP/s)
          (MFU above 1 is impossible: the peak is wrong, and the trainer says so once)
@@ -166,6 +167,17 @@ def reset_peak_memory(device) -> None:
         pass  # elsewhere the peak is since start (documented in the log header)
 
 
+def require_tensorboard():
+    """torch.utils.tensorboard's SummaryWriter, or one line naming the extra to install."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ValueError(
+            "--tensorboard needs the tensorboard package: pip install 'nanomega[tensorboard]'"
+        ) from None
+    return SummaryWriter
+
+
 def open_log(config, cfg, grid, step, *, n_params, log):
     """A run's MetricsLog, after its start-up lines. The MFU peak: the logging rank measures it (the
     others would compete for the same cores); the others, which log nothing, report a peak of 1."""
@@ -199,6 +211,7 @@ def open_log(config, cfg, grid, step, *, n_params, log):
         source=source,
         tokens_per_step=config.global_batch * config.block_size,
         log_every=config.log_every,
+        tensorboard=config.tensorboard,
     )
 
 
@@ -221,6 +234,7 @@ class MetricsLog:
         peak,
         source,
         log_every,
+        tensorboard=None,
     ):
         self.out_dir, self.enabled, self.device, self.log_every = (
             out_dir,
@@ -234,6 +248,7 @@ class MetricsLog:
             world,
         )
         self.peak, self.source, self.mfu_warned, self.file = peak, source, False, None
+        self.tensorboard, self.events = tensorboard, None  # --tensorboard DIR, its SummaryWriter
 
         reset_peak_memory(device)
         self.reopen(step)
@@ -255,6 +270,10 @@ class MetricsLog:
                     pass  # a row cut by the crash
             checkpoint.replace_atomically(path, checkpoint.write_text("".join(keep)))
         self.file = open(path, "a")
+        if self.tensorboard:  # its events after `step` purged too (TensorBoard drops them)
+            if self.events:
+                self.events.close()
+            self.events = require_tensorboard()(self.tensorboard, purge_step=step + 1)
 
     def row(self, *, step, loss, lr, grad_norm, skipped, started):
         """A training step's row: throughput, MFU, this interval's peak memory, tokens
@@ -321,7 +340,14 @@ class MetricsLog:
     def write(self, rec):
         self.file.write(json.dumps(rec) + "\n")
         self.file.flush()
+        if self.events:  # every number of the row, at its step
+            for key, value in rec.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.events.add_scalar(key, value, rec["step"])
+            self.events.flush()
 
     def close(self):
         if self.file:
             self.file.close()
+        if self.events:
+            self.events.close()

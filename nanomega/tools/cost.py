@@ -38,6 +38,10 @@ class Model:
     ffn_hidden: int = 0
     rope_theta: float = 10000.0
     rope_scaling: float = 1.0
+    rope_type: str = "llama3"
+    rope_original_context: int = 8192
+    qkv_bias: bool = False  # Qwen2's q, k, v biases (2h/g + h per layer: left out of the counts)
+    qk_norm: bool = False  # Qwen3's two (hd,) scales per layer (left out of the counts)
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     # mixture of experts (llama): E SwiGLU experts of width ffn per block, top_k per token,

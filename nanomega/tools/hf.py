@@ -1,48 +1,59 @@
-"""Hugging Face in and out: a nanomega checkpoint <-> a transformers GPT-2, Llama or Mixtral folder.
+"""Hugging Face in and out: a nanomega checkpoint <-> a transformers GPT-2, Llama, Qwen2, Qwen3 or
+Mixtral folder.
 
     python -m nanomega.tools.hf export --out-dir out --to mine  # -> config.json, model.safetensors
     python -m nanomega.tools.hf import mine --out-dir ft        # -> a step-0 checkpoint (--resume)
     model = nanomega.tools.hf.load_pretrained("mine")           # -> the dense model.GPT, fp32
 
 nanomega's dense GPT *is* GPT-2, and with arch="llama" it *is* Llama (RoPE in HF's rotate-half
-layout: q and k need no permutation), so the exchange is a renaming plus a few details (Mixtral:
-tools/hf_moe.py). The checkpoint of any layout is read through reshard.full_weights. A folder is
-trusted in nothing (tools/hf_check.py: config.json field by field, every tensor's name and shape,
-transformers' load report): what is damaged, or what nanomega cannot compute, is refused in one
-line naming the file and the field or tensor, before anything is written. Tokenizers go
-through tools/tokenizer.py (to_hf, from_hf). Needs the `hf` extra: pip install transformers
-safetensors.
+layout: q and k need no permutation), so the exchange is a renaming plus a few details (Qwen2's
+q, k, v biases and Qwen3's QK-norm: tools/hf_llama.py; Mixtral: tools/hf_moe.py). The checkpoint of
+any layout is read through reshard.full_weights. A folder is trusted in nothing (tools/hf_check.py:
+config.json field by field, every tensor's name and shape, transformers' load report): what is
+damaged, or what nanomega cannot compute, is refused in one line naming the file and the field or
+tensor, before anything is written. Tokenizers go through tools/tokenizer.py (to_hf, from_hf).
+Needs the `hf` extra: pip install transformers safetensors.
 
 Formulas:
     GPT-2    W_hf = W^T (in, out): transformers' Conv1D weight is the transpose of nn.Linear's
     Llama    kv_proj = [k_proj; v_proj], gate_up = [gate_proj; up_proj], stacked by rows
+    Qwen2    kv_proj.bias = [k_proj.bias; v_proj.bias]
     vocab    export keeps the first V rows of the embedding (and of an untied head), import appends
              zero rows: logits[..., :V] are equal
 Lesson: lessons/13-the-modern-block.md
 """
 
 import argparse
+import functools
+import json
 import os
+import shutil
 import types
 from pathlib import Path
 
 import torch
 
-from nanomega import checkpoint, data, reshard
+from nanomega import checkpoint, data
 from nanomega.job import faults, lifecycle
 from nanomega.gpt_config import SHAPE_KEYS, SIZES, GPTConfig
 from nanomega.model import GPT
-from nanomega.tools import hf_check, hf_moe, tokenizer
-from nanomega.tools.hf_llama import llama_config
-from nanomega.tools.hf_weights import check_gpt2, from_hf, gpt2_config, require_transformers, to_hf
+from nanomega.tools import hf_check, hf_moe, hf_shards, tokenizer
+from nanomega.tools.hf_llama import DENSE, llama_config
+from nanomega.tools.hf_weights import check_gpt2, from_hf, gpt2_config, require_transformers
 
+# a Hugging Face tokenizer: the file the tokenizers library reads, and its settings (BOS, EOS)
+HF_TOKENIZER = ("tokenizer.json", "tokenizer_config.json")
 # model_type -> its config.json read as a GPTConfig (what nanomega cannot compute: one line)
-CONFIGS = dict(gpt2=gpt2_config, llama=llama_config, **hf_moe.CONFIGS)  # + mixtral, qwen2_moe
+CONFIGS = dict(
+    gpt2=gpt2_config,
+    **{kind: functools.partial(llama_config, kind=kind) for kind in DENSE},
+    **hf_moe.CONFIGS,  # mixtral, qwen2_moe
+)
 
 
 def hf_config(src):
     """(config.json of a transformers folder as a dict, the GPTConfig nanomega reads from it): the
-    model types nanomega reads (gpt2, llama, mixtral), every field checked (tools/hf_check.py)
+    model types nanomega reads (gpt2, llama, qwen2, qwen3, mixtral), every field checked (tools/hf_check.py)
     before a weight is read."""
     path = Path(src) / "config.json"
     if not path.is_file():
@@ -60,13 +71,15 @@ def hf_config(src):
 
 
 def read_hf(src):
-    """(GPTConfig, nanomega full weights) of a transformers GPT-2, Llama or Mixtral folder: its
+    """(GPTConfig, nanomega full weights) of a transformers GPT-2, Llama, Qwen or Mixtral folder: its
     config and its tensors' names and shapes checked first, then transformers' load report."""
     transformers = require_transformers()
     c, cfg = hf_config(src)
     hf_check.check_tensors(src, cfg, c["model_type"])
     model_class = dict(
         llama=transformers.LlamaForCausalLM,
+        qwen2=transformers.Qwen2ForCausalLM,
+        qwen3=transformers.Qwen3ForCausalLM,
         mixtral=transformers.MixtralForCausalLM,
         qwen2_moe=transformers.Qwen2MoeForCausalLM,
         gpt2=transformers.GPT2LMHeadModel,
@@ -93,7 +106,7 @@ def read_hf(src):
 
 def load_pretrained(src, attention="eager") -> GPT:
     """The dense nanomega model (model.GPT: fp32, in eval mode, its head tied as the folder says) of
-    a transformers GPT-2 or Llama folder; nothing is written, no tokenizer is read."""
+    a transformers GPT-2, Llama, Qwen or Mixtral folder; nothing is written, no tokenizer is read."""
     cfg, weights = read_hf(src)
     # eager, sdpa or fused (gpt_config.ATTENTION): the model reads it when built
     cfg.attention = attention
@@ -110,9 +123,10 @@ def load_pretrained(src, attention="eager") -> GPT:
     return model.eval()
 
 
-def export(out_dir, to):
-    """Write the latest checkpoint of out_dir as a transformers GPT-2, Llama or Mixtral folder
-    `to`; returns it."""
+def export(out_dir, to, max_shard_size=hf_shards.MAX_SHARD_SIZE):
+    """Write the latest checkpoint of out_dir as a transformers GPT-2, Llama, Qwen or Mixtral folder
+    `to`, streamed one safetensors shard (of at most max_shard_size bytes) at a time
+    (tools/hf_shards.py); returns (to, whether a tokenizer was written)."""
     folder, cfg, tok_name, skipped = checkpoint.saved_model(out_dir)  # the newest that verifies
     for reason in skipped:
         faults.say(f"export: skipped {reason}")
@@ -120,27 +134,41 @@ def export(out_dir, to):
     # what a Mixtral cannot hold, before reading the weights: the routing bias is in rank 0's shard
     if cfg.n_experts:
         hf_moe.check(cfg, checkpoint.load_shard(folder, 0).get("moe_bias"))
-    model = to_hf(reshard.full_weights(folder), cfg)
-    model.save_pretrained(to)  # config.json + model.safetensors (safe serialization is the default)
-    tok = tokenizer.to_hf(data.get_tokenizer(tok_name))
+    hf_shards.write(folder, cfg, to, max_shard_size)  # config.json + safetensors (+ their index)
+    enc = data.get_tokenizer(tok_name)
+    if isinstance(enc, data.HFTokenizer):  # an imported tokenizer.json goes back as it came
+        copy_tokenizer(Path(tok_name).parent, to)
+        return to, True
+    tok = tokenizer.to_hf(enc)
     if tok is not None:
         tok.save_pretrained(to)
     return to, tok is not None
 
 
+def copy_tokenizer(src, to):
+    """tokenizer.json (and tokenizer_config.json: BOS, EOS, the chat template) from folder src to
+    folder to; returns the copied tokenizer.json's path."""
+    os.makedirs(to, exist_ok=True)
+    for name in HF_TOKENIZER:
+        if (Path(src) / name).is_file():
+            shutil.copyfile(Path(src) / name, Path(to) / name)
+    return str(Path(to).resolve() / HF_TOKENIZER[0])
+
+
 def import_tokenizer(src, out_dir):
-    """GPT-2 byte-level BPE (vocab.json, or tokenizer.json) in `src` -> out_dir/tokenizer.tiktoken,
-    or None."""
+    """The tokenizer of folder `src` for --tokenizer, or None: GPT-2's byte-level BPE (vocab.json,
+    or tokenizer.json in GPT-2's layout) -> out_dir/tokenizer.tiktoken; any other tokenizer.json
+    (Llama 3's, Qwen's, ...) copied to out_dir, read by the tokenizers library (data.HFTokenizer)."""
     ranks, _ = tokenizer.from_hf(src)
     if ranks is None:
-        return None
+        return copy_tokenizer(src, out_dir) if (Path(src) / HF_TOKENIZER[0]).is_file() else None
     path = Path(out_dir).resolve() / "tokenizer.tiktoken"
     tokenizer.save_ranks(ranks, path)
     return str(path)
 
 
 def import_(src, out_dir):
-    """A transformers GPT-2 or Llama folder -> a step-0 nanomega checkpoint in out_dir
+    """A transformers GPT-2, Llama, Qwen or Mixtral folder -> a step-0 nanomega checkpoint in out_dir
     (single-process, dense).
     What nanomega cannot represent (and, for a Llama, a tokenizer --tokenizer cannot read) is
     refused first."""
@@ -152,10 +180,13 @@ def import_(src, out_dir):
 
     # a Llama whose tokenizer --tokenizer cannot reproduce would fine-tune on ids it was not trained
     # on: refused. (GPT-2 as before: without a readable tokenizer the printed command asks for one.)
-    # (every kind's tokenizer files are read here, before anything is written: a damaged one is
-    # named)
+    # Every tokenizer file is read here, before anything is written: a damaged one is named. A
+    # tokenizer.json not in GPT-2's layout is read by the tokenizers library (data.HFTokenizer).
     kind = hf_config(src)[0]["model_type"]
     why = tokenizer.from_hf(src)[1]
+    if why and (Path(src) / HF_TOKENIZER[0]).is_file():
+        data.HFTokenizer(Path(src) / HF_TOKENIZER[0])  # read by the tokenizers library, or one line
+        why = None
     if why and kind != "gpt2":
         raise ValueError(
             f"{src}: {why}; nanomega's --tokenizer is byte-level BPE with GPT-2's pattern "
@@ -169,6 +200,21 @@ def import_(src, out_dir):
         # the user must bring the tokenizer (--tokenizer) that has these cfg.vocab_size ids
         tok = None
 
+    # the tokenizer and its fingerprint: the first fine-tune's resume compares it (RESUME_CHECKS)
+    fingerprint = (
+        dict(tokenizer_sha256=data.tokenizer_sha256(data.get_tokenizer(tok))) if tok else {}
+    )
+    layout = dict(
+        imported_from=os.path.abspath(src), **({"tokenizer": tok} if tok else {}), **fingerprint
+    )
+    layout |= routing(cfg)  # a fine-tune under another router is refused (faults.RESUME_CHECKS)
+    save_dense(out_dir, cfg, weights, layout)
+    return cfg, tok
+
+
+def save_dense(out_dir, cfg, weights, layout):
+    """Full weights {name: tensor} -> a step-0 checkpoint of one process in out_dir, with a fresh
+    optimizer (train.py --resume fine-tunes it under any layout)."""
     pieces = [
         dict(name=k, shape=tuple(t.shape), start=0, end=t.numel(), master=t.reshape(-1), state={})
         # reshard.load's by-name format; empty state: a fresh AdamW
@@ -177,13 +223,9 @@ def import_(src, out_dir):
     state = dict(
         universal=dict(tp_rank=0, pieces=pieces), sampler=None, scaler=None, step=0, rng=None
     )
-
-    layout = dict(imported_from=os.path.abspath(src), **({"tokenizer": tok} if tok else {}))
-    layout |= routing(cfg)  # a fine-tune under another router is refused (faults.RESUME_CHECKS)
     # a world of one: no process group
     one_rank = types.SimpleNamespace(rank=0, world=1, barrier=lambda: None)
     checkpoint.save(out_dir, 0, cfg, state, one_rank, layout)
-    return cfg, tok
 
 
 def routing(cfg: GPTConfig):
@@ -209,7 +251,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser(
-        "export", help="checkpoint (any layout) -> transformers GPT-2, Llama or Mixtral folder"
+        "export",
+        help="checkpoint (any layout) -> transformers GPT-2, Llama, Qwen or Mixtral folder",
     )
     e.add_argument("--out-dir", default="out")
     e.add_argument(
@@ -217,10 +260,16 @@ def main(argv=None):
         required=True,
         help="the folder to write (config.json, model.safetensors, tokenizer)",
     )
+    e.add_argument(
+        "--max-shard-size",
+        type=float,
+        default=hf_shards.MAX_SHARD_SIZE / 1024**3,
+        help="GiB per safetensors shard: the export holds about one in memory (default 5)",
+    )
 
     i = sub.add_parser(
         "import",
-        help="transformers GPT-2, Llama or Mixtral folder -> step-0 checkpoint for "
+        help="transformers GPT-2, Llama, Qwen or Mixtral folder -> step-0 checkpoint for "
         "train.py --resume",
     )
     i.add_argument("src")
@@ -228,9 +277,16 @@ def main(argv=None):
 
     args = p.parse_args(argv)
     if args.cmd == "export":
-        to, with_tok = export(args.out_dir, args.to)
+        if not args.max_shard_size > 0:
+            raise ValueError(f"--max-shard-size must be > 0 GiB, got {args.max_shard_size}")
+        to, with_tok = export(args.out_dir, args.to, int(args.max_shard_size * 1024**3))
+        index = Path(to) / hf_shards.INDEX
+        shards = (
+            len(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else 0
+        )
         print(
-            f"wrote {to}: config.json, model.safetensors"
+            f"wrote {to}: config.json, "
+            + (f"{shards} safetensors shards + {index.name}" if shards else "model.safetensors")
             + (
                 ", tokenizer.json"
                 if with_tok

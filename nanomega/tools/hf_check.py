@@ -13,6 +13,7 @@ and the field or the tensor (tools/hf.py turns it into one line on stderr, exit 
                   the console (quiet)
 Formulas (the tensors a config implies, per block; hd = h / heads, f the MLP width):
     llama    q, o (h, h)   k, v (kv hd, h)   gate, up (f, h)   down (h, f)   norms (h)
+    qwen2    a llama's + biases q (h), k, v (kv hd);   qwen3: a llama's + q_norm, k_norm (hd)
     mixtral  router (E, h); experts (E, 2f, h) and (E, h, f), or per expert w1, w3 (f, h), w2 (h, f)
     qwen2_moe  mixtral's stacked experts; shared gate, up (n f, h), down (h, n f); its gate (1, h)
     gpt2     c_attn (h, 3h)  c_fc (h, 4h)  c_proj (h, h), (4h, h): Conv1D's (in, out), biases
@@ -57,6 +58,8 @@ _LLAMA = {
 }
 FIELDS = {
     "llama": _LLAMA,
+    "qwen2": _LLAMA,
+    "qwen3": _LLAMA,
     "mixtral": _LLAMA
     | {
         "num_local_experts": (True, SIZE),
@@ -182,7 +185,13 @@ def expected_tensors(cfg, kind, names):
     block = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
     block |= {"self_attn.q_proj.weight": (h, h), "self_attn.o_proj.weight": (h, h)}
     block |= {"self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h)}
-    if kind == "llama":
+    if cfg.qkv_bias:  # Qwen2
+        block |= {"self_attn.q_proj.bias": (h,), "self_attn.k_proj.bias": (kv,)}
+        block["self_attn.v_proj.bias"] = (kv,)
+    if cfg.qk_norm:  # Qwen3
+        block |= {"self_attn.q_norm.weight": (h // cfg.n_head,)}
+        block["self_attn.k_norm.weight"] = (h // cfg.n_head,)
+    if kind not in ("mixtral", "qwen2_moe"):  # a dense MLP: Llama, Qwen2, Qwen3
         block |= {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h)}
         block["mlp.down_proj.weight"] = (h, f)
     elif any(".block_sparse_moe." in n for n in names):  # Mixtral as released (and saved by HF)

@@ -25,6 +25,7 @@ Lesson: lessons/14-experts.md
 """
 
 import dataclasses
+import functools
 
 import torch
 
@@ -154,10 +155,12 @@ def check(cfg: GPTConfig, bias=None):
 QWEN_ROUTERS = ("softmax_topk", "softmax_topk_norm")  # norm_topk_prob false, true
 
 
-def hf_config(cfg: GPTConfig):
-    """(the transformers config of cfg, its model class): Mixtral, or Qwen2-MoE with the gate."""
+def hf_model(cfg: GPTConfig):
+    """(transformers config, model class, {nanomega name: (transformers names)} of every weight but
+    the stacked experts) of an MoE Llama: Mixtral, or Qwen2-MoE with --shared-expert-gate."""
     import transformers
 
+    check(cfg)
     v = cfg.vocab_size
     common = dict(
         vocab_size=v,
@@ -176,49 +179,60 @@ def hf_config(cfg: GPTConfig):
         eos_token_id=v - 1,
     )
     if family(cfg) == "mixtral":
-        return transformers.MixtralConfig(
-            head_dim=cfg.n_embd // cfg.n_head,
-            num_local_experts=cfg.n_experts,
-            sliding_window=None,
-            **common,
-        ), transformers.MixtralForCausalLM
-    return transformers.Qwen2MoeConfig(
-        moe_intermediate_size=cfg.ffn,
-        shared_expert_intermediate_size=cfg.ffn * cfg.shared_experts,
-        num_experts=cfg.n_experts,
-        norm_topk_prob=moe.rule(cfg.router) == "softmax_topk_norm",
-        qkv_bias=False,
-        use_sliding_window=False,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        **common,
-    ), transformers.Qwen2MoeForCausalLM
+        hf_cfg, model_class = (
+            transformers.MixtralConfig(
+                head_dim=cfg.n_embd // cfg.n_head,
+                num_local_experts=cfg.n_experts,
+                sliding_window=None,
+                **common,
+            ),
+            transformers.MixtralForCausalLM,
+        )
+    else:
+        hf_cfg, model_class = (
+            transformers.Qwen2MoeConfig(
+                moe_intermediate_size=cfg.ffn,
+                shared_expert_intermediate_size=cfg.ffn * cfg.shared_experts,
+                num_experts=cfg.n_experts,
+                norm_topk_prob=moe.rule(cfg.router) == "softmax_topk_norm",
+                qkv_bias=False,
+                use_sliding_window=False,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                **common,
+            ),
+            transformers.Qwen2MoeForCausalLM,
+        )
+    hf_cfg.architectures = [model_class.__name__]
+    return hf_cfg, model_class, moe_names(cfg)
 
 
-def to_hf(weights, cfg: GPTConfig):
-    """transformers MixtralForCausalLM (Qwen2MoeForCausalLM with --shared-expert-gate) from
-    nanomega full weights {name: tensor} of an MoE Llama (fp32)."""
-    check(cfg)
-    hf_cfg, model_class = hf_config(cfg)
-    v, state = cfg.vocab_size, {}
-    for ours, theirs in moe_names(cfg).items():
-        t = weights[ours].float()
-        t = t[:v] if ours in ("embed.wte.weight", "head.lm_head.weight") else t
-        state.update(zip(theirs, (part.contiguous() for part in t.chunk(len(theirs)))))
+def _part(i, k, padded, v, tensors):
+    """Part i of k of one nanomega tensor (its first v rows when padded), in its own memory."""
+    t = tensors[0].float()
+    return (t[:v] if padded else t).chunk(k)[i].clone(memory_format=torch.contiguous_format)
+
+
+def _stacked(tensors):
+    """The experts' tensors of one layer stacked, (E, ...) (transformers 5's layout)."""
+    return torch.stack([t.float() for t in tensors])
+
+
+def hf_tensors(cfg: GPTConfig):
+    """[(transformers name, [nanomega names], make)] of a Mixtral or Qwen2-MoE
+    (hf_weights.hf_tensors): every named weight (the router and the shared experts included),
+    then each layer's experts stacked."""
+    v, out = cfg.vocab_size, []
+    for ours, theirs in hf_model(cfg)[2].items():
+        padded = ours in ("embed.wte.weight", "head.lm_head.weight")
+        for i, name in enumerate(theirs):
+            out.append((name, [ours], functools.partial(_part, i, len(theirs), padded, v)))
     for i in range(cfg.n_layer):
         ours, theirs = f"blocks.{i}.mlp.", f"model.layers.{i}.mlp."
         for mine, name in (("gate_up", "gate_up_proj"), ("c_proj", "down_proj")):
-            state[theirs + "experts." + name] = torch.stack(
-                [weights[f"{ours}experts.{e}.{mine}.weight"].float() for e in range(cfg.n_experts)]
-            )
-    model = model_class(hf_cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if [k for k in missing if k != "lm_head.weight"] or unexpected:
-        raise ValueError(
-            f"{family(cfg)} mapping incomplete: missing {missing[:3]}, unexpected {unexpected[:3]}"
-        )
-    model.tie_weights()
-    return model.eval()
+            experts = [f"{ours}experts.{e}.{mine}.weight" for e in range(cfg.n_experts)]
+            out.append((theirs + "experts." + name, experts, _stacked))
+    return out
 
 
 def from_hf(model):

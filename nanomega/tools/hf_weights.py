@@ -8,11 +8,13 @@ Mixtral (a Llama whose MLP is experts) is tools/hf_moe.py; folders and the CLI a
 Lesson: lessons/13-the-modern-block.md
 """
 
+import functools
+
 import torch
 
 from nanomega.gpt_config import GPTConfig
 from nanomega.tools import hf_moe
-from nanomega.tools.hf_llama import LLAMA3_ROPE, llama_config, llama_name_map
+from nanomega.tools.hf_llama import DENSE, hf_rope, llama_config, llama_name_map
 
 # nanomega name -> transformers GPT2LMHeadModel name, per block ({i}); Conv1D weights are transposed
 _BLOCK = {
@@ -70,23 +72,33 @@ def check_gpt2(cfg: GPTConfig):
         )
 
 
-def to_hf(weights, cfg: GPTConfig):
-    """transformers GPT2LMHeadModel or LlamaForCausalLM (by cfg.arch) from nanomega full weights
-    {name: tensor} (fp32; padded rows dropped)."""
+def hf_model(cfg: GPTConfig):
+    """(transformers config, model class, {nanomega name: (transformers names)}) of cfg:
+    GPT2LMHeadModel, or (cfg.arch llama) LlamaForCausalLM, Qwen2ForCausalLM (qkv_bias) or
+    Qwen3ForCausalLM (qk_norm); MixtralForCausalLM with experts (its MLP's names: hf_moe.py)."""
     transformers = require_transformers()
     v = cfg.vocab_size
 
     if cfg.n_experts:  # a Llama with experts: Mixtral
-        return hf_moe.to_hf(weights, cfg)
+        return hf_moe.hf_model(cfg)
 
     # the transformers config and the name map of each architecture
     if cfg.arch == "llama":
-        rope = (
-            None
-            if cfg.rope_scaling == 1.0
-            else dict(rope_type="llama3", factor=cfg.rope_scaling, **LLAMA3_ROPE)
-        )
-        hf_cfg = transformers.LlamaConfig(
+        # Qwen2 (q, k, v biases) or Qwen3 (QK-norm) where the block has them, else Llama
+        kind = "qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else "llama"
+        if cfg.qkv_bias and cfg.qk_norm:
+            raise ValueError(
+                "--qkv-bias with --qk-norm has no transformers class (Qwen2: biases, Qwen3: "
+                "QK-norm); train with one of them to export"
+            )
+        config_class, model_class = dict(
+            llama=(transformers.LlamaConfig, transformers.LlamaForCausalLM),
+            qwen2=(transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+            qwen3=(transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        )[kind]
+        # (dynamic NTK's frequencies change past max_position_embeddings: the original context)
+        dynamic = cfg.rope_type == "dynamic" and cfg.rope_scaling != 1.0
+        hf_cfg = config_class(
             vocab_size=v,
             hidden_size=cfg.n_embd,
             intermediate_size=cfg.ffn,
@@ -95,20 +107,17 @@ def to_hf(weights, cfg: GPTConfig):
             num_key_value_heads=cfg.kv_heads,
             head_dim=cfg.n_embd // cfg.n_head,
             hidden_act="silu",
-            max_position_embeddings=cfg.block_size,
+            max_position_embeddings=cfg.rope_original_context if dynamic else cfg.block_size,
             rms_norm_eps=cfg.norm_eps,
             rope_theta=cfg.rope_theta,
-            rope_scaling=rope,
+            rope_scaling=hf_rope(cfg),
             tie_word_embeddings=cfg.tie_embeddings,
-            attention_bias=False,
-            mlp_bias=False,
             bos_token_id=v - 1,
             eos_token_id=v - 1,
+            **(dict(attention_bias=False, mlp_bias=False) if kind == "llama" else {}),
+            **(dict(attention_bias=False) if kind == "qwen3" else {}),
         )
-        names, model_class = (
-            llama_name_map(cfg.n_layer, cfg.tie_embeddings),
-            transformers.LlamaForCausalLM,
-        )
+        names = llama_name_map(cfg.n_layer, cfg.tie_embeddings, cfg.qkv_bias, cfg.qk_norm)
     else:
         check_gpt2(cfg)
         hf_cfg = transformers.GPT2Config(
@@ -130,15 +139,38 @@ def to_hf(weights, cfg: GPTConfig):
             {k: (n,) for k, n in name_map(cfg.n_layer).items()},
             transformers.GPT2LMHeadModel,
         )
+    hf_cfg.architectures = [model_class.__name__]
+    return hf_cfg, model_class, names
 
-    # the weights under their names: padded rows dropped, GPT-2's Conv1D ones transposed
-    state = {}
-    for ours, theirs in names.items():
-        t = weights[ours].float()
-        t = t[:v] if ours in _PADDED else t  # (V_padded, h) -> (V, h)
-        t = t.t() if ours.endswith(_CONV1D) and cfg.arch == "gpt2" else t
-        # [k; v] -> k, v
-        state.update(zip(theirs, (part.contiguous() for part in t.chunk(len(theirs)))))
+
+def _part(ours, i, k, cfg, tensors):
+    """Part i of k of the nanomega tensor `ours` (of tensors, one) as transformers holds it: padded
+    rows dropped, GPT-2's Conv1D weights transposed, [k; v] and [gate; up] cut by rows."""
+    t = tensors[0].float()
+    t = t[: cfg.vocab_size] if ours in _PADDED else t  # (V_padded, h) -> (V, h)
+    t = t.t() if ours.endswith(_CONV1D) and cfg.arch == "gpt2" else t
+    # its own contiguous memory: safetensors refuses shared storage and strides
+    return t.chunk(k)[i].clone(memory_format=torch.contiguous_format)
+
+
+def hf_tensors(cfg: GPTConfig):
+    """[(transformers name, [nanomega names], make)]: each tensor of cfg's transformers model, the
+    nanomega parameters it is made of, and make(their full tensors) -> it. One tensor at a time:
+    tools/hf_shards.py streams an export with it."""
+    if cfg.n_experts:
+        return hf_moe.hf_tensors(cfg)
+    return [
+        (name, [ours], functools.partial(_part, ours, i, len(theirs), cfg))
+        for ours, theirs in hf_model(cfg)[2].items()
+        for i, name in enumerate(theirs)
+    ]
+
+
+def to_hf(weights, cfg: GPTConfig):
+    """The transformers model of cfg (hf_model) from nanomega full weights {name: tensor}, in
+    memory (fp32; padded rows dropped)."""
+    hf_cfg, model_class, _ = hf_model(cfg)
+    state = {name: make([weights[n] for n in ours]) for name, ours, make in hf_tensors(cfg)}
 
     # loaded; a mapping that left a weight out is refused
     model = model_class(hf_cfg)
@@ -154,20 +186,27 @@ def to_hf(weights, cfg: GPTConfig):
 
 
 def from_hf(model):
-    """(GPTConfig, nanomega full weights) from a transformers GPT2LMHeadModel or LlamaForCausalLM;
-    refuses what nanomega cannot compute."""
+    """(GPTConfig, nanomega full weights) from a transformers GPT-2, Llama, Qwen2, Qwen3, Mixtral or
+    Qwen2-MoE model (by its model_type); refuses what nanomega cannot compute, and any other type,
+    in one line."""
     if model.config.model_type in hf_moe.CONFIGS:  # Mixtral, Qwen2-MoE
         return hf_moe.from_hf(model)
 
-    if model.config.model_type == "llama":
-        cfg = llama_config(model.config.to_dict())
+    kind = model.config.model_type
+    if kind in DENSE:
+        cfg = llama_config(model.config.to_dict(), kind)
         theirs = model.state_dict()
         # a copy, even of one tensor
+        names = llama_name_map(cfg.n_layer, cfg.tie_embeddings, cfg.qkv_bias, cfg.qk_norm)
         weights = {
             ours: torch.cat([theirs[n].detach().float() for n in names])
-            for ours, names in llama_name_map(cfg.n_layer, cfg.tie_embeddings).items()
+            for ours, names in names.items()
         }
         return cfg, _pad_vocab(weights, cfg)
+    if kind != "gpt2":
+        raise ValueError(
+            f"model_type {kind!r}: nanomega reads gpt2, {', '.join(DENSE)}, mixtral and qwen2_moe models"
+        )
 
     # GPT-2: what nanomega cannot compute is refused
     cfg = gpt2_config(model.config.to_dict())
