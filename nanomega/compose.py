@@ -13,7 +13,8 @@ Lesson: lessons/09-3d-parallelism.md
 
 import torch
 
-from nanomega import cp, ep, fused, meta, muon, pp, precision, recompute, rng, tp, zero, zero_rules
+from nanomega import cp, ep, fp8_linear, fused, meta, muon, pp, precision, recompute, rng, tp
+from nanomega import zero, zero_rules
 from nanomega.model import GPT
 from nanomega.job import flags
 
@@ -49,7 +50,11 @@ def build(config, grid):
         fused.apply_fused(model)
     if config.attention == "fused":  # the eager core with our fused scale-mask-softmax kernel
         fused.apply_fused_softmax(model)
-    precision.cast_model(model, precision.parse_dtype(config.dtype))
+    dtype = precision.parse_dtype(config.dtype)
+    fp8_linear.apply_fp8(  # --fp8: the blocks' linear entry in FP8 (off: nothing)
+        model, config.fp8, dtype, config.fp8_block, config.fp8_history, config.fp8_min_dim
+    )
+    precision.cast_model(model, dtype)
 
     # buffers now; the engine draws the parameters. The dense init, seen from this tp rank
     init = meta.Init(cfg, config.seed, grid.tp_rank, grid.tp.size)
