@@ -52,7 +52,7 @@ def build(config, grid):
         fused.apply_fused_softmax(model)
     dtype = precision.parse_dtype(config.dtype)
     fp8_linear.apply_fp8(  # --fp8: the blocks' linear entry in FP8 (off: nothing)
-        model, config.fp8, dtype, config.fp8_block, config.fp8_history, config.fp8_min_dim
+        model, config.fp8, dtype, config.fp8_block, config.fp8_history, config.fp8_min_dim, grid.tp
     )
     precision.cast_model(model, dtype)
 

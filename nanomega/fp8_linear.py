@@ -25,6 +25,7 @@ Lesson: lessons/18-fp8-training.md
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -91,11 +92,12 @@ def pad_to(t, rows, cols):
 class FP8:
     """The `linear` entry: (x, weight, bias) -> x W^T + b with the recipe's three FP8 GEMMs.
     name: --fp8; block: blockwise's tile; history: delayed's length; min_dim: a weight with a
-    dimension below it stays in the model's precision."""
+    dimension below it stays in the model's precision; tp: the tensor-parallel Axis a tensorwise
+    amax is reduced over (MAX: a replicated operand gives its own amax back)."""
 
-    def __init__(self, name, dtype=torch.float32, block=128, history=1024, min_dim=0):
+    def __init__(self, name, dtype=torch.float32, block=128, history=1024, min_dim=0, tp=None):
         self.name, self.recipe, self.min_dim = name, recipe(name, block), min_dim
-        self.dtype, self.length = dtype, history
+        self.dtype, self.length, self.tp = dtype, history, tp
         self.histories = WeakIdKeyDictionary()  # weight -> History (delayed only)
 
     def __repr__(self):
@@ -120,16 +122,21 @@ class FP8:
 
     def operand(self, t, role, weight):
         """t (R, K) quantized as `role` along K, padded to whole tiles."""
-        r = self.recipe
+        r, fmt = self.recipe, self.fmt(role)
         rows, cols = r.weight if role == "w" else r.act
         t = pad_to(t, rows, cols)
         if r.gemm == "mx":
-            return quantize_mx(t, self.fmt(role))
+            return quantize_mx(t, fmt)
+        if rows or cols:  # tiles: a tp shard holds whole tiles (check), so its scales are local
+            return quantize(t, fmt, rows, cols, pow2=r.pow2)
+        amax = t.detach().float().abs().amax()  # the whole tensor: max over the tp ranks too
+        if self.tp is not None and self.tp.size > 1:
+            amax = self.tp.all_reduce(amax, op=dist.ReduceOp.MAX)
         if self.name == "delayed":
             state = self.histories[weight]
-            state.record(role, t.detach().float().abs().amax())
-            return quantize(t, self.fmt(role), rows, cols, scale=state.scale[ROLES.index(role)])
-        return quantize(t, self.fmt(role), rows, cols, pow2=r.pow2)
+            state.record(role, amax)
+            return quantize(t, fmt, scale=state.scale[ROLES.index(role)])
+        return quantize(t, fmt, scale=scale_from_amax(amax, fmt))
 
     def matmul(self, a, role_a, b, role_b, weight):
         """a (M, K) @ b (N, K)^T in FP8 -> (M, N) fp32, by the recipe's arithmetic."""
@@ -188,12 +195,12 @@ class FP8Function(torch.autograd.Function):
         return dx, dw, db, None
 
 
-def apply_fp8(model, name, dtype=torch.float32, block=128, history=1024, min_dim=0):
+def apply_fp8(model, name, dtype=torch.float32, block=128, history=1024, min_dim=0, tp=None):
     """--fp8 `name` (not "off"): every block's linear entry becomes one FP8 entry; the head's table
     keeps its linear (the logits' precision), the MoE router is marked kept. Returns the entry."""
     if name == "off":
         return None
-    entry = FP8(name, dtype, block, history, min_dim)
+    entry = FP8(name, dtype, block, history, min_dim, tp)
     for pname, p in model.named_parameters():
         if "router" in pname:
             p.fp8_keep = True
@@ -201,17 +208,18 @@ def apply_fp8(model, name, dtype=torch.float32, block=128, history=1024, min_dim
     return entry
 
 
-def check(c):
+def check(c, cfg):
     """One line for each combination --fp8 does not run (yet), before any collective."""
     if c.fp8 == "off":
         return
-    split = {"--tp": c.tp, "--cp": c.cp, "--ep": c.ep}
-    for flag, size in split.items():
+    for flag, size in {"--cp": c.cp, "--ep": c.ep}.items():
         if size > 1:
             raise ValueError(
                 f"--fp8 {c.fp8} with {flag} {size}: the amax of a split tensor is not yet reduced "
                 f"over {flag[2:]}, so its scales would differ from one process; use {flag} 1"
             )
+    if c.tp > 1:
+        check_tensor_parallel(c, cfg)
     refusals = {
         "--zero 3 (its FP8 parameter gather is not built)": c.zero == 3,
         "--dtype fp16 (FP8's own scales replace loss scaling; use --dtype bf16 or fp32)": (
@@ -228,3 +236,21 @@ def check(c):
     for what, bad in refusals.items():
         if bad:
             raise ValueError(f"--fp8 {c.fp8} does not run with {what}")
+
+
+def check_tensor_parallel(c, cfg):
+    """--tp: a tensorwise amax is reduced over tp; tiles must not straddle two ranks' shards."""
+    if c.sequence_parallel or c.fp8 in ("rowwise", "delayed") or c.fp8_min_dim:
+        raise ValueError(
+            f"--fp8 {c.fp8} with --tp {c.tp}: built for tensorwise, blockwise and mxfp8 without "
+            "--sequence-parallel or --fp8-min-dim (tp's gather-linear runs its own backward GEMMs; "
+            "a row's amax would need to know which dimension tp splits); use --tp 1"
+        )
+    side = {"blockwise": c.fp8_block, "mxfp8": 32}.get(c.fp8, 1)
+    ffn = cfg.ffn
+    if (c.n_embd // c.tp) % side or (ffn // c.tp) % side:
+        raise ValueError(
+            f"--fp8 {c.fp8} with --tp {c.tp}: a tp shard (--n-embd / tp = {c.n_embd // c.tp}, the "
+            f"MLP's width / tp = {ffn // c.tp}) is not a whole number of {side}-wide tiles; pick "
+            f"widths divisible by {side * c.tp}"
+        )
