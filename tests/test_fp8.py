@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from nanomega import fp8
+from nanomega import fp8, fp8_linear
+from nanomega.job import flags
 
 FORMATS = {fp8.E4M3: (4, 3, 7), fp8.E5M2: (5, 2, 15)}  # exponent bits, mantissa bits, bias
 
@@ -183,3 +184,34 @@ def test_mx_non_finite_block_is_nan():
     q = fp8.quantize_mx(x)
     assert q.scale_inv[0, 0].isnan() and q.scale_inv[0, 1].item() == 2.0**-8
     assert q.dequantize()[0, :32].isnan().all() and (q.dequantize()[0, 32:] == 1).all()
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--fp8", "tensorwise", "--cp", "2"], "--cp 2"),
+        (["--fp8", "blockwise", "--ep", "2", "--arch", "llama", "--n-experts", "4"], "--ep 2"),
+        (["--fp8", "tensorwise", "--zero", "3"], "--zero 3"),
+        (["--fp8", "mxfp8", "--dtype", "fp16"], "--dtype fp16"),
+        (["--fp8", "tensorwise", "--compile"], "--compile"),
+        (["--fp8", "delayed", "--recompute", "full"], "--recompute full"),
+        (["--fp8", "delayed", "--resume"], "--resume"),
+        (["--fp8", "tensorwise", "--tp", "2", "--sequence-parallel"], "--tp 2"),
+        (["--fp8", "rowwise", "--tp", "2"], "--tp 2"),
+        (["--fp8", "mxfp8", "--tp", "2", "--n-embd", "32"], "32-wide tiles"),
+    ],
+)
+def test_bad_combinations_get_one_line(argv, says):
+    c = flags.parse(argv)
+    with pytest.raises(ValueError) as e:
+        fp8_linear.check(c, flags.model_config(c, 4096))
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_good_combinations_pass():
+    for argv in (
+        ["--fp8", "off", "--tp", "2", "--sequence-parallel"],
+        ["--fp8", "mxfp8", "--tp", "2"],
+    ):
+        c = flags.parse(argv)
+        fp8_linear.check(c, flags.model_config(c, 4096))
