@@ -19,7 +19,7 @@ amax_history_len 1024, amax_compute_algo "max", margin 0) keeps per weight an am
 and dY; a GEMM quantizes with s = fmax / max(history) and its amax enters the history when the same
 weight's next forward starts (per micro-batch: TE updates once per step). The head's matmul (the
 logits) and the MoE router stay in the model's precision; --fp8-min-dim keeps small GEMMs too.
-Lesson: lessons/18-fp8-training.md
+Lesson: lessons/20-fp8-training.md
 """
 
 from dataclasses import dataclass
@@ -61,15 +61,15 @@ class History:
     """Delayed scaling's state per weight: amax history (3 roles, L), the scales in use, and this
     micro-batch's amax not yet in the history."""
 
-    def __init__(self, length):
-        self.amax = torch.zeros(len(ROLES), length)
-        self.scale = torch.ones(len(ROLES))
+    def __init__(self, length, device):
+        self.amax = torch.zeros(len(ROLES), length, device=device)
+        self.scale = torch.ones(len(ROLES), device=device)
         self.pending = None
 
     def record(self, role, amax):
         i = ROLES.index(role)
         if self.pending is None:
-            self.pending = torch.zeros(len(ROLES))
+            self.pending = torch.zeros_like(self.scale)
         self.pending[i] = torch.maximum(self.pending[i], amax)
 
     def roll(self, fmts):
@@ -117,7 +117,7 @@ class FP8:
         """A forward begins: delayed scaling moves the last micro-batch's amax into the history."""
         if self.name == "delayed":
             if weight not in self.histories:
-                self.histories[weight] = History(self.length)
+                self.histories[weight] = History(self.length, weight.device)
             self.histories[weight].roll([self.fmt(r) for r in ROLES])
 
     def operand(self, t, role, weight):
@@ -159,7 +159,7 @@ def promoted(qa, qb):
     kb = qa.block[1]
     sa = qa.scale_inv.repeat_interleave(qa.block[0], 0)  # (M, K/kb)
     sb = qb.scale_inv.repeat_interleave(qb.block[0], 0)  # (N, K/kb)
-    out = torch.zeros(qa.data.shape[0], qb.data.shape[0])
+    out = torch.zeros(qa.data.shape[0], qb.data.shape[0], device=qa.data.device)
     for c in range(qa.data.shape[1] // kb):
         chunk = slice(c * kb, (c + 1) * kb)
         part = qa.data[:, chunk].float() @ qb.data[:, chunk].float().t()  # (M, N)

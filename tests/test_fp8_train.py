@@ -67,15 +67,20 @@ def recipe_flags(name):
     return ["--fp8", name, "--fp8-block", "16"] if name != "off" else []
 
 
+CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("name", RECIPES)
-def test_gemms_are_the_recipes_arithmetic(name):
+def test_gemms_are_the_recipes_arithmetic(name, device):
     """Forward and both backward GEMMs of the entry = fp32 products of the operands as the recipe
     quantizes them (independently re-quantized here), within the derived bound; and within a few
-    percent of the fp32 linear (a wrong scale or a lost tile is off by far more)."""
+    percent of the fp32 linear (a wrong scale or a lost tile is off by far more). The cuda case
+    (GPU tier, not run in the session that wrote it) runs torch._scaled_mm's CUDA kernels."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 24, 64, generator=g).requires_grad_()  # M = 48: MX pads the tokens to 64
-    w = (torch.randn(48, 64, generator=g) * 0.05).requires_grad_()
-    dy = torch.randn(2, 24, 48, generator=g)
+    x = torch.randn(2, 24, 64, generator=g).to(device).requires_grad_()  # M = 48: MX pads to 64
+    w = (torch.randn(48, 64, generator=g) * 0.05).to(device).requires_grad_()
+    dy = torch.randn(2, 24, 48, generator=g).to(device)
     entry = fp8_linear.FP8(name, block=16)
     for _ in range(2):  # delayed: the second call quantizes with the first's history
         y = entry(x, w)
