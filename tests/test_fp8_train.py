@@ -141,14 +141,17 @@ def one_process(corpus, tmp_path_factory):
 
 
 def test_every_recipe_learns_near_fp32(one_process):
-    """Each recipe's loss falls, and stays within 2% of the fp32 run's after 3 steps (an FP8 GEMM
-    errs ~2-6% per element, but the loss averages thousands of them; a wrong scale, a dropped
-    gradient or a saturated tensor moves it far more: the bound is 1/3 of the fall in 3 steps)."""
+    """Each recipe's loss falls, and every step's stays within a tenth of fp32's 3-step fall of
+    fp32's loss (the bound is set from that fall, not from this CPU's FP8 runs; measured here: < 1e-3
+    of a 0.13 fall). A smoke test: it fails on NaN, saturation, no learning or a lost gradient; a
+    forward scale off by 1.3x moves the loss only 0.004 at initialization (planted: it passes here),
+    which test_gemms_are_the_recipes_arithmetic catches (planted: it fails)."""
     ref, _ = curve(one_process / "off")
+    bound = (ref[0] - ref[-1]) / 10
     for name in RECIPES:
         losses, _ = curve(one_process / name)
         assert losses[-1] < losses[0] - 0.05, (name, losses)
-        assert losses == pytest.approx(ref, rel=0.02), (name, losses, ref)
+        assert max(abs(a - b) for a, b in zip(losses, ref)) < bound, (name, losses, ref)
 
 
 def test_layouts_equal_one_process(corpus, one_process, tmp_path):
