@@ -51,6 +51,8 @@ its formulas and its lesson:
     15  cp.py         context parallelism: ring, all-gather and Ulysses attention over a cp axis
         documents.py  --document-mask: packed documents attend only inside themselves (ids per
                       window)
+    20  fp8.py        FP8 numbers: E4M3 / E5M2 casts and each recipe's scales
+        fp8_linear.py the FP8 linear: the op table's linear entry with its three GEMMs in FP8
 
 Beside the concepts, two folders a student may skip:
     job/    running a job: flags (declared: config.py; parsed: flags.py) and their checks, failure

@@ -16,6 +16,7 @@ import torch
 from nanomega import (
     cp,
     ep,
+    fp8_linear,
     fused,
     meta,
     muon,
@@ -66,7 +67,11 @@ def build(config, grid):
         fused.apply_fused(model)
     if config.attention == "fused":  # the eager core with our fused scale-mask-softmax kernel
         fused.apply_fused_softmax(model)
-    precision.cast_model(model, precision.parse_dtype(config.dtype))
+    dtype = precision.parse_dtype(config.dtype)
+    fp8_linear.apply_fp8(  # --fp8: the blocks' linear entry in FP8 (off: nothing)
+        model, config.fp8, dtype, config.fp8_block, config.fp8_history, config.fp8_min_dim, grid.tp
+    )
+    precision.cast_model(model, dtype)
 
     # buffers now; the engine draws the parameters. The dense init, seen from this tp rank
     init = meta.Init(cfg, config.seed, grid.tp_rank, grid.tp.size)

@@ -10,7 +10,8 @@ Lesson: lessons/09-3d-parallelism.md
 import dataclasses
 import os
 
-from nanomega import cp, data, dist, ep, moe, muon, pp, precision, recompute, tp, zero_rules
+from nanomega import cp, data, dist, ep, fp8_linear, moe, muon, pp, precision, recompute, tp
+from nanomega import zero_rules
 from nanomega.job import faults, flags, guard, meter, presets, ranges
 from nanomega.job.flags import model_config
 
@@ -92,6 +93,7 @@ def check(config):
             "--compile with --zero 3: ZeRO-3's hooks free and re-gather parameter storage inside "
             "each block, which torch.compile cannot trace; use --zero 2 or leave out --compile"
         )
+    fp8_linear.check(c, cfg)
     if c.recompute not in recompute.MODES:
         raise ValueError(f"--recompute {c.recompute!r} is not one of {', '.join(recompute.MODES)}")
     if c.recompute_layers is not None and not 0 <= c.recompute_layers <= c.n_layer:

@@ -263,6 +263,25 @@ class Config:
         action=argparse.BooleanOptionalAction,
     )
     compile: bool = PRECISION(False, "torch.compile each transformer block")
+    fp8: str = PRECISION(
+        "off",
+        "the blocks' linears in FP8 (nanomega/fp8_linear.py): tensorwise, delayed, rowwise, "
+        "blockwise (DeepSeek-V3) or mxfp8; the head and the MoE router stay in --dtype",
+        choices=["off", "tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"],
+    )
+    fp8_block: int = PRECISION(
+        128, "--fp8 blockwise: the tile side (DeepSeek-V3: 128)", at_least(1)
+    )
+    fp8_history: int = PRECISION(
+        1024, "--fp8 delayed: amax history length (Transformer Engine's default)", at_least(1)
+    )
+    fp8_min_dim: int = PRECISION(
+        0,
+        "--fp8: a weight with a dimension below this stays in --dtype. Default 0 (all in FP8): this "
+        "CPU has no FP8 units, so no size pays; on an H100 torchao keeps e.g. tensorwise GEMMs with "
+        "K <= 4096 and N <= 1024 in bf16 (its auto-filter)",
+        at_least(0),
+    )
 
     # what the run prints and measures
     out_dir: str = LOGGING("out", "checkpoints, metrics.jsonl, traces (one job at a time)")

@@ -1,0 +1,260 @@
+"""The FP8 linear: the op table's `linear` entry with its three GEMMs in FP8, one recipe each.
+
+Idea: Y = X W^T (forward), dX = dY W and dW = dY^T X (backward) each take two operands quantized
+along their contraction dimension K (fp8.py), multiply them in 8 bits, accumulate in fp32 and
+return the model's dtype. Weights and activations are E4M3; gradients E5M2 under tensorwise and
+delayed scaling (Transformer Engine's HYBRID format), E4M3 under rowwise (torchao's rowwise recipe,
+its scales rounded down to a power of two), blockwise (DeepSeek-V3: E4M3 on all tensors) and MX.
+Which arithmetic computes each product:
+    tensorwise, delayed, rowwise   torch._scaled_mm (fp8 inputs, fp32 accumulation and output;
+                                   run on this CPU; the CUDA path is the same call, unverified here)
+    blockwise                      emulated: per 128-wide chunk of K an fp32 product of the fp8
+                                   values, multiplied by both chunks' scales and added in fp32
+                                   (DeepSeek-V3's promotion of the partial sums every 128 along K)
+    mxfp8                          emulated: both operands dequantized (exact: power-of-two scales)
+                                   and multiplied in fp32
+A tile that does not divide a dimension is padded with zeros (the amax and the product unchanged):
+the tokens routed to an expert need not be a multiple of 32. Delayed scaling (TE's DelayedScaling:
+amax_history_len 1024, amax_compute_algo "max", margin 0) keeps per weight an amax history of X, W
+and dY; a GEMM quantizes with s = fmax / max(history) and its amax enters the history when the same
+weight's next forward starts (per micro-batch: TE updates once per step). The head's matmul (the
+logits) and the MoE router stay in the model's precision; --fp8-min-dim keeps small GEMMs too.
+Lesson: lessons/20-fp8-training.md
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+
+from nanomega import schedules
+from nanomega.fp8 import E4M3, E5M2, quantize, quantize_mx, scale_from_amax
+
+ROLES = ("x", "w", "dy")  # the three tensors of a linear: input, weight, output gradient
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """act/weight: the (rows, cols) tile of an activation or gradient / of a weight, along K
+    (0: the whole dimension); grad: the gradients' format; gemm: which arithmetic."""
+
+    act: tuple
+    weight: tuple
+    grad: torch.dtype
+    gemm: str
+    pow2: bool = False  # scales rounded down to a power of two (torchao's rowwise recipe)
+
+
+def recipe(name, block=128):
+    """The recipe of --fp8 `name`; block: blockwise's tile side (DeepSeek-V3: 128)."""
+    return {
+        "tensorwise": Recipe((0, 0), (0, 0), E5M2, "scaled_mm"),
+        "delayed": Recipe((0, 0), (0, 0), E5M2, "scaled_mm"),
+        "rowwise": Recipe((1, 0), (1, 0), E4M3, "scaled_mm", pow2=True),
+        "blockwise": Recipe((1, block), (block, block), E4M3, "promote"),
+        "mxfp8": Recipe((1, 32), (1, 32), E4M3, "mx"),
+    }[name]
+
+
+class History:
+    """Delayed scaling's state per weight: amax history (3 roles, L), the scales in use, and this
+    micro-batch's amax not yet in the history."""
+
+    def __init__(self, length, device):
+        self.amax = torch.zeros(len(ROLES), length, device=device)
+        self.scale = torch.ones(len(ROLES), device=device)
+        self.pending = None
+
+    def record(self, role, amax):
+        i = ROLES.index(role)
+        if self.pending is None:
+            self.pending = torch.zeros_like(self.scale)
+        self.pending[i] = torch.maximum(self.pending[i], amax)
+
+    def roll(self, fmts):
+        """The last micro-batch's amax into the history; scales from each role's max of it."""
+        if self.pending is None:
+            return
+        self.amax = torch.cat([self.pending[:, None], self.amax[:, :-1]], 1)
+        best = self.amax.amax(1)
+        self.scale = torch.stack([scale_from_amax(best[i], f) for i, f in enumerate(fmts)])
+        self.pending = None
+
+
+def pad_to(t, rows, cols):
+    """Zeros appended so that (rows, cols) tiles divide t (0: the whole dimension)."""
+    R, K = t.shape
+    pr, pc = (-R % rows if rows else 0), (-K % cols if cols else 0)
+    return F.pad(t, (0, pc, 0, pr)) if pr or pc else t
+
+
+class FP8:
+    """The `linear` entry: (x, weight, bias) -> x W^T + b with the recipe's three FP8 GEMMs.
+    name: --fp8; block: blockwise's tile; history: delayed's length; min_dim: a weight with a
+    dimension below it stays in the model's precision; tp: the tensor-parallel Axis a tensorwise
+    amax is reduced over (MAX: a replicated operand gives its own amax back)."""
+
+    def __init__(self, name, dtype=torch.float32, block=128, history=1024, min_dim=0, tp=None):
+        self.name, self.recipe, self.min_dim = name, recipe(name, block), min_dim
+        self.dtype, self.length, self.tp = dtype, history, tp
+        self.histories = WeakIdKeyDictionary()  # weight -> History (delayed only)
+
+    def __repr__(self):
+        return f"fp8.FP8({self.name})"
+
+    def __call__(self, x, weight, bias=None):
+        # kept: a small GEMM, the MoE router (marked; in a 16-bit model its GEMM is the fp32 one)
+        kept = getattr(weight, "fp8_keep", False) or x.dtype != self.dtype
+        if kept or min(weight.shape) < self.min_dim:
+            return F.linear(x, weight, bias)
+        return FP8Function.apply(x, weight, bias, self)
+
+    def fmt(self, role):
+        return self.recipe.grad if role == "dy" else E4M3
+
+    def start(self, weight):
+        """A forward begins: delayed scaling moves the last micro-batch's amax into the history."""
+        if self.name == "delayed":
+            if weight not in self.histories:
+                self.histories[weight] = History(self.length, weight.device)
+            self.histories[weight].roll([self.fmt(r) for r in ROLES])
+
+    def operand(self, t, role, weight):
+        """t (R, K) quantized as `role` along K, padded to whole tiles."""
+        r, fmt = self.recipe, self.fmt(role)
+        rows, cols = r.weight if role == "w" else r.act
+        t = pad_to(t, rows, cols)
+        if r.gemm == "mx":
+            return quantize_mx(t, fmt)
+        if rows or cols:  # tiles: a tp shard holds whole tiles (check), so its scales are local
+            return quantize(t, fmt, rows, cols, pow2=r.pow2)
+        amax = t.detach().float().abs().amax()  # the whole tensor: max over the tp ranks too
+        if self.tp is not None and self.tp.size > 1:
+            amax = self.tp.all_reduce(amax, op=dist.ReduceOp.MAX)
+        if self.name == "delayed":
+            state = self.histories[weight]
+            state.record(role, amax)
+            return quantize(t, fmt, scale=state.scale[ROLES.index(role)])
+        return quantize(t, fmt, scale=scale_from_amax(amax, fmt))
+
+    def matmul(self, a, role_a, b, role_b, weight):
+        """a (M, K) @ b (N, K)^T in FP8 -> (M, N) fp32, by the recipe's arithmetic."""
+        M, N = a.shape[0], b.shape[0]
+        qa, qb = self.operand(a, role_a, weight), self.operand(b, role_b, weight)
+        if self.recipe.gemm == "scaled_mm":
+            sa = qa.scale_inv.reshape(()) if qa.scale_inv.numel() == 1 else qa.scale_inv
+            sb = qb.scale_inv.reshape(()) if qb.scale_inv.numel() == 1 else qb.scale_inv.t()
+            out = torch._scaled_mm(qa.data, qb.data.t(), scale_a=sa, scale_b=sb, out_dtype=a.dtype)
+        elif self.recipe.gemm == "promote":
+            out = promoted(qa, qb)
+        else:
+            out = qa.dequantize() @ qb.dequantize().t()
+        return out[:M, :N].float()
+
+
+def promoted(qa, qb):
+    """DeepSeek-V3's blockwise GEMM: per chunk of K (the tile width) the fp8 values' product in fp32,
+    times the chunk's scales (a: per row, b: per row of b), added into an fp32 accumulator."""
+    kb = qa.block[1]
+    sa = qa.scale_inv.repeat_interleave(qa.block[0], 0)  # (M, K/kb)
+    sb = qb.scale_inv.repeat_interleave(qb.block[0], 0)  # (N, K/kb)
+    out = torch.zeros(qa.data.shape[0], qb.data.shape[0], device=qa.data.device)
+    for c in range(qa.data.shape[1] // kb):
+        chunk = slice(c * kb, (c + 1) * kb)
+        part = qa.data[:, chunk].float() @ qb.data[:, chunk].float().t()  # (M, N)
+        out += part * sa[:, c : c + 1] * sb[:, c][None, :]
+    return out
+
+
+class FP8Function(torch.autograd.Function):
+    """Y = X W^T + b; dX = dY W; dW = dY^T X; db = sum dY: the three GEMMs through fp8.matmul."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, fp8):  # x (..., K), weight (N, K) -> (..., N)
+        ctx.save_for_backward(x, weight)
+        ctx.fp8, ctx.has_bias = fp8, bias is not None
+        fp8.start(weight)
+        x2 = x.flatten(0, -2)  # (M, K)
+        y = fp8.matmul(x2.float(), "x", weight.float(), "w", weight).to(x.dtype)
+        y = y.view(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias
+
+    @staticmethod
+    def backward(ctx, grad):  # grad (..., N)
+        x, weight = ctx.saved_tensors
+        fp8 = ctx.fp8
+        x2, g2 = x.flatten(0, -2).float(), grad.flatten(0, -2).float()  # (M, K), (M, N)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:  # (M, N) @ (K, N)^T: K = N
+            dx = fp8.matmul(g2, "dy", weight.float().t(), "w", weight).to(x.dtype).view_as(x)
+        if ctx.needs_input_grad[1]:  # (N, M) @ (K, M)^T: K = the tokens
+            dw = fp8.matmul(g2.t(), "dy", x2.t(), "x", weight).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = grad.flatten(0, -2).sum(0)
+        return dx, dw, db, None
+
+
+def apply_fp8(model, name, dtype=torch.float32, block=128, history=1024, min_dim=0, tp=None):
+    """--fp8 `name` (not "off"): every block's linear entry becomes one FP8 entry; the head's table
+    keeps its linear (the logits' precision), the MoE router is marked kept. Returns the entry."""
+    if name == "off":
+        return None
+    entry = FP8(name, dtype, block, history, min_dim, tp)
+    for pname, p in model.named_parameters():
+        if "router" in pname:
+            p.fp8_keep = True
+    model.replace_op("linear", entry, blocks=list(model.blocks.keys()))
+    return entry
+
+
+def check(c, cfg):
+    """One line for each combination --fp8 does not run (yet), before any collective."""
+    if c.fp8 == "off":
+        return
+    for flag, size in {"--cp": c.cp, "--ep": c.ep}.items():
+        if size > 1:
+            raise ValueError(
+                f"--fp8 {c.fp8} with {flag} {size}: the amax of a split tensor is not yet reduced "
+                f"over {flag[2:]}, so its scales would differ from one process; use {flag} 1"
+            )
+    if c.tp > 1:
+        check_tensor_parallel(c, cfg)
+    refusals = {
+        "--zero 3 (its FP8 parameter gather is not built)": c.zero == 3,
+        "--dtype fp16 (FP8's own scales replace loss scaling; use --dtype bf16 or fp32)": (
+            c.dtype == "fp16"
+        ),
+        "--compile (the FP8 GEMMs are Python code torch.compile does not trace here)": c.compile,
+        # both replace the linear entry: the zero-bubble split would be overwritten by the FP8 one
+        f"--schedule {c.schedule} (its B/W split and FP8 both replace the linear entry; not "
+        "composed yet)": c.schedule in schedules.SPLIT and c.pp > 1,
+        "--recompute full (delayed scaling would record each forward twice)": (
+            c.fp8 == "delayed" and c.recompute == "full"
+        ),
+        "--resume (delayed scaling's amax histories are not in checkpoints yet)": (
+            c.fp8 == "delayed" and c.resume
+        ),
+    }
+    for what, bad in refusals.items():
+        if bad:
+            raise ValueError(f"--fp8 {c.fp8} does not run with {what}")
+
+
+def check_tensor_parallel(c, cfg):
+    """--tp: a tensorwise amax is reduced over tp; tiles must not straddle two ranks' shards."""
+    if c.sequence_parallel or c.fp8 in ("rowwise", "delayed") or c.fp8_min_dim:
+        raise ValueError(
+            f"--fp8 {c.fp8} with --tp {c.tp}: built for tensorwise, blockwise and mxfp8 without "
+            "--sequence-parallel or --fp8-min-dim (tp's gather-linear runs its own backward GEMMs; "
+            "a row's amax would need to know which dimension tp splits); use --tp 1"
+        )
+    side = {"blockwise": c.fp8_block, "mxfp8": 32}.get(c.fp8, 1)
+    ffn = cfg.ffn
+    if (c.n_embd // c.tp) % side or (ffn // c.tp) % side:
+        raise ValueError(
+            f"--fp8 {c.fp8} with --tp {c.tp}: a tp shard (--n-embd / tp = {c.n_embd // c.tp}, the "
+            f"MLP's width / tp = {ffn // c.tp}) is not a whole number of {side}-wide tiles; pick "
+            f"widths divisible by {side * c.tp}"
+        )
