@@ -29,6 +29,8 @@ ROUTERS = ("mixtral", "deepseek", "qwen")
 
 def check(cfg):
     """One line for an MoE shape that cannot run (GPTConfig.validate calls it)."""
+    if cfg.router not in ROUTERS:  # with or without experts: a typo is never silently ignored
+        raise ValueError(f"--router {cfg.router!r} is not one of {', '.join(ROUTERS)}")
     if not cfg.n_experts:
         if cfg.shared_experts:
             raise ValueError(
@@ -44,9 +46,6 @@ def check(cfg):
         raise ValueError(
             f"--n-experts {cfg.n_experts} must be >= 2 and --top-k {cfg.top_k} in [1, n_experts]"
         )
-    if cfg.router not in ROUTERS:
-        raise ValueError(f"--router {cfg.router!r} is not one of {', '.join(ROUTERS)}")
-
     for flag in ("capacity_factor", "moe_aux_loss", "moe_z_loss", "shared_experts"):
         if not 0 <= getattr(cfg, flag) < math.inf:
             raise ValueError(
