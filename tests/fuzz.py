@@ -54,6 +54,11 @@ from nanomega.tools import corpus as documents  # noqa: E402
 from tolerance import layout_rtol  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+# Hypothesis's own files (its constants and unicode caches; the example database is off: SETTINGS)
+# outside the checkout
+hypothesis.configuration.set_hypothesis_home_dir(
+    Path(tempfile.gettempdir()) / "nanomega-hypothesis"
+)
 SEED = int(os.environ.get("NANOMEGA_FUZZ_SEED", 50))
 STEPS, GLOBAL_BATCH, LR = 3, 8, 3e-3
 # the tiny model every example trains; what the fuzzer does not draw (see NOT_DRAWN)
