@@ -73,6 +73,7 @@ QUICK = {
     "Muon": "tests/test_muon.py::test_one_process_step_equals_a_plain_reimplementation",
     "HF import, checked": "tests/test_hf_inputs.py::test_transformers_load_report_is_refused_by_name",
     "the training loop": "tests/test_train.py::test_resume_without_checkpoint_starts_fresh",
+    "the layout fuzzer knows every flag": "tests/test_fuzz.py::test_every_flag_is_drawn_or_excused",
     "house rules": "tests/test_house.py",
     "lessons' references": "tests/test_lessons.py::test_references_resolve",
     "the exercise grader": "tests/test_exercises.py::test_a_file_without_the_names_is_one_line",
