@@ -3,8 +3,7 @@ one-process run of its model, and of invalid configurations, each refused in one
 collective with nothing written. The seed is printed; NANOMEGA_FUZZ_SEED=S draws another sample;
 `python -m tests.fuzz --minutes M` is the long mode.
 
-Tolerance: fuzz.RTOL = tolerance.layout_rtol for STEPS steps of the tiny model (the loss), and
-tests/test_layouts.py's weight bound (fuzz.WEIGHT_TOL).
+Tolerance: fuzz.RTOL = tolerance.layout_rtol for STEPS steps of the tiny model (every loss).
 """
 
 import pytest
