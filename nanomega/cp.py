@@ -411,6 +411,14 @@ def check(cfg, cp, method, tp=1):
             "bias and no attention dropout; leave them out"
         )
 
+    # dynamic NTK's frequencies follow the sequence's length; a cp rank sees only its chunks
+    if cp > 1 and cfg.arch == "llama" and cfg.rope_type == "dynamic" and cfg.rope_scaling != 1.0:
+        raise ValueError(
+            f"--rope-type dynamic with --cp {cp}: its frequencies follow the sequence's length, and "
+            f"a cp rank sees only its own chunks' positions, so its table would not be one "
+            f"process's; use --cp 1 or another --rope-type"
+        )
+
     # this rank's key/value heads (tp replicates a group when tp > n_kv)
     kv = max(1, cfg.kv_heads // tp)
     if cp > 1 and method == "ulysses" and (cfg.n_head // tp % cp or kv % cp):

@@ -48,6 +48,8 @@ def rule(router):
 
 def check(cfg):
     """One line for an MoE shape that cannot run (GPTConfig.validate calls it)."""
+    if rule(cfg.router) not in ROUTERS:  # with or without experts: a typo is never ignored
+        raise ValueError(f"--router {cfg.router!r} is not one of {', '.join(ROUTERS)}")
     if not cfg.n_experts:
         if cfg.shared_experts:
             raise ValueError(
@@ -65,8 +67,6 @@ def check(cfg):
         )
     if cfg.shared_expert_gate and not cfg.shared_experts:
         raise ValueError("--shared-expert-gate gates the shared experts: add --shared-experts")
-    if rule(cfg.router) not in ROUTERS:
-        raise ValueError(f"--router {cfg.router!r} is not one of {', '.join(ROUTERS)}")
     check_groups(cfg)
 
     for flag in (

@@ -78,6 +78,7 @@ QUICK = {
     "DCP, torchtitan's names": "tests/test_dcp.py::test_interleaved_rows_are_metas_rotary",
     "TensorBoard": "tests/test_tensorboard.py",
     "the training loop": "tests/test_train.py::test_resume_without_checkpoint_starts_fresh",
+    "the layout fuzzer knows every flag": "tests/test_fuzz.py::test_every_flag_is_drawn_or_excused",
     "house rules": "tests/test_house.py",
     "lessons' references": "tests/test_lessons.py::test_references_resolve",
     "the exercise grader": "tests/test_exercises.py::test_a_file_without_the_names_is_one_line",

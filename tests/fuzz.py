@@ -1,0 +1,536 @@
+"""A property-based layout fuzzer: every valid layout equals the dense model, every invalid one is
+refused in one line before any collective.
+
+Idea: Hypothesis draws a configuration from the declared flags (nanomega/job/config.py): each value
+must pass the flag's declared range, a string flag takes its concept's own tuple of choices, and
+the draw is built to satisfy the couplings it can (world = tp x pp x cp x dp, ep inside dp, tp
+dividing the heads, interleaved's virtual stages); checks.check, the trainer's own gate, rejects the
+rest (`assume`). The property: STEPS steps of that layout equal the one-process run of the same
+model (the same flags less the layout's, cached per model): every step's loss within
+tolerance.layout_rtol (the final weights' largest difference is printed with a failure, not
+asserted: check_layout says why). The invalid half
+draws out-of-range values, unknown choices and loose layouts checks.check refuses, and asserts
+train.py's entrypoint says one line naming a flag, exits 2, reaches no collective and writes
+nothing. A failure shrinks to the smallest configuration; its `torchrun` command is printed.
+
+    python -m tests.fuzz --minutes 60 [--seed S] [--max-world 8]   the long mode
+    NANOMEGA_FUZZ_SEED=S python -m pytest tests/test_fuzz.py          the CI sample, another seed
+Lesson: lessons/09-3d-parallelism.md
+"""
+
+import argparse
+import collections
+import contextlib
+import io
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from unittest import mock
+
+import hypothesis
+from hypothesis import assume, strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tolerance.py, as pytest imports it
+
+from nanomega import (
+    checkpoint,
+    cp,
+    dist,
+    gpt_config,
+    moe,
+    recompute,
+    reshard,
+    schedules,
+    train,
+    worlds,
+)  # noqa: E402
+from nanomega.job import checks, flags, lifecycle
+from nanomega.tools import corpus as documents  # noqa: E402
+from tolerance import layout_rtol  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+# Hypothesis's own files (its constants and unicode caches; the example database is off: SETTINGS)
+# outside the checkout
+hypothesis.configuration.set_hypothesis_home_dir(
+    Path(tempfile.gettempdir()) / "nanomega-hypothesis"
+)
+SEED = int(os.environ.get("NANOMEGA_FUZZ_SEED", 50))
+STEPS, GLOBAL_BATCH, LR = 3, 8, 3e-3
+# the tiny model every example trains; what the fuzzer does not draw (see NOT_DRAWN)
+FIXED = dict(
+    n_head=4,
+    n_embd=32,
+    block_size=32,
+    dropout=0.0,
+    max_steps=STEPS,
+    warmup=1,
+    lr=LR,
+    eval_every=0,
+    log_every=100,
+    peak_flops=1e11,
+)
+# each step's loss: 17 reductions of <= 128 terms (4 layers x 4 + head), the logsumexp over 4096
+RTOL = layout_rtol(STEPS, vocab=4096, width=128, depth=17)
+
+# string flags whose choices live in their concept module (job/config.py declares only the help)
+CHOICES = {
+    "arch": gpt_config.ARCHS,
+    "attention": gpt_config.ATTENTION,
+    "router": moe.ROUTERS,
+    "cp_method": cp.METHODS,
+    "schedule": tuple(schedules.SCHEDULES),
+    "recompute": recompute.MODES,
+}
+# the flags that say how the same model is laid out and computed: the one-process reference drops
+# them (one reference per model, optimizer and data)
+LAYOUT = {
+    "tp",
+    "pp",
+    "cp",
+    "ep",
+    "sequence_parallel",
+    "cp_method",
+    "schedule",
+    "virtual_stages",
+    "zero",
+    "offload",
+    "offload_params",
+    "recompute",
+    "recompute_layers",
+    "fused",
+    "attention",
+    "batch_size",
+    "grad_accum",
+}
+# every other flag, and why it is not drawn: a new flag fails tests/test_fuzz.py until it is
+# drawn (layouts below) or named here
+NOT_DRAWN = {
+    **dict.fromkeys(FIXED, "the tiny model and a short run (FIXED)"),
+    "dropout": "its mask depends on the layout's RNG streams: no layout equals another with it",
+    "dtype": "16-bit: no derived layout tolerance yet (tolerance.layout_rtol bounds fp32 sums)",
+    "model": "a preset sets the shape flags, which are drawn directly",
+    "rope_theta": "a value of the positions, not a layout: any layout computes it alike",
+    "rope_scaling": "as rope_theta",
+    **dict.fromkeys(
+        ("rope_type", "rope_original_context"),
+        "as rope_theta (dynamic NTK, whose table follows the length, is refused with --cp)",
+    ),
+    **dict.fromkeys(
+        ("fp8", "fp8_block", "fp8_history", "fp8_min_dim"),
+        "FP8 turns a layout's fp32 rounding differences into code flips (2^-3 relative), which "
+        "layout_rtol does not bound: tests/test_fp8_train.py holds its layouts; a derived FP8 "
+        "layout tolerance is open",
+    ),
+    "tensorboard": "logging only: tests/test_tensorboard.py",
+    "norm_eps": "as rope_theta",
+    "moe_aux_loss": "drawn through moe_z_loss's path (the same router loss reduction)",
+    "min_lr": "the schedule's value: no layout computes it otherwise",
+    "weight_decay": "as min_lr",
+    "eval_iters": "evaluation is off (eval_every 0): tests/test_pipeline_eval.py's",
+    "seed": "one data order and init per run: the property holds per seed",
+    "global_batch": "drawn as batch_size x grad_accum x dp = GLOBAL_BATCH",
+    **dict.fromkeys(
+        ("tokenizer", "corpus", "text_field", "data", "data_cache", "out_dir"),
+        "where the data and the outputs are: the examples' own",
+    ),
+    **dict.fromkeys(
+        ("device", "tf32", "compile"), "the device and torch.compile: the CPU suite's eager path"
+    ),
+    **dict.fromkeys(
+        ("save_every", "save_every_minutes", "async_save", "flash_restore", "keep_last"),
+        "checkpoints: the resume tests' (one save at the end is what the property reads)",
+    ),
+    **dict.fromkeys(
+        ("resume", "resume_from", "allow_tokenizer_change", "allow_arithmetic_change"),
+        "resuming: tests/test_layouts.py and the resume tests",
+    ),
+    **dict.fromkeys(
+        (
+            "on_nan",
+            "max_skipped",
+            "on_spike",
+            "spike_threshold",
+            "rollback_lr_factor",
+            "collective_timeout",
+            "hang_timeout",
+            "health_check",
+            "inject_fault",
+        ),
+        "failure handling: the fault tests' (a healthy run never triggers it)",
+    ),
+    **dict.fromkeys(
+        ("dry_run", "rank", "world"), "--dry-run builds one rank on paper, trains none"
+    ),
+}
+# what layouts() draws: with NOT_DRAWN, every flag of job/config.py
+DRAWN = {
+    *("arch", "n_layer", "alibi", "embed_layernorm", "n_kv_head", "ffn_hidden", "tie_embeddings"),
+    *("n_experts", "top_k", "router", "capacity_factor", "shared_experts", "moe_z_loss"),
+    *("moe_bias_balance", "document_mask", "optimizer", "grad_clip"),
+    *("qkv_bias", "qk_norm", "shared_expert_gate", "n_group", "topk_group", "routed_scaling"),
+    *LAYOUT,
+}
+COVERAGE = collections.Counter()  # (axis, value) -> examples run, for the reports
+
+
+def declared(values):
+    """The drawn values, each checked against its flag's declaration: a known flag, in its declared
+    range (job/ranges.py's rules) and among its choices."""
+    fields = {f.name: f for f in flags.FLAGS}
+    c = checks.dataclasses.replace(flags.parse([]), **values)
+    for name, v in values.items():
+        assert name in fields and name in DRAWN, (
+            f"{name}: not a flag of job/config.py, or not in DRAWN"
+        )
+        ok, text = flags.RANGES.get(name, (lambda v, c: True, ""))
+        assert v is None or ok(v, c), f"--{name} {v} drawn outside its range {text}"
+        choices = fields[name].metadata["argparse"].get("choices") or CHOICES.get(name)
+        assert choices is None or v in choices, f"--{name} {v!r} is not one of {choices}"
+    return values
+
+
+def note(text):
+    """Printed with a failing example's report (and only then); outside Hypothesis: nowhere."""
+    with contextlib.suppress(hypothesis.errors.InvalidArgument):
+        hypothesis.note(text)
+
+
+def divisors(n, of=None):
+    return [d for d in range(1, n + 1) if n % d == 0 and (of is None or of % d == 0)]
+
+
+@st.composite
+def layouts(draw, max_world=4, loose=False):
+    """A configuration as {flag: value} and its world size. loose: the sizes drawn independently
+    (the invalid half's couplings); else built to fit a world of <= max_world ranks."""
+    c, pick = {}, lambda xs: draw(st.sampled_from(list(xs)))
+    # the model: family and its options
+    family = pick(("gpt2", "llama", "moe"))
+    c["arch"] = "gpt2" if family == "gpt2" else "llama"
+    c["n_layer"] = pick((2, 4))
+    if family == "gpt2":
+        c.update(alibi=draw(st.booleans()), embed_layernorm=draw(st.booleans()))
+    else:
+        c.update(n_kv_head=pick((0, 1, 2)), ffn_hidden=64, tie_embeddings=draw(st.booleans()))
+        c.update(qkv_bias=draw(st.booleans()), qk_norm=draw(st.booleans()))  # Qwen2's, Qwen3's
+    if family == "moe":
+        c.update(n_experts=pick((2, 4)), top_k=pick((1, 2)), router=pick(CHOICES["router"]))
+        c.update(capacity_factor=pick((0.0, 1.0)), shared_experts=pick((0, 1)))
+        c.update(moe_z_loss=pick((0.0, 1e-3)), moe_bias_balance=pick((0.0, 1e-3)))
+        c["shared_expert_gate"] = c["shared_experts"] > 0 and draw(st.booleans())  # Qwen2-MoE's
+        if c["router"] == "deepseek_v3":  # its group limit (groups of >= 2) and routed scaling
+            c["n_group"] = pick(d for d in (1, 2) if c["n_experts"] // d >= 2)
+            c["topk_group"] = pick(range(1, c["n_group"] + 1))
+            c["routed_scaling"] = pick((1.0, 2.5))
+
+    # the layout: world = tp x pp x cp x dp, ep carved out of dp
+    world = pick(range(1, max_world + 1))
+    if loose:
+        c.update(tp=pick((1, 2, 3, 4)), pp=pick((1, 2, 3, 4)), cp=pick((1, 2, 4)))
+        c.update(ep=pick((1, 2, 4)), grad_accum=pick((1, 2, 3, 4)), batch_size=pick((1, 2)))
+    else:
+        c["tp"] = pick(divisors(world, of=FIXED["n_head"]))
+        c["pp"] = pick(d for d in divisors(world // c["tp"]) if d <= c["n_layer"])
+        c["cp"] = pick(divisors(world // (c["tp"] * c["pp"]), of=2))
+        dp = world // (c["tp"] * c["pp"] * c["cp"])
+        assume(GLOBAL_BATCH % dp == 0)
+        c["ep"] = pick(divisors(dp, of=c.get("n_experts", 1)))
+        c["grad_accum"] = pick(divisors(GLOBAL_BATCH // dp))
+        c["batch_size"] = GLOBAL_BATCH // dp // c["grad_accum"]
+    if c["tp"] > 1:
+        c["sequence_parallel"] = draw(st.booleans())
+    if c["cp"] > 1:
+        c["cp_method"] = pick(CHOICES["cp_method"])
+    if c["pp"] > 1:
+        c["schedule"] = pick(CHOICES["schedule"])
+        c["virtual_stages"] = 2 if c["schedule"] == "interleaved" else 1
+
+    # the engine, the arithmetic's options, the kernels
+    c["zero"] = pick((0, 1, 2, 3))
+    if c["zero"]:
+        c["offload"] = pick((0.0, 0.5, 1.0))
+        c["offload_params"] = c["zero"] == 3 and c["offload"] == 1.0 and draw(st.booleans())
+    c["recompute"] = pick(CHOICES["recompute"])
+    if c["recompute"] != "none":
+        c["recompute_layers"] = pick((None, 1))
+    c.update(fused=draw(st.booleans()), attention=pick(CHOICES["attention"]))
+    c.update(document_mask=draw(st.booleans()), optimizer=pick(("adamw", "muon")))
+    c["grad_clip"] = pick((1.0, 0.0, 0.05))  # 0.05 clips every step
+    return declared(c), world
+
+
+def argv(values, corpus, out, cache=None):
+    """train.py's command line: FIXED, the drawn flags, the data (its cache: out/../cache unless
+    given) and the out-dir."""
+    fields = {f.name: f for f in flags.FLAGS}
+    args = []
+    for name, v in {**FIXED, **values}.items():
+        opt, f = flags.options(fields[name])[0], fields[name]
+        if v == flags.default(name):  # the command says only what differs
+            continue
+        if f.type is bool:  # a switch
+            args.append(opt)
+        elif v is not None:
+            args.append(f"{opt}={v}")
+    return [
+        *args,
+        "--corpus",
+        str(corpus),
+        "--data-cache",
+        str(cache or out.parent / "cache"),
+        "--out-dir",
+        str(out),
+    ]
+
+
+def command(values, world, corpus, out):
+    line = shlex.join(argv(values, corpus, out))
+    return f"torchrun --standalone --nproc_per_node={world} nanomega/train.py {line}"
+
+
+@contextlib.contextmanager
+def environment(world):
+    """Rank 0 of a `world`-rank job, as torchrun's environment says (checks.world_size reads it)."""
+    saved = dict(os.environ)
+    os.environ.update(WORLD_SIZE=str(world), RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(world))
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def refused(values, world, corpus):
+    """checks.check's one line for this configuration, or None when it is accepted (pure: no file,
+    no collective)."""
+    with environment(world), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            checks.check(flags.parse(argv(values, corpus, Path(tempfile.gettempdir()) / "x")))
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+class Data:
+    """The examples' corpus (short .jsonl documents: --document-mask has something to mask) and the
+    one-process references, made once per process."""
+
+    def __init__(self, root=None):
+        self.root = Path(root or tempfile.mkdtemp(prefix="nanomega-fuzz-"))
+        self.corpus, self.references, self.n = write_corpus(self.root / "docs.jsonl"), {}, 0
+        # tokenized once, here: a rank of a local world is a daemon process, which cannot start
+        # tools/corpus.py's pool of tokenizer workers
+        self.cache = self.root / "cache"
+        documents.cached(
+            self.corpus,
+            flags.default("tokenizer"),
+            self.cache,
+            workers=1,
+            text_field=flags.default("text_field"),
+            progress=False,
+        )
+
+    def reference(self, values):
+        """The one-process run of the same model, optimizer and data: its (losses, weights)."""
+        model = {k: v for k, v in values.items() if k not in LAYOUT}
+        key = json.dumps(model, sort_keys=True)
+        if key not in self.references:
+            out = self.root / f"reference-{len(self.references)}" / "out"
+            flat = {**model, "batch_size": GLOBAL_BATCH, "grad_accum": 1}
+            worlds.launch(run, 1, argv(flat, self.corpus, out, self.cache), timeout=600)
+            self.references[key] = flat, result(out)
+        return self.references[key]
+
+    def example(self, values, world):
+        self.n += 1
+        out = self.root / f"example-{self.n}" / "out"
+        worlds.launch(run, world, argv(values, self.corpus, out, self.cache), timeout=600)
+        return out
+
+
+def write_corpus(path, chars=200_000):
+    """The first `chars` characters of the embedded corpus, every line a document (as
+    tests/test_cp.py's docs_corpus); `python -m tests.fuzz --write-corpus PATH` writes it for a
+    printed command."""
+    import gzip
+
+    text = gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(chars)
+    lines = (json.dumps({"text": line}) + "\n" for line in text.split("\n") if line.strip())
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("".join(lines))
+    return Path(path)
+
+
+def run(args):
+    """One rank of a world: train.py on these flags, quiet."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        train.main(args)
+    return True
+
+
+def result(out):
+    """(losses per step, final full weights by name) of a finished run."""
+    recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    return [r["loss"] for r in recs if "loss" in r], reshard.full_weights(checkpoint.latest(out))
+
+
+def check_layout(data, values, world):
+    """The property: this layout's every loss equals the one-process run's."""
+    flat, (ref_losses, ref_weights) = data.reference(values)
+    note(f"layout:    {command(values, world, 'docs.jsonl', Path('out/layout'))}")
+    note(f"reference: {command(flat, 1, 'docs.jsonl', Path('out/reference'))}")
+    note("docs.jsonl: python -m tests.fuzz --write-corpus docs.jsonl")
+    for name, v in {**values, "world": world}.items():
+        COVERAGE[name, v] += 1
+    losses, weights = result(data.example(values, world))
+    wrong = [
+        f"step {i}: loss {a} vs one process's {b} (rtol {RTOL:.2g})"
+        for i, (a, b) in enumerate(zip(losses, ref_losses), 1)
+        if not abs(a - b) <= RTOL * abs(b)
+    ]
+    # the final weights are reported, not asserted: where a gradient is at its rounding floor,
+    # Adam's g / sqrt(v) turns the noise into a step of up to lr, so a derived element bound would
+    # need that floor (seen: --attention eager vs sdpa, gradients equal to 3.6e-7 relative, one
+    # embedding element 0.0019 apart after 3 steps); the losses carry the weights' effect
+    drift = max((weights[k] - b).abs().max().item() for k, b in ref_weights.items())
+    note(f"largest weight difference from one process's: {drift:.3g}")
+    assert len(losses) == STEPS and weights.keys() == ref_weights.keys() and not wrong, wrong
+
+
+class CollectiveReached(Exception):
+    """A refusal must come before the process group exists (not a RuntimeError: the entrypoint
+    would read it as a job's failure)."""
+
+
+def out_of_range(name):
+    """Values --name's declared range refuses (the rule itself is the filter): NaN and infinities
+    for a float, any integer for an int; judged against the FIXED flags (--min-lr <= --lr)."""
+    field = next(f for f in flags.FLAGS if f.name == name)
+    ok, base = flags.RANGES[name][0], checks.dataclasses.replace(flags.parse([]), **FIXED)
+    number = st.integers(-(2**64), 2**64)
+    if flags.kind(field).get("type") is float:
+        number = number | st.floats(allow_nan=True, allow_infinity=True)
+    return number.filter(lambda v: not ok(v, base))
+
+
+@st.composite
+def invalid(draw, max_world=8):
+    """(values, world, the flags its line must name: any flag when empty): an out-of-range value,
+    an unknown choice, or a loose layout (the caller keeps those checks.check refuses)."""
+    kind = draw(st.sampled_from(("range", "choice", "coupling")))
+    if kind == "range":
+        name = draw(st.sampled_from(sorted(flags.RANGES)))
+        return {name: draw(out_of_range(name))}, 1, [name]
+    if kind == "choice":
+        declared_choices = {f.name: f.metadata["argparse"].get("choices") for f in flags.FLAGS}
+        table = {**{k: v for k, v in declared_choices.items() if v}, **CHOICES}
+        name = draw(st.sampled_from(sorted(table)))
+        word = st.text("abcdefghijklmnopqrstuvwxyz0123456789_", min_size=1, max_size=8)
+        return {name: draw(word.filter(lambda w: w not in table[name]))}, 1, [name]
+    values, world = draw(layouts(max_world, loose=True))
+    return values, world, []
+
+
+def check_refusal(data, values, world, names):
+    """train.py's entrypoint as rank 0 of a `world`-rank job, in this process: exit 2, one line on
+    stderr naming the flag, nothing on stdout, no process group started, nothing written."""
+    with tempfile.TemporaryDirectory() as tmp:
+        args, err, out = argv(values, data.corpus, Path(tmp) / "out"), io.StringIO(), io.StringIO()
+        note(f"refused:   {command(values, world, 'docs.jsonl', Path('out/refused'))}")
+        # dist.init: the one place a process group starts (train.start calls it)
+        collective = mock.patch.object(dist, "init", side_effect=CollectiveReached)
+        quiet = warnings.catch_warnings()  # torch's error handler: no fault handler on a StringIO
+        with environment(world), collective, quiet, contextlib.redirect_stderr(err):
+            warnings.simplefilter("ignore")
+            with contextlib.redirect_stdout(out):
+                try:
+                    lifecycle.entrypoint(lambda: train.main(args))
+                    code = 0
+                except SystemExit as e:
+                    code = e.code
+        lines, written = err.getvalue().splitlines(), os.listdir(tmp)
+    COVERAGE["refused", (names or ["coupling"])[0]] += 1
+    assert code == 2 and len(lines) == 1 and not out.getvalue(), (
+        code,
+        err.getvalue(),
+        out.getvalue(),
+    )
+    flag = [f"--{n.replace('_', '-')}" for n in names] or ["--"]
+    assert lines[0].startswith("error: ") and any(f in lines[0] for f in flag), (lines, flag)
+    assert not written, f"a refused job wrote {written}"
+
+
+SETTINGS = dict(
+    database=None,  # no .hypothesis folder: a failure is reproduced from the seed and its command
+    deadline=None,
+    suppress_health_check=list(hypothesis.HealthCheck),
+    print_blob=False,
+)
+
+
+def fuzz_valid(data, seed, examples, max_world=4):
+    """`examples` valid layouts of <= max_world ranks, drawn from `seed`, each equal to one process."""
+
+    @hypothesis.seed(seed)
+    @hypothesis.settings(max_examples=examples, **SETTINGS)
+    @hypothesis.given(st.data())
+    def valid(d):
+        values, world = d.draw(layouts(max_world))
+        assume(refused(values, world, data.corpus) is None)
+        check_layout(data, values, world)
+
+    valid()
+
+
+def fuzz_invalid(data, seed, examples, max_world=8):
+    """`examples` invalid configurations, drawn from `seed`, each refused in one line."""
+
+    @hypothesis.seed(seed)
+    @hypothesis.settings(max_examples=examples, **SETTINGS)
+    @hypothesis.given(st.data())
+    def invalid_refused(d):
+        values, world, names = d.draw(invalid(max_world))
+        # a loose layout may be valid; an out-of-range value or an unknown choice never is
+        assume(names or refused(values, world, data.corpus) is not None)
+        check_refusal(data, values, world, names)
+
+    invalid_refused()
+
+
+def report():
+    """The examples run, by axis: {flag: {value: count}}."""
+    table = collections.defaultdict(dict)
+    for (axis, value), n in sorted(COVERAGE.items(), key=str):
+        table[axis][str(value)] = n
+    return dict(table)
+
+
+def main(argv_=None):
+    p = argparse.ArgumentParser(description="The layout fuzzer's long mode (tests/fuzz.py).")
+    p.add_argument("--minutes", type=float, default=60.0, help="stop starting rounds after this")
+    p.add_argument("--seed", type=int, default=SEED, help="the first round's seed (+1 per round)")
+    p.add_argument("--max-world", type=int, default=8, help="ranks of the largest layout drawn")
+    p.add_argument("--per-round", type=int, default=10, help="valid layouts per round")
+    p.add_argument("--report", help="write the coverage by axis here (JSON)")
+    p.add_argument("--write-corpus", metavar="PATH", help="write the examples' corpus and exit")
+    a = p.parse_args(argv_)
+    if a.write_corpus:
+        return print(write_corpus(a.write_corpus))
+    data, start, seed = Data(), time.time(), a.seed
+    while time.time() - start < a.minutes * 60:
+        print(f"round: seed {seed}, {data.n} layouts run so far", flush=True)
+        fuzz_invalid(data, seed, 10 * a.per_round, a.max_world)
+        fuzz_valid(data, seed, a.per_round, a.max_world)
+        seed += 1
+        if a.report:
+            Path(a.report).write_text(json.dumps(report(), indent=1) + "\n")
+    print(json.dumps(report(), indent=1))
+
+
+if __name__ == "__main__":
+    main()
