@@ -515,6 +515,10 @@ def test_cp_checkpoint_resumes_bitwise_and_under_cp1(trained, corpus):
             ["--cp", "4", "--block-size", "12"],
             "--cp 4 needs --block-size 12 divisible by 2 x cp = 8",
         ),
+        (
+            ["--cp", "2", "--arch", "llama", "--rope-type", "dynamic", "--rope-scaling", "2"],
+            "--rope-type dynamic with --cp 2: its frequencies follow the sequence's length",
+        ),
     ],
 )
 def test_train_flags_refused_before_any_collective(argv, message, monkeypatch, tmp_path):
