@@ -44,18 +44,27 @@ def test_deadline_kills_the_running_phase_and_skips_the_rest(tmp_path):
     after it run for minutes on a CPU, so the deadline kills whichever phase is running then (with
     its process group), and every later phase is skipped; the summary on disk and on stdout says
     so, within seconds of the deadline. (Which phase it is depends on this machine's speed and load:
-    the tier's pytest, the bench, ...)"""
-    deadline = 20
-    rc, stdout, seconds, status = check(tmp_path, deadline, force=True)
-    assert rc == 1
-    states = [status[name] for name in PHASES]
-    # some phase is killed: the bench, the trains and the model runs each take minutes on a CPU
-    killed = next((i for i, s in enumerate(states) if s.startswith("timed out")), None)
+    the tier's pytest, the bench, ...) A phase can also end by itself in the deadline's last second:
+    then nothing runs to be killed and the rest are skipped (a CI machine did this once, with the
+    tier's pytest); that run is checked as such and the kill is tried again with a later deadline."""
+    for deadline in (20, 33):
+        out = tmp_path / f"deadline-{deadline}"
+        out.mkdir()
+        rc, stdout, seconds, status = check(out, deadline, force=True)
+        assert rc == 1
+        states = [status[name] for name in PHASES]
+        # the driver's deadline plus its start (the interpreter probe: torch imported once)
+        assert seconds < deadline + 30
+        # some phase is killed: the bench, the trains and the model runs each take minutes on a CPU
+        killed = next((i for i, s in enumerate(states) if s.startswith("timed out")), None)
+        if killed is not None:
+            break
+        ran = [s for s in states if not s.startswith("skipped")]
+        assert all(s == "ok" or s.startswith("failed") for s in ran), states
+        assert states[len(ran) :] == ["skipped: the deadline is spent"] * (len(PHASES) - len(ran))
     assert killed is not None, states
     assert all(s == "ok" or s.startswith("failed") for s in states[:killed]), states
     assert all(s == "skipped: the deadline is spent" for s in states[killed + 1 :]), states
     assert f"| {PHASES[killed]} | timed out" in stdout
-    # the driver's deadline plus its start (the interpreter probe: torch imported once)
-    assert seconds < deadline + 30
     if killed > PHASES.index("extension"):
-        assert "no CUDA" in (tmp_path / "gpu_check" / "01-extension.log").read_text()
+        assert "no CUDA" in (out / "gpu_check" / "01-extension.log").read_text()
