@@ -73,3 +73,13 @@ def test_regression_unknown_router_without_experts_is_refused(data):
     """`--router 0` without --n-experts trained on, the typo unnoticed until experts were added:
     moe.check returned before reading the router when there were no experts."""
     fuzz.check_refusal(data, {"router": "0"}, 1, ["router"])
+
+
+def test_regression_zero_bubble_with_replicated_kv_trains(data):
+    """--schedule zb-h1 with tp not dividing --n-kv-head crashed in the backward (found by the long
+    mode at 8 ranks: tp 4, pp 2): kv_proj, held whole, sums its gradient over tp in a hook that
+    zb-h1's deferred dW first reached with None. Here at 4 ranks (tp 2, pp 2), every check of the
+    property."""
+    values = dict(arch="llama", n_layer=2, n_kv_head=1, ffn_hidden=64, tp=2, pp=2)
+    values.update(schedule="zb-h1", virtual_stages=1, batch_size=8, grad_accum=1)
+    fuzz.check_layout(data, values, 4)
