@@ -3,7 +3,8 @@ one-process run of its model, and of invalid configurations, each refused in one
 collective with nothing written. The seed is printed; NANOMEGA_FUZZ_SEED=S draws another sample;
 `python -m tests.fuzz --minutes M` is the long mode.
 
-Tolerance: fuzz.RTOL = tolerance.layout_rtol for STEPS steps of the tiny model (every loss).
+Tolerances: fuzz.RTOL = tolerance.layout_rtol for STEPS steps of the tiny model (every loss);
+step 1's gradients and weights: tolerance.gradient_bound and adam_first_step_bound (fuzz.first_step).
 """
 
 import pytest
