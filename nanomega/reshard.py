@@ -390,11 +390,17 @@ def weight_reader(folder):
     return read, list(pieces)
 
 
-def full_weights(folder):
-    """{name: full fp32 tensor} of a checkpoint saved under any layout (for sampling and tests)."""
+def full_checkpoint(folder):
+    """{name: (full fp32 tensor, {key: its full optimizer state, or the scalar})} of a checkpoint
+    saved under any layout (tests: the layout fuzzer compares Adam's moments)."""
     manifest = checkpoint.read_manifest_json(folder)
-    # sampling needs every shard
+    # every shard
     shards = [checkpoint.load_shard(folder, r) for r in range(manifest["world"])]
     saved_tp = manifest["layout"].get("tp", 1)
     kv = tp.kv_replicated(GPTConfig(**manifest["config"]), saved_tp)
-    return {name: master for name, (master, _) in _assemble(shards, None, saved_tp, kv).items()}
+    return _assemble(shards, None, saved_tp, kv)
+
+
+def full_weights(folder):
+    """{name: full fp32 tensor} of a checkpoint saved under any layout (for sampling and tests)."""
+    return {name: master for name, (master, _) in full_checkpoint(folder).items()}

@@ -40,7 +40,10 @@ def _all_reduce(x, tp):
 def _all_reduce_fp32(grad, tp):
     """SP: a replicated parameter's gradient summed over tp in fp32, whatever the model dtype (a
     16-bit sum of t partial gradients would round at every add; Megatron sums them in its fp32
-    main_grad)."""
+    main_grad). None: a zero-bubble schedule deferred this weight's gradient (wgrad.py); the hook
+    fires again when its W pass brings it."""
+    if grad is None:
+        return None
     return _all_reduce(grad.float(), tp).to(grad.dtype)
 
 

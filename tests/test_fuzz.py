@@ -3,10 +3,12 @@ one-process run of its model, and of invalid configurations, each refused in one
 collective with nothing written. The seed is printed; NANOMEGA_FUZZ_SEED=S draws another sample;
 `python -m tests.fuzz --minutes M` is the long mode.
 
-Tolerance: fuzz.RTOL = tolerance.layout_rtol for STEPS steps of the tiny model (every loss).
+Tolerances: fuzz.RTOL = tolerance.layout_rtol for STEPS steps of the tiny model (every loss);
+step 1's gradients and weights: tolerance.gradient_bound and adam_first_step_bound (fuzz.first_step).
 """
 
 import pytest
+import torch
 
 pytest.importorskip("hypothesis", reason="the test extra: pip install -e '.[test]'")
 import fuzz  # noqa: E402
@@ -28,6 +30,35 @@ def test_every_flag_is_drawn_or_excused():
     assert not fuzz.DRAWN & set(fuzz.NOT_DRAWN)
 
 
+def adam_first_step(grads):
+    """{name: (weights after step 1 from zeros, AdamW's state)} as train.py's checkpoint holds
+    them, for these gradients."""
+    return {
+        k: (-fuzz.LR * g / (g.abs() + 1e-8), dict(exp_avg=(1 - fuzz.BETA1) * g, step=1.0))
+        for k, g in grads.items()
+    }
+
+
+def test_first_step_bounds_pass_rounding_and_fail_a_wrong_gradient():
+    """fuzz.first_step on synthetic moments: a rounding-level difference passes both bounds; a
+    tensor's gradient 1% off (a branch misweighted) fails the gradients' bound, one weight stepped
+    the other way (where the gradient's sign is certain) fails the weights'."""
+    torch.manual_seed(0)
+    grads = {"w": torch.randn(64, 32) * 1e-3, "b": torch.randn(32) * 1e-4, "k_bias": torch.zeros(8)}
+    ref = adam_first_step(grads)
+    rounded = adam_first_step({k: g * (1 + 2**-23) for k, g in grads.items()})
+    (g_ratio, _), (w_ratio, _) = fuzz.first_step(rounded, ref)
+    assert g_ratio <= 1 and w_ratio <= 1, (g_ratio, w_ratio)
+
+    (g_ratio, at), _ = fuzz.first_step(adam_first_step({**grads, "w": grads["w"] * 0.99}), ref)
+    assert g_ratio > 1 and at == "w", (g_ratio, at)
+    flipped = {k: (w.clone(), s) for k, (w, s) in ref.items()}
+    i = grads["w"].abs().argmax()
+    flipped["w"][0].view(-1)[i] *= -1  # the largest gradient's step taken the other way
+    _, (w_ratio, at) = fuzz.first_step(flipped, ref)
+    assert w_ratio > 10 and at == "w", (w_ratio, at)
+
+
 def test_invalid_configurations_are_refused_in_one_line(data):
     fuzz.fuzz_invalid(data, fuzz.SEED, INVALID)
     print(fuzz.report())
@@ -43,3 +74,13 @@ def test_regression_unknown_router_without_experts_is_refused(data):
     """`--router 0` without --n-experts trained on, the typo unnoticed until experts were added:
     moe.check returned before reading the router when there were no experts."""
     fuzz.check_refusal(data, {"router": "0"}, 1, ["router"])
+
+
+def test_regression_zero_bubble_with_replicated_kv_trains(data):
+    """--schedule zb-h1 with tp not dividing --n-kv-head crashed in the backward (found by the long
+    mode at 8 ranks: tp 4, pp 2): kv_proj, held whole, sums its gradient over tp in a hook that
+    zb-h1's deferred dW first reached with None. Here at 4 ranks (tp 2, pp 2), every check of the
+    property."""
+    values = dict(arch="llama", n_layer=2, n_kv_head=1, ffn_hidden=64, tp=2, pp=2)
+    values.update(schedule="zb-h1", virtual_stages=1, batch_size=8, grad_accum=1)
+    fuzz.check_layout(data, values, 4)

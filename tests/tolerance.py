@@ -58,6 +58,43 @@ def layout_rtol(steps: int, vocab: int, width: int, depth: int, min_loss: float 
     return steps * (2 * likely(vocab) + 4 * likely(width) * depth**0.5) / min_loss
 
 
+def gradient_rtol(tokens: int, vocab: int, width: int, depth: int, n_params: int) -> float:
+    """Relative error, to an element's sum of |terms|, between two layouts' fp32 gradients of the
+    same weights and batch (a layout changes only the order of sums). An element sums `tokens`
+    products (2 likely(tokens) for two orders); each product's factors come through the forward's
+    and the backward's `depth` reductions of <= `width` terms (4 likely(width) sqrt(2 depth), as
+    layout_rtol's forward alone) from the softmax over `vocab` logits (2 likely(vocab)); a clipped
+    gradient's coefficient, c / ||g|| over `n_params` squares, adds likely(n_params)."""
+    chains = 4 * likely(width) * (2 * depth) ** 0.5
+    return 2 * likely(tokens) + 2 * likely(vocab) + chains + likely(n_params)
+
+
+def gradient_bound(grads: dict, tokens: int, rtol: float) -> dict:
+    """{name: elementwise bound on |g' - g|} for a layout's gradients g' against grads (fp32):
+    rtol (|g| + sqrt(tokens) rms), the rms over every element of grads. An element's sum of |terms|
+    is not known here: where its terms share a sign it is |g|; where they cancel (a random walk:
+    the independence likely() assumes) it is about sqrt(tokens) times a typical |g|. The whole
+    model's rms is that typical |g|: a gradient that is zero in exact arithmetic (a key's bias:
+    softmax ignores a shift shared by every key) is its own rounding, not its terms' scale."""
+    every = torch.cat([g.reshape(-1).double() for g in grads.values()])
+    floor = tokens**0.5 * every.square().mean().sqrt().item()
+    return {k: rtol * (g.double().abs() + floor) for k, g in grads.items()}
+
+
+def adam_first_step_bound(g, bound, w, lr: float, eps: float = 1e-8):
+    """Elementwise bound on |w1' - w1|: two runs' first AdamW step from the same weights, with
+    gradients |g' - g| <= bound (w: the weights after the step). Step 1 moves a weight by
+    lr phi(g), phi(x) = x / (|x| + eps) (m-hat = g, sqrt(v-hat) = |g|), after the same decay: phi is
+    1/eps-Lipschitz and within 2 of itself anywhere, and for one sign it differs by at most
+    eps |g - g'| / ((|g| - bound) + eps)^2, so wherever the sign is certain (|g| > bound) the steps
+    agree to that, a fraction of a rounding; where it is not, by up to 2 lr. Plus the two steps'
+    rounding: the decay and the add (2u |w| each), Adam's ratio (a few u of lr, 16u in all)."""
+    u = unit_roundoff(torch.float32)
+    margin = (g.double().abs() - bound).clamp_min(0)
+    phi = (eps * bound / (margin + eps) ** 2).clamp_max(2)
+    return lr * phi + 4 * u * w.double().abs() + 16 * u * lr
+
+
 def assert_within(got: torch.Tensor, want: torch.Tensor, bound, what: str = "") -> float:
     """|got - want| <= bound elementwise (bound: a number or a tensor broadcast to want, from the
     arithmetic); returns the largest ratio |got - want| / bound so callers can report the margin."""
