@@ -16,7 +16,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanomega import checkpoint, dist, fp8, fp8_gather, fp8_linear, reshard, train, worlds, zero3
+from nanomega import (
+    checkpoint,
+    dist,
+    fp8,
+    fp8_gather,
+    fp8_linear,
+    reshard,
+    tp,
+    train,
+    worlds,
+    zero3,
+)
 from test_layouts import curve, flags
 from tolerance import gamma, layout_rtol, unit_roundoff
 
@@ -132,6 +143,41 @@ def same_scales():
         assert torch.equal(q.data.float(), whole.data.float().chunk(2, dim)[grid.tp_rank])
 
 
+def same_scales_over_cp():
+    """Tokens split over cp: a tensorwise operand's scale is the whole tensor's (amax MAX over cp),
+    and a rowwise dW operand (rows along the tokens, K split over cp) gets each whole row's scale;
+    their q are the whole q's shards, bitwise."""
+    grid = dist.Grid(1, 1, 1, 2)
+    t = torch.randn(6, 8, generator=torch.Generator().manual_seed(1)) * 3
+    for name, role, dim, tokens in [("tensorwise", "x", 0, False), ("rowwise", "dy", 1, True)]:
+        entry = fp8_linear.FP8(name, cp=grid.cp)
+        rows, cols = entry.recipe.act
+        whole = fp8.quantize(t, fp8.E4M3, rows, cols, pow2=entry.recipe.pow2)
+        q = entry.operand(t.chunk(2, dim)[grid.cp.rank], role, None, tokens=tokens)
+        assert torch.equal(q.scale_inv, whole.scale_inv), name
+        assert torch.equal(q.data.float(), whole.data.float().chunk(2, dim)[grid.cp.rank]), name
+
+
+def sequence_parallel_roles():
+    """tp2 + SP: the gather-linear's backward GEMMs reach the FP8 entry with their roles (dY as a
+    gradient: E5M2 under tensorwise; dW's operands along the tokens), as FP8Function's do."""
+    grid, entry, seen = dist.Grid(1, 1, 2), fp8_linear.FP8("tensorwise"), []
+    operand = entry.operand
+    entry.operand = lambda t, role, w, wt=False, tokens=False: (
+        seen.append((role, wt, tokens)) or operand(t, role, w, wt, tokens)
+    )
+    torch.manual_seed(0)
+    w = torch.randn(8, 6, requires_grad=True)
+    x = torch.randn(2, 4, 6, requires_grad=True)  # (b, s/t, h)
+    tp.LinearWithSequenceGather.apply(x, w, None, grid.tp, entry).sum().backward()
+    forward = [("x", False, False), ("w", False, False)]
+    dgrad, wgrad = (
+        [("dy", False, False), ("w", True, False)],
+        [("dy", False, True), ("x", False, True)],
+    )
+    assert seen == forward + dgrad + wgrad, seen
+
+
 class Linear(torch.nn.Linear):
     """A linear through an FP8 entry (as seams.Linear through its op table)."""
 
@@ -184,6 +230,8 @@ def gathered_in_fp8():
 def run_all(corpus, root):
     """Inside a world of 2: each layout and recipe in turn (one start-up for all)."""
     same_scales()
+    same_scales_over_cp()
+    sequence_parallel_roles()
     gathered_in_fp8()
     for layout, extra, name in LAYOUTS:
         train.main(flags(corpus, root / f"{layout}-{name}", [*extra, *recipe_flags(name)], COMMON))
