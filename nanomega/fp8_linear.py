@@ -19,6 +19,8 @@ amax_history_len 1024, amax_compute_algo "max", margin 0) keeps per weight an am
 and dY; a GEMM quantizes with s = fmax / max(history) and its amax enters the history when the same
 weight's next forward starts (per micro-batch: TE updates once per step). The head's matmul (the
 logits) and the MoE router stay in the model's precision; --fp8-min-dim keeps small GEMMs too.
+Layouts: a whole-tensor amax is MAX-reduced over tp and cp (a row along the tokens over cp), so a
+split tensor gets one process's scale; the histories are saved by parameter name (checkpoints).
 Lesson: lessons/20-fp8-training.md
 """
 
