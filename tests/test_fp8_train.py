@@ -235,6 +235,9 @@ def run_all(corpus, root):
     gathered_in_fp8()
     for layout, extra, name in LAYOUTS:
         train.main(flags(corpus, root / f"{layout}-{name}", [*extra, *recipe_flags(name)], COMMON))
+    for z in (ZERO2, ZERO3):  # bf16: the gathered codes from bf16 shards, dequantized into bf16
+        extra = [*z, "--dtype", "bf16", *recipe_flags("tensorwise")]
+        train.main(flags(corpus, root / f"dp2-zero{z[1]}-bf16", extra, COMMON))
     return True
 
 
@@ -269,14 +272,16 @@ def test_layouts_equal_one_process(corpus, one_process, tmp_path):
     too): losses within
     tolerance.layout_rtol, the fp32 bound, as an FP8 cast turns a small perturbation d into a
     rounding flip of one spacing D with probability about d / D: its mean effect is d, as in fp32.
-    ZeRO-3 (the weights gathered in FP8) = ZeRO-2 bitwise, losses and weights: their fp32 runs are
+    ZeRO-3 (the weights gathered in FP8) = ZeRO-2 bitwise, losses and weights, in fp32 and bf16
+    models: their fp32 runs are
     (both reduce each micro-batch's gradients; test_zero.py's bitwise cases), and the gathered
     codes are the ones ZeRO-2's whole weights quantize to (gathered_in_fp8)."""
     worlds.launch(run_all, 2, corpus, tmp_path, timeout=600)
-    z2, z3 = (tmp_path / f"dp2-zero{z}-tensorwise" for z in "23")
-    assert curve(z3) == curve(z2)
-    got, want = (reshard.full_weights(checkpoint.latest(d)) for d in (z3, z2))
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    for kind in ("tensorwise", "bf16"):  # fp32 and bf16 models
+        z2, z3 = (tmp_path / f"dp2-zero{z}-{kind}" for z in "23")
+        assert curve(z3) == curve(z2), kind
+        got, want = (reshard.full_weights(checkpoint.latest(d)) for d in (z3, z2))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     for layout, _, name in LAYOUTS:
         out, ref = tmp_path / f"{layout}-{name}", one_process / name
         (losses, val), (ref_losses, ref_val) = curve(out), curve(ref)
