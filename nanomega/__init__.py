@@ -53,6 +53,8 @@ its formulas and its lesson:
                       window)
     20  fp8.py        FP8 numbers: E4M3 / E5M2 casts and each recipe's scales
         fp8_linear.py the FP8 linear: the op table's linear entry with its three GEMMs in FP8
+        fp8_gather.py ZeRO-3's weights gathered in FP8: each rank quantizes its shard with
+                      the whole weight's scale (an amax MAX), the ranks gather the codes
 
 Beside the concepts, two folders a student may skip:
     job/    running a job: flags (declared: config.py; parsed: flags.py) and their checks, failure

@@ -16,6 +16,7 @@ import torch
 from nanomega import (
     cp,
     ep,
+    fp8_gather,
     fp8_linear,
     fused,
     meta,
@@ -68,8 +69,15 @@ def build(config, grid):
     if config.attention == "fused":  # the eager core with our fused scale-mask-softmax kernel
         fused.apply_fused_softmax(model)
     dtype = precision.parse_dtype(config.dtype)
-    fp8_linear.apply_fp8(  # --fp8: the blocks' linear entry in FP8 (off: nothing)
-        model, config.fp8, dtype, config.fp8_block, config.fp8_history, config.fp8_min_dim, grid.tp
+    fp8 = fp8_linear.apply_fp8(  # --fp8: the blocks' linear entry in FP8 (off: nothing)
+        model,
+        config.fp8,
+        dtype,
+        config.fp8_block,
+        config.fp8_history,
+        config.fp8_min_dim,
+        grid.tp,
+        grid.cp,
     )
     precision.cast_model(model, dtype)
 
@@ -104,5 +112,7 @@ def build(config, grid):
         init=init.values,
         offload=config.offload,
         offload_params=config.offload_params,
+        # --fp8 at --zero 3: the FP8 linear's weights gathered as FP8 codes (fp8_gather.py)
+        wire=fp8_gather.FP8Gather() if fp8 is not None and config.zero == 3 else None,
     )
     return model, engine, n_params

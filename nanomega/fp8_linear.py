@@ -19,6 +19,8 @@ amax_history_len 1024, amax_compute_algo "max", margin 0) keeps per weight an am
 and dY; a GEMM quantizes with s = fmax / max(history) and its amax enters the history when the same
 weight's next forward starts (per micro-batch: TE updates once per step). The head's matmul (the
 logits) and the MoE router stay in the model's precision; --fp8-min-dim keeps small GEMMs too.
+Layouts: a whole-tensor amax is MAX-reduced over tp and cp (a row along the tokens over cp), so a
+split tensor gets one process's scale; the histories are saved by parameter name (checkpoints).
 Lesson: lessons/20-fp8-training.md
 """
 
@@ -29,8 +31,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from nanomega import schedules
-from nanomega.fp8 import E4M3, E5M2, quantize, quantize_mx, scale_from_amax
+from nanomega import schedules, seams
+from nanomega.fp8 import E4M3, E5M2, quantize, quantize_mx, scale_from_amax, tile, tile_amax
+from nanomega.fp8_gather import transposed
 
 ROLES = ("x", "w", "dy")  # the three tensors of a linear: input, weight, output gradient
 
@@ -93,12 +96,15 @@ def pad_to(t, rows, cols):
 class FP8:
     """The `linear` entry: (x, weight, bias) -> x W^T + b with the recipe's three FP8 GEMMs.
     name: --fp8; block: blockwise's tile; history: delayed's length; min_dim: a weight with a
-    dimension below it stays in the model's precision; tp: the tensor-parallel Axis a tensorwise
-    amax is reduced over (MAX: a replicated operand gives its own amax back)."""
+    dimension below it stays in the model's precision; tp, cp: the tensor- and context-parallel
+    Axes a tensorwise amax is reduced over (MAX: a replicated operand gives its own amax back); cp
+    also holds the rest of a row along the tokens (rowwise dW's operands)."""
 
-    def __init__(self, name, dtype=torch.float32, block=128, history=1024, min_dim=0, tp=None):
+    def __init__(
+        self, name, dtype=torch.float32, block=128, history=1024, min_dim=0, tp=None, cp=None
+    ):
         self.name, self.recipe, self.min_dim = name, recipe(name, block), min_dim
-        self.dtype, self.length, self.tp = dtype, history, tp
+        self.dtype, self.length, self.tp, self.cp = dtype, history, tp, cp
         self.histories = WeakIdKeyDictionary()  # weight -> History (delayed only)
 
     def __repr__(self):
@@ -106,10 +112,13 @@ class FP8:
 
     def __call__(self, x, weight, bias=None):
         # kept: a small GEMM, the MoE router (marked; in a 16-bit model its GEMM is the fp32 one)
-        kept = getattr(weight, "fp8_keep", False) or x.dtype != self.dtype
-        if kept or min(weight.shape) < self.min_dim:
+        if self.keeps(weight) or x.dtype != self.dtype:
             return F.linear(x, weight, bias)
         return FP8Function.apply(x, weight, bias, self)
+
+    def keeps(self, weight):
+        """Does this weight's GEMM stay in the model's precision (marked, or small)?"""
+        return getattr(weight, "fp8_keep", False) or min(weight.shape) < self.min_dim
 
     def fmt(self, role):
         return self.recipe.grad if role == "dy" else E4M3
@@ -121,28 +130,37 @@ class FP8:
                 self.histories[weight] = History(self.length, weight.device)
             self.histories[weight].roll([self.fmt(r) for r in ROLES])
 
-    def operand(self, t, role, weight):
-        """t (R, K) quantized as `role` along K, padded to whole tiles."""
+    def operand(self, t, role, weight, wt=False, tokens=False):
+        """t (R, K) quantized as `role` along K, padded to whole tiles; wt: t is weight^T; tokens:
+        K is the tokens (dW's operands: under cp a row continues on the other cp ranks). A weight
+        ZeRO-3 gathered in FP8 (fp8_gather.py) comes quantized already: its codes, as they are."""
+        gathered = getattr(weight, "fp8_gathered", None) if role == "w" else None
+        if gathered is not None:
+            return transposed(gathered) if wt else gathered
         r, fmt = self.recipe, self.fmt(role)
         rows, cols = r.weight if role == "w" else r.act
         t = pad_to(t, rows, cols)
         if r.gemm == "mx":
             return quantize_mx(t, fmt)
-        if rows or cols:  # tiles: a tp shard holds whole tiles (check), so its scales are local
+        if tokens and rows and not cols:  # a row along the tokens: its amax over the cp ranks
+            amax = reduced(tile_amax(t, tile(t, rows, cols)), [self.cp])
+            return quantize(t, fmt, rows, cols, scale_from_amax(amax, fmt), pow2=r.pow2)
+        if rows or cols:  # tiles: a tp shard or cp chunk holds whole tiles (check): local scales
             return quantize(t, fmt, rows, cols, pow2=r.pow2)
-        amax = t.detach().float().abs().amax()  # the whole tensor: max over the tp ranks too
-        if self.tp is not None and self.tp.size > 1:
-            amax = self.tp.all_reduce(amax, op=dist.ReduceOp.MAX)
+        amax = t.detach().float().abs().amax()  # the whole tensor: max over the tp, cp ranks too
+        amax = reduced(amax, [self.tp, self.cp])
         if self.name == "delayed":
             state = self.histories[weight]
             state.record(role, amax)
             return quantize(t, fmt, scale=state.scale[ROLES.index(role)])
         return quantize(t, fmt, scale=scale_from_amax(amax, fmt))
 
-    def matmul(self, a, role_a, b, role_b, weight):
-        """a (M, K) @ b (N, K)^T in FP8 -> (M, N) fp32, by the recipe's arithmetic."""
+    def matmul(self, a, role_a, b, role_b, weight, wt=False, tokens=False):
+        """a (M, K) @ b (N, K)^T in FP8 -> (M, N) fp32, by the recipe's arithmetic (wt: b = W^T;
+        tokens: K is the tokens)."""
         M, N = a.shape[0], b.shape[0]
-        qa, qb = self.operand(a, role_a, weight), self.operand(b, role_b, weight)
+        qa = self.operand(a, role_a, weight, tokens=tokens)
+        qb = self.operand(b, role_b, weight, wt, tokens)
         if self.recipe.gemm == "scaled_mm":
             sa = qa.scale_inv.reshape(()) if qa.scale_inv.numel() == 1 else qa.scale_inv
             sb = qb.scale_inv.reshape(()) if qb.scale_inv.numel() == 1 else qb.scale_inv.t()
@@ -152,6 +170,30 @@ class FP8:
         else:
             out = qa.dequantize() @ qb.dequantize().t()
         return out[:M, :N].float()
+
+    def dgrad(self, grad, weight, dtype=None):
+        """dX = dY W: (..., N) -> (..., K) in `dtype` (default: grad's). FP8Function's backward;
+        tp's sequence-parallel linear calls it through seams.dgrad."""
+        if self.keeps(weight):
+            return F.linear(grad, weight.t())
+        g2 = grad.flatten(0, -2).float()  # (M, N) @ (K, N)^T: K = N
+        dx = self.matmul(g2, "dy", weight.float().t(), "w", weight, wt=True)  # (M, K)
+        return dx.to(dtype or grad.dtype).view(*grad.shape[:-1], weight.shape[1])
+
+    def wgrad(self, grad, x, weight):
+        """dW = dY^T X: (N, K) in the weight's dtype (K of this GEMM: the tokens)."""
+        if self.keeps(weight):
+            return F.linear(grad.flatten(0, -2).t(), x.flatten(0, -2).t())
+        g2, x2 = grad.flatten(0, -2).float(), x.flatten(0, -2).float()  # (M, N), (M, K)
+        return self.matmul(g2.t(), "dy", x2.t(), "x", weight, tokens=True).to(weight.dtype)
+
+
+def reduced(amax, axes):
+    """amax MAX-reduced over each Axis given (None or one rank: as it is)."""
+    for axis in axes:
+        if axis is not None and axis.size > 1:
+            amax = axis.all_reduce(amax, op=dist.ReduceOp.MAX)
+    return amax
 
 
 def promoted(qa, qb):
@@ -185,44 +227,98 @@ class FP8Function(torch.autograd.Function):
     def backward(ctx, grad):  # grad (..., N)
         x, weight = ctx.saved_tensors
         fp8 = ctx.fp8
-        x2, g2 = x.flatten(0, -2).float(), grad.flatten(0, -2).float()  # (M, K), (M, N)
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:  # (M, N) @ (K, N)^T: K = N
-            dx = fp8.matmul(g2, "dy", weight.float().t(), "w", weight).to(x.dtype).view_as(x)
-        if ctx.needs_input_grad[1]:  # (N, M) @ (K, M)^T: K = the tokens
-            dw = fp8.matmul(g2.t(), "dy", x2.t(), "x", weight).to(weight.dtype)
+        if ctx.needs_input_grad[0]:
+            dx = fp8.dgrad(grad, weight, x.dtype).view_as(x)
+        if ctx.needs_input_grad[1]:
+            dw = fp8.wgrad(grad, x, weight)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = grad.flatten(0, -2).sum(0)
         return dx, dw, db, None
 
 
-def apply_fp8(model, name, dtype=torch.float32, block=128, history=1024, min_dim=0, tp=None):
+def apply_fp8(
+    model, name, dtype=torch.float32, block=128, history=1024, min_dim=0, tp=None, cp=None
+):
     """--fp8 `name` (not "off"): every block's linear entry becomes one FP8 entry; the head's table
-    keeps its linear (the logits' precision), the MoE router is marked kept. Returns the entry."""
+    keeps its linear (the logits' precision), the MoE router is marked kept; the weights the entry
+    quantizes whole are marked `fp8_weight` (ZeRO-3 may gather them in FP8). Returns the entry."""
     if name == "off":
         return None
-    entry = FP8(name, dtype, block, history, min_dim, tp)
+    entry = FP8(name, dtype, block, history, min_dim, tp, cp)
     for pname, p in model.named_parameters():
         if "router" in pname:
             p.fp8_keep = True
+    for block_ in model.blocks.values():
+        for m in block_.modules():
+            if isinstance(m, seams.Linear) and min(m.weight.shape) >= min_dim:
+                m.weight.fp8_weight = True
     model.replace_op("linear", entry, blocks=list(model.blocks.keys()))
     return entry
+
+
+def entry_of(model):
+    """The model's FP8 entry (its blocks' linear), or None."""
+    tables = [b.ops.linear for b in model.blocks.values()]
+    return next((f for f in tables if isinstance(f, FP8)), None)
+
+
+def histories(model, grid):
+    """Delayed scaling's state, {parameter name: {amax, scale, pending}} on the CPU (None: no
+    delayed entry). Collective over pp: every stage's weights in one table, the same in each of a
+    data-parallel rank's shards, so a checkpoint resumed under another pp size finds every layer's
+    history by name in any one shard (another dp size: rank 0's, its own micro-batches' amax)."""
+    fp8 = entry_of(model)
+    if fp8 is None or fp8.name != "delayed":
+        return None
+    mine = {}
+    for name, p in model.named_parameters():
+        state = fp8.histories.get(p)
+        if state is not None:
+            pending = None if state.pending is None else state.pending.cpu().clone()
+            mine[name] = dict(amax=state.amax.cpu().clone(), scale=state.scale.cpu().clone())
+            mine[name]["pending"] = pending
+    return {k: v for table in grid.pp.all_gather_object(mine) for k, v in table.items()}
+
+
+def load_histories(model, table):
+    """histories' table into this rank's delayed entry, by parameter name (a checkpoint without
+    one, or another recipe: left as is; a weight not in it starts a fresh history)."""
+    fp8 = entry_of(model)
+    if table is None or fp8 is None or fp8.name != "delayed":
+        return
+    for name, p in model.named_parameters():
+        if name in table:
+            state = History(fp8.length, p.device)
+            saved = table[name]
+            state.amax, state.scale = saved["amax"].to(p.device), saved["scale"].to(p.device)
+            state.pending = None if saved["pending"] is None else saved["pending"].to(p.device)
+            fp8.histories[p] = state
 
 
 def check(c, cfg):
     """One line for each combination --fp8 does not run (yet), before any collective."""
     if c.fp8 == "off":
         return
-    for flag, size in {"--cp": c.cp, "--ep": c.ep}.items():
-        if size > 1:
-            raise ValueError(
-                f"--fp8 {c.fp8} with {flag} {size}: the amax of a split tensor is not yet reduced "
-                f"over {flag[2:]}, so its scales would differ from one process; use {flag} 1"
-            )
+    if c.ep > 1:
+        raise ValueError(
+            f"--fp8 {c.fp8} with --ep {c.ep}: the amax of a split tensor is not yet reduced "
+            "over ep, so its scales would differ from one process; use --ep 1"
+        )
+    side = {"blockwise": c.fp8_block, "mxfp8": 32}.get(c.fp8, 1)  # tiles along the tokens
+    if c.cp > 1 and (c.block_size // (2 * c.cp)) % side:
+        raise ValueError(
+            f"--fp8 {c.fp8} with --cp {c.cp}: a cp chunk (--block-size / 2cp = "
+            f"{c.block_size // (2 * c.cp)} tokens) is not a whole number of {side}-token tiles "
+            f"(dW's tiles run along the tokens); pick --block-size divisible by {2 * c.cp * side}"
+        )
     if c.tp > 1:
         check_tensor_parallel(c, cfg)
     refusals = {
-        "--zero 3 (its FP8 parameter gather is not built)": c.zero == 3,
+        # fp8_gather.py: one scale per weight, its codes serve both GEMMs (the docstring: others)
+        "--zero 3 (its FP8 parameter gather is built for --fp8 tensorwise, without --tp and "
+        "--offload-params)": c.zero == 3
+        and (c.fp8 != "tensorwise" or c.tp > 1 or c.offload_params),
         "--dtype fp16 (FP8's own scales replace loss scaling; use --dtype bf16 or fp32)": (
             c.dtype == "fp16"
         ),
@@ -233,9 +329,6 @@ def check(c, cfg):
         "--recompute full (delayed scaling would record each forward twice)": (
             c.fp8 == "delayed" and c.recompute == "full"
         ),
-        "--resume (delayed scaling's amax histories are not in checkpoints yet)": (
-            c.fp8 == "delayed" and c.resume
-        ),
     }
     for what, bad in refusals.items():
         if bad:
@@ -244,11 +337,11 @@ def check(c, cfg):
 
 def check_tensor_parallel(c, cfg):
     """--tp: a tensorwise amax is reduced over tp; tiles must not straddle two ranks' shards."""
-    if c.sequence_parallel or c.fp8 in ("rowwise", "delayed") or c.fp8_min_dim:
+    if c.fp8 in ("rowwise", "delayed") or c.fp8_min_dim:
         raise ValueError(
             f"--fp8 {c.fp8} with --tp {c.tp}: built for tensorwise, blockwise and mxfp8 without "
-            "--sequence-parallel or --fp8-min-dim (tp's gather-linear runs its own backward GEMMs; "
-            "a row's amax would need to know which dimension tp splits); use --tp 1"
+            "--fp8-min-dim (a row's amax would need to know which dimension tp splits, a shard's "
+            "size is not the weight's); use --tp 1"
         )
     side = {"blockwise": c.fp8_block, "mxfp8": 32}.get(c.fp8, 1)
     ffn = cfg.ffn

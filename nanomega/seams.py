@@ -14,7 +14,9 @@ attribute of a module:
     layer       (body, *args) -> body(*args)                   full recompute
 The modules keep their parameters (names, shapes and initialization stay the dense model's) and call
 the table: Linear is nn.Linear whose forward is ops.linear; tp.py's linears keep their communication
-and call the same entry for their local matmul. `print(model.ops_table())` shows every entry.
+and call the same entry for their local matmul; one that runs its own backward (the sequence-parallel
+linear) asks the entry for dX and dW by their roles (dgrad, wgrad). `print(model.ops_table())`
+shows every entry.
 Lesson: lessons/01-dense-model.md
 """
 
@@ -104,6 +106,20 @@ def render(tables) -> str:
     return "\n".join(
         f"{key:<12} {name:<10} {fn}" for key, entries in rows for name, fn in entries.items()
     )
+
+
+def dgrad(linear, grad, weight):
+    """dX = dY W by the linear entry, for a caller running its own backward (tp's sequence-parallel
+    linear): the entry's own dgrad if it has one (fp8_linear.FP8: each operand in its role's
+    format), else linear(dY, W^T)."""
+    return linear.dgrad(grad, weight) if hasattr(linear, "dgrad") else linear(grad, weight.t())
+
+
+def wgrad(linear, grad, x, weight):
+    """dW = dY^T X likewise: the entry's own wgrad, else linear(dY^T, X^T) (tokens flattened)."""
+    if hasattr(linear, "wgrad"):
+        return linear.wgrad(grad, x, weight)
+    return linear(grad.flatten(0, -2).t(), x.flatten(0, -2).t())
 
 
 class Linear(nn.Linear):

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanomega import wgrad
+from nanomega import seams, wgrad
 from nanomega.rng import TrackedDropout
 from nanomega.seams import Ops
 from nanomega.tp_loss import vocab_parallel_cross_entropy
@@ -111,7 +111,7 @@ class LinearWithSequenceGather(torch.autograd.Function):
     reduce-scatter the input gradient backward. Only the 1/t input shard is stored; backward
     all-gathers it again for the weight gradient (Korthikanti et al. sec. 4.2.2; Megatron overlaps
     that gather, we do not). Its three matmuls are the table's linear (forward x W^T; backward dY W
-    = linear(dY, W^T), dW = linear(dY^T, X^T))."""
+    and dY^T X: seams.dgrad, seams.wgrad)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, tp, linear):  # x (b, s/t, h) -> (b, s, out/t)
@@ -124,7 +124,7 @@ class LinearWithSequenceGather(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         linear = ctx.linear
         grad_x = (
-            _reduce_scatter_seq(linear(grad, weight.t()), ctx.tp)
+            _reduce_scatter_seq(seams.dgrad(linear, grad, weight), ctx.tp)
             if ctx.needs_input_grad[0]
             else None
         )
@@ -132,9 +132,7 @@ class LinearWithSequenceGather(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             total = _gather_seq(x, ctx.tp)  # (b, s, h): the price of storing only the shard
             # (out/t, h), now or at a zero-bubble schedule's W (wgrad.py)
-            grad_w = wgrad.defer(
-                weight, lambda: linear(grad.flatten(0, -2).t(), total.flatten(0, -2).t())
-            )
+            grad_w = wgrad.defer(weight, lambda: seams.wgrad(linear, grad, total, weight))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.flatten(0, -2).sum(0)
         return grad_x, grad_w, grad_b, None, None

@@ -48,7 +48,8 @@ class ZeroEngine:
     offload: the share (0..1) of this rank's optimizer elements whose fp32 masters and Adam state
     live in host memory and step on the CPU (offload.py: ZeRO-Offload; Adam/AdamW, stages 1-3).
     offload_params (stage 3, offload 1): the parameter shards in host memory too, copied up at each
-    gather (zero3.py).
+    gather (zero3.py). wire (stage 3): another format for the parameters it takes on the
+    all-gather (fp8_gather.FP8Gather: the FP8 linear's weights as E4M3 codes and scales).
     Use: forward/backward as usual (`with engine.no_sync():` on all but the last micro-batch), then
     step(). Your own optimizer: ddp.DistributedDataParallel, zero3.FullyShardedDataParallel.
     """
@@ -67,6 +68,7 @@ class ZeroEngine:
         init="verify",
         offload=0.0,
         offload_params=False,
+        wire=None,
     ):
         pp = grid.pp.size if grid is not None else 1
         check_config(stage, optimizer_cls, pp, offload, offload_params)
@@ -111,7 +113,7 @@ class ZeroEngine:
             start_equal(model, self.axis, init)  # while the parameters are whole (meta: nothing)
             sharded = [(k, p) for k, p in named if not owner[k].whole]
             self.sharded = ShardedParameters(
-                model, sharded, self.axis, wrap, values, device, host=offload_params
+                model, sharded, self.axis, wrap, values, device, host=offload_params, wire=wire
             )
             units = [g for g in self.sharded.groups if g.trainable]
 

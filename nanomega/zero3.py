@@ -10,6 +10,8 @@ unit is prefetched. A parameter used by several units (a tied embedding) belongs
     offload_params   + 2 x 2 Psi/N bytes host -> device per step (bf16 model: each gather's shard),
                      uploaded on a side stream with the all-gather behind it: a prefetch's copy
                      overlaps the current unit's compute (which waits only when it needs the unit)
+    wire             parameters gathered in another format (fp8_gather.py: the FP8 linear's
+                     weights as 1-byte codes + scales, half of bf16's all-gather bytes)
 Limits: a parameter is used only inside its unit's forward (or sits in the root); activation
 recompute must be non-reentrant (torch.utils.checkpoint(use_reentrant=False), as recompute.py does).
 Lesson: lessons/02-data-parallel-and-zero.md
@@ -48,11 +50,16 @@ class ShardedParameters:
     buffer. A model built on the meta device never holds more: values (meta.Init.values) draws each
     shard on `device` (flat.FlatGroup)."""
 
-    def __init__(self, model, named, axis, wrap=None, values=None, device=None, host=False):
+    def __init__(
+        self, model, named, axis, wrap=None, values=None, device=None, host=False, wire=None
+    ):
         # host: parameter offload (ZeRO-Infinity's offload_param): every shard in host memory,
         # copied up at each gather, `uploaded` bytes in all; on a CPU-only machine the same copies,
         # host to host
         self.axis, self.host, self.uploaded, self.stream = axis, host, 0, None
+        # wire: another format on the wire for the parameters it takes (fp8_gather.FP8Gather):
+        # they get groups of their own, gathered by its start / arrive / release
+        self.wire = wire
 
         # the units: the root, then each wrapped module
         modules = [model] + [
@@ -67,10 +74,10 @@ class ShardedParameters:
         for u in range(len(self.units)):
             mine = [(k, p) for k, p in named if owner[k] == u]
             # one flat group per kind
-            kinds = list(dict.fromkeys((p.dtype, p.requires_grad) for _, p in mine))
+            kinds = list(dict.fromkeys(self._kind(p) for _, p in mine))
             groups = [
                 FlatGroup(
-                    [(k, p) for k, p in mine if (p.dtype, p.requires_grad) == kind],
+                    [(k, p) for k, p in mine if self._kind(p) == kind],
                     axis.size,
                     axis.rank,
                     split=True,
@@ -99,6 +106,13 @@ class ShardedParameters:
         for u, m in enumerate(self.units):
             m.register_forward_pre_hook(functools.partial(self._pre_forward, u))
             m.register_forward_hook(functools.partial(self._post_forward, u))
+
+    def _kind(self, p):
+        """Parameters of one kind share a flat group: dtype, trainable, and the wire's format."""
+        return p.dtype, p.requires_grad, self.wired(p)
+
+    def wired(self, p):
+        return self.wire is not None and self.wire.takes(p)
 
     def _owners(self, model, named):
         """Each parameter's unit: the innermost unit holding every module it is registered in, else
@@ -134,11 +148,16 @@ class ShardedParameters:
                 work = self.inflight.pop(id(g))
                 if work is not None:
                     work.wait()
+                if self.wired(g.params[0]):  # the wire's format into the parameters' buffer
+                    self.wire.arrive(g)
                 g.bind(g.full)
 
     def start_gather(self, g):
         """The all-gather of g's shards into g.full (running); under parameter offload the host
-        shard goes up into its own slice first, and the all-gather runs in place behind it."""
+        shard goes up into its own slice first, and the all-gather runs in place behind it; the
+        wire's groups: its own all-gather (its `arrive` fills g.full)."""
+        if self.wired(g.params[0]):
+            return self.wire.start(g, self.axis)
         if not self.host:
             return self.axis.start("all_gather", g.full, g.shard)
         mine = g.full[g.lo : g.hi]
@@ -172,6 +191,8 @@ class ShardedParameters:
         for p in g.params:
             set_data(p, torch.empty(0, dtype=g.dtype, device=g.device))
         g.full.untyped_storage().resize_(0)
+        if self.wired(g.params[0]):
+            self.wire.release(g)
 
     def _release_unit(self, u):
         for g in self.unit_groups[u]:

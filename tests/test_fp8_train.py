@@ -1,5 +1,6 @@
 """FP8 training (--fp8, nanomega/fp8_linear.py): it learns, its GEMMs are the recipe's arithmetic,
-and layouts that split no tensor a scale is taken over (dp2 ZeRO-1, pp2) equal one process.
+and layouts that split no tensor a scale is taken over (dp2 ZeRO-1, pp2) equal one process; ZeRO-3
+gathers the weights in FP8 (nanomega/fp8_gather.py) and equals ZeRO-2 bitwise.
 
 A layout test keeps the micro-batches of the one-process run (batch 2, 4 micro-batches of the
 global batch 8), so every current scale is taken over the same tensor; the fp32 runs of these
@@ -15,7 +16,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanomega import checkpoint, dist, fp8, fp8_linear, reshard, train, worlds
+from nanomega import (
+    checkpoint,
+    dist,
+    fp8,
+    fp8_gather,
+    fp8_linear,
+    reshard,
+    tp,
+    train,
+    worlds,
+    zero3,
+)
 from test_layouts import curve, flags
 from tolerance import gamma, layout_rtol, unit_roundoff
 
@@ -53,13 +65,20 @@ RTOL = layout_rtol(STEPS, vocab=4096, width=128, depth=9)
 RECIPES = ["tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"]
 ONE = ["--batch-size", "2", "--grad-accum", "4"]
 DP2 = ["--zero", "1", "--batch-size", "2", "--grad-accum", "2"]
+ZERO2, ZERO3 = (["--zero", z, "--batch-size", "2", "--grad-accum", "2"] for z in "23")
 LAYOUTS = [
     ("dp2-zero1", DP2, "tensorwise"),
+    ("dp2-zero2", ZERO2, "tensorwise"),
+    ("dp2-zero3", ZERO3, "tensorwise"),  # the weights gathered in FP8
     ("dp2-zero1", DP2, "mxfp8"),
     ("pp2", ["--pp", "2", *ONE], "blockwise"),
     ("pp2", ["--pp", "2", *ONE], "rowwise"),
     ("tp2", ["--tp", "2", *ONE], "tensorwise"),
+    ("cp2", ["--cp", "2", *ONE], "tensorwise"),  # the amax over cp
+    ("cp2", ["--cp", "2", *ONE], "rowwise"),  # dW's rows along the tokens: their amax over cp
     ("tp2", ["--tp", "2", *ONE], "blockwise"),
+    ("tp2-sp", ["--tp", "2", "--sequence-parallel", *ONE], "tensorwise"),  # dX, dW by role
+    ("tp2-sp", ["--tp", "2", "--sequence-parallel", *ONE], "blockwise"),
 ]
 
 
@@ -124,11 +143,101 @@ def same_scales():
         assert torch.equal(q.data.float(), whole.data.float().chunk(2, dim)[grid.tp_rank])
 
 
+def same_scales_over_cp():
+    """Tokens split over cp: a tensorwise operand's scale is the whole tensor's (amax MAX over cp),
+    and a rowwise dW operand (rows along the tokens, K split over cp) gets each whole row's scale;
+    their q are the whole q's shards, bitwise."""
+    grid = dist.Grid(1, 1, 1, 2)
+    t = torch.randn(6, 8, generator=torch.Generator().manual_seed(1)) * 3
+    for name, role, dim, tokens in [("tensorwise", "x", 0, False), ("rowwise", "dy", 1, True)]:
+        entry = fp8_linear.FP8(name, cp=grid.cp)
+        rows, cols = entry.recipe.act
+        whole = fp8.quantize(t, fp8.E4M3, rows, cols, pow2=entry.recipe.pow2)
+        q = entry.operand(t.chunk(2, dim)[grid.cp.rank], role, None, tokens=tokens)
+        assert torch.equal(q.scale_inv, whole.scale_inv), name
+        assert torch.equal(q.data.float(), whole.data.float().chunk(2, dim)[grid.cp.rank]), name
+
+
+def sequence_parallel_roles():
+    """tp2 + SP: the gather-linear's backward GEMMs reach the FP8 entry with their roles (dY as a
+    gradient: E5M2 under tensorwise; dW's operands along the tokens), as FP8Function's do."""
+    grid, entry, seen = dist.Grid(1, 1, 2), fp8_linear.FP8("tensorwise"), []
+    operand = entry.operand
+    entry.operand = lambda t, role, w, wt=False, tokens=False: (
+        seen.append((role, wt, tokens)) or operand(t, role, w, wt, tokens)
+    )
+    torch.manual_seed(0)
+    w = torch.randn(8, 6, requires_grad=True)
+    x = torch.randn(2, 4, 6, requires_grad=True)  # (b, s/t, h)
+    tp.LinearWithSequenceGather.apply(x, w, None, grid.tp, entry).sum().backward()
+    forward = [("x", False, False), ("w", False, False)]
+    dgrad, wgrad = (
+        [("dy", False, False), ("w", True, False)],
+        [("dy", False, True), ("x", False, True)],
+    )
+    assert seen == forward + dgrad + wgrad, seen
+
+
+class Linear(torch.nn.Linear):
+    """A linear through an FP8 entry (as seams.Linear through its op table)."""
+
+    def forward(self, x):
+        return self.entry(x, self.weight, self.bias)
+
+
+def gathered_in_fp8():
+    """ZeRO-3 over dp2 with the FP8 wire, two linears (60 and 40 weight elements: each weight split
+    between the ranks; the first's amax only in rank 1's half): each weight's gathered codes and
+    scale are one process's quantization of the whole weight, bitwise; forward, dX and dW equal the
+    unsharded FP8 module's bitwise; the bytes gathered = fp8_gather's formula (1 per element)."""
+    grid, entry = dist.Grid(2), fp8_linear.FP8("tensorwise")
+    torch.manual_seed(0)  # the same model and input on both ranks
+    model = torch.nn.Sequential(Linear(6, 10), Linear(10, 4))
+    for m in model:
+        m.entry, m.weight.fp8_weight = entry, True
+    with torch.no_grad():
+        model[0].weight[-1, -1] = 7.0  # flat offset 59: rank 1's half
+    whole = {k: p.detach().clone() for k, p in model.named_parameters()}
+    x = torch.randn(3, 6, requires_grad=True)
+    ref = model(x)  # unsharded: the entry quantizes each whole weight
+    ref_dx, ref_dw = torch.autograd.grad(ref.sum(), (x, model[0].weight))
+
+    sharded = zero3.ShardedParameters(
+        model, list(model.named_parameters()), grid.dp, wire=fp8_gather.FP8Gather()
+    )
+    grid.log.reset()
+    y = model(x)
+    assert torch.equal(y, ref)
+    y.sum().backward()
+    assert torch.equal(x.grad, ref_dx) and torch.equal(model[0].weight.grad, ref_dw)
+    wired = [g for g in sharded.groups if sharded.wired(g.params[0])]
+    assert [g.padded for g in wired] == [60, 40]
+    counts = {(op, dt): b for (op, _, dt), (_, b) in grid.log.counts.items()}
+    assert counts[("all_gather", "uint8")] == 2 * (60 + 40)  # forward and backward: N S bytes
+    assert counts[("all_reduce", "float32")] == 2 * 2 * 4  # one fp32 amax per weight and gather
+    assert counts[("all_gather", "float32")] == 2 * 4 * (10 + 4)  # the biases, in fp32
+
+    for u, name in [(1, "0.weight"), (2, "1.weight")]:
+        sharded.gather(u)
+        got, want = sharded.units[u].weight.fp8_gathered, fp8.quantize(whole[name], fp8.E4M3)
+        assert torch.equal(got.scale_inv, want.scale_inv), name
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), name
+        assert torch.equal(sharded.units[u].weight.detach(), want.dequantize()), name
+        for g in sharded.unit_groups[u]:
+            sharded.release(g)
+
+
 def run_all(corpus, root):
     """Inside a world of 2: each layout and recipe in turn (one start-up for all)."""
     same_scales()
+    same_scales_over_cp()
+    sequence_parallel_roles()
+    gathered_in_fp8()
     for layout, extra, name in LAYOUTS:
         train.main(flags(corpus, root / f"{layout}-{name}", [*extra, *recipe_flags(name)], COMMON))
+    for z in (ZERO2, ZERO3):  # bf16: the gathered codes from bf16 shards, dequantized into bf16
+        extra = [*z, "--dtype", "bf16", *recipe_flags("tensorwise")]
+        train.main(flags(corpus, root / f"dp2-zero{z[1]}-bf16", extra, COMMON))
     return True
 
 
@@ -157,15 +266,26 @@ def test_every_recipe_learns_near_fp32(one_process):
 def test_layouts_equal_one_process(corpus, one_process, tmp_path):
     """pp2 (the same micro-batches): the losses after the first bitwise, the weights within
     test_layouts' tolerance (the gradient norm and the tied embedding's gradient are summed over the
-    stages in another order, as in fp32). dp2 sums the ranks' gradients in another order and tp2
-    the row-parallel partial sums (their fp32 runs differ in the last bits too): losses within
+    stages in another order, as in fp32). dp2 sums the ranks' gradients in another order, tp2
+    the row-parallel partial sums (+SP: its backward GEMMs through seams.dgrad / wgrad, by role)
+    and cp2 attention's and dW's sums over the tokens (their fp32 runs differ in the last bits
+    too): losses within
     tolerance.layout_rtol, the fp32 bound, as an FP8 cast turns a small perturbation d into a
-    rounding flip of one spacing D with probability about d / D: its mean effect is d, as in fp32."""
+    rounding flip of one spacing D with probability about d / D: its mean effect is d, as in fp32.
+    ZeRO-3 (the weights gathered in FP8) = ZeRO-2 bitwise, losses and weights, in fp32 and bf16
+    models: their fp32 runs are
+    (both reduce each micro-batch's gradients; test_zero.py's bitwise cases), and the gathered
+    codes are the ones ZeRO-2's whole weights quantize to (gathered_in_fp8)."""
     worlds.launch(run_all, 2, corpus, tmp_path, timeout=600)
+    for kind in ("tensorwise", "bf16"):  # fp32 and bf16 models
+        z2, z3 = (tmp_path / f"dp2-zero{z}-{kind}" for z in "23")
+        assert curve(z3) == curve(z2), kind
+        got, want = (reshard.full_weights(checkpoint.latest(d)) for d in (z3, z2))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     for layout, _, name in LAYOUTS:
         out, ref = tmp_path / f"{layout}-{name}", one_process / name
         (losses, val), (ref_losses, ref_val) = curve(out), curve(ref)
-        if layout.startswith(("dp2", "tp2")):
+        if layout.startswith(("dp2", "tp2", "cp2")):
             assert losses == pytest.approx(ref_losses, rel=RTOL), (layout, name)
             assert val == pytest.approx(ref_val, rel=RTOL), (layout, name)
             continue
@@ -178,11 +298,12 @@ def test_layouts_equal_one_process(corpus, one_process, tmp_path):
             torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["blockwise", "mxfp8"])
+@pytest.mark.parametrize("name", ["blockwise", "mxfp8", "delayed"])
 def test_resume_is_bitwise(one_process, tmp_path, corpus, name):
     """A current-scaling recipe keeps no state between steps (every scale is this tensor's): the
     step-2 checkpoint resumed ends bitwise the uninterrupted run (losses and weights). Delayed
-    scaling's histories are not saved yet: --resume with it is refused (test_fp8.py)."""
+    scaling's amax histories (and the last micro-batch's amax not yet in them) are in the
+    checkpoint: resumed, it ends bitwise too (without them its scales restart at 1: it differs)."""
     out = tmp_path / "resumed"
     (out / "ckpt").mkdir(parents=True)
     shutil.copytree(one_process / name / "ckpt" / "step_000002", out / "ckpt" / "step_000002")

@@ -10,7 +10,7 @@ Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks
 
 import time
 
-from nanomega import async_checkpoint, checkpoint, flash, moe, reshard, rng
+from nanomega import async_checkpoint, checkpoint, flash, fp8_linear, moe, reshard, rng
 from nanomega.job import faults, lifecycle
 
 
@@ -38,12 +38,14 @@ def rank_state(engine, sampler, scaler, step, grid, spikes=None, copy=True):
     """What this rank writes: its pieces of every parameter by name (any layout can load them), data
     position, loss scale, RNG (this device's), the lr scale and skipped data windows of rollbacks,
     and (MoE) every layer's routing bias (a buffer, not a parameter: collective over pp,
-    moe.bias_table). copy=False: views of the live tensors, for AsyncSaver, which copies them once
-    into its reused buffers."""
+    moe.bias_table), (--fp8 delayed) every weight's amax history (collective over pp too).
+    copy=False: views of the live tensors, for AsyncSaver, which copies them once into its reused
+    buffers."""
     return dict(
         universal=reshard.pieces(engine, grid, copy),
         spikes=spikes and spikes.state_dict(),
         moe_bias=moe.bias_table(engine.module, grid),
+        fp8_histories=fp8_linear.histories(engine.module, grid),
         sampler=sampler.state_dict(),
         scaler=scaler.state_dict(),
         step=step,
@@ -184,6 +186,7 @@ def restore(folder, cfg, grid, layout, *, engine, scaler, spikes, sampler=None, 
     spikes.load_state_dict(state.get("spikes"))
     # the same table in every shard: any layout
     moe.load_bias_table(engine.module, state.get("moe_bias"))
+    fp8_linear.load_histories(engine.module, state.get("fp8_histories"))
     # the RNG streams (CPU and CUDA) continue exactly; a new layout reseeds them
     if state.get("same_layout"):
         rng.restore_state(state, grid.device)

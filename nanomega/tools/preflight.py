@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from nanomega import compose, dist, meta
+from nanomega import compose, dist, fp8_gather, meta
 from nanomega.gpt_config import SHAPE_KEYS
 from nanomega.job import checks, flags
 from nanomega.tools import cost, cost_moe
@@ -52,7 +52,15 @@ def dry_run(config):
         f"{len(engine.groups)} groups, and Adam's 4-byte step counter per each of "
         f"{len(engine.pieces)} pieces)"
     )
+    wired = engine.sharded is not None and engine.sharded.wire is not None
+    if wired:  # --fp8 at ZeRO-3: the weights gathered as FP8 codes (fp8_gather.py)
+        fp8, base = fp8_gather.step_bytes(engine.sharded)
+        print(
+            f"--fp8 {config.fp8}, ZeRO-3: its FP8 weights' all-gathers move {fp8 / 1e6:.3f} MB per "
+            f"micro-batch (1-byte codes + 4-byte amax), {base / 1e6:.3f} MB in {config.dtype}"
+        )
     return dict(
+        fp8_gather=fp8_gather.step_bytes(engine.sharded) if wired else None,
         engine=held,
         planner=planned,
         groups=len(engine.groups),
