@@ -419,6 +419,14 @@ def check(cfg, cp, method, tp=1):
             f"process's; use --cp 1 or another --rope-type"
         )
 
+    # MLA: the ring and all-gather cores send k and v as one stacked message (one head size)
+    if cp > 1 and cfg.kv_lora_rank:
+        raise ValueError(
+            f"--cp {cp} with --kv-lora-rank (latent attention): cp's cores send k and v stacked, "
+            f"so of one head size (MLA's d_n + d_r and d_v differ), and would send every head's "
+            f"expanded key, not the d_c + d_r latent; use --cp 1"
+        )
+
     # this rank's key/value heads (tp replicates a group when tp > n_kv)
     kv = max(1, cfg.kv_heads // tp)
     if cp > 1 and method == "ulysses" and (cfg.n_head // tp % cp or kv % cp):

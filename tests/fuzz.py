@@ -127,6 +127,11 @@ NOT_DRAWN = {
         "layout tolerance is open",
     ),
     "tensorboard": "logging only: tests/test_tensorboard.py",
+    **dict.fromkeys(
+        ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+        "multi-head latent attention: tests/test_mla.py holds its layouts (tp2, tp2 + SP, "
+        "recompute against one process); cp refuses it; drawing it here is open",
+    ),
     "norm_eps": "as rope_theta",
     "moe_aux_loss": "drawn through moe_z_loss's path (the same router loss reduction)",
     "min_lr": "the schedule's value: no layout computes it otherwise",
