@@ -84,6 +84,7 @@ QUICK = {
     "the exercise grader": "tests/test_exercises.py::test_a_file_without_the_names_is_one_line",
     "FP8 casts against the bit-level reference": "tests/test_fp8.py::test_quantize_tiles",
     "the FP8 linear's GEMMs": "tests/test_fp8_train.py::test_gemms_are_the_recipes_arithmetic",
+    "MLA against transformers": "tests/test_mla.py::test_mla_is_transformers_deepseek_v3_attention",
 }
 
 

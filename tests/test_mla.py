@@ -1,5 +1,5 @@
 """Multi-head latent attention (mla.py): transformers' DeepseekV3Attention with our weights, its
-formulas (parameters, KV cache, FLOPs), recompute, and tp2 / tp2 + SP equal to one process.
+formulas (parameters, KV cache, FLOPs), recompute, and tp2 / tp2 + SP / pp2 equal to one process.
 
 transformers: the attention of a small random DeepSeek-V3 config (q latent 12 or none, kv latent
 16, d_n 8, d_r 4, d_v 6 on h = 32, 4 heads), weights at scale (matrices N(0, 1/fan_in), norm scales
@@ -9,9 +9,10 @@ against our eager core: sums of <= 32 terms, 2 gamma(32) ~ 4e-6 relative to sum 
 rotary layout matters: the interleaved config differs by > 1e-3.
 FLOPs: torch's FlopCounterMode over a forward and backward (eager core) counts the matmuls alone:
 formulas.model_flops_per_token less 6 x the norm scales' parameters (no matmul) per token, exactly.
-tp2: tests/test_llama.py's tolerance (layout_rtol), 4 steps, losses, validation loss and the
-resharded weights; the latents' norm scales start at 1 and move, so their gradient's sum over tp
-(each rank's heads' share) is in the comparison; full and selective recompute run inside them.
+tp2, tp2 + SP, pp2 (1F1B): tests/test_llama.py's tolerance (layout_rtol), 4 steps, losses,
+validation loss and the resharded weights; the latents' norm scales start at 1 and move, so their
+gradient's sum over tp (each rank's heads' share) is in the comparison (left unsummed, a weight
+moves 7e-4 off: fails); full and selective recompute run inside the tp layouts.
 """
 
 import math
@@ -175,16 +176,17 @@ COMMON = [*LLAMA[:6], *LLAMA[8:]]  # without --n-kv-head 2
 MLA_FLAGS = ["--kv-lora-rank", "16", "--q-lora-rank", "12", "--qk-nope-head-dim", "8"]
 MLA_FLAGS += ["--qk-rope-head-dim", "4", "--v-head-dim", "6"]
 BATCH = ["--batch-size", "2", "--grad-accum", "4"]
-LAYOUTS = [
-    ("tp2-full", ["--tp", "2", "--recompute", "full"]),
-    ("tp2-sp-selective", ["--tp", "2", "--sequence-parallel", "--recompute", "selective"]),
+LAYOUTS = [  # global batch 8 everywhere
+    ("tp2-full", ["--tp", "2", "--recompute", "full", *BATCH]),
+    ("tp2-sp-selective", ["--tp", "2", "--sequence-parallel", "--recompute", "selective", *BATCH]),
+    ("pp2-1f1b", ["--pp", "2", "--batch-size", "1", "--grad-accum", "8"]),
 ]
 CORPUS_CHARS = 200_000
 
 
-def test_tp2_and_sp_equal_dense(corpus, tmp_path):
+def test_tp2_sp_and_pp2_equal_dense(corpus, tmp_path):
     assert "--n-kv-head" not in COMMON and "--n-head" in COMMON
-    layouts = [(name, MLA_FLAGS + layout + BATCH) for name, layout in LAYOUTS]
+    layouts = [(name, MLA_FLAGS + layout) for name, layout in LAYOUTS]
     worlds.launch(run_layouts, 2, corpus, tmp_path, layouts, None, COMMON, timeout=600)
     dense = tmp_path / "dense"
     train.main(flags(corpus, dense, MLA_FLAGS + BATCH, COMMON))
