@@ -389,10 +389,17 @@ def attention(q, k, v, axis, method="ring", docs=None, balanced=True):
     s = q.shape[2] * axis.size
     layout = Layout(axis.size, axis.rank, s, docs, balanced)
     scale = 1.0 / math.sqrt(q.shape[-1])
+    # MLA (mla.py): v's head size is not q's and k's; all travel zero-padded to one (the cores stack
+    # k and v): zeros change no score, and the output's padded columns are dropped
+    d_v, width = v.shape[-1], max(v.shape[-1], q.shape[-1])
+    if d_v != q.shape[-1]:
+        q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
     if method == "ulysses":
-        return ulysses(q, k, v, axis, layout, scale)
-    fn = RingAttention if method == "ring" else AllGatherAttention
-    return fn.apply(q, k, v, axis, layout, scale)
+        out = ulysses(q, k, v, axis, layout, scale)
+    else:
+        fn = RingAttention if method == "ring" else AllGatherAttention
+        out = fn.apply(q, k, v, axis, layout, scale)
+    return out if d_v == width else out[..., :d_v]
 
 
 def check(cfg, cp, method, tp=1):
@@ -417,14 +424,6 @@ def check(cfg, cp, method, tp=1):
             f"--rope-type dynamic with --cp {cp}: its frequencies follow the sequence's length, and "
             f"a cp rank sees only its own chunks' positions, so its table would not be one "
             f"process's; use --cp 1 or another --rope-type"
-        )
-
-    # MLA: the ring and all-gather cores send k and v as one stacked message (one head size)
-    if cp > 1 and cfg.kv_lora_rank:
-        raise ValueError(
-            f"--cp {cp} with --kv-lora-rank (latent attention): cp's cores send k and v stacked, "
-            f"so of one head size (MLA's d_n + d_r and d_v differ), and would send every head's "
-            f"expanded key, not the d_c + d_r latent; use --cp 1"
         )
 
     # this rank's key/value heads (tp replicates a group when tp > n_kv)

@@ -1,5 +1,6 @@
 """Multi-head latent attention (mla.py): transformers' DeepseekV3Attention with our weights, its
-formulas (parameters, KV cache, FLOPs), recompute, and tp2 / tp2 + SP / pp2 equal to one process.
+formulas (parameters, KV cache, FLOPs), recompute, and tp2 / tp2 + SP / pp2 / cp2 (ring,
+all-gather, Ulysses) equal to one process.
 
 transformers: the attention of a small random DeepSeek-V3 config (q latent 12 or none, kv latent
 16, d_n 8, d_r 4, d_v 6 on h = 32, 4 heads), weights at scale (matrices N(0, 1/fan_in), norm scales
@@ -9,7 +10,8 @@ against our eager core: sums of <= 32 terms, 2 gamma(32) ~ 4e-6 relative to sum 
 rotary layout matters: the interleaved config differs by > 1e-3.
 FLOPs: torch's FlopCounterMode over a forward and backward (eager core) counts the matmuls alone:
 formulas.model_flops_per_token less 6 x the norm scales' parameters (no matmul) per token, exactly.
-tp2, tp2 + SP, pp2 (1F1B): tests/test_llama.py's tolerance (layout_rtol), 4 steps, losses,
+tp2, tp2 + SP, pp2 (1F1B), cp2 (ring, all-gather, Ulysses: their cores see v of another head
+size than q and k, padded): tests/test_llama.py's tolerance (layout_rtol), 4 steps, losses,
 validation loss and the resharded weights; the latents' norm scales start at 1 and move, so their
 gradient's sum over tp (each rank's heads' share) is in the comparison (left unsummed, a weight
 moves 7e-4 off: fails); full and selective recompute run inside the tp layouts.
@@ -161,8 +163,6 @@ def test_recompute_is_bitwise_no_recompute(mode):
 
 
 def test_refused_in_one_line():
-    with pytest.raises(ValueError, match="--cp 2 with --kv-lora-rank"):
-        cp.check(mla_cfg(), 2, "ring")
     with pytest.raises(ValueError, match="leave out --n-kv-head"):
         mla_cfg(n_kv_head=2).validate()
     with pytest.raises(ValueError, match="set --kv-lora-rank > 0 too"):
@@ -180,11 +180,12 @@ LAYOUTS = [  # global batch 8 everywhere
     ("tp2-full", ["--tp", "2", "--recompute", "full", *BATCH]),
     ("tp2-sp-selective", ["--tp", "2", "--sequence-parallel", "--recompute", "selective", *BATCH]),
     ("pp2-1f1b", ["--pp", "2", "--batch-size", "1", "--grad-accum", "8"]),
+    *((f"cp2-{m}", ["--cp", "2", "--cp-method", m, *BATCH]) for m in cp.METHODS),
 ]
 CORPUS_CHARS = 200_000
 
 
-def test_tp2_sp_and_pp2_equal_dense(corpus, tmp_path):
+def test_tp2_sp_pp2_and_cp2_equal_dense(corpus, tmp_path):
     assert "--n-kv-head" not in COMMON and "--n-head" in COMMON
     layouts = [(name, MLA_FLAGS + layout) for name, layout in LAYOUTS]
     worlds.launch(run_layouts, 2, corpus, tmp_path, layouts, None, COMMON, timeout=600)
