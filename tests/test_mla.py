@@ -3,11 +3,12 @@ formulas (parameters, KV cache, FLOPs), recompute, and tp2 / tp2 + SP / pp2 / cp
 all-gather, Ulysses) equal to one process.
 
 transformers: the attention of a small random DeepSeek-V3 config (q latent 12 or none, kv latent
-16, d_n 8, d_r 4, d_v 6 on h = 32, 4 heads), weights at scale (matrices N(0, 1/fan_in), norm scales
+16, d_n 8, d_r 8, d_v 6 on h = 32, 4 heads), weights at scale (matrices N(0, 1/fan_in), norm scales
 1 +- 0.2) so outputs are O(1); rope_interleave false, our rotate-half layout. Tolerance 1e-5
 absolute on outputs of size ~1: the same fp32 operations in another order (transformers' sdpa
 against our eager core: sums of <= 32 terms, 2 gamma(32) ~ 4e-6 relative to sum |terms| ~ 1). The
-rotary layout matters: the interleaved config differs by > 1e-3.
+rotary layout matters: the interleaved config differs by > 1e-3, and equals ours once the rotary
+rows of W_qb and W_kva are permuted (what a DeepSeek-V3 import will do).
 FLOPs: torch's FlopCounterMode over a forward and backward (eager core) counts the matmuls alone:
 formulas.model_flops_per_token less 6 x the norm scales' parameters (no matmul) per token, exactly.
 tp2, tp2 + SP, pp2 (1F1B), cp2 (ring, all-gather, Ulysses: their cores see v of another head
@@ -90,17 +91,20 @@ NAMES = {
 @pytest.mark.parametrize("q_lora", [12, 0])
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_mla_is_transformers_deepseek_v3_attention(q_lora, attention):
-    cfg = mla_cfg(q_lora_rank=q_lora, attention=attention, norm_eps=1e-6)
+    # d_r 8: the interleaving permutation is not its own inverse (at d_r 4 it is)
+    cfg = mla_cfg(q_lora_rank=q_lora, attention=attention, norm_eps=1e-6, qk_rope_head_dim=8)
     ours = GPT(cfg, seed=0).blocks["0"].attn
     at_scale(ours)
     x = torch.randn(2, cfg.block_size, cfg.n_embd, generator=torch.Generator().manual_seed(1))
     outs = []
-    for interleave in (False, True):
+    # rotate-half (ours), interleaved with our weights, interleaved with the rotary rows permuted
+    for interleave, permute in ((False, False), (True, False), (True, True)):
         theirs, rotary = deepseek_v3(cfg, interleave)
         with torch.no_grad():
             for name, p in ours.named_parameters():
                 module, leaf = name.split(".")
-                getattr(theirs, NAMES[module]).get_parameter(leaf).copy_(p)
+                w = interleaved_rows(module, p, cfg) if permute else p
+                getattr(theirs, NAMES[module]).get_parameter(leaf).copy_(w)
             cos_sin = rotary(x, torch.arange(cfg.block_size)[None])
             outs.append(theirs(x, position_embeddings=cos_sin, attention_mask=None)[0])
     with torch.no_grad():
@@ -108,6 +112,20 @@ def test_mla_is_transformers_deepseek_v3_attention(q_lora, attention):
     assert got.abs().mean() > 0.1  # outputs of size ~1: the tolerance is relative to them
     torch.testing.assert_close(got, outs[0], rtol=0, atol=1e-5)
     assert (got - outs[1]).abs().max() > 1e-3  # another rotary layout is told apart
+    torch.testing.assert_close(got, outs[2], rtol=0, atol=1e-5)  # ... and is a permutation
+
+
+def interleaved_rows(module, w, cfg):
+    """Our rotate-half rotary rows (x_0..x_{d/2-1} | x_{d/2}..) as DeepSeek's interleaved ones
+    (x_0, x_{d/2}, x_1, ...): each head's last d_r rows of W_qb (W_q), the last d_r of W_kva."""
+    d_n, d_r, _ = cfg.mla_dims
+    order = torch.arange(d_r).view(2, -1).t().flatten()  # interleaved row j <- rotate-half row
+    if module in ("q_proj", "q_b_proj"):
+        heads = w.view(cfg.n_head, d_n + d_r, -1)
+        return torch.cat((heads[:, :d_n], heads[:, d_n:][:, order]), 1).flatten(0, 1)
+    if module == "kv_a_proj":
+        return torch.cat((w[: cfg.kv_lora_rank], w[cfg.kv_lora_rank :][order]))
+    return w
 
 
 def test_parameters_kv_cache_and_flops_formulas():
