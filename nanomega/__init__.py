@@ -13,6 +13,7 @@ its formulas and its lesson:
         seams.py      its op table: linear, attention core, norm, ... swapped by one call
         modern.py     the Llama block's pieces: rotary positions, RMSNorm, SwiGLU, grouped-query
                       (lesson 13)
+        mla.py        multi-head latent attention: keys and values from a small latent (DeepSeek)
         data.py       text -> tokens on disk, once
         windows.py    token windows -> this rank's resumable batches
     02  ddp.py        data parallelism: gradient buckets all-reduced while backward runs
@@ -61,7 +62,7 @@ Beside the concepts, two folders a student may skip:
             handling, health check, meter (MFU, memory)
     tools/  commands around training: planner, HF interchange, plots, sampling, corpus and tokenizer
             preparation
-Imports point down: tools -> job -> concepts; model.py imports only modern.py and moe.py (the
+Imports point down: tools -> job -> concepts; model.py imports only modern.py, mla.py and moe.py (the
 block's pieces), seams.py (its op table), gpt_config.py (its shape) and initialization.py (its
 values).
 """

@@ -389,10 +389,17 @@ def attention(q, k, v, axis, method="ring", docs=None, balanced=True):
     s = q.shape[2] * axis.size
     layout = Layout(axis.size, axis.rank, s, docs, balanced)
     scale = 1.0 / math.sqrt(q.shape[-1])
+    # MLA (mla.py): v's head size is not q's and k's; all travel zero-padded to one (the cores stack
+    # k and v): zeros change no score, and the output's padded columns are dropped
+    d_v, width = v.shape[-1], max(v.shape[-1], q.shape[-1])
+    if d_v != q.shape[-1]:
+        q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
     if method == "ulysses":
-        return ulysses(q, k, v, axis, layout, scale)
-    fn = RingAttention if method == "ring" else AllGatherAttention
-    return fn.apply(q, k, v, axis, layout, scale)
+        out = ulysses(q, k, v, axis, layout, scale)
+    else:
+        fn = RingAttention if method == "ring" else AllGatherAttention
+        out = fn.apply(q, k, v, axis, layout, scale)
+    return out if d_v == width else out[..., :d_v]
 
 
 def check(cfg, cp, method, tp=1):

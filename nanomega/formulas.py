@@ -28,7 +28,9 @@ Formulas (Psi = parameters one rank holds, d/t/p = dp/tp/pp sizes, m = micro-bat
                Narayanan et al. quote it against the ideal time instead: (p-1) / (v m), the step's
                extra time
     FLOPs      6N + 12 L h s per token (PaLM, nanoGPT: QK^T and AV counted without causal halving);
-               MoE: N the active parameters (k of E experts, the router, the shared experts)
+               MoE: N the active parameters (k of E experts, the router, the shared experts);
+               MLA: N its projections, the core 6 L s a (d_n + d_r + d_v) (mla.py)
+    KV cache   per token: L 2 n_kv d_h elements; MLA L (d_c + d_r)
     MoE a2a    per MoE layer and micro-batch a rank sends 2 (R_out + R_in) h B bytes (dispatch and
                combine, forward and backward; R_out rows to other ranks' experts, R_in rows it
                computed for others) + (ep-1) E/ep 8 bytes of counts;
@@ -57,6 +59,36 @@ def llama_layer_params(h, f, a, n_kv, t=1):
     12h^2 again, less its biases."""
     kv = 2 * h * (h // a) * n_kv
     return (2 * h * h + 3 * h * f) // t + (kv // t if n_kv % t == 0 else kv) + 2 * h
+
+
+def mla_attention_params(h, a, q_lora, kv_lora, nope, rope, v, t=1):
+    """Multi-head latent attention on one TP rank (mla.py): the up-projections W_qb (or W_q when
+    q_lora = 0), W_kvb and the output W_o split by heads; W_qa, W_kva and the two latent norms
+    whole on every rank."""
+    q_out = a * (nope + rope)
+    q = q_lora * q_out // t + h * q_lora + q_lora if q_lora else h * q_out // t
+    return q + (kv_lora * a * (nope + v) + a * v * h) // t + h * (kv_lora + rope) + kv_lora
+
+
+def mla_layer_delta(cfg, t=1):
+    """What MLA changes in a Llama layer's parameters on one TP rank (cfg: a GPTConfig): its
+    attention's count less multi-head attention's; 0 without MLA."""
+    if not cfg.kv_lora_rank:
+        return 0
+    h, a = cfg.n_embd, cfg.n_head
+    mha = llama_layer_params(h, 0, a, a, t) - 2 * h  # q, k, v, o (MLA has no n_kv_head)
+    return mla_attention_params(h, a, cfg.q_lora_rank, cfg.kv_lora_rank, *cfg.mla_dims, t) - mha
+
+
+def kv_cache_bytes_per_token(cfg, elem_bytes=2):
+    """Inference KV-cache bytes per token over all layers: a key and a value per key/value head, 2
+    n_kv d_h a layer; MLA only its latent and shared rotary key, d_c + d_r (DeepSeek-V2, arXiv
+    2405.04434 Table 1: (d_c + d_r) l = 4.5 d_h l at d_c = 4 d_h, d_r = d_h / 2)."""
+    if cfg.kv_lora_rank:
+        per_layer = cfg.kv_lora_rank + cfg.mla_dims[1]
+    else:
+        per_layer = 2 * cfg.kv_heads * (cfg.n_embd // cfg.n_head)
+    return cfg.n_layer * per_layer * elem_bytes
 
 
 # ---- memory --------------------------------------------------------------------------------------
@@ -353,8 +385,10 @@ def model_flops_per_token(cfg, seq_len=None):
                 gate=cfg.shared_expert_gate,
             )[1]
         )
-        n = L * per_layer + cfg.padded_vocab_size * h + h
-        return flops_per_token(n, L, h, s)
+        n = L * (per_layer + mla_layer_delta(cfg)) + cfg.padded_vocab_size * h + h
+        # the core's QK^T and AV: 12 L h s with h = a d_h; MLA's heads: 6 L s a (d_n + d_r + d_v)
+        core = cfg.n_head * sum(cfg.mla_dims) / 2 if cfg.kv_lora_rank else h
+        return flops_per_token(n, L, core, s)
     per_layer = layer_params(h)  # qkv 3h^2+3h, proj h^2+h, fc 4h^2+4h, proj 4h^2+h, 2 LN 4h
     n = L * per_layer + cfg.padded_vocab_size * h + 2 * h + (2 * h if cfg.embed_layernorm else 0)
     return flops_per_token(n, L, h, s)

@@ -43,6 +43,11 @@ SHAPE_KEYS = SIZES + (
     "top_k",
     "shared_experts",
     "shared_expert_gate",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
 )
 ARCHS = ("gpt2", "llama")
 ATTENTION = ("sdpa", "eager", "fused")
@@ -96,6 +101,12 @@ class GPTConfig:
     # experts every token runs through (DeepSeek, Qwen2-MoE), as one wider SwiGLU
     shared_experts: int = 0
     shared_expert_gate: bool = False  # Qwen2-MoE: shared output x sigmoid(x . w_gate)
+    # llama: multi-head latent attention (mla.py; DeepSeek-V2, V3) when kv_lora_rank > 0
+    kv_lora_rank: int = 0  # the key/value latent d_c (DeepSeek-V3: 512); 0: no MLA
+    q_lora_rank: int = 0  # the query latent d_q (DeepSeek-V3: 1536); 0: one q projection
+    qk_nope_head_dim: int = 0  # a head's q/k size without positions (DeepSeek-V3: 128); 0: h/a
+    qk_rope_head_dim: int = 0  # its rotary part, one key for all heads (DeepSeek-V3: 64); 0: h/2a
+    v_head_dim: int = 0  # a value head's size (DeepSeek-V3: 128); 0: h/a
 
     @property
     def padded_vocab_size(self) -> int:
@@ -112,6 +123,21 @@ class GPTConfig:
         return self.ffn_hidden or (
             ffn_hidden(self.n_embd) if self.arch == "llama" else 4 * self.n_embd
         )
+
+    @property
+    def mla_dims(self) -> tuple:
+        """MLA's head sizes (d_n, d_r, d_v): no-rope and rotary query/key parts, value."""
+        hd = self.n_embd // self.n_head
+        return (
+            self.qk_nope_head_dim or hd,
+            self.qk_rope_head_dim or hd // 2,
+            self.v_head_dim or hd,
+        )
+
+    @property
+    def rope_head_dim(self) -> int:
+        """The size RoPE rotates: a head (h/a), or MLA's rotary part d_r."""
+        return self.mla_dims[1] if self.kv_lora_rank else self.n_embd // self.n_head
 
     def validate(self) -> None:
         for name in SIZES:
@@ -162,8 +188,35 @@ class GPTConfig:
             raise ValueError(
                 f"--{bad[0].replace('_', '-')} must be a finite number > 0, got {getattr(self, bad[0])}"
             )
-        if self.arch == "llama" and (self.n_embd // self.n_head) % 2:
+        self.validate_mla()
+        if self.arch == "llama" and not self.kv_lora_rank and (self.n_embd // self.n_head) % 2:
             raise ValueError(
                 f"--arch llama: rotary positions need an even head size, got n_embd/n_head = "
                 f"{self.n_embd // self.n_head}"
+            )
+
+    def validate_mla(self) -> None:
+        """Multi-head latent attention's flags: a Llama attention of its own (no GQA, no q/k/v
+        biases, no QK-norm), its sizes >= 0 and set only with --kv-lora-rank, an even rotary part."""
+        mla = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        bad = [k for k in mla if getattr(self, k) < 0]
+        if bad:
+            raise ValueError(
+                f"--{bad[0].replace('_', '-')} must be >= 0, got {getattr(self, bad[0])}"
+            )
+        if not self.kv_lora_rank and any(getattr(self, k) for k in mla):
+            raise ValueError(
+                "--q-lora-rank, --qk-nope-head-dim, --qk-rope-head-dim and --v-head-dim shape "
+                "multi-head latent attention: set --kv-lora-rank > 0 too, or leave them out"
+            )
+        if self.kv_lora_rank and (
+            self.arch != "llama" or self.n_kv_head or self.qkv_bias or self.qk_norm
+        ):
+            raise ValueError(
+                "--kv-lora-rank (multi-head latent attention) is an --arch llama attention with "
+                "its own keys and values: leave out --n-kv-head, --qkv-bias and --qk-norm"
+            )
+        if self.kv_lora_rank and self.mla_dims[1] % 2:
+            raise ValueError(
+                f"--qk-rope-head-dim {self.mla_dims[1]}: rotary positions need an even size"
             )

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import moe
+from . import mla, moe
 from .gpt_config import GPTConfig
 from .initialization import draw, init_std
 from .modern import RMSNorm, Rotary, document_mask, rms_norm, swiglu
@@ -233,7 +233,9 @@ class Block(nn.Module):
         super().__init__()
         self.ops = block_ops(cfg)  # this block's swappable ops: every piece below calls them
         self.ln_1 = norm(cfg, self.ops)
-        self.attn = CausalSelfAttention(cfg, self.ops, rotary)
+        # multi-head (or grouped-query) attention, or latent attention (mla.py)
+        attention = mla.LatentAttention if cfg.kv_lora_rank else CausalSelfAttention
+        self.attn = attention(cfg, self.ops, rotary)
         self.ln_2 = norm(cfg, self.ops)
         # SwiGLU, or experts (moe.py)
         self.mlp = moe.mlp(cfg, self.ops) if cfg.arch == "llama" else MLP(cfg, self.ops)
@@ -283,7 +285,7 @@ class GPT(nn.Module):
         self.embed = Embedding(cfg)
         rotary = (
             Rotary(
-                cfg.n_embd // cfg.n_head,
+                cfg.rope_head_dim,
                 cfg.rope_theta,
                 cfg.rope_scaling,
                 cfg.rope_type,

@@ -184,8 +184,8 @@ class RowParallelLinear(nn.Module):
 
 class GroupKeyValue(nn.Module):
     """k, v of the one group this rank's query heads read (t > n_kv), from the whole (2 n_kv hd, h)
-    weight; its gradient, this rank's heads' share, is summed over tp by apply_tensor_parallel's
-    hook."""
+    weight (group None: all of it, MLA's latent projections); its gradient, this rank's heads'
+    share, is summed over tp by apply_tensor_parallel's hook."""
 
     def __init__(self, weight, group, n_kv, tp, sequence_parallel=False, *, ops=None, bias=None):
         super().__init__()
@@ -197,8 +197,10 @@ class GroupKeyValue(nn.Module):
     def forward(
         self, x
     ):  # (b, s, h), or (b, s/t, h) under SP -> (b, s, 2 hd): this group's k and v
-        w = self.weight.unflatten(0, (2, self.n_kv, -1))[:, self.group].flatten(0, 1)  # (2 hd, h)
-        b = None if self.bias is None else self.bias.view(2, self.n_kv, -1)[:, self.group].flatten()
+        w, b = self.weight, self.bias  # group None: the whole weight (MLA's latent projections)
+        if self.group is not None:  # this group's rows of k and of v: (2 hd, h)
+            w = w.unflatten(0, (2, self.n_kv, -1))[:, self.group].flatten(0, 1)
+            b = None if b is None else b.view(2, self.n_kv, -1)[:, self.group].flatten()
         if self.sequence_parallel:
             return LinearWithSequenceGather.apply(x, w, b, self.tp, self.ops.linear)
         return self.ops.linear(CopyToTensorParallel.apply(x, self.tp), w, b)
@@ -254,6 +256,8 @@ _SPLIT = {
     "kv_proj.weight": (0, 2),
     "kv_proj.bias": (0, 2),
     "gate_up.weight": (0, 2),
+    "q_b_proj.weight": (0, 1),  # MLA (mla.py): the up-projections, laid out by heads
+    "kv_b_proj.weight": (0, 1),
 }
 KV = "kv_proj.weight"
 KV_BIAS = "kv_proj.bias"  # Qwen2's: split (or replicated) with its weight
@@ -384,6 +388,21 @@ def apply_tensor_parallel(model, tp, sequence_parallel=False, rng=None):
             attn.c_attn = column(
                 attn.c_attn.weight, "c_attn.weight", _shard(attn.c_attn.bias, "c_attn.bias", tp)
             )
+        # MLA: the latents' projections whole on every rank (gradients summed), heads split after
+        elif hasattr(attn, "kv_b_proj"):
+            for name in ("q_a_proj", "kv_a_proj"):
+                if hasattr(attn, name):
+                    summed.append(getattr(attn, name).weight)
+                    setattr(attn, name, GroupKeyValue(summed[-1], None, 1, tp, sp, ops=ops))
+            for name in ("q_b_proj", "kv_b_proj"):  # their input, the latent, is on every rank
+                if hasattr(attn, name):
+                    up = getattr(attn, name)
+                    up.weight = _shard(up.weight, name + ".weight", tp)
+            if hasattr(attn, "q_proj"):
+                attn.q_proj = column_of(attn.q_proj, "q_proj.weight")
+            summed += [
+                getattr(attn, n).weight for n in ("q_a_norm", "kv_a_norm") if hasattr(attn, n)
+            ]
         # Llama: q by heads; k/v by key/value heads, or the one group of this rank's heads (t >
         # n_kv)
         else:

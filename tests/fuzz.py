@@ -141,6 +141,12 @@ NOT_DRAWN = {
         "layout tolerance is open",
     ),
     "tensorboard": "logging only: tests/test_tensorboard.py",
+    **dict.fromkeys(
+        ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+        "multi-head latent attention: tests/test_mla.py holds its layouts (tp2 + recompute, "
+        "tp2 + SP, pp2, cp2 ring / all-gather / Ulysses against one process); drawing it here "
+        "(with ZeRO, Muon, fused kernels, experts) is open",
+    ),
     "norm_eps": "as rope_theta",
     "moe_aux_loss": "drawn through moe_z_loss's path (the same router loss reduction)",
     "min_lr": "the schedule's value: no layout computes it otherwise",

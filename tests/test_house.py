@@ -120,6 +120,7 @@ def test_imports_point_down():
     assert g["nanomega.model"] == {
         "nanomega.gpt_config",
         "nanomega.initialization",
+        "nanomega.mla",
         "nanomega.modern",
         "nanomega.moe",
         "nanomega.seams",
@@ -139,6 +140,9 @@ def test_imports_point_down():
     )
     assert g["nanomega.moe"] == {"nanomega.modern", "nanomega.ep"} and g["nanomega.ep"] == set(), (
         "the MoE block's pieces: experts (modern.py) and their all-to-all (ep.py: it receives Axis objects)"
+    )
+    assert g["nanomega.mla"] == {"nanomega.modern", "nanomega.seams"}, (
+        "latent attention (mla.py) is a block piece: RMSNorm (modern.py) and the op table"
     )
     assert g["nanomega.extension"] == set() and g["nanomega.cpu_adam"] == {"nanomega.extension"}, (
         "the C++ loader stands alone: the engine's host Adam (cpu_adam.py) reaches it without the model"

@@ -105,6 +105,31 @@ class Config:
         action="store_false",
     )
     norm_eps: float = MODEL(1e-5, "epsilon of every LayerNorm / RMSNorm", above(0), model=True)
+    # multi-head latent attention (nanomega/mla.py; DeepSeek-V2, V3)
+    kv_lora_rank: int = MODEL(
+        0,
+        "llama: latent attention's key/value latent (DeepSeek-V3: 512; 0: off)",
+        at_least(0),
+        model=True,
+    )
+    q_lora_rank: int = MODEL(
+        0, "MLA: the query latent (DeepSeek-V3: 1536; 0: one q projection)", at_least(0), model=True
+    )
+    qk_nope_head_dim: int = MODEL(
+        0,
+        "MLA: a head's q/k size without positions (DeepSeek-V3: 128; 0: h/a)",
+        at_least(0),
+        model=True,
+    )
+    qk_rope_head_dim: int = MODEL(
+        0,
+        "MLA: its rotary part, one key for all heads (DeepSeek-V3: 64; 0: h/2a)",
+        at_least(0),
+        model=True,
+    )
+    v_head_dim: int = MODEL(
+        0, "MLA: a value head's size (DeepSeek-V3: 128; 0: h/a)", at_least(0), model=True
+    )
 
     # mixture of experts: the router and the experts (moe.py)
     n_experts: int = EXPERTS(

@@ -34,6 +34,11 @@ def _shape(
     top_k=2,
     shared_experts=0,
     shared_expert_gate=False,
+    kv_lora_rank=0,
+    q_lora_rank=0,
+    qk_nope_head_dim=0,
+    qk_rope_head_dim=0,
+    v_head_dim=0,
 ):
     """One row, in the papers' column order, as {key: value} over gpt_config.SHAPE_KEYS (a key
     added there and not here fails at import)."""

@@ -15,6 +15,7 @@ from nanomega.formulas import (
     layer_params,
     llama_activation_bytes_per_layer,
     llama_layer_params,
+    mla_layer_delta,
     moe_layer_params,
     zero_state_bytes,
 )
@@ -51,6 +52,12 @@ class Model:
     top_k: int = 2
     shared_experts: int = 0
     shared_expert_gate: bool = False  # Qwen2-MoE: a (1, h) gate per block
+    # multi-head latent attention (mla.py): parameters counted (formulas.mla_layer_delta)
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @classmethod
     def from_shape(cls, shape):
@@ -170,19 +177,24 @@ def block_params(model, tp=1):
     """One layer on one TP rank: GPT-2's, Llama's (tp.kv_replicated) or Llama's with all E
     experts (not / ep)."""
     h, f, a, kv = model.n_embd, model.ffn, model.n_head, model.kv_heads
+    # multi-head latent attention: its attention's count instead of q, k, v, o
+    mla = mla_layer_delta(model.config(), tp) if model.kv_lora_rank else 0
     if model.n_experts:
-        return moe_layer_params(
-            h,
-            f,
-            a,
-            kv,
-            model.n_experts,
-            model.top_k,
-            model.shared_experts,
-            tp,
-            gate=model.shared_expert_gate,
-        )[0]
-    return llama_layer_params(h, f, a, kv, tp) if model.llama else layer_params(h, tp)
+        return (
+            mla
+            + moe_layer_params(
+                h,
+                f,
+                a,
+                kv,
+                model.n_experts,
+                model.top_k,
+                model.shared_experts,
+                tp,
+                gate=model.shared_expert_gate,
+            )[0]
+        )
+    return mla + (llama_layer_params(h, f, a, kv, tp) if model.llama else layer_params(h, tp))
 
 
 def stage_params(model, tp=1, pp=1, v=1, split="trainer"):

@@ -65,10 +65,10 @@ def deinterleave(w, heads):
 
 
 def check(cfg: GPTConfig):
-    if cfg.arch != "llama" or cfg.n_experts or cfg.qkv_bias or cfg.qk_norm:
+    if cfg.arch != "llama" or cfg.n_experts or cfg.qkv_bias or cfg.qk_norm or cfg.kv_lora_rank:
         raise ValueError(
             "nanomega.tools.dcp writes torchtitan's dense Llama 3: --arch llama without --n-experts, "
-            "--qkv-bias or --qk-norm"
+            "--qkv-bias, --qk-norm or --kv-lora-rank"
         )
 
 
