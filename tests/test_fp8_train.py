@@ -1,6 +1,7 @@
 """FP8 training (--fp8, nanomega/fp8_linear.py): it learns, its GEMMs are the recipe's arithmetic,
-and layouts that split no tensor a scale is taken over (dp2 ZeRO-1, pp2) equal one process; ZeRO-3
-gathers the weights in FP8 (nanomega/fp8_gather.py) and equals ZeRO-2 bitwise.
+and every layout (dp2, pp2, tp2 (+SP), cp2, ep2) equals one process (ep2: one process running the
+union of both ranks' micro-batches); ZeRO-3 gathers the weights in FP8 (nanomega/fp8_gather.py:
+tensorwise and blockwise, also under tp) and equals ZeRO-2 bitwise.
 
 A layout test keeps the micro-batches of the one-process run (batch 2, 4 micro-batches of the
 global batch 8), so every current scale is taken over the same tensor; the fp32 runs of these
@@ -345,10 +346,12 @@ def test_layouts_equal_one_process(corpus, one_process, tmp_path):
     too): losses within
     tolerance.layout_rtol, the fp32 bound, as an FP8 cast turns a small perturbation d into a
     rounding flip of one spacing D with probability about d / D: its mean effect is d, as in fp32.
-    ZeRO-3 (the weights gathered in FP8) = ZeRO-2 bitwise, losses and weights, in fp32 and bf16
-    models: their fp32 runs are
-    (both reduce each micro-batch's gradients; test_zero.py's bitwise cases), and the gathered
-    codes are the ones ZeRO-2's whole weights quantize to (gathered_in_fp8)."""
+    ep2 (MoE: tensorwise, rowwise, blockwise) against one process on the union batch: the
+    same bound with the MoE block's depth (RTOL_MOE); its scales: same_scales_over_ep.
+    ZeRO-3 (the weights gathered in FP8) = ZeRO-2 bitwise, losses and weights (GATHERS: fp32 and
+    bf16 tensorwise, blockwise, tp2 tensorwise): their fp32 runs are (both reduce each
+    micro-batch's gradients; test_zero.py's bitwise cases), and the gathered codes are the ones
+    ZeRO-2's whole weights quantize to (gathered_in_fp8)."""
     worlds.launch(run_all, 2, corpus, tmp_path, timeout=600)
     for kind in ["dp2-tensorwise", *GATHERS]:
         z2, z3 = (
