@@ -1,5 +1,5 @@
-"""FP8 training on this CPU: the loss after N steps and the step time, fp32 against each --fp8
-recipe, with and without an injected outlier channel (the divergence lab of lesson 20).
+"""FP8 training on this CPU: the loss after N steps and the step time, fp32 and bf16 against each
+--fp8 recipe, with and without an injected outlier channel (the divergence lab of lesson 20).
 
     python bench/bench_fp8.py --steps 200            # one process; prints a markdown table
 
@@ -29,7 +29,8 @@ import torch.nn.functional as F  # noqa: E402
 from nanomega import fp8_linear, train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-RECIPES = ["off", "tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"]
+# off: fp32; bf16: --dtype bf16 without FP8 (the precision FP8 is usually weighed against)
+RECIPES = ["off", "bf16", "tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"]
 OUTLIER = 2.0**16  # lesson 20: below ~2^12, E4M3's subnormals absorb an outlier channel
 SHAPE = "--n-layer 2 --n-head 4 --n-embd 64 --block-size 64 --batch-size 8 --dropout 0".split()
 
@@ -57,7 +58,10 @@ def run(name, steps, outlier, root, corpus):
     argv = [*SHAPE, "--max-steps", str(steps), "--warmup", "10", "--lr", "3e-3"]
     argv += ["--eval-every", str(steps), "--eval-iters", "4", "--log-every", "1000"]
     argv += ["--corpus", str(corpus), "--data-cache", str(root / "cache"), "--out-dir", str(out)]
-    argv += ["--fp8", name, "--fp8-block", "16"] if name != "off" else []
+    if name == "bf16":
+        argv += ["--dtype", "bf16"]
+    elif name != "off":
+        argv += ["--fp8", name, "--fp8-block", "16"]
     apply_fp8 = fp8_linear.apply_fp8
     if outlier:
         fp8_linear.apply_fp8 = with_outlier(apply_fp8)

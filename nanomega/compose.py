@@ -78,6 +78,7 @@ def build(config, grid):
         config.fp8_min_dim,
         grid.tp,
         grid.cp,
+        grid.ep,
     )
     precision.cast_model(model, dtype)
 
@@ -113,6 +114,8 @@ def build(config, grid):
         offload=config.offload,
         offload_params=config.offload_params,
         # --fp8 at --zero 3: the FP8 linear's weights gathered as FP8 codes (fp8_gather.py)
-        wire=fp8_gather.FP8Gather() if fp8 is not None and config.zero == 3 else None,
+        wire=fp8_gather.FP8Gather(fp8.recipe.weight, grid.tp)
+        if fp8 is not None and config.zero == 3
+        else None,
     )
     return model, engine, n_params

@@ -20,7 +20,11 @@ and dY; a GEMM quantizes with s = fmax / max(history) and its amax enters the hi
 weight's next forward starts (per micro-batch: TE updates once per step). The head's matmul (the
 logits) and the MoE router stay in the model's precision; --fp8-min-dim keeps small GEMMs too.
 Layouts: a whole-tensor amax is MAX-reduced over tp and cp (a row along the tokens over cp), so a
-split tensor gets one process's scale; the histories are saved by parameter name (checkpoints).
+split tensor gets one process's scale. Under ep a routed expert's GEMMs already hold the tokens of
+every ep rank (the all-to-all brought them): its amax is its own; a dense weight's operands hold
+this rank's tokens only, so their amax is MAX-reduced over ep too: every GEMM quantizes as one
+process running the union of the ep ranks' micro-batches. The histories are saved by parameter
+name (checkpoints).
 Lesson: lessons/20-fp8-training.md
 """
 
@@ -31,11 +35,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from nanomega import schedules, seams
+from nanomega import ep as expert_parallel, schedules, seams
 from nanomega.fp8 import E4M3, E5M2, quantize, quantize_mx, scale_from_amax, tile, tile_amax
 from nanomega.fp8_gather import transposed
+from nanomega.tp import ColumnParallelLinear, RowParallelLinear
 
-ROLES = ("x", "w", "dy")  # the three tensors of a linear: input, weight, output gradient
+ROLES = ("x", "w", "dy")
+# the modules that hand the entry their weight parameter itself (its codes may come gathered)
+WHOLE = (
+    seams.Linear,
+    ColumnParallelLinear,
+    RowParallelLinear,
+)  # the three tensors of a linear: input, weight, output gradient
 
 
 @dataclass(frozen=True)
@@ -98,21 +109,31 @@ class FP8:
     name: --fp8; block: blockwise's tile; history: delayed's length; min_dim: a weight with a
     dimension below it stays in the model's precision; tp, cp: the tensor- and context-parallel
     Axes a tensorwise amax is reduced over (MAX: a replicated operand gives its own amax back); cp
-    also holds the rest of a row along the tokens (rowwise dW's operands)."""
+    also holds the rest of a row along the tokens (rowwise dW's operands); ep: the expert-parallel
+    Axis, over which a dense weight's operands are reduced too (not a routed expert's: `axes`)."""
 
     def __init__(
-        self, name, dtype=torch.float32, block=128, history=1024, min_dim=0, tp=None, cp=None
+        self,
+        name,
+        dtype=torch.float32,
+        block=128,
+        history=1024,
+        min_dim=0,
+        tp=None,
+        cp=None,
+        ep=None,
     ):
         self.name, self.recipe, self.min_dim = name, recipe(name, block), min_dim
-        self.dtype, self.length, self.tp, self.cp = dtype, history, tp, cp
+        self.dtype, self.length, self.tp, self.cp, self.ep = dtype, history, tp, cp, ep
         self.histories = WeakIdKeyDictionary()  # weight -> History (delayed only)
 
     def __repr__(self):
         return f"fp8.FP8({self.name})"
 
     def __call__(self, x, weight, bias=None):
-        # kept: a small GEMM, the MoE router (marked; in a 16-bit model its GEMM is the fp32 one)
-        if self.keeps(weight) or x.dtype != self.dtype:
+        # kept: a small GEMM, the MoE router (marked; in a 16-bit model its GEMM is the fp32 one);
+        # an expert no token was routed to (nothing to scale: its gradient is zero either way)
+        if self.keeps(weight) or x.dtype != self.dtype or x.numel() == 0:
             return F.linear(x, weight, bias)
         return FP8Function.apply(x, weight, bias, self)
 
@@ -130,6 +151,11 @@ class FP8:
                 self.histories[weight] = History(self.length, weight.device)
             self.histories[weight].roll([self.fmt(r) for r in ROLES])
 
+    def axes(self, weight, *spread):
+        """The Axes an amax is MAX-reduced over: `spread` (those the tensor is split over), and ep
+        unless the weight is a routed expert's (its rows came from every ep rank already)."""
+        return [*spread] + ([] if getattr(weight, "fp8_expert", False) else [self.ep])
+
     def operand(self, t, role, weight, wt=False, tokens=False):
         """t (R, K) quantized as `role` along K, padded to whole tiles; wt: t is weight^T; tokens:
         K is the tokens (dW's operands: under cp a row continues on the other cp ranks). A weight
@@ -143,12 +169,12 @@ class FP8:
         if r.gemm == "mx":
             return quantize_mx(t, fmt)
         if tokens and rows and not cols:  # a row along the tokens: its amax over the cp ranks
-            amax = reduced(tile_amax(t, tile(t, rows, cols)), [self.cp])
+            amax = reduced(tile_amax(t, tile(t, rows, cols)), self.axes(weight, self.cp))
             return quantize(t, fmt, rows, cols, scale_from_amax(amax, fmt), pow2=r.pow2)
         if rows or cols:  # tiles: a tp shard or cp chunk holds whole tiles (check): local scales
             return quantize(t, fmt, rows, cols, pow2=r.pow2)
         amax = t.detach().float().abs().amax()  # the whole tensor: max over the tp, cp ranks too
-        amax = reduced(amax, [self.tp, self.cp])
+        amax = reduced(amax, self.axes(weight, self.tp, self.cp))
         if self.name == "delayed":
             state = self.histories[weight]
             state.record(role, amax)
@@ -238,20 +264,23 @@ class FP8Function(torch.autograd.Function):
 
 
 def apply_fp8(
-    model, name, dtype=torch.float32, block=128, history=1024, min_dim=0, tp=None, cp=None
+    model, name, dtype=torch.float32, block=128, history=1024, min_dim=0, tp=None, cp=None, ep=None
 ):
     """--fp8 `name` (not "off"): every block's linear entry becomes one FP8 entry; the head's table
-    keeps its linear (the logits' precision), the MoE router is marked kept; the weights the entry
-    quantizes whole are marked `fp8_weight` (ZeRO-3 may gather them in FP8). Returns the entry."""
+    keeps its linear (the logits' precision), the MoE router is marked kept, the routed experts'
+    weights `fp8_expert` (no amax over ep); the weights the entry quantizes whole are marked
+    `fp8_weight` (ZeRO-3 may gather them in FP8). Returns the entry."""
     if name == "off":
         return None
-    entry = FP8(name, dtype, block, history, min_dim, tp, cp)
+    entry = FP8(name, dtype, block, history, min_dim, tp, cp, ep)
     for pname, p in model.named_parameters():
         if "router" in pname:
             p.fp8_keep = True
+        if expert_parallel.is_expert(pname):
+            p.fp8_expert = True
     for block_ in model.blocks.values():
         for m in block_.modules():
-            if isinstance(m, seams.Linear) and min(m.weight.shape) >= min_dim:
+            if isinstance(m, WHOLE) and min(m.weight.shape) >= min_dim:
                 m.weight.fp8_weight = True
     model.replace_op("linear", entry, blocks=list(model.blocks.keys()))
     return entry
@@ -300,12 +329,14 @@ def check(c, cfg):
     """One line for each combination --fp8 does not run (yet), before any collective."""
     if c.fp8 == "off":
         return
-    if c.ep > 1:
-        raise ValueError(
-            f"--fp8 {c.fp8} with --ep {c.ep}: the amax of a split tensor is not yet reduced "
-            "over ep, so its scales would differ from one process; use --ep 1"
-        )
     side = {"blockwise": c.fp8_block, "mxfp8": 32}.get(c.fp8, 1)  # tiles along the tokens
+    if c.ep > 1 and (c.batch_size * c.block_size // c.cp) % side:
+        raise ValueError(
+            f"--fp8 {c.fp8} with --ep {c.ep}: a rank's micro-batch ({c.batch_size * c.block_size // c.cp} "
+            f"tokens) is not a whole number of {side}-token tiles, so dW's tiles along the tokens "
+            "would group them unlike one process running the ep ranks' union; pick --batch-size x "
+            f"--block-size divisible by {side * c.cp}"
+        )
     if c.cp > 1 and (c.block_size // (2 * c.cp)) % side:
         raise ValueError(
             f"--fp8 {c.fp8} with --cp {c.cp}: a cp chunk (--block-size / 2cp = "
@@ -314,11 +345,19 @@ def check(c, cfg):
         )
     if c.tp > 1:
         check_tensor_parallel(c, cfg)
+    gather = {  # fp8_gather.py: the weights' codes gathered once serve the forward and dX
+        "rowwise": "scales W along each GEMM's own K (by rows forward, by columns for dX = dY W): "
+        "one gathered copy cannot serve both",
+        "mxfp8": "scales W in 1 x 32 blocks along each GEMM's own K (rows forward, columns for "
+        "dX = dY W): one gathered copy cannot serve both",
+        "delayed": "takes W's scale from its amax history, which the forward rolls after the "
+        "gather",
+    }
     refusals = {
-        # fp8_gather.py: one scale per weight, its codes serve both GEMMs (the docstring: others)
-        "--zero 3 (its FP8 parameter gather is built for --fp8 tensorwise, without --tp and "
-        "--offload-params)": c.zero == 3
-        and (c.fp8 != "tensorwise" or c.tp > 1 or c.offload_params),
+        f"--zero 3 (its FP8 weight gather: --fp8 {c.fp8} {gather.get(c.fp8)}; use tensorwise or "
+        "blockwise)": c.zero == 3 and c.fp8 in gather,
+        "--zero 3 --offload-params (the FP8 gather quantizes the shard on the device; the host "
+        "shard's upload first is not built)": c.zero == 3 and c.offload_params,
         "--dtype fp16 (FP8's own scales replace loss scaling; use --dtype bf16 or fp32)": (
             c.dtype == "fp16"
         ),

@@ -85,6 +85,8 @@ QUICK = {
     "FP8 casts against the bit-level reference": "tests/test_fp8.py::test_quantize_tiles",
     "the FP8 linear's GEMMs": "tests/test_fp8_train.py::test_gemms_are_the_recipes_arithmetic",
     "ZeRO-3's FP8 gather bytes (dry run)": "tests/test_fp8.py::test_dry_run_shows_the_fp8_gather_bytes",
+    "the planner's FP8 peak (dry run, plan --fp8)": "tests/test_fp8.py::"
+    "test_planner_prices_the_fp8_gemms_at_the_datasheet_peak",
     "MLA against transformers": "tests/test_mla.py::test_mla_is_transformers_deepseek_v3_attention",
 }
 

@@ -7,6 +7,7 @@ float32 (fmax / amax), MX's shared exponent from math.frexp (the OCP MX v1.0 flo
 in it calls torch's float8 casts.
 """
 
+import json
 import math
 
 import numpy as np
@@ -15,7 +16,9 @@ import torch
 
 from nanomega import fp8, fp8_linear, train
 from nanomega.job import flags
+from nanomega.tools import cost_time, plan
 
+MOE = ["--arch", "llama", "--n-experts", "4"]
 FORMATS = {fp8.E4M3: (4, 3, 7), fp8.E5M2: (5, 2, 15)}  # exponent bits, mantissa bits, bias
 
 
@@ -190,9 +193,14 @@ def test_mx_non_finite_block_is_nan():
     "argv, says",
     [
         (["--fp8", "mxfp8", "--cp", "2", "--block-size", "64"], "32-token tiles"),
-        (["--fp8", "blockwise", "--ep", "2", "--arch", "llama", "--n-experts", "4"], "--ep 2"),
+        (
+            ["--fp8", "mxfp8", "--ep", "2", *MOE, "--batch-size", "1", "--block-size", "48"],
+            "--ep 2",
+        ),
         (["--fp8", "rowwise", "--zero", "3"], "--zero 3"),
-        (["--fp8", "tensorwise", "--zero", "3", "--tp", "2"], "--zero 3"),
+        (["--fp8", "mxfp8", "--zero", "3"], "columns for dX"),
+        (["--fp8", "delayed", "--zero", "3"], "amax history"),
+        (["--fp8", "tensorwise", "--zero", "3", "--offload-params"], "--offload-params"),
         (["--fp8", "mxfp8", "--dtype", "fp16"], "--dtype fp16"),
         (["--fp8", "tensorwise", "--compile"], "--compile"),
         (["--fp8", "tensorwise", "--pp", "2", "--schedule", "zb-h1"], "--schedule zb-h1"),
@@ -214,9 +222,13 @@ def test_good_combinations_pass():
         ["--fp8", "off", "--tp", "2", "--sequence-parallel"],
         ["--fp8", "mxfp8", "--tp", "2"],
         ["--fp8", "tensorwise", "--zero", "3"],
+        ["--fp8", "tensorwise", "--zero", "3", "--tp", "2"],
+        ["--fp8", "blockwise", "--fp8-block", "16", "--zero", "3", "--tp", "2"],
         ["--fp8", "blockwise", "--fp8-block", "16", "--tp", "2", "--sequence-parallel"],
         ["--fp8", "rowwise", "--cp", "2"],
         ["--fp8", "mxfp8", "--cp", "2", "--block-size", "128"],
+        ["--fp8", "tensorwise", "--ep", "2", *MOE, "--batch-size", "1", "--block-size", "48"],
+        ["--fp8", "mxfp8", "--ep", "2", *MOE, "--batch-size", "2", "--block-size", "48"],
     ):
         c = flags.parse(argv)
         fp8_linear.check(c, flags.model_config(c, 4096))
@@ -233,3 +245,35 @@ def test_dry_run_shows_the_fp8_gather_bytes():
     res = train.main([*argv, "--zero", "3", "--dtype", "bf16", "--fp8", "tensorwise", "--dry-run"])
     padded = -(-12 * h * h // dp) * dp
     assert res["fp8_gather"] == (2 * L * (padded + 4 * 4), 2 * L * 2 * padded)
+
+
+def test_planner_prices_the_fp8_gemms_at_the_datasheet_peak(capsys):
+    """--dry-run at --fp8: for each GPU preset with an FP8 peak, the planner's one-layer time
+    without and with FP8 differs by the block's GEMM FLOPs priced at the bf16 and at the FP8 peak,
+    computed here independently (GPT-2 block: 12 h^2 weights, 2 b s FLOPs per weight and pass, 3
+    passes, recompute none; both at MATMUL's fraction of peak); the peaks are the datasheets'
+    (H100/H200 SXM: 3,958 sparse = 1,979 dense FP8 TFLOP/s). The planner's command line takes
+    --fp8 (a shorter step on an H100) and refuses it in one line on an A100 (no FP8 units)."""
+    L, h, b, s = 2, 64, 4, 128
+    argv = ["--n-layer", str(L), "--n-embd", str(h), "--n-head", "4", "--block-size", str(s)]
+    argv += ["--batch-size", str(b), "--dtype", "bf16", "--attention", "eager"]
+    res = train.main([*argv, "--fp8", "tensorwise", "--dry-run"])
+    times = res["fp8_times"]
+    assert times["h100-sxm"][:2] == (1979e12, 989e12) and times["h200"][0] == 1979e12
+    assert times["h100-pcie"][0] == 1513e12 and "a100-80gb" not in times
+    for name, (fp8_peak, peak, base, fast) in times.items():
+        gemm = 2 * b * s * 12 * h * h * 3
+        saved = gemm / (peak * cost_time.TIME.matmul) - gemm / (fp8_peak * cost_time.TIME.matmul)
+        assert base - fast == pytest.approx(saved, rel=1e-9), name
+    assert "1,979 TFLOP/s FP8" in capsys.readouterr().out
+
+    plan_argv = ["--model", "gpt2-1.5b", "--gpus", "8", "--tp", "1", "--pp", "1", "--zero", "1"]
+    plan_argv += ["--json"]
+    steps = []
+    for extra in ([], ["--fp8"]):
+        plan.main([*plan_argv, "--gpu", "h100-sxm", *extra])
+        steps.append(json.loads(capsys.readouterr().out)["estimates"][0]["step_s"])
+    assert steps[1] < steps[0]
+    with pytest.raises(SystemExit) as e:
+        plan.main([*plan_argv, "--gpu", "a100-80gb", "--fp8"])
+    assert str(e.value).startswith("plan: --fp8") and "\n" not in str(e.value)

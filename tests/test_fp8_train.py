@@ -1,6 +1,7 @@
 """FP8 training (--fp8, nanomega/fp8_linear.py): it learns, its GEMMs are the recipe's arithmetic,
-and layouts that split no tensor a scale is taken over (dp2 ZeRO-1, pp2) equal one process; ZeRO-3
-gathers the weights in FP8 (nanomega/fp8_gather.py) and equals ZeRO-2 bitwise.
+and every layout (dp2, pp2, tp2 (+SP), cp2, ep2) equals one process (ep2: one process running the
+union of both ranks' micro-batches); ZeRO-3 gathers the weights in FP8 (nanomega/fp8_gather.py:
+tensorwise and blockwise, also under tp) and equals ZeRO-2 bitwise.
 
 A layout test keeps the micro-batches of the one-process run (batch 2, 4 micro-batches of the
 global batch 8), so every current scale is taken over the same tensor; the fp32 runs of these
@@ -10,6 +11,7 @@ so a GEMM of K terms differs from the fp32 product of the dequantized operands o
 of its fp32 sums (2 gamma(K) relative to sum |terms|) and the scales' products (a few u).
 """
 
+import dataclasses
 import shutil
 
 import pytest
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from nanomega import (
     checkpoint,
     dist,
+    ep,
     fp8,
     fp8_gather,
     fp8_linear,
@@ -28,6 +31,8 @@ from nanomega import (
     worlds,
     zero3,
 )
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
 from test_layouts import curve, flags
 from tolerance import gamma, layout_rtol, unit_roundoff
 
@@ -80,6 +85,26 @@ LAYOUTS = [
     ("tp2-sp", ["--tp", "2", "--sequence-parallel", *ONE], "tensorwise"),  # dX, dW by role
     ("tp2-sp", ["--tp", "2", "--sequence-parallel", *ONE], "blockwise"),
 ]
+
+# ep2 (MoE): an expert's GEMMs hold both ep ranks' tokens, so the reference is one process running
+# their union: ep2 at 4 sequences per rank, one micro-batch each (data.py gives rank r sequences
+# [4r, 4r + 4) of the step's 8), against one process at one micro-batch of those 8
+MOE = ["--arch", "llama", "--n-experts", "4", "--top-k", "2", "--ffn-hidden", "64"]
+MOE += ["--shared-experts", "1"]  # a dense MLP inside the MoE layer: its amax over ep
+EP2, UNION = (["--batch-size", b, "--grad-accum", "1", *MOE] for b in "48")
+EP_RECIPES = ["tensorwise", "rowwise", "blockwise"]
+# the Llama MoE block's reductions: q, kv, o, scores, AV, router, gate_up, down per layer (<= 64
+# terms: the expert width), 2 layers + head
+RTOL_MOE = layout_rtol(STEPS, vocab=4096, width=64, depth=2 * 8 + 1)
+# ZeRO-3 with the FP8 gather against ZeRO-2, bitwise: a bf16 model (codes from bf16 shards,
+# dequantized into bf16), blockwise (tiles straddling the shards: their amax MAXed), tp2 (a tp
+# shard's amax MAXed over tp too; dp 1: the gather's own arithmetic, no reduction around it)
+DP2_MB = ["--batch-size", "2", "--grad-accum", "2"]
+GATHERS = {
+    "bf16": [*DP2_MB, "--dtype", "bf16", "--fp8", "tensorwise"],
+    "blockwise": [*DP2_MB, "--fp8", "blockwise", "--fp8-block", "16"],
+    "tp2": [*ONE, "--tp", "2", "--fp8", "tensorwise"],
+}
 
 
 def recipe_flags(name):
@@ -178,6 +203,44 @@ def sequence_parallel_roles():
     assert seen == forward + dgrad + wgrad, seen
 
 
+def same_scales_over_ep():
+    """ep2, one MoE layer (routed experts, a shared expert, attention): every FP8 GEMM quantizes
+    with the scale one process computes on the union of both ranks' tokens, forward and backward.
+    A dense weight's operands hold this rank's tokens: their amax MAX over ep; a routed expert's
+    rows came from both ranks already: its own amax (reduced over ep, it would take the other
+    rank's experts' amax: wrong). Each weight's scales and codes, in call order, = the union's."""
+    grid = dist.Grid(2, ep=2)
+    cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=32, arch="llama")
+    # no aux loss: its gradient is a mean over the micro-batch's sequences (2 here, 4 in the union)
+    cfg = dataclasses.replace(cfg, n_experts=4, ffn_hidden=32, shared_experts=1, moe_aux_loss=0.0)
+    idx = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(2))  # the union
+    seen = {}
+    for world in ("union", "ep2"):
+        model = GPT(cfg, seed=0)
+        names = {id(p): k for k, p in model.named_parameters()}
+        if world == "ep2":
+            ep.apply_expert_parallel(model, grid.ep)
+        entry = fp8_linear.apply_fp8(model, "tensorwise", ep=grid.ep if world == "ep2" else None)
+        log, operand = seen.setdefault(world, {}), entry.operand
+
+        def record(t, role, w, wt=False, tokens=False, log=log, operand=operand, names=names):
+            q = operand(t, role, w, wt, tokens)
+            log.setdefault(names[id(w)], []).append((role, q.scale_inv, q.data.view(torch.uint8)))
+            return q
+
+        entry.operand = record
+        x = idx if world == "union" else idx.chunk(2)[grid.ep.rank]  # (4, 8) or this rank's (2, 8)
+        model(x).float().sum().backward()
+    union, mine = seen["union"], seen["ep2"]
+    assert any(".experts." in k for k in mine) and any(".shared." in k for k in mine)
+    for name, calls in mine.items():
+        want = union[name]
+        assert [r for r, _, _ in calls] == [r for r, _, _ in want], name
+        assert all(torch.equal(a[1], b[1]) for a, b in zip(calls, want)), name
+        if ".experts." in name:  # the same rows in the same order: the codes too
+            assert all(torch.equal(a[2], b[2]) for a, b in zip(calls, want)), name
+
+
 class Linear(torch.nn.Linear):
     """A linear through an FP8 entry (as seams.Linear through its op table)."""
 
@@ -185,12 +248,13 @@ class Linear(torch.nn.Linear):
         return self.entry(x, self.weight, self.bias)
 
 
-def gathered_in_fp8():
+def gathered_in_fp8(name):
     """ZeRO-3 over dp2 with the FP8 wire, two linears (60 and 40 weight elements: each weight split
-    between the ranks; the first's amax only in rank 1's half): each weight's gathered codes and
-    scale are one process's quantization of the whole weight, bitwise; forward, dX and dW equal the
-    unsharded FP8 module's bitwise; the bytes gathered = fp8_gather's formula (1 per element)."""
-    grid, entry = dist.Grid(2), fp8_linear.FP8("tensorwise")
+    between the ranks; the first's amax only in rank 1's half; blockwise: 4 x 4 tiles, some
+    straddling the shards' edge): each weight's gathered codes and scales are one process's
+    quantization of the whole weight, bitwise; forward, dX and dW equal the unsharded FP8 module's
+    bitwise; the bytes = fp8_gather's formula (1 per element, 4 per tile's amax)."""
+    grid, entry = dist.Grid(2), fp8_linear.FP8(name, block=4)
     torch.manual_seed(0)  # the same model and input on both ranks
     model = torch.nn.Sequential(Linear(6, 10), Linear(10, 4))
     for m in model:
@@ -202,27 +266,30 @@ def gathered_in_fp8():
     ref = model(x)  # unsharded: the entry quantizes each whole weight
     ref_dx, ref_dw = torch.autograd.grad(ref.sum(), (x, model[0].weight))
 
-    sharded = zero3.ShardedParameters(
-        model, list(model.named_parameters()), grid.dp, wire=fp8_gather.FP8Gather()
-    )
+    wire = fp8_gather.FP8Gather(entry.recipe.weight)
+    sharded = zero3.ShardedParameters(model, list(model.named_parameters()), grid.dp, wire=wire)
     grid.log.reset()
     y = model(x)
-    assert torch.equal(y, ref)
+    assert torch.equal(y, ref), name
     y.sum().backward()
-    assert torch.equal(x.grad, ref_dx) and torch.equal(model[0].weight.grad, ref_dw)
+    assert torch.equal(x.grad, ref_dx) and torch.equal(model[0].weight.grad, ref_dw), name
     wired = [g for g in sharded.groups if sharded.wired(g.params[0])]
     assert [g.padded for g in wired] == [60, 40]
+    n_tiles = 2 if name == "tensorwise" else 3 * 2 + 1 * 3  # (10, 6) and (4, 10) in 4 x 4 tiles
     counts = {(op, dt): b for (op, _, dt), (_, b) in grid.log.counts.items()}
     assert counts[("all_gather", "uint8")] == 2 * (60 + 40)  # forward and backward: N S bytes
-    assert counts[("all_reduce", "float32")] == 2 * 2 * 4  # one fp32 amax per weight and gather
+    assert counts[("all_reduce", "float32")] == 2 * n_tiles * 4  # one fp32 amax per tile, gather
     assert counts[("all_gather", "float32")] == 2 * 4 * (10 + 4)  # the biases, in fp32
+    assert fp8_gather.step_bytes(sharded)[0] == 2 * (60 + 40) + 2 * n_tiles * 4
 
-    for u, name in [(1, "0.weight"), (2, "1.weight")]:
+    for u, key in [(1, "0.weight"), (2, "1.weight")]:
         sharded.gather(u)
-        got, want = sharded.units[u].weight.fp8_gathered, fp8.quantize(whole[name], fp8.E4M3)
-        assert torch.equal(got.scale_inv, want.scale_inv), name
-        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), name
-        assert torch.equal(sharded.units[u].weight.detach(), want.dequantize()), name
+        got, rows, cols = sharded.units[u].weight.fp8_gathered, *entry.recipe.weight
+        want = fp8.quantize(fp8_linear.pad_to(whole[key], rows, cols), fp8.E4M3, rows, cols)
+        assert torch.equal(got.scale_inv, want.scale_inv), (name, key)
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), (name, key)
+        N, K = whole[key].shape
+        assert torch.equal(sharded.units[u].weight.detach(), want.dequantize()[:N, :K]), key
         for g in sharded.unit_groups[u]:
             sharded.release(g)
 
@@ -232,12 +299,17 @@ def run_all(corpus, root):
     same_scales()
     same_scales_over_cp()
     sequence_parallel_roles()
-    gathered_in_fp8()
+    same_scales_over_ep()
+    gathered_in_fp8("tensorwise")
+    gathered_in_fp8("blockwise")
     for layout, extra, name in LAYOUTS:
         train.main(flags(corpus, root / f"{layout}-{name}", [*extra, *recipe_flags(name)], COMMON))
-    for z in (ZERO2, ZERO3):  # bf16: the gathered codes from bf16 shards, dequantized into bf16
-        extra = [*z, "--dtype", "bf16", *recipe_flags("tensorwise")]
-        train.main(flags(corpus, root / f"dp2-zero{z[1]}-bf16", extra, COMMON))
+    for name in EP_RECIPES:
+        extra = [*EP2, "--ep", "2", *recipe_flags(name)]
+        train.main(flags(corpus, root / f"ep2-{name}", extra, COMMON))
+    for kind, extra in GATHERS.items():  # each at ZeRO-2 and ZeRO-3 (the weights in FP8)
+        for z in "23":
+            train.main(flags(corpus, root / f"zero{z}-{kind}", [*extra, "--zero", z], COMMON))
     return True
 
 
@@ -246,6 +318,8 @@ def one_process(corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("one")
     for name in ["off", *RECIPES]:
         train.main(flags(corpus, root / name, [*ONE, *recipe_flags(name)], COMMON))
+    for name in EP_RECIPES:  # ep2's reference: one process, the union of its ranks' micro-batches
+        train.main(flags(corpus, root / f"union-{name}", [*UNION, *recipe_flags(name)], COMMON))
     return root
 
 
@@ -272,16 +346,28 @@ def test_layouts_equal_one_process(corpus, one_process, tmp_path):
     too): losses within
     tolerance.layout_rtol, the fp32 bound, as an FP8 cast turns a small perturbation d into a
     rounding flip of one spacing D with probability about d / D: its mean effect is d, as in fp32.
-    ZeRO-3 (the weights gathered in FP8) = ZeRO-2 bitwise, losses and weights, in fp32 and bf16
-    models: their fp32 runs are
-    (both reduce each micro-batch's gradients; test_zero.py's bitwise cases), and the gathered
-    codes are the ones ZeRO-2's whole weights quantize to (gathered_in_fp8)."""
+    ep2 (MoE: tensorwise, rowwise, blockwise) against one process on the union batch: the
+    same bound with the MoE block's depth (RTOL_MOE); its scales: same_scales_over_ep.
+    ZeRO-3 (the weights gathered in FP8) = ZeRO-2 bitwise, losses and weights (GATHERS: fp32 and
+    bf16 tensorwise, blockwise, tp2 tensorwise): their fp32 runs are (both reduce each
+    micro-batch's gradients; test_zero.py's bitwise cases), and the gathered codes are the ones
+    ZeRO-2's whole weights quantize to (gathered_in_fp8)."""
     worlds.launch(run_all, 2, corpus, tmp_path, timeout=600)
-    for kind in ("tensorwise", "bf16"):  # fp32 and bf16 models
-        z2, z3 = (tmp_path / f"dp2-zero{z}-{kind}" for z in "23")
+    for kind in ["dp2-tensorwise", *GATHERS]:
+        z2, z3 = (
+            tmp_path / (f"dp2-zero{z}-tensorwise" if kind[:3] == "dp2" else f"zero{z}-{kind}")
+            for z in "23"
+        )
         assert curve(z3) == curve(z2), kind
         got, want = (reshard.full_weights(checkpoint.latest(d)) for d in (z3, z2))
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    for name in EP_RECIPES:  # ep2 (MoE) against one process running the union batch
+        (losses, val), (ref_losses, ref_val) = (
+            curve(tmp_path / f"ep2-{name}"),
+            curve(one_process / f"union-{name}"),
+        )
+        assert losses == pytest.approx(ref_losses, rel=RTOL_MOE), ("ep2", name)
+        assert val == pytest.approx(ref_val, rel=RTOL_MOE), ("ep2", name)
     for layout, _, name in LAYOUTS:
         out, ref = tmp_path / f"{layout}-{name}", one_process / name
         (losses, val), (ref_losses, ref_val) = curve(out), curve(ref)

@@ -98,6 +98,7 @@ class GPU:
     per_node: int = 8
     pcie_bw: float = 25e9  # bytes/s between host and GPU, one direction (ZeRO-Offload's copies)
     host_bw: float = 51e9  # bytes/s of host memory, one GPU's share (ZeRO-Offload's CPU Adam)
+    fp8_flops: float = 0.0  # dense FP8 FLOP/s (datasheet); 0: none recorded (A100: no FP8 units)
 
 
 # NVIDIA datasheets, dense bf16 (without 2:4 sparsity), one direction of NVLink, each GPU's NIC:
@@ -109,15 +110,20 @@ class GPU:
 # HBM2e at 2.4 TB/s, 500 W; its footnote: peak between SXM's and NVL's, SXM's used for its MFU).
 # host: PCIe 4 / 5 x16 (32 / 64 GB/s, ~80% reached), 2 sockets x 8 DDR4-3200 / DDR5-4800 channels
 # over 8 GPUs. --peak-tflops, --hbm-tbps, --inter-bw (plan.py) replace a preset's numbers by measured
-# ones.
+# ones. FP8 (--fp8), dense = half the datasheets' "FP8 Tensor Core" numbers, printed with 2:4
+# sparsity: NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100, "H100 SXM /
+# H100 PCIe": 3,958 / 3,026 TFLOPS*), NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200,
+# "H200 SXM": 3,958 TFLOPS*, the H100 SXM's compute); h100-96gb priced at SXM's, as for bf16.
+# A100 (Ampere) has no FP8 tensor cores; B200's is not recorded here (not checked): both 0.
 GPUS = {
     "a100-80gb": GPU(312e12, 80 * 2**30, 2039e9, 300e9, 25e9, 8, 25e9, 51e9),
-    "h100-80gb": GPU(989e12, 80 * 2**30, 3350e9, 450e9, 50e9, 8, 50e9, 77e9),  # = h100-sxm
-    "h100-sxm": GPU(989e12, 80 * 2**30, 3350e9, 450e9, 50e9, 8, 50e9, 77e9),
+    # h100-80gb = h100-sxm
+    "h100-80gb": GPU(989e12, 80 * 2**30, 3350e9, 450e9, 50e9, 8, 50e9, 77e9, fp8_flops=1979e12),
+    "h100-sxm": GPU(989e12, 80 * 2**30, 3350e9, 450e9, 50e9, 8, 50e9, 77e9, fp8_flops=1979e12),
     # PCIe card: 756 TFLOP/s, HBM2e 2.0 TB/s; GPUs of a node talk over PCIe 5 (NVLink bridges pairs)
-    "h100-pcie": GPU(756e12, 80 * 2**30, 2000e9, 64e9, 50e9, 8, 50e9, 77e9),
-    "h100-96gb": GPU(989e12, 96 * 2**30, 2400e9, 450e9, 50e9, 8, 50e9, 77e9),
-    "h200": GPU(989e12, 141e9, 4800e9, 450e9, 50e9, 8, 50e9, 77e9),
+    "h100-pcie": GPU(756e12, 80 * 2**30, 2000e9, 64e9, 50e9, 8, 50e9, 77e9, fp8_flops=1513e12),
+    "h100-96gb": GPU(989e12, 96 * 2**30, 2400e9, 450e9, 50e9, 8, 50e9, 77e9, fp8_flops=1979e12),
+    "h200": GPU(989e12, 141e9, 4800e9, 450e9, 50e9, 8, 50e9, 77e9, fp8_flops=1979e12),
     "b200": GPU(2250e12, 180e9, 8000e9, 900e9, 50e9, 8, 50e9, 77e9),
 }
 # bytes/param (params, grads, optimizer) as the engine allocates them: gradients reduced in fp32
@@ -150,6 +156,8 @@ class Run:
     # "overlap" (tools/overlap.py: buckets in backward, ZeRO-3's prefetch, as FSDP and the engine)
     overlap: str = "none"
     tp_overlap: bool = False  # tp's collectives chunked beside the matmuls (overlap.tp_exposed)
+    # train.py --fp8: the blocks' GEMMs at the GPU's FP8 peak (attention's and the head's in dtype)
+    fp8: bool = False
 
 
 # ---- model shapes --------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ tools/published.py. evaluate adds tools/cost.py's memory: one layout's Estimate.
             + (ELEM x bsh [/t with SP] + SCORE x b(a/t)s^2) / HBM bandwidth
     step  = (m + (p-1)/v) x (slowest stage + its sends / link) + exposed dp seconds [+ offload]
     MFU   = tokens x (6N + 12Lhs) / (step x GPUs x datasheet peak)
-matmul FLOPs: Llama q, o 2h^2, k, v 2h^2 n_kv/a, SwiGLU 3hf; GPT-2 12h^2. Run.attention "sdpa"
+matmul FLOPs: Llama q, o 2h^2, k, v 2h^2 n_kv/a, SwiGLU 3hf; GPT-2 12h^2; Run.fp8: these at the
+GPU's datasheet FP8 peak, the same fraction MATMUL of it (assumed: no FP8 row calibrates it), QK^T,
+AV and the head at the bf16 peak (train.py --fp8 keeps them in --dtype). Run.attention "sdpa"
 (FlashAttention): no SCORE term, but its backward recomputes QK^T (2bs^2h/t more matmul FLOPs).
 TFLOP/s per GPU is reported counting recompute (Megatron's eq. 3 accounting, as papers report it).
 Lesson: lessons/11-planning-a-run.md
@@ -113,6 +115,8 @@ def layer_parts(model, gpu, run, tp, time=TIME):
     full, attn_again = run.recompute == "full", run.recompute in ("full", "selective")
     flash = run.attention == "sdpa"
     dense = 2 * b * s * layer_weights(model, tp) * (3 + full)  # forward 1, backward 2, recompute 1
+    if run.fp8:  # the blocks' GEMMs at the FP8 peak: as fewer FLOPs at the bf16 one (same MATMUL)
+        dense = dense * gpu.peak_flops / gpu.fp8_flops
     # QK^T and AV (GQA shares k/v between heads, not the products); FlashAttention's backward reruns
     # QK^T
     attn = 4 * b * s * s * h / tp * (3 + attn_again) + (2 * b * s * s * h / tp if flash else 0)

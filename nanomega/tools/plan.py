@@ -132,6 +132,7 @@ def main(argv=None):
             f"{f', cp {args.cp} ' + args.cp_method if args.cp > 1 else ''}"
             f"{', dp overlap' if run.overlap == 'overlap' else ''}{', tp overlap' if run.tp_overlap else ''}"
             f"{', sdpa attention' if run.attention == 'sdpa' else ''}"
+            f"{', FP8 GEMMs' if run.fp8 else ''}"
             + (
                 f", offload {run.offload:g} of the optimizer state (PCIe {gpu.pcie_bw / 1e9:g} GB/s)"
                 if run.offload

@@ -77,6 +77,12 @@ def parse(argv=None):
         "--no-sp", action="store_true", help="tensor parallelism without sequence parallelism"
     )
     ap.add_argument(
+        "--fp8",
+        action="store_true",
+        help="train.py --fp8: the blocks' GEMMs at the GPU's datasheet FP8 peak (tools/cost.py "
+        "GPUS), attention and the head at the bf16 one",
+    )
+    ap.add_argument(
         "--attention",
         choices=["eager", "sdpa"],
         help="eager: the scores go through HBM (the Megatron/BLOOM runs the time model was fitted on; "
@@ -199,6 +205,12 @@ def configure(argv=None):
         raise SystemExit(
             "plan: --offload needs --zero 1, 2 or 3 (as train.py: it offloads a ZeRO engine's state)"
         )
+    if args.fp8 and (not gpu.fp8_flops or args.dtype == "fp16" or args.cp > 1):
+        raise SystemExit(
+            f"plan: --fp8 needs a GPU preset with an FP8 peak ({args.gpu}: "
+            f"{gpu.fp8_flops / 1e12:g} TFLOP/s; the A100 has no FP8 units), --dtype bf16 or fp32 "
+            "(train.py refuses fp16) and --cp 1 (the cp model prices no FP8 yet)"
+        )
     if args.rampup and not (
         0 < args.rampup[0] < args.global_batch
         and args.rampup[1] > 0
@@ -226,6 +238,7 @@ def configure(argv=None):
         split=args.split,
         overlap=args.overlap,
         tp_overlap=args.tp_overlap,
+        fp8=args.fp8,
     )
     if args.cp > 1 and not (
         args.tp

@@ -13,6 +13,7 @@ Lesson: lessons/09-3d-parallelism.md (the dry run), lessons/11-planning-a-run.md
 
 import os
 import time
+from dataclasses import replace
 
 import torch
 
@@ -20,6 +21,7 @@ from nanomega import compose, dist, fp8_gather, meta
 from nanomega.gpt_config import SHAPE_KEYS
 from nanomega.job import checks, flags
 from nanomega.tools import cost, cost_moe
+from nanomega.tools.cost_time import layer_seconds
 
 
 def dry_run(config):
@@ -59,8 +61,16 @@ def dry_run(config):
             f"--fp8 {config.fp8}, ZeRO-3: its FP8 weights' all-gathers move {fp8 / 1e6:.3f} MB per "
             f"micro-batch (1-byte codes + 4-byte amax), {base / 1e6:.3f} MB in {config.dtype}"
         )
+    times = fp8_times(config) if config.fp8 != "off" else None
+    for name, (fp8, peak, base, fast) in (times or {}).items():
+        print(
+            f"--fp8, planner: {name} at {fp8 / 1e12:,.0f} TFLOP/s FP8 ({peak / 1e12:,.0f} bf16): "
+            f"one layer's forward + backward of a micro-batch {fast * 1e3:.4f} ms "
+            f"({base * 1e3:.4f} ms without FP8)"
+        )
     return dict(
         fp8_gather=fp8_gather.step_bytes(engine.sharded) if wired else None,
+        fp8_times=times,
         engine=held,
         planner=planned,
         groups=len(engine.groups),
@@ -68,6 +78,30 @@ def dry_run(config):
         dp=config.dp,
         seconds=seconds,
     )
+
+
+def fp8_times(config):
+    """--fp8: the planner's one layer, forward + backward of one micro-batch at this layout's tp, on
+    each GPU preset with a datasheet FP8 peak, without and with FP8 GEMMs (cost_time.layer_seconds):
+    {gpu: (FP8 FLOP/s, bf16 FLOP/s, seconds, seconds with --fp8)}."""
+    model = planner_model(config)
+    run = cost.Run(
+        micro_batch=config.batch_size,
+        dtype=config.dtype,
+        recompute=config.recompute,
+        sp=config.sequence_parallel,
+        attention="sdpa" if config.attention == "sdpa" else "eager",
+    )
+    return {
+        name: (
+            gpu.fp8_flops,
+            gpu.peak_flops,
+            layer_seconds(model, gpu, run, config.tp),
+            layer_seconds(model, gpu, replace(run, fp8=True), config.tp),
+        )
+        for name, gpu in cost.GPUS.items()
+        if gpu.fp8_flops
+    }
 
 
 def check_memory(config):
