@@ -86,6 +86,7 @@ QUICK = {
     "the FP8 linear's GEMMs": "tests/test_fp8_train.py::test_gemms_are_the_recipes_arithmetic",
     "ZeRO-3's FP8 gather bytes (dry run)": "tests/test_fp8.py::test_dry_run_shows_the_fp8_gather_bytes",
     "MLA against transformers": "tests/test_mla.py::test_mla_is_transformers_deepseek_v3_attention",
+    "MTP over the whole step's targets": "tests/test_mtp.py::test_micro_batches_and_ranks_count_the_whole_step",
 }
 
 
