@@ -8,10 +8,11 @@ axis that adds the other rank's counts) has the one-batch gradient; planted, a r
 (Megatron-LM #7452's bug) or each micro-batch's own mean has not. Parameters, FLOPs (torch's
 FlopCounterMode) and the planner's count are formulas.py's, exactly.
 End to end (train.py on short documents with --document-mask, so each rank's and micro-batch's
-valid MTP targets differ): dp2 (micro-batches of 2), pp2 (1F1B; the modules and the tied head's
-copy on the last stage), tp2 and tp2 + SP (the MTP blocks split as the trunk's, the lookup and the
-loss vocabulary-parallel) equal one process (one micro-batch of 8): losses, the first step's
-gradient norm, the validation loss and the final weights, the MTP modules' included.
+valid MTP targets differ): dp2 (micro-batches of 2), dp2 ZeRO-3 with full recompute (of 4), pp2
+1F1B and ZB-H1 (the modules and the tied head's copy on the last stage; ZB-H1 defers their weight
+gradients too), tp2 and tp2 + SP (the MTP blocks split as the trunk's, the lookup and the loss
+vocabulary-parallel) equal one process (one micro-batch of 8): losses, the first step's gradient
+norm, the validation loss and the final weights, the MTP modules' included.
 Tolerances (tests/tolerance.py): gradients of one batch in two orders, gradient_rtol relative to the
 largest element; layouts, layout_rtol for D + L = 4 blocks (5 reductions of <= 64 terms each) and
 the 3 heads; weights within 1e-4 as tests/test_layouts.py (1% of one Adam step at lr 1e-2:
@@ -194,7 +195,9 @@ COMMON += ["--log-every", "100", "--peak-flops", "1e11", "--save-every", "4"]
 COMMON += ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.5"]
 LAYOUTS = [  # global batch 8: one process takes it as one micro-batch
     ("dp2", ["--batch-size", "2", "--grad-accum", "2"]),
+    ("dp2-zero3-full", ["--zero", "3", "--recompute", "full", "--batch-size", "4"]),
     ("pp2-1f1b", ["--pp", "2", "--schedule", "1f1b", "--batch-size", "2", "--grad-accum", "4"]),
+    ("pp2-zb-h1", ["--pp", "2", "--schedule", "zb-h1", "--batch-size", "2", "--grad-accum", "4"]),
     ("tp2", ["--tp", "2", "--batch-size", "2", "--grad-accum", "4"]),
     ("tp2-sp", ["--tp", "2", "--sequence-parallel", "--batch-size", "4", "--grad-accum", "2"]),
 ]
@@ -205,7 +208,7 @@ def rows(out):
     return [json.loads(line) for line in open(out / "metrics.jsonl") if '"grad_norm"' in line]
 
 
-def test_dp2_with_uneven_targets_and_pp2_equal_one_process(docs_corpus, tmp_path):  # noqa: F811
+def test_dp2_with_uneven_targets_pp2_and_tp2_equal_one_process(docs_corpus, tmp_path):  # noqa: F811
     # one process first: it prepares the corpus's cache, which the world's ranks then read
     dense = tmp_path / "dense"
     train.main(flags(docs_corpus, dense, ["--batch-size", "8", "--grad-accum", "1"], COMMON))
