@@ -14,6 +14,8 @@ its formulas and its lesson:
         modern.py     the Llama block's pieces: rotary positions, RMSNorm, SwiGLU, grouped-query
                       (lesson 13)
         mla.py        multi-head latent attention: keys and values from a small latent (DeepSeek)
+        mtp.py        multi-token prediction: D more modules, each predicting one token further
+                      (DeepSeek-V3); their loss over the whole step's valid targets
         data.py       text -> tokens on disk, once
         windows.py    token windows -> this rank's resumable batches
     02  ddp.py        data parallelism: gradient buckets all-reduced while backward runs
@@ -62,7 +64,7 @@ Beside the concepts, two folders a student may skip:
             handling, health check, meter (MFU, memory)
     tools/  commands around training: planner, HF interchange, plots, sampling, corpus and tokenizer
             preparation
-Imports point down: tools -> job -> concepts; model.py imports only modern.py, mla.py and moe.py (the
-block's pieces), seams.py (its op table), gpt_config.py (its shape) and initialization.py (its
-values).
+Imports point down: tools -> job -> concepts; model.py imports only modern.py, mla.py, moe.py and
+mtp.py (the block's pieces), seams.py (its op table), gpt_config.py (its shape) and
+initialization.py (its values).
 """

@@ -80,6 +80,15 @@ def mla_layer_delta(cfg, t=1):
     return mla_attention_params(h, a, cfg.q_lora_rank, cfg.kv_lora_rank, *cfg.mla_dims, t) - mha
 
 
+def mtp_params(cfg, t=1):
+    """Multi-token prediction's D modules on one TP rank (mtp.py; a GPTConfig): each one Llama
+    layer (MLA's if the model's is), the 2h -> h projection and three RMSNorm scales (the
+    embedding's, the hidden state's, the final); the embedding and the head are the model's."""
+    h = cfg.n_embd
+    layer = llama_layer_params(h, cfg.ffn, cfg.n_head, cfg.kv_heads, t) + mla_layer_delta(cfg, t)
+    return cfg.mtp_num_layers * (layer + 2 * h * h + 3 * h)
+
+
 def kv_cache_bytes_per_token(cfg, elem_bytes=2):
     """Inference KV-cache bytes per token over all layers: a key and a value per key/value head, 2
     n_kv d_h a layer; MLA only its latent and shared rotary key, d_c + d_r (DeepSeek-V2, arXiv
@@ -386,9 +395,14 @@ def model_flops_per_token(cfg, seq_len=None):
             )[1]
         )
         n = L * (per_layer + mla_layer_delta(cfg)) + cfg.padded_vocab_size * h + h
+        # MTP's D modules: a layer each (and its core) and one more pass through the head
+        mtp, D = (
+            mtp_params(cfg) + cfg.mtp_num_layers * cfg.padded_vocab_size * h,
+            cfg.mtp_num_layers,
+        )
         # the core's QK^T and AV: 12 L h s with h = a d_h; MLA's heads: 6 L s a (d_n + d_r + d_v)
         core = cfg.n_head * sum(cfg.mla_dims) / 2 if cfg.kv_lora_rank else h
-        return flops_per_token(n, L, core, s)
+        return flops_per_token(n + mtp, L + D, core, s)
     per_layer = layer_params(h)  # qkv 3h^2+3h, proj h^2+h, fc 4h^2+4h, proj 4h^2+h, 2 LN 4h
     n = L * per_layer + cfg.padded_vocab_size * h + 2 * h + (2 * h if cfg.embed_layernorm else 0)
     return flops_per_token(n, L, h, s)

@@ -48,6 +48,7 @@ SHAPE_KEYS = SIZES + (
     "qk_nope_head_dim",
     "qk_rope_head_dim",
     "v_head_dim",
+    "mtp_num_layers",
 )
 ARCHS = ("gpt2", "llama")
 ATTENTION = ("sdpa", "eager", "fused")
@@ -107,6 +108,10 @@ class GPTConfig:
     qk_nope_head_dim: int = 0  # a head's q/k size without positions (DeepSeek-V3: 128); 0: h/a
     qk_rope_head_dim: int = 0  # its rotary part, one key for all heads (DeepSeek-V3: 64); 0: h/2a
     v_head_dim: int = 0  # a value head's size (DeepSeek-V3: 128); 0: h/a
+    # llama: multi-token prediction (mtp.py; DeepSeek-V3: 1 module, lambda 0.3 then 0.1): D extra
+    # modules on the last stage, each predicting one token further; their loss x lambda / D
+    mtp_num_layers: int = 0
+    mtp_loss_scaling_factor: float = 0.1
 
     @property
     def padded_vocab_size(self) -> int:
@@ -189,6 +194,11 @@ class GPTConfig:
                 f"--{bad[0].replace('_', '-')} must be a finite number > 0, got {getattr(self, bad[0])}"
             )
         self.validate_mla()
+        if self.mtp_num_layers < 0 or self.mtp_num_layers and self.arch != "llama":
+            raise ValueError(
+                f"--mtp-num-layers {self.mtp_num_layers}: multi-token prediction modules are "
+                f"--arch llama blocks (DeepSeek-V3); use 0 (off) or --arch llama"
+            )
         if self.arch == "llama" and not self.kv_lora_rank and (self.n_embd // self.n_head) % 2:
             raise ValueError(
                 f"--arch llama: rotary positions need an even head size, got n_embd/n_head = "

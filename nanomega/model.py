@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import mla, moe
+from . import mla, moe, mtp
 from .gpt_config import GPTConfig
 from .initialization import draw, init_std
 from .modern import RMSNorm, Rotary, document_mask, rms_norm, swiglu
@@ -298,6 +298,9 @@ class GPT(nn.Module):
         self.head = Head(cfg)
         if cfg.tie_embeddings:
             self.head.lm_head.weight = self.embed.wte.weight  # tied (pp.py unties across stages)
+        # DeepSeek-V3's multi-token prediction: D modules after the trunk, a block each (mtp.py)
+        blocks = [Block(cfg, rotary) for _ in range(cfg.mtp_num_layers)]
+        self.mtp = mtp.MultiTokenPrediction(cfg, blocks, norm) if blocks else None
         self.init_weights(seed)
 
     @torch.no_grad()
@@ -318,13 +321,30 @@ class GPT(nn.Module):
             x = self.embed(x, positions)
         for block in self.blocks.values():
             x = block(x, docs, positions)
-        return x if self.head is None else self.head(x, targets)
+        return x if self.head is None else self.output(x, targets, docs, positions)
+
+    def output(self, x, targets=None, docs=None, positions=None):
+        """The head on the last hidden state x: logits, or the loss; in training with MTP modules,
+        their loss joins the LM loss's backward (mtp.py: the embedding is the first stage's, or the
+        head's tied copy on a pipeline's last stage)."""
+        out = self.head(x, targets)
+        if self.mtp is None or targets is None or not torch.is_grad_enabled():
+            return out
+        weight = self.head.lm_head.weight  # tied: the embedding, or its last-stage copy
+        embed = (
+            self.embed.wte
+            if self.embed is not None
+            else functools.partial(F.embedding, weight=weight)
+        )
+        return self.mtp(x, out, targets, embed, self.head, docs, positions)
 
     # ---- the swappable ops (seams.py): one table per block, the embedding's and the head's
     def op_tables(self) -> dict:
         """{"embed" | block key | "head": Ops} of the pieces this rank holds."""
         tables = {} if self.embed is None else {"embed": self.embed.ops}
         tables.update({key: block.ops for key, block in self.blocks.items()})
+        if self.mtp is not None:  # the MTP modules' blocks (mtp.py)
+            tables.update({f"mtp.{k}": depth.block.ops for k, depth in self.mtp.depths.items()})
         return tables if self.head is None else {**tables, "head": self.head.ops}
 
     def replace_op(self, name, fn, blocks=None):

@@ -107,7 +107,7 @@ def build_stage(model, grid, virtual=1):
     if not grid.first_stage:
         model.embed = None
     if not grid.last_stage:
-        model.head = None
+        model.head = model.mtp = None  # the MTP modules (mtp.py) with the head
     return model
 
 
@@ -171,7 +171,7 @@ def forward_chunk(model, x, targets, layers, first, last, docs=None):
         x = model.embed(x)
     for i in layers:
         x = model.blocks[str(i)](x, docs)
-    return model.head(x, targets) if last else x
+    return model.output(x, targets, docs) if last else x
 
 
 def train_step(

@@ -382,7 +382,9 @@ def apply_tensor_parallel(model, tp, sequence_parallel=False, rng=None):
             _shard(linear.weight, "c_proj.weight", tp), linear.bias, tp, sp, ops=ops
         )
 
-    for block in model.blocks.values():
+    # the trunk's blocks and the MTP modules' (mtp.py), split alike
+    mtp_blocks = [depth.block for depth in model.mtp.depths.values()] if model.mtp else []
+    for block in [*model.blocks.values(), *mtp_blocks]:
         attn, mlp, ops = block.attn, block.mlp, block.ops
         if hasattr(attn, "c_attn"):  # GPT-2: (3, n_head, hd), by heads
             attn.c_attn = column(

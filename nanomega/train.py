@@ -33,6 +33,7 @@ if __package__ in (None, ""):  # `python nanomega/train.py`: make the package im
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanomega import compose, data, dist, documents, flash, moe, pp, precision, schedules, windows
+from nanomega import mtp
 from nanomega.job import checks, faults, flags, health, lifecycle, meter, saves
 from nanomega.job.guard import Guard, Spikes
 from nanomega.tools import corpus, preflight
@@ -242,6 +243,7 @@ def forward_backward(model, engine, grid, batches, config, *, loss_scale=1.0, tr
     """Mean loss over this rank's micro-batches; gradients (x loss_scale) left in the engine."""
     # the MoE aux losses' backward: the LM loss's factor
     moe.set_grad_scale(model, loss_scale / len(batches))
+    mtp.prepare(model, grid, batches)  # MTP: each depth's valid targets over the step (mtp.py)
     if grid.pp.size > 1:
         return pp.train_step(
             model,

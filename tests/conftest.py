@@ -88,6 +88,7 @@ QUICK = {
     "the planner's FP8 peak (dry run, plan --fp8)": "tests/test_fp8.py::"
     "test_planner_prices_the_fp8_gemms_at_the_datasheet_peak",
     "MLA against transformers": "tests/test_mla.py::test_mla_is_transformers_deepseek_v3_attention",
+    "MTP over the whole step's targets": "tests/test_mtp.py::test_micro_batches_and_ranks_count_the_whole_step",
 }
 
 

@@ -142,6 +142,12 @@ NOT_DRAWN = {
     ),
     "tensorboard": "logging only: tests/test_tensorboard.py",
     **dict.fromkeys(
+        ("mtp_num_layers", "mtp_loss_scaling_factor"),
+        "multi-token prediction: tests/test_mtp.py holds its layouts (dp2 with uneven valid "
+        "targets per rank, dp2 ZeRO-3 + full recompute, pp2 1F1B / ZB-H1, tp2, tp2 + SP, against "
+        "one process); drawing it here (with Muon, fused kernels, other schedules) is open",
+    ),
+    **dict.fromkeys(
         ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
         "multi-head latent attention: tests/test_mla.py holds its layouts (tp2 + recompute, "
         "tp2 + SP, pp2, cp2 ring / all-gather / Ulysses against one process); drawing it here "

@@ -123,6 +123,7 @@ def test_imports_point_down():
         "nanomega.mla",
         "nanomega.modern",
         "nanomega.moe",
+        "nanomega.mtp",
         "nanomega.seams",
     }, (
         "model.py is the reference: it imports only its block's pieces, its op table, its shape "
@@ -143,6 +144,9 @@ def test_imports_point_down():
     )
     assert g["nanomega.mla"] == {"nanomega.modern", "nanomega.seams"}, (
         "latent attention (mla.py) is a block piece: RMSNorm (modern.py) and the op table"
+    )
+    assert g["nanomega.mtp"] == {"nanomega.seams"}, (
+        "multi-token prediction (mtp.py) is a model piece: model.py hands it its blocks and norms"
     )
     assert g["nanomega.extension"] == set() and g["nanomega.cpu_adam"] == {"nanomega.extension"}, (
         "the C++ loader stands alone: the engine's host Adam (cpu_adam.py) reaches it without the model"

@@ -11,7 +11,7 @@ import dataclasses
 import os
 
 from nanomega import cp, data, dist, ep, fp8_linear, moe, muon, pp, precision, recompute, tp
-from nanomega import zero_rules
+from nanomega import mtp, zero_rules
 from nanomega.job import faults, flags, guard, meter, presets, ranges
 from nanomega.job.flags import model_config
 
@@ -81,6 +81,7 @@ def check(config):
     tp.check_tensor_parallel(cfg, c.tp, c.sequence_parallel)
     pp.check_args(c.n_layer, c.pp, grad_accum, c.schedule, c.virtual_stages, c.compile)
     cp.check(cfg, c.cp, c.cp_method, c.tp)
+    mtp.check(cfg, c.tp, c.pp, c.cp)
 
     # combinations the engines cannot run
     if c.cp > 1 and c.sequence_parallel and (c.block_size // c.cp) % c.tp:

@@ -130,6 +130,19 @@ class Config:
     v_head_dim: int = MODEL(
         0, "MLA: a value head's size (DeepSeek-V3: 128; 0: h/a)", at_least(0), model=True
     )
+    # multi-token prediction (nanomega/mtp.py; DeepSeek-V3; Megatron-Core's flag names)
+    mtp_num_layers: int = MODEL(
+        0,
+        "llama: multi-token prediction modules D on the last stage (DeepSeek-V3: 1; 0: off)",
+        at_least(0),
+        model=True,
+    )
+    mtp_loss_scaling_factor: float = MODEL(
+        0.1,
+        "the MTP loss's weight lambda: lambda / D x the depths' losses (DeepSeek-V3: 0.3, then 0.1)",
+        at_least(0),
+        model=True,
+    )
 
     # mixture of experts: the router and the experts (moe.py)
     n_experts: int = EXPERTS(

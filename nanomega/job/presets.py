@@ -39,6 +39,7 @@ def _shape(
     qk_nope_head_dim=0,
     qk_rope_head_dim=0,
     v_head_dim=0,
+    mtp_num_layers=0,
 ):
     """One row, in the papers' column order, as {key: value} over gpt_config.SHAPE_KEYS (a key
     added there and not here fails at import)."""

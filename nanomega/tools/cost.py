@@ -17,6 +17,7 @@ from nanomega.formulas import (
     llama_layer_params,
     mla_layer_delta,
     moe_layer_params,
+    mtp_params,
     zero_state_bytes,
 )
 from nanomega.gpt_config import SHAPE_KEYS, GPTConfig
@@ -58,6 +59,8 @@ class Model:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # multi-token prediction (mtp.py): D modules on the last stage (formulas.mtp_params)
+    mtp_num_layers: int = 0
 
     @classmethod
     def from_shape(cls, shape):
@@ -218,6 +221,7 @@ def stage_params(model, tp=1, pp=1, v=1, split="trainer"):
     counts = [n * block_params(model, tp) for n in layers_per_stage(model, pp, v, split)]
     counts[0] += first
     counts[-1] += (h if model.llama else 2 * h) + (wte if pp > 1 or not model.tie_embeddings else 0)
+    counts[-1] += mtp_params(model.config(), tp) if model.mtp_num_layers else 0  # mtp.py
     return counts
 
 

@@ -65,10 +65,11 @@ def deinterleave(w, heads):
 
 
 def check(cfg: GPTConfig):
-    if cfg.arch != "llama" or cfg.n_experts or cfg.qkv_bias or cfg.qk_norm or cfg.kv_lora_rank:
+    extras = (cfg.n_experts, cfg.qkv_bias, cfg.qk_norm, cfg.kv_lora_rank, cfg.mtp_num_layers)
+    if cfg.arch != "llama" or any(extras):
         raise ValueError(
             "nanomega.tools.dcp writes torchtitan's dense Llama 3: --arch llama without --n-experts, "
-            "--qkv-bias, --qk-norm or --kv-lora-rank"
+            "--qkv-bias, --qk-norm, --kv-lora-rank or --mtp-num-layers"
         )
 
 
