@@ -59,12 +59,23 @@ def lesson_script(name):
 
 
 def on_threads(n, rank_main):
-    """rank_main(rank) on n threads at once, joined."""
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
+    """rank_main(rank) on n threads at once, joined; the first exception a thread raised is raised
+    here (a thread's own would only be printed)."""
+    errors = []
+
+    def run(rank):
+        try:
+            rank_main(rank)
+        except Exception as error:  # handed to the caller below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        raise errors[0]
 
 
 def ring_steps(n=4):

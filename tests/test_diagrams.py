@@ -186,3 +186,23 @@ def test_moe_dispatch_sends_each_expert_its_tokens_in_order_and_combines_by_weig
     # expert e multiplies by e + 1: token t's output is x_t sum_j w_tj (e_tj + 1)
     want = x * (weights * (experts + 1)).sum(-1, keepdim=True)
     assert torch.allclose(y, want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_ring_all_reduce_is_the_sum_on_every_rank(n):
+    """Lesson 17's ring (the `ring` exercise's function) on n threads: every rank ends with the sum
+    of all ranks' tensors. Integers in float64: every order of the additions gives the same bits."""
+    lesson = diagrams.lesson_script("17_collectives.py")
+    g = torch.Generator().manual_seed(n)
+    inputs = [torch.randint(-8, 8, (5 * n,), generator=g).double() for _ in range(n)]
+    boxes, outs = [diagrams.queue.Queue() for _ in range(n)], {}
+
+    def rank_main(r):
+        outs[r] = lesson.ring_all_reduce(diagrams.ThreadRing(r, boxes), inputs[r].clone())
+
+    diagrams.on_threads(n, rank_main)
+    want = sum(inputs)
+    for r in range(n):
+        assert torch.equal(outs[r], want), (
+            f"ring n={n} rank={r}: got {outs[r].tolist()}, want {want.tolist()}"
+        )

@@ -2,10 +2,10 @@
 pass and fail.
 
 Runs of check.py, as a student runs it: every solution passes every test its exercise names (one
-run: the solutions' tests lie in three test modules, one spawned world each); every untouched
-starter fails with its own NotImplementedError (in spawned ranks too: tp-fg's and flat's are raised
-in the ranks, so the substitution reached them), and a 1F1B with a warm-up one forward too long
-fails the op-order tests, all in one `--quick` run.
+run); every untouched starter fails with its own NotImplementedError (in spawned ranks too: tp-fg's
+and flat's are raised in the ranks, so the substitution reached them), and a planted bug in each of
+1f1b, cp-merge, ring, flash and router fails, its line naming the failing case, all in one `--quick`
+run (the ring, router and flash starters in a second).
 The predictions (lessons/predict.py): right answers RIGHT, a wrong bubble WRONG, a missing one
 unanswered.
 """
@@ -24,6 +24,10 @@ SOLUTIONS = {
     "1f1b": "one_f_one_b.py",
     "flat": "flat.py",
     "cp-merge": "cp_merge.py",
+    "ring": "ring.py",
+    "router": "router.py",
+    "flash": "flash.py",
+    "zero3": "zero3.py",
 }
 BUGGY_1F1B = """from nanomega.schedules import Op
 
@@ -59,6 +63,77 @@ def merge(acc, new):
     return (o1 + o2) / 2, torch.logaddexp(l1, l2)  # the planted bug: no re-weighting
 """
 
+# a ring whose all-gather adds the received chunk instead of copying it
+BUGGY_RING = """import torch
+
+
+def ring_all_reduce(ax, x):
+    n, r = ax.size, ax.rank
+    chunks, buf = list(x.chunk(n)), torch.empty(x.numel() // n, dtype=x.dtype)
+    right, left = (r + 1) % n, (r - 1) % n
+    for step in range(n - 1):
+        ax.p2p(sends=[(chunks[(r - step) % n].clone(), right)], recvs=[(buf, left)])
+        chunks[(r - step - 1) % n] += buf
+    for step in range(n - 1):
+        ax.p2p(sends=[(chunks[(r + 1 - step) % n].clone(), right)], recvs=[(buf, left)])
+        chunks[(r - step) % n] += buf  # the planted bug: a finished chunk is copied, not added
+    return x
+"""
+
+# an online softmax that rescales the running sum but not the running output
+NO_RESCALE_FLASH = """import importlib
+
+import torch
+
+tile_scores = importlib.import_module("16_flash").tile_scores
+
+
+def flash_forward(q, k, v, block):
+    b, a, s, d = q.shape
+    out, lse = torch.empty_like(q), torch.empty(b, a, s, dtype=q.dtype)
+    for i in range(s // block):
+        m = torch.full((b, a, block), float("-inf"), dtype=q.dtype)
+        l = torch.zeros(b, a, block, dtype=q.dtype)
+        acc = torch.zeros(b, a, block, d, dtype=q.dtype)
+        for j in range(i + 1):
+            t = tile_scores(q, k, i, j, block)
+            m_new = torch.maximum(m, t.amax(-1))
+            p = torch.exp(t - m_new[..., None])
+            l = l * torch.exp(m - m_new) + p.sum(-1)
+            acc = acc + p @ v[..., j * block : (j + 1) * block, :]  # the planted bug: no rescale
+            m = m_new
+        out[..., i * block : (i + 1) * block, :] = acc / l[..., None]
+        lse[..., i * block : (i + 1) * block] = m + torch.log(l)
+    return out, lse
+"""
+
+# softmax_topk_norm's weights left unnormalized (the two softmax rules mixed up)
+UNNORMALIZED_ROUTER = """from nanomega import moe
+
+
+def route(logits, k, router="mixtral", bias=None, groups=(1, 1), scale=1.0):
+    router = moe.rule(router)
+    if router == "deepseek_v3":
+        return moe.sigmoid_route(logits, k, bias, groups, scale)
+    probs = logits.softmax(-1)
+    experts = (probs if bias is None else probs + bias).topk(k, dim=-1).indices
+    if router == "mixtral":
+        return logits.gather(-1, experts).softmax(-1), experts, probs
+    return probs.gather(-1, experts), experts, probs  # the planted bug: never renormalized
+"""
+
+# a ZeRO-3 gather that ignores prefetches: the next unit is not gathered while this one runs
+NO_PREFETCH_ZERO3 = (
+    (EX / "solutions" / "zero3.py")
+    .read_text()
+    .replace(
+        "def gather(self, u, wait=True):\n",
+        "def gather(self, u, wait=True):\n"
+        "    if not wait:  # the planted bug: a prefetch does nothing\n"
+        "        return\n",
+    )
+)
+
 
 def check(*args):
     env = dict(
@@ -86,8 +161,9 @@ def pairs(folder, names):
 def test_every_solution_passes_its_tests():
     rc, verdicts, out = check(*pairs(EX / "solutions", SOLUTIONS))
     assert verdicts == dict.fromkeys(SOLUTIONS, "PASS") and rc == 0, out
-    # every test ran, none skipped
-    assert len(re.findall(r"^PASS ", out, re.M)) >= 9 + 9 + 12 + 16 + 9, out
+    # every test ran, none skipped (a test two exercises name is printed for each)
+    passed = len(re.findall(r"^PASS ", out, re.M))
+    assert passed >= 9 + 9 + 12 + 16 + 9 + 5 + 3 + 3 + 5, out
 
 
 def test_untouched_starters_and_a_planted_bug_fail(tmp_path):
@@ -99,12 +175,33 @@ def test_untouched_starters_and_a_planted_bug_fail(tmp_path):
     buggy.write_text(BUGGY_1F1B)
     merge = tmp_path / "unweighted_merge.py"
     merge.write_text(UNWEIGHTED_MERGE)
+    planted = {"ring": BUGGY_RING, "flash": NO_RESCALE_FLASH, "router": UNNORMALIZED_ROUTER}
+    for name, text in planted.items():
+        (tmp_path / f"planted_{name}.py").write_text(text)
     rc, verdicts, out = check(
         "--quick",
         *pairs(EX, ["tp-fg", "flat"]),
         *("--exercise", "1f1b", str(buggy), "--exercise", "cp-merge", str(merge)),
+        *[
+            a
+            for name in planted
+            for a in ("--exercise", name, str(tmp_path / f"planted_{name}.py"))
+        ],
     )
-    assert verdicts == dict.fromkeys(["tp-fg", "flat", "1f1b", "cp-merge"], "FAIL") and rc == 1, out
+    failed = ["tp-fg", "flat", "1f1b", "cp-merge", *planted]
+    assert verdicts == dict.fromkeys(failed, "FAIL") and rc == 1, out
+    # each planted bug's line names its case and what differs
+    assert re.search(
+        r"^FAIL tests/test_diagrams.py::.*ring n=4 rank=\d: got \[.*\], want \[", out, re.M
+    ), out
+    assert re.search(
+        r"^FAIL tests/test_online_softmax.py::.*s=32 block=8: output: \|got - want\| up to",
+        out,
+        re.M,
+    ), out
+    assert re.search(
+        r"^FAIL tests/test_routers.py::.*\('softmax_topk_norm', '\w+', [0-9.e-]+\)", out, re.M
+    ), out
     assert re.search(r"^FAIL tests/test_cp_merge.py::.*merged output: \|got - want\|", out, re.M), (
         out
     )
@@ -117,6 +214,30 @@ def test_untouched_starters_and_a_planted_bug_fail(tmp_path):
     ), out
 
 
+def test_the_new_starters_fail_by_their_own_error():
+    """The ring, router, flash and zero3 starters, untouched: one --quick run, each failing test
+    naming its exercise's NotImplementedError (zero3's raised in a spawned rank)."""
+    names = ["ring", "router", "flash", "zero3"]
+    rc, verdicts, out = check("--quick", *pairs(EX, names))
+    assert verdicts == dict.fromkeys(names, "FAIL") and rc == 1, out
+    for name in names:
+        assert re.search(rf"^FAIL .*NotImplementedError: exercise {name}:", out, re.M), out
+
+
+def test_a_zero3_without_prefetch_fails_and_names_the_bytes(tmp_path):
+    """zero3's planted bug needs a run of its own: its tests share flat's spawned world."""
+    buggy = tmp_path / "no_prefetch.py"
+    buggy.write_text(NO_PREFETCH_ZERO3)
+    assert NO_PREFETCH_ZERO3.count("the planted bug") == 1
+    rc, verdicts, out = check("--quick", "--exercise", "zero3", str(buggy))
+    assert verdicts == {"zero3": "FAIL"} and rc == 1, out
+    assert re.search(
+        r"^FAIL tests/test_zero.py::.*after block 0: \d+ bytes held, shards \+ root \+ block \d+",
+        out,
+        re.M,
+    ), out
+
+
 def test_a_file_without_the_names_is_one_line(tmp_path):
     empty = tmp_path / "empty.py"
     empty.write_text("x = 1\n")
@@ -126,16 +247,19 @@ def test_a_file_without_the_names_is_one_line(tmp_path):
         "nanomega.tp:CopyToTensorParallel; keep the starter's names"
     ], out
     rc, _, out = check("--exercise", "no-such", str(empty))
-    assert rc == 2 and "choose one of tp-fg, vocab-ce, 1f1b, cp-merge, flat" in out, out
+    assert (
+        rc == 2
+        and "choose one of tp-fg, vocab-ce, 1f1b, cp-merge, ring, router, flash, zero3, flat" in out
+    ), out
 
 
 def test_predictions_graded_right_and_wrong(tmp_path):
     """One run: the solution's answers with one made wrong (the 1F1B bubble as (p-1)/m, idle over the
-    ideal time: the common wrong convention) and one removed: the eleven others measured RIGHT, the wrong one
+    ideal time: the common wrong convention) and one removed: the 21 others measured RIGHT, the wrong one
     WRONG, the missing one unanswered."""
     solution = (EX / "solutions" / "predictions.py").read_text()
     # the untouched starter answers nothing
-    assert (EX / "predictions.py").read_text().count(": None,") == 13
+    assert (EX / "predictions.py").read_text().count(": None,") == 23
     wrong = tmp_path / "wrong.py"
     wrong.write_text(
         solution.replace("(p - 1) / (12 + p - 1),", "(p - 1) / 12,").replace(
@@ -146,8 +270,8 @@ def test_predictions_graded_right_and_wrong(tmp_path):
     assert (
         rc == 1 and "predict 1f1b-bubble (lesson 05): yours 0.25, measured 0.2 -> WRONG" in out
     ), out
-    assert out.count("-> RIGHT") == 11 and out.count("no prediction yet") == 1, out
-    assert "predictions: 11/13 right" in out, out
+    assert out.count("-> RIGHT") == 21 and out.count("no prediction yet") == 1, out
+    assert "predictions: 21/23 right" in out, out
 
 
 def test_quick_catches_an_uncapped_warmup_and_prints_the_case(tmp_path):
