@@ -19,8 +19,6 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from check import check  # noqa: E402
 from tolerance import likely, unit_roundoff  # noqa: E402
 
-torch.manual_seed(0)
-torch.set_num_threads(1)
 # batch, heads, sequence, head dim, tile size (rows and columns)
 B, A, S, D, BLOCK = 2, 2, 256, 32, 32
 
@@ -122,86 +120,95 @@ def saved_bytes(fn, *inputs):
     return out, sum(seen.values())
 
 
-q, k, v = (torch.randn(B, A, S, D, requires_grad=True) for _ in range(3))
-dout = torch.randn(B, A, S, D)
-ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
-ref_out = naive(*ref)
-ref_out.backward(dout.double())
+def main():
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    q, k, v = (torch.randn(B, A, S, D, requires_grad=True) for _ in range(3))
+    dout = torch.randn(B, A, S, D)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out = naive(*ref)
+    ref_out.backward(dout.double())
 
-# 1. forward: equal within a bound from the arithmetic. Per score: a d-term dot product (likely(d)
-# of the sum of |q_t k_t|); a score error e moves P by a relative 2e (numerator and the row sum);
-# exp ~2u; each of the T key tiles' rescales one rounding on l and on acc (2Tu); the row sums of P
-# and of P v, likely(s) each; the division u.
-u, T = unit_roundoff(torch.float32), S // BLOCK
-e_score = (
-    likely(D)
-    * ((q.detach().abs() @ k.detach().abs().transpose(-1, -2)) / math.sqrt(D)).max().item()
-)
-rel = 2 * e_score + 2 * u + 2 * T * u + 2 * likely(S) + u
-p_ref = torch.softmax(
-    (ref[0] @ ref[1].transpose(-1, -2) / math.sqrt(D)).masked_fill(
-        ~torch.ones(S, S, dtype=torch.bool).tril(), float("-inf")
-    ),
-    -1,
-).detach()
-bound = rel * (p_ref @ ref[2].detach().abs())  # relative to sum_j P_ij |v_j|, elementwise
-flash_out, flash_saved = saved_bytes(FlashAttention.apply, q, k, v, BLOCK)
-naive_out, naive_saved = saved_bytes(naive, q, k, v)
-sdpa_out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-for name, got in (
-    ("tiled online softmax", flash_out),
-    ("naive, fp32", naive_out),
-    ("SDPA", sdpa_out),
-):
-    ratio = ((got.detach().double() - ref_out.detach()).abs() / bound).max().item()
-    print(f"{name:>20}: worst |O - O_fp64| = {ratio:.3f} x the bound (relative bound {rel:.2e})")
+    # 1. forward: equal within a bound from the arithmetic. Per score: a d-term dot product (likely(d)
+    # of the sum of |q_t k_t|); a score error e moves P by a relative 2e (numerator and the row sum);
+    # exp ~2u; each of the T key tiles' rescales one rounding on l and on acc (2Tu); the row sums of P
+    # and of P v, likely(s) each; the division u.
+    u, T = unit_roundoff(torch.float32), S // BLOCK
+    e_score = (
+        likely(D)
+        * ((q.detach().abs() @ k.detach().abs().transpose(-1, -2)) / math.sqrt(D)).max().item()
+    )
+    rel = 2 * e_score + 2 * u + 2 * T * u + 2 * likely(S) + u
+    p_ref = torch.softmax(
+        (ref[0] @ ref[1].transpose(-1, -2) / math.sqrt(D)).masked_fill(
+            ~torch.ones(S, S, dtype=torch.bool).tril(), float("-inf")
+        ),
+        -1,
+    ).detach()
+    bound = rel * (p_ref @ ref[2].detach().abs())  # relative to sum_j P_ij |v_j|, elementwise
+    flash_out, flash_saved = saved_bytes(FlashAttention.apply, q, k, v, BLOCK)
+    naive_out, naive_saved = saved_bytes(naive, q, k, v)
+    sdpa_out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    for name, got in (
+        ("tiled online softmax", flash_out),
+        ("naive, fp32", naive_out),
+        ("SDPA", sdpa_out),
+    ):
+        ratio = ((got.detach().double() - ref_out.detach()).abs() / bound).max().item()
+        print(
+            f"{name:>20}: worst |O - O_fp64| = {ratio:.3f} x the bound (relative bound {rel:.2e})"
+        )
+        check(
+            f"{name} forward within the bound from the arithmetic (1 = every element)",
+            int(ratio <= 1),
+            1,
+        )
+
+    # 2. backward: P recomputed from L. Each gradient is a sum of products whose factors carry the
+    # forward's relative error (rel, on P and on D) plus one sum of <= s terms: bound (2 rel +
+    # likely(s)) x the same sum in |values|.
+    flash_out.backward(dout)
+    dp_abs = dout.abs().double() @ ref[2].detach().abs().transpose(-1, -2)  # |dO| |v|^T
+    rows_abs = (dout.abs().double() * ref_out.detach().abs()).sum(-1, keepdim=True)
+    ds_abs = p_ref * (dp_abs + rows_abs)  # |dS| <= P (|dP| + |D|)
+    g_rel = 2 * rel + likely(S)
+    abs_sums = {
+        "dq": ds_abs @ ref[1].detach().abs() / math.sqrt(D),
+        "dk": ds_abs.transpose(-1, -2) @ ref[0].detach().abs() / math.sqrt(D),
+        "dv": p_ref.transpose(-1, -2) @ dout.abs().double(),
+    }
+    worst = max(
+        ((g.grad.double() - r.grad).abs() / (g_rel * abs_sums[n])).max().item()
+        for n, g, r in zip(("dq", "dk", "dv"), (q, k, v), ref)
+    )
+    print(f"backward (P recomputed from L): worst |grad - grad_fp64| = {worst:.3f} x the bound")
+    check("tiled backward: dq, dk, dv within the bound (1 = every element)", int(worst <= 1), 1)
+
+    # 3. the memory it avoids: the naive attention keeps the (b, a, s, s) probabilities; the tiled one
+    # keeps O and L
+    print(
+        f"saved for backward: naive {naive_saved:,} B, tiled {flash_saved:,} B; largest score tile alive "
+        f"{B * A * BLOCK * BLOCK * 4:,} B against the full {B * A * S * S * 4:,} B"
+    )
     check(
-        f"{name} forward within the bound from the arithmetic (1 = every element)",
-        int(ratio <= 1),
-        1,
+        "tiled saves q, k, v, O and L = 4 b a s (4d + 1) bytes",
+        flash_saved,
+        4 * B * A * S * (4 * D + 1),
+    )
+    check(
+        "naive saves q, k, v (4 b a s 3d) + the probabilities (4 b a s^2) + the bool mask (s^2)",
+        naive_saved,
+        4 * B * A * S * 3 * D + 4 * B * A * S * S + S * S,
     )
 
-# 2. backward: P recomputed from L. Each gradient is a sum of products whose factors carry the
-# forward's relative error (rel, on P and on D) plus one sum of <= s terms: bound (2 rel +
-# likely(s)) x the same sum in |values|.
-flash_out.backward(dout)
-dp_abs = dout.abs().double() @ ref[2].detach().abs().transpose(-1, -2)  # |dO| |v|^T
-rows_abs = (dout.abs().double() * ref_out.detach().abs()).sum(-1, keepdim=True)
-ds_abs = p_ref * (dp_abs + rows_abs)  # |dS| <= P (|dP| + |D|)
-g_rel = 2 * rel + likely(S)
-abs_sums = {
-    "dq": ds_abs @ ref[1].detach().abs() / math.sqrt(D),
-    "dk": ds_abs.transpose(-1, -2) @ ref[0].detach().abs() / math.sqrt(D),
-    "dv": p_ref.transpose(-1, -2) @ dout.abs().double(),
-}
-worst = max(
-    ((g.grad.double() - r.grad).abs() / (g_rel * abs_sums[n])).max().item()
-    for n, g, r in zip(("dq", "dk", "dv"), (q, k, v), ref)
-)
-print(f"backward (P recomputed from L): worst |grad - grad_fp64| = {worst:.3f} x the bound")
-check("tiled backward: dq, dk, dv within the bound (1 = every element)", int(worst <= 1), 1)
+    # 4. causal tiles: the kernel computes the tiles on and below the diagonal only
+    n = S // BLOCK
+    check(
+        "causal tiles computed / all tiles = (T + 1) / (2T), T = s / block",
+        len(tiles(S, BLOCK)) / n**2,
+        (n + 1) / (2 * n),
+    )
 
-# 3. the memory it avoids: the naive attention keeps the (b, a, s, s) probabilities; the tiled one
-# keeps O and L
-print(
-    f"saved for backward: naive {naive_saved:,} B, tiled {flash_saved:,} B; largest score tile alive "
-    f"{B * A * BLOCK * BLOCK * 4:,} B against the full {B * A * S * S * 4:,} B"
-)
-check(
-    "tiled saves q, k, v, O and L = 4 b a s (4d + 1) bytes",
-    flash_saved,
-    4 * B * A * S * (4 * D + 1),
-)
-check(
-    "naive saves q, k, v (4 b a s 3d) + the probabilities (4 b a s^2) + the bool mask (s^2)",
-    naive_saved,
-    4 * B * A * S * 3 * D + 4 * B * A * S * S + S * S,
-)
 
-# 4. causal tiles: the kernel computes the tiles on and below the diagonal only
-n = S // BLOCK
-check(
-    "causal tiles computed / all tiles = (T + 1) / (2T), T = s / block",
-    len(tiles(S, BLOCK)) / n**2,
-    (n + 1) / (2 * n),
-)
+if __name__ == "__main__":
+    main()

@@ -48,23 +48,34 @@ class ThreadRing:
 
 
 def lesson_script(name):
-    """A lesson's script as a module, by path (its name starts with a digit); its experiment runs
-    under __main__ only, so loading it runs nothing."""
-    import importlib.util
+    """A lesson's script as a module ("17_collectives.py" -> module 17_collectives: a name that
+    starts with a digit cannot be written in an import statement, but importlib takes it); its
+    experiment runs under __main__ only, so importing it runs nothing. Imported once per process,
+    like any module, so the exercise grader's substitution of one of its functions is what every
+    caller gets (lessons/grade.py)."""
+    import importlib
 
-    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), ROOT / "lessons" / name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(name.removesuffix(".py"))
 
 
 def on_threads(n, rank_main):
-    """rank_main(rank) on n threads at once, joined."""
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
+    """rank_main(rank) on n threads at once, joined; the first exception a thread raised is raised
+    here (a thread's own would only be printed)."""
+    errors = []
+
+    def run(rank):
+        try:
+            rank_main(rank)
+        except Exception as error:  # handed to the caller below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        raise errors[0]
 
 
 def ring_steps(n=4):
@@ -236,6 +247,107 @@ def grid_groups(dp=2, pp=2, tp=4):
             for index, rank in enumerate(group):
                 coords.setdefault(rank, {})[axis] = index
     return {r: (c["dp"], c["pp"], c["tp"]) for r, c in sorted(coords.items())}, groups
+
+
+def fused_bytes(rows=64, width=128):
+    """Lesson 08's bias + GeLU, forward and backward: [(aten kernel, bytes it read and wrote)], the
+    eager kernels counted one at a time by the lesson's ByteCounter, and the fused kernel's (forward,
+    backward) bytes by the lesson's formula: it reads x and writes y (2n), reads dy and x and writes
+    dx (3n), n = rows x width fp32 elements (the bias's few h bytes left out)."""
+    from nanomega import model
+
+    lesson, kernels = lesson_script("08_fused.py"), []
+
+    class PerKernel(lesson.ByteCounter):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            before = self.bytes
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if self.bytes > before:
+                kernels.append((func.overloadpacket.__name__, self.bytes - before))
+            return out
+
+    x = torch.randn(rows, width, requires_grad=True)
+    bias = torch.randn(width, requires_grad=True)
+    grad = torch.ones(rows, width)
+    with PerKernel():
+        model.bias_gelu(x, bias).backward(grad)
+    n = rows * width
+    return kernels, (4 * 2 * n, 4 * 3 * n)
+
+
+def checkpoint_overhead(mtbf_h=112.0, saves_s=(120, 40), longest_h=8.0, points=3200):
+    """Lesson 12's trade-off, per hour of training: a checkpoint every T hours stalls C/T, a failure
+    (one per M hours) loses T/2 on average: overhead(T) = C/T + T/(2M) (restarts left out). M = 112
+    h: BLOOM's reported rate (lesson 12); C = 2 min (the lesson's assumed synchronous save) and 40 s
+    (BigScience's chronicles). {C in seconds: (T grid in hours, overhead, the grid's best T)}."""
+    grid = torch.linspace(longest_h / points, longest_h, points, dtype=torch.float64)
+    curves = {}
+    for c_s in saves_s:
+        cost = c_s / 3600 / grid + grid / (2 * mtbf_h)
+        curves[c_s] = (grid.tolist(), cost.tolist(), grid[cost.argmin()].item())
+    return curves
+
+
+def compute_optimal(budgets=tuple(10.0**e for e in range(19, 27))):
+    """Lesson 18's picture: the compute-optimal (C, N, D) of each budget (formulas.chinchilla_optimal,
+    k = 20), Chinchilla's Table 3 rows and the published runs, both as lesson 18's script lists
+    them."""
+    from nanomega import formulas
+
+    lesson = lesson_script("18_sizing.py")
+    frontier = [(c, *formulas.chinchilla_optimal(c)) for c in budgets]
+    return frontier, lesson.TABLE3, lesson.RUNS
+
+
+def step_allocations():
+    """Lesson 19's memory view without the world: one forward + backward of the lesson's model
+    under torch.profiler(profile_memory=True), after a warm-up step. {aten op: bytes its calls
+    allocated (self), summed}, the ops that allocated any, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nanomega.model import GPT
+
+    lesson = lesson_script("19_profiling.py")
+    torch.manual_seed(0)
+    model = GPT(lesson.CFG)
+    x = torch.randint(0, lesson.V, (lesson.B, lesson.S))
+    model(x, x).backward()  # warm-up: the gradients exist, as in the lesson's profiled step
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model(x, x).backward()
+    allocated = {
+        e.key: e.self_cpu_memory_usage
+        for e in prof.key_averages()
+        if e.key.startswith("aten::") and e.self_cpu_memory_usage > 0
+    }
+    return dict(sorted(allocated.items(), key=lambda kv: -kv[1]))
+
+
+class Recorder(torch.nn.Module):
+    """An expert that records which tokens reach it (a row's element 0 is its token's index) and
+    multiplies them by its own factor, expert e by e + 1: the combined output names its experts."""
+
+    def __init__(self, e, seen):
+        super().__init__()
+        self.e, self.seen = e, seen
+
+    def forward(self, rows):  # (rows, h) -> (rows, h)
+        self.seen[self.e] = [int(t) for t in rows[:, 0]]
+        return rows * (self.e + 1)
+
+
+def moe_dispatch(tokens=8, k=2, n_experts=4, seed=0):
+    """ep.dispatch_combine of `tokens` tokens routed top-k among n_experts (moe.route, mixtral's rule,
+    random logits) to Recorder experts. Returns (experts (T, k), weights (T, k), {expert: tokens it
+    received, in its order}, x (T, h), the combined output (T, h))."""
+    from nanomega import ep, moe
+
+    g = torch.Generator().manual_seed(seed)
+    weights, experts, _ = moe.route(torch.randn(tokens, n_experts, generator=g), k)
+    x = torch.cat([torch.arange(tokens, dtype=torch.float32)[:, None], torch.ones(tokens, 3)], 1)
+    seen = {}
+    modules = {str(e): Recorder(e, seen) for e in range(n_experts)}
+    y = ep.dispatch_combine(x, experts, weights, None, modules, n_experts)
+    return experts, weights, seen, x, y
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -530,6 +642,140 @@ def draw_grid(path):
     fig.savefig(path, dpi=DPI)
 
 
+def draw_fused(path):
+    plt = _plt()
+    kernels, (fwd, bwd) = fused_bytes()
+    fig, ax = plt.subplots(figsize=(7.5, 2.4))
+    colours = plt.get_cmap("tab10")
+    left = 0
+    for i, (name, nbytes) in enumerate(kernels):
+        ax.barh(1, nbytes, left=left, color=colours(i), alpha=0.5, edgecolor="k")
+        ax.text(left + nbytes / 2, 1, name, ha="center", va="center", fontsize=8)
+        left += nbytes
+    ax.text(left, 1, f"  {left / 1024:.0f} KiB", va="center", fontsize=8)
+    for x0, nbytes, name in (
+        (0, fwd, "forward: x in, y out"),
+        (fwd, bwd, "backward: dy, x in, dx out"),
+    ):
+        ax.barh(0, nbytes, left=x0, color="tab:green", alpha=0.35, edgecolor="k")
+        ax.text(x0 + nbytes / 2, 0, name, ha="center", va="center", fontsize=8)
+    ax.text(fwd + bwd, 0, f"  {(fwd + bwd) / 1024:.0f} KiB", va="center", fontsize=8)
+    ax.set_yticks([1, 0], ["eager\n(counted)", "fused\n(formula)"])
+    ax.set_xlim(0, left * 1.15)
+    ax.set_xlabel("bytes read + written, fp32, forward + backward of bias + GeLU on (64, 128)")
+    ax.set_title(
+        "Eager writes x + b and reads it back; the fused kernel reads each input once", fontsize=9
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
+def draw_young(path):
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    for c_s, (grid, cost, best) in checkpoint_overhead().items():
+        (line,) = ax.plot(grid, [100 * c for c in cost], label=f"save stalls C = {c_s} s")
+        ax.axvline(best, color=line.get_color(), ls=":", lw=1)
+        ax.text(best, 4.6, f" T* = {best:.2f} h", color=line.get_color(), fontsize=8)
+    ax.set_ylim(0, 5)
+    ax.set_xlim(0, 8)
+    ax.set_xlabel("checkpoint interval T (hours)")
+    ax.set_ylabel("time lost (% of the run)")
+    ax.set_title(
+        "Saving stalls C/T, a failure loses T/2: least at T* = sqrt(2 C M), M = 112 h", fontsize=9
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
+def draw_chinchilla(path):
+    plt = _plt()
+    frontier, table3, runs = compute_optimal()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.loglog([n for _, n, _ in frontier], [d for _, _, d in frontier], "k-", lw=1)
+    ax.text(frontier[1][1], frontier[1][2] * 1.6, "D = 20 N (compute-optimal)", fontsize=8)
+    for c, n, d in frontier:  # the line of equal compute through each budget: 6 N D = C
+        ns = [n / 30, n * 30]
+        ax.loglog(ns, [c / (6 * x) for x in ns], color="0.8", lw=0.8)
+        ax.text(n * 1.1, d * 0.6, f"{c:.0e}", fontsize=7, color="0.5")
+    ax.scatter(
+        [n for n, _, _ in table3], [d for _, _, d in table3], s=14, label="Chinchilla, Table 3"
+    )
+    for name, n, d in runs:
+        ax.scatter([n], [d], marker="*", s=70, color="tab:red")
+        ax.text(n * 1.15, d, name.split(" (")[0], fontsize=7)
+    ax.set_xlim(1e8, 3e12)
+    ax.set_ylim(1e9, 1e14)
+    ax.set_xlabel("parameters N")
+    ax.set_ylabel("training tokens D")
+    ax.set_title(
+        "Grey: budgets C = 6 N D FLOPs; a run above the line has more tokens per parameter",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
+def draw_allocations(path):
+    plt = _plt()
+    allocated = list(step_allocations().items())[:10]
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    names = [k.removeprefix("aten::") for k, _ in allocated]
+    colours = ["tab:red" if k == "aten::bmm" else "tab:blue" for k, _ in allocated]
+    ax.barh(names, [v / 2**20 for _, v in allocated], color=colours, alpha=0.6)
+    ax.invert_yaxis()
+    ax.set_xlabel("MiB allocated in one forward + backward (profile_memory=True)")
+    ax.set_title(
+        "Lesson 19's model: which ops allocate the step's memory\n(red: bmm, the attention's s x s scores "
+        "and their gradients)",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
+def draw_moe(path):
+    plt = _plt()
+    experts, weights, seen, _, _ = moe_dispatch()
+    tokens, n_experts = experts.shape[0], len(seen)
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    colours = plt.get_cmap("tab10")
+    rows, y = {}, 0  # the expert-major buffer: each expert's rows, in token order
+    for e in range(n_experts):
+        for t in seen[e]:
+            rows[t, e] = y
+            ax.add_patch(plt.Rectangle((2, y), 1, 0.9, color=colours(e), alpha=0.45))
+            ax.text(2.5, y + 0.45, f"t{t} -> e{e}", ha="center", va="center", fontsize=7)
+            y += 1
+    scale = y / tokens
+    for t in range(tokens):
+        for col in (0, 5):  # the tokens, before dispatch and after combine
+            ax.add_patch(plt.Rectangle((col, t * scale), 1, 0.9 * scale, color="0.85"))
+            ax.text(
+                col + 0.5, (t + 0.45) * scale, f"token {t}", ha="center", va="center", fontsize=7
+            )
+        for j, e in enumerate(experts[t].tolist()):
+            r = rows[t, e] + 0.45
+            ax.plot([1, 2], [(t + 0.45) * scale, r], color=colours(e), lw=1)
+            ax.plot([3, 5], [r, (t + 0.45) * scale], color=colours(e), lw=1, ls="--")
+            ax.text(3.05, r - 0.1, f"x {weights[t, j]:.2f}", fontsize=6)  # its weight
+    ax.text(0.5, -0.5, "route: top-2", ha="center", fontsize=8)
+    ax.text(2.5, -0.5, "dispatch: expert-major", ha="center", fontsize=8)
+    ax.text(5.5, -0.5, "combine: weighted sum", ha="center", fontsize=8)
+    ax.set_xlim(-0.2, 6.2)
+    ax.set_ylim(y + 0.2, -1)  # token 0 on top
+    ax.axis("off")
+    ax.set_title(
+        f"MoE, {tokens} tokens, top-2 of {n_experts} experts (ep.dispatch_combine): each expert runs "
+        "its rows at once",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
 DIAGRAMS = {
     "diagram_compose.png": draw_compose,
     "diagram_grid.png": draw_grid,
@@ -543,6 +789,11 @@ DIAGRAMS = {
     "diagram_reshard.png": draw_reshard,
     "diagram_flash.png": draw_flash,
     "diagram_gqa.png": draw_gqa,
+    "diagram_fused.png": draw_fused,
+    "diagram_young.png": draw_young,
+    "diagram_chinchilla.png": draw_chinchilla,
+    "diagram_allocations.png": draw_allocations,
+    "diagram_moe.png": draw_moe,
 }
 
 

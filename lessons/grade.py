@@ -50,7 +50,8 @@ REPORT = "NANOMEGA_GRADE_REPORT"  # where the grader's pytest plugin writes its 
 @dataclasses.dataclass(frozen=True)
 class Exercise:
     lesson: str
-    # "module:attribute" or "module:Class.method": what your file's same-named object replaces
+    # "module:attribute" or "module:Class.method": what your file's same-named object replaces (a
+    # lesson script is the module of its file name, "17_collectives": lessons/ is on the path)
     targets: tuple
     tests: tuple  # pytest node ids (a prefix selects every parametrization)
     # one node id of them: a first try (--quick), and test_exercises' check that a starter fails
@@ -96,6 +97,47 @@ EXERCISES = {
         ("tests/test_cp_merge.py",),
         "tests/test_cp_merge.py::test_merge_equals_softmax_over_both_key_sets[(0, 6, 12)]",
         "context parallelism's online-softmax merge and its head/tail chunks",
+    ),
+    "ring": Exercise(
+        "17",
+        ("17_collectives:ring_all_reduce",),
+        (
+            "tests/test_diagrams.py::test_ring_all_reduce_is_the_sum_on_every_rank",
+            "tests/test_diagrams.py::test_ring_sends_2n_minus_2_chunks_and_reduces_one_per_rank",
+        ),
+        "tests/test_diagrams.py::test_ring_all_reduce_is_the_sum_on_every_rank[4]",
+        "the ring all-reduce from point-to-point sends: reduce-scatter, then all-gather",
+    ),
+    "router": Exercise(
+        "14",
+        ("nanomega.moe:route",),
+        (
+            "tests/test_routers.py::test_each_router_is_its_models_and_no_other",
+            "tests/test_routers.py::test_deepseek_v3_chooses_within_topk_group_groups",
+            "tests/test_routers.py::test_old_names_keep_their_rule_and_resume_under_the_new_one",
+        ),
+        "tests/test_routers.py::test_each_router_is_its_models_and_no_other",
+        "the MoE router: which k experts a token goes to, and with what weights",
+    ),
+    "flash": Exercise(
+        "16",
+        ("16_flash:flash_forward",),
+        ("tests/test_online_softmax.py",),
+        "tests/test_online_softmax.py::test_tiled_forward_equals_softmax_attention[32-8]",
+        "FlashAttention's forward: the online softmax over tiles of scores",
+    ),
+    "zero3": Exercise(
+        "02",
+        ("nanomega.zero3:ShardedParameters.gather", "nanomega.zero3:ShardedParameters.release"),
+        (
+            "tests/test_zero.py::test_two_ranks_equal_single_process_bitwise[gpt-3]",
+            "tests/test_zero.py::test_two_ranks_equal_single_process_bitwise[toy-3]",
+            "tests/test_zero.py::test_zero3_moves_1_5x_dp_bytes",
+            "tests/test_zero.py::test_bf16_zero3_is_16_bytes_over_n",
+            "tests/test_zero.py::test_zero3_gathers_one_unit_ahead",
+        ),
+        "tests/test_zero.py::test_zero3_gathers_one_unit_ahead",
+        "ZeRO-3's gather and free: a unit's parameters exist only while it runs",
     ),
     "flat": Exercise(
         "02",
@@ -196,8 +238,9 @@ def grade(pairs, quiet=False, first_failure=False, quick=False):
         mine = (exercise(name).quick,) if quick else exercise(name).tests
         tests += [t for t in mine if t not in tests]
     env = dict(os.environ, **{ENV: json.dumps(pairs)})
+    # lessons/ too: an exercise may replace a lesson script's function ("17_collectives:...")
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(HOOK), str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p]
+        [str(HOOK), str(ROOT), str(LESSONS)] + [p for p in [env.get("PYTHONPATH")] if p]
     )
     env.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from nanomega import cp, dist, recompute, schedules, tp, worlds
+from nanomega import cp, dist, formulas, model, recompute, schedules, tp, worlds
 from nanomega.gpt_config import GPTConfig
 
 # the minimal track, in the ranks too
@@ -104,6 +104,84 @@ def ring_bytes_per_rank():
     return sum(sent)
 
 
+def training_state_bytes():
+    # lesson 00's count on the GPT above: bf16 weights and gradients, an fp32 master copy, Adam's m, v
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG)).to(torch.bfloat16)
+    master = [p.detach().float().requires_grad_() for p in model.parameters()]
+    opt = torch.optim.Adam(master, lr=1e-3)
+    x = torch.randint(256, (4, 16))
+    model(x, x.roll(1, 1)).backward()
+    for m, p in zip(master, model.parameters()):
+        m.grad = p.grad.float()
+    opt.step()
+    state = [t for s in opt.state.values() for t in s.values() if t.dim() > 0]
+    tensors = [*model.parameters(), *(p.grad for p in model.parameters()), *master, *state]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def bf16_values_between_1_and_1024():
+    # every one of the 2^16 bit patterns read as a bf16 number
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    return int(((every >= 1) & (every < 1024)).sum())
+
+
+def eager_gelu_forward_bytes():
+    # lesson 08's ByteCounter around the eager forward only: x (64, 128), bias (128,), fp32
+    import diagrams
+
+    x, bias = torch.randn(64, 128), torch.randn(128)
+    with diagrams.lesson_script("08_fused.py").ByteCounter() as counter:
+        model.bias_gelu(x, bias)
+    return counter.bytes
+
+
+def dp_peer_of_rank_5():
+    # dist.layout(dp=4, pp=2, tp=2): the rank at dp index 3 of rank 5's data-parallel group
+    return next(g for g in dist.layout(dp=4, pp=2, tp=2)["dp"] if 5 in g.tolist())[3].item()
+
+
+def reshard_elements_of_rank_2():
+    # lesson 10's flat buffer of 80 elements (lessons/diagrams.py:RESHARD_PARAMS) over N = 3 ranks
+    import diagrams
+
+    return sum(b - a for _, a, b in diagrams.shard_pieces(3)[2])
+
+
+def zero3_bytes_per_gpu():
+    # the planner's cost model (lesson 11): a 7B model's training state per GPU, ZeRO-3 over dp = 64
+    return sum(formulas.zero_state_bytes(7e9, 3, 64))  # weights, gradients, optimizer
+
+
+def young_interval_hours():
+    # lesson 12's trade-off C/T + T/(2M) minimised on a grid of intervals: C = 30 s, M = 56 h
+    import diagrams
+
+    return diagrams.checkpoint_overhead(56.0, (30,))[30][2]
+
+
+def causal_tiles_computed():
+    # lesson 16's tiles(s, block) at s = 384, block = 32
+    import diagrams
+
+    return len(diagrams.lesson_script("16_flash.py").tiles(384, 32))
+
+
+def chinchilla_params():
+    return formulas.chinchilla_optimal(1e21)[0]
+
+
+def profiler_bmm_forward_bytes():
+    # torch.profiler's memory view of one forward of the GPT above, eager attention, on (4, 16)
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    gpt, x = GPT(GPTConfig(**CFG, attention="eager")), torch.randint(256, (4, 16))
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        gpt(x, x.roll(1, 1))
+    return next(e.self_cpu_memory_usage for e in prof.key_averages() if e.key == "aten::bmm")
+
+
 def _world():
     """One world of 2: plain DP's and ZeRO-1's bytes per parameter, and a tp=2 layer's forward
     bytes."""
@@ -145,6 +223,16 @@ QUESTIONS = {  # name: (lesson, how it is measured)
     "moe-active-params": ("14", moe_active_params),
     "cp-ring-forward-bytes": ("15", "world"),
     "ring-bytes-per-rank": ("17", ring_bytes_per_rank),
+    "training-state-bytes": ("00", training_state_bytes),
+    "bf16-values-in-1-1024": ("06", bf16_values_between_1_and_1024),
+    "eager-gelu-forward-bytes": ("08", eager_gelu_forward_bytes),
+    "dp-peer-of-rank-5": ("09", dp_peer_of_rank_5),
+    "reshard-elements-of-rank-2": ("10", reshard_elements_of_rank_2),
+    "zero3-bytes-per-gpu": ("11", zero3_bytes_per_gpu),
+    "young-interval-hours": ("12", young_interval_hours),
+    "causal-tiles-computed": ("16", causal_tiles_computed),
+    "chinchilla-params": ("18", chinchilla_params),
+    "profiler-bmm-forward-bytes": ("19", profiler_bmm_forward_bytes),
 }
 
 

@@ -164,6 +164,11 @@ SCRIPTED = {
     "diagram_reshard.png": "lessons/diagrams.py",
     "diagram_flash.png": "lessons/diagrams.py",
     "diagram_gqa.png": "lessons/diagrams.py",
+    "diagram_fused.png": "lessons/diagrams.py",
+    "diagram_young.png": "lessons/diagrams.py",
+    "diagram_chinchilla.png": "lessons/diagrams.py",
+    "diagram_allocations.png": "lessons/diagrams.py",
+    "diagram_moe.png": "lessons/diagrams.py",
 }
 
 

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "lessons"))
@@ -134,3 +135,74 @@ def test_every_diagram_draws(tmp_path):
     for name, draw in diagrams.DIAGRAMS.items():
         draw(str(tmp_path / name))
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_fused_picture_counts_eager_bias_gelu_kernel_by_kernel():
+    """Lesson 08's table: add 2n (+h), gelu 2n, gelu_backward 3n, the bias's sum n (+h), 8n + 2h in
+    all, against the fused kernel's 5n."""
+    rows, width = 64, 128
+    kernels, (fwd, bwd) = diagrams.fused_bytes(rows, width)
+    n, h = rows * width, width
+    assert kernels == [
+        ("add", 4 * (2 * n + h)),
+        ("gelu", 4 * 2 * n),
+        ("gelu_backward", 4 * 3 * n),
+        ("sum", 4 * (n + h)),
+    ]
+    assert (fwd, bwd) == (4 * 2 * n, 4 * 3 * n)
+
+
+def test_young_curve_is_least_at_sqrt_2_c_m():
+    curves = diagrams.checkpoint_overhead(mtbf_h=112.0, saves_s=(120, 40))
+    for c_s, (grid, cost, best) in curves.items():
+        step = grid[1] - grid[0]
+        assert abs(best - (2 * c_s / 3600 * 112.0) ** 0.5) <= step, c_s
+        assert min(cost) == pytest.approx((2 * c_s / 3600 / 112.0) ** 0.5, rel=1e-4)
+    assert round(curves[120][2], 2) == 2.73  # lesson 12's check line
+
+
+def test_chinchilla_frontier_spends_each_budget_at_20_tokens_per_parameter():
+    frontier, table3, runs = diagrams.compute_optimal()
+    for c, n, d in frontier:
+        assert 6 * n * d == pytest.approx(c) and d / n == pytest.approx(20)
+    # the runs the picture places: GPT-3 under the line (1.7 tokens/parameter), Llama 3 8B above
+    ratio = {name.split(" (")[0]: d / n for name, n, d in runs}
+    assert ratio["GPT-3 175B"] < 20 < ratio["Llama 3 8B"]
+    assert len(table3) == 7
+
+
+def test_allocations_picture_shows_the_attention_bmm_bytes_of_lesson_19():
+    lesson = diagrams.lesson_script("19_profiling.py")
+    L, b, a, s, hd = lesson.L, lesson.B, lesson.A, lesson.S, lesson.H // lesson.A
+    allocated = diagrams.step_allocations()
+    assert allocated["aten::bmm"] == L * 4 * b * a * (2 * s * s + 4 * s * hd)
+    assert list(allocated.values()) == sorted(allocated.values(), reverse=True)
+
+
+def test_moe_dispatch_sends_each_expert_its_tokens_in_order_and_combines_by_weight():
+    experts, weights, seen, x, y = diagrams.moe_dispatch(tokens=8, k=2, n_experts=4)
+    for e, got in seen.items():  # expert-major, token order inside
+        assert got == [t for t in range(8) if e in experts[t].tolist()], e
+    # expert e multiplies by e + 1: token t's output is x_t sum_j w_tj (e_tj + 1)
+    want = x * (weights * (experts + 1)).sum(-1, keepdim=True)
+    assert torch.allclose(y, want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_ring_all_reduce_is_the_sum_on_every_rank(n):
+    """Lesson 17's ring (the `ring` exercise's function) on n threads: every rank ends with the sum
+    of all ranks' tensors. Integers in float64: every order of the additions gives the same bits."""
+    lesson = diagrams.lesson_script("17_collectives.py")
+    g = torch.Generator().manual_seed(n)
+    inputs = [torch.randint(-8, 8, (5 * n,), generator=g).double() for _ in range(n)]
+    boxes, outs = [diagrams.queue.Queue() for _ in range(n)], {}
+
+    def rank_main(r):
+        outs[r] = lesson.ring_all_reduce(diagrams.ThreadRing(r, boxes), inputs[r].clone())
+
+    diagrams.on_threads(n, rank_main)
+    want = sum(inputs)
+    for r in range(n):
+        assert torch.equal(outs[r], want), (
+            f"ring n={n} rank={r}: got {outs[r].tolist()}, want {want.tolist()}"
+        )

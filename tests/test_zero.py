@@ -592,8 +592,11 @@ def test_zero3_gathers_one_unit_ahead(world2):
     next unit, prefetched, are gathered: after block 0 that is block 1. Between steps only the
     shards remain."""
     p = world2[0]["prefetch"]
-    assert p["after"] == p["shards"]
-    assert p["peak"] == p["shards"] + p["root"] + p["block"]
+    assert p["after"] == p["shards"], (
+        f"between steps {p['after']} bytes held, the shards {p['shards']}"
+    )
+    want = p["shards"] + p["root"] + p["block"]
+    assert p["peak"] == want, f"after block 0: {p['peak']} bytes held, shards + root + block {want}"
 
 
 def test_pipeline_stages_share_the_tied_embedding(world2):

@@ -52,4 +52,38 @@ PREDICTIONS = {
     # heads of 8 dims, batch 1, fp32, no grouped-query: bytes one rank sends. Careful: the ring moves
     # keys and values, not queries
     "cp-ring-forward-bytes": None,
+    # lesson 00: the GPT above in bf16 with Adam in mixed precision: bytes of training state after
+    # one step (weights, gradients, fp32 master copy, Adam's two moments). Careful: the embedding is
+    # tied to the LM head, and LayerNorms and biases are parameters too
+    "training-state-bytes": None,
+    # lesson 06: how many distinct bf16 numbers lie in [1, 1024). Careful: the leading 1 of the
+    # significand is not stored, and the spacing doubles at each power of two
+    "bf16-values-in-1-1024": None,
+    # lesson 08: eager gelu(x + bias) FORWARD only, x (64, 128) and bias (128,) fp32: bytes its aten
+    # kernels read and write (lesson 08's ByteCounter). Careful: the add writes x + b out, and gelu
+    # reads it back in
+    "eager-gelu-forward-bytes": None,
+    # lesson 09: dist.layout(dp=4, pp=2, tp=2), 16 ranks: the rank at dp index 3 of rank 5's
+    # data-parallel group. Careful: nanomega puts dp outermost and tp fastest (Megatron's order
+    # differs: Appendix of lesson 00)
+    "dp-peer-of-rank-5": None,
+    # lesson 10: a flat buffer of 80 elements split over N = 3 ranks (flat.FlatGroup, as lesson 10's
+    # picture): how many elements rank 2 owns
+    "reshard-elements-of-rank-2": None,
+    # lesson 11: the planner's training state per GPU for a 7B model under ZeRO-3 over dp = 64, bf16
+    # weights and gradients and Adam's 12 bytes (formulas.zero_state_bytes), in bytes
+    "zero3-bytes-per-gpu": None,
+    # lesson 12: the checkpoint interval, in hours, that minimises C/T + T/(2M) with a 30 s save and
+    # a job MTBF of 56 h. Careful: C and M in the same unit
+    "young-interval-hours": None,
+    # lesson 16: causal (block x block) tiles a FlashAttention kernel computes at s = 384, block =
+    # 32. Careful: the diagonal tiles are computed (masked inside), only those above are skipped
+    "causal-tiles-computed": None,
+    # lesson 18: Chinchilla's compute-optimal parameter count N for a budget of 1e21 FLOPs, with
+    # C = 6 N D and D = 20 N
+    "chinchilla-params": None,
+    # lesson 19: torch.profiler's memory view, one FORWARD (no grad) of the GPT above with eager
+    # attention on (4, 16): bytes aten::bmm allocates. Careful: per layer the scores are (b, a, s, s)
+    # and P V is (b, a, s, hd); hd = h / a
+    "profiler-bmm-forward-bytes": None,
 }

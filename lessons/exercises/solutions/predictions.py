@@ -21,4 +21,17 @@ PREDICTIONS = {
     "moe-active-params": 4 * 32 + 2 * 3 * 32 * 64,  # router E h + k experts of 3 h f
     "ring-bytes-per-rank": 2 * (8 - 1) / 8 * 1024 * 4,  # 2 (n - 1) / n x B
     "cp-ring-forward-bytes": (2 - 1) * 2 * (1 * 8 * 4 * 8) * 4,  # (cp - 1) x K and V, fp32
+    # N = V h (tied) + s h + L (12 h^2 + 13 h) + 2 h (final LayerNorm); 2 + 2 + 4 + 4 + 4 bytes each
+    "training-state-bytes": 16 * (V * h + s * h + L * (12 * h * h + 13 * h) + 2 * h),
+    "bf16-values-in-1-1024": 10 * 2**7,  # 7 stored mantissa bits, in each of 10 binades
+    # add: reads x (n) and b (h), writes n; gelu: reads n, writes n; n = 64 x 128
+    "eager-gelu-forward-bytes": 4 * (4 * 64 * 128 + 128),
+    # rank = dp x (pp tp) + pp x tp + tp: rank 5 is (1, 0, 1); the dp stride is pp tp = 4
+    "dp-peer-of-rank-5": 3 * 4 + 0 * 2 + 1,
+    "reshard-elements-of-rank-2": 80 - 2 * math.ceil(80 / 3),  # the last rank: what is left
+    "zero3-bytes-per-gpu": 16 * 7e9 / 64,  # everything sharded: 2 + 2 + 12 bytes over 64
+    "young-interval-hours": math.sqrt(2 * 30 / 3600 * 56),  # sqrt(2 C M), C in hours
+    "causal-tiles-computed": 12 * 13 // 2,  # T (T + 1) / 2, T = 384 / 32
+    "chinchilla-params": math.sqrt(1e21 / 120),  # C = 6 N (20 N)
+    "profiler-bmm-forward-bytes": L * 4 * 4 * 4 * (s * s + s * (h // 4)),  # L 4 b a (s^2 + s hd)
 }
