@@ -204,6 +204,10 @@ TRAINED = [
     # untied (a Llama): every parameter's gradient is 1F1B's, bitwise
     ("llama-pp4-untied", ["--arch", "llama", "--n-kv-head", "2", "--untie-embeddings", "--pp", "4",
                           "--n-layer", "8", "--batch-size", "1", "--grad-accum", "8"], True),
+    # and tp 2 + SP with selective recompute: the V's turn hands over a sequence-sharded activation
+    ("llama-tp2-sp-pp2-untied", ["--arch", "llama", "--n-kv-head", "2", "--untie-embeddings", "--tp",
+                                 "2", "--sequence-parallel", "--pp", "2", "--recompute", "selective",
+                                 "--batch-size", "2", "--grad-accum", "4"], True),
     # tied, ZeRO-1 over dp 2: the tied matrix's halves sum in another order (within RTOL)
     ("dp2-pp2-zero1", ["--pp", "2", "--zero", "1", "--batch-size", "1", "--grad-accum", "4"],
      False),
@@ -220,9 +224,9 @@ def _train_both(corpus, root):
 
 def test_train_zb_v_equals_1f1b(corpus, tmp_path):
     """train.py end to end under --schedule zb-v (build_stage, tied_rule, the loss broadcast from
-    rank 0, the global norm, evaluation on the V, the metrics, the checkpoints): untied, every loss,
-    the validation loss and the final weights bitwise 1F1B's; tied with ZeRO-1 over dp 2, within
-    the layouts' RTOL (tests/test_layouts.py)."""
+    rank 0, the global norm, evaluation on the V, the metrics, the checkpoints): untied (pp 4; tp 2
+    + SP x pp 2 with selective recompute), every loss, the validation loss and the final weights
+    bitwise 1F1B's; tied with ZeRO-1 over dp 2, within the layouts' RTOL (tests/test_layouts.py)."""
     worlds.launch(_train_both, 4, corpus, tmp_path, timeout=600)
     steps = int(COMMON[COMMON.index("--max-steps") + 1])
     for name, _, bitwise in TRAINED:
