@@ -56,8 +56,9 @@ def zb_v_peak(p, m, rank):
 
 def test_zb_v_bubble_and_memory_equal_the_formulas():
     """Every rank idles zb_v_idle and holds zb_v_peak, under the simulator's NCCL-strict
-    rendezvous (no deadlock, message order agreed), p 2, 3, 4, 8 and m from 1 to 3p. Only at equal
-    op times: the handcrafted ZB-V assumes T_F = T_B = T_W (the paper's sec. 6)."""
+    rendezvous (no deadlock, message order agreed), p 2, 3, 4 with m from 1 to 3p, p 8 with m 1, 6,
+    11, 15, 16, 21. Only at equal op times: the handcrafted ZB-V assumes T_F = T_B = T_W (the
+    paper's sec. 6)."""
     for p in (2, 3, 4, 8):
         for m in sorted({*range(1, 3 * p + 1, 1 if p < 8 else 5), 2 * p - 1}):
             traces = simulate(p, m, "zb-v", v=2, t_f=1, t_b=1, t_w=1)
