@@ -7,7 +7,8 @@ from check import check
 from nanomega import dist, pp, recompute, worlds
 from nanomega.gpt_config import GPTConfig
 from nanomega.model import GPT
-from nanomega.schedules import Trace, bubble_fraction, draw_timeline, peak_inflight, simulate
+from nanomega.schedules import Trace, bubble_fraction, peak_inflight, simulate
+from nanomega.timeline import draw_timeline
 
 P, M, V = 4, 8, 2
 # 2 blocks per stage

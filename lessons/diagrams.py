@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "lessons"))
 
-from nanomega import cp, dist, flat, schedules, tp, zero_rules  # noqa: E402
+from nanomega import cp, dist, flat, schedules, timeline, tp, zero_rules  # noqa: E402
 
 FOLDER = ROOT / "lessons" / "figures"
 DPI = 72
@@ -434,7 +434,7 @@ def draw_tp(path):
 
 def draw_1f1b(path):
     traces = schedules.simulate(4, 8, "1f1b")
-    schedules.draw_timeline(traces, path)
+    timeline.draw_timeline(traces, path)
 
 
 def draw_sp(path):
@@ -535,7 +535,7 @@ def draw_compose(path):
 
 def draw_zb_h1(path):
     # the paper's unit setting: F, B (input gradient) and W (weight gradients) one unit each
-    schedules.draw_timeline(schedules.simulate(4, 8, "zb-h1", t_f=1, t_b=1, t_w=1), path)
+    timeline.draw_timeline(schedules.simulate(4, 8, "zb-h1", t_f=1, t_b=1, t_w=1), path)
 
 
 def draw_cp(path):

@@ -58,7 +58,7 @@ def build(config, grid):
 
     # pipeline parallel: this rank's stage; a zero-bubble schedule's linears split their backward
     if grid.pp.size > 1:
-        pp.build_stage(model, grid, config.virtual_stages)
+        pp.build_stage(model, grid, config.virtual_stages, schedules.placement(config.schedule))
         if config.schedule in schedules.SPLIT:
             wgrad.split_backward(model)
 

@@ -3,27 +3,43 @@ them.
 
 Idea: stage k of p keeps only its share of the blocks (the embedding on the first stage, the final
 norm, head and loss on the last). A step runs m micro-batches through the stages in the order a
-schedule gives (schedules.py: GPipe, 1F1B, interleaved 1F1B, ZB-H1); neighbours exchange
+schedule gives (schedules.py: GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V); neighbours exchange
 activations (forward) and their gradients (backward) with batched isend/irecv of shapes known in
 advance. The tied embedding lives twice, on the first and the last stage, and the two copies'
 gradients are summed over grid.embed so they stay equal. A zero-bubble schedule's B computes input
 gradients and stashes the weight-gradient GEMMs for its W op (wgrad.py), which runs while p2p calls
-are in flight.
+are in flight. Which rank holds which virtual stage is the schedule's placement
+(schedules.PLACEMENT): on ZB-V's V the first and the last stage are both rank 0, which then holds
+the tied embedding once, as the dense model.
 
 Formulas (p stages, m micro-batches of activation memory A each, v chunks per rank):
     bubble = (p - 1) / (v m + p - 1) of every rank's step time
-    activations held per stage: GPipe m A, 1F1B min(m, p - rank) A, ZB-H1 (to W) min(m, p) A
+    activations held per stage: GPipe m A, 1F1B min(m, p - rank) A, ZB-H1 (to W) min(m, p) A,
+        ZB-V (two chunks of A/2) min(2p, 2m, m + 1 + rank) A/2: p A once m >= 2p - 1
     a sent output (mb, s, h) is freed once sent (Megatron's deallocate trick): saves that much per in-flight mb
 Lesson: lessons/05-pipeline-parallel.md
 """
 
 import contextlib
+import functools
 
 import torch
 import torch.nn as nn
 
 from . import schedules, wgrad
-from .schedules import SCHEDULES, SPLIT, Comm, comm_plan, ops_in_order, peer, recv_msg, send_msg
+from .schedules import (
+    SCHEDULES,
+    SPLIT,
+    Comm,
+    Op,
+    peer,
+    placement,
+    rank_plan,
+    recv_msg,
+    send_msg,
+    stage_rank,
+    virtual_stage,
+)
 
 
 def stage_layers(n_layer, pp, pp_rank) -> range:
@@ -56,7 +72,12 @@ def check_args(n_layer, pp, microbatches, schedule, virtual=1, compiled=False):
         raise ValueError(f"--microbatches must be >= 1, got {microbatches}")
     if virtual < 1:
         raise ValueError(f"--virtual-stages must be >= 1, got {virtual}")
-    if schedule != "interleaved" and virtual > 1:
+    if placement(schedule) == "v" and (virtual != 2 or pp < 2):
+        raise ValueError(
+            f"--schedule {schedule} places two model chunks per rank in a V: it needs --pp >= 2 "
+            f"and --virtual-stages 2, got pp {pp}, virtual stages {virtual}"
+        )
+    if schedule != "interleaved" and placement(schedule) != "v" and virtual > 1:
         raise ValueError(f"--virtual-stages {virtual} needs --schedule interleaved")
 
     if schedule == "interleaved":
@@ -80,33 +101,37 @@ def check_args(n_layer, pp, microbatches, schedule, virtual=1, compiled=False):
     stage_layers(n_layer, pp * virtual, 0)
 
 
-def chunk_layers(n_layer, pp, pp_rank, chunk, virtual=1) -> range:
-    """Layers of model chunk `chunk` on rank pp_rank: virtual stage chunk * pp + pp_rank of pp *
-    virtual."""
-    return stage_layers(n_layer, pp * virtual, chunk * pp + pp_rank)
+def chunk_layers(n_layer, pp, pp_rank, chunk, virtual=1, place="loop") -> range:
+    """Layers of model chunk `chunk` on rank pp_rank: its virtual stage (schedules.virtual_stage;
+    chunk * pp + pp_rank on the loop) of pp * virtual."""
+    return stage_layers(n_layer, pp * virtual, virtual_stage(pp, pp_rank, chunk, place))
 
 
-def build_stage(model, grid, virtual=1):
+def build_stage(model, grid, virtual=1, place="loop"):
     """Keep only this rank's pieces of the dense GPT, in place; parameter names stay the dense
-    model's.
+    model's. place: the schedule's placement (schedules.placement).
 
     With pp > 1 the last stage's LM head gets its own copy of the tied embedding (equal by
     construction, as every rank built the same dense model), tagged `shared_embedding`;
-    sync_tied_grads keeps it in sync.
+    sync_tied_grads keeps it in sync. On the V the first and the last stage share rank 0: its one
+    matrix stays tied, as in the dense model.
     """
     p, rank, n_layer = grid.pp.size, grid.pp_rank, model.cfg.n_layer
-    keep = {str(i) for c in range(virtual) for i in chunk_layers(n_layer, p, rank, c, virtual)}
+    keep = {
+        str(i) for c in range(virtual) for i in chunk_layers(n_layer, p, rank, c, virtual, place)
+    }
     for key in [k for k in model.blocks if k not in keep]:
         del model.blocks[key]
-    if p > 1 and grid.last_stage and model.cfg.tie_embeddings:
+    first, last = rank == 0, rank == stage_rank(p * virtual - 1, p, place)
+    if p > 1 and last and not first and model.cfg.tie_embeddings:
         tied = model.head.lm_head.weight
         copy = nn.Parameter(tied.detach().clone(), requires_grad=tied.requires_grad)
         copy.__dict__.update(tied.__dict__)  # keeps tags such as tensor_parallel
         copy.shared_embedding = True
         model.head.lm_head.weight = copy
-    if not grid.first_stage:
+    if not first:
         model.embed = None
-    if not grid.last_stage:
+    if not last:
         model.head = model.mtp = None  # the MTP modules (mtp.py) with the head
     return model
 
@@ -126,13 +151,14 @@ def saved_name(name, p):
 
 
 def tied_embedding(model, grid):
-    """This stage's copy of the tied embedding/LM-head matrix, or None (middle stages, pp == 1, or
-    untied)."""
-    if grid.pp.size == 1 or not model.cfg.tie_embeddings:
+    """This stage's copy of the tied embedding/LM-head matrix, or None (middle stages, pp == 1,
+    untied, or both ends on this rank: the V's rank 0 holds one matrix, summed by autograd)."""
+    both = model.embed is not None and model.head is not None
+    if grid.pp.size == 1 or not model.cfg.tie_embeddings or both:
         return None
-    if grid.first_stage:
+    if model.embed is not None:
         return model.embed.wte.weight
-    return model.head.lm_head.weight if grid.last_stage else None
+    return model.head.lm_head.weight if model.head is not None else None
 
 
 def sum_tied_grad(grad, grid):
@@ -203,13 +229,13 @@ def train_step(
             f"--schedule {schedule} runs W ops: the model's linear entry must split its backward "
             f"(wgrad.split_backward(model), compose.build does it)"
         )
-    rounds = SCHEDULES[schedule](grid.pp.size, grid.pp_rank, len(micro_batches), virtual)
     losses = _run(
         model,
         grid,
-        rounds,
+        SCHEDULES[schedule],
         micro_batches,
         virtual,
+        placement(schedule),
         act_shape,
         no_sync,
         loss_scale,
@@ -220,13 +246,12 @@ def train_step(
 
 
 @torch.no_grad()
-def forward_only(model, grid, micro_batches, act_shape=None, virtual=1):
+def forward_only(model, grid, micro_batches, act_shape=None, virtual=1, place="loop"):
     """Mean loss per sequence over the micro-batches, without backward (evaluation), returned on
     every rank of the pp axis: sequence_mean of their losses, so a ragged last micro-batch weighs
-    what its sequences do. virtual: the number of chunks build_stage cut this stage into (_run
-    checks the layers match it)."""
-    rounds = schedules.forward_only(grid.pp.size, grid.pp_rank, len(micro_batches), virtual)
-    losses = _run(model, grid, rounds, micro_batches, virtual, act_shape)
+    what its sequences do. virtual, place: the chunks build_stage cut this stage into and their
+    placement (_run checks the layers match them)."""
+    losses = _run(model, grid, schedules.forward_only, micro_batches, virtual, place, act_shape)
     return sequence_mean(losses, [len(batch[0]) for batch in micro_batches])
 
 
@@ -243,9 +268,10 @@ def sequence_mean(losses, sizes) -> float:
 def _run(
     model,
     grid,
-    rounds,
+    make,
     micro_batches,
     virtual,
+    place,
     act_shape,
     no_sync=contextlib.nullcontext,
     loss_scale=1.0,
@@ -254,26 +280,28 @@ def _run(
 ):
     p, rank, m = grid.pp.size, grid.pp_rank, len(micro_batches)
     n_layer, last_vs = model.cfg.n_layer, p * virtual - 1
-    expected = {str(i) for c in range(virtual) for i in chunk_layers(n_layer, p, rank, c, virtual)}
+    layers = [chunk_layers(n_layer, p, rank, c, virtual, place) for c in range(virtual)]
+    expected = {str(i) for chunk in layers for i in chunk}
     if expected != set(model.blocks):
         raise ValueError(
             f"pipeline stage {rank} holds layers {sorted(map(int, model.blocks))} but {virtual} "
-            f"chunk(s) per rank need {sorted(map(int, expected))}: pass the virtual given to build_stage"
+            f"chunk(s) per rank ({place}) need {sorted(map(int, expected))}: pass the virtual and "
+            f"the placement given to build_stage"
         )
     x0 = micro_batches[0][0]
     shape = act_shape or (x0.shape[0], x0.shape[1], model.cfg.n_embd)
     dtype = next(model.blocks.parameters()).dtype
-    split = any(op.kind == "W" for op in ops_in_order(rounds))
+    steps = rank_plan(make, p, rank, m, virtual, place)  # ops and the p2p calls between them
+    ops = [step for step in steps if isinstance(step, Op)]
+    split = any(op.kind == "W" for op in ops)
     # the op that reduces each chunk's gradients: its last W (split backward), else its last B
-    last_grad_op = {
-        op.chunk: op for op in ops_in_order(rounds) if op.kind == ("W" if split else "B")
-    }
+    last_grad_op = {op.chunk: op for op in ops if op.kind == ("W" if split else "B")}
     sync = torch.accelerator.synchronize if grid.device.type != "cpu" else (lambda: None)
     # live: (chunk, mb) -> (input, output) awaiting B; deferred: (chunk, mb) -> W's stash
     live, deferred, inbox, outbox, losses = {}, {}, {}, {}, []
-    calls = Calls(grid, p, rank, deallocate, eager=split)
+    calls = Calls(grid, p, rank, deallocate, eager=split, place=place)
 
-    for step in comm_plan(rounds, p, rank, virtual):
+    for step in steps:
         if isinstance(step, Comm):
             # a micro-batch's activation (or its gradient) has its own batch size: an evaluation's
             # last micro-batch may be ragged, and a receive larger than its send would hang NCCL
@@ -290,16 +318,17 @@ def _run(
                 held = sum(out.untyped_storage().nbytes() for _, out in live.values() if out.dim())
                 trace.peak_output_bytes = max(trace.peak_output_bytes, held)
             continue
-        vs = step.chunk * p + rank
-        calls.wait_for(recv_msg(step, p, rank, virtual))
+        vs = virtual_stage(p, rank, step.chunk, place)
+        calls.wait_for(recv_msg(step, p, rank, virtual, place))
         reduce = step == last_grad_op.get(step.chunk)
         with trace.span(step, sync) if trace else contextlib.nullcontext():
             if step.kind == "F":
                 x, y, *docs = micro_batches[step.mb]
-                x = x if vs == 0 else inbox.pop(recv_msg(step, p, rank, virtual)).requires_grad_()
-                layers = chunk_layers(n_layer, p, rank, step.chunk, virtual)
+                if vs > 0:  # the previous stage's output: received, or this rank's (the V's turn)
+                    x = inbox.pop(recv_msg(step, p, rank, virtual, place)).requires_grad_()
+                held = layers[step.chunk]
                 out = forward_chunk(
-                    model, x, y if vs == last_vs else None, layers, vs == 0, vs == last_vs, *docs
+                    model, x, y if vs == last_vs else None, held, vs == 0, vs == last_vs, *docs
                 )
                 if vs == last_vs:
                     losses.append(out.detach())
@@ -311,7 +340,7 @@ def _run(
                 grad = (
                     torch.ones_like(out)
                     if vs == last_vs
-                    else inbox.pop(recv_msg(step, p, rank, virtual))
+                    else inbox.pop(recv_msg(step, p, rank, virtual, place))
                 )
                 # split: the weight gradients wait in a stash for this micro-batch's W
                 defer = wgrad.deferring() if split else contextlib.nullcontext()
@@ -325,13 +354,16 @@ def _run(
             if trace:
                 held = len(set(live) | set(deferred))
                 trace.peak_inflight = max(trace.peak_inflight, held)
-        msg = send_msg(step, p, rank, virtual)
-        if msg:
+        msg = send_msg(step, p, rank, virtual, place)
+        if msg and peer(msg, p, rank, place) == rank:  # the V's turn: the next chunk is here
+            inbox[msg] = out.detach() if step.kind == "F" else x.grad
+        elif msg:
             outbox[msg] = out if step.kind == "F" else x.grad
 
     calls.wait_all()
     losses = torch.stack(losses) if losses else torch.zeros(m, device=grid.device)
-    return grid.pp.broadcast(losses, src_index=p - 1)  # each micro-batch's loss, on every stage
+    # each micro-batch's loss, on every stage, from the rank holding the last virtual stage
+    return grid.pp.broadcast(losses, src_index=stage_rank(last_vs, p, place))
 
 
 class Calls:
@@ -340,18 +372,18 @@ class Calls:
     once its call completed (its autograd graph needs only the grad_fn: Megatron's deallocate).
     Without W ops (eager False) every call is waited for as it is posted: the next op needs it."""
 
-    def __init__(self, grid, p, rank, deallocate, eager):
-        self.grid, self.p, self.rank, self.deallocate = grid, p, rank, deallocate
-        self.eager = eager
+    def __init__(self, grid, p, rank, deallocate, eager, place="loop"):
+        self.grid, self.deallocate, self.eager = grid, deallocate, eager
+        self.peer = functools.partial(peer, p=p, rank=rank, place=place)  # msg -> the other end
         self.calls = []  # (works, peers, receives, [(message, tensor) sent])
 
     def post(self, step, sent, inbox):
-        peers = {peer(msg, self.p, self.rank) for msg in step.sends + step.recvs}
+        peers = {self.peer(msg) for msg in step.sends + step.recvs}
         for call in [c for c in self.calls if c[1] & peers]:
             self._wait(call)
         works = self.grid.pp.p2p(
-            sends=[(t, peer(msg, self.p, self.rank)) for msg, t in zip(step.sends, sent)],
-            recvs=[(inbox[msg], peer(msg, self.p, self.rank)) for msg in step.recvs],
+            sends=[(t, self.peer(msg)) for msg, t in zip(step.sends, sent)],
+            recvs=[(inbox[msg], self.peer(msg)) for msg in step.recvs],
             wait=False,
         )
         # every sent tensor stays referenced until its call completes; forward outputs freed then

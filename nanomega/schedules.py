@@ -2,9 +2,9 @@
 
 A schedule is the order in which one pipeline rank runs forwards F(mb) and backwards B(mb) of its
 micro-batches, cut into rounds (ops that run back to back; p2p happens between rounds). Everything
-else follows from it: what each op must receive first and send after (`comm_plan`), whether the
-ranks can deadlock, and how long they sit idle (`simulate`). No torch, no processes: pp.py runs the
-very same plan with real tensors.
+else follows from it: what each op must receive first and send after (`comm_plan`; on ZB-V's V,
+`timed_plan`), whether the ranks can deadlock, and how long they sit idle (`simulate`). No torch,
+no processes: pp.py runs the very same plan with real tensors (timeline.py draws it).
 
 Formulas (p stages, m micro-batches, v virtual stages per rank, forward t_f and backward t_b per
           stage; split backward: B the input gradient t_b, W the weight gradient t_w):
@@ -13,6 +13,10 @@ Formulas (p stages, m micro-batches, v virtual stages per rank, forward t_f and 
     micro-batches alive on rank r: GPipe m, 1F1B min(m, p - r)  (activation memory ∝ m vs ∝ p)
     ZB-H1 (Qi et al. 2024, Table 1): idle per rank (p - 1)(t_f + t_b - t_w), vs 1F1B's
                         (p - 1)(t_f + t_b + t_w); alive min(m, p) on every rank (1F1B's peak)
+    ZB-V (Qi et al. 2024, sec. 6): two chunks per rank in a V (t_f = t_b = t_w = t per chunk),
+                        idle per rank (p - 1) t for m >= 2p - 1 (the V's ramp; ours, from the
+                        schedule: tests/test_zb_v.py), vs 1F1B's 6(p - 1) t; alive 2p chunks on
+                        every rank (the paper's p M_B, 1F1B's peak)
 Lesson: lessons/05-pipeline-parallel.md
 """
 
@@ -25,8 +29,29 @@ from collections import namedtuple
 Op = namedtuple("Op", "kind mb chunk", defaults=(0,))
 Comm = namedtuple("Comm", "sends recvs")  # one batched isend/irecv: lists of messages
 # A message is ("F", mb, vs): the activation virtual stage vs sends to vs + 1, or ("B", mb, vs): the
-# gradient vs sends to vs - 1. Virtual stage vs = chunk * p + rank lives on rank vs % p.
+# gradient vs sends to vs - 1. Which rank holds virtual stage vs: the placement (below).
 Event = namedtuple("Event", "op mb start end chunk")
+
+# Where each virtual stage lives. "loop" (Megatron's interleaved; v = 1 is plain 1F1B): chunk c of
+# rank r is virtual stage c p + r, the last (head and loss) on rank p - 1. "v" (ZB-V): two chunks
+# down and back up, rank r holds r and 2p - 1 - r, so the first and the last stage (embedding; head
+# and loss) are both on rank 0 and the turn p - 1 -> p stays on rank p - 1 (no message).
+PLACEMENT = {"zb-v": "v"}  # a schedule not listed: "loop"
+
+
+def placement(schedule):
+    """The placement a schedule (its name) runs on."""
+    return PLACEMENT.get(schedule, "loop")
+
+
+def virtual_stage(p, rank, chunk, place="loop"):
+    """The virtual stage that chunk `chunk` of rank `rank` is."""
+    return 2 * p - 1 - rank if place == "v" and chunk == 1 else chunk * p + rank
+
+
+def stage_rank(vs, p, place="loop"):
+    """The rank holding virtual stage vs (the inverse of virtual_stage)."""
+    return 2 * p - 1 - vs if place == "v" and vs >= p else vs % p
 
 
 def gpipe(p, rank, m, v=1):
@@ -86,6 +111,37 @@ def zb_h1(p, rank, m, v=1):
     return [[op] for op in ops + [Op("W", i) for i in range(w, m)]]
 
 
+def zb_v(p, rank, m, v=2):
+    """ZB-V (Qi et al. 2024, sec. 6), on the V placement: chunk 0 runs down the ranks,
+    chunk 1 back up. Warm-up: 2(p - rank) - 1 forwards of chunk 0, `rank` pairs F1 F0, then
+    p - rank triples F1 B1 W1 of chunk 1; steady state: F0 B0 W0 F1 B1 W1; cool-down: `rank`
+    pairs B0 B1, p - rank pairs B0 W0, the W left. Laid out for n = max(m, 2p - 1) micro-batches
+    (the warm-up's length), the ops of micro-batches >= m dropped (as PyTorch's
+    ScheduleZBVZeroBubble)."""
+    n, ops, done = max(m, 2 * p - 1), [], {(k, c): 0 for k in "FBW" for c in (0, 1)}
+
+    def run(*ops_):  # ("F", 0), ...: each chunk's next micro-batch of that kind
+        for kind, chunk in ops_:
+            ops.append(Op(kind, done[(kind, chunk)], chunk))
+            done[(kind, chunk)] += 1
+
+    # warm-up: fill both legs of the V
+    run(*[("F", 0)] * (2 * (p - rank) - 1))
+    run(*[("F", 1), ("F", 0)] * rank)
+    run(*[("F", 1), ("B", 1), ("W", 1)] * (p - rank))
+
+    # steady state: a forward, an input gradient and a weight gradient of each chunk
+    while done[("F", 1)] < done[("F", 0)] or done[("F", 0)] < n:
+        run(*[("F", 0)] * (done[("F", 0)] < n), ("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1))
+
+    # cool-down: the input gradients first, the weight gradients fill the wait
+    run(*[("B", 0), ("B", 1)] * rank)
+    run(*[("B", 0), ("W", 0)] * (p - rank))
+    run(*[("W", 1)] * (done[("B", 1)] - done[("W", 1)]))
+    run(*[("W", 0)] * (done[("B", 0)] - done[("W", 0)]))
+    return [[op] for op in ops if op.mb < m]
+
+
 def forward_only(p, rank, m, v=1):
     """Evaluation: the forwards alone, in the interleaved order (any m: the last
     group takes the rest)."""
@@ -100,8 +156,14 @@ def _chunk_order(p, m, v):
     return [(mb, c) for group in groups for c in range(v) for mb in group]
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb-h1": zb_h1}
-SPLIT = {"zb-h1"}  # schedules with W ops: the backward split (wgrad.py)
+SCHEDULES = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved_1f1b,
+    "zb-h1": zb_h1,
+    "zb-v": zb_v,
+}
+SPLIT = {"zb-h1", "zb-v"}  # schedules with W ops: the backward split (wgrad.py)
 
 
 def ops_in_order(rounds):
@@ -109,10 +171,10 @@ def ops_in_order(rounds):
     return [op for rnd in rounds for op in rnd]
 
 
-def recv_msg(op, p, rank, v):
+def recv_msg(op, p, rank, v, place="loop"):
     """The message op needs before it can run: the input activation (F) or the output gradient
     (B); a weight-gradient op W needs none."""
-    vs = op.chunk * p + rank
+    vs = virtual_stage(p, rank, op.chunk, place)
     if op.kind == "W":
         return None
     if op.kind == "F":
@@ -120,9 +182,9 @@ def recv_msg(op, p, rank, v):
     return ("B", op.mb, vs + 1) if vs < p * v - 1 else None
 
 
-def send_msg(op, p, rank, v):
+def send_msg(op, p, rank, v, place="loop"):
     """The message op produces: its output activation (F) or its input gradient (B); W none."""
-    vs = op.chunk * p + rank
+    vs = virtual_stage(p, rank, op.chunk, place)
     if op.kind == "W":
         return None
     if op.kind == "F":
@@ -130,20 +192,26 @@ def send_msg(op, p, rank, v):
     return ("B", op.mb, vs) if vs > 0 else None
 
 
-def peer(msg, p, rank):
-    """The rank at the other end of msg, seen from rank."""
+def peer(msg, p, rank, place="loop"):
+    """The rank at the other end of msg, seen from rank (rank itself: a message that stays, the
+    V's turn)."""
     kind, _, vs = msg
-    src, dst = vs % p, (vs + (1 if kind == "F" else -1)) % p
+    src, dst = stage_rank(vs, p, place), stage_rank(vs + (1 if kind == "F" else -1), p, place)
     return dst if src == rank else src
 
 
-def comm_plan(rounds, p, rank, v=1):
+def comm_plan(rounds, p, rank, v=1, place="loop"):
     """Ops with batched p2p calls between them: after a round, one call sends what it produced and
     receives what the next round needing anything needs (Megatron's send_forward_recv_backward
     pattern), so that two neighbours never both wait on a message the other has not posted. Rounds
-    that need nothing (a W) run while that call is in flight."""
-    needs = [[msg for msg in (recv_msg(op, p, rank, v) for op in rnd) if msg] for rnd in rounds]
-    sends = [[msg for msg in (send_msg(op, p, rank, v) for op in rnd) if msg] for rnd in rounds]
+    that need nothing (a W) run while that call is in flight. A message that stays on this rank
+    (the V's turn) is in no call."""
+
+    def remote(msgs):
+        return [msg for msg in msgs if msg and peer(msg, p, rank, place) != rank]
+
+    needs = [remote(recv_msg(op, p, rank, v, place) for op in rnd) for rnd in rounds]
+    sends = [remote(send_msg(op, p, rank, v, place) for op in rnd) for rnd in rounds]
     steps, requested = [], set()
     for i, rnd in enumerate(rounds):
         if not requested.issuperset(needs[i]):
@@ -161,24 +229,80 @@ def comm_plan(rounds, p, rank, v=1):
     return steps
 
 
-def simulate(p, m, schedule, v=1, t_f=1, t_b=2, t_w=0):
+def rank_plan(make, p, rank, m, v=1, place="loop"):
+    """Rank `rank`'s steps: its schedule's (make's) ops and the p2p calls between them: comm_plan,
+    or on the V timed_plan."""
+    if place == "v":
+        return timed_plan(make, p, rank, m, v, place)
+    return comm_plan(make(p, rank, m, v), p, rank, v, place)
+
+
+def timed_plan(make, p, rank, m, v, place):
+    """The V's p2p calls. There each pair of neighbours carries two streams each way (chunk 0's
+    activations and chunk 1's gradients down, the others up) that the two ranks need in different
+    orders, so a call per round (comm_plan) would match messages out of order or deadlock. Instead
+    every op gets its time on a unit clock with free messages (the dataflow of all ranks' op
+    lists), and at each tick t a rank posts one call: what it made at t, and what its peers made
+    for it at t. Both ends of a message post it at the same tick, so every pair agrees on the order
+    and the calls of tick t complete once every rank has run its ops before t: no deadlock."""
+    ops = [ops_in_order(make(p, r, m, v)) for r in range(p)]
+    made, start, clock, pos, progress = {}, {}, [0] * p, [0] * p, True
+    while progress:  # each rank runs its ops in order as soon as their inputs are made
+        progress = False
+        for r in range(p):
+            while pos[r] < len(ops[r]):
+                op = ops[r][pos[r]]
+                msg = recv_msg(op, p, r, v, place)
+                if msg and msg not in made:
+                    break
+                start[(r, pos[r])] = max([clock[r]] + ([made[msg][0]] if msg else []))
+                clock[r] = start[(r, pos[r])] + 1
+                out = send_msg(op, p, r, v, place)
+                if out:
+                    made[out] = (clock[r], r, pos[r])  # (tick, sender, its op index): the order
+                pos[r], progress = pos[r] + 1, True
+    stuck = [r for r in range(p) if pos[r] < len(ops[r])]
+    if stuck:
+        raise RuntimeError(
+            f"p={p} m={m} v={v} on the V deadlocks: ranks {stuck} wait at "
+            f"{[ops[r][pos[r]] for r in stuck]} for inputs no op makes before them"
+        )
+
+    # one call per tick at which this rank sends or receives, before the op that starts there
+    ticks = {}
+    for msg, (t, src, _) in sorted(made.items(), key=lambda item: item[1]):
+        if rank in (src, peer(msg, p, src, place)) and peer(msg, p, src, place) != src:
+            sends, recvs = ticks.setdefault(t, ([], []))
+            (sends if src == rank else recvs).append(msg)
+    steps = []
+    for i, op in enumerate(ops[rank]):
+        steps += [Comm(*ticks.pop(t)) for t in sorted(ticks) if t <= start[(rank, i)]]
+        steps.append(op)
+    return steps + [Comm(*ticks.pop(t)) for t in sorted(ticks)]
+
+
+def simulate(p, m, schedule, v=1, t_f=1, t_b=2, t_w=0, place=None):
     """Run every rank's plan on a unit clock: F takes t_f, B t_b (a backward is ~2 forwards of
     FLOPs; with W ops, B is the input gradient alone and W the weight gradients), messages take no
     time. A batched call completes only when every peer has posted the matching call (the
     strictest, NCCL-like rendezvous); the rank waits for it there, or (a plan with W ops, whose W
     run while calls are in flight) goes on until an op needs one of its receives. A later call to
     the same peer waits for it (calls between two ranks complete in order). pp.py waits where this
-    does; a plan that finishes here cannot deadlock. Returns one Trace per rank."""
+    does; a plan that finishes here cannot deadlock. A message that stays on its rank (the V's
+    turn) is there when the op that made it has run. place: the placement (default: the named
+    schedule's; a schedule function runs on "loop" unless told). Returns one Trace per rank."""
     # a name, or a schedule function
     make = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
-    plans = [comm_plan(make(p, r, m, v), p, r, v) for r in range(p)]
+    place = place or (placement(schedule) if isinstance(schedule, str) else "loop")
+    plans = [rank_plan(make, p, r, m, v, place) for r in range(p)]
     for r, plan in enumerate(plans):
         _check_op_order([s for s in plan if isinstance(s, Op)], r, m, v)
-    _check_message_order(plans, p)
+    _check_message_order(plans, p, place)
 
     pos, clock, posted = [0] * p, [0] * p, {}
     calls = [[] for _ in range(p)]  # per rank: [call, posted at] in posting order
     where, last = {}, {}  # (rank, message) -> its call; (rank, peer) -> the last call between them
+    kept = {}  # a message that stays on its rank -> when the op that made it ended
     split = [any(isinstance(s, Op) and s.kind == "W" for s in plan) for plan in plans]
     waiting = [False] * p  # posted its current call, waits for it
     traces = [Trace(r) for r in range(p)]
@@ -197,19 +321,27 @@ def simulate(p, m, schedule, v=1, t_f=1, t_b=2, t_w=0):
             while pos[r] < len(plans[r]):
                 step = plans[r][pos[r]]
                 if isinstance(step, Op):
-                    msg = recv_msg(step, p, r, v)
+                    msg = recv_msg(step, p, r, v, place)
                     k = where.get((r, msg))
-                    if msg and (k is None or done(r, k) is None):
+                    if msg and peer(msg, p, r, place) == r:
+                        if msg not in kept:
+                            break  # made by a later op of its own: waits forever
+                        start = max(clock[r], kept[msg])
+                    elif msg and (k is None or done(r, k) is None):
                         break  # its input has not arrived
-                    start = max(clock[r], done(r, k)) if msg else clock[r]
+                    else:
+                        start = max(clock[r], done(r, k)) if msg else clock[r]
                     dur = {"F": t_f, "B": t_b, "W": t_w}[step.kind]
                     traces[r].events.append(
                         Event(step.kind, step.mb, start, start + dur, step.chunk)
                     )
                     clock[r] = start + dur
+                    out = send_msg(step, p, r, v, place)
+                    if out and peer(out, p, r, place) == r:
+                        kept[out] = clock[r]
                 else:
                     if not waiting[r]:  # post the call
-                        peers = {peer(msg, p, r) for msg in step.sends + step.recvs}
+                        peers = {peer(msg, p, r, place) for msg in step.sends + step.recvs}
                         earlier = [done(r, last[(r, q)]) for q in peers if (r, q) in last]
                         if None in earlier:
                             break  # an earlier call to that peer is still in flight
@@ -254,7 +386,7 @@ def _check_op_order(ops, rank, m, v):
             raise RuntimeError(f"rank {rank}: not every micro-batch runs {kinds}")
 
 
-def _check_message_order(plans, p):
+def _check_message_order(plans, p, place):
     """p2p matches messages between two ranks in posting order: each ordered pair
     must agree on it."""
     sent, received = {}, {}
@@ -262,9 +394,9 @@ def _check_message_order(plans, p):
         for step in plan:
             if isinstance(step, Comm):
                 for msg in step.sends:
-                    sent.setdefault((r, peer(msg, p, r)), []).append(msg)
+                    sent.setdefault((r, peer(msg, p, r, place)), []).append(msg)
                 for msg in step.recvs:
-                    received.setdefault((peer(msg, p, r), r), []).append(msg)
+                    received.setdefault((peer(msg, p, r, place), r), []).append(msg)
     if sent != received:
         bad = next(k for k in set(sent) | set(received) if sent.get(k) != received.get(k))
         raise RuntimeError(
@@ -310,68 +442,3 @@ def bubble_fraction(traces):
     events = [e for t in traces for e in t.events]
     span = max(e.end for e in events) - min(e.start for e in events)
     return 1.0 - sum(e.end - e.start for e in events) / (len(traces) * span)
-
-
-def draw_timeline(traces, path=None, width=None):
-    """ASCII timeline, one row per rank ('.' = idle; chunk letters a, b, ... when v > 1). With path,
-    also a PNG when matplotlib is importable (not a dependency); the returned text says when none
-    was written."""
-    events = [e for t in traces for e in t.events]
-    t0, t1 = min(e.start for e in events), max(e.end for e in events)
-    chunked = any(e.chunk for e in events)
-    unit_clock = all(float(e.start).is_integer() and float(e.end).is_integer() for e in events)
-    width = width or (
-        int(t1 - t0) * (1 + max(len(_label(e, chunked)) for e in events)) if unit_clock else 120
-    )
-    scale = width / (t1 - t0)
-
-    rows = []
-    for t in traces:
-        row = ["."] * width
-        for e in t.events:
-            c0 = min(round((e.start - t0) * scale), width - 1)
-            c1 = min(max(round((e.end - t0) * scale), c0 + 1), width)
-            row[c0:c1] = (_label(e, chunked) + " " * (c1 - c0))[: c1 - c0]
-        rows.append(f"rank {t.rank} |{''.join(row)}|")
-
-    text = "\n".join(rows)
-    return text + "\n" + _draw_png(traces, path, chunked) if path else text
-
-
-def _label(e, chunked):
-    return f"{e.op}{e.mb}" + (chr(ord("a") + e.chunk) if chunked else "")
-
-
-def _draw_png(traces, path, chunked):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return f"(matplotlib is not installed: no PNG written to {path})"
-    t0 = min(e.start for t in traces for e in t.events)
-    fig, ax = plt.subplots(figsize=(12, 0.6 * len(traces) + 1))
-    for t in traces:
-        for e in t.events:
-            ax.broken_barh(
-                [(e.start - t0, e.end - e.start)],
-                (t.rank - 0.4, 0.8),
-                edgecolor="black",
-                color={"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}[e.op],
-                linewidth=0.3,
-            )
-            ax.text(
-                e.start - t0 + (e.end - e.start) / 2,
-                t.rank,
-                _label(e, chunked)[1:],
-                ha="center",
-                va="center",
-                fontsize=7,
-            )
-    ax.set_yticks(range(len(traces)), [f"rank {t.rank}" for t in traces])
-    ax.invert_yaxis()
-    ax.set_xlabel("time (blue: forward, orange: backward, green: weight gradients W)")
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return f"(timeline PNG written to {path})"

@@ -292,8 +292,9 @@ def evaluate(model, grid, val_set, config):
     if not batches:  # fewer windows than dp ranks: this one has none
         loss = 0.0
     elif grid.pp.size > 1:
+        place = schedules.placement(config.schedule)  # where build_stage put the chunks
         loss = pp.forward_only(
-            model, grid, batches, activation_shape(config, grid), virtual=config.virtual_stages
+            model, grid, batches, activation_shape(config, grid), config.virtual_stages, place
         )
     else:
         losses = torch.stack([model(*b) for b in batches])

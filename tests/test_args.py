@@ -47,6 +47,11 @@ BAD = [
     (2, ["--pp", "2", "--schedule", "zb-h1", "--virtual-stages", "2"], "needs --schedule inter"),
     (
         2,
+        ["--pp", "2", "--schedule", "zb-v"],
+        "needs --pp >= 2 and --virtual-stages 2, got pp 2, vi",
+    ),
+    (
+        2,
         ["--tp", "2", "--sequence-parallel", "--block-size", "33"],
         "--block-size 33 divisible by --tp 2",
     ),

@@ -11,7 +11,8 @@ import torch
 from nanomega import dist, pp, recompute, schedules, worlds
 from nanomega.gpt_config import GPTConfig
 from nanomega.model import GPT
-from nanomega.schedules import Op, Trace, bubble_fraction, draw_timeline, ops_in_order, simulate
+from nanomega.schedules import Op, Trace, bubble_fraction, ops_in_order, simulate
+from nanomega.timeline import draw_timeline
 from tolerance import layout_rtol
 
 

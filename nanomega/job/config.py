@@ -261,9 +261,11 @@ class Config:
         "shards: cp must divide the heads per tp rank)",
     )
     schedule: str = PARALLEL(
-        "1f1b", "gpipe, 1f1b, interleaved or zb-h1 (zero bubble: the backward split, wgrad.py)"
+        "1f1b",
+        "gpipe, 1f1b, interleaved, zb-h1 or zb-v (zero bubble: the backward split, wgrad.py; "
+        "zb-v: two chunks per rank in a V)",
     )
-    virtual_stages: int = PARALLEL(1, "model chunks per rank (interleaved)")  # pp.check_args
+    virtual_stages: int = PARALLEL(1, "model chunks per rank (interleaved, zb-v)")  # pp.check_args
     zero: int = PARALLEL(0, "ZeRO stage 0-3 (0: plain data parallelism)")  # zero.check_config
     offload: float = PARALLEL(
         0.0,

@@ -7,7 +7,7 @@
     throughput.png  tokens/s, MFU, memory (mem_gib, when the run logged it), the learning rate
     timeline_<run>.png
                     the pipeline schedule of a real run (pp > 1), drawn like the lesson's
-                    simulated ones (schedules.draw_timeline)
+                    simulated ones (timeline.draw_timeline)
 Needs the `plot` extra (matplotlib). Fields a run did not log are left out, never invented.
 The lessons' figures are made this way from real runs by `python scripts/figures.py`.
 Lesson: lessons/01-dense-model.md
@@ -18,7 +18,7 @@ import json
 import os
 from pathlib import Path
 
-from nanomega import schedules
+from nanomega import schedules, timeline
 from nanomega.job import lifecycle
 
 
@@ -134,7 +134,7 @@ def plot(outs, to, names=None, dpi=110):
         traces = read_traces(out)
         if traces:
             path = os.path.join(to, f"timeline_{Path(name).name}.png")
-            schedules.draw_timeline(traces, path)
+            timeline.draw_timeline(traces, path)
             written.append(path)
     return written
 
