@@ -246,11 +246,12 @@ def train_step(
 
 
 @torch.no_grad()
-def forward_only(model, grid, micro_batches, act_shape=None, virtual=1, place="loop"):
+def forward_only(model, grid, micro_batches, act_shape=None, virtual=1, schedule="1f1b"):
     """Mean loss per sequence over the micro-batches, without backward (evaluation), returned on
     every rank of the pp axis: sequence_mean of their losses, so a ragged last micro-batch weighs
-    what its sequences do. virtual, place: the chunks build_stage cut this stage into and their
-    placement (_run checks the layers match them)."""
+    what its sequences do. virtual, schedule: the chunks build_stage cut this stage into and the
+    training schedule, whose placement they follow (_run checks the layers match them)."""
+    place = placement(schedule)
     losses = _run(model, grid, schedules.forward_only, micro_batches, virtual, place, act_shape)
     return sequence_mean(losses, [len(batch[0]) for batch in micro_batches])
 

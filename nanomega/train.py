@@ -292,10 +292,8 @@ def evaluate(model, grid, val_set, config):
     if not batches:  # fewer windows than dp ranks: this one has none
         loss = 0.0
     elif grid.pp.size > 1:
-        place = schedules.placement(config.schedule)  # where build_stage put the chunks
-        loss = pp.forward_only(
-            model, grid, batches, activation_shape(config, grid), config.virtual_stages, place
-        )
+        shape = activation_shape(config, grid)
+        loss = pp.forward_only(model, grid, batches, shape, config.virtual_stages, config.schedule)
     else:
         losses = torch.stack([model(*b) for b in batches])
         loss = pp.sequence_mean(losses, [len(b[0]) for b in batches])
