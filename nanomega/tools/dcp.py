@@ -65,7 +65,14 @@ def deinterleave(w, heads):
 
 
 def check(cfg: GPTConfig):
-    if cfg.arch != "llama" or cfg.n_experts or cfg.qkv_bias or cfg.qk_norm or cfg.kv_lora_rank:
+    if (
+        cfg.arch != "llama"
+        or cfg.n_experts
+        or cfg.qkv_bias
+        or cfg.qk_norm
+        or cfg.kv_lora_rank
+        or cfg.qk_norm_whole
+    ):
         raise ValueError(
             "nanomega.tools.dcp writes torchtitan's dense Llama 3: --arch llama without --n-experts, "
             "--qkv-bias, --qk-norm or --kv-lora-rank"
