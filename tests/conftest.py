@@ -86,6 +86,8 @@ QUICK = {
     "the FP8 linear's GEMMs": "tests/test_fp8_train.py::test_gemms_are_the_recipes_arithmetic",
     "ZeRO-3's FP8 gather bytes (dry run)": "tests/test_fp8.py::test_dry_run_shows_the_fp8_gather_bytes",
     "MLA against transformers": "tests/test_mla.py::test_mla_is_transformers_deepseek_v3_attention",
+    "DeepSeek-V3 in and out": "tests/test_hf_deepseek.py::test_deepseek_v3_round_trip_logits[moe]",
+    "dense blocks before MoE ones": "tests/test_moe_dense.py::test_dense_blocks_before_moe_ones",
 }
 
 
