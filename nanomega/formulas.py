@@ -394,7 +394,11 @@ def model_flops_per_token(cfg, seq_len=None):
                 gate=cfg.shared_expert_gate,
             )[1]
         )
-        n = L * (per_layer + mla_layer_delta(cfg)) + cfg.padded_vocab_size * h + h
+        # DeepSeek-V3's first_k_dense blocks: a dense SwiGLU of dense_ffn instead of the experts
+        k = cfg.first_k_dense if cfg.n_experts else 0
+        dense = llama_layer_params(h, cfg.dense_ffn, cfg.n_head, cfg.kv_heads) if k else 0
+        n = (L - k) * per_layer + k * dense + L * mla_layer_delta(cfg)
+        n += cfg.padded_vocab_size * h + h
         # MTP's D modules: a layer each (and its core) and one more pass through the head
         mtp, D = (
             mtp_params(cfg) + cfg.mtp_num_layers * cfg.padded_vocab_size * h,

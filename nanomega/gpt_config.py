@@ -37,12 +37,15 @@ SHAPE_KEYS = SIZES + (
     "rope_original_context",
     "qkv_bias",
     "qk_norm",
+    "qk_norm_whole",
     "tie_embeddings",
     "norm_eps",
     "n_experts",
     "top_k",
     "shared_experts",
     "shared_expert_gate",
+    "first_k_dense",
+    "dense_ffn_hidden",
     "kv_lora_rank",
     "q_lora_rank",
     "qk_nope_head_dim",
@@ -81,6 +84,7 @@ class GPTConfig:
     rope_original_context: int = 8192
     qkv_bias: bool = False  # llama: biases on q, k and v (Qwen2, Qwen2.5)
     qk_norm: bool = False  # llama: RMSNorm over each head of q and of k before RoPE (Qwen3)
+    qk_norm_whole: bool = False  # llama: RMSNorm over the whole q and k projections (OLMoE)
     # the LM head is the token embedding (GPT-2, Llama 3.2 1B) or its own matrix
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
@@ -102,6 +106,10 @@ class GPTConfig:
     # experts every token runs through (DeepSeek, Qwen2-MoE), as one wider SwiGLU
     shared_experts: int = 0
     shared_expert_gate: bool = False  # Qwen2-MoE: shared output x sigmoid(x . w_gate)
+    # DeepSeek-V3's first_k_dense_replace: blocks 0 .. k-1 keep a dense SwiGLU (the rest MoE), of
+    # width dense_ffn_hidden (0: (top_k + shared_experts) ffn, an MoE layer's active width)
+    first_k_dense: int = 0
+    dense_ffn_hidden: int = 0
     # llama: multi-head latent attention (mla.py; DeepSeek-V2, V3) when kv_lora_rank > 0
     kv_lora_rank: int = 0  # the key/value latent d_c (DeepSeek-V3: 512); 0: no MLA
     q_lora_rank: int = 0  # the query latent d_q (DeepSeek-V3: 1536); 0: one q projection
@@ -128,6 +136,15 @@ class GPTConfig:
         return self.ffn_hidden or (
             ffn_hidden(self.n_embd) if self.arch == "llama" else 4 * self.n_embd
         )
+
+    @property
+    def dense_ffn(self) -> int:
+        """The width of the dense MLPs of an MoE model's first first_k_dense blocks."""
+        return self.dense_ffn_hidden or (self.top_k + self.shared_experts) * self.ffn
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block `layer` holds experts (every block with n_experts, but the first k)."""
+        return bool(self.n_experts) and layer >= self.first_k_dense
 
     @property
     def mla_dims(self) -> tuple:
@@ -170,8 +187,10 @@ class GPTConfig:
             raise ValueError(
                 "--n-kv-head, --ffn-hidden and --untie-embeddings are for --arch llama"
             )
-        if self.arch == "gpt2" and (self.qkv_bias or self.qk_norm):
-            raise ValueError("--qkv-bias and --qk-norm are for --arch llama")
+        if self.arch == "gpt2" and (self.qkv_bias or self.qk_norm or self.qk_norm_whole):
+            raise ValueError("--qkv-bias, --qk-norm and --qk-norm-whole are for --arch llama")
+        if self.qk_norm and self.qk_norm_whole:
+            raise ValueError("--qk-norm (per head, Qwen3) or --qk-norm-whole (OLMoE): one of them")
         if self.rope_type not in ROPE_TYPES or self.rope_original_context < 1:
             raise ValueError(
                 f"--rope-type {self.rope_type!r} must be one of {', '.join(ROPE_TYPES)} and "
@@ -220,11 +239,15 @@ class GPTConfig:
                 "multi-head latent attention: set --kv-lora-rank > 0 too, or leave them out"
             )
         if self.kv_lora_rank and (
-            self.arch != "llama" or self.n_kv_head or self.qkv_bias or self.qk_norm
+            self.arch != "llama"
+            or self.n_kv_head
+            or self.qkv_bias
+            or self.qk_norm
+            or self.qk_norm_whole
         ):
             raise ValueError(
                 "--kv-lora-rank (multi-head latent attention) is an --arch llama attention with "
-                "its own keys and values: leave out --n-kv-head, --qkv-bias and --qk-norm"
+                "its own keys and values: leave out --n-kv-head, --qkv-bias and --qk-norm(-whole)"
             )
         if self.kv_lora_rank and self.mla_dims[1] % 2:
             raise ValueError(

@@ -162,9 +162,13 @@ class CausalSelfAttention(nn.Module):
         self.attn_drop = nn.Dropout(cfg.dropout)
         self.resid_drop = nn.Dropout(cfg.dropout)
         self.rotary = rotary  # modern.Rotary (llama), shared by every layer; None: the embedding's
-        # Qwen3's QK-norm: one RMSNorm scale (hd,) for every query head, one for every key head
-        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, ops=ops) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, ops=ops) if cfg.qk_norm else None
+        # Qwen3's QK-norm: one RMSNorm scale (hd,) for every query head, one for every key head;
+        # OLMoE's (qk_norm_whole): one RMSNorm over the whole q projection (h), one over k's
+        self.whole = cfg.qk_norm_whole
+        q_width, k_width = (h, kv // 2) if self.whole else (self.head_dim, self.head_dim)
+        norms = cfg.qk_norm or self.whole
+        self.q_norm = RMSNorm(q_width, cfg.norm_eps, ops=ops) if norms else None
+        self.k_norm = RMSNorm(k_width, cfg.norm_eps, ops=ops) if norms else None
         # ALiBi slopes of the heads this module holds (tp.py keeps only its own heads' slopes)
         self.register_buffer(
             "slopes", alibi_slopes(cfg.n_head) if cfg.alibi else None, persistent=False
@@ -190,7 +194,9 @@ class CausalSelfAttention(nn.Module):
         b, s = q.shape[:2]
         q = q.view(b, s, self.n_head, self.head_dim)
         k, v = self.kv_proj(x).view(b, s, 2, self.n_kv_head, self.head_dim).unbind(2)
-        if self.q_norm is not None:  # (b, s, heads, hd): each head normalized over hd
+        if self.whole:  # each token's q and k normalized over all their heads
+            q, k = self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
+        elif self.q_norm is not None:  # (b, s, heads, hd): each head normalized over hd
             q, k = self.q_norm(q), self.k_norm(k)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
@@ -229,7 +235,7 @@ def norm(cfg: GPTConfig, ops: Ops) -> nn.Module:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, rotary=None):
+    def __init__(self, cfg: GPTConfig, rotary=None, layer=0):
         super().__init__()
         self.ops = block_ops(cfg)  # this block's swappable ops: every piece below calls them
         self.ln_1 = norm(cfg, self.ops)
@@ -237,8 +243,8 @@ class Block(nn.Module):
         attention = mla.LatentAttention if cfg.kv_lora_rank else CausalSelfAttention
         self.attn = attention(cfg, self.ops, rotary)
         self.ln_2 = norm(cfg, self.ops)
-        # SwiGLU, or experts (moe.py)
-        self.mlp = moe.mlp(cfg, self.ops) if cfg.arch == "llama" else MLP(cfg, self.ops)
+        # SwiGLU, or experts (moe.py; a dense SwiGLU in the first first_k_dense layers)
+        self.mlp = moe.mlp(cfg, self.ops, layer) if cfg.arch == "llama" else MLP(cfg, self.ops)
 
     def forward(self, x, docs=None, positions=None):  # docs: (b, s) document ids or None
         return self.ops.layer(self.body, x, docs, positions)
@@ -294,7 +300,7 @@ class GPT(nn.Module):
             if cfg.arch == "llama"
             else None
         )
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, rotary) for i in range(cfg.n_layer)})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, rotary, i) for i in range(cfg.n_layer)})
         self.head = Head(cfg)
         if cfg.tie_embeddings:
             self.head.lm_head.weight = self.embed.wte.weight  # tied (pp.py unties across stages)

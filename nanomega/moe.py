@@ -15,6 +15,7 @@ Formulas (one home: formulas.py):
                       top-2 sum; w = scale s_chosen / sum s_chosen; P_e from s / sum_e s
     capacity          C = ceil(cf s k / E) assignments per expert and sequence (cf = 0: dropless)
     parameters/layer  E 3hf + E h (router); active per token k 3hf + E h
+    first_k_dense     blocks 0 .. k-1 a dense SwiGLU of width (k + shared) f unless given (DeepSeek-V3)
     FLOPs per token   6 N_active + 12 L h s
 Lesson: lessons/14-experts.md
 """
@@ -51,9 +52,10 @@ def check(cfg):
     if rule(cfg.router) not in ROUTERS:  # with or without experts: a typo is never ignored
         raise ValueError(f"--router {cfg.router!r} is not one of {', '.join(ROUTERS)}")
     if not cfg.n_experts:
-        if cfg.shared_experts:
+        if cfg.shared_experts or cfg.first_k_dense or cfg.dense_ffn_hidden:
             raise ValueError(
-                "--shared-experts needs --n-experts (shared experts sit beside routed ones)"
+                "--shared-experts, --first-k-dense and --dense-ffn-hidden need --n-experts (shared "
+                "experts sit beside routed ones; dense blocks before MoE ones)"
             )
         return
 
@@ -64,6 +66,11 @@ def check(cfg):
     if cfg.n_experts < 2 or not 1 <= cfg.top_k <= cfg.n_experts:
         raise ValueError(
             f"--n-experts {cfg.n_experts} must be >= 2 and --top-k {cfg.top_k} in [1, n_experts]"
+        )
+    if not 0 <= cfg.first_k_dense < cfg.n_layer or (cfg.dense_ffn_hidden and not cfg.first_k_dense):
+        raise ValueError(
+            f"--first-k-dense {cfg.first_k_dense} must be in [0, n_layer {cfg.n_layer}) (at least "
+            "one MoE block), and --dense-ffn-hidden sets the width of those dense blocks: add it"
         )
     if cfg.shared_expert_gate and not cfg.shared_experts:
         raise ValueError("--shared-expert-gate gates the shared experts: add --shared-experts")
@@ -177,12 +184,14 @@ def z_loss(logits):
     return torch.logsumexp(logits, -1).square().mean(-1)
 
 
-def mlp(cfg, ops):
-    """The Llama block's MLP: one SwiGLU, or (n_experts > 0) an MoE; ops: the block's table
-    (seams.Ops)."""
+def mlp(cfg, ops, layer=0):
+    """Block `layer`'s Llama MLP: one SwiGLU, or (n_experts > 0) an MoE, but a SwiGLU of width
+    dense_ffn in the first first_k_dense blocks (DeepSeek-V3); ops: the block's table (seams.Ops)."""
     if not cfg.n_experts:
         return GatedMLP(cfg.n_embd, cfg.ffn, cfg.dropout, ops=ops)
     check(cfg)
+    if not cfg.is_moe(layer):
+        return GatedMLP(cfg.n_embd, cfg.dense_ffn, cfg.dropout, ops=ops)
     return MoE(cfg, ops)
 
 
@@ -329,11 +338,11 @@ def step_stats(model, grid):
     sequences; tp ranks saw the same ones: not summed) and over pp (each stage books its own
     layers). Resets the booking. -> dict(aux, z: means over sequences and MoE layers; load:
     (n_layer, E) assignments; per_layer_aux)."""
-    moes = layers(model)
-    if not moes:
+    moes = layers(model)  # none on a stage of dense blocks only (first_k_dense): it still joins
+    if not model.cfg.n_experts:
         return None
 
-    n_experts, n_layer = next(iter(moes.values())).n_experts, model.cfg.n_layer
+    n_experts, n_layer = model.cfg.n_experts, model.cfg.n_layer
     rows = torch.zeros(n_layer, 3 + n_experts, dtype=torch.float64, device=grid.device)
     for i, moe in moes.items():
         if moe.booked is not None:

@@ -8,7 +8,8 @@ transformers: the attention of a small random DeepSeek-V3 config (q latent 12 or
 absolute on outputs of size ~1: the same fp32 operations in another order (transformers' sdpa
 against our eager core: sums of <= 32 terms, 2 gamma(32) ~ 4e-6 relative to sum |terms| ~ 1). The
 rotary layout matters: the interleaved config differs by > 1e-3, and equals ours once the rotary
-rows of W_qb and W_kva are permuted (what a DeepSeek-V3 import will do).
+rows of W_qb and W_kva are permuted (tools/hf_deepseek.interleaved: what a DeepSeek-V3 import
+does).
 FLOPs: torch's FlopCounterMode over a forward and backward (eager core) counts the matmuls alone:
 formulas.model_flops_per_token less 6 x the norm scales' parameters (no matmul) per token, exactly.
 tp2, tp2 + SP, pp2 (1F1B), cp2 (ring, all-gather, Ulysses: their cores see v of another head
@@ -27,6 +28,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from nanomega import checkpoint, cp, formulas, reshard, train, worlds
 from nanomega.gpt_config import GPTConfig
 from nanomega.model import GPT
+from nanomega.tools.hf_deepseek import ATTENTION as NAMES
+from nanomega.tools.hf_deepseek import interleaved
 from test_layouts import curve, flags, run_layouts
 from test_llama import RTOL
 from test_llama import COMMON as LLAMA
@@ -75,19 +78,6 @@ def deepseek_v3(cfg, interleave=False):
     return ds.DeepseekV3Attention(config, layer_idx=0), ds.DeepseekV3RotaryEmbedding(config)
 
 
-# ours -> transformers' names
-NAMES = {
-    "q_proj": "q_proj",
-    "q_a_proj": "q_a_proj",
-    "q_a_norm": "q_a_layernorm",
-    "q_b_proj": "q_b_proj",
-    "kv_a_proj": "kv_a_proj_with_mqa",
-    "kv_a_norm": "kv_a_layernorm",
-    "kv_b_proj": "kv_b_proj",
-    "c_proj": "o_proj",
-}
-
-
 @pytest.mark.parametrize("q_lora", [12, 0])
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_mla_is_transformers_deepseek_v3_attention(q_lora, attention):
@@ -103,7 +93,7 @@ def test_mla_is_transformers_deepseek_v3_attention(q_lora, attention):
         with torch.no_grad():
             for name, p in ours.named_parameters():
                 module, leaf = name.split(".")
-                w = interleaved_rows(module, p, cfg) if permute else p
+                w = interleaved(module, p, cfg) if permute else p
                 getattr(theirs, NAMES[module]).get_parameter(leaf).copy_(w)
             cos_sin = rotary(x, torch.arange(cfg.block_size)[None])
             outs.append(theirs(x, position_embeddings=cos_sin, attention_mask=None)[0])
@@ -113,19 +103,6 @@ def test_mla_is_transformers_deepseek_v3_attention(q_lora, attention):
     torch.testing.assert_close(got, outs[0], rtol=0, atol=1e-5)
     assert (got - outs[1]).abs().max() > 1e-3  # another rotary layout is told apart
     torch.testing.assert_close(got, outs[2], rtol=0, atol=1e-5)  # ... and is a permutation
-
-
-def interleaved_rows(module, w, cfg):
-    """Our rotate-half rotary rows (x_0..x_{d/2-1} | x_{d/2}..) as DeepSeek's interleaved ones
-    (x_0, x_{d/2}, x_1, ...): each head's last d_r rows of W_qb (W_q), the last d_r of W_kva."""
-    d_n, d_r, _ = cfg.mla_dims
-    order = torch.arange(d_r).view(2, -1).t().flatten()  # interleaved row j <- rotate-half row
-    if module in ("q_proj", "q_b_proj"):
-        heads = w.view(cfg.n_head, d_n + d_r, -1)
-        return torch.cat((heads[:, :d_n], heads[:, d_n:][:, order]), 1).flatten(0, 1)
-    if module == "kv_a_proj":
-        return torch.cat((w[: cfg.kv_lora_rank], w[cfg.kv_lora_rank :][order]))
-    return w
 
 
 def test_parameters_kv_cache_and_flops_formulas():

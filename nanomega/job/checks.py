@@ -79,6 +79,11 @@ def check(config):
     cfg.validate()
     check_experts(c, cfg, dp)
     tp.check_tensor_parallel(cfg, c.tp, c.sequence_parallel)
+    if cfg.qk_norm_whole and c.tp > 1:
+        raise ValueError(
+            f"--qk-norm-whole normalizes q and k over every head, which --tp {c.tp} splits across "
+            "ranks: use --tp 1 (or --qk-norm, per head)"
+        )
     pp.check_args(c.n_layer, c.pp, grad_accum, c.schedule, c.virtual_stages, c.compile)
     cp.check(cfg, c.cp, c.cp_method, c.tp)
     mtp.check(cfg, c.tp, c.pp, c.cp)

@@ -97,6 +97,9 @@ class Config:
     )
     qkv_bias: bool = MODEL(False, "llama: biases on q, k and v (Qwen2)", model=True)
     qk_norm: bool = MODEL(False, "llama: RMSNorm on each head of q and k (Qwen3)", model=True)
+    qk_norm_whole: bool = MODEL(
+        False, "llama: RMSNorm over the whole q and k projections (OLMoE; --tp 1)", model=True
+    )
     tie_embeddings: bool = MODEL(
         True,
         "llama: an LM head of its own instead of the token embedding",
@@ -180,6 +183,20 @@ class Config:
     )
     shared_expert_gate: bool = EXPERTS(
         False, "Qwen2-MoE: the shared experts' output x sigmoid(x . w_gate)", model=True
+    )
+    first_k_dense: int = EXPERTS(
+        0,
+        "the first k blocks keep a dense SwiGLU, the rest are MoE (DeepSeek-V3's "
+        "first_k_dense_replace: 3)",
+        at_least(0),
+        model=True,
+    )
+    dense_ffn_hidden: int = EXPERTS(
+        0,
+        "the width of those dense blocks' MLP (0: (top_k + shared_experts) x ffn; DeepSeek-V3: "
+        "18432)",
+        at_least(0),
+        model=True,
     )
     moe_bias_balance: float = EXPERTS(
         0.0,

@@ -28,12 +28,15 @@ def _shape(
     rope_original_context=8192,
     qkv_bias=False,
     qk_norm=False,
+    qk_norm_whole=False,
     tie_embeddings=True,
     norm_eps=1e-5,
     n_experts=0,
     top_k=2,
     shared_experts=0,
     shared_expert_gate=False,
+    first_k_dense=0,
+    dense_ffn_hidden=0,
     kv_lora_rank=0,
     q_lora_rank=0,
     qk_nope_head_dim=0,
@@ -115,6 +118,34 @@ PRESETS = {
         rope_theta=1e6,
         n_experts=8,
         top_k=2,
+    ),
+    # DeepSeek-V3 671B (arXiv 2412.19437 Sec. 4.2; deepseek-ai/DeepSeek-V3 config.json, the defaults
+    # of transformers' DeepseekV3Config): 61 layers, h 7168, 128 heads of latent attention (d_c
+    # 512, d_q 1536, d_n 128, d_r 64, d_v 128), the first 3 blocks dense (18,432 wide), then 256
+    # routed experts of 2,048 (8 per token) + 1 shared; 129,280 tokens, untied head, RMSNorm eps
+    # 1e-6; pre-trained at 4,096 tokens (config.json's 163,840 is after YaRN, rope_scaling 40). Its
+    # router (sigmoid, 8 groups, 4 per token, x 2.5) is a flag, not a shape: --router deepseek_v3
+    # --n-group 8 --topk-group 4 --routed-scaling 2.5. The MTP module (14B) is not counted.
+    "deepseek-v3": _shape(
+        61,
+        7168,
+        128,
+        129280,
+        4096,
+        arch="llama",
+        ffn_hidden=2048,
+        tie_embeddings=False,
+        norm_eps=1e-6,
+        n_experts=256,
+        top_k=8,
+        shared_experts=1,
+        first_k_dense=3,
+        dense_ffn_hidden=18432,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
     ),
     # trains on a 2-core CPU in minutes: 4 query heads sharing 2 key/value heads, a tied head
     "llama-small": _shape(4, 128, 4, 4096, 128, arch="llama", n_kv_head=2, ffn_hidden=352),

@@ -44,6 +44,7 @@ class Model:
     rope_original_context: int = 8192
     qkv_bias: bool = False  # Qwen2's q, k, v biases (2h/g + h per layer: left out of the counts)
     qk_norm: bool = False  # Qwen3's two (hd,) scales per layer (left out of the counts)
+    qk_norm_whole: bool = False  # OLMoE's (h,) and (kv hd,) scales per layer (left out too)
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     # mixture of experts (llama): E SwiGLU experts of width ffn per block, top_k per token,
@@ -53,6 +54,8 @@ class Model:
     top_k: int = 2
     shared_experts: int = 0
     shared_expert_gate: bool = False  # Qwen2-MoE: a (1, h) gate per block
+    first_k_dense: int = 0  # DeepSeek-V3: the first k blocks a dense SwiGLU of dense_ffn_hidden
+    dense_ffn_hidden: int = 0
     # multi-head latent attention (mla.py): parameters counted (formulas.mla_layer_delta)
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
@@ -173,23 +176,31 @@ def layers_per_stage(model, pp, v=1, split="trainer"):
     (pp.chunk_layers), or "llama3": the embedding and the head take a layer's slot each, L + 2 slots
     split by the same rule, so the first and last ranks hold a layer less (Llama 3 405B: 128 slots
     on 16 ranks x 8 chunks; the first chunk holds only the embedding, the last only the head)."""
+    return [len(layers) for layers in stage_layers(model, pp, v, split)]
+
+
+def stage_layers(model, pp, v=1, split="trainer"):
+    """The layer indices each pipeline rank holds (its v chunks'), by layers_per_stage's rule."""
     if split not in ("trainer", "llama3"):
         raise ValueError(f"split {split!r} is not one of trainer, llama3")
-    if split == "llama3":
-        L = model.n_layer
+    L = model.n_layer
+    if split == "llama3":  # slot j > 0 is layer j - 1
         slots = [[chunk_layers(L + 2, pp, k, c, v) for c in range(v)] for k in range(pp)]
         return [
-            sum(len(range(max(r.start, 1), min(r.stop, L + 1))) for r in rank) for rank in slots
+            [j - 1 for r in rank for j in range(max(r.start, 1), min(r.stop, L + 1))]
+            for rank in slots
         ]
-    return [sum(len(chunk_layers(model.n_layer, pp, k, c, v)) for c in range(v)) for k in range(pp)]
+    return [[i for c in range(v) for i in chunk_layers(L, pp, k, c, v)] for k in range(pp)]
 
 
-def block_params(model, tp=1):
+def block_params(model, tp=1, layer=None):
     """One layer on one TP rank: GPT-2's, Llama's (tp.kv_replicated) or Llama's with all E
-    experts (not / ep)."""
+    experts (not / ep); an MoE model's dense layers (layer < first_k_dense) their SwiGLU's."""
     h, f, a, kv = model.n_embd, model.ffn, model.n_head, model.kv_heads
     # multi-head latent attention: its attention's count instead of q, k, v, o
     mla = mla_layer_delta(model.config(), tp) if model.kv_lora_rank else 0
+    if model.n_experts and layer is not None and not model.config().is_moe(layer):
+        return mla + llama_layer_params(h, model.config().dense_ffn, a, kv, tp)
     if model.n_experts:
         return (
             mla
@@ -218,7 +229,10 @@ def stage_params(model, tp=1, pp=1, v=1, split="trainer"):
     wte = padded_vocab(model, tp) // tp * h
     positions = 0 if model.alibi or model.llama else model.seq_len * h
     first = wte + positions + (2 * h if model.embed_layernorm else 0)
-    counts = [n * block_params(model, tp) for n in layers_per_stage(model, pp, v, split)]
+    counts = [
+        sum(block_params(model, tp, i) for i in layers)
+        for layers in stage_layers(model, pp, v, split)
+    ]
     counts[0] += first
     counts[-1] += (h if model.llama else 2 * h) + (wte if pp > 1 or not model.tie_embeddings else 0)
     counts[-1] += mtp_params(model.config(), tp) if model.mtp_num_layers else 0  # mtp.py

@@ -49,18 +49,31 @@ def params(model):
         model.shared_experts,
         gate=model.shared_expert_gate,
     )
-    return total, total - model.n_layer * (layer - active)
+    return total, total - moe_layers(model) * (layer - active)
+
+
+def moe_layers(model, layers=None):
+    """How many of `layers` (default: all) are MoE blocks (not the first first_k_dense)."""
+    cfg = model.config()
+    return sum(cfg.is_moe(i) for i in (range(model.n_layer) if layers is None else layers))
 
 
 def stand_in(model):
-    """The dense Llama that costs per token what the MoE model does: its MLP (k + shared) f wide."""
-    return replace(model, n_experts=0, ffn_hidden=(model.top_k + model.shared_experts) * model.ffn)
+    """The dense Llama that costs per token what the MoE model does: its MLP (k + shared) f wide
+    (the dense first_k_dense blocks priced alike)."""
+    return replace(
+        model,
+        n_experts=0,
+        ffn_hidden=(model.top_k + model.shared_experts) * model.ffn,
+        first_k_dense=0,
+        dense_ffn_hidden=0,
+    )
 
 
 def expert_stage_params(model, tp=1, pp=1, v=1, split="trainer"):
     """Routed-expert parameters (all E) on one TP rank of each pipeline stage."""
     per_layer = moe_expert_params(model.n_embd, model.ffn, model.n_experts, tp)
-    return [n * per_layer for n in cost.layers_per_stage(model, pp, v, split)]
+    return [moe_layers(model, k) * per_layer for k in cost.stage_layers(model, pp, v, split)]
 
 
 def rank_state_bytes(model, tp, pp, dp, zero, dtype="bf16", v=1, split="trainer", ep=1):
@@ -86,13 +99,18 @@ def muon_saved_bytes(model, tp, pp, dp, zero, v=1, split="trainer", ep=1):
     """Optimizer bytes --optimizer muon saves on one GPU of each stage: the blocks' matrices (all
     but norms, biases and the router: muon.is_hidden_matrix) keep one fp32 buffer, the momentum,
     not Adam's two (m, v); the dense ones sharded over dp, this ep rank's experts over edp."""
-    h, layers = model.n_embd, cost.layers_per_stage(model, pp, v, split)
-    vectors = 2 * h + model.n_experts * h if model.llama else 7 * h // tp + 6 * h
+    h, layers = model.n_embd, cost.stage_layers(model, pp, v, split)
+    vectors = 2 * h if model.llama else 7 * h // tp + 6 * h  # + each MoE block's router
     experts = expert_stage_params(model, tp, pp, v, split) if model.n_experts else [0] * len(layers)
+    matrices = [
+        sum(cost.block_params(model, tp, i) - vectors for i in k)
+        - moe_layers(model, k) * model.n_experts * h
+        for k in layers
+    ]
     return [
-        zero_state_bytes(n * (cost.block_params(model, tp) - vectors) - e, zero, dp, 0, 0, 4)[2]
+        zero_state_bytes(n - e, zero, dp, 0, 0, 4)[2]
         + zero_state_bytes(e // ep, zero, dp // ep, 0, 0, 4)[2]
-        for n, e in zip(layers, experts)
+        for n, e in zip(matrices, experts)
     ]
 
 
@@ -128,7 +146,8 @@ def all_to_all(model, gpu, gpus, tp, pp, run, ep):
     per_layer = moe_all_to_all_bytes(
         rows, rows, model.n_embd, 4 if run.dtype == "fp32" else 2, ep, model.n_experts // ep
     )
-    nbytes = max(cost.layers_per_stage(model, pp, v, run.split)) * per_layer
+    nbytes = max(moe_layers(model, k) for k in cost.stage_layers(model, pp, v, run.split))
+    nbytes *= per_layer
     if ep == 1:
         return nbytes, 0.0
     # ep ranks of my group in my node, me too

@@ -65,11 +65,11 @@ def deinterleave(w, heads):
 
 
 def check(cfg: GPTConfig):
-    extras = (cfg.n_experts, cfg.qkv_bias, cfg.qk_norm, cfg.kv_lora_rank, cfg.mtp_num_layers)
-    if cfg.arch != "llama" or any(extras):
+    extras = (cfg.n_experts, cfg.qkv_bias, cfg.qk_norm, cfg.qk_norm_whole, cfg.kv_lora_rank)
+    if cfg.arch != "llama" or any(extras) or cfg.mtp_num_layers:
         raise ValueError(
             "nanomega.tools.dcp writes torchtitan's dense Llama 3: --arch llama without --n-experts, "
-            "--qkv-bias, --qk-norm, --kv-lora-rank or --mtp-num-layers"
+            "--qkv-bias, --qk-norm, --qk-norm-whole, --kv-lora-rank or --mtp-num-layers"
         )
 
 

@@ -1,5 +1,5 @@
-"""Hugging Face in and out: a nanomega checkpoint <-> a transformers GPT-2, Llama, Qwen2, Qwen3 or
-Mixtral folder.
+"""Hugging Face in and out: a nanomega checkpoint <-> a transformers GPT-2, Llama, Qwen2, Qwen3,
+Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE folder (DeepSeek-V3: in memory, tools/hf_deepseek.py).
 
     python -m nanomega.tools.hf export --out-dir out --to mine  # -> config.json, model.safetensors
     python -m nanomega.tools.hf import mine --out-dir ft        # -> a step-0 checkpoint (--resume)
@@ -7,7 +7,7 @@ Mixtral folder.
 
 nanomega's dense GPT *is* GPT-2, and with arch="llama" it *is* Llama (RoPE in HF's rotate-half
 layout: q and k need no permutation), so the exchange is a renaming plus a few details (Qwen2's
-q, k, v biases and Qwen3's QK-norm: tools/hf_llama.py; Mixtral: tools/hf_moe.py). The checkpoint of
+q, k, v biases and Qwen3's QK-norm: tools/hf_llama.py; the MoE models: tools/hf_moe.py). The checkpoint of
 any layout is read through reshard.full_weights. A folder is trusted in nothing (tools/hf_check.py:
 config.json field by field, every tensor's name and shape, transformers' load report): what is
 damaged, or what nanomega cannot compute, is refused in one line naming the file and the field or
@@ -53,8 +53,8 @@ CONFIGS = dict(
 
 def hf_config(src):
     """(config.json of a transformers folder as a dict, the GPTConfig nanomega reads from it): the
-    model types nanomega reads (gpt2, llama, qwen2, qwen3, mixtral), every field checked (tools/hf_check.py)
-    before a weight is read."""
+    model types nanomega reads (CONFIGS: gpt2, llama, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe,
+    olmoe), every field checked (tools/hf_check.py) before a weight is read."""
     path = Path(src) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{src} has no config.json: not a transformers model folder")
@@ -82,6 +82,8 @@ def read_hf(src):
         qwen3=transformers.Qwen3ForCausalLM,
         mixtral=transformers.MixtralForCausalLM,
         qwen2_moe=transformers.Qwen2MoeForCausalLM,
+        qwen3_moe=transformers.Qwen3MoeForCausalLM,
+        olmoe=transformers.OlmoeForCausalLM,
         gpt2=transformers.GPT2LMHeadModel,
     )[c["model_type"]]
 
@@ -131,6 +133,11 @@ def export(out_dir, to, max_shard_size=hf_shards.MAX_SHARD_SIZE):
     for reason in skipped:
         faults.say(f"export: skipped {reason}")
     check_gpt2(cfg)  # before reading any shard (a Llama has no ALiBi: validate refuses it)
+    if cfg.kv_lora_rank:  # the routing biases of a DeepSeek-V3 live beside the shards' weights
+        raise ValueError(
+            "export: a latent-attention model (DeepSeek-V3) converts in memory only "
+            "(nanomega.tools.hf_weights.to_hf); its folder export is open"
+        )
     # what a Mixtral cannot hold, before reading the weights: the routing bias is in rank 0's shard
     if cfg.n_experts:
         hf_moe.check(cfg, checkpoint.load_shard(folder, 0).get("moe_bias"))

@@ -16,6 +16,8 @@ Formulas (the tensors a config implies, per block; hd = h / heads, f the MLP wid
     qwen2    a llama's + biases q (h), k, v (kv hd);   qwen3: a llama's + q_norm, k_norm (hd)
     mixtral  router (E, h); experts (E, 2f, h) and (E, h, f), or per expert w1, w3 (f, h), w2 (h, f)
     qwen2_moe  mixtral's stacked experts; shared gate, up (n f, h), down (h, n f); its gate (1, h)
+    qwen3_moe  qwen3's attention, mixtral's stacked experts; mlp_only_layers: llama's MLP (f_dense)
+    olmoe    mixtral's stacked experts; q_norm (h), k_norm (kv hd)
     gpt2     c_attn (h, 3h)  c_fc (h, 4h)  c_proj (h, h), (4h, h): Conv1D's (in, out), biases
 Lesson: lessons/13-the-modern-block.md
 """
@@ -74,6 +76,23 @@ FIELDS = {
         "num_experts_per_tok": (True, SIZE),
         "norm_topk_prob": (False, FLAG),
         "qkv_bias": (False, FLAG),
+        "router_aux_loss_coef": (False, COEFFICIENT),
+    },
+    "qwen3_moe": _LLAMA
+    | {
+        "moe_intermediate_size": (True, SIZE),
+        "num_experts": (False, SIZE),  # or, as transformers 5 writes it:
+        "num_local_experts": (False, SIZE),
+        "num_experts_per_tok": (True, SIZE),
+        "norm_topk_prob": (False, FLAG),
+        "decoder_sparse_step": (False, SIZE),
+        "router_aux_loss_coef": (False, COEFFICIENT),
+    },
+    "olmoe": _LLAMA
+    | {
+        "num_experts": (True, SIZE),
+        "num_experts_per_tok": (True, SIZE),
+        "norm_topk_prob": (False, FLAG),
         "router_aux_loss_coef": (False, COEFFICIENT),
     },
     "gpt2": {
@@ -191,7 +210,13 @@ def expected_tensors(cfg, kind, names):
     if cfg.qk_norm:  # Qwen3
         block |= {"self_attn.q_norm.weight": (h // cfg.n_head,)}
         block["self_attn.k_norm.weight"] = (h // cfg.n_head,)
-    if kind not in ("mixtral", "qwen2_moe"):  # a dense MLP: Llama, Qwen2, Qwen3
+    if cfg.qk_norm_whole:  # OLMoE: over the whole projections
+        block |= {"self_attn.q_norm.weight": (h,), "self_attn.k_norm.weight": (kv,)}
+    # Qwen3-MoE's first blocks (mlp_only_layers): a dense MLP of their own width
+    dense = {"mlp.gate_proj.weight": (cfg.dense_ffn, h), "mlp.up_proj.weight": (cfg.dense_ffn, h)}
+    dense["mlp.down_proj.weight"] = (h, cfg.dense_ffn)
+    first = {f"model.layers.{i}.{k}": s for i in range(cfg.first_k_dense) for k, s in dense.items()}
+    if not cfg.n_experts:  # a dense MLP: Llama, Qwen2, Qwen3
         block |= {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h)}
         block["mlp.down_proj.weight"] = (h, f)
     elif any(".block_sparse_moe." in n for n in names):  # Mixtral as released (and saved by HF)
@@ -220,7 +245,14 @@ def expected_tensors(cfg, kind, names):
             "mlp.shared_expert.up_proj.weight": (nf, h),
             "mlp.shared_expert.down_proj.weight": (h, nf),
         }
-    return out | {f"model.layers.{i}.{k}": s for i in range(L) for k, s in block.items()}
+    experts = {k for k in block if k.startswith("mlp.")} if cfg.n_experts else set()
+    blocks = {
+        f"model.layers.{i}.{k}": s
+        for i in range(L)
+        for k, s in block.items()
+        if cfg.is_moe(i) or k not in experts  # the first_k_dense blocks: `first`'s MLP
+    }
+    return out | blocks | first
 
 
 def tensor_shapes(src):

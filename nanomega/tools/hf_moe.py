@@ -1,11 +1,16 @@
-"""Hugging Face in and out for the MoE Llama: nanomega <-> a transformers `MixtralForCausalLM` or
-`Qwen2MoeForCausalLM`.
+"""Hugging Face in and out for the MoE Llama: nanomega <-> a transformers `MixtralForCausalLM`,
+`Qwen2MoeForCausalLM` or `Qwen3MoeForCausalLM`.
 
 Mixtral is a Llama whose MLP is moe.py's block with router="mixtral" (softmax over the E logits,
 top-k, the k weights renormalized: the same weights as a softmax over the top-k logits), no shared
 experts, no capacity. Qwen2-MoE (qkv_bias false, every layer MoE) is the same block routed by
 softmax_topk (norm_topk_prob false) or softmax_topk_norm (true), plus shared experts times a sigmoid
 gate (--shared-expert-gate): a model with the gate exports as Qwen2-MoE, one without as Mixtral.
+Qwen3-MoE is Qwen3's block (--qk-norm: RMSNorm over each head of q and k) with the same routers, no
+shared experts, and its mlp_only_layers [0 .. k-1] as --first-k-dense k (their width
+intermediate_size: --dense-ffn-hidden); a model with --qk-norm exports as Qwen3-MoE. OLMoE is a
+Llama with RMSNorm over the whole q and k projections (--qk-norm-whole), no shared experts, routed
+by softmax_topk (norm_topk_prob false) or softmax_topk_norm.
 Everything outside the MLP maps as hf.py's Llama; `python -m nanomega.tools.hf import / export`
 reads and writes a Mixtral folder through this module. What nanomega cannot compute is refused (see
 the lesson); the aux loss coefficient travels as router_aux_loss_coef, converted
@@ -101,8 +106,60 @@ def qwen2_moe_config(c: dict) -> GPTConfig:
     )
 
 
+def qwen3_moe_config(c: dict) -> GPTConfig:
+    """The GPTConfig of a transformers Qwen3-MoE config (its dict): a Qwen3 (QK-norm per head)
+    whose MLPs are experts, but the first k when mlp_only_layers is [0 .. k-1] (--first-k-dense);
+    what nanomega cannot compute: one line."""
+    dense, k = c.get("mlp_only_layers") or [], len(c.get("mlp_only_layers") or [])
+    # the Hub's config.json says num_experts; transformers 5 writes num_local_experts
+    experts = c.get("num_experts") or c.get("num_local_experts")
+    if not experts:
+        raise ValueError("no num_experts (nor num_local_experts): not a Qwen3-MoE config")
+    if c.get("decoder_sparse_step", 1) != 1 or dense != list(range(k)):
+        raise ValueError(
+            f"this Qwen3-MoE differs from nanomega's: dense layers {dense} every "
+            f"{c.get('decoder_sparse_step')} (decoder_sparse_step, mlp_only_layers; nanomega: the "
+            "first k, then every layer MoE); it cannot be imported exactly"
+        )
+    top = c["num_experts_per_tok"]
+    return dataclasses.replace(
+        llama_config({**c, "intermediate_size": c["moe_intermediate_size"]}, "qwen3"),
+        n_experts=experts,
+        top_k=top,
+        router="softmax_topk_norm" if c.get("norm_topk_prob") else "softmax_topk",
+        first_k_dense=k,
+        dense_ffn_hidden=c["intermediate_size"] if k else 0,
+        moe_aux_loss=c.get("router_aux_loss_coef", 0.001) * top,
+    )
+
+
+def olmoe_config(c: dict) -> GPTConfig:
+    """The GPTConfig of a transformers OLMoE config (its dict): a Llama with QK-norm over the whole
+    q and k projections (--qk-norm-whole) whose MLPs are experts; what nanomega cannot compute:
+    one line."""
+    if c.get("clip_qkv") is not None:
+        raise ValueError(
+            f"this OLMoE differs from nanomega's: clip_qkv {c['clip_qkv']} (nanomega: none); it "
+            "cannot be imported exactly"
+        )
+    top = c["num_experts_per_tok"]
+    return dataclasses.replace(
+        llama_config(c, "olmoe"),
+        qk_norm_whole=True,
+        n_experts=c["num_experts"],
+        top_k=top,
+        router="softmax_topk_norm" if c.get("norm_topk_prob") else "softmax_topk",
+        moe_aux_loss=c.get("router_aux_loss_coef", 0.01) * top,
+    )
+
+
 # model_type -> its config read as a GPTConfig
-CONFIGS = dict(mixtral=mixtral_config, qwen2_moe=qwen2_moe_config)
+CONFIGS = dict(
+    mixtral=mixtral_config,
+    qwen2_moe=qwen2_moe_config,
+    qwen3_moe=qwen3_moe_config,
+    olmoe=olmoe_config,
+)
 # nanomega name -> Qwen2-MoE's names of the shared experts and their gate, per block (.mlp.)
 SHARED = {
     "shared.gate_up.weight": ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight"),
@@ -112,14 +169,22 @@ SHARED = {
 
 
 def family(cfg: GPTConfig):
-    """The transformers model_type an MoE Llama exports as: qwen2_moe with the shared gate."""
-    return "qwen2_moe" if cfg.shared_expert_gate else "mixtral"
+    """The transformers model_type an MoE Llama exports as: qwen2_moe with the shared gate,
+    qwen3_moe with QK-norm per head, olmoe with it over the whole projections, else mixtral."""
+    if cfg.qk_norm_whole:
+        return "olmoe"
+    return "qwen2_moe" if cfg.shared_expert_gate else "qwen3_moe" if cfg.qk_norm else "mixtral"
 
 
 def moe_names(cfg: GPTConfig):
-    """{nanomega name: (transformers names)} of every weight but the stacked experts."""
-    names = dense_names(cfg.n_layer, cfg.tie_embeddings)
-    for i in range(cfg.n_layer):
+    """{nanomega name: (transformers names)} of every weight but the stacked experts (the dense
+    blocks' MLPs: Llama's names)."""
+    qk_norm = cfg.qk_norm or cfg.qk_norm_whole  # Qwen3-MoE's and OLMoE's: the same names
+    names = llama_name_map(cfg.n_layer, cfg.tie_embeddings, qk_norm=qk_norm)
+    names = {
+        k: v for k, v in names.items() if ".mlp." not in k or not cfg.is_moe(int(k.split(".")[1]))
+    }
+    for i in filter(cfg.is_moe, range(cfg.n_layer)):
         ours, theirs = f"blocks.{i}.mlp.", f"model.layers.{i}.mlp."
         names[ours + "router.weight"] = (theirs + "gate.weight",)
         if family(cfg) == "qwen2_moe":
@@ -133,15 +198,22 @@ def dense_names(n_layer, tied):
 
 
 def check(cfg: GPTConfig, bias=None):
-    """One line for an MoE model neither a Mixtral nor a Qwen2-MoE can hold; bias: the
+    """One line for an MoE model no Mixtral, Qwen2-MoE or Qwen3-MoE can hold; bias: the
     checkpoint's (n_layer, E) routing biases."""
     if family(cfg) == "mixtral" and (cfg.router != "mixtral" or cfg.shared_experts):
         raise ValueError(
             "Mixtral routes with --router mixtral and no --shared-experts; Qwen2-MoE with "
             "softmax_topk or softmax_topk_norm and --shared-experts with --shared-expert-gate"
         )
-    if family(cfg) == "qwen2_moe" and moe.rule(cfg.router) not in QWEN_ROUTERS:
-        raise ValueError(f"Qwen2-MoE routes with --router {' or '.join(QWEN_ROUTERS)}")
+    if family(cfg) != "mixtral" and moe.rule(cfg.router) not in QWEN_ROUTERS:
+        raise ValueError(f"Qwen-MoE and OLMoE route with --router {' or '.join(QWEN_ROUTERS)}")
+    if (family(cfg) in ("qwen3_moe", "olmoe") and cfg.shared_experts) or (
+        family(cfg) != "qwen3_moe" and cfg.first_k_dense
+    ):
+        raise ValueError(
+            "Qwen3-MoE (--qk-norm) and OLMoE (--qk-norm-whole) have no shared experts; Mixtral, "
+            "Qwen2-MoE and OLMoE no dense blocks (--first-k-dense): train without them to export"
+        )
     if cfg.capacity_factor:
         raise ValueError("transformers' MoE models drop no token: train without --capacity-factor")
     if bias is not None and bias.abs().sum() > 0:
@@ -157,7 +229,8 @@ QWEN_ROUTERS = ("softmax_topk", "softmax_topk_norm")  # norm_topk_prob false, tr
 
 def hf_model(cfg: GPTConfig):
     """(transformers config, model class, {nanomega name: (transformers names)} of every weight but
-    the stacked experts) of an MoE Llama: Mixtral, or Qwen2-MoE with --shared-expert-gate."""
+    the stacked experts) of an MoE Llama: Mixtral, Qwen2-MoE with --shared-expert-gate, Qwen3-MoE
+    with --qk-norm."""
     import transformers
 
     check(cfg)
@@ -188,7 +261,7 @@ def hf_model(cfg: GPTConfig):
             ),
             transformers.MixtralForCausalLM,
         )
-    else:
+    elif family(cfg) == "qwen2_moe":
         hf_cfg, model_class = (
             transformers.Qwen2MoeConfig(
                 moe_intermediate_size=cfg.ffn,
@@ -203,61 +276,108 @@ def hf_model(cfg: GPTConfig):
             ),
             transformers.Qwen2MoeForCausalLM,
         )
+    elif family(cfg) == "olmoe":
+        hf_cfg, model_class = (
+            transformers.OlmoeConfig(
+                num_experts=cfg.n_experts,
+                norm_topk_prob=moe.rule(cfg.router) == "softmax_topk_norm",
+                attention_bias=False,
+                clip_qkv=None,
+                pad_token_id=None,
+                **common,
+            ),
+            transformers.OlmoeForCausalLM,
+        )
+    else:  # Qwen3-MoE: the first first_k_dense blocks dense (mlp_only_layers), of their width
+        common["intermediate_size"] = cfg.dense_ffn if cfg.first_k_dense else cfg.ffn
+        hf_cfg, model_class = (
+            transformers.Qwen3MoeConfig(
+                head_dim=cfg.n_embd // cfg.n_head,
+                moe_intermediate_size=cfg.ffn,
+                num_experts=cfg.n_experts,
+                norm_topk_prob=moe.rule(cfg.router) == "softmax_topk_norm",
+                attention_bias=False,
+                use_sliding_window=False,
+                decoder_sparse_step=1,
+                mlp_only_layers=list(range(cfg.first_k_dense)),
+                **common,
+            ),
+            transformers.Qwen3MoeForCausalLM,
+        )
     hf_cfg.architectures = [model_class.__name__]
     return hf_cfg, model_class, moe_names(cfg)
 
 
-def _part(i, k, padded, v, tensors):
+def part(i, k, padded, v, tensors):
     """Part i of k of one nanomega tensor (its first v rows when padded), in its own memory."""
     t = tensors[0].float()
     return (t[:v] if padded else t).chunk(k)[i].clone(memory_format=torch.contiguous_format)
 
 
-def _stacked(tensors):
+def stacked(tensors):
     """The experts' tensors of one layer stacked, (E, ...) (transformers 5's layout)."""
     return torch.stack([t.float() for t in tensors])
+
+
+def named_tensors(names, v):
+    """[(transformers name, [nanomega name], make)] of a {nanomega name: (transformers names)}
+    map: each transformers tensor a part of one of ours (the embedding and head cut to v rows)."""
+    out = []
+    for ours, theirs in names.items():
+        padded = ours in ("embed.wte.weight", "head.lm_head.weight")
+        for i, name in enumerate(theirs):
+            out.append((name, [ours], functools.partial(part, i, len(theirs), padded, v)))
+    return out
+
+
+def expert_tensors(cfg: GPTConfig, layers):
+    """[(transformers name, [nanomega names], make)] of the experts of `layers`, stacked."""
+    out = []
+    for i in layers:
+        ours, theirs = f"blocks.{i}.mlp.", f"model.layers.{i}.mlp."
+        for mine, name in (("gate_up", "gate_up_proj"), ("c_proj", "down_proj")):
+            experts = [f"{ours}experts.{e}.{mine}.weight" for e in range(cfg.n_experts)]
+            out.append((theirs + "experts." + name, experts, stacked))
+    return out
 
 
 def hf_tensors(cfg: GPTConfig):
     """[(transformers name, [nanomega names], make)] of a Mixtral or Qwen2-MoE
     (hf_weights.hf_tensors): every named weight (the router and the shared experts included),
     then each layer's experts stacked."""
-    v, out = cfg.vocab_size, []
-    for ours, theirs in hf_model(cfg)[2].items():
-        padded = ours in ("embed.wte.weight", "head.lm_head.weight")
-        for i, name in enumerate(theirs):
-            out.append((name, [ours], functools.partial(_part, i, len(theirs), padded, v)))
-    for i in range(cfg.n_layer):
-        ours, theirs = f"blocks.{i}.mlp.", f"model.layers.{i}.mlp."
-        for mine, name in (("gate_up", "gate_up_proj"), ("c_proj", "down_proj")):
-            experts = [f"{ours}experts.{e}.{mine}.weight" for e in range(cfg.n_experts)]
-            out.append((theirs + "experts." + name, experts, _stacked))
+    return named_tensors(hf_model(cfg)[2], cfg.vocab_size) + expert_tensors(
+        cfg, filter(cfg.is_moe, range(cfg.n_layer))
+    )
+
+
+def unstacked(theirs, cfg: GPTConfig, layers):
+    """{nanomega name: tensor} of the experts of `layers` from transformers' stacked tensors."""
+    out = {}
+    for i in layers:
+        ours, hf = f"blocks.{i}.mlp.", f"model.layers.{i}.mlp."
+        for e in range(cfg.n_experts):
+            for mine, name in (("gate_up", "gate_up_proj"), ("c_proj", "down_proj")):
+                out[f"{ours}experts.{e}.{mine}.weight"] = theirs[f"{hf}experts.{name}"][e].clone()
     return out
 
 
+def padded(weights, cfg: GPTConfig):
+    """The embedding and an untied head with zero rows up to the padded vocabulary, so tp can
+    split V (hf.py does the same)."""
+    pad = cfg.padded_vocab_size - cfg.vocab_size
+    for name in ("embed.wte.weight", "head.lm_head.weight"):
+        if name in weights:
+            weights[name] = torch.cat([weights[name], weights[name].new_zeros(pad, cfg.n_embd)])
+    return weights
+
+
 def from_hf(model):
-    """(GPTConfig, nanomega full weights) from a transformers MixtralForCausalLM or
-    Qwen2MoeForCausalLM."""
+    """(GPTConfig, nanomega full weights) from a transformers MixtralForCausalLM,
+    Qwen2MoeForCausalLM or Qwen3MoeForCausalLM."""
     cfg = CONFIGS[model.config.model_type](model.config.to_dict())
     theirs = {k: t.detach().float() for k, t in model.state_dict().items()}
     weights = {
         ours: torch.cat([theirs[n] for n in names]) for ours, names in moe_names(cfg).items()
     }
-
-    # each layer's experts, unstacked
-    for i in range(cfg.n_layer):
-        ours, hf = f"blocks.{i}.mlp.", f"model.layers.{i}.mlp."
-        for e in range(cfg.n_experts):
-            weights[f"{ours}experts.{e}.gate_up.weight"] = theirs[hf + "experts.gate_up_proj"][
-                e
-            ].clone()
-            weights[f"{ours}experts.{e}.c_proj.weight"] = theirs[hf + "experts.down_proj"][
-                e
-            ].clone()
-
-    # zero rows so tp can split V (hf.py does the same)
-    pad = cfg.padded_vocab_size - cfg.vocab_size
-    for name in ("embed.wte.weight", "head.lm_head.weight"):
-        if name in weights:
-            weights[name] = torch.cat([weights[name], weights[name].new_zeros(pad, cfg.n_embd)])
-    return cfg, weights
+    experts = unstacked(theirs, cfg, filter(cfg.is_moe, range(cfg.n_layer)))
+    return cfg, padded(weights | experts, cfg)

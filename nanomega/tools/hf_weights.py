@@ -4,7 +4,8 @@ Idea: nanomega's dense GPT is GPT-2 and, with arch="llama", Llama, up to names a
     GPT-2  transformers' Conv1D weight is the transpose of nn.Linear's: W_hf = W^T (in, out)
     Llama  kv_proj = [k_proj; v_proj], gate_up = [gate_proj; up_proj], by rows (tools/hf_llama.py)
     vocab  nanomega pads V; export keeps the first V rows, import appends zero rows
-Mixtral (a Llama whose MLP is experts) is tools/hf_moe.py; folders and the CLI are tools/hf.py.
+Mixtral (a Llama whose MLP is experts) is tools/hf_moe.py, DeepSeek-V3 (latent attention)
+tools/hf_deepseek.py; folders and the CLI are tools/hf.py.
 Lesson: lessons/13-the-modern-block.md
 """
 
@@ -13,7 +14,7 @@ import functools
 import torch
 
 from nanomega.gpt_config import GPTConfig
-from nanomega.tools import hf_moe
+from nanomega.tools import hf_deepseek, hf_moe
 from nanomega.tools.hf_llama import DENSE, hf_rope, llama_config, llama_name_map
 
 # nanomega name -> transformers GPT2LMHeadModel name, per block ({i}); Conv1D weights are transposed
@@ -78,14 +79,16 @@ def hf_model(cfg: GPTConfig):
     Qwen3ForCausalLM (qk_norm); MixtralForCausalLM with experts (its MLP's names: hf_moe.py)."""
     transformers = require_transformers()
     v = cfg.vocab_size
-    if cfg.kv_lora_rank:  # DeepSeek-V3's class and names: not written yet
-        raise ValueError(
-            "--kv-lora-rank (multi-head latent attention) has no export yet (DeepSeek-V3's "
-            "transformers class is issue 48's next step); train without it to export"
-        )
+    if cfg.kv_lora_rank:  # latent attention: DeepSeek-V3 (tools/hf_deepseek.py)
+        return hf_deepseek.hf_model(cfg)
 
-    if cfg.n_experts:  # a Llama with experts: Mixtral
+    if cfg.n_experts:  # a Llama with experts: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE
         return hf_moe.hf_model(cfg)
+    if cfg.qk_norm_whole:
+        raise ValueError(
+            "--qk-norm-whole without experts has no transformers class here (OLMoE: with "
+            "--n-experts); train with --qk-norm (Qwen3) to export"
+        )
 
     # the transformers config and the name map of each architecture
     if cfg.arch == "llama":
@@ -162,6 +165,8 @@ def hf_tensors(cfg: GPTConfig):
     """[(transformers name, [nanomega names], make)]: each tensor of cfg's transformers model, the
     nanomega parameters it is made of, and make(their full tensors) -> it. One tensor at a time:
     tools/hf_shards.py streams an export with it."""
+    if cfg.kv_lora_rank:
+        return hf_deepseek.hf_tensors(cfg)
     if cfg.n_experts:
         return hf_moe.hf_tensors(cfg)
     return [
@@ -196,6 +201,8 @@ def from_hf(model):
     in one line."""
     if model.config.model_type in hf_moe.CONFIGS:  # Mixtral, Qwen2-MoE
         return hf_moe.from_hf(model)
+    if model.config.model_type == "deepseek_v3":
+        return hf_deepseek.from_hf(model)
 
     kind = model.config.model_type
     if kind in DENSE:
@@ -210,7 +217,7 @@ def from_hf(model):
         return cfg, _pad_vocab(weights, cfg)
     if kind != "gpt2":
         raise ValueError(
-            f"model_type {kind!r}: nanomega reads gpt2, {', '.join(DENSE)}, mixtral and qwen2_moe models"
+            f"model_type {kind!r}: nanomega reads gpt2, {', '.join(DENSE)}, mixtral, qwen2_moe and deepseek_v3 models"
         )
 
     # GPT-2: what nanomega cannot compute is refused

@@ -1,0 +1,139 @@
+"""Issue 48: DeepSeek-V3 in and out (tools/hf_deepseek.py): latent attention, dense blocks before
+MoE ones, shared experts, the deepseek_v3 router (groups, bias, scaling).
+
+Claims (one process; transformers builds the model offline from a small random config):
+    export    nanomega's model (3 blocks, the first dense of its own width, then 8 experts in 4
+              groups of which 2 allowed, top-2, scaling 2.5, a random routing bias, 1 shared expert;
+              q latent or none) as transformers' DeepseekV3ForCausalLM: logits within 1e-4 (fp32,
+              the same math in another order); a latent-attention model without experts as the
+              same class with every block dense
+    import    back: every shape and routing field, every weight and routing bias bitwise; an
+              interleaved folder (rope_interleave, DeepSeek's released layout) reads as the same
+              model (its rotary rows permuted), and read without the permutation differs by > 1e-3
+    aux loss  DeepSeek-V3's sequence-wise loss (arXiv 2412.19437 eq. 17-20) computed from the paper
+              = moe.balance_loss: the coefficient travels unchanged (aux_loss_alpha)
+    refused   what nanomega cannot compute is one line
+"""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from nanomega import moe
+from nanomega.gpt_config import GPTConfig
+from nanomega.model import GPT
+
+transformers = pytest.importorskip("transformers", reason="the test extra: transformers")
+from nanomega.tools import hf_deepseek, hf_weights  # noqa: E402  (needs transformers)
+
+SHAPE = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=6)
+ROUTING = dict(n_experts=8, top_k=2, router="deepseek_v3", n_group=4, topk_group=2)
+MOE = dict(**ROUTING, routed_scaling=2.5, shared_experts=1, first_k_dense=1, dense_ffn_hidden=40)
+IDX = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def ds_cfg(**kw):
+    base = dict(vocab_size=200, block_size=32, n_layer=3, n_head=4, n_embd=32, ffn_hidden=16)
+    base |= dict(arch="llama", tie_embeddings=False, attention="eager", norm_eps=1e-6)
+    return GPTConfig(**{**base, **SHAPE, "q_lora_rank": 12, "moe_aux_loss": 1e-3, **kw})
+
+
+def random_model(cfg):
+    """Our model with matrices of std 0.1, norm scales 1 +- 0.1 and a random routing bias: routing
+    far from uniform, logits of size ~1 (the 1e-4 bound is relative to them)."""
+    ours = GPT(cfg, seed=3).eval()
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_((p.dim() == 1) + 0.1 * torch.randn(p.shape, generator=g))
+        for layer in moe.layers(ours).values():
+            layer.expert_bias.copy_(0.05 * torch.randn(cfg.n_experts, generator=g))
+    return ours
+
+
+def state(model):
+    """Every weight and routing bias (what export reads and import gives back)."""
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("kw", [dict(MOE), dict(MOE, q_lora_rank=0), {}], ids=["moe", "q0", "mla"])
+def test_deepseek_v3_round_trip_logits(kw):
+    cfg = ds_cfg(**kw)
+    ours = random_model(cfg)
+    weights = state(ours)
+    theirs = hf_weights.to_hf(weights, cfg)
+    assert type(theirs).__name__ == "DeepseekV3ForCausalLM"
+    with torch.no_grad():
+        got, want = theirs(IDX).logits, ours(IDX)[..., : cfg.vocab_size]
+    assert want.std() > 0.3 and (got - want).abs().max().item() < 1e-4
+
+    cfg2, back = hf_weights.from_hf(theirs)
+    assert dataclasses.replace(cfg2, attention="eager") == cfg
+    rows = {"embed.wte.weight": cfg.vocab_size, "head.lm_head.weight": cfg.vocab_size}
+    assert back.keys() == weights.keys()
+    assert all(torch.equal(back[k][: rows.get(k)], weights[k][: rows.get(k)]) for k in back)
+
+
+def test_an_interleaved_deepseek_v3_reads_as_the_same_model():
+    cfg = ds_cfg(**MOE)
+    ours = random_model(cfg)
+    theirs = hf_weights.to_hf(state(ours), cfg)
+    config = copy.deepcopy(theirs.config)
+    config.rope_interleave = True
+    logits = []
+    for permute in (True, False):
+        inter = transformers.DeepseekV3ForCausalLM(config).eval()
+        sd = theirs.state_dict()
+        if permute:  # DeepSeek's layout: the rotary rows of W_qb and W_kva interleaved
+            for name, t in sd.items():
+                for ours_name, hf in hf_deepseek.ATTENTION.items():
+                    if name.endswith(f"self_attn.{hf}.weight"):
+                        sd[name] = hf_deepseek.interleaved(ours_name, t, cfg)
+        inter.load_state_dict(sd)
+        _, back = hf_weights.from_hf(inter)
+        mine = GPT(cfg, seed=0).eval()
+        mine.load_state_dict(back)
+        with torch.no_grad():
+            logits.append(mine(IDX)[..., : cfg.vocab_size])
+            if permute:
+                assert (inter(IDX).logits - logits[-1]).abs().max() < 1e-4
+    with torch.no_grad():
+        want = ours(IDX)[..., : cfg.vocab_size]
+    assert (logits[0] - want).abs().max() < 1e-4
+    assert (logits[1] - want).abs().max() > 1e-3  # read without the permutation: another model
+
+
+def test_balance_loss_is_deepseek_v3_sequence_wise_loss():
+    """Eq. 17-20: L = alpha sum_i f_i P_i, f_i = E / (k T) sum_t 1(i chosen for t), P_i = mean_t of
+    s_i,t / sum_j s_j,t, over one sequence of T tokens."""
+    E, k, T = 8, 2, 24
+    logits = torch.randn(3 * T, E, generator=torch.Generator().manual_seed(0))
+    _, experts, probs = moe.route(logits, k, "deepseek_v3", torch.zeros(E), (4, 2), 2.5)
+    s = logits.sigmoid().view(3, T, E)
+    chosen = torch.zeros(3, T, E).scatter(2, experts.view(3, T, k), 1.0)
+    f = E / (k * T) * chosen.sum(1)  # (b, E)
+    P = (s / s.sum(-1, keepdim=True)).mean(1)  # (b, E)
+    paper = (f * P).sum(-1)
+    ours = moe.balance_loss(probs.view(3, T, E), experts.view(3, T, k), E)
+    torch.testing.assert_close(ours, paper, rtol=1e-6, atol=0)
+    hf_cfg = hf_deepseek.hf_model(ds_cfg(**MOE))[0]
+    assert hf_cfg.aux_loss_alpha == 1e-3  # moe_aux_loss, unchanged, under DeepSeek's name
+    assert hf_deepseek.deepseek_v3_config(hf_cfg.to_dict()).moe_aux_loss == 1e-3
+
+
+def test_what_deepseek_v3_nanomega_cannot_compute_is_one_line():
+    c = hf_deepseek.hf_model(ds_cfg(**MOE))[0].to_dict()
+    for bad, match in (
+        (dict(norm_topk_prob=False), "norm_topk_prob false"),
+        (dict(rms_norm_eps=1e-5), "rms_norm_eps"),
+        (dict(attention_bias=True), "attention_bias"),
+    ):
+        with pytest.raises(ValueError, match=match) as e:
+            hf_deepseek.deepseek_v3_config(c | bad)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="--router deepseek_v3"):
+        hf_weights.hf_model(
+            ds_cfg(**{**MOE, "router": "softmax_topk", "n_group": 1, "topk_group": 1})
+        )
