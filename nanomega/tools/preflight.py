@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from nanomega import compose, dist, fp8_gather, meta
+from nanomega import compose, dist, formulas, fp8_gather, meta
 from nanomega.gpt_config import SHAPE_KEYS
 from nanomega.job import checks, flags
 from nanomega.tools import cost, cost_moe
@@ -27,7 +27,15 @@ def dry_run(config):
     parameter, gradient and optimizer bytes printed next to the planner's.
     Returns dict(engine=..., planner=..., groups, pieces, dp, seconds)."""
     config = checks.check(config)
-    grid = meta.PaperGrid(config.dp, config.pp, config.tp, config.rank, cp=config.cp, ep=config.ep)
+    grid = meta.PaperGrid(
+        config.dp,
+        config.pp,
+        config.tp,
+        config.rank,
+        cp=config.cp,
+        ep=config.ep,
+        dp_shard=config.dp_shard,
+    )
     t0 = time.perf_counter()
     _, engine, _ = compose.build(config, grid)
     # Adam's state appears at its first step: take one on meta (no values)
@@ -59,7 +67,17 @@ def dry_run(config):
             f"--fp8 {config.fp8}, ZeRO-3: its FP8 weights' all-gathers move {fp8 / 1e6:.3f} MB per "
             f"micro-batch (1-byte codes + 4-byte amax), {base / 1e6:.3f} MB in {config.dtype}"
         )
+    links = link_bytes(config, engine)
+    if links is not None:  # --dp-shard: what crosses the slow link, against plain ZeRO over dp
+        (inside, across), plain = links
+        print(
+            f"--dp-shard {grid.dp_shard.size} x {grid.dp_rep.size} replicas: per step this rank "
+            f"sends {inside / 1e6:.3f} MB inside its host, {across / 1e6:.3f} MB across hosts "
+            f"(plain ZeRO-{config.zero} over dp {config.dp}: {plain / 1e6:.3f} MB, all of it "
+            f"through its slowest link; formulas.hybrid_comm_bytes)"
+        )
     return dict(
+        links=links,
         fp8_gather=fp8_gather.step_bytes(engine.sharded) if wired else None,
         engine=held,
         planner=planned,
@@ -68,6 +86,19 @@ def dry_run(config):
         dp=config.dp,
         seconds=seconds,
     )
+
+
+def link_bytes(config, engine):
+    """--dp-shard: ((inside, across), plain) bytes this rank sends per step for its dense weights'
+    gradients and parameters (formulas.hybrid_comm_bytes over the engine's padded buffers, fp32
+    gradients), and plain ZeRO's over all of dp; None without hybrid sharding."""
+    if engine.replicate is None:
+        return None
+    n = sum(g.padded for g in engine.groups if engine.rule[id(g)].replicate is not None)
+    shard, rep, pb = engine.axis.size, engine.replicate.size, engine.groups[0].full.element_size()
+    per = (4, pb, config.grad_accum)  # fp32 gradients, the weights' bytes, the micro-batches
+    hybrid = formulas.hybrid_comm_bytes(n, config.zero, shard, rep, *per)
+    return hybrid, formulas.dp_comm_bytes(n, config.zero, shard * rep, *per)
 
 
 def check_memory(config):
@@ -101,7 +132,7 @@ def rank_state_bytes(config):
         planner_model(config),
         config.tp,
         config.pp,
-        config.dp * config.cp,
+        (config.dp_shard or config.dp) * config.cp,  # ZeRO's shards: hybrid sharding's S
         config.zero,
         config.dtype,
         config.virtual_stages,
@@ -113,7 +144,7 @@ def rank_state_bytes(config):
         planner_model(config),
         config.tp,
         config.pp,
-        config.dp * config.cp,
+        (config.dp_shard or config.dp) * config.cp,
         config.zero,
         config.virtual_stages,
         ep=config.ep,
