@@ -62,7 +62,7 @@ def test_layout_puts_a_shard_group_inside_a_host_and_its_replicas_across():
     assert [g.tolist() for g in plain["dp_shard"]] == [g.tolist() for g in plain["dp_cp"]]
 
 
-def test_dry_run_prices_each_link_and_a_bad_shard_is_refused_in_one_line(capsys):
+def test_dry_run_prices_the_links_refuses_bad_shards(capsys):
     """--dry-run at --world 8 --dp-shard 4, ZeRO-3, fp32, m = 2: per step inside (S - 1)/S x 3m
     passes of 4 bytes = 18 bytes per (padded) parameter, across 2 (R - 1)/R / S x 4 = 1, plain ZeRO
     over dp 8 7/8 x 24 = 21. And what hybrid sharding cannot run, one line each."""
