@@ -96,9 +96,11 @@ def build(config, grid):
         options = dict(betas=(0.9, 0.95), fused=True)
     # the replica groups, each built by the technique that owns its rule: the dense weights over dp
     # x cp (and the tied embedding's extra sum over its two pipeline stages), the routed experts
-    # over edp
+    # over edp. --dp-shard (hybrid sharding): the dense weights sharded over grid.dp_shard (inside
+    # a host), their slices all-reduced over grid.dp_rep (across); without it dp_shard is dp_cp
+    across = grid.dp_rep if grid.dp_rep.size > 1 else None
     replicas = [
-        zero_rules.Replicas("dense", grid.dp_cp, **pp.tied_rule(model, grid)),
+        zero_rules.Replicas("dense", grid.dp_shard, **pp.tied_rule(model, grid), replicate=across),
         zero_rules.Replicas(**ep.replica_group(grid)),
     ]
     # --optimizer: AdamW, or Muon on the hidden matrices (muon.py) and AdamW on the rest

@@ -2,7 +2,9 @@
 
 `world = dp * pp * cp * tp` ranks laid out as `arange(world).view(dp, pp, cp, tp)` (`layout`):
 tensor parallel ranks are neighbours, then context parallel, pipeline stages, and data parallel
-outermost; expert parallel groups are carved out of dp. Each axis gets its own process group,
+outermost; expert parallel groups are carved out of dp; hybrid sharding splits the weights'
+replicas (dp x cp) into a shard group (S neighbouring dp ranks, inside a host) and a replicate
+group (across hosts). Each axis gets its own process group,
 wrapped in an `Axis` whose collectives record (op, axis, dtype, bytes) in a `CommLog`, so lessons
 and tests can hold measured traffic against formulas. Device and backend are chosen here only: nccl
 on CUDA, gloo on CPU.
@@ -183,22 +185,28 @@ class Axis:
         return out
 
 
-def layout(dp=1, pp=1, tp=1, cp=1, ep=1, rank=None):
+def layout(dp=1, pp=1, tp=1, cp=1, ep=1, rank=None, dp_shard=None):
     """Every group of every axis as lists of ranks, {Grid attribute: [[ranks], ...]}: the one home
     of the layout (Grid builds these groups, meta.PaperGrid finds a rank's). Ranks as
     arange(world).view(dp, pp, cp, tp): tp fastest (neighbours inside a node), then cp (it trades
     keys and values every layer), pp, and dp outermost. dp_cp: the replicas of a dense weight (its
     gradient is reduced over dp and cp: cp ranks hold the same weights, other tokens). ep is carved
     out of dp (Megatron's way): dp index d = e_out x ep + e; ep: the ranks that trade tokens for one
-    set of experts; edp: the replicas of one expert (same e, over e_out and cp). rank: only the
-    groups that hold it (meta.PaperGrid: one rank of any world without listing every group)."""
+    set of experts; edp: the replicas of one expert (same e, over e_out and cp). Hybrid sharding
+    (dp_shard S < dp): dp index d = r x S + s; dp_shard: the S neighbouring dp ranks (x cp) that
+    shard ZeRO's state (inside a host), dp_rep: the dp / S ranks with the same s (across hosts);
+    S = dp (the default): dp_shard is dp_cp, dp_rep one rank each. rank: only the groups that hold
+    it (meta.PaperGrid: one rank of any world without listing every group)."""
     world = dp * pp * cp * tp
     g = torch.arange(world).view(dp, pp, cp, tp)
     D, P, C, T = range(dp), range(pp), range(cp), range(tp)
     O, E = range(dp // ep), range(ep)  # ep's outer index and its index inside dp
+    S = dp_shard or dp
+    R, H = range(dp // S), range(S)  # hybrid: the replicate index and the index inside a shard
     if rank is not None:  # the rank's own coordinates only
         d, p, c, t = (int(i) for i in torch.unravel_index(torch.tensor(rank), g.shape))
         D, P, C, T, O, E = [d], [p], [c], [t], [d // ep], [d % ep]
+        R, H = [d // S], [d % S]
 
     return {
         "tp": [g[d, p, c, :] for d in D for p in P for c in C],
@@ -210,14 +218,17 @@ def layout(dp=1, pp=1, tp=1, cp=1, ep=1, rank=None):
         "edp": [g[e::ep, p, :, t].flatten() for e in E for p in P for t in T],
         # tied embedding: first and last stage sum its gradients (Megatron's embedding group)
         "embed": [g[d, [0, pp - 1], c, t].unique() for d in D for c in C for t in T],
+        # hybrid sharding: the shard group (dp_shard x cp, inside a host) and the replicate group
+        "dp_shard": [g[r * S : (r + 1) * S, p, :, t].flatten() for r in R for p in P for t in T],
+        "dp_rep": [g[s::S, p, c, t] for s in H for p in P for c in C for t in T],
     }
 
 
 # an axis's name in the CommLog's tables, where it differs
-SHORT = {"dp_cp": "dpcp", "embed": "emb"}
+SHORT = {"dp_cp": "dpcp", "embed": "emb", "dp_shard": "dps", "dp_rep": "dpr"}
 
 
-def check_layout(world, dp=1, pp=1, tp=1, cp=1, ep=1):
+def check_layout(world, dp=1, pp=1, tp=1, cp=1, ep=1, dp_shard=None):
     """One line for a layout the world cannot hold."""
     if min(dp, pp, tp, cp, ep) < 1:
         raise ValueError(f"every axis must be >= 1: dp {dp}, pp {pp}, tp {tp}, cp {cp}, ep {ep}")
@@ -231,25 +242,31 @@ def check_layout(world, dp=1, pp=1, tp=1, cp=1, ep=1):
             f"--ep {ep} must divide dp {dp}: expert parallelism is carved out of the data-parallel "
             f"ranks; pick --ep dividing {dp}"
         )
+    if dp_shard and (dp_shard < 0 or dp % dp_shard):  # None or 0: all of dp
+        raise ValueError(
+            f"--dp-shard {dp_shard} must divide dp {dp}: hybrid sharding splits the dp ranks into "
+            f"groups of --dp-shard (inside a host) replicated dp / dp-shard times; pick a divisor "
+            f"of {dp}"
+        )
 
 
 class Grid:
-    """The (dp, pp, cp, tp) rank grid, and ep inside dp. Every rank builds every group, in one
-    order (a torch rule), and never two for the same ranks: ep = dp (ep = dp size) is one
-    group under two names."""
+    """The (dp, pp, cp, tp) rank grid, and ep inside dp; dp_shard: hybrid sharding's shard group
+    size (None or 0: all of dp). Every rank builds every group, in one order (a torch rule), and never
+    two for the same ranks: ep = dp (ep = dp size) is one group under two names."""
 
-    def __init__(self, dp=1, pp=1, tp=1, cp=1, ep=1):
+    def __init__(self, dp=1, pp=1, tp=1, cp=1, ep=1, dp_shard=None):
         world, rank = dist.get_world_size(), dist.get_rank()
-        check_layout(world, dp, pp, tp, cp, ep)
+        check_layout(world, dp, pp, tp, cp, ep, dp_shard)
         self.world, self.rank, self.log, self.timeout = world, rank, CommLog(), world_timeout()
 
         self.groups = {}  # ranks -> process group
         replicas = {}  # the groups of dp and dp_cp -> their Axis
-        for attr, slices in layout(dp, pp, tp, cp, ep).items():
+        for attr, slices in layout(dp, pp, tp, cp, ep, dp_shard=dp_shard).items():
             key = tuple(tuple(s.tolist()) for s in slices)
-            # a replica axis equal to one before it (dp_cp when cp = 1, edp when ep = 1) is that
-            # one, by its name
-            axis = replicas.get(key) if attr in ("dp_cp", "edp") else None
+            # a replica axis equal to one before it (dp_cp when cp = 1, edp when ep = 1, dp_shard
+            # without hybrid sharding) is that one, by its name
+            axis = replicas.get(key) if attr in ("dp_cp", "edp", "dp_shard", "dp_rep") else None
             setattr(self, attr, axis or self._axis(SHORT.get(attr, attr), slices))
             if attr in ("dp", "dp_cp"):
                 replicas.setdefault(key, getattr(self, attr))

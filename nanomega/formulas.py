@@ -11,7 +11,8 @@ Formulas (Psi = parameters one rank holds, d/t/p = dp/tp/pp sizes, m = micro-bat
                2 also the gradients, 3 also the parameters (ZeRO paper, fp16 + Adam: 2 + 2 + 12;
                Megatron, bf16 params and fp32 grads: 18 -> 6 + 12/d with the distributed optimizer)
     dp bytes   ring all-reduce 2(d-1)/d Psi B; reduce-scatter and all-gather (d-1)/d each;
-               ZeRO-3 3(d-1)/d (1.5x)
+               ZeRO-3 3(d-1)/d (1.5x); hybrid sharding (d = S R: shard S inside a host, R
+               across): ZeRO's over S inside, one all-reduce 2(R-1)/R Psi B / S across
     tp bytes   per layer and micro-batch, in units of (t-1)/t b*s*h elements: TP 8 (2 all-reduces
                forward, 2 backward); TP+SP 10 (2 all-gathers + 2 reduce-scatters forward, their
                conjugates backward, and the 2 all-gathers that re-gather the stored shards for the
@@ -266,6 +267,16 @@ def dp_comm_bytes(n_params, stage, dp, dtype_bytes, param_bytes=None, micro_batc
         return 2 * f * dtype_bytes
     grads = f * dtype_bytes * (micro_batches if stage >= 2 else 1)
     return grads + f * param_bytes * (2 * micro_batches if stage == 3 else 1)
+
+
+def hybrid_comm_bytes(n_params, stage, shard, replicate, dtype_bytes, param_bytes=None, m=1):
+    """Hybrid sharding (HSDP, ZeRO-1/2/3 over S = shard ranks inside a host, R = replicate copies
+    across hosts): (inside, across) bytes one rank sends per step. Inside: ZeRO's over S
+    (dp_comm_bytes); across: one all-reduce of the reduced gradient slice, 2 (R-1)/R Psi/S, once
+    per step whatever the stage and the micro-batches m. Plain ZeRO over S R ranks would send
+    dp_comm_bytes(n, stage, S R, ...) through the slowest link."""
+    inside = dp_comm_bytes(n_params, stage, shard, dtype_bytes, param_bytes, m)
+    return inside, 2 * (replicate - 1) / replicate * n_params / shard * dtype_bytes
 
 
 def tp_comm_bytes_per_layer(

@@ -122,17 +122,17 @@ class PaperGrid:
     (nothing allocated), or a real one to build that rank's values (tests: the build needs no
     collective but the replicas' check, which ddp.start_equal skips on meta)."""
 
-    def __init__(self, dp, pp, tp, rank, device="meta", cp=1, ep=1):
+    def __init__(self, dp, pp, tp, rank, device="meta", cp=1, ep=1, dp_shard=None):
         world = dp * pp * cp * tp
         if not 0 <= rank < world:
             raise ValueError(
                 f"--rank {rank} is outside the {world} ranks of dp {dp} x pp {pp} x cp {cp} x tp {tp}"
             )
 
-        dist.check_layout(world, dp, pp, tp, cp, ep)
+        dist.check_layout(world, dp, pp, tp, cp, ep, dp_shard)
         self.world, self.rank, self.device = world, rank, torch.device(device)
 
-        for attr, slices in dist.layout(dp, pp, tp, cp, ep, rank).items():
+        for attr, slices in dist.layout(dp, pp, tp, cp, ep, rank, dp_shard).items():
             # embed: only the end stages have one
             mine = next((s for s in slices if rank in s.tolist()), None)
             name = "dp" if attr == "dp_cp" and cp == 1 else dist.SHORT.get(attr, attr)
@@ -148,13 +148,14 @@ class PaperGrid:
         self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == pp - 1
 
     def __repr__(self):
-        """--dry-run's header: rank R of tp T x pp P [x cp C] x dp D [(ep E)] (tp t, stage p[, cp
-        c], dp d[, ep e])."""
+        """--dry-run's header: rank R of tp T x pp P [x cp C] x dp D [(shard S x R)] [(ep E)] (tp
+        t, stage p[, cp c], dp d[, ep e])."""
         cp, ep = self.cp.size > 1, self.ep.size > 1
         return (
             f"rank {self.rank} of tp {self.tp.size} x pp {self.pp.size}"
             + f" x cp {self.cp.size}" * cp
             + f" x dp {self.dp.size}"
+            + f" (shard {self.dp_shard.size} x {self.dp_rep.size})" * (self.dp_rep.size > 1)
             + f" (ep {self.ep.size})" * ep
             + f" (tp {self.tp_rank}, stage {self.pp_rank}"
             + f", cp {self.cp_rank}" * cp

@@ -91,6 +91,8 @@ def export_by_name(engine, copies=False, copy=True):
         p = piece.group.params[piece.index] if piece.group else None
         if not copies and p is not None and pp.is_shared_embedding_copy(p):
             continue
+        if not copies and copy_across(engine, piece):
+            continue
 
         state = engine.optimizer.state.get(piece.master, {})
         out.append(
@@ -107,6 +109,16 @@ def export_by_name(engine, copies=False, copy=True):
             )
         )
     return out
+
+
+def copy_across(engine, piece):
+    """Hybrid sharding: whether this rank's slice is a copy of the one its peer at replicate index 0
+    holds (and saves): the slices of a group sharded inside a host are the same in every host."""
+    if piece.group is None:  # held whole: a dp_cp replica (export_by_name's first rule)
+        return False
+    rule = engine.rule.get(id(piece.group))  # ZeRO-3's frozen shards: the default group's
+    across = rule.replicate if rule is not None else engine.replicate
+    return across is not None and across.rank > 0
 
 
 @torch.no_grad()

@@ -351,7 +351,7 @@ def start(config, cfg):
     anything else."""
     device = dist.init(config.device, config.collective_timeout)
     precision.set_tf32(device, config.tf32)
-    grid = dist.Grid(config.dp, config.pp, config.tp, cp=config.cp, ep=config.ep)
+    grid = dist.Grid(config.dp, config.pp, config.tp, config.cp, config.ep, config.dp_shard)
     if config.health_check:
         health.gate(grid)
     if grid.rank == grid.world - 1 and config.model:

@@ -12,6 +12,8 @@ axis; the technique owning a rule builds its group (ep.py, pp.py), the composer 
     2      only its gradient slice       reduce-scatter   all-gather the slices    2 + 14/N
     3      only its gradient slice       reduce-scatter   none: each unit gathered 16/N (zero3.py)
     bytes sent per step (ring, Psi = gradient bytes): stages 0-2 2(N-1)/N Psi; stage 3 3(N-1)/N Psi
+Hybrid sharding (a group's Replicas.replicate): N = S ranks shard it inside a host, R replicas
+across all-reduce the reduced slices (2(R-1)/R Psi/S per step, formulas.hybrid_comm_bytes).
 (bf16 weights, Adam; gradients in grad_dtype, fp32 by default: 2 + 4 + 12 = 18 bytes at stage 0.)
 Lesson: lessons/02-data-parallel-and-zero.md
 """
@@ -105,12 +107,14 @@ class ZeroEngine:
         specs = self._param_groups(optim, trainable)  # before ZeRO-3 empties the parameters
         self.module, self.grid, self.stage = model, grid, stage
         self.axis = dense.axis  # the default group's axis: ZeRO-3 shards its units over it
+        self.replicate = dense.replicate  # hybrid sharding: its copies across hosts (None: off)
         row = STAGE[stage]  # the one place the stage's row is read
 
         # ZeRO-3: units of shards (zero3.py) over the default group's axis; whole groups: buckets
         self.sharded, units = None, []
-        if row.parameters:
-            start_equal(model, self.axis, init)  # while the parameters are whole (meta: nothing)
+        if row.parameters:  # while the parameters are whole (meta: nothing); hybrid: across too
+            for axis in filter(None, (self.axis, dense.replicate)):
+                start_equal(model, axis, init)
             sharded = [(k, p) for k, p in named if not owner[k].whole]
             self.sharded = ShardedParameters(
                 model, sharded, self.axis, wrap, values, device, host=offload_params, wire=wire
@@ -135,8 +139,9 @@ class ZeroEngine:
             self.rule.update({id(g): r for g in groups})
             self.groups += groups
         if not row.parameters:  # now that the buffers hold the values (drawn, for a meta model)
-            for r in held:
-                start_equal(model, r.axis, init, lambda k, r=r: owner[k] is r)  # keep: its own
+            for r in held:  # keep: its own parameters; hybrid sharding: the replicas across too
+                for axis in filter(None, (r.axis, r.replicate)):
+                    start_equal(model, axis, init, lambda k, r=r: owner[k] is r)
 
         # the gradients reduced while backward runs: one set of buckets per group, over its axis
         for r, groups in self.replicas:
@@ -267,11 +272,18 @@ class ZeroEngine:
         calls step(norm=...)."""
         self.buckets.finish()  # all micro-batches under no_sync (or none ran): reduce now; wait
 
+        # hybrid sharding: each slice's sum over the replicate axis too (across hosts; Psi/S each)
+        across = [(g, self.rule[id(g)].replicate) for g in self.groups if g.split]
+        works = [r.start("all_reduce", g.grad_own) for g, r in across if r is not None]
+        for work in filter(None, works):
+            work.wait()
+
         # each group's mean over its replicas, then the extra sums of its own-bucket parameters
         for g in self.groups:
             r = self.rule[id(g)]
-            if g.split and r.axis.size > 1:  # whole groups: averaged; slices: sums
-                g.grad_own.div_(r.axis.size)
+            n = r.axis.size * (r.replicate.size if r.replicate is not None else 1)
+            if g.split and n > 1:  # whole groups: averaged; slices: sums
+                g.grad_own.div_(n)
             if r.divide > 1:  # e.g. an expert's sum covers the tokens of edp x ep = dp ranks
                 g.grad_own.div_(r.divide)
             precision.unscale_(g.grad_own, scaler)

@@ -8,8 +8,11 @@ Sharding steps 1-D slices of flat buffers, exact only for an element-wise optimi
 one that needs whole matrices (Muon) plugs in through one seam, whole_matrices (owners.py).
 A replica group is a set of parameters the ranks of one axis hold alike, reduced over that axis:
 the dense weights over dp_cp, ep's experts over edp, pp's tied embedding's extra sum; owners()
-gives each parameter its group. Nothing here allocates or communicates; ZeroEngine (zero.py)
-reads these rules.
+gives each parameter its group. Hybrid sharding (HSDP): a group sharded over `axis` (S ranks,
+inside a host) and replicated over `replicate` (R ranks, across hosts): its gradient slices are
+reduce-scattered inside, then all-reduced across (the slice only), its parameters gathered inside:
+    bytes/param/rank  (2 + 4 + 12)/S at stage 3        per step across: 2(R-1)/R x Psi/S
+Nothing here allocates or communicates; ZeroEngine (zero.py) reads these rules.
 Lesson: lessons/02-data-parallel-and-zero.md
 """
 
@@ -102,6 +105,28 @@ def check_config(stage, optimizer_cls, pp=1, offload=0.0, offload_params=False):
         )
 
 
+def hybrid_error(dp_shard, dp, stage, cp=1, ep=1, pp=1):
+    """Why hybrid sharding over groups of dp_shard dp ranks cannot run, or None (0 or dp: off)."""
+    if dp_shard in (0, dp):
+        return None
+    if dp % dp_shard:
+        return (
+            f"--dp-shard {dp_shard} must divide dp {dp}: the dp ranks split into shard groups of "
+            f"--dp-shard (inside a host), replicated dp / dp-shard times; pick a divisor of {dp}"
+        )
+    if stage == 0:
+        return (
+            f"--dp-shard {dp_shard} with --zero 0: hybrid sharding splits ZeRO's state inside a "
+            f"shard group and nothing is sharded at stage 0; use --zero 1, 2 or 3"
+        )
+    if max(cp, ep, pp) > 1:
+        return (
+            f"--dp-shard {dp_shard} with --cp {cp} / --ep {ep} / --pp {pp}: hybrid sharding is "
+            f"built and tested for tp x dp layouts only so far (issue 46); leave out --dp-shard"
+        )
+    return None
+
+
 def whole_matrices(optimizer_cls):
     """The seam for an optimizer that is not element-wise (muon.Muon): it says elementwise = False
     and has place(owners) and whole(param group); ZeroEngine then hands it an owners.Owners that
@@ -114,8 +139,9 @@ class Replicas:
     """A replica group: parameters the ranks of `axis` hold alike. The engine reduces their
     gradients over `axis` (and gathers their ZeRO slices over it); the technique that owns the rule
     builds it: the dense weights over grid.dp_cp (the default), ep.replica_group: the routed experts
-    over grid.edp, pp.tied_rule: the tied embedding's extra sum over grid.embed. A new replica axis
-    (hybrid sharding) is one more group."""
+    over grid.edp, pp.tied_rule: the tied embedding's extra sum over grid.embed. replicate: hybrid
+    sharding's second axis (grid.dp_rep): the group's slices, reduced over `axis` (grid.dp_shard),
+    are all-reduced over it too, and the mean is over both."""
 
     name: str
     axis: object  # dist.Axis
@@ -126,6 +152,7 @@ class Replicas:
     whole: bool = False  # ZeRO-3: kept whole on every rank, all-reduced (replicated LayerNorms)
     check: object = None  # check(stage, offload): one line for what the engine cannot do with them
     uncounted: object = None  # uncounted(p) -> bool: a copy another rank counts in the norm (pp's)
+    replicate: object = None  # an Axis holding the same slices (hybrid sharding: across hosts)
 
 
 def owners(names, replicas):

@@ -211,5 +211,11 @@ for ((i = 0; i < NODES; i++)); do
   r=$?
   [ "$r" != 0 ] && [ "$rc" = 0 ] && rc=$r
 done
+# what crossed each host's cable (its eth0, counted by the kernel: payload + TCP/IP headers + the store)
+for ((i = 0; i < NODES; i++)); do
+  stats=/sys/class/net/eth0/statistics
+  sent=$(ip netns exec "${ID}h$i" cat $stats/tx_bytes 2>/dev/null) got=$(ip netns exec "${ID}h$i" cat $stats/rx_bytes 2>/dev/null)
+  say "host $i's cable: sent ${sent:-?} bytes, received ${got:-?} bytes"
+done
 say "job finished with exit code $rc"
 exit "$rc"

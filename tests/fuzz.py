@@ -141,6 +141,9 @@ NOT_DRAWN = {
         "layout tolerance is open",
     ),
     "tensorboard": "logging only: tests/test_tensorboard.py",
+    "dp_shard": "hybrid sharding: tests/test_hybrid.py holds its layouts (2 x 2 at ZeRO-1/2/3 against "
+    "one process and plain ZeRO, tp 2 x (1 x 2), checkpoints both ways); drawing it beside offload, "
+    "Muon and the other flags here is open (issue 46)",
     **dict.fromkeys(
         ("mtp_num_layers", "mtp_loss_scaling_factor"),
         "multi-token prediction: tests/test_mtp.py holds its layouts (dp2 with uneven valid "

@@ -142,10 +142,11 @@ def _clip(grads):
     return norm
 
 
-def _reference(kind, world, steps, order=None, start=None):
+def _reference(kind, world, steps, order=None, start=None, shard=None):
     """One process, torch.optim.AdamW, the same global batches: order "ranks_last"/"mb_last" sums
     the micro-batch gradients as stages 0-1/2-3 do; None runs one forward over the whole global
-    batch. start = (params by name, optimizer state by name, first step)."""
+    batch. start = (params by name, optimizer state by name, first step). shard: hybrid sharding's
+    order (_mean_grads)."""
     model, first = _build(kind), 0
     named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
     by_name, params = dict(named), [p for _, p in named]
@@ -169,7 +170,7 @@ def _reference(kind, world, steps, order=None, start=None):
             x, y = (torch.cat([mb[i] for rank in mbs for mb in rank]) for i in (0, 1))
             total = torch.autograd.grad(model(x, y), params)
         else:
-            total = _mean_grads(model, params, mbs, order)
+            total = _mean_grads(model, params, mbs, order, shard)
         for p, t in zip(params, total):
             p.grad = t
         norms.append(_clip([p.grad for p in params]))
@@ -177,20 +178,24 @@ def _reference(kind, world, steps, order=None, start=None):
     return {k: p.detach().clone() for k, p in model.named_parameters()}, norms
 
 
-def _mean_grads(model, params, mbs, order):
+def _mean_grads(model, params, mbs, order, shard=None):
     """The mean gradient of mbs[rank][micro-batch], summed as the engine does: "ranks_last" sums
     each rank's micro-batches, then the ranks; "mb_last" the ranks of each micro-batch, then the
-    micro-batches."""
+    micro-batches. shard (hybrid sharding): each group of `shard` neighbouring ranks summed so,
+    then the groups' sums (the all-reduce across)."""
     g = [[torch.autograd.grad(model(x, y) / ACCUM, params) for x, y in rank] for rank in mbs]
-    if order == "mb_last":
-        g = list(zip(*g))  # [micro-batch][rank]
-    total = None
-    for outer in g:
-        part = outer[0]
-        for inner in outer[1:]:
-            part = [u + v for u, v in zip(part, inner)]
-        total = part if total is None else [u + v for u, v in zip(total, part)]
-    return [t / len(mbs) for t in total]
+    shard, groups = shard or len(g), None
+    for s in range(0, len(g), shard):
+        group, total = g[s : s + shard], None
+        if order == "mb_last":
+            group = list(zip(*group))  # [micro-batch][rank]
+        for outer in group:
+            part = outer[0]
+            for inner in outer[1:]:
+                part = [u + v for u, v in zip(part, inner)]
+            total = part if total is None else [u + v for u, v in zip(total, part)]
+        groups = total if groups is None else [u + v for u, v in zip(groups, total)]
+    return [t / len(mbs) for t in groups]
 
 
 def _formulas(engine):

@@ -64,6 +64,8 @@ def check(config):
     # the engine's rules
     muon.check(c.optimizer)
     zero_rules.check_config(c.zero, muon.choose(c.optimizer)[0], c.pp, c.offload, c.offload_params)
+    if zero_rules.hybrid_error(c.dp_shard, dp, c.zero, c.cp, c.ep, c.pp):
+        raise ValueError(zero_rules.hybrid_error(c.dp_shard, dp, c.zero, c.cp, c.ep, c.pp))
     vocab_size = data.get_tokenizer(c.tokenizer).n_vocab
     # documents.ids counts them
     eot = data.get_tokenizer(c.tokenizer).eot_token if c.document_mask else None

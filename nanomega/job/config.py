@@ -284,6 +284,12 @@ class Config:
     )
     virtual_stages: int = PARALLEL(1, "model chunks per rank (interleaved, zb-v)")  # pp.check_args
     zero: int = PARALLEL(0, "ZeRO stage 0-3 (0: plain data parallelism)")  # zero.check_config
+    dp_shard: int = PARALLEL(
+        0,
+        "hybrid sharding (--zero 1-3): ZeRO shards over groups of this many neighbouring dp ranks "
+        "(inside a host), replicated dp / dp-shard times across (0: all of dp)",
+        at_least(0),
+    )  # divides dp: zero_rules.hybrid_error
     offload: float = PARALLEL(
         0.0,
         "ZeRO-Offload (--zero 1-3): the share (0-1) of the fp32 masters and Adam state kept in "

@@ -30,6 +30,7 @@ def layout(config, tokenizer_sha256):
         virtual_stages=config.virtual_stages,
         sequence_parallel=config.sequence_parallel,
         **({"cp": config.cp} if config.cp > 1 else {}),
+        **({"dp_shard": config.dp_shard} if config.dp_shard not in (0, config.dp) else {}),
         **faults.arithmetic(config),  # what a resume compares (faults.RESUME_CHECKS)
     )
 

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from nanomega import compose, dist, fp8_gather, meta
+from nanomega import compose, dist, formulas, fp8_gather, meta
 from nanomega.gpt_config import SHAPE_KEYS
 from nanomega.job import checks, flags
 from nanomega.tools import cost, cost_moe
@@ -29,7 +29,15 @@ def dry_run(config):
     parameter, gradient and optimizer bytes printed next to the planner's.
     Returns dict(engine=..., planner=..., groups, pieces, dp, seconds)."""
     config = checks.check(config)
-    grid = meta.PaperGrid(config.dp, config.pp, config.tp, config.rank, cp=config.cp, ep=config.ep)
+    grid = meta.PaperGrid(
+        config.dp,
+        config.pp,
+        config.tp,
+        config.rank,
+        cp=config.cp,
+        ep=config.ep,
+        dp_shard=config.dp_shard,
+    )
     t0 = time.perf_counter()
     _, engine, _ = compose.build(config, grid)
     # Adam's state appears at its first step: take one on meta (no values)
@@ -68,7 +76,17 @@ def dry_run(config):
             f"one layer's forward + backward of a micro-batch {fast * 1e3:.4f} ms "
             f"({base * 1e3:.4f} ms without FP8)"
         )
+    links = link_bytes(config, engine)
+    if links is not None:  # --dp-shard: what crosses the slow link, against plain ZeRO over dp
+        (inside, across), plain = links
+        print(
+            f"--dp-shard {grid.dp_shard.size} x {grid.dp_rep.size} replicas: per step this rank "
+            f"sends {inside / 1e6:.3f} MB inside its host, {across / 1e6:.3f} MB across hosts "
+            f"(plain ZeRO-{config.zero} over dp {config.dp}: {plain / 1e6:.3f} MB, all of it "
+            f"through its slowest link; formulas.hybrid_comm_bytes)"
+        )
     return dict(
+        links=links,
         fp8_gather=fp8_gather.step_bytes(engine.sharded) if wired else None,
         fp8_times=times,
         engine=held,
@@ -104,6 +122,19 @@ def fp8_times(config):
     }
 
 
+def link_bytes(config, engine):
+    """--dp-shard: ((inside, across), plain) bytes this rank sends per step for its dense weights'
+    gradients and parameters (formulas.hybrid_comm_bytes over the engine's padded buffers, fp32
+    gradients), and plain ZeRO's over all of dp; None without hybrid sharding."""
+    if engine.replicate is None:
+        return None
+    n = sum(g.padded for g in engine.groups if engine.rule[id(g)].replicate is not None)
+    shard, rep, pb = engine.axis.size, engine.replicate.size, engine.groups[0].full.element_size()
+    per = (4, pb, config.grad_accum)  # fp32 gradients, the weights' bytes, the micro-batches
+    hybrid = formulas.hybrid_comm_bytes(n, config.zero, shard, rep, *per)
+    return hybrid, formulas.dp_comm_bytes(n, config.zero, shard * rep, *per)
+
+
 def check_memory(config):
     """An absurd shape (--n-embd 10000000) refused in one line before start-up, not by the
     allocator on every rank: one rank's parameter, gradient and optimizer bytes as the planner
@@ -135,7 +166,7 @@ def rank_state_bytes(config):
         planner_model(config),
         config.tp,
         config.pp,
-        config.dp * config.cp,
+        (config.dp_shard or config.dp) * config.cp,  # ZeRO's shards: hybrid sharding's S
         config.zero,
         config.dtype,
         config.virtual_stages,
@@ -147,7 +178,7 @@ def rank_state_bytes(config):
         planner_model(config),
         config.tp,
         config.pp,
-        config.dp * config.cp,
+        (config.dp_shard or config.dp) * config.cp,
         config.zero,
         config.virtual_stages,
         ep=config.ep,
