@@ -15,7 +15,7 @@ pytest.importorskip("hypothesis", reason="the test extra: pip install -e '.[test
 import fuzz  # noqa: E402
 from nanomega.job import flags  # noqa: E402
 
-VALID, INVALID = 4, 150  # about two minutes on a 2-core machine
+VALID, INVALID = 3, 150  # about two minutes on a 2-core machine
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +96,20 @@ def test_regression_zero_bubble_with_replicated_kv_trains(data):
     values = dict(arch="llama", n_layer=2, n_kv_head=1, ffn_hidden=64, tp=2, pp=2)
     values.update(schedule="zb-h1", virtual_stages=1, batch_size=8, grad_accum=1)
     fuzz.check_layout(data, values, 4)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="found by the fuzzer, open: --fp8 delayed keeps each rank's own amax history (its "
+    "micro-batches'), so at dp > 1 its scales are not one process's (fp8_linear.histories)",
+)
+def test_regression_delayed_fp8_over_dp_equals_one_process(data):
+    """--fp8 delayed at dp 2 (batch 2 x 2 micro-batches a rank) against one process on the same
+    micro-batches (batch 2 x 4): the losses stay within their bound (0.62x here), but step 1's
+    gradients are 196x theirs: after its first micro-batch a rank quantizes with the amax history
+    of its own micro-batches, one process with all of the earlier ones. Transformer Engine rolls
+    the history once a step and reduces the amax over its group; when nanomega does (or refuses
+    delayed at dp > 1), this passes and strict xfail says so: draw delayed at dp > 1 again
+    (fuzz.fp8_recipes)."""
+    values = dict(arch="gpt2", n_layer=2, tp=1, pp=1, cp=1, ep=1, zero=0, fp8="delayed")
+    fuzz.check_layout(data, {**values, "batch_size": 2, "grad_accum": 2}, 2)
