@@ -98,13 +98,8 @@ CHOICES = {
     "schedule": tuple(schedules.SCHEDULES),
     "recompute": recompute.MODES,
 }
-FP8 = tuple(
-    r
-    for f in flags.FLAGS
-    if f.name == "fp8"
-    for r in f.metadata["argparse"]["choices"]
-    if r != "off"
-)  # the recipes of --fp8
+FP8_FLAG = next(f for f in flags.FLAGS if f.name == "fp8")
+FP8 = tuple(r for r in FP8_FLAG.metadata["argparse"]["choices"] if r != "off")  # its recipes
 # the flags that say how the same model is laid out and computed: the one-process reference drops
 # them (one reference per model, optimizer and data)
 LAYOUT = {
