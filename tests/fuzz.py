@@ -304,6 +304,8 @@ def fp8_recipes(c):
     # delayed at dp > 1: each rank's amax history holds its own micro-batches', so its scales are
     # not one process's (found here; test_fuzz.py's xfail regression test): not drawn until fixed
     no |= {"delayed"} if c["batch_size"] * c["grad_accum"] < GLOBAL_BATCH else set()
+    # rowwise with the shared expert gate's 1-row weight crashes (found: test_fuzz.py, xfail)
+    no |= {"rowwise"} if c.get("shared_expert_gate") else set()
     return [r for r in FP8 if r not in no]
 
 
