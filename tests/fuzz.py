@@ -293,6 +293,8 @@ def layouts(draw, max_world=4, loose=False, min_world=1):
         if c["fp8"] == "delayed":
             c["fp8_history"] = pick((1, 16))
         c["fp8_min_dim"] = 0 if c["tp"] > 1 and not loose else pick((0, 16))  # 16: narrow ones
+        if c["fp8"] == "rowwise" and c.get("shared_expert_gate") and not loose:
+            c["fp8_min_dim"] = 16  # its 1-row gate in FP8 crashes (test_fuzz.py's xfail): fp32
     return declared(c), world
 
 
@@ -304,8 +306,6 @@ def fp8_recipes(c):
     # delayed at dp > 1: each rank's amax history holds its own micro-batches', so its scales are
     # not one process's (found here; test_fuzz.py's xfail regression test): not drawn until fixed
     no |= {"delayed"} if c["batch_size"] * c["grad_accum"] < GLOBAL_BATCH else set()
-    # rowwise with the shared expert gate's 1-row weight crashes (found: test_fuzz.py, xfail)
-    no |= {"rowwise"} if c.get("shared_expert_gate") else set()
     return [r for r in FP8 if r not in no]
 
 

@@ -127,7 +127,8 @@ def test_regression_fp8_rowwise_with_shared_expert_gate_trains(data):
     """--fp8 rowwise with --shared-expert-gate (Qwen2-MoE's gate: a (1, h) weight) crashed in
     the forward: the gate's GEMM reaches torch._scaled_mm with scale_b of shape [] where its
     rowwise path wants (1, 1) (found at 4 ranks, pp 2; the one-process run crashes alike, so
-    this is its smallest layout). Fix: keep a 1-row weight in the model's precision (as the
+    this is its smallest layout; --fp8-min-dim >= 2 keeps the gate in fp32 and trains: the
+    fuzzer draws that meanwhile). Fix: keep a 1-row weight in the model's precision (as the
     router) or give its scale the (N, 1) shape."""
     values = dict(arch="llama", n_layer=2, ffn_hidden=64, n_experts=2, top_k=1)
     values.update(shared_experts=1, shared_expert_gate=True, fp8="rowwise")
