@@ -303,9 +303,11 @@ def fp8_recipes(c):
     no = {"delayed", "rowwise"} if c["tp"] > 1 else set()  # a tp shard's row amax: not built
     no |= {"blockwise", "mxfp8"} if c["cp"] > 1 else set()  # 16/32-token tiles: 8 tokens a chunk
     no |= set(FP8) - {"tensorwise"} if c["zero"] == 3 else set()  # fp8_gather.py's recipe
-    # delayed at dp > 1: each rank's amax history holds its own micro-batches', so its scales are
-    # not one process's (found here; test_fuzz.py's xfail regression test): not drawn until fixed
-    no |= {"delayed"} if c["batch_size"] * c["grad_accum"] < GLOBAL_BATCH else set()
+    # delayed at dp > 1 or pp > 1: its history rolls when a weight's next forward starts, so
+    # which amax a scale has seen follows the ranks' micro-batches and the schedule's order (found
+    # here; test_fuzz.py's xfail regression test): not drawn until fixed
+    split = c["batch_size"] * c["grad_accum"] < GLOBAL_BATCH or c["pp"] > 1
+    no |= {"delayed"} if split else set()
     return [r for r in FP8 if r not in no]
 
 
