@@ -10,12 +10,13 @@ model (the same flags less the layout's, cached per model): every step's loss wi
 tolerance.layout_rtol; step 1's gradients (read from its checkpoint's first moments) within
 tolerance.gradient_bound, element by element; the weights after step 1 within what Adam's first
 step makes of that (tolerance.adam_first_step_bound). The final weights' largest difference is
-printed with a failure, not asserted (check_layout says why). The invalid half draws
+printed with a failure, not asserted (check_layout says why). FP8 is compared with one-process FP8
+on the same micro-batches; with tp or cp, by its losses alone (check_layout). The invalid half draws
 out-of-range values, unknown choices and loose layouts checks.check refuses, and asserts
 train.py's entrypoint says one line naming a flag, exits 2, reaches no collective and writes
 nothing. A failure shrinks to the smallest configuration; its `torchrun` command is printed.
 
-    python -m tests.fuzz --minutes 60 [--seed S] [--max-world 8]   the long mode
+    python -m tests.fuzz --minutes 60 [--seed S] [--max-world 8] [--min-world 2]   the long mode
     NANOMEGA_FUZZ_SEED=S python -m pytest tests/test_fuzz.py          the CI sample, another seed
 Lesson: lessons/09-3d-parallelism.md
 """
@@ -30,6 +31,7 @@ import shlex
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from pathlib import Path
 from unittest import mock
@@ -66,7 +68,9 @@ ROOT = Path(__file__).resolve().parent.parent
 hypothesis.configuration.set_hypothesis_home_dir(
     Path(tempfile.gettempdir()) / "nanomega-hypothesis"
 )
-SEED = int(os.environ.get("NANOMEGA_FUZZ_SEED", 50))
+# the CI sample's seed: its 3 layouts hold MLA, MoE at ep 2 with pp 2, FP8 (rowwise, and tensorwise
+# at tp 2); any other seed draws another sample
+SEED = int(os.environ.get("NANOMEGA_FUZZ_SEED", 58))
 STEPS, GLOBAL_BATCH, LR = 3, 8, 3e-3
 # the tiny model every example trains; what the fuzzer does not draw (see NOT_DRAWN)
 FIXED = dict(
@@ -82,8 +86,6 @@ FIXED = dict(
     peak_flops=1e11,
     save_every=1,  # step 1's checkpoint: its Adam moments hold the first gradients
 )
-# each step's loss: 17 reductions of <= 128 terms (4 layers x 4 + head), the logsumexp over 4096
-RTOL = layout_rtol(STEPS, vocab=4096, width=128, depth=17)
 TOKENS = GLOBAL_BATCH * FIXED["block_size"]  # the terms of a gradient element, at most
 BETA1 = 0.9  # AdamW's (compose.py): step 1's exp_avg is (1 - BETA1) g
 
@@ -96,6 +98,8 @@ CHOICES = {
     "schedule": tuple(schedules.SCHEDULES),
     "recompute": recompute.MODES,
 }
+FP8_FLAG = next(f for f in flags.FLAGS if f.name == "fp8")
+FP8 = tuple(r for r in FP8_FLAG.metadata["argparse"]["choices"] if r != "off")  # its recipes
 # the flags that say how the same model is laid out and computed: the one-process reference drops
 # them (one reference per model, optimizer and data)
 LAYOUT = {
@@ -134,12 +138,6 @@ NOT_DRAWN = {
         ("rope_type", "rope_original_context"),
         "as rope_theta (dynamic NTK, whose table follows the length, is refused with --cp)",
     ),
-    **dict.fromkeys(
-        ("fp8", "fp8_block", "fp8_history", "fp8_min_dim"),
-        "FP8 turns a layout's fp32 rounding differences into code flips (2^-3 relative), which "
-        "layout_rtol does not bound: tests/test_fp8_train.py holds its layouts; a derived FP8 "
-        "layout tolerance is open",
-    ),
     "tensorboard": "logging only: tests/test_tensorboard.py",
     "dp_shard": "hybrid sharding: tests/test_hybrid.py holds its layouts (2 x 2 at ZeRO-1/2/3 against "
     "one process and plain ZeRO, tp 2 x (1 x 2), checkpoints both ways); drawing it beside offload, "
@@ -149,12 +147,6 @@ NOT_DRAWN = {
         "multi-token prediction: tests/test_mtp.py holds its layouts (dp2 with uneven valid "
         "targets per rank, dp2 ZeRO-3 + full recompute, pp2 1F1B / ZB-H1, tp2, tp2 + SP, against "
         "one process); drawing it here (with Muon, fused kernels, other schedules) is open",
-    ),
-    **dict.fromkeys(
-        ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
-        "multi-head latent attention: tests/test_mla.py holds its layouts (tp2 + recompute, "
-        "tp2 + SP, pp2, cp2 ring / all-gather / Ulysses against one process); drawing it here "
-        "(with ZeRO, Muon, fused kernels, experts) is open",
     ),
     "norm_eps": "as rope_theta",
     "moe_aux_loss": "drawn through moe_z_loss's path (the same router loss reduction)",
@@ -210,8 +202,11 @@ DRAWN = {
     *("n_experts", "top_k", "router", "capacity_factor", "shared_experts", "moe_z_loss"),
     *("moe_bias_balance", "document_mask", "optimizer", "grad_clip"),
     *("qkv_bias", "qk_norm", "shared_expert_gate", "n_group", "topk_group", "routed_scaling"),
+    *("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+    *("fp8", "fp8_block", "fp8_history", "fp8_min_dim"),
     *LAYOUT,
 }
+VERBOSE = False  # the long mode prints each layout and its margins
 COVERAGE = collections.Counter()  # (axis, value) -> examples run, for the reports
 MARGINS = collections.Counter()  # check -> the largest |difference| / bound seen
 
@@ -243,9 +238,9 @@ def divisors(n, of=None):
 
 
 @st.composite
-def layouts(draw, max_world=4, loose=False):
+def layouts(draw, max_world=4, loose=False, min_world=1):
     """A configuration as {flag: value} and its world size. loose: the sizes drawn independently
-    (the invalid half's couplings); else built to fit a world of <= max_world ranks."""
+    (the invalid half's couplings); else built to fit a world of min_world..max_world ranks."""
     c, pick = {}, lambda xs: draw(st.sampled_from(list(xs)))
     # the model: family and its options
     family = pick(("gpt2", "llama", "moe"))
@@ -254,8 +249,14 @@ def layouts(draw, max_world=4, loose=False):
     if family == "gpt2":
         c.update(alibi=draw(st.booleans()), embed_layernorm=draw(st.booleans()))
     else:
-        c.update(n_kv_head=pick((0, 1, 2)), ffn_hidden=64, tie_embeddings=draw(st.booleans()))
-        c.update(qkv_bias=draw(st.booleans()), qk_norm=draw(st.booleans()))  # Qwen2's, Qwen3's
+        c.update(ffn_hidden=64, tie_embeddings=draw(st.booleans()))
+        if draw(st.booleans()):  # multi-head latent attention (mla.py; 0: a size from the heads)
+            c.update(kv_lora_rank=pick((8, 16)), q_lora_rank=pick((0, 12)))
+            c.update(qk_nope_head_dim=pick((0, 4)), qk_rope_head_dim=pick((0, 2)))
+            c["v_head_dim"] = pick((0, 6))
+        else:  # its own keys and values: GQA, Qwen2's q/k/v biases, Qwen3's QK-norm are MHA's
+            c.update(n_kv_head=pick((0, 1, 2)), qkv_bias=draw(st.booleans()))
+            c["qk_norm"] = draw(st.booleans())
     if family == "moe":
         c.update(n_experts=pick((2, 4)), top_k=pick((1, 2)), router=pick(CHOICES["router"]))
         c.update(capacity_factor=pick((0.0, 1.0)), shared_experts=pick((0, 1)))
@@ -266,21 +267,24 @@ def layouts(draw, max_world=4, loose=False):
             c["topk_group"] = pick(range(1, c["n_group"] + 1))
             c["routed_scaling"] = pick((1.0, 2.5))
 
-    # the layout: world = tp x pp x cp x dp, ep carved out of dp
-    world = pick(range(1, max_world + 1))
+    # the layout: world = tp x pp x cp x dp, ep carved out of dp (drawn first: dp a multiple of it)
+    world = pick(range(min_world, max_world + 1))
+    experts = family == "moe" and not loose  # the draw keeps to what experts run with
     if loose:
         c.update(tp=pick((1, 2, 3, 4)), pp=pick((1, 2, 3, 4)), cp=pick((1, 2, 4)))
         c.update(ep=pick((1, 2, 4)), grad_accum=pick((1, 2, 3, 4)), batch_size=pick((1, 2)))
     else:
-        c["tp"] = pick(divisors(world, of=FIXED["n_head"]))
-        c["pp"] = pick(d for d in divisors(world // c["tp"]) if d <= c["n_layer"])
-        c["cp"] = pick(divisors(world // (c["tp"] * c["pp"]), of=2))
+        c["ep"] = pick(divisors(world, of=c.get("n_experts", 1)))
+        rest = world // c["ep"]  # tp x pp x cp x (dp / ep)
+        c["tp"] = pick(divisors(rest, of=FIXED["n_head"]))
+        c["pp"] = pick(d for d in divisors(rest // c["tp"]) if d <= c["n_layer"])
+        # experts see whole sequences (checks.check_experts): no cp, no SP
+        c["cp"] = 1 if experts else pick(divisors(rest // (c["tp"] * c["pp"]), of=2))
         dp = world // (c["tp"] * c["pp"] * c["cp"])
         assume(GLOBAL_BATCH % dp == 0)
-        c["ep"] = pick(divisors(dp, of=c.get("n_experts", 1)))
         c["grad_accum"] = pick(divisors(GLOBAL_BATCH // dp))
         c["batch_size"] = GLOBAL_BATCH // dp // c["grad_accum"]
-    if c["tp"] > 1:
+    if c["tp"] > 1 and not experts:
         c["sequence_parallel"] = draw(st.booleans())
     if c["cp"] > 1:
         c["cp_method"] = pick(CHOICES["cp_method"])
@@ -288,9 +292,9 @@ def layouts(draw, max_world=4, loose=False):
         c["schedule"] = pick(CHOICES["schedule"])
         c["virtual_stages"] = 2 if c["schedule"] == "interleaved" else 1
 
-    # the engine, the arithmetic's options, the kernels
-    c["zero"] = pick((0, 1, 2, 3))
-    if c["zero"]:
+    # the engine (experts: ZeRO-0..2 without offload, ep.check_engine), the arithmetic, the kernels
+    c["zero"] = pick((0, 1, 2) if experts else (0, 1, 2, 3))
+    if c["zero"] and not experts:
         c["offload"] = pick((0.0, 0.5, 1.0))
         c["offload_params"] = c["zero"] == 3 and c["offload"] == 1.0 and draw(st.booleans())
     c["recompute"] = pick(CHOICES["recompute"])
@@ -299,7 +303,29 @@ def layouts(draw, max_world=4, loose=False):
     c.update(fused=draw(st.booleans()), attention=pick(CHOICES["attention"]))
     c.update(document_mask=draw(st.booleans()), optimizer=pick(("adamw", "muon")))
     c["grad_clip"] = pick((1.0, 0.0, 0.05))  # 0.05 clips every step
+    if draw(st.booleans()) and (loose or (c["ep"] == 1 and c.get("schedule") != "zb-h1")):
+        c["fp8"] = pick(fp8_recipes(c) if not loose else FP8)  # the blocks' linears in FP8
+        if c["fp8"] == "blockwise":
+            c["fp8_block"] = pick((16, 32))
+        if c["fp8"] == "delayed":
+            c["fp8_history"] = pick((1, 16))
+        c["fp8_min_dim"] = 0 if c["tp"] > 1 and not loose else pick((0, 16))  # 16: narrow ones
+        if c["fp8"] == "rowwise" and c.get("shared_expert_gate") and not loose:
+            c["fp8_min_dim"] = 16  # its 1-row gate in FP8 crashes (test_fuzz.py's xfail): fp32
     return declared(c), world
+
+
+def fp8_recipes(c):
+    """The --fp8 recipes fp8_linear.check runs with this layout (its other refusals: the check)."""
+    no = {"delayed", "rowwise"} if c["tp"] > 1 else set()  # a tp shard's row amax: not built
+    no |= {"blockwise", "mxfp8"} if c["cp"] > 1 else set()  # 16/32-token tiles: 8 tokens a chunk
+    no |= set(FP8) - {"tensorwise"} if c["zero"] == 3 else set()  # fp8_gather.py's recipe
+    # delayed at dp > 1 or pp > 1: its history rolls when a weight's next forward starts, so
+    # which amax a scale has seen follows the ranks' micro-batches and the schedule's order (found
+    # here; test_fuzz.py's xfail regression test): not drawn until fixed
+    split = c["batch_size"] * c["grad_accum"] < GLOBAL_BATCH or c["pp"] > 1
+    no |= {"delayed"} if split else set()
+    return [r for r in FP8 if r not in no]
 
 
 def argv(values, corpus, out, cache=None):
@@ -361,6 +387,7 @@ class Data:
     def __init__(self, root=None):
         self.root = Path(root or tempfile.mkdtemp(prefix="nanomega-fuzz-"))
         self.corpus, self.references, self.n = write_corpus(self.root / "docs.jsonl"), {}, 0
+        self.passed = set()  # the layouts already shown equal (a later round draws others)
         # tokenized once, here: a rank of a local world is a daemon process, which cannot start
         # tools/corpus.py's pool of tokenizer workers
         self.cache = self.root / "cache"
@@ -374,12 +401,11 @@ class Data:
         )
 
     def reference(self, values):
-        """The one-process run of the same model, optimizer and data: its (losses, weights)."""
-        model = {k: v for k, v in values.items() if k not in LAYOUT}
-        key = json.dumps(model, sort_keys=True)
+        """The one-process run of the same model, optimizer and data: (its flags, its result)."""
+        flat = reference_flags(values)
+        key = json.dumps(flat, sort_keys=True)
         if key not in self.references:
             out = self.root / f"reference-{len(self.references)}" / "out"
-            flat = {**model, "batch_size": GLOBAL_BATCH, "grad_accum": 1}
             worlds.launch(run, 1, argv(flat, self.corpus, out, self.cache), timeout=600)
             self.references[key] = flat, result(out)
         return self.references[key]
@@ -389,6 +415,27 @@ class Data:
         out = self.root / f"example-{self.n}" / "out"
         worlds.launch(run, world, argv(values, self.corpus, out, self.cache), timeout=600)
         return out
+
+
+def reference_flags(values):
+    """The one-process run's flags: the same model less the layout's flags. Under FP8 with the
+    layout's micro-batches and kernels too: a current scale is a whole tensor's (amax MAX-reduced
+    over tp and cp), so the same micro-batch gives the same scales."""
+    model = {k: v for k, v in values.items() if k not in LAYOUT}
+    if fp8(values):
+        model.update({k: values[k] for k in ("batch_size", "fused", "attention") if k in values})
+    batch = model.get("batch_size", GLOBAL_BATCH)
+    return {**model, "batch_size": batch, "grad_accum": GLOBAL_BATCH // batch}
+
+
+def fp8(values):
+    return values.get("fp8", "off") != "off"
+
+
+def depth(values):
+    """The reductions a logit passes through (tolerance.layout_rtol's depth): 4 a layer (the
+    attention's input and output, the MLP's two), MLA's latents 2 more (down, then up), the head."""
+    return values["n_layer"] * (6 if values.get("kv_lora_rank") else 4) + 1
 
 
 def write_corpus(path, chars=200_000):
@@ -427,14 +474,14 @@ def first_moments(first):
     return {k: m for k, m in moments.items() if m is not None}  # frozen: none
 
 
-def first_step(first, ref_first):
+def first_step(first, ref_first, depth=17):
     """(step 1's gradients, weights after step 1), each as the largest |difference| / bound over
     the model (a name beside it), against the one-process run's: bounds from the arithmetic
     (tolerance.gradient_bound; the weights: tolerance.adam_first_step_bound, on AdamW's elements;
     Muon's orthogonalized steps are not element-wise)."""
     got, want = first_moments(first), first_moments(ref_first)
     n = sum(m.numel() for m in want.values())
-    rtol = gradient_rtol(TOKENS, vocab=4096, width=128, depth=17, n_params=n)
+    rtol = gradient_rtol(TOKENS, vocab=4096, width=128, depth=depth, n_params=n)
     bounds = gradient_bound(want, TOKENS, rtol)
     ratio = {k: ((got[k].double() - m).abs() / bounds[k]).max().item() for k, m in want.items()}
     grads = max((r, k) for k, r in ratio.items())
@@ -449,26 +496,36 @@ def first_step(first, ref_first):
 
 def check_layout(data, values, world):
     """The property: this layout's every loss, its first gradients and its weights after the first
-    step equal the one-process run's."""
+    step equal the one-process run's. FP8 with tp or cp: the losses alone (below)."""
     flat, (ref_losses, ref_first, ref_weights) = data.reference(values)
     note(f"layout:    {command(values, world, 'docs.jsonl', Path('out/layout'))}")
     note(f"reference: {command(flat, 1, 'docs.jsonl', Path('out/reference'))}")
     note("docs.jsonl: python -m tests.fuzz --write-corpus docs.jsonl")
     for name, v in {**values, "world": world}.items():
         COVERAGE[name, v] += 1
+    say(f"layout {data.n + 1}: {world} rank(s) {json.dumps(values)}")
     losses, first, weights = result(data.example(values, world))
     assert len(losses) == STEPS and first.keys() == ref_first.keys(), (len(losses), first.keys())
+    rtol = layout_rtol(STEPS, vocab=4096, width=128, depth=depth(values))
+    ratio = max(abs(a - b) / (rtol * abs(b)) for a, b in zip(losses, ref_losses))
+    MARGINS["losses"] = max(MARGINS["losses"], ratio)
     wrong = [
-        f"step {i}: loss {a} vs one process's {b} (rtol {RTOL:.2g})"
+        f"step {i}: loss {a} vs one process's {b} (rtol {rtol:.2g})"
         for i, (a, b) in enumerate(zip(losses, ref_losses), 1)
-        if not abs(a - b) <= RTOL * abs(b)
+        if not abs(a - b) <= rtol * abs(b)
     ]
-    # step 1: the gradients and the weights after it, each within its bound (ratio <= 1)
-    (grads, at), (step1, at1) = first_step(first, ref_first)
-    MARGINS["gradients"] = max(MARGINS["gradients"], grads)
-    MARGINS["weights after step 1"] = max(MARGINS["weights after step 1"], step1)
-    wrong += [f"step 1's gradient of {at}: {grads:.3g}x its bound"] * (not grads <= 1)
-    wrong += [f"weights of {at1} after step 1: {step1:.3g}x the bound"] * (not step1 <= 1)
+    # step 1: the gradients and the weights after it, each within its bound (ratio <= 1). FP8 with
+    # tp or cp: a partial sum rounded in another order flips an FP8 code (one spacing, 2^-3
+    # relative), far past an fp32 element's bound; the losses average such flips (their mean
+    # effect is the perturbation itself: tests/test_fp8_train.py), so they alone are asserted.
+    # Elsewhere FP8's forward is the reference's, bitwise (the same micro-batches and kernels).
+    (grads, at), (step1, at1) = first_step(first, ref_first, depth(values))
+    note(f"step 1: gradients {grads:.3g}x their bound ({at}), weights {step1:.3g}x ({at1})")
+    if not (fp8(values) and (values["tp"] > 1 or values["cp"] > 1)):
+        MARGINS["gradients"] = max(MARGINS["gradients"], grads)
+        MARGINS["weights after step 1"] = max(MARGINS["weights after step 1"], step1)
+        wrong += [f"step 1's gradient of {at}: {grads:.3g}x its bound"] * (not grads <= 1)
+        wrong += [f"weights of {at1} after step 1: {step1:.3g}x the bound"] * (not step1 <= 1)
     # the final weights are reported, not asserted: from step 2 on, Adam's g / sqrt(v) turns
     # step 1's sign flips where a gradient is at its rounding floor (allowed: up to 2 lr) into
     # different gradients, by the loss's curvature, which no rounding bound knows (seen:
@@ -476,7 +533,15 @@ def check_layout(data, values, world):
     # carry the weights' effect
     drift = max((weights[k] - b).abs().max().item() for k, b in ref_weights.items())
     note(f"largest final weight difference from one process's: {drift:.3g}")
+    say(f"  losses {ratio:.3g}x their bound, step 1's gradients {grads:.3g}x, weights {step1:.3g}x")
     assert not wrong, wrong
+    data.passed.add(json.dumps([values, world], sort_keys=True))
+
+
+def say(text):
+    """A line of the long mode's log (quiet under pytest)."""
+    if VERBOSE:
+        print(text, flush=True)
 
 
 class CollectiveReached(Exception):
@@ -550,18 +615,38 @@ SETTINGS = dict(
 )
 
 
-def fuzz_valid(data, seed, examples, max_world=4):
-    """`examples` valid layouts of <= max_world ranks, drawn from `seed`, each equal to one process."""
+def fuzz_valid(data, seed, examples, max_world=4, min_world=1):
+    """`examples` valid layouts of min_world..max_world ranks, drawn from `seed`, each equal to one
+    process."""
 
     @hypothesis.seed(seed)
     @hypothesis.settings(max_examples=examples, **SETTINGS)
     @hypothesis.given(st.data())
     def valid(d):
-        values, world = d.draw(layouts(max_world))
+        values, world = d.draw(layouts(max_world, min_world=min_world))
+        assume(json.dumps([values, world], sort_keys=True) not in data.passed)
+        here = Path("out")  # the reference's own command is no layout (the first draw: defaults)
+        assume(world > 1 or argv(values, "d", here) != argv(reference_flags(values), "d", here))
         assume(refused(values, world, data.corpus) is None)
         check_layout(data, values, world)
 
     valid()
+
+
+def accepted(corpus, seed, examples, max_world=8):
+    """The layouts of `examples` draws that checks.check accepts, none run: what the draw reaches."""
+    found = []
+
+    @hypothesis.seed(seed)
+    @hypothesis.settings(max_examples=examples, **SETTINGS)
+    @hypothesis.given(st.data())
+    def draw(d):
+        values, world = d.draw(layouts(max_world))
+        if refused(values, world, corpus) is None:
+            found.append((values, world))
+
+    draw()
+    return found
 
 
 def fuzz_invalid(data, seed, examples, max_world=8):
@@ -593,21 +678,32 @@ def main(argv_=None):
     p.add_argument("--minutes", type=float, default=60.0, help="stop starting rounds after this")
     p.add_argument("--seed", type=int, default=SEED, help="the first round's seed (+1 per round)")
     p.add_argument("--max-world", type=int, default=8, help="ranks of the largest layout drawn")
+    p.add_argument("--min-world", type=int, default=1, help="ranks of the smallest layout drawn")
     p.add_argument("--per-round", type=int, default=10, help="valid layouts per round")
     p.add_argument("--report", help="write the coverage by axis here (JSON)")
     p.add_argument("--write-corpus", metavar="PATH", help="write the examples' corpus and exit")
     a = p.parse_args(argv_)
     if a.write_corpus:
         return print(write_corpus(a.write_corpus))
-    data, start, seed = Data(), time.time(), a.seed
+    global VERBOSE
+    data, start, seed, VERBOSE, found = Data(), time.time(), a.seed, True, []
     while time.time() - start < a.minutes * 60:
         print(f"round: seed {seed}, {data.n} layouts run so far", flush=True)
-        fuzz_invalid(data, seed, 10 * a.per_round, a.max_world)
-        fuzz_valid(data, seed, a.per_round, a.max_world)
+        halves = [
+            lambda: fuzz_invalid(data, seed, 10 * a.per_round, a.max_world),
+            lambda: fuzz_valid(data, seed, a.per_round, a.max_world, a.min_world),
+        ]
+        for name, half in zip(("invalid", "valid"), halves):  # a failure: printed, shrunk; next
+            try:
+                half()
+            except Exception as e:
+                traceback.print_exc()
+                found.append(f"seed {seed} {name}: {str(e)[:300]}")
+                found[-1] += " | " + " | ".join(getattr(e, "__notes__", []))
         seed += 1
         if a.report:
-            Path(a.report).write_text(json.dumps(report(), indent=1) + "\n")
-    print(json.dumps(report(), indent=1))
+            Path(a.report).write_text(json.dumps({**report(), "found": found}, indent=1) + "\n")
+    print(json.dumps({**report(), "found": found}, indent=1))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@ one-process run of its model, and of invalid configurations, each refused in one
 collective with nothing written. The seed is printed; NANOMEGA_FUZZ_SEED=S draws another sample;
 `python -m tests.fuzz --minutes M` is the long mode.
 
-Tolerances: fuzz.RTOL = tolerance.layout_rtol for STEPS steps of the tiny model (every loss);
-step 1's gradients and weights: tolerance.gradient_bound and adam_first_step_bound (fuzz.first_step).
+Tolerances: tolerance.layout_rtol for STEPS steps of the drawn model (every loss; its depth from
+n_layer and MLA: fuzz.depth); step 1's gradients and weights: tolerance.gradient_bound and
+adam_first_step_bound (fuzz.first_step), not asserted for FP8 with tp or cp (fuzz.check_layout).
 """
 
 import pytest
@@ -12,9 +13,10 @@ import torch
 
 pytest.importorskip("hypothesis", reason="the test extra: pip install -e '.[test]'")
 import fuzz  # noqa: E402
+from nanomega import worlds  # noqa: E402
 from nanomega.job import flags  # noqa: E402
 
-VALID, INVALID = 4, 150  # about two minutes on a 2-core machine
+VALID, INVALID = 3, 150  # about two minutes on a 2-core machine
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +30,17 @@ def test_every_flag_is_drawn_or_excused():
     names = {f.name for f in flags.FLAGS}
     assert fuzz.DRAWN | set(fuzz.NOT_DRAWN) == names, names ^ (fuzz.DRAWN | set(fuzz.NOT_DRAWN))
     assert not fuzz.DRAWN & set(fuzz.NOT_DRAWN)
+
+
+def test_the_draw_reaches_every_axis(data):
+    """Of 200 draws at <= 8 ranks (none trained: checks.check alone), the accepted layouts hold
+    each parallel axis and each newer technique: ep 2 (MoE), MLA, FP8, zb-h1, cp 2, ZeRO-3, an
+    8-rank world (the coverage gaps of the long run of round 2: ep 2 in 2 of 92 layouts)."""
+    found = fuzz.accepted(data.corpus, 50, 200)  # a fixed seed: the same draws every run
+    seen = {(k, v) for values, world in found for k, v in {**values, "world": world}.items()}
+    want = [("ep", 2), ("world", 8), ("cp", 2), ("zero", 3), ("kv_lora_rank", 8)]
+    want += [("schedule", "zb-h1"), ("fp8", "tensorwise")]
+    assert not [w for w in want if w not in seen], [w for w in want if w not in seen]
 
 
 def adam_first_step(grads):
@@ -84,3 +97,40 @@ def test_regression_zero_bubble_with_replicated_kv_trains(data):
     values = dict(arch="llama", n_layer=2, n_kv_head=1, ffn_hidden=64, tp=2, pp=2)
     values.update(schedule="zb-h1", virtual_stages=1, batch_size=8, grad_accum=1)
     fuzz.check_layout(data, values, 4)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,  # the property's verdict, not a crash
+    reason="found by the fuzzer, open: --fp8 delayed keeps each rank's own amax history (its "
+    "micro-batches'), so at dp > 1 its scales are not one process's (fp8_linear.histories)",
+)
+def test_regression_delayed_fp8_over_dp_equals_one_process(data):
+    """Found by fuzz.check_layout on a pre-flight layout: --fp8 delayed at dp 2 (batch 2 x 2 a
+    rank) against one process on the same micro-batches (batch 2 x 4): the losses stay within
+    their bound (0.62x here), but step 1's gradients are 196x theirs: after its first micro-batch
+    a rank quantizes with the amax history of its own micro-batches, one process with all of the
+    earlier ones. Transformer Engine rolls the history once a step and reduces the amax over its
+    group; when nanomega does (or refuses delayed at dp > 1), this passes and strict xfail says
+    so: draw delayed at dp > 1 again (fuzz.fp8_recipes). The same root cause at dp 1: pp 2 with
+    gpipe and --fp8-history 1 (the one-hour run: a backward's scale follows the schedule's order)."""
+    values = dict(arch="gpt2", n_layer=2, tp=1, pp=1, cp=1, ep=1, zero=0, fp8="delayed")
+    fuzz.check_layout(data, {**values, "batch_size": 2, "grad_accum": 2}, 2)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=worlds.RankFailed,  # the one-process reference run crashes
+    reason="found by the fuzzer's one-hour run, open: torch._scaled_mm refuses --fp8 rowwise's "
+    "scales for the shared expert gate's 1-row weight ('Invalid scaling configuration')",
+)
+def test_regression_fp8_rowwise_with_shared_expert_gate_trains(data):
+    """--fp8 rowwise with --shared-expert-gate (Qwen2-MoE's gate: a (1, h) weight) crashed in
+    the forward: the gate's GEMM reaches torch._scaled_mm with scale_b of shape [] where its
+    rowwise path wants (1, 1) (found at 4 ranks, pp 2; the one-process run crashes alike, so
+    this is its smallest layout; --fp8-min-dim >= 2 keeps the gate in fp32 and trains: the
+    fuzzer draws that meanwhile). Fix: keep a 1-row weight in the model's precision (as the
+    router) or give its scale the (N, 1) shape."""
+    values = dict(arch="llama", n_layer=2, ffn_hidden=64, n_experts=2, top_k=1)
+    values.update(shared_experts=1, shared_expert_gate=True, fp8="rowwise")
+    fuzz.check_layout(data, {**values, "batch_size": 8, "grad_accum": 1, "tp": 1, "cp": 1}, 1)
