@@ -17,8 +17,9 @@ A tile that does not divide a dimension is padded with zeros (the amax and the p
 the tokens routed to an expert need not be a multiple of 32. Delayed scaling (TE's DelayedScaling:
 amax_history_len 1024, amax_compute_algo "max", margin 0) keeps per weight an amax history of X, W
 and dY; a GEMM quantizes with s = fmax / max(history) and its amax enters the history when the same
-weight's next forward starts (per micro-batch: TE updates once per step). The head's matmul (the
-logits) and the MoE router stay in the model's precision; --fp8-min-dim keeps small GEMMs too.
+weight's next forward starts (per micro-batch: TE updates once per step; so delayed is refused at
+dp > 1 or pp > 1, where that order is not one process's). The head's matmul (the logits), the MoE
+router and the shared-expert gate stay in the model's precision; --fp8-min-dim keeps small GEMMs.
 Layouts: a whole-tensor amax is MAX-reduced over tp and cp (a row along the tokens over cp), so a
 split tensor gets one process's scale. Under ep a routed expert's GEMMs already hold the tokens of
 every ep rank (the all-to-all brought them): its amax is its own; a dense weight's operands hold
@@ -267,14 +268,15 @@ def apply_fp8(
     model, name, dtype=torch.float32, block=128, history=1024, min_dim=0, tp=None, cp=None, ep=None
 ):
     """--fp8 `name` (not "off"): every block's linear entry becomes one FP8 entry; the head's table
-    keeps its linear (the logits' precision), the MoE router is marked kept, the routed experts'
+    keeps its linear (the logits' precision), the MoE router and Qwen2-MoE's shared-expert gate
+    (a 1-row weight, which rowwise's torch._scaled_mm refuses) are marked kept, the routed experts'
     weights `fp8_expert` (no amax over ep); the weights the entry quantizes whole are marked
     `fp8_weight` (ZeRO-3 may gather them in FP8). Returns the entry."""
     if name == "off":
         return None
     entry = FP8(name, dtype, block, history, min_dim, tp, cp, ep)
     for pname, p in model.named_parameters():
-        if "router" in pname:
+        if "router" in pname or "shared_gate" in pname:  # routing and gating: one output each
             p.fp8_keep = True
         if expert_parallel.is_expert(pname):
             p.fp8_expert = True
@@ -325,8 +327,9 @@ def load_histories(model, table):
             fp8.histories[p] = state
 
 
-def check(c, cfg):
-    """One line for each combination --fp8 does not run (yet), before any collective."""
+def check(c, cfg, dp=1):
+    """One line for each combination --fp8 does not run (yet), before any collective. dp: the
+    data-parallel size checks.check derived from the world."""
     if c.fp8 == "off":
         return
     side = {"blockwise": c.fp8_block, "mxfp8": 32}.get(c.fp8, 1)  # tiles along the tokens
@@ -368,6 +371,12 @@ def check(c, cfg):
         "--recompute full (delayed scaling would record each forward twice)": (
             c.fp8 == "delayed" and c.recompute == "full"
         ),
+        # found by the layout fuzzer (tests/fuzz.py): one process's history has seen every earlier
+        # micro-batch of the step, in its order; a dp rank only its own, a pp stage another order
+        f"dp {dp} or --pp {c.pp} (its amax history rolls at each weight's next forward, so the "
+        "scales would follow a rank's own micro-batches and the schedule's order, not one "
+        "process's; rolling once a step with the amax reduced over dp is not built; use "
+        "tensorwise)": c.fp8 == "delayed" and (dp > 1 or c.pp > 1),
     }
     for what, bad in refusals.items():
         if bad:

@@ -310,8 +310,6 @@ def layouts(draw, max_world=4, loose=False, min_world=1):
         if c["fp8"] == "delayed":
             c["fp8_history"] = pick((1, 16))
         c["fp8_min_dim"] = 0 if c["tp"] > 1 and not loose else pick((0, 16))  # 16: narrow ones
-        if c["fp8"] == "rowwise" and c.get("shared_expert_gate") and not loose:
-            c["fp8_min_dim"] = 16  # its 1-row gate in FP8 crashes (test_fuzz.py's xfail): fp32
     return declared(c), world
 
 
@@ -322,7 +320,7 @@ def fp8_recipes(c):
     no |= set(FP8) - {"tensorwise"} if c["zero"] == 3 else set()  # fp8_gather.py's recipe
     # delayed at dp > 1 or pp > 1: its history rolls when a weight's next forward starts, so
     # which amax a scale has seen follows the ranks' micro-batches and the schedule's order (found
-    # here; test_fuzz.py's xfail regression test): not drawn until fixed
+    # here; fp8_linear.check now refuses it: test_fuzz.py's regression test)
     split = c["batch_size"] * c["grad_accum"] < GLOBAL_BATCH or c["pp"] > 1
     no |= {"delayed"} if split else set()
     return [r for r in FP8 if r not in no]

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("hypothesis", reason="the test extra: pip install -e '.[test]'")
 import fuzz  # noqa: E402
-from nanomega import worlds  # noqa: E402
+from nanomega import fp8_linear  # noqa: E402
 from nanomega.job import flags  # noqa: E402
 
 VALID, INVALID = 3, 150  # about two minutes on a 2-core machine
@@ -99,38 +99,30 @@ def test_regression_zero_bubble_with_replicated_kv_trains(data):
     fuzz.check_layout(data, values, 4)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,  # the property's verdict, not a crash
-    reason="found by the fuzzer, open: --fp8 delayed keeps each rank's own amax history (its "
-    "micro-batches'), so at dp > 1 its scales are not one process's (fp8_linear.histories)",
-)
-def test_regression_delayed_fp8_over_dp_equals_one_process(data):
+def test_regression_delayed_fp8_over_dp_or_pp_is_refused():
     """Found by fuzz.check_layout on a pre-flight layout: --fp8 delayed at dp 2 (batch 2 x 2 a
-    rank) against one process on the same micro-batches (batch 2 x 4): the losses stay within
-    their bound (0.62x here), but step 1's gradients are 196x theirs: after its first micro-batch
-    a rank quantizes with the amax history of its own micro-batches, one process with all of the
-    earlier ones. Transformer Engine rolls the history once a step and reduces the amax over its
-    group; when nanomega does (or refuses delayed at dp > 1), this passes and strict xfail says
-    so: draw delayed at dp > 1 again (fuzz.fp8_recipes). The same root cause at dp 1: pp 2 with
-    gpipe and --fp8-history 1 (the one-hour run: a backward's scale follows the schedule's order)."""
-    values = dict(arch="gpt2", n_layer=2, tp=1, pp=1, cp=1, ep=1, zero=0, fp8="delayed")
-    fuzz.check_layout(data, {**values, "batch_size": 2, "grad_accum": 2}, 2)
+    rank) against one process on the same micro-batches (batch 2 x 4): the losses stayed within
+    their bound (0.62x), but step 1's gradients were 196x theirs: after its first micro-batch a
+    rank quantized with the amax history of its own micro-batches, one process with all of the
+    earlier ones. The one-hour run found the same cause at dp 1: pp 2 with gpipe and
+    --fp8-history 1 (a backward's scale followed the schedule's order). Transformer Engine rolls
+    the history once a step with the amax reduced over its group; until nanomega does, both are
+    refused in one line before any collective (and fuzz.fp8_recipes does not draw them)."""
+    for argv, dp in ((["--batch-size", "2"], 2), (["--pp", "2", "--schedule", "gpipe"], 1)):
+        c = flags.parse(["--fp8", "delayed", "--fp8-history", "1", *argv])
+        with pytest.raises(ValueError) as e:
+            fp8_linear.check(c, flags.model_config(c, 4096), dp)
+        assert "amax history rolls" in str(e.value) and "\n" not in str(e.value), str(e.value)
+    c = flags.parse(["--fp8", "delayed"])
+    fp8_linear.check(c, flags.model_config(c, 4096), 1)  # one process: runs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=worlds.RankFailed,  # the one-process reference run crashes
-    reason="found by the fuzzer's one-hour run, open: torch._scaled_mm refuses --fp8 rowwise's "
-    "scales for the shared expert gate's 1-row weight ('Invalid scaling configuration')",
-)
 def test_regression_fp8_rowwise_with_shared_expert_gate_trains(data):
     """--fp8 rowwise with --shared-expert-gate (Qwen2-MoE's gate: a (1, h) weight) crashed in
-    the forward: the gate's GEMM reaches torch._scaled_mm with scale_b of shape [] where its
-    rowwise path wants (1, 1) (found at 4 ranks, pp 2; the one-process run crashes alike, so
-    this is its smallest layout; --fp8-min-dim >= 2 keeps the gate in fp32 and trains: the
-    fuzzer draws that meanwhile). Fix: keep a 1-row weight in the model's precision (as the
-    router) or give its scale the (N, 1) shape."""
+    the forward: the gate's GEMM reached torch._scaled_mm with scale_b of shape [] where its
+    rowwise path wants (1, 1) (found by the one-hour run at 4 ranks, pp 2; the one-process run
+    crashed alike, so this is its smallest layout). Fixed: the gate stays in the model's
+    precision, as the router does (fp8_linear.apply_fp8)."""
     values = dict(arch="llama", n_layer=2, ffn_hidden=64, n_experts=2, top_k=1)
     values.update(shared_experts=1, shared_expert_gate=True, fp8="rowwise")
     fuzz.check_layout(data, {**values, "batch_size": 8, "grad_accum": 1, "tp": 1, "cp": 1}, 1)

@@ -101,7 +101,7 @@ def check(config):
             "--compile with --zero 3: ZeRO-3's hooks free and re-gather parameter storage inside "
             "each block, which torch.compile cannot trace; use --zero 2 or leave out --compile"
         )
-    fp8_linear.check(c, cfg)
+    fp8_linear.check(c, cfg, dp)
     if c.recompute not in recompute.MODES:
         raise ValueError(f"--recompute {c.recompute!r} is not one of {', '.join(recompute.MODES)}")
     if c.recompute_layers is not None and not 0 <= c.recompute_layers <= c.n_layer:
