@@ -52,10 +52,16 @@ def check(cfg):
     if rule(cfg.router) not in ROUTERS:  # with or without experts: a typo is never ignored
         raise ValueError(f"--router {cfg.router!r} is not one of {', '.join(ROUTERS)}")
     if not cfg.n_experts:
-        if cfg.shared_experts or cfg.first_k_dense or cfg.dense_ffn_hidden:
+        given = {
+            "--shared-experts": cfg.shared_experts,  # shared experts sit beside routed ones
+            "--first-k-dense": cfg.first_k_dense,  # dense blocks come before MoE ones
+            "--dense-ffn-hidden": cfg.dense_ffn_hidden,
+        }
+        named = [flag for flag, value in given.items() if value]
+        if named:
             raise ValueError(
-                "--shared-experts, --first-k-dense and --dense-ffn-hidden need --n-experts (shared "
-                "experts sit beside routed ones; dense blocks before MoE ones)"
+                f"{' and '.join(named)} {'needs' if len(named) == 1 else 'need'} --n-experts "
+                "(beside or before routed experts); add --n-experts or leave it out"
             )
         return
 
