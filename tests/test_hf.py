@@ -478,7 +478,7 @@ REFUSED = {  # name: (what config.json or tokenizer.json says, a word of the one
     ),
     "model-type": (
         "mistral",
-        "model_type 'mistral' (nanomega: gpt2, llama, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, olmoe)",
+        "model_type 'mistral' (nanomega: gpt2, llama, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3)",
     ),
     # a tokenizer.json not in GPT-2's layout is read by the tokenizers library (Llama 3's split:
     # tests/test_hf_tokenizer.py); one it cannot read is refused

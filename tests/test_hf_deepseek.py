@@ -137,3 +137,156 @@ def test_what_deepseek_v3_nanomega_cannot_compute_is_one_line():
         hf_weights.hf_model(
             ds_cfg(**{**MOE, "router": "softmax_topk", "n_group": 1, "topk_group": 1})
         )
+
+
+def test_deepseek_v3_folder_through_the_hf_command_line(tmp_path):
+    """A DeepSeek-V3 folder (MoE, a random routing bias) imported by `nanomega.tools.hf import`:
+    the checkpoint holds its weights bitwise and its biases in the routing table (moe.bias_table);
+    exported back, the folder has the same tensors (biases included) and logits, bitwise."""
+    from nanomega import checkpoint, reshard
+    from nanomega.tools import hf
+
+    cfg = ds_cfg(**MOE)
+    theirs = hf_weights.to_hf(state(random_model(cfg)), cfg)
+    src, out, dst = tmp_path / "src", tmp_path / "ckpt", tmp_path / "dst"
+    theirs.save_pretrained(src)
+    hf.main(["import", str(src), "--out-dir", str(out)])
+    _, back = hf_weights.from_hf(theirs)
+    saved = reshard.full_weights(checkpoint.latest(out))
+    biases = {k: back.pop(k) for k in list(back) if k.endswith("expert_bias")}
+    assert saved.keys() == back.keys() and all(torch.equal(saved[k], back[k]) for k in back)
+    table = checkpoint.load_shard(checkpoint.latest(out), 0)["moe_bias"]
+    assert biases and all(torch.equal(table[int(k.split(".")[1])], b) for k, b in biases.items())
+
+    hf.main(["export", "--out-dir", str(out), "--to", str(dst)])
+    again = type(theirs).from_pretrained(dst, local_files_only=True).eval()
+    want, got = theirs.state_dict(), again.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    with torch.no_grad():
+        assert torch.equal(again(IDX).logits, theirs(IDX).logits)
+
+
+def test_mtp_modules_travel_as_deepseeks_layers(tmp_path):
+    """The MTP modules (D 2) exported as DeepSeek's checkpoint holds them, model.layers.{L + d}.*
+    (enorm, hnorm, eh_proj, the block, shared_head.norm, and copies of the shared embedding and
+    head), and imported back: every name and shape as DeepSeek's, every weight bitwise.
+    transformers' class itself holds no MTP module: it reports them as unexpected and skips them."""
+    from safetensors.torch import load_file
+
+    from nanomega import checkpoint, reshard
+    from nanomega.tools import hf
+
+    cfg = ds_cfg(mtp_num_layers=2)
+    weights = {k: v.detach() for k, v in random_model(cfg).named_parameters()}
+    out, dst, again = tmp_path / "ckpt", tmp_path / "dst", tmp_path / "again"
+    hf.save_dense(out, cfg, weights, {})
+    hf.main(["export", "--out-dir", str(out), "--to", str(dst)])
+
+    # DeepSeek's names, each the tensor of ours it maps to
+    got, L = load_file(dst / "model.safetensors"), cfg.n_layer
+    for d in range(2):
+        mine, theirs = weights, f"model.layers.{L + d}."  # (weights: ours)
+        for ours, name in hf_deepseek.MTP.items():
+            assert torch.equal(got[theirs + name], mine[f"mtp.depths.{d}.{ours}"])
+        q_b = mine[f"mtp.depths.{d}.block.attn.q_b_proj.weight"]
+        assert torch.equal(got[theirs + "self_attn.q_b_proj.weight"], q_b)
+        assert torch.equal(
+            got[theirs + "mlp.down_proj.weight"], mine[f"mtp.depths.{d}.block.mlp.c_proj.weight"]
+        )
+        assert torch.equal(got[theirs + "embed_tokens.weight"], got["model.embed_tokens.weight"])
+        assert torch.equal(got[theirs + "shared_head.head.weight"], got["lm_head.weight"])
+    assert not any(k.startswith(f"model.layers.{L + 2}.") for k in got)
+
+    # transformers skips them (unexpected); our import reads them back, bitwise
+    with hf_check_quiet():
+        _, info = transformers.DeepseekV3ForCausalLM.from_pretrained(
+            dst, local_files_only=True, output_loading_info=True
+        )
+    mtp = {k for k in got if hf_deepseek.mtp_layer(k, L) >= 0}
+    # per module: its 4, the 2 copies, 2 norms, 7 of attention, 3 of the MLP
+    assert len(mtp) == 2 * 18 and set(info["unexpected_keys"]) == mtp
+    hf.main(["import", str(dst), "--out-dir", str(again)])
+    saved = reshard.full_weights(checkpoint.latest(again))
+    rows = {"embed.wte.weight": cfg.vocab_size, "head.lm_head.weight": cfg.vocab_size}
+    assert saved.keys() == weights.keys() and any(k.startswith("mtp.") for k in saved)
+    assert all(torch.equal(saved[k][: rows.get(k)], weights[k][: rows.get(k)]) for k in weights)
+
+
+def hf_check_quiet():
+    from nanomega.tools import hf_check
+
+    return hf_check.quiet(transformers)
+
+
+def test_the_released_deepseek_v3_config_is_refused_in_one_line(tmp_path):
+    """deepseek-ai/DeepSeek-V3's config.json (its fields as released): refused, naming YaRN's
+    mscale (DeepSeek's attention scales its whole softmax by mscale^2, nanomega's YaRN the rotary
+    part) and the FP8 weights; an MoE MTP module in a folder is skipped, as transformers skips it."""
+    import json
+
+    from nanomega.tools import hf
+
+    released = dict(
+        architectures=["DeepseekV3ForCausalLM"],
+        model_type="deepseek_v3",
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        num_nextn_predict_layers=1,
+        first_k_dense_replace=3,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        seq_aux=True,
+        aux_loss_alpha=0.001,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        max_position_embeddings=163840,
+        rms_norm_eps=1e-6,
+        rope_theta=10000,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        hidden_act="silu",
+        moe_layer_freq=1,
+        rope_scaling=dict(
+            type="yarn",
+            factor=40,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+            original_max_position_embeddings=4096,
+        ),
+        quantization_config=dict(
+            quant_method="fp8",
+            fmt="e4m3",
+            activation_scheme="dynamic",
+            weight_block_size=[128, 128],
+        ),
+    )
+    (tmp_path / "config.json").write_text(json.dumps(released))
+    with pytest.raises(ValueError) as e:
+        hf.hf_config(tmp_path)
+    line = str(e.value)
+    assert "\n" not in line and "config.json" in line
+    assert "mscale" in line and "yarn_apply_mscale" in line and "quantization_config" in line
+
+    # its MTP module (model.layers.61.*) holds an MoE block: skipped with a reason
+    found = {"model.layers.61.eh_proj.weight": ((7168, 14336), "f")}
+    assert hf_deepseek.mtp_depths(released, found)[0] == 0
+    assert "MoE" in hf_deepseek.mtp_depths(released, found)[1]
+    dense = released | dict(first_k_dense_replace=62)
+    assert hf_deepseek.mtp_depths(dense, found) == (1, None)

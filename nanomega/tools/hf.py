@@ -1,5 +1,6 @@
 """Hugging Face in and out: a nanomega checkpoint <-> a transformers GPT-2, Llama, Qwen2, Qwen3,
-Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE folder (DeepSeek-V3: in memory, tools/hf_deepseek.py).
+Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE or DeepSeek-V3 folder (its MTP modules and routing biases
+included: tools/hf_deepseek.py).
 
     python -m nanomega.tools.hf export --out-dir out --to mine  # -> config.json, model.safetensors
     python -m nanomega.tools.hf import mine --out-dir ft        # -> a step-0 checkpoint (--resume)
@@ -24,6 +25,7 @@ Lesson: lessons/13-the-modern-block.md
 """
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -37,7 +39,7 @@ from nanomega import checkpoint, data
 from nanomega.job import faults, lifecycle
 from nanomega.gpt_config import SHAPE_KEYS, SIZES, GPTConfig
 from nanomega.model import GPT
-from nanomega.tools import hf_check, hf_moe, hf_shards, tokenizer
+from nanomega.tools import hf_check, hf_deepseek, hf_moe, hf_shards, tokenizer
 from nanomega.tools.hf_llama import DENSE, llama_config
 from nanomega.tools.hf_weights import check_gpt2, from_hf, gpt2_config, require_transformers
 
@@ -47,14 +49,15 @@ HF_TOKENIZER = ("tokenizer.json", "tokenizer_config.json")
 CONFIGS = dict(
     gpt2=gpt2_config,
     **{kind: functools.partial(llama_config, kind=kind) for kind in DENSE},
-    **hf_moe.CONFIGS,  # mixtral, qwen2_moe
+    **hf_moe.CONFIGS,  # mixtral, qwen2_moe, qwen3_moe, olmoe
+    deepseek_v3=hf_deepseek.deepseek_v3_config,  # and the folder's MTP modules (hf_config)
 )
 
 
 def hf_config(src):
     """(config.json of a transformers folder as a dict, the GPTConfig nanomega reads from it): the
     model types nanomega reads (CONFIGS: gpt2, llama, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe,
-    olmoe), every field checked (tools/hf_check.py) before a weight is read."""
+    olmoe, deepseek_v3), every field checked (tools/hf_check.py) before a weight is read."""
     path = Path(src) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{src} has no config.json: not a transformers model folder")
@@ -65,9 +68,33 @@ def hf_config(src):
     hf_check.check_fields(path, c, kind)
     try:
         cfg = CONFIGS[kind](c)
+        if kind == "deepseek_v3":  # the MTP modules the folder holds (config.json's may be 1)
+            cfg = dataclasses.replace(cfg, mtp_num_layers=mtp(src, c))
     except (ValueError, TypeError) as e:
         raise ValueError(f"{path}: {e}") from None
     return c, hf_check.check_shape(path, cfg, kind)
+
+
+def mtp(src, c):
+    """The MTP modules of DeepSeek-V3 folder src (config.json c) nanomega reads; any it skips (MoE
+    ones): one line said."""
+    depths, why = hf_deepseek.mtp_depths(c, hf_check.tensor_shapes(src))
+    if why:
+        faults.say(f"{src}: {why}")
+    return depths
+
+
+def mtp_tensors(src, cfg):
+    """{name: tensor} of the MTP modules nanomega reads from folder src (transformers' class holds
+    none): read from the weights files by name."""
+    from safetensors import safe_open
+
+    out = {}
+    for name, (_, file) in hf_check.tensor_shapes(src).items():
+        if 0 <= hf_deepseek.mtp_layer(name, cfg.n_layer) < cfg.mtp_num_layers:
+            with safe_open(Path(src) / file, "pt") as f:
+                out[name] = f.get_tensor(name)
+    return out
 
 
 def read_hf(src):
@@ -84,6 +111,7 @@ def read_hf(src):
         qwen2_moe=transformers.Qwen2MoeForCausalLM,
         qwen3_moe=transformers.Qwen3MoeForCausalLM,
         olmoe=transformers.OlmoeForCausalLM,
+        deepseek_v3=transformers.DeepseekV3ForCausalLM,
         gpt2=transformers.GPT2LMHeadModel,
     )[c["model_type"]]
 
@@ -99,9 +127,16 @@ def read_hf(src):
             f"{src}: its weights cannot be read ({type(e).__name__}: {first}); copy or export the "
             f"folder again"
         ) from None
-    hf_check.check_load_report(src, info)
-
-    cfg, weights = from_hf(model)
+    if c["model_type"] == "deepseek_v3":  # the MTP modules: read apart (mtp_tensors)
+        layers = cfg.n_layer
+        info["unexpected_keys"] = [
+            k for k in info.get("unexpected_keys") or () if hf_deepseek.mtp_layer(k, layers) < 0
+        ]
+        hf_check.check_load_report(src, info)
+        cfg, weights = hf_deepseek.from_hf(model, mtp_tensors(src, cfg))
+    else:
+        hf_check.check_load_report(src, info)
+        cfg, weights = from_hf(model)
     # as transformers read it: checked as training checks it, named in the file that holds it
     return hf_check.check_shape(Path(src) / "config.json", cfg, c["model_type"]), weights
 
@@ -116,8 +151,8 @@ def load_pretrained(src, attention="eager") -> GPT:
         model = GPT(cfg, seed=0)
     if cfg.tie_embeddings:
         weights["head.lm_head.weight"] = weights["embed.wte.weight"]
-    # Mixtral has none: 0
-    weights |= {k: b for k, b in model.state_dict().items() if k.endswith("expert_bias")}
+    # Mixtral has none: 0 (DeepSeek-V3's: the folder's)
+    weights = {k: b for k, b in model.state_dict().items() if k.endswith("expert_bias")} | weights
     model.load_state_dict(weights, assign=True)
     # assign leaves two Parameters on one tensor: make them one again, as GPT() ties them
     if cfg.tie_embeddings:
@@ -133,15 +168,14 @@ def export(out_dir, to, max_shard_size=hf_shards.MAX_SHARD_SIZE):
     for reason in skipped:
         faults.say(f"export: skipped {reason}")
     check_gpt2(cfg)  # before reading any shard (a Llama has no ALiBi: validate refuses it)
-    if cfg.kv_lora_rank:  # the routing biases of a DeepSeek-V3 live beside the shards' weights
-        raise ValueError(
-            "export: a latent-attention model (DeepSeek-V3) converts in memory only "
-            "(nanomega.tools.hf_weights.to_hf); its folder export is open"
-        )
-    # what a Mixtral cannot hold, before reading the weights: the routing bias is in rank 0's shard
-    if cfg.n_experts:
-        hf_moe.check(cfg, checkpoint.load_shard(folder, 0).get("moe_bias"))
-    hf_shards.write(folder, cfg, to, max_shard_size)  # config.json + safetensors (+ their index)
+    # the routing biases (every layer's, in every shard: moe.bias_table) travel beside the weights
+    bias = checkpoint.load_shard(folder, 0).get("moe_bias") if cfg.n_experts else None
+    extra = {f"blocks.{i}.mlp.expert_bias": bias[i] for i in range(cfg.n_layer) if cfg.is_moe(i)}
+    # what a Mixtral cannot hold, before reading the weights (a DeepSeek-V3's: hf_deepseek.check)
+    if cfg.n_experts and not cfg.kv_lora_rank:
+        hf_moe.check(cfg, bias)
+    # config.json + safetensors (+ their index)
+    hf_shards.write(folder, cfg, to, max_shard_size, extra if bias is not None else None)
     enc = data.get_tokenizer(tok_name)
     if isinstance(enc, data.HFTokenizer):  # an imported tokenizer.json goes back as it came
         copy_tokenizer(Path(tok_name).parent, to)
@@ -226,10 +260,16 @@ def save_dense(out_dir, cfg, weights, layout):
         dict(name=k, shape=tuple(t.shape), start=0, end=t.numel(), master=t.reshape(-1), state={})
         # reshard.load's by-name format; empty state: a fresh AdamW
         for k, t in weights.items()
+        if not k.endswith("expert_bias")
     ]
     state = dict(
         universal=dict(tp_rank=0, pieces=pieces), sampler=None, scaler=None, step=0, rng=None
     )
+    if cfg.n_experts:  # the routing biases: moe.bias_table's (n_layer, E) table, in every shard
+        bias = torch.zeros(cfg.n_layer, cfg.n_experts)
+        for i in filter(cfg.is_moe, range(cfg.n_layer)):
+            bias[i] = weights.get(f"blocks.{i}.mlp.expert_bias", bias[i])
+        state["moe_bias"] = bias
     # a world of one: no process group
     one_rank = types.SimpleNamespace(rank=0, world=1, barrier=lambda: None)
     checkpoint.save(out_dir, 0, cfg, state, one_rank, layout)

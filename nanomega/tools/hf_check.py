@@ -18,13 +18,13 @@ Formulas (the tensors a config implies, per block; hd = h / heads, f the MLP wid
     qwen2_moe  mixtral's stacked experts; shared gate, up (n f, h), down (h, n f); its gate (1, h)
     qwen3_moe  qwen3's attention, mixtral's stacked experts; mlp_only_layers: llama's MLP (f_dense)
     olmoe    mixtral's stacked experts; q_norm (h), k_norm (kv hd)
+    deepseek_v3  what hf_deepseek writes for our model's shapes (+ the MTP modules it skips)
     gpt2     c_attn (h, 3h)  c_fc (h, 4h)  c_proj (h, h), (4h, h): Conv1D's (in, out), biases
 Lesson: lessons/13-the-modern-block.md
 """
 
 import contextlib
 import json
-import math
 import re
 import warnings
 from pathlib import Path
@@ -32,105 +32,9 @@ from pathlib import Path
 import torch
 
 from nanomega import moe
+from nanomega.tools import hf_deepseek
+from nanomega.tools.hf_fields import FIELD_OF_FLAG, FIELDS
 
-# a field's rule: (what it must be, test); a number is an int or float, never a bool
-_NUMBER = (int, float)
-SIZE = ("an integer >= 1", lambda v: type(v) is int and v >= 1)
-POSITIVE = ("a finite number > 0", lambda v: isinstance(v, _NUMBER) and 0 < v < math.inf)
-COEFFICIENT = ("a finite number >= 0", lambda v: isinstance(v, _NUMBER) and 0 <= v < math.inf)
-FLAG = ("true or false", lambda v: type(v) is bool)
-TABLE = ("an object or null", lambda v: isinstance(v, dict))
-
-# model_type -> {field: (required, rule)}; an absent optional field takes transformers' default,
-# null is absent
-_LLAMA = {
-    "vocab_size": (True, SIZE),
-    "hidden_size": (True, SIZE),
-    "intermediate_size": (True, SIZE),
-    "num_hidden_layers": (True, SIZE),
-    "num_attention_heads": (True, SIZE),
-    "num_key_value_heads": (False, SIZE),
-    "head_dim": (False, SIZE),
-    "max_position_embeddings": (False, SIZE),
-    "rms_norm_eps": (False, POSITIVE),
-    "rope_theta": (False, POSITIVE),
-    "rope_scaling": (False, TABLE),
-    "rope_parameters": (False, TABLE),
-    "tie_word_embeddings": (False, FLAG),
-}
-FIELDS = {
-    "llama": _LLAMA,
-    "qwen2": _LLAMA,
-    "qwen3": _LLAMA,
-    "mixtral": _LLAMA
-    | {
-        "num_local_experts": (True, SIZE),
-        "num_experts_per_tok": (True, SIZE),
-        "router_aux_loss_coef": (False, COEFFICIENT),
-    },
-    "qwen2_moe": _LLAMA
-    | {
-        "moe_intermediate_size": (True, SIZE),
-        "shared_expert_intermediate_size": (True, SIZE),
-        "num_experts": (True, SIZE),
-        "num_experts_per_tok": (True, SIZE),
-        "norm_topk_prob": (False, FLAG),
-        "qkv_bias": (False, FLAG),
-        "router_aux_loss_coef": (False, COEFFICIENT),
-    },
-    "qwen3_moe": _LLAMA
-    | {
-        "moe_intermediate_size": (True, SIZE),
-        "num_experts": (False, SIZE),  # or, as transformers 5 writes it:
-        "num_local_experts": (False, SIZE),
-        "num_experts_per_tok": (True, SIZE),
-        "norm_topk_prob": (False, FLAG),
-        "decoder_sparse_step": (False, SIZE),
-        "router_aux_loss_coef": (False, COEFFICIENT),
-    },
-    "olmoe": _LLAMA
-    | {
-        "num_experts": (True, SIZE),
-        "num_experts_per_tok": (True, SIZE),
-        "norm_topk_prob": (False, FLAG),
-        "router_aux_loss_coef": (False, COEFFICIENT),
-    },
-    "gpt2": {
-        "vocab_size": (True, SIZE),
-        "n_positions": (True, SIZE),
-        "n_embd": (True, SIZE),
-        "n_layer": (True, SIZE),
-        "n_head": (True, SIZE),
-        "n_inner": (False, SIZE),
-        "layer_norm_epsilon": (False, POSITIVE),
-    },
-}
-# nanomega's flag -> the field of config.json that sets it, to name a training check's refusal
-FIELD_OF_FLAG = {
-    "gpt2": dict(
-        vocab_size="vocab_size",
-        block_size="n_positions",
-        n_embd="n_embd",
-        n_layer="n_layer",
-        n_head="n_head",
-        norm_eps="layer_norm_epsilon",
-    ),
-    "llama": dict(
-        vocab_size="vocab_size",
-        block_size="max_position_embeddings",
-        n_embd="hidden_size",
-        n_layer="num_hidden_layers",
-        n_head="num_attention_heads",
-        n_kv_head="num_key_value_heads",
-        ffn_hidden="intermediate_size",
-        norm_eps="rms_norm_eps",
-        rope_theta="rope_theta",
-        rope_scaling="rope_scaling factor",
-        n_experts="num_local_experts",
-        top_k="num_experts_per_tok",
-        moe_aux_loss="router_aux_loss_coef",
-    ),
-}
 # the weights files transformers reads, in its order of preference: (the shards' index, one file)
 WEIGHTS = (
     ("model.safetensors.index.json", "model.safetensors"),
@@ -183,6 +87,8 @@ def expected_tensors(cfg, kind, names):
     """{name: shape} of every tensor a `kind` folder of GPTConfig cfg holds; names: the folder's
     (which of Mixtral's two expert layouts, and GPT-2's prefix)."""
     v, h, f, L = cfg.vocab_size, cfg.n_embd, cfg.ffn, cfg.n_layer
+    if kind == "deepseek_v3":  # from our model's shapes (and the MTP modules it skips)
+        return hf_deepseek.expected_tensors(cfg, names)
     if kind == "gpt2":
         out = {"wte.weight": (v, h), "wpe.weight": (cfg.block_size, h)}
         out |= {"ln_f.weight": (h,), "ln_f.bias": (h,)}

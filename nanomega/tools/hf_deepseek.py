@@ -18,10 +18,14 @@ class has no balance loss). What nanomega cannot compute is refused in one line.
     aux loss   alpha (aux_loss_alpha) = moe_aux_loss; absent: the paper's 1e-4 (Sec. 4.2)
     rotary     interleaved row j = rotate-half row (j odd: d_r/2 + j//2, even: j//2) of each head
 
-Multi-token prediction: transformers 5.24's class holds no MTP module; the released checkpoint's
-(model.layers.61.*: enorm, hnorm, eh_proj, a decoder block, shared_head.norm; the embedding and
-head shared) is skipped on load (_keys_to_ignore_on_load_unexpected). Export writes
-num_mtp_layers 0.
+Multi-token prediction: DeepSeek's checkpoint holds MTP module d as model.layers.{L + d}.* (enorm,
+hnorm, eh_proj, a block of the block's names, shared_head.norm, and copies of the shared embedding
+and head: embed_tokens, shared_head.head); a folder's are read and written so (mtp.py's Depth:
+e_norm, h_norm, eh_proj, block, out_norm). transformers 5.24's class holds no MTP module: it skips
+them on load (only the released model.layers.61.* without a report; other L: as unexpected keys),
+so the in-memory conversion leaves them out. A folder's MoE MTP modules (DeepSeek-V3's, past
+first_k_dense_replace) are skipped with one line: nanomega's are dense (mtp.check). A dense
+export writes first_k_dense_replace L + D (DeepSeek's code makes a block past it MoE).
 
 Per block i (model.layers.i.; the MoE's names as tools/hf_moe.py's, its router mlp.gate):
     blocks.i.attn.{q_a_proj, q_a_norm, q_b_proj | q_proj}   self_attn.{q_a_proj, q_a_layernorm,
@@ -35,13 +39,14 @@ Lesson: lessons/14-experts.md
 """
 
 import dataclasses
+import functools
 
 import torch
 
 from nanomega import moe
 from nanomega.gpt_config import GPTConfig
 from nanomega.tools.hf_llama import llama_config, llama_name_map
-from nanomega.tools.hf_moe import dense_names, expert_tensors, named_tensors, padded, unstacked
+from nanomega.tools.hf_moe import expert_tensors, named_tensors, padded, part, unstacked
 
 # ours -> transformers' names of the latent attention's pieces (self_attn.)
 ATTENTION = {
@@ -54,8 +59,28 @@ ATTENTION = {
     "kv_b_proj": "kv_b_proj",
     "c_proj": "o_proj",
 }
+# ours -> DeepSeek's names of an MTP module's own pieces (model.layers.{L + d}.; its block's
+# names are a block's); the released checkpoint also holds copies of the shared embedding and
+# head there (embed_tokens, shared_head.head): written on export, read as the shared ones
+MTP = {
+    "e_norm.weight": "enorm.weight",
+    "h_norm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "out_norm.weight": "shared_head.norm.weight",
+}
+SHARED = {
+    "embed.wte.weight": "embed_tokens.weight",
+    "head.lm_head.weight": "shared_head.head.weight",
+}
+GATE_UP = ("gate", "up")
 # transformers normalizes the two latents with this eps whatever rms_norm_eps says
 LATENT_EPS = 1e-6
+# why DeepSeek-V3's YaRN (its config.json: factor 40, mscale = mscale_all_dim = 1) is refused
+YARN = (
+    "DeepSeek-V3's attention multiplies its whole softmax scale by mscale(factor, mscale_all_dim)^2 "
+    "(1.87 at factor 40; transformers' yarn_apply_mscale), where nanomega's YaRN multiplies cos and "
+    "sin by 0.1 ln(factor) + 1, which scales only the rotary part of an MLA score"
+)
 ALPHA = 1e-4  # DeepSeek-V3's balance coefficient (arXiv 2412.19437 Sec. 4.2), where none is given
 
 
@@ -74,10 +99,15 @@ def interleaved(module, w, cfg, inverse=False):
     return w
 
 
-def deepseek_v3_config(c: dict) -> GPTConfig:
-    """The GPTConfig of a transformers DeepSeek-V3 config (its dict); what nanomega cannot compute:
-    one line."""
-    layers, k = c["num_hidden_layers"], c.get("first_k_dense_replace") or 0
+def deepseek_v3_config(c: dict, mtp=0) -> GPTConfig:
+    """The GPTConfig of a transformers DeepSeek-V3 config (its dict) with `mtp` MTP modules; what
+    nanomega cannot compute: one line."""
+    layers, k = (
+        c["num_hidden_layers"],
+        min(c.get("first_k_dense_replace") or 0, c["num_hidden_layers"]),
+    )
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    rule = rope.get("rope_type", rope.get("type", "default"))
     bad = [
         why
         for is_bad, why in [
@@ -91,6 +121,12 @@ def deepseek_v3_config(c: dict) -> GPTConfig:
                 "scoring_func / topk_method other than sigmoid / noaux_tc (DeepSeek-V3's)",
             ),
             (c.get("moe_layer_freq", 1) != 1, "moe_layer_freq (nanomega: every block after k)"),
+            (rule != "default", f"RoPE scaling {rule!r}: {YARN}"),
+            (
+                (c.get("quantization_config") or {}).get("quant_method") is not None,
+                "quantization_config (block-scaled FP8 weights with their weight_scale_inv: "
+                "dequantize them to bf16 first, as DeepSeek's fp8_cast_bf16.py does)",
+            ),
             (
                 c.get("rms_norm_eps", LATENT_EPS) != LATENT_EPS,
                 f"rms_norm_eps {c.get('rms_norm_eps')} (transformers normalizes the latents with "
@@ -110,6 +146,7 @@ def deepseek_v3_config(c: dict) -> GPTConfig:
     f = c["moe_intermediate_size"] if moe_blocks else c["intermediate_size"]
     base = llama_config({**c, "head_dim": None, "intermediate_size": f})
     mla = dict(
+        mtp_num_layers=mtp,
         moe_aux_loss=c.get("aux_loss_alpha", ALPHA),
         n_kv_head=0,
         kv_lora_rank=c["kv_lora_rank"],
@@ -151,32 +188,42 @@ def check(cfg: GPTConfig):
         )
 
 
-def names(cfg: GPTConfig):
-    """{nanomega name: (transformers names)} of every weight but the stacked experts (routing
-    biases included)."""
+def block_names(cfg: GPTConfig, ours, theirs, experts):
+    """{nanomega name: (transformers names)} of one block: ours, theirs its two prefixes
+    ("blocks.i.", "model.layers.i."); experts: an MoE block (its experts apart: hf_tensors)."""
     out = {
-        k: v for k, v in dense_names(cfg.n_layer, cfg.tie_embeddings).items() if ".attn." not in k
+        ours + "ln_1.weight": (theirs + "input_layernorm.weight",),
+        ours + "ln_2.weight": (theirs + "post_attention_layernorm.weight",),
     }
-    mlp = {k: v for k, v in llama_name_map(cfg.n_layer).items() if ".mlp." in k}
+    for mine, name in ATTENTION.items():
+        if mine not in ("q_proj", "q_a_proj", "q_a_norm", "q_b_proj") or (
+            (mine == "q_proj") != bool(cfg.q_lora_rank)
+        ):
+            out[f"{ours}attn.{mine}.weight"] = (f"{theirs}self_attn.{name}.weight",)
+    if not experts:
+        out[ours + "mlp.gate_up.weight"] = tuple(f"{theirs}mlp.{p}_proj.weight" for p in GATE_UP)
+        out[ours + "mlp.c_proj.weight"] = (theirs + "mlp.down_proj.weight",)
+        return out
+    out[ours + "mlp.router.weight"] = (theirs + "mlp.gate.weight",)
+    out[ours + "mlp.expert_bias"] = (theirs + "mlp.gate.e_score_correction_bias",)
+    if cfg.shared_experts:
+        shared = f"{theirs}mlp.shared_experts."
+        out[ours + "mlp.shared.gate_up.weight"] = tuple(f"{shared}{p}_proj.weight" for p in GATE_UP)
+        out[ours + "mlp.shared.c_proj.weight"] = (shared + "down_proj.weight",)
+    return out
+
+
+def names(cfg: GPTConfig, mtp=True):
+    """{nanomega name: (transformers names)} of every weight but the stacked experts (routing
+    biases included); mtp: with the MTP modules, model.layers.{L + d}.* (a folder holds them,
+    transformers' class does not)."""
+    out = dict(llama_name_map(0, cfg.tie_embeddings))  # the embedding, final norm, (head)
     for i in range(cfg.n_layer):
-        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
-        for mine, name in ATTENTION.items():
-            if mine not in ("q_proj", "q_a_proj", "q_a_norm", "q_b_proj") or (
-                (mine == "q_proj") != bool(cfg.q_lora_rank)
-            ):
-                out[f"{ours}attn.{mine}.weight"] = (f"{theirs}self_attn.{name}.weight",)
-        if not cfg.is_moe(i):
-            out |= {k: v for k, v in mlp.items() if k.startswith(ours)}
-            continue
-        out[ours + "mlp.router.weight"] = (theirs + "mlp.gate.weight",)
-        out[ours + "mlp.expert_bias"] = (theirs + "mlp.gate.e_score_correction_bias",)
-        if cfg.shared_experts:
-            out[ours + "mlp.shared.gate_up.weight"] = tuple(
-                f"{theirs}mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up")
-            )
-            out[ours + "mlp.shared.c_proj.weight"] = (
-                f"{theirs}mlp.shared_experts.down_proj.weight",
-            )
+        out |= block_names(cfg, f"blocks.{i}.", f"model.layers.{i}.", cfg.is_moe(i))
+    for d in range(cfg.mtp_num_layers if mtp else 0):
+        ours, theirs = f"mtp.depths.{d}.", f"model.layers.{cfg.n_layer + d}."
+        out |= {ours + k: (theirs + v,) for k, v in MTP.items()}
+        out |= block_names(cfg, ours + "block.", theirs, experts=False)  # mtp.check: dense
     return out
 
 
@@ -186,7 +233,7 @@ def hf_model(cfg: GPTConfig):
     import transformers
 
     check(cfg)
-    v, (d_n, d_r, d_v) = cfg.vocab_size, cfg.mla_dims
+    v, (d_n, d_r, d_v), D = cfg.vocab_size, cfg.mla_dims, cfg.mtp_num_layers
     hf_cfg = transformers.DeepseekV3Config(
         vocab_size=v,
         hidden_size=cfg.n_embd,
@@ -201,7 +248,8 @@ def hf_model(cfg: GPTConfig):
         n_group=cfg.n_group,
         topk_group=cfg.topk_group,
         num_experts_per_tok=cfg.top_k,
-        first_k_dense_replace=cfg.first_k_dense if cfg.n_experts else cfg.n_layer,
+        # dense blocks: all, the MTP modules' too (DeepSeek's code makes a block past it MoE)
+        first_k_dense_replace=cfg.first_k_dense if cfg.n_experts else cfg.n_layer + D,
         norm_topk_prob=True,
         kv_lora_rank=cfg.kv_lora_rank,
         q_lora_rank=cfg.q_lora_rank or None,
@@ -214,7 +262,7 @@ def hf_model(cfg: GPTConfig):
         rope_interleave=False,
         tie_word_embeddings=cfg.tie_embeddings,
         attention_bias=False,
-        num_mtp_layers=0,
+        num_mtp_layers=D,  # config.json: num_nextn_predict_layers, DeepSeek's name
         aux_loss_alpha=cfg.moe_aux_loss,  # DeepSeek's own config.json key (module docstring)
         seq_aux=True,
         bos_token_id=v - 1,
@@ -224,18 +272,95 @@ def hf_model(cfg: GPTConfig):
     return hf_cfg, transformers.DeepseekV3ForCausalLM, names(cfg)
 
 
-def hf_tensors(cfg: GPTConfig):
-    """[(transformers name, [nanomega names], make)] of a DeepSeek-V3 (hf_weights.hf_tensors)."""
-    return named_tensors(names(cfg), cfg.vocab_size) + expert_tensors(
-        cfg, filter(cfg.is_moe, range(cfg.n_layer))
+def hf_tensors(cfg: GPTConfig, mtp=True):
+    """[(transformers name, [nanomega names], make)] of a DeepSeek-V3 (hf_weights.hf_tensors);
+    mtp: with the MTP modules and their copies of the shared embedding and head, as DeepSeek's
+    checkpoint holds them."""
+    head = "embed.wte.weight" if cfg.tie_embeddings else "head.lm_head.weight"
+    copy = functools.partial(part, 0, 1, True, cfg.vocab_size)  # the first V rows
+    copies = [
+        (f"model.layers.{cfg.n_layer + d}.{theirs}", [head if "head" in ours else ours], copy)
+        for d in range(cfg.mtp_num_layers if mtp else 0)
+        for ours, theirs in SHARED.items()
+    ]
+    return (
+        named_tensors(names(cfg, mtp), cfg.vocab_size)
+        + expert_tensors(cfg, filter(cfg.is_moe, range(cfg.n_layer)))
+        + copies
     )
 
 
-def from_hf(model):
+def expected_tensors(cfg: GPTConfig, found):
+    """{name: shape} of every tensor a DeepSeek-V3 folder of cfg holds (hf_check), from our model's
+    shapes (meta: nothing allocated); found: the folder's {name: (shape, file)}, whose MTP modules
+    nanomega does not read (cfg without them: MoE ones) are taken as they are, as transformers
+    skips them."""
+    from nanomega.model import GPT
+
+    with torch.device("meta"):
+        ours = GPT(cfg, seed=0).state_dict()
+    ours["head.lm_head.weight"] = ours.get("head.lm_head.weight", ours["embed.wte.weight"])
+    want = {
+        name: tuple(make([ours[n] for n in mine]).shape) for name, mine, make in hf_tensors(cfg)
+    }
+    skipped = {
+        k: s for k, (s, _) in found.items() if mtp_layer(k, cfg.n_layer) >= cfg.mtp_num_layers
+    }
+    if any(".mlp.experts.0.gate_proj." in k for k in found):  # as transformers saves: per expert
+        want = dict(per_expert(want))
+    return want | skipped
+
+
+def per_expert(want):
+    """(name, shape) of {name: shape} with each layer's stacked experts (E, 2f, h), (E, h, f) as
+    transformers saves them: experts.j.{gate, up}_proj (f, h), experts.j.down_proj (h, f)."""
+    for name, shape in want.items():
+        if name.endswith("experts.gate_up_proj"):
+            e, f2, h = shape
+            stem = name.removesuffix("gate_up_proj")
+            yield from (
+                (f"{stem}{j}.{p}_proj.weight", (f2 // 2, h)) for j in range(e) for p in GATE_UP
+            )
+        elif name.endswith("experts.down_proj"):
+            stem = name.removesuffix("down_proj")
+            yield from ((f"{stem}{j}.down_proj.weight", shape[1:]) for j in range(shape[0]))
+        else:
+            yield name, shape
+
+
+def mtp_layer(name, n_layer):
+    """d of a tensor in MTP module d (model.layers.{n_layer + d}.*), else -1."""
+    layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+    return int(layer) - n_layer if layer.isdigit() and int(layer) >= n_layer else -1
+
+
+def mtp_depths(c: dict, found):
+    """(the MTP modules nanomega reads from a folder, why any it holds are skipped or None): c its
+    config.json, found its tensors' names. The modules whose tensors are there (transformers
+    writes num_mtp_layers 1 and no module); an MoE block in one (DeepSeek-V3's) is skipped, as
+    transformers skips them, nanomega's being dense (mtp.check)."""
+    layers, k = c["num_hidden_layers"], c.get("first_k_dense_replace") or 0
+    D = c.get("num_nextn_predict_layers", c.get("num_mtp_layers")) or 0
+    held = [d for d in range(D) if f"model.layers.{layers + d}.eh_proj.weight" in found]
+    if held and layers + max(held) >= k:  # DeepSeek's code: a block past k is MoE
+        return 0, (
+            f"its {len(held)} MTP module(s) model.layers.{layers}+ hold MoE blocks, which "
+            f"nanomega's MTP modules do not (dense only; transformers skips them too): skipped"
+        )
+    return len(held), None
+
+
+def from_hf(model, mtp=None):
     """(GPTConfig, nanomega full weights and routing biases) from a transformers
-    DeepseekV3ForCausalLM; an interleaved one's rotary rows permuted to rotate-half."""
-    cfg = deepseek_v3_config(model.config.to_dict())
+    DeepseekV3ForCausalLM; an interleaved one's rotary rows permuted to rotate-half. mtp: a
+    folder's MTP modules' tensors {transformers name: tensor} (the class holds none), or None."""
+    mtp = mtp or {}
+    depths = len(
+        {mtp_layer(k, model.config.num_hidden_layers) for k in mtp if k.endswith(".eh_proj.weight")}
+    )
+    cfg = deepseek_v3_config(model.config.to_dict(), depths)
     theirs = {k: t.detach().float() for k, t in model.state_dict().items()}
+    theirs |= {k: t.float() for k, t in mtp.items()}
     weights = {ours: torch.cat([theirs[n] for n in hf]) for ours, hf in names(cfg).items()}
     if model.config.rope_interleave:
         for name in weights:

@@ -26,9 +26,10 @@ INDEX = "model.safetensors.index.json"
 MAX_SHARD_SIZE = 5 * 1024**3  # bytes; the size the Hub's large models are cut at
 
 
-def write(folder, cfg, to, max_shard_size=MAX_SHARD_SIZE):
+def write(folder, cfg, to, max_shard_size=MAX_SHARD_SIZE, extra=None):
     """Checkpoint `folder` (GPTConfig cfg) -> config.json + safetensors shards (+ their index) in
-    `to`; returns the shards' file names."""
+    `to`; extra: {name: tensor} the checkpoint keeps outside its weights (DeepSeek-V3's routing
+    biases); returns the shards' file names."""
     from safetensors.torch import save_file
 
     hf_cfg, _, _ = hf_weights.hf_model(cfg)
@@ -38,6 +39,8 @@ def write(folder, cfg, to, max_shard_size=MAX_SHARD_SIZE):
     last = {}  # the parameter read last: k and v (gate and up) are cut from one
 
     def get(name):
+        if name in (extra or {}):
+            return extra[name]
         if name not in last:
             last.clear()
             last[name] = read(name)

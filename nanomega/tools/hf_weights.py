@@ -180,7 +180,9 @@ def to_hf(weights, cfg: GPTConfig):
     """The transformers model of cfg (hf_model) from nanomega full weights {name: tensor}, in
     memory (fp32; padded rows dropped)."""
     hf_cfg, model_class, _ = hf_model(cfg)
-    state = {name: make([weights[n] for n in ours]) for name, ours, make in hf_tensors(cfg)}
+    # transformers' DeepSeek-V3 class holds no MTP module (a folder export writes them)
+    tensors = hf_deepseek.hf_tensors(cfg, mtp=False) if cfg.kv_lora_rank else hf_tensors(cfg)
+    state = {name: make([weights[n] for n in ours]) for name, ours, make in tensors}
 
     # loaded; a mapping that left a weight out is refused
     model = model_class(hf_cfg)
