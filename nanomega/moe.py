@@ -369,6 +369,16 @@ def step_stats(model, grid):
     )
 
 
+def row(routing):
+    """The metrics row's MoE numbers of step_stats' dict (None: {}): the aux loss and the largest
+    max load / mean load of a layer (1 when balanced)."""
+    if not routing:
+        return {}
+    load = routing["load"]  # (n_layer, E)
+    max_load = (load.max(1).values / load.mean(1)).max().item()
+    return dict(moe_aux=routing["aux"], moe_max_load=max_load)
+
+
 @torch.no_grad()
 def update_bias(model, loads, rate):
     """DeepSeek-V3: b_e += rate * sign(mean load - load_e) for every MoE layer this rank holds;

@@ -66,6 +66,7 @@ class MultiTokenPrediction(nn.Module):
         self.depths = nn.ModuleDict({str(k): Depth(cfg, b, norm) for k, b in enumerate(blocks)})
         self.scale = cfg.mtp_loss_scaling_factor
         self.weights = None
+        self.booked = None  # (2, D) fp64: each depth's summed cross-entropy and valid targets
 
     def forward(self, h, loss, targets, embed, head, docs=None, positions=None):
         """h (b, s, h): the trunk's last hidden state; loss: this micro-batch's LM loss; targets
@@ -84,6 +85,9 @@ class MultiTokenPrediction(nn.Module):
             sums.append(mean * count)
             counts.append(count)
         sums = torch.stack(sums)  # (D,) the summed cross-entropy of each depth
+        # booked for the step's row (step_stats)
+        booked = torch.stack([sums.detach(), torch.stack(counts).to(sums.dtype)]).double()
+        self.booked = booked if self.booked is None else self.booked + booked
         weights = self.weights
         if weights is None:
             weights = self.scale / len(sums) / torch.stack(counts).clamp(min=1)
@@ -119,6 +123,24 @@ def prepare(model, grid, batches):
     counts = grid.dp_cp.all_reduce(counts)
     factor = mtp.scale / depths * len(batches) * grid.dp_cp.size
     mtp.weights = (factor / counts.clamp(min=1)).float()
+
+
+def step_stats(model, grid):
+    """The step's MTP numbers for its metrics row, the same on every rank: each depth's mean
+    cross-entropy over its valid targets in the whole step (the booked sums and counts summed over
+    dp x cp and over pp: the modules are on the last stage; tp ranks hold the same), and their
+    mean over the depths (before lambda: comparable with the LM loss). Resets the booking."""
+    depths = model.cfg.mtp_num_layers
+    if not depths:
+        return {}
+    rows = torch.zeros(2, depths, dtype=torch.float64, device=grid.device)
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None and mtp.booked is not None:
+        rows += mtp.booked.to(rows.device)
+        mtp.booked = None
+    rows = grid.pp.all_reduce(grid.dp_cp.all_reduce(rows))
+    per_depth = rows[0] / rows[1].clamp(min=1)
+    return dict(mtp_loss=per_depth.mean().item(), mtp_loss_depths=per_depth.tolist())
 
 
 def check(cfg, tp=1, pp=1, cp=1):

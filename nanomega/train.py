@@ -232,10 +232,7 @@ def train_step(step, *, config, model, engine, grid, sampler, train_set, scaler,
         skipped=not info["stepped"],
         started=t0,
     )
-    if routing:
-        load = routing["load"]  # (n_layer, E): max load / mean load, 1 when balanced
-        max_load = (load.max(1).values / load.mean(1)).max().item()
-        rec.update(moe_aux=routing["aux"], moe_max_load=max_load)
+    rec.update(moe.row(routing) | mtp.step_stats(model, grid))  # MoE's and MTP's numbers
     return rec, spike
 
 

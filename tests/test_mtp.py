@@ -82,7 +82,7 @@ def test_loss_is_deepseek_v3s_formula():
     h = ref.embed(x)
     for block in ref.blocks.values():
         h = block(h, docs)
-    total = ref.head(h, y)
+    total, per_depth = ref.head(h, y), []
     for k, depth in enumerate(ref.mtp.depths.values(), start=1):
         tokens, goal = torch.zeros_like(y), torch.full_like(y, -1)
         for r in range(b):
@@ -91,8 +91,17 @@ def test_loss_is_deepseek_v3s_formula():
                     tokens[r, i], goal[r, i] = y[r, i + k - 1], y[r, i + k]
         h = depth(h, ref.embed.wte(tokens), docs)
         logits = ref.head.lm_head(depth.out_norm(h))[goal >= 0]
-        total = total + LAMBDA / D * F.cross_entropy(logits[:, : cfg.vocab_size], goal[goal >= 0])
+        per_depth.append(F.cross_entropy(logits[:, : cfg.vocab_size], goal[goal >= 0]))
+        total = total + LAMBDA / D * per_depth[-1]
     total.backward()
+
+    # the step's row: each depth's mean cross-entropy (one process: the axes add nothing)
+    one = Axis()
+    one.size = 1
+    row = mtp.step_stats(model, type("Grid", (), dict(device=x.device, dp_cp=one, pp=one)))
+    want = [ce.item() for ce in per_depth]
+    assert row["mtp_loss_depths"] == pytest.approx(want, rel=1e-5)
+    assert row["mtp_loss"] == pytest.approx(sum(want) / D, rel=1e-5) and model.mtp.booked is None
     assert_close_grads(grads(model), grads(ref), b * s, cfg)
     assert model.mtp.depths["1"].eh_proj.weight.grad.abs().max() > 0
 
@@ -223,6 +232,11 @@ def test_dp2_with_uneven_targets_pp2_and_tp2_equal_one_process(docs_corpus, tmp_
         assert losses == pytest.approx(ref, rel=RTOL) and val == pytest.approx(ref_val, rel=RTOL)
         first = rows(tmp_path / name)[0]["grad_norm"]
         assert first == pytest.approx(rows(dense)[0]["grad_norm"], rel=grad_tol), name
+        # the MTP loss in each step's row: over the whole step's targets, whatever the layout
+        got, want = (
+            [x for r in rows(o) for x in r["mtp_loss_depths"]] for o in (tmp_path / name, dense)
+        )
+        assert len(got) == 4 * D and got == pytest.approx(want, rel=RTOL), name
         a = reshard.full_weights(checkpoint.latest(tmp_path / name))
         assert a.keys() == b.keys()
         for k in a:

@@ -59,14 +59,13 @@ def moe_layers(model, layers=None):
 
 
 def stand_in(model):
-    """The dense Llama that costs per token what the MoE model does: its MLP (k + shared) f wide
-    (the dense first_k_dense blocks priced alike)."""
+    """The dense Llama that costs per token what the MoE model does: its MLP (k + shared) f wide;
+    the first first_k_dense blocks keep their dense MLP's width (cost_time.layer_weights)."""
     return replace(
         model,
         n_experts=0,
         ffn_hidden=(model.top_k + model.shared_experts) * model.ffn,
-        first_k_dense=0,
-        dense_ffn_hidden=0,
+        dense_ffn_hidden=model.config().dense_ffn if model.first_k_dense else 0,
     )
 
 

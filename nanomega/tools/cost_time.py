@@ -22,6 +22,7 @@ from nanomega.formulas import (
     dp_comm_bytes,
     flops_per_token,
     inflight_microbatches,
+    mla_layer_delta,
     offload_seconds,
     ZB_H1_SLOTS,
     pipeline_bubble,
@@ -36,6 +37,7 @@ from nanomega.tools.cost import (
     layers_per_stage,
     padded_vocab,
     rank_state_bytes,
+    stage_layers,
     stage_params,
 )
 
@@ -82,16 +84,33 @@ def links(gpu, gpus, tp, pp):
 
 # ---- time
 # ---------------------------------------------------------------------------------------------
-def layer_weights(model, tp=1):
+def layer_weights(model, tp=1, layer=None):
     """Matmul weights one TP rank multiplies per token in one layer: GPT-2 12h^2/t; Llama (2h^2 +
     3hf)/t and its own key/value heads' 2h (h/a) max(1, n_kv/t) (a rank holding k/v whole computes
-    one group only)."""
+    one group only); f: the dense MLP's width in the first first_k_dense layers (`layer` < k); latent
+    attention: its attention's count instead (formulas.mla_layer_delta)."""
     h = model.n_embd
     if model.llama:
-        return (2 * h * h + 3 * h * model.ffn) / tp + 2 * h * (h // model.n_head) * max(
-            1, model.kv_heads // tp
+        f = (
+            model.config().dense_ffn
+            if layer is not None and layer < model.first_k_dense
+            else model.ffn
+        )
+        mla = mla_layer_delta(model.config(), tp) if model.kv_lora_rank else 0
+        return (
+            (2 * h * h + 3 * h * f) / tp
+            + 2 * h * (h // model.n_head) * max(1, model.kv_heads // tp)
+            + mla
         )
     return 12 * h * h / tp
+
+
+def core_widths(model):
+    """(QK^T's, AV's) widths summed over heads: h each; latent attention a (d_n + d_r), a d_v."""
+    if not model.kv_lora_rank:
+        return model.n_embd, model.n_embd
+    d_n, d_r, d_v = model.config().mla_dims
+    return model.n_head * (d_n + d_r), model.n_head * d_v
 
 
 def column_inputs(model):
@@ -101,25 +120,29 @@ def column_inputs(model):
     return 3 if model.llama else 2
 
 
-def layer_seconds(model, gpu, run, tp, time=TIME):
-    """One layer, one micro-batch, forward + backward (+ recompute) on one GPU (the formula in the
-    docstring)."""
-    compute, _, tp_exposed = layer_parts(model, gpu, run, tp, time)
+def layer_seconds(model, gpu, run, tp, time=TIME, layer=None):
+    """One layer (`layer`: its index, for the first first_k_dense; None: any other), one
+    micro-batch, forward + backward (+ recompute) on one GPU (the formula in the docstring)."""
+    compute, _, tp_exposed = layer_parts(model, gpu, run, tp, time, layer)
     return compute + tp_exposed
 
 
-def layer_parts(model, gpu, run, tp, time=TIME):
+def layer_parts(model, gpu, run, tp, time=TIME, layer=None):
     """(compute seconds, tp seconds, tp seconds not hidden) of one layer and micro-batch: with
     run.tp_overlap the collectives hide behind the matmuls they feed (overlap.tp_exposed)."""
     b, s, h, a = run.micro_batch, model.seq_len, model.n_embd, model.n_head
     full, attn_again = run.recompute == "full", run.recompute in ("full", "selective")
     flash = run.attention == "sdpa"
-    dense = 2 * b * s * layer_weights(model, tp) * (3 + full)  # forward 1, backward 2, recompute 1
+    # forward 1, backward 2, recompute 1
+    dense = 2 * b * s * layer_weights(model, tp, layer) * (3 + full)
     if run.fp8:  # the blocks' GEMMs at the FP8 peak: as fewer FLOPs at the bf16 one (same MATMUL)
         dense = dense * gpu.peak_flops / gpu.fp8_flops
-    # QK^T and AV (GQA shares k/v between heads, not the products); FlashAttention's backward reruns
-    # QK^T
-    attn = 4 * b * s * s * h / tp * (3 + attn_again) + (2 * b * s * s * h / tp if flash else 0)
+    # QK^T and AV (GQA shares k/v between heads, not the products; MLA's heads are d_n + d_r and
+    # d_v wide); FlashAttention's backward reruns QK^T
+    qk, av = core_widths(model)
+    attn = 2 * b * s * s * (qk + av) / tp * (3 + attn_again) + (
+        2 * b * s * s * qk / tp if flash else 0
+    )
     hbm = time.elem * b * s * h / (tp if run.sp else 1) * (1 + full / 3) + (
         0 if flash else time.score * b * a / tp * s * s * (1 + attn_again / 3)
     )
@@ -152,8 +175,18 @@ def step_time(model, gpu, gpus, tp, pp, zero, run, time=TIME, global_batch=None)
     head = 6 * run.micro_batch * model.seq_len * padded_vocab(model, tp) * model.n_embd / tp
     layers = layers_per_stage(model, pp, v, run.split)
     stages = [n * layer for n in layers]
+    if model.first_k_dense:  # DeepSeek-V3's first k blocks: a dense MLP of their own width
+        dense = layer_seconds(model, gpu, run, tp, time, 0) - layer
+        held = stage_layers(model, pp, v, run.split)
+        stages = [
+            t + dense * sum(i < model.first_k_dense for i in ids) for t, ids in zip(stages, held)
+        ]
     # logits forward + 2 backward GEMMs, never recomputed
     stages[-1] += head / (gpu.peak_flops * time.matmul)
+    # MTP's D modules on the last stage (mtp.py): a layer, the 2h -> h projection (whole on every
+    # tp rank) and one more pass through the head each
+    eh = 6 * run.micro_batch * model.seq_len * 2 * model.n_embd**2
+    stages[-1] += model.mtp_num_layers * (layer + (head + eh) / (gpu.peak_flops * time.matmul))
 
     pp_bw, dp_bw = links(gpu, gpus, tp, pp)
     sends = (
