@@ -261,10 +261,12 @@ def rank_state_bytes(model, tp, pp, dp, zero, dtype="bf16", v=1, split="trainer"
     ]
 
 
-def layer_activation_bytes(model, run, tp, recompute=None):
+def layer_activation_bytes(model, run, tp, recompute=None, layer=None):
     """Activation bytes one layer keeps per micro-batch on one GPU (run.recompute unless given), in
     the run's dtype. GPT-2: Korthikanti's count in the paper's bytes (sdpa keeps no scores: the
-    selective count); Llama: llama_activation_bytes_per_layer with fused-kernel bytes."""
+    selective count); Llama: llama_activation_bytes_per_layer with fused-kernel bytes, the dense
+    MLP's width in the first first_k_dense layers (`layer` < k). Latent attention is counted as
+    multi-head attention of h (not derived yet: an MLA block saves more)."""
     recompute = run.recompute if recompute is None else recompute
     s, b, h, a = model.seq_len, run.micro_batch, model.n_embd, model.n_head
     eb = 4 if run.dtype == "fp32" else 2
@@ -276,7 +278,9 @@ def layer_activation_bytes(model, run, tp, recompute=None):
             h,
             a,
             model.kv_heads,
-            model.ffn,
+            model.config().dense_ffn
+            if layer is not None and layer < model.first_k_dense
+            else model.ffn,
             tp,
             run.sp,
             recompute,
@@ -290,3 +294,16 @@ def layer_activation_bytes(model, run, tp, recompute=None):
         recompute = "selective"
     # the paper counts 2 bytes
     return activation_bytes_per_layer(s, b, h, a, tp, run.sp, recompute) * eb / 2
+
+
+def stage_activation_bytes(model, run, tp, pp, v=1, split="trainer"):
+    """Activation bytes each pipeline rank's layers keep per micro-batch: its blocks' (the first
+    first_k_dense at their own MLP width), and on the last the D MTP modules' blocks (mtp.py; their
+    norms and 2h -> h projection's input, ~5 sbh bytes each, left out)."""
+    rest = layer_activation_bytes(model, run, tp)
+    dense = layer_activation_bytes(model, run, tp, layer=0) if model.first_k_dense else 0
+    k = [sum(i < model.first_k_dense for i in ids) for ids in stage_layers(model, pp, v, split)]
+    n = layers_per_stage(model, pp, v, split)
+    out = [rest * (n_ - k_) + dense * k_ for n_, k_ in zip(n, k)]
+    out[-1] += model.mtp_num_layers * rest
+    return out

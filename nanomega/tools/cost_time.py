@@ -37,6 +37,7 @@ from nanomega.tools.cost import (
     layers_per_stage,
     padded_vocab,
     rank_state_bytes,
+    stage_activation_bytes,
     stage_layers,
     stage_params,
 )
@@ -290,7 +291,7 @@ def evaluate(model, gpu, gpus, tp, pp, zero, run, time=TIME):
 
     # memory: the fullest stage's state and held activations
     layers = layers_per_stage(model, pp, v, run.split)
-    act = layer_activation_bytes(model, run, tp)
+    acts = stage_activation_bytes(model, run, tp, pp, v, run.split)
     # full recompute rebuilds one layer's whole activations in backward: the working set on top of
     # the inputs
     work = layer_activation_bytes(model, run, tp, "none") if run.recompute == "full" else 0
@@ -299,7 +300,7 @@ def evaluate(model, gpu, gpus, tp, pp, zero, run, time=TIME):
         rank_state_bytes(model, tp, pp, dp, zero, run.dtype, v, run.split)
     ):
         state = (p_, g_, o_ * (1 - run.offload))  # the offloaded share lives in host memory
-        held = act * layers[k] * inflight_microbatches(pp - k, m, run.schedule, v) + work
+        held = acts[k] * inflight_microbatches(pp - k, m, run.schedule, v) + work
         stages.append((sum(state) + held, state, held))
     _, (params, grads, optim), acts = max(stages, key=lambda x: x[0])
 
