@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from check import check  # noqa: E402
-from nanomega import formulas  # noqa: E402
+from nanomega import formulas, mtp  # noqa: E402
 from nanomega.gpt_config import GPTConfig  # noqa: E402
 from nanomega.model import GPT  # noqa: E402
 from nanomega.modern import Rotary, ffn_hidden, rms_norm  # noqa: E402
@@ -125,7 +125,87 @@ check(
 )
 check("loss at init vs ln(V)", model(x, x).item(), math.log(cfg.vocab_size), rtol=0.02)
 
-# 5. RMSNorm: one reduction per row instead of two -- but eagerly it is five kernels (a timing:
+
+# 5. What a token leaves behind for decoding: k and v per key/value head, or MLA's latent and rotary
+# key. Measured: the widths the projections output for one token, x layers x 2 bytes (bf16)
+def cache_measured(cfg):
+    model, widths = GPT(cfg, seed=0), []
+    for block in model.blocks.values():
+        proj = block.attn.kv_a_proj if cfg.kv_lora_rank else block.attn.kv_proj
+        proj.register_forward_hook(lambda m, i, out: widths.append(out.shape[-1]))
+    with torch.no_grad():
+        model(torch.zeros(1, 1, dtype=torch.long))
+    return sum(widths) * 2
+
+
+small = dict(n_layer=2, n_head=4, n_embd=64, arch="llama", vocab_size=256, block_size=16)
+mla_shape = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+for name, cfg in (
+    ("multi-head", GPTConfig(**small)),
+    ("grouped-query, 1 kv head", GPTConfig(**small, n_kv_head=1)),
+    ("latent (MLA), d_c 32 + d_r 8", GPTConfig(**small, **mla_shape)),
+):
+    check(
+        f"KV cache B/token, {name}",
+        cache_measured(cfg),
+        formulas.kv_cache_bytes_per_token(cfg),
+        labels=("measured", "formulas.kv_cache_bytes_per_token"),
+    )
+v3 = GPTConfig(**PRESETS["deepseek-v3"])
+d_h = v3.mla_dims[0]  # the paper's per-head size: 128 (h / a = 56 is not one)
+check(
+    "deepseek-v3 KV cache B/token vs DeepSeek-V2 Table 1 (4.5 d_h l, bf16)",
+    formulas.kv_cache_bytes_per_token(v3),
+    4.5 * d_h * v3.n_layer * 2,
+    labels=("formula", "paper"),
+)
+mha_v3 = 2 * v3.n_head * d_h * v3.n_layer * 2  # 2 a d_h l, bf16
+gqa405 = formulas.kv_cache_bytes_per_token(GPTConfig(**PRESETS["llama3-405b"]))
+print(
+    f"deepseek-v3 {formulas.kv_cache_bytes_per_token(v3):,} B/token; its 128 heads of {d_h} as "
+    f"multi-head {mha_v3:,} ({mha_v3 / formulas.kv_cache_bytes_per_token(v3):.0f}x); "
+    f"llama3-405b (GQA 8) {gqa405:,}"
+)
+
+# 6. MTP's extra loss: one module (D 1, lambda 0.3) predicting t_(i+2); the step's row books its
+# cross-entropy (mtp.step_stats). At initialization both losses are ln V; the reported loss stays
+# the LM's, the MTP term joins only the backward. A few steps on one batch: both fall
+mtp_cfg = GPTConfig(**small, mtp_num_layers=1, mtp_loss_scaling_factor=0.3)
+one = type("One", (), dict(size=1, all_reduce=staticmethod(lambda t: t)))
+grid = type("Grid", (), dict(device=torch.device("cpu"), dp_cp=one, pp=one))
+with_mtp, without = GPT(mtp_cfg, seed=0), GPT(GPTConfig(**small), seed=0)
+x = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(1))
+x, y = x[:, :-1], x[:, 1:]
+loss = with_mtp(x, y)
+check(
+    "reported loss, the LM loss",
+    loss.item(),
+    without(x, y).item(),
+    labels=("with MTP", "without MTP"),
+)
+loss.backward()
+check(
+    "MTP cross-entropy at init vs ln(V)",
+    mtp.step_stats(with_mtp, grid)["mtp_loss"],
+    math.log(256),
+    rtol=0.05,
+)
+opt = torch.optim.AdamW(with_mtp.parameters(), lr=3e-3)
+for step in range(1, 31):
+    opt.zero_grad()
+    loss = with_mtp(x, y)
+    loss.backward()
+    opt.step()
+    if step % 10 == 0:
+        row = mtp.step_stats(with_mtp, grid)
+        print(
+            f"step {step}: LM loss {loss.item():.3f}, MTP loss (t_(i+2)) {row['mtp_loss']:.3f}, "
+            f"objective LM + 0.3 x MTP = {loss.item() + 0.3 * row['mtp_loss']:.3f}"
+        )
+    else:
+        mtp.step_stats(with_mtp, grid)  # the booking read every step, as train.py does
+
+# 7. RMSNorm: one reduction per row instead of two -- but eagerly it is five kernels (a timing:
 # never asserted)
 xs, w = torch.randn(4096, 1024), torch.ones(1024)
 for name, fn in (
