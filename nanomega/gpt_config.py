@@ -35,6 +35,7 @@ SHAPE_KEYS = SIZES + (
     "rope_scaling",
     "rope_type",
     "rope_original_context",
+    "rope_mscale_all_dim",
     "qkv_bias",
     "qk_norm",
     "qk_norm_whole",
@@ -82,6 +83,9 @@ class GPTConfig:
     # yarn; dynamic: where its frequencies start to change)
     rope_type: str = "llama3"
     rope_original_context: int = 8192
+    # DeepSeek's YaRN for latent attention (mscale = mscale_all_dim = m; 0: off): cos and sin
+    # unscaled, every score x (0.1 m ln(rope_scaling) + 1)^2 (transformers' yarn_apply_mscale)
+    rope_mscale_all_dim: float = 0.0
     qkv_bias: bool = False  # llama: biases on q, k and v (Qwen2, Qwen2.5)
     qk_norm: bool = False  # llama: RMSNorm over each head of q and of k before RoPE (Qwen3)
     qk_norm_whole: bool = False  # llama: RMSNorm over the whole q and k projections (OLMoE)
@@ -253,3 +257,19 @@ class GPTConfig:
             raise ValueError(
                 f"--qk-rope-head-dim {self.mla_dims[1]}: rotary positions need an even size"
             )
+        yarn = self.rope_type == "yarn" and self.rope_scaling > 1
+        if not 0 <= self.rope_mscale_all_dim < math.inf or (
+            self.rope_mscale_all_dim and not (self.kv_lora_rank and yarn)
+        ):
+            raise ValueError(
+                f"--rope-mscale-all-dim {self.rope_mscale_all_dim} (DeepSeek's YaRN) needs "
+                "--kv-lora-rank, --rope-type yarn and --rope-scaling > 1, and a finite value >= 0"
+            )
+
+    @property
+    def mla_score_scale(self) -> float:
+        """What DeepSeek's YaRN multiplies every latent-attention score by: mscale(s, m)^2 =
+        (0.1 m ln s + 1)^2 (transformers' yarn_apply_mscale); 1 without it."""
+        if not self.rope_mscale_all_dim:
+            return 1.0
+        return (0.1 * self.rope_mscale_all_dim * math.log(self.rope_scaling) + 1.0) ** 2

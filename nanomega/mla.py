@@ -14,6 +14,8 @@ Formulas (h hidden, a heads, d_n / d_r / d_v the no-rope, rotary and value head 
     [c_kv, k_r] = x W_kva                                  (d_c + d_r)
     [k_n, v]   = RMSNorm(c_kv) W_kvb                       (a (d_n + d_v))
     head i     softmax([q_n,i, R q_r,i] . [k_n,i, R k_r] / sqrt(d_n + d_r), causal) v_i;  out W_o
+    YaRN       DeepSeek's (--rope-mscale-all-dim m): R unscaled, every score x (0.1 m ln s + 1)^2,
+               applied to q (transformers' yarn_apply_mscale; s the --rope-scaling factor)
     parameters h d_q + d_q + d_q a (d_n + d_r) + h (d_c + d_r) + d_c + d_c a (d_n + d_v) + a d_v h
     KV cache   (d_c + d_r) elements per token and layer    (multi-head: 2 a d_h)
     tensor parallel: W_qb (or W_q), W_kvb by heads, W_o by rows; W_qa, W_kva and both norms whole
@@ -40,6 +42,7 @@ class LatentAttention(nn.Module):
         # the cores read n_head and head_dim (their scale 1/sqrt(d_n + d_r)); no ALiBi
         self.n_head, self.head_dim, self.slopes = a, self.nope + self.rope, None
         self.ops, self.rotary = ops, rotary
+        self.score_scale = cfg.mla_score_scale  # DeepSeek's YaRN (gpt_config); 1: none
         q_out = a * self.head_dim
         if cfg.q_lora_rank:  # queries through their latent: down, RMSNorm, up
             self.q_a_proj = Linear(h, cfg.q_lora_rank, bias=False, ops=ops)
@@ -82,6 +85,8 @@ class LatentAttention(nn.Module):
         pos = self.ops.positions(s) if positions is None else positions
         q_r, k_r = self.rotary(q_r, pos), self.rotary(k_r[:, None], pos)  # k_r (b, 1, s, d_r)
         q = torch.cat((q_n, q_r), -1)
+        if self.score_scale != 1.0:  # DeepSeek's YaRN: every score x mscale^2, through q
+            q = q * self.score_scale
         k = torch.cat((k_n, k_r.expand(-1, k_n.shape[1], -1, -1)), -1)
         return q, k, v.contiguous()
 

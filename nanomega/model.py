@@ -300,6 +300,8 @@ class GPT(nn.Module):
             if cfg.arch == "llama"
             else None
         )
+        if cfg.rope_mscale_all_dim:  # DeepSeek's YaRN: cos, sin unscaled (mla.py scales scores)
+            rotary.factor = 1.0
         self.blocks = nn.ModuleDict({str(i): Block(cfg, rotary, i) for i in range(cfg.n_layer)})
         self.head = Head(cfg)
         if cfg.tie_embeddings:

@@ -135,7 +135,7 @@ NOT_DRAWN = {
     "rope_theta": "a value of the positions, not a layout: any layout computes it alike",
     "rope_scaling": "as rope_theta",
     **dict.fromkeys(
-        ("rope_type", "rope_original_context"),
+        ("rope_type", "rope_original_context", "rope_mscale_all_dim"),
         "as rope_theta (dynamic NTK, whose table follows the length, is refused with --cp)",
     ),
     "tensorboard": "logging only: tests/test_tensorboard.py",

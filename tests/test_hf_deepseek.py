@@ -12,11 +12,17 @@ Claims (one process; transformers builds the model offline from a small random c
               model (its rotary rows permuted), and read without the permutation differs by > 1e-3
     aux loss  DeepSeek-V3's sequence-wise loss (arXiv 2412.19437 eq. 17-20) computed from the paper
               = moe.balance_loss: the coefficient travels unchanged (aux_loss_alpha)
-    refused   what nanomega cannot compute is one line
+    refused   what nanomega cannot compute is one line; the released config.json (YaRN with
+              mscale_all_dim, FP8 weights) names both reasons
+    folders   through `nanomega.tools.hf import/export`: weights and routing biases bitwise (the
+              biases in the checkpoint's moe_bias table), the exported folder's tensors and logits =
+              the source's; MTP modules as DeepSeek's model.layers.{L + d}.* both ways, bitwise
+              (transformers' class reports them unexpected and skips them)
 """
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -74,6 +80,28 @@ def test_deepseek_v3_round_trip_logits(kw):
     rows = {"embed.wte.weight": cfg.vocab_size, "head.lm_head.weight": cfg.vocab_size}
     assert back.keys() == weights.keys()
     assert all(torch.equal(back[k][: rows.get(k)], weights[k][: rows.get(k)]) for k in back)
+
+
+def test_deepseek_yarn_is_transformers_and_needs_its_score_scale():
+    """DeepSeek's YaRN (mscale = mscale_all_dim = 1, as its config.json; factor 4 over an original
+    context of 8, positions up to 24): transformers' logits within 1e-4 both ways, the config back
+    field by field; without the mscale^2 on every score (planted) it is > 1e-3 off."""
+    yarn = dict(rope_scaling=4.0, rope_type="yarn", rope_original_context=8)
+    cfg = ds_cfg(**MOE, **yarn, rope_mscale_all_dim=1.0)
+    ours = random_model(cfg)
+    theirs = hf_weights.to_hf(state(ours), cfg)
+    assert theirs.config.rope_parameters["mscale_all_dim"] == 1.0
+    with torch.no_grad():
+        got, want = theirs(IDX).logits, ours(IDX)[..., : cfg.vocab_size]
+        assert (got - want).abs().max() < 1e-4
+        cfg2, _ = hf_weights.from_hf(theirs)
+        assert dataclasses.replace(cfg2, attention="eager") == cfg
+        for block in ours.blocks.values():
+            block.attn.score_scale = 1.0  # planted: nanomega's plain YaRN
+        assert (got - ours(IDX)[..., : cfg.vocab_size]).abs().max() > 1e-3
+    for bad in ({k: 0 for k in (*SHAPE, "q_lora_rank")}, dict(rope_type="llama3")):
+        with pytest.raises(ValueError, match="--rope-mscale-all-dim 1.0 .DeepSeek's YaRN. needs"):
+            dataclasses.replace(cfg, **bad).validate()
 
 
 def test_an_interleaved_deepseek_v3_reads_as_the_same_model():
@@ -218,10 +246,11 @@ def hf_check_quiet():
     return hf_check.quiet(transformers)
 
 
-def test_the_released_deepseek_v3_config_is_refused_in_one_line(tmp_path):
-    """deepseek-ai/DeepSeek-V3's config.json (its fields as released): refused, naming YaRN's
-    mscale (DeepSeek's attention scales its whole softmax by mscale^2, nanomega's YaRN the rotary
-    part) and the FP8 weights; an MoE MTP module in a folder is skipped, as transformers skips it."""
+def test_the_released_deepseek_v3_config(tmp_path):
+    """deepseek-ai/DeepSeek-V3's config.json (its fields as released): refused in one line for its
+    FP8 weights; dequantized (no quantization_config), read with its YaRN (factor 40 over 4,096,
+    mscale = mscale_all_dim = 1) and its shape; an MoE MTP module in a folder is skipped, as
+    transformers skips it."""
     import json
 
     from nanomega.tools import hf
@@ -281,8 +310,18 @@ def test_the_released_deepseek_v3_config_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError) as e:
         hf.hf_config(tmp_path)
     line = str(e.value)
-    assert "\n" not in line and "config.json" in line
-    assert "mscale" in line and "yarn_apply_mscale" in line and "quantization_config" in line
+    assert "\n" not in line and "config.json" in line and "quantization_config" in line
+    del released["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(released))
+    _, cfg = hf.hf_config(tmp_path)
+    assert (cfg.rope_type, cfg.rope_scaling, cfg.rope_original_context) == ("yarn", 40.0, 4096)
+    assert cfg.rope_mscale_all_dim == 1.0 and cfg.mla_score_scale == (0.1 * math.log(40) + 1) ** 2
+    assert (cfg.n_layer, cfg.kv_lora_rank, cfg.first_k_dense, cfg.dense_ffn) == (61, 512, 3, 18432)
+    assert (cfg.n_experts, cfg.top_k, cfg.n_group, cfg.topk_group) == (256, 8, 8, 4)
+    bad = dict(released["rope_scaling"], mscale=0.5)
+    (tmp_path / "config.json").write_text(json.dumps(released | dict(rope_scaling=bad)))
+    with pytest.raises(ValueError, match="mscale 0.5, mscale_all_dim 1.0"):
+        hf.hf_config(tmp_path)
 
     # its MTP module (model.layers.61.*) holds an MoE block: skipped with a reason
     found = {"model.layers.61.eh_proj.weight": ((7168, 14336), "f")}

@@ -256,3 +256,36 @@ def test_dry_run_planner_bytes_are_the_engine_bytes():
     for layout in (["--pp", "2"], ["--tp", "2"]):
         for rank in (0, 3):
             assert_planner_is_engine(dry_run([*base, *layout, "--rank", str(rank)]))
+
+
+# the compositions tests/fuzz.py does not draw with MTP: 4 blocks, so that pp2 x 2 chunks has one each
+COMMON4 = [*COMMON, "--n-layer", "4"]
+MORE = [
+    ("pp2-gpipe", ["--pp", "2", "--schedule", "gpipe", "--batch-size", "2", "--grad-accum", "4"]),
+    (
+        "pp2-interleaved",
+        ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2"]
+        + ["--batch-size", "2", "--grad-accum", "4"],
+    ),
+    ("dp2-offload", ["--zero", "1", "--offload", "1", "--batch-size", "2", "--grad-accum", "2"]),
+    ("dp2-muon", ["--optimizer", "muon", "--batch-size", "2", "--grad-accum", "2"]),
+]
+
+
+def test_gpipe_interleaved_offload_and_muon_equal_one_process(docs_corpus, tmp_path):  # noqa: F811
+    """MTP with the GPipe and interleaved schedules (the modules on the last chunk), ZeRO-Offload's
+    CPU Adam and Muon (the MTP blocks' matrices stay on AdamW, as the embedding and head: Muon
+    takes model.blocks) at dp2 = one process (Muon's: one process under Muon), 4 steps."""
+    refs = {"adamw": [], "muon": ["--optimizer", "muon"]}
+    for name, extra in refs.items():
+        train.main(flags(docs_corpus, tmp_path / name, ["--batch-size", "8", *extra], COMMON4))
+    worlds.launch(run_layouts, 2, docs_corpus, tmp_path, MORE, None, COMMON4, timeout=600)
+    rtol = layout_rtol(4, vocab=4096, width=64, depth=5 * 6 + 3)
+    for name, _ in MORE:
+        ref = tmp_path / ("muon" if "muon" in name else "adamw")
+        (losses, val), (want, want_val) = curve(tmp_path / name), curve(ref)
+        assert losses == pytest.approx(want, rel=rtol) and val == pytest.approx(want_val, rel=rtol)
+        got, want = (
+            [x for r in rows(o) for x in r["mtp_loss_depths"]] for o in (tmp_path / name, ref)
+        )
+        assert got == pytest.approx(want, rel=rtol), name

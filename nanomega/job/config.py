@@ -95,6 +95,12 @@ class Config:
     rope_original_context: int = MODEL(
         8192, "llama: the pretraining context of --rope-scaling", at_least(1), model=True
     )
+    rope_mscale_all_dim: float = MODEL(
+        0.0,
+        "MLA with --rope-type yarn: DeepSeek's mscale_all_dim (scores x mscale^2; 0: off)",
+        at_least(0),
+        model=True,
+    )
     qkv_bias: bool = MODEL(False, "llama: biases on q, k and v (Qwen2)", model=True)
     qk_norm: bool = MODEL(False, "llama: RMSNorm on each head of q and k (Qwen3)", model=True)
     qk_norm_whole: bool = MODEL(

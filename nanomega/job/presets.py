@@ -26,6 +26,7 @@ def _shape(
     rope_scaling=1.0,
     rope_type="llama3",
     rope_original_context=8192,
+    rope_mscale_all_dim=0.0,
     qkv_bias=False,
     qk_norm=False,
     qk_norm_whole=False,

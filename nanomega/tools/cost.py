@@ -42,6 +42,7 @@ class Model:
     rope_scaling: float = 1.0
     rope_type: str = "llama3"
     rope_original_context: int = 8192
+    rope_mscale_all_dim: float = 0.0
     qkv_bias: bool = False  # Qwen2's q, k, v biases (2h/g + h per layer: left out of the counts)
     qk_norm: bool = False  # Qwen3's two (hd,) scales per layer (left out of the counts)
     qk_norm_whole: bool = False  # OLMoE's (h,) and (kv hd,) scales per layer (left out too)

@@ -78,7 +78,11 @@ def hf_config(src):
 def mtp(src, c):
     """The MTP modules of DeepSeek-V3 folder src (config.json c) nanomega reads; any it skips (MoE
     ones): one line said."""
-    depths, why = hf_deepseek.mtp_depths(c, hf_check.tensor_shapes(src))
+    try:
+        found = hf_check.tensor_shapes(src)
+    except ValueError:  # no readable weights: hf_check.check_tensors says so, naming the file
+        return 0
+    depths, why = hf_deepseek.mtp_depths(c, found)
     if why:
         faults.say(f"{src}: {why}")
     return depths

@@ -16,6 +16,9 @@ coefficient travels unchanged, as DeepSeek's config.json names it (aux_loss_alph
 class has no balance loss). What nanomega cannot compute is refused in one line.
 
     aux loss   alpha (aux_loss_alpha) = moe_aux_loss; absent: the paper's 1e-4 (Sec. 4.2)
+    YaRN       rope_scaling yarn with mscale = mscale_all_dim = m (DeepSeek-V3: 1) <->
+               --rope-type yarn --rope-mscale-all-dim m (mla.py: cos, sin unscaled, scores x
+               mscale^2); neither given: nanomega's plain YaRN; any other RoPE scaling refused
     rotary     interleaved row j = rotate-half row (j odd: d_r/2 + j//2, even: j//2) of each head
 
 Multi-token prediction: DeepSeek's checkpoint holds MTP module d as model.layers.{L + d}.* (enorm,
@@ -45,7 +48,7 @@ import torch
 
 from nanomega import moe
 from nanomega.gpt_config import GPTConfig
-from nanomega.tools.hf_llama import llama_config, llama_name_map
+from nanomega.tools.hf_llama import hf_rope, llama_config, llama_name_map
 from nanomega.tools.hf_moe import expert_tensors, named_tensors, padded, part, unstacked
 
 # ours -> transformers' names of the latent attention's pieces (self_attn.)
@@ -75,11 +78,11 @@ SHARED = {
 GATE_UP = ("gate", "up")
 # transformers normalizes the two latents with this eps whatever rms_norm_eps says
 LATENT_EPS = 1e-6
-# why DeepSeek-V3's YaRN (its config.json: factor 40, mscale = mscale_all_dim = 1) is refused
+# why a RoPE scaling other than YaRN with mscale = mscale_all_dim (DeepSeek-V3's: 1 and 1) is refused
 YARN = (
-    "DeepSeek-V3's attention multiplies its whole softmax scale by mscale(factor, mscale_all_dim)^2 "
-    "(1.87 at factor 40; transformers' yarn_apply_mscale), where nanomega's YaRN multiplies cos and "
-    "sin by 0.1 ln(factor) + 1, which scales only the rotary part of an MLA score"
+    "nanomega reads DeepSeek's YaRN (rope_type yarn, mscale = mscale_all_dim: cos and sin "
+    "unscaled, every score x mscale^2, transformers' yarn_apply_mscale; --rope-mscale-all-dim) or "
+    "plain YaRN (neither given)"
 )
 ALPHA = 1e-4  # DeepSeek-V3's balance coefficient (arXiv 2412.19437 Sec. 4.2), where none is given
 
@@ -108,6 +111,8 @@ def deepseek_v3_config(c: dict, mtp=0) -> GPTConfig:
     )
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
     rule = rope.get("rope_type", rope.get("type", "default"))
+    m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+    deepseek_yarn = rule == "yarn" and m == m_all and (m or 0) > 0
     bad = [
         why
         for is_bad, why in [
@@ -121,7 +126,11 @@ def deepseek_v3_config(c: dict, mtp=0) -> GPTConfig:
                 "scoring_func / topk_method other than sigmoid / noaux_tc (DeepSeek-V3's)",
             ),
             (c.get("moe_layer_freq", 1) != 1, "moe_layer_freq (nanomega: every block after k)"),
-            (rule != "default", f"RoPE scaling {rule!r}: {YARN}"),
+            (
+                rule not in ("default", "yarn")
+                or (rule == "yarn" and (m or m_all) and not deepseek_yarn),
+                f"RoPE scaling {rule!r} with mscale {m}, mscale_all_dim {m_all}: {YARN}",
+            ),
             (
                 (c.get("quantization_config") or {}).get("quant_method") is not None,
                 "quantization_config (block-scaled FP8 weights with their weight_scale_inv: "
@@ -144,9 +153,13 @@ def deepseek_v3_config(c: dict, mtp=0) -> GPTConfig:
     # the Llama part (head_dim is d_r there; MLA has no key/value heads), then MLA and the MoE
     moe_blocks = k < layers
     f = c["moe_intermediate_size"] if moe_blocks else c["intermediate_size"]
-    base = llama_config({**c, "head_dim": None, "intermediate_size": f})
+    # DeepSeek's YaRN: the Llama part reads plain YaRN; the score scale is MLA's
+    key = "rope_parameters" if c.get("rope_parameters") else "rope_scaling"
+    plain = {k: v for k, v in rope.items() if k not in ("mscale", "mscale_all_dim")}
+    base = llama_config({**c, key: plain or None, "head_dim": None, "intermediate_size": f})
     mla = dict(
         mtp_num_layers=mtp,
+        rope_mscale_all_dim=float(m_all) if deepseek_yarn else 0.0,
         moe_aux_loss=c.get("aux_loss_alpha", ALPHA),
         n_kv_head=0,
         kv_lora_rank=c["kv_lora_rank"],
@@ -172,6 +185,14 @@ def deepseek_v3_config(c: dict, mtp=0) -> GPTConfig:
     )
 
 
+def rope_table(cfg: GPTConfig):
+    """The rope_scaling table of cfg (hf_llama.hf_rope's), DeepSeek's YaRN with its mscale and
+    mscale_all_dim; None without scaling."""
+    table = hf_rope(cfg)
+    m = cfg.rope_mscale_all_dim
+    return table | dict(mscale=m, mscale_all_dim=m) if table and m else table
+
+
 def check(cfg: GPTConfig):
     """One line for a latent-attention model transformers' DeepseekV3ForCausalLM cannot hold."""
     if cfg.n_experts and moe.rule(cfg.router) != "deepseek_v3":
@@ -180,11 +201,11 @@ def check(cfg: GPTConfig):
         raise ValueError(
             "DeepSeek-V3 has no --shared-expert-gate and drops no token (--capacity-factor)"
         )
-    if cfg.norm_eps != LATENT_EPS or cfg.rope_scaling != 1.0:
+    if cfg.norm_eps != LATENT_EPS or (cfg.rope_scaling != 1.0 and cfg.rope_type != "yarn"):
         raise ValueError(
-            f"DeepSeek-V3's transformers class normalizes the latents with eps {LATENT_EPS} and "
-            f"its RoPE scaling rescales the attention: train with --norm-eps {LATENT_EPS} and "
-            "without --rope-scaling to export"
+            f"DeepSeek-V3's transformers class normalizes the latents with eps {LATENT_EPS}, and "
+            f"nanomega exports its RoPE scaling as YaRN only: train with --norm-eps {LATENT_EPS} "
+            "and --rope-type yarn (or no --rope-scaling) to export"
         )
 
 
@@ -259,6 +280,7 @@ def hf_model(cfg: GPTConfig):
         max_position_embeddings=cfg.block_size,
         rms_norm_eps=cfg.norm_eps,
         rope_theta=cfg.rope_theta,
+        rope_scaling=rope_table(cfg),
         rope_interleave=False,
         tie_word_embeddings=cfg.tie_embeddings,
         attention_bias=False,
