@@ -60,6 +60,9 @@ its formulas and its lesson:
         fp8_linear.py the FP8 linear: the op table's linear entry with its three GEMMs in FP8
         fp8_gather.py ZeRO-3's weights gathered in FP8: each rank quantizes its shard with
                       the whole weight's scale (an amax MAX), the ranks gather the codes
+    21  zeropp.py     ZeRO++: ZeRO-3's weight gathers as int8/int4 blocks (qwZ), the backward
+                      gather from a copy inside the host (hpZ), the gradients reduced by two
+                      quantized all-to-alls, inside then across (qgZ)
 
 Beside the concepts, two folders a student may skip:
     job/    running a job: flags (declared: config.py; parsed: flags.py) and their checks, failure

@@ -30,6 +30,7 @@ from nanomega import (
     wgrad,
     zero,
     zero_rules,
+    zeropp,
 )
 from nanomega.model import GPT
 from nanomega.job import flags
@@ -99,8 +100,19 @@ def build(config, grid):
     # over edp. --dp-shard (hybrid sharding): the dense weights sharded over grid.dp_shard (inside
     # a host), their slices all-reduced over grid.dp_rep (across); without it dp_shard is dp_cp
     across = grid.dp_rep if grid.dp_rep.size > 1 else None
+    # ZeRO++ (zeropp.py): ZeRO-3 over all of dp_cp; --dp-shard names the host (hpZ, qgZ)
+    plan = zeropp.Plan(
+        config.zeropp_qwz, config.zeropp_hpz, config.zeropp_qgz, grid.dp_shard, grid.dp_rep
+    )
+    if config.zeropp_qwz or config.zeropp_hpz or config.zeropp_qgz:
+        across = None
     replicas = [
-        zero_rules.Replicas("dense", grid.dp_shard, **pp.tied_rule(model, grid), replicate=across),
+        zero_rules.Replicas(
+            "dense",
+            grid.dp_shard if across else grid.dp_cp,
+            **pp.tied_rule(model, grid),
+            replicate=across,
+        ),
         zero_rules.Replicas(**ep.replica_group(grid)),
     ]
     # --optimizer: AdamW, or Muon on the hidden matrices (muon.py) and AdamW on the rest
@@ -119,5 +131,6 @@ def build(config, grid):
         wire=fp8_gather.FP8Gather(fp8.recipe.weight, grid.tp)
         if fp8 is not None and config.zero == 3
         else None,
+        zeropp=plan if plan.qwz or plan.hpz or plan.qgz else None,
     )
     return model, engine, n_params

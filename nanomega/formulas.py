@@ -12,7 +12,9 @@ Formulas (Psi = parameters one rank holds, d/t/p = dp/tp/pp sizes, m = micro-bat
                Megatron, bf16 params and fp32 grads: 18 -> 6 + 12/d with the distributed optimizer)
     dp bytes   ring all-reduce 2(d-1)/d Psi B; reduce-scatter and all-gather (d-1)/d each;
                ZeRO-3 3(d-1)/d (1.5x); hybrid sharding (d = S R: shard S inside a host, R
-               across): ZeRO's over S inside, one all-reduce 2(R-1)/R Psi B / S across
+               across): ZeRO's over S inside, one all-reduce 2(R-1)/R Psi B / S across;
+               ZeRO++ (zeropp_comm_bytes): qwZ's gather of blockwise int8/int4 codes + fp32 scales,
+               hpZ's backward gather inside (S-1)/S, qgZ's two all-to-alls of quantized blocks
     tp bytes   per layer and micro-batch, in units of (t-1)/t b*s*h elements: TP 8 (2 all-reduces
                forward, 2 backward); TP+SP 10 (2 all-gathers + 2 reduce-scatters forward, their
                conjugates backward, and the 2 all-gathers that re-gather the stored shards for the
@@ -277,6 +279,47 @@ def hybrid_comm_bytes(n_params, stage, shard, replicate, dtype_bytes, param_byte
     dp_comm_bytes(n, stage, S R, ...) through the slowest link."""
     inside = dp_comm_bytes(n_params, stage, shard, dtype_bytes, param_bytes, m)
     return inside, 2 * (replicate - 1) / replicate * n_params / shard * dtype_bytes
+
+
+def quant_block(k, block=2048):
+    """The block length of a blockwise quantizer for rows of k elements: `block`, or k itself when
+    shorter (made even: int4 packs pairs). zeropp.quantize's rule."""
+    return min(block, k + k % 2)
+
+
+def quantized_bytes(k, bits, block=2048):
+    """Bytes of one row of k elements quantized in blocks: whole blocks of `bits`-bit codes and
+    one fp32 scale per block."""
+    b = quant_block(k, block)
+    blocks = -(-k // b)
+    return blocks * b * bits // 8 + 4 * blocks
+
+
+def zeropp_comm_bytes(sizes, shard, replicate, param_bytes, qwz=0, hpz=False, qgz=0, m=1, **kw):
+    """ZeRO-3 with ZeRO++ over N = S R ranks (S per host, R hosts): (inside, across) bytes one rank
+    sends per step, each unit's group of P padded elements (sizes: every trainable group's P; c =
+    P / N) gathered twice and its fp32 gradient reduced once per micro-batch (m). An axis spanning
+    hosts counts as across (the slow link paces its ring). kw: block (the quantizer's).
+        forward gather   (N-1)/N P B_param    qwZ: (N-1) quantized_bytes(c, qwz)
+        backward gather  as the forward       hpZ: (S-1)/S P B_param, inside
+        reduce-scatter   (N-1)/N P 4          qgZ: (S-1) quantized_bytes(R c, qgz) inside,
+                                                   (R-1) quantized_bytes(c, qgz) across"""
+    n = shard * replicate
+    inside = across = 0.0
+    for P in sizes:
+        c, f = P // n, (n - 1) / n
+        gather = (n - 1) * quantized_bytes(c, qwz, **kw) if qwz else f * P * param_bytes
+        across += m * gather
+        if hpz:
+            inside += m * (shard - 1) / shard * P * param_bytes
+        else:
+            across += m * gather
+        if qgz:
+            inside += m * (shard - 1) * quantized_bytes(replicate * c, qgz, **kw)
+            across += m * (replicate - 1) * quantized_bytes(c, qgz, **kw)
+        else:
+            across += m * f * P * 4
+    return inside, across
 
 
 def tp_comm_bytes_per_layer(

@@ -52,6 +52,7 @@ class ZeroEngine:
     offload_params (stage 3, offload 1): the parameter shards in host memory too, copied up at each
     gather (zero3.py). wire (stage 3): another format for the parameters it takes on the
     all-gather (fp8_gather.FP8Gather: the FP8 linear's weights as E4M3 codes and scales).
+    zeropp (stage 3): a zeropp.Plan: qwZ's wire, hpZ's secondary axis, qgZ's reduce-scatter.
     Use: forward/backward as usual (`with engine.no_sync():` on all but the last micro-batch), then
     step(). Your own optimizer: ddp.DistributedDataParallel, zero3.FullyShardedDataParallel.
     """
@@ -71,6 +72,7 @@ class ZeroEngine:
         offload=0.0,
         offload_params=False,
         wire=None,
+        zeropp=None,
     ):
         pp = grid.pp.size if grid is not None else 1
         check_config(stage, optimizer_cls, pp, offload, offload_params)
@@ -108,6 +110,7 @@ class ZeroEngine:
         self.module, self.grid, self.stage = model, grid, stage
         self.axis = dense.axis  # the default group's axis: ZeRO-3 shards its units over it
         self.replicate = dense.replicate  # hybrid sharding: its copies across hosts (None: off)
+        self.zeropp = zeropp  # ZeRO++'s plan (None: off): read by the dry run's bytes per link
         row = STAGE[stage]  # the one place the stage's row is read
 
         # ZeRO-3: units of shards (zero3.py) over the default group's axis; whole groups: buckets
@@ -116,8 +119,19 @@ class ZeroEngine:
             for axis in filter(None, (self.axis, dense.replicate)):
                 start_equal(model, axis, init)
             sharded = [(k, p) for k, p in named if not owner[k].whole]
+            secondary = None
+            if zeropp is not None:  # ZeRO++: its wire (qwZ) and secondary axis (hpZ)
+                wire, secondary = wire or zeropp.wire(), zeropp.secondary
             self.sharded = ShardedParameters(
-                model, sharded, self.axis, wrap, values, device, host=offload_params, wire=wire
+                model,
+                sharded,
+                self.axis,
+                wrap,
+                values,
+                device,
+                host=offload_params,
+                wire=wire,
+                secondary=secondary,
             )
             units = [g for g in self.sharded.groups if g.trainable]
 
@@ -154,6 +168,8 @@ class ZeroEngine:
                         grad_dtype,
                         in_order=not row.parameters,
                         after_reduce=release,
+                        # ZeRO++'s qgZ: the dense group's gradients quantized, hierarchically
+                        scatter=zeropp.scatter() if zeropp is not None and r is dense else None,
                     )
                 )
             else:

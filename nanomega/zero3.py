@@ -11,7 +11,10 @@ unit is prefetched. A parameter used by several units (a tied embedding) belongs
                      uploaded on a side stream with the all-gather behind it: a prefetch's copy
                      overlaps the current unit's compute (which waits only when it needs the unit)
     wire             parameters gathered in another format (fp8_gather.py: the FP8 linear's
-                     weights as 1-byte codes + scales, half of bf16's all-gather bytes)
+                     weights as 1-byte codes + scales, half of bf16's all-gather bytes; zeropp.py's
+                     qwZ: int8/int4 blocks)
+    secondary        hpZ (zeropp.py): each gathered unit's slice over this smaller axis (the host's
+                     ranks) kept from forward to backward, whose all-gather then stays inside
 Limits: a parameter is used only inside its unit's forward (or sits in the root); activation
 recompute must be non-reentrant (torch.utils.checkpoint(use_reentrant=False), as recompute.py does).
 Lesson: lessons/02-data-parallel-and-zero.md
@@ -51,7 +54,16 @@ class ShardedParameters:
     shard on `device` (flat.FlatGroup)."""
 
     def __init__(
-        self, model, named, axis, wrap=None, values=None, device=None, host=False, wire=None
+        self,
+        model,
+        named,
+        axis,
+        wrap=None,
+        values=None,
+        device=None,
+        host=False,
+        wire=None,
+        secondary=None,
     ):
         # host: parameter offload (ZeRO-Infinity's offload_param): every shard in host memory,
         # copied up at each gather, `uploaded` bytes in all; on a CPU-only machine the same copies,
@@ -60,6 +72,9 @@ class ShardedParameters:
         # wire: another format on the wire for the parameters it takes (fp8_gather.FP8Gather):
         # they get groups of their own, gathered by its start / arrive / release
         self.wire = wire
+        # secondary (hpZ): an Axis inside the host; copies: id(group) -> this rank's 1/S slice of
+        # the gathered unit, from its forward to its backward; via: gathers running over it
+        self.secondary, self.copies, self.via = secondary, {}, set()
 
         # the units: the root, then each wrapped module
         modules = [model] + [
@@ -148,14 +163,22 @@ class ShardedParameters:
                 work = self.inflight.pop(id(g))
                 if work is not None:
                     work.wait()
-                if self.wired(g.params[0]):  # the wire's format into the parameters' buffer
+                if id(g) in self.via:  # the secondary copies hold the values already
+                    self.via.discard(id(g))
+                elif self.wired(g.params[0]):  # the wire's format into the parameters' buffer
                     self.wire.arrive(g)
+                if self.secondary is not None and not self.in_backward and torch.is_grad_enabled():
+                    self.copies[id(g)] = self.secondary_slice(g).clone()  # (padded / S,)
                 g.bind(g.full)
 
     def start_gather(self, g):
         """The all-gather of g's shards into g.full (running); under parameter offload the host
         shard goes up into its own slice first, and the all-gather runs in place behind it; the
-        wire's groups: its own all-gather (its `arrive` fills g.full)."""
+        wire's groups: its own all-gather (its `arrive` fills g.full); in backward, a group with a
+        secondary copy (hpZ): the all-gather of the copies, inside the host."""
+        if self.in_backward and id(g) in self.copies:
+            self.via.add(id(g))
+            return self.secondary.start("all_gather", g.full, self.copies[id(g)])
         if self.wired(g.params[0]):
             return self.wire.start(g, self.axis)
         if not self.host:
@@ -166,6 +189,11 @@ class ShardedParameters:
             work = self.axis.start("all_gather", g.full, mine)
         self.uploaded += g.shard.numel() * g.shard.element_size()
         return work
+
+    def secondary_slice(self, g):
+        """This rank's 1/S of the gathered buffer on the secondary axis (S divides N, so P)."""
+        n = g.padded // self.secondary.size
+        return g.full[self.secondary.rank * n : (self.secondary.rank + 1) * n]
 
     @contextlib.contextmanager
     def uploading(self, device):
@@ -187,6 +215,7 @@ class ShardedParameters:
         work = self.inflight.pop(id(g), None)
         if work is not None:
             work.wait()
+        self.via.discard(id(g))
         # an empty tensor: a stray use outside the unit fails loudly, not on freed memory
         for p in g.params:
             set_data(p, torch.empty(0, dtype=g.dtype, device=g.device))
@@ -244,6 +273,7 @@ class ShardedParameters:
             self._release_unit(u)
         self.in_backward = False
         self.visited.clear()
+        self.copies.clear()  # hpZ: the next forward makes new ones from the stepped weights
 
 
 class FullyShardedDataParallel:

@@ -46,6 +46,8 @@ class ShardBuckets(GradBuckets):
     after_reduce  after_reduce(group): called once a split group's reduction has started
                   (ZeRO-3 frees the unit).
     to_params     the caller's optimizer reads the slices: averaged in place (x / 2^k is exact).
+    scatter       scatter(out, bucket) -> Work or None: another reduce-scatter (zeropp.py's qgZ);
+                  None: the axis's.
     """
 
     def __init__(
@@ -56,8 +58,9 @@ class ShardBuckets(GradBuckets):
         in_order=True,
         after_reduce=None,
         to_params=False,
+        scatter=None,
     ):
-        self.in_order, self.after_reduce = in_order, after_reduce
+        self.in_order, self.after_reduce, self.scatter = in_order, after_reduce, scatter
         super().__init__(groups, axis, grad_dtype, to_params)
 
     def _allocate_grad(self, g):
@@ -105,8 +108,9 @@ class ShardBuckets(GradBuckets):
         )
         state.bucket = None  # alive only until its reduce-scatter finishes (the closure holds it)
         mean = self.to_params and n > 1  # the caller's optimizer reads the mean (x / 2^k is exact)
+        scatter = self.scatter or (lambda out, t: self.axis.start("reduce_scatter", out, t))
         self._start(
-            self.axis.start("reduce_scatter", out, bucket),
+            scatter(out, bucket),
             lambda: (g.grad.add_(out.div_(n) if mean else out), bucket),
         )
         if self.after_reduce is not None:

@@ -11,7 +11,7 @@ import dataclasses
 import os
 
 from nanomega import cp, data, dist, ep, fp8_linear, moe, muon, pp, precision, recompute, tp
-from nanomega import mtp, zero_rules
+from nanomega import mtp, zero_rules, zeropp
 from nanomega.job import faults, flags, guard, meter, presets, ranges
 from nanomega.job.flags import model_config
 
@@ -66,6 +66,9 @@ def check(config):
     zero_rules.check_config(c.zero, muon.choose(c.optimizer)[0], c.pp, c.offload, c.offload_params)
     if zero_rules.hybrid_error(c.dp_shard, dp, c.zero, c.cp, c.ep, c.pp):
         raise ValueError(zero_rules.hybrid_error(c.dp_shard, dp, c.zero, c.cp, c.ep, c.pp))
+    zpp = (c.zeropp_qwz, c.zeropp_hpz, c.zeropp_qgz, c.zero, dp, c.dp_shard, c.fp8, c.cp, c.ep)
+    if error := zeropp.error(*zpp, c.pp, c.offload or c.offload_params):
+        raise ValueError(error)
     vocab_size = data.get_tokenizer(c.tokenizer).n_vocab
     # documents.ids counts them
     eot = data.get_tokenizer(c.tokenizer).eot_token if c.document_mask else None

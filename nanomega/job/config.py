@@ -296,6 +296,23 @@ class Config:
         "(inside a host), replicated dp / dp-shard times across (0: all of dp)",
         at_least(0),
     )  # divides dp: zero_rules.hybrid_error
+    zeropp_qwz: int = PARALLEL(
+        0,
+        "ZeRO++ qwZ (--zero 3): the weights' all-gather as blockwise int8 or int4 codes + scales "
+        "(8 or 4; 0: off; nanomega/zeropp.py)",
+        (lambda v, c: v in (0, 4, 8), "0, 4 or 8 (bits)"),
+    )
+    zeropp_hpz: bool = PARALLEL(
+        False,
+        "ZeRO++ hpZ (--zero 3 --dp-shard S): a copy of the gathered weights sharded inside each "
+        "host of S ranks, so the backward all-gather stays inside (ZeRO-3 shards over all of dp)",
+    )
+    zeropp_qgz: int = PARALLEL(
+        0,
+        "ZeRO++ qgZ (--zero 3 --dp-shard S): the gradients' reduce-scatter as two all-to-alls of "
+        "blockwise int8 or int4 codes, inside the host then across (8 or 4; 0: off)",
+        (lambda v, c: v in (0, 4, 8), "0, 4 or 8 (bits)"),
+    )  # what does not compose: zeropp.error
     offload: float = PARALLEL(
         0.0,
         "ZeRO-Offload (--zero 1-3): the share (0-1) of the fp32 masters and Adam state kept in "

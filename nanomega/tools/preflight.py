@@ -62,7 +62,7 @@ def dry_run(config):
         f"{len(engine.groups)} groups, and Adam's 4-byte step counter per each of "
         f"{len(engine.pieces)} pieces)"
     )
-    wired = engine.sharded is not None and engine.sharded.wire is not None
+    wired = engine.sharded is not None and isinstance(engine.sharded.wire, fp8_gather.FP8Gather)
     if wired:  # --fp8 at ZeRO-3: the weights gathered as FP8 codes (fp8_gather.py)
         fp8, base = fp8_gather.step_bytes(engine.sharded)
         print(
@@ -79,11 +79,12 @@ def dry_run(config):
     links = link_bytes(config, engine)
     if links is not None:  # --dp-shard: what crosses the slow link, against plain ZeRO over dp
         (inside, across), plain = links
+        what = "ZeRO++ over hosts of" if engine.zeropp else "--dp-shard"
         print(
-            f"--dp-shard {grid.dp_shard.size} x {grid.dp_rep.size} replicas: per step this rank "
+            f"{what} {grid.dp_shard.size} x {grid.dp_rep.size} replicas: per step this rank "
             f"sends {inside / 1e6:.3f} MB inside its host, {across / 1e6:.3f} MB across hosts "
             f"(plain ZeRO-{config.zero} over dp {config.dp}: {plain / 1e6:.3f} MB, all of it "
-            f"through its slowest link; formulas.hybrid_comm_bytes)"
+            f"through its slowest link; formulas.hybrid_comm_bytes / zeropp_comm_bytes)"
         )
     return dict(
         links=links,
@@ -126,10 +127,16 @@ def link_bytes(config, engine):
     """--dp-shard: ((inside, across), plain) bytes this rank sends per step for its dense weights'
     gradients and parameters (formulas.hybrid_comm_bytes over the engine's padded buffers, fp32
     gradients), and plain ZeRO's over all of dp; None without hybrid sharding."""
+    plan, pb = engine.zeropp, engine.groups[0].full.element_size()
+    if plan is not None:  # ZeRO++: ZeRO-3 over all of dp, its collectives compressed or inside
+        sizes, hosts = [g.padded for g in engine.groups], (plan.inside.size, plan.across.size)
+        zpp = dict(qwz=plan.qwz, hpz=plan.hpz, qgz=plan.qgz, m=config.grad_accum)
+        links = formulas.zeropp_comm_bytes(sizes, *hosts, pb, **zpp)
+        return links, formulas.dp_comm_bytes(sum(sizes), 3, config.dp, 4, pb, config.grad_accum)
     if engine.replicate is None:
         return None
     n = sum(g.padded for g in engine.groups if engine.rule[id(g)].replicate is not None)
-    shard, rep, pb = engine.axis.size, engine.replicate.size, engine.groups[0].full.element_size()
+    shard, rep = engine.axis.size, engine.replicate.size
     per = (4, pb, config.grad_accum)  # fp32 gradients, the weights' bytes, the micro-batches
     hybrid = formulas.hybrid_comm_bytes(n, config.zero, shard, rep, *per)
     return hybrid, formulas.dp_comm_bytes(n, config.zero, shard * rep, *per)
@@ -159,6 +166,14 @@ def check_memory(config):
         )
 
 
+def zero_shards(config):
+    """The ranks ZeRO shards over: hybrid sharding's S, or all of dp (ZeRO++'s hpZ/qgZ name the
+    host with --dp-shard, their primary shards span dp)."""
+    if config.zeropp_qwz or config.zeropp_hpz or config.zeropp_qgz:
+        return config.dp
+    return config.dp_shard or config.dp
+
+
 def rank_state_bytes(config):
     """The planner's (params, grads, optimizer) bytes of one rank, per stage (experts / ep); Muon's
     matrices: one buffer, not Adam's two (cost_moe.muon_saved_bytes)."""
@@ -166,7 +181,7 @@ def rank_state_bytes(config):
         planner_model(config),
         config.tp,
         config.pp,
-        (config.dp_shard or config.dp) * config.cp,  # ZeRO's shards: hybrid sharding's S
+        zero_shards(config) * config.cp,  # ZeRO's shards: hybrid sharding's S
         config.zero,
         config.dtype,
         config.virtual_stages,
@@ -178,7 +193,7 @@ def rank_state_bytes(config):
         planner_model(config),
         config.tp,
         config.pp,
-        (config.dp_shard or config.dp) * config.cp,
+        zero_shards(config) * config.cp,
         config.zero,
         config.virtual_stages,
         ep=config.ep,
