@@ -121,8 +121,8 @@ def test_refusals():
 VOCAB, SEQ, MB, STEPS = 96, 8, 2, 3
 
 
-def _case(grid, n_layer, m):
-    """ZB-V on this stage and the dense model, 3 SGD steps: the largest differences (the first
+def _case(grid, n_layer, m, schedule="zb-v"):
+    """ZB-V (or another V schedule) on this stage and the dense model, 3 SGD steps: the largest differences (the first
     step's gradients apart from the tied embedding's), the op order the runtime ran, its peak
     in-flight chunk micro-batches, how many ops ran under no_sync."""
     torch.manual_seed(0)
@@ -141,7 +141,7 @@ def _case(grid, n_layer, m):
             stage,
             grid,
             batches,
-            "zb-v",
+            schedule,
             virtual=2,
             trace=trace,
             no_sync=lambda: no_sync.append(1) or contextlib.nullcontext(),
