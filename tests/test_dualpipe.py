@@ -12,7 +12,7 @@ import torch
 from nanomega import checkpoint, dualpipe, moe_overlap, pp, reshard, schedules, train, worlds
 from nanomega.schedules import Op, ops_in_order, peak_inflight, simulate
 from test_layouts import COMMON, RTOL, flags
-from test_zb_v import _case
+from test_zb_v import _case, _moved
 
 
 # ---------------------------------------------------------------- DualPipeV as data
@@ -66,19 +66,6 @@ def test_dualpipev_pairs():
     assert len(ops) == 6 * m
 
 
-def _moved(rank_moved, move):
-    """DualPipeV with rank_moved's op at position i moved to position j (one op a round)."""
-
-    def make(p, rank, m, v):
-        ops = ops_in_order(schedules.dualpipev(p, rank, m, v))
-        if rank == rank_moved:
-            i, j = move
-            ops.insert(j, ops.pop(i))
-        return [[op] for op in ops]
-
-    return make
-
-
 @pytest.mark.parametrize(
     "rank, move, error",
     [
@@ -96,7 +83,7 @@ def test_simulator_rejects_a_misordered_dualpipev(rank, move, error):
     assert ops_in_order(schedules.dualpipev(4, 3, 8))[:2] == [Op("F", 0, 0), Op("F", 0, 1)]
     simulate(4, 8, "dualpipev", v=2, t_b=1, t_w=1)  # the schedule itself passes
     with pytest.raises(RuntimeError, match=error):
-        simulate(4, 8, _moved(rank, move), v=2, t_b=1, t_w=1, place="v")
+        simulate(4, 8, _moved(rank, move, schedules.dualpipev), v=2, t_b=1, t_w=1, place="v")
 
 
 def test_refusals():

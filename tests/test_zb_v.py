@@ -71,11 +71,12 @@ def test_zb_v_bubble_and_memory_equal_the_formulas():
             assert all(len(t.events) == 6 * m for t in traces), (p, m)
 
 
-def _moved(rank_moved, move):
-    """ZB-V with rank_moved's op at position i moved to position j."""
+def _moved(rank_moved, move, schedule=schedules.zb_v):
+    """ZB-V (or another schedule) with rank_moved's op at position i moved to position j, one op a
+    round."""
 
     def make(p, rank, m, v):
-        ops = ops_in_order(schedules.zb_v(p, rank, m, v))
+        ops = ops_in_order(schedule(p, rank, m, v))
         if rank == rank_moved:
             i, j = move
             ops.insert(j, ops.pop(i))
