@@ -538,6 +538,11 @@ def draw_zb_h1(path):
     timeline.draw_timeline(schedules.simulate(4, 8, "zb-h1", t_f=1, t_b=1, t_w=1), path)
 
 
+def draw_dualpipev(path):
+    # the DualPipe repository's figure: 4 ranks (8 stages), 10 micro-batches; F = B = W = 1
+    timeline.draw_timeline(schedules.simulate(4, 10, "dualpipev", v=2, t_f=1, t_b=1, t_w=1), path)
+
+
 def draw_cp(path):
     plt = _plt()
     s, n = 16, 4
@@ -784,6 +789,7 @@ DIAGRAMS = {
     "diagram_tp.png": draw_tp,
     "diagram_1f1b.png": draw_1f1b,
     "05_timeline_zb-h1_unit_clock.png": draw_zb_h1,
+    "05_timeline_dualpipev_unit_clock.png": draw_dualpipev,
     "diagram_sp.png": draw_sp,
     "diagram_cp.png": draw_cp,
     "diagram_reshard.png": draw_reshard,

@@ -38,6 +38,8 @@ its formulas and its lesson:
                       simulator
         timeline.py   a step's timeline drawn, one row per rank (ASCII, and a PNG)
         wgrad.py      zero bubble: the backward split into B (input gradients) and W (weights, later)
+        dualpipe.py   DualPipeV as data: overlapped forward-and-backward pairs on the V
+        moe_overlap.py  a pair's MoE all-to-all issued before the other micro-batch computes
     06  precision.py  bf16 / fp16, fp32 masters, loss scaling
     07  recompute.py  full and selective activation recompute
     08  fused.py, csrc/

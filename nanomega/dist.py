@@ -171,18 +171,21 @@ class Axis:
             work.wait()
         return None if wait else works
 
-    def all_to_all(self, out, t, out_splits=None, in_splits=None):
+    def all_to_all(self, out, t, out_splits=None, in_splits=None, wait=True):
         """all_to_all_single: rows in_splits[i] of t go to rank i of the axis, out gets rank i's
         rows for us in axis order (None: equal splits; gloo takes uneven ones). Counted as the bytes
-        that leave this rank."""
+        that leave this rank. wait=False: returns (out, a Work to .wait() on, or None)."""
         row = t[:1].numel() * t.element_size()
         mine = in_splits[self.rank] if in_splits is not None else t.shape[0] // max(self.size, 1)
+        work = None
         if self.size > 1:
             self.log.record("all_to_all", self.name, self.size, t, (t.shape[0] - mine) * row)
-            dist.all_to_all_single(out, t, out_splits, in_splits, group=self.group)
+            work = dist.all_to_all_single(
+                out, t, out_splits, in_splits, group=self.group, async_op=not wait
+            )
         else:
             out.copy_(t)
-        return out
+        return out if wait else (out, work)
 
 
 def layout(dp=1, pp=1, tp=1, cp=1, ep=1, rank=None, dp_shard=None):

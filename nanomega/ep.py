@@ -26,6 +26,10 @@ Lesson: lessons/14-experts.md
 
 import torch
 
+# A DualPipeV pair's hand-off (moe_overlap.run_pair sets both; nothing outside a pair): called
+# right after an all-to-all was issued (the other micro-batch computes), and after its wait.
+OVERLAP = {"issued": lambda: None, "waited": lambda: None}
+
 
 def is_expert(name):
     """Whether the parameter `name` (its dense name) belongs to a routed expert: held by its ep rank
@@ -35,19 +39,30 @@ def is_expert(name):
 
 class AllToAll(torch.autograd.Function):
     """all_to_all_single over `axis` as a function of tensors: rows in_splits[i] to rank i,
-    out_splits[i] from it."""
+    out_splits[i] from it. Issued without waiting; in a DualPipeV pair the other micro-batch
+    computes before the wait (OVERLAP; outside a pair it returns at once)."""
 
     @staticmethod
     def forward(ctx, x, axis, out_splits, in_splits):  # (sum in_splits, h) -> (sum out_splits, h)
         ctx.axis, ctx.splits = axis, (out_splits, in_splits)
         out = x.new_empty((sum(out_splits),) + x.shape[1:])
-        return axis.all_to_all(out, x.contiguous(), out_splits, in_splits)
+        return _overlapped(axis, out, x, out_splits, in_splits)
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
         out = grad.new_empty((sum(in_splits),) + grad.shape[1:])
-        return ctx.axis.all_to_all(out, grad.contiguous(), in_splits, out_splits), None, None, None
+        return _overlapped(ctx.axis, out, grad, in_splits, out_splits), None, None, None
+
+
+def _overlapped(axis, out, t, out_splits, in_splits):
+    """The all-to-all issued, the other side of a DualPipeV pair run, then waited for."""
+    out, work = axis.all_to_all(out, t.contiguous(), out_splits, in_splits, wait=False)
+    OVERLAP["issued"]()
+    if work is not None:
+        work.wait()
+    OVERLAP["waited"]()
+    return out
 
 
 def run_experts(rows, sizes, experts, first):

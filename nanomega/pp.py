@@ -3,13 +3,13 @@ them.
 
 Idea: stage k of p keeps only its share of the blocks (the embedding on the first stage, the final
 norm, head and loss on the last). A step runs m micro-batches through the stages in the order a
-schedule gives (schedules.py: GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V); neighbours exchange
+schedule gives (schedules.py: GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V, DualPipeV); neighbours exchange
 activations (forward) and their gradients (backward) with batched isend/irecv of shapes known in
 advance. The tied embedding lives twice, on the first and the last stage, and the two copies'
 gradients are summed over grid.embed so they stay equal. A zero-bubble schedule's B computes input
 gradients and stashes the weight-gradient GEMMs for its W op (wgrad.py), which runs while p2p calls
 are in flight. Which rank holds which virtual stage is the schedule's placement
-(schedules.PLACEMENT): on ZB-V's V the first and the last stage are both rank 0, which then holds
+(schedules.PLACEMENT): on the V (ZB-V, DualPipeV) the first and the last stage are both rank 0, which then holds
 the tied embedding once, as the dense model.
 
 Formulas (p stages, m micro-batches of activation memory A each, v chunks per rank):
@@ -26,7 +26,7 @@ import functools
 import torch
 import torch.nn as nn
 
-from . import schedules, wgrad
+from . import dualpipe, moe_overlap, schedules, wgrad
 from .schedules import (
     SCHEDULES,
     SPLIT,
@@ -77,6 +77,8 @@ def check_args(n_layer, pp, microbatches, schedule, virtual=1, compiled=False):
             f"--schedule {schedule} places two model chunks per rank in a V: it needs --pp >= 2 "
             f"and --virtual-stages 2, got pp {pp}, virtual stages {virtual}"
         )
+    if schedule == dualpipe.NAME:
+        dualpipe.check(pp, microbatches)
     if schedule != "interleaved" and placement(schedule) != "v" and virtual > 1:
         raise ValueError(f"--virtual-stages {virtual} needs --schedule interleaved")
 
@@ -301,24 +303,9 @@ def _run(
     # live: (chunk, mb) -> (input, output) awaiting B; deferred: (chunk, mb) -> W's stash
     live, deferred, inbox, outbox, losses = {}, {}, {}, {}, []
     calls = Calls(grid, p, rank, deallocate, eager=split, place=place)
+    pairs = {f for f, _ in dualpipe.pairs(make(p, rank, m, virtual))} if place == "v" else set()
 
-    for step in steps:
-        if isinstance(step, Comm):
-            # a micro-batch's activation (or its gradient) has its own batch size: an evaluation's
-            # last micro-batch may be ragged, and a receive larger than its send would hang NCCL
-            inbox.update(
-                {
-                    msg: torch.empty(
-                        (len(micro_batches[msg[1]][0]), *shape[1:]), dtype=dtype, device=grid.device
-                    )
-                    for msg in step.recvs
-                }
-            )
-            calls.post(step, [outbox.pop(msg) for msg in step.sends], inbox)
-            if trace:
-                held = sum(out.untyped_storage().nbytes() for _, out in live.values() if out.dim())
-                trace.peak_output_bytes = max(trace.peak_output_bytes, held)
-            continue
+    def run(step):  # one op: F, B or W
         vs = virtual_stage(p, rank, step.chunk, place)
         calls.wait_for(recv_msg(step, p, rank, virtual, place))
         reduce = step == last_grad_op.get(step.chunk)
@@ -360,6 +347,31 @@ def _run(
             inbox[msg] = out.detach() if step.kind == "F" else x.grad
         elif msg:
             outbox[msg] = out if step.kind == "F" else x.grad
+
+    todo = iter(steps)
+    for step in todo:
+        if isinstance(step, Comm):
+            # a micro-batch's activation (or its gradient) has its own batch size: an evaluation's
+            # last micro-batch may be ragged, and a receive larger than its send would hang NCCL
+            inbox.update(
+                {
+                    msg: torch.empty(
+                        (len(micro_batches[msg[1]][0]), *shape[1:]), dtype=dtype, device=grid.device
+                    )
+                    for msg in step.recvs
+                }
+            )
+            calls.post(step, [outbox.pop(msg) for msg in step.sends], inbox)
+            if trace:
+                held = sum(out.untyped_storage().nbytes() for _, out in live.values() if out.dim())
+                trace.peak_output_bytes = max(trace.peak_output_bytes, held)
+            continue
+        if step in pairs:  # DualPipeV's overlapped pair: F, then the full backward B, W
+            b, w = next(todo), next(todo)
+            calls.wait_for(recv_msg(b, p, rank, virtual, place))
+            moe_overlap.run_pair(lambda: run(step), lambda: (run(b), run(w)))
+        else:
+            run(step)
 
     calls.wait_all()
     losses = torch.stack(losses) if losses else torch.zeros(m, device=grid.device)

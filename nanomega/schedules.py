@@ -24,6 +24,8 @@ import contextlib
 import time
 from collections import namedtuple
 
+from . import dualpipe
+
 # kind "F", "B" (the input gradient; with no W, the whole backward) or "W" (the weight gradients);
 # chunk = model chunk on this rank
 Op = namedtuple("Op", "kind mb chunk", defaults=(0,))
@@ -36,7 +38,7 @@ Event = namedtuple("Event", "op mb start end chunk")
 # rank r is virtual stage c p + r, the last (head and loss) on rank p - 1. "v" (ZB-V): two chunks
 # down and back up, rank r holds r and 2p - 1 - r, so the first and the last stage (embedding; head
 # and loss) are both on rank 0 and the turn p - 1 -> p stays on rank p - 1 (no message).
-PLACEMENT = {"zb-v": "v"}  # a schedule not listed: "loop"
+PLACEMENT = {"zb-v": "v", "dualpipev": "v"}  # a schedule not listed: "loop"
 
 
 def placement(schedule):
@@ -142,6 +144,11 @@ def zb_v(p, rank, m, v=2):
     return [[op] for op in ops if op.mb < m]
 
 
+def dualpipev(p, rank, m, v=2):
+    """DualPipeV (dualpipe.py: its order; an overlapped pair is one round F, B, W) as Ops."""
+    return [[Op(*op) for op in rnd] for rnd in dualpipe.rounds(p, rank, m)]
+
+
 def forward_only(p, rank, m, v=1):
     """Evaluation: the forwards alone, in the interleaved order (any m: the last
     group takes the rest)."""
@@ -162,8 +169,9 @@ SCHEDULES = {
     "interleaved": interleaved_1f1b,
     "zb-h1": zb_h1,
     "zb-v": zb_v,
+    "dualpipev": dualpipev,
 }
-SPLIT = {"zb-h1", "zb-v"}  # schedules with W ops: the backward split (wgrad.py)
+SPLIT = {"zb-h1", "zb-v", "dualpipev"}  # schedules with W ops: the backward split (wgrad.py)
 
 
 def ops_in_order(rounds):
@@ -241,31 +249,36 @@ def timed_plan(make, p, rank, m, v, place):
     """The V's p2p calls. There each pair of neighbours carries two streams each way (chunk 0's
     activations and chunk 1's gradients down, the others up) that the two ranks need in different
     orders, so a call per round (comm_plan) would match messages out of order or deadlock. Instead
-    every op gets its time on a unit clock with free messages (the dataflow of all ranks' op
-    lists), and at each tick t a rank posts one call: what it made at t, and what its peers made
-    for it at t. Both ends of a message post it at the same tick, so every pair agrees on the order
-    and the calls of tick t complete once every rank has run its ops before t: no deadlock."""
-    ops = [ops_in_order(make(p, r, m, v)) for r in range(p)]
-    made, start, clock, pos, progress = {}, {}, [0] * p, [0] * p, True
-    while progress:  # each rank runs its ops in order as soon as their inputs are made
+    every round gets its time on a unit clock with free messages (the dataflow of all ranks' op
+    lists; a round of several ops, DualPipeV's overlapped pair, starts once all its inputs are
+    made and sends after its last op), and at each tick t a rank posts one call: what it made at
+    t, and what its peers made for it at t. Both ends of a message post it at the same tick, so
+    every pair agrees on the order and the calls of tick t complete once every rank has run its ops
+    before t: no deadlock."""
+    rounds = [make(p, r, m, v) for r in range(p)]
+    ops = [ops_in_order(rs) for rs in rounds]
+    made, start, clock, pos, n, progress = {}, {}, [0] * p, [0] * p, [0] * p, True
+    while progress:  # each rank runs its rounds in order as soon as all their inputs are made
         progress = False
         for r in range(p):
-            while pos[r] < len(ops[r]):
-                op = ops[r][pos[r]]
-                msg = recv_msg(op, p, r, v, place)
-                if msg and msg not in made:
+            while pos[r] < len(rounds[r]):
+                rnd = rounds[r][pos[r]]
+                needs = [msg for op in rnd if (msg := recv_msg(op, p, r, v, place))]
+                if any(msg not in made for msg in needs):
                     break
-                start[(r, pos[r])] = max([clock[r]] + ([made[msg][0]] if msg else []))
-                clock[r] = start[(r, pos[r])] + 1
-                out = send_msg(op, p, r, v, place)
-                if out:
-                    made[out] = (clock[r], r, pos[r])  # (tick, sender, its op index): the order
-                pos[r], progress = pos[r] + 1, True
-    stuck = [r for r in range(p) if pos[r] < len(ops[r])]
+                t = max([clock[r]] + [made[msg][0] for msg in needs])
+                clock[r] = t + len(rnd)  # a round's ops run back to back, its sends after it
+                for i, op in enumerate(rnd, start=n[r]):
+                    start[(r, i)] = t
+                    out = send_msg(op, p, r, v, place)
+                    if out:
+                        made[out] = (clock[r], r, i)  # (tick, sender, its op index): the order
+                pos[r], n[r], progress = pos[r] + 1, n[r] + len(rnd), True
+    stuck = [r for r in range(p) if pos[r] < len(rounds[r])]
     if stuck:
         raise RuntimeError(
             f"p={p} m={m} v={v} on the V deadlocks: ranks {stuck} wait at "
-            f"{[ops[r][pos[r]] for r in stuck]} for inputs no op makes before them"
+            f"{[rounds[r][pos[r]] for r in stuck]} for inputs no op makes before them"
         )
 
     # one call per tick at which this rank sends or receives, before the op that starts there

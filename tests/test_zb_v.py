@@ -23,8 +23,9 @@ def test_placements():
     """The loop is Megatron's c p + r; the V holds r and 2p - 1 - r, so the first and the last
     virtual stage are on rank 0 and the turn p - 1 -> p stays on rank p - 1; each is the inverse
     of stage_rank."""
-    assert schedules.placement("zb-v") == "v"
-    assert {schedules.placement(s) for s in schedules.SCHEDULES if s != "zb-v"} == {"loop"}
+    assert schedules.placement("zb-v") == schedules.placement("dualpipev") == "v"
+    others = set(schedules.SCHEDULES) - {"zb-v", "dualpipev"}
+    assert {schedules.placement(s) for s in others} == {"loop"}
     for p in (2, 3, 4, 8):
         for place, v in (("loop", 1), ("loop", 3), ("v", 2)):
             held = {
@@ -70,11 +71,12 @@ def test_zb_v_bubble_and_memory_equal_the_formulas():
             assert all(len(t.events) == 6 * m for t in traces), (p, m)
 
 
-def _moved(rank_moved, move):
-    """ZB-V with rank_moved's op at position i moved to position j."""
+def _moved(rank_moved, move, schedule=schedules.zb_v):
+    """ZB-V (or another schedule) with rank_moved's op at position i moved to position j, one op a
+    round."""
 
     def make(p, rank, m, v):
-        ops = ops_in_order(schedules.zb_v(p, rank, m, v))
+        ops = ops_in_order(schedule(p, rank, m, v))
         if rank == rank_moved:
             i, j = move
             ops.insert(j, ops.pop(i))
@@ -121,8 +123,8 @@ def test_refusals():
 VOCAB, SEQ, MB, STEPS = 96, 8, 2, 3
 
 
-def _case(grid, n_layer, m):
-    """ZB-V on this stage and the dense model, 3 SGD steps: the largest differences (the first
+def _case(grid, n_layer, m, schedule="zb-v"):
+    """ZB-V (or another V schedule) on this stage and the dense model, 3 SGD steps: the largest differences (the first
     step's gradients apart from the tied embedding's), the op order the runtime ran, its peak
     in-flight chunk micro-batches, how many ops ran under no_sync."""
     torch.manual_seed(0)
@@ -141,7 +143,7 @@ def _case(grid, n_layer, m):
             stage,
             grid,
             batches,
-            "zb-v",
+            schedule,
             virtual=2,
             trace=trace,
             no_sync=lambda: no_sync.append(1) or contextlib.nullcontext(),

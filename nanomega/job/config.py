@@ -285,10 +285,12 @@ class Config:
     )
     schedule: str = PARALLEL(
         "1f1b",
-        "gpipe, 1f1b, interleaved, zb-h1 or zb-v (zero bubble: the backward split, wgrad.py; "
-        "zb-v: two chunks per rank in a V)",
+        "gpipe, 1f1b, interleaved, zb-h1, zb-v or dualpipev (zero bubble: the backward split, "
+        "wgrad.py; zb-v, dualpipev: two chunks per rank in a V; dualpipev: m >= 2 pp)",
     )
-    virtual_stages: int = PARALLEL(1, "model chunks per rank (interleaved, zb-v)")  # pp.check_args
+    virtual_stages: int = PARALLEL(
+        1, "model chunks per rank (interleaved, zb-v, dualpipev)"
+    )  # pp.check_args
     zero: int = PARALLEL(0, "ZeRO stage 0-3 (0: plain data parallelism)")  # zero.check_config
     dp_shard: int = PARALLEL(
         0,
