@@ -5,8 +5,7 @@ Runs of check.py, as a student runs it: every solution passes every test its exe
 run); every untouched starter fails with its own NotImplementedError (in spawned ranks too: tp-fg's
 and flat's are raised in the ranks, so the substitution reached them), and a planted bug in each of
 1f1b, cp-merge, ring, flash, router and zero3 fails, its line naming the failing case: two `--quick`
-runs, exercises whose tests share a spawned world (flat, zero3) in different runs; the second also
-grades a 1F1B with an uncapped warm-up, whose one --quick test must catch it.
+runs, exercises whose tests share a spawned world (flat, zero3) in different runs.
 The predictions (lessons/predict.py): right answers RIGHT, a wrong bubble WRONG, a missing one
 unanswered.
 """
@@ -207,26 +206,16 @@ def test_untouched_starters_and_a_planted_bug_fail(tmp_path):
         assert re.search("^FAIL " + line, out, re.M), (line, out)
 
 
-def test_the_other_starters_fail_by_their_own_error(tmp_path):
+def test_the_other_starters_fail_by_their_own_error():
     """The flat, ring, router and flash starters, untouched: one --quick run (their tests lie in four
     modules), each failing test naming its exercise's NotImplementedError; flat's raised in a
-    spawned rank. (zero3's starter shares flat's world: checked by hand, not in the suite.)
-    The same run grades a 1F1B with an uncapped warm-up (test_pp.py, a fifth module): `--quick` runs
-    one test, which must hold a case with fewer micro-batches than stages, and the failure line
-    names the case (p, rank, m) and both orders."""
+    spawned rank. (zero3's starter shares flat's world: checked by hand, not in the suite.)"""
     names = ["flat", "ring", "router", "flash"]
-    buggy = tmp_path / "uncapped_1f1b.py"
-    buggy.write_text(UNCAPPED_1F1B)
-    rc, verdicts, out = check("--quick", *pairs(EX, names), "--exercise", "1f1b", str(buggy))
-    assert verdicts == dict.fromkeys([*names, "1f1b"], "FAIL") and rc == 1, out
+    rc, verdicts, out = check("--quick", *pairs(EX, names))
+    assert verdicts == dict.fromkeys(names, "FAIL") and rc == 1, out
     assert re.search(r"^FAIL .*\(rank \d failed: NotImplementedError: exercise flat:", out, re.M)
     for name in names:
         assert re.search(rf"^FAIL .*NotImplementedError: exercise {name}:", out, re.M), out
-    assert re.search(
-        r"^FAIL tests/test_pp.py::test_op_orders_literal .*1f1b p=4 rank=0 m=2: got \S+, want F0F1B0B1",
-        out,
-        re.M,
-    ), out
 
 
 def test_a_file_without_the_names_is_one_line(tmp_path):
@@ -263,3 +252,17 @@ def test_predictions_graded_right_and_wrong(tmp_path):
     ), out
     assert out.count("-> RIGHT") == 21 and out.count("no prediction yet") == 1, out
     assert "predictions: 21/23 right" in out, out
+
+
+def test_quick_catches_an_uncapped_warmup_and_prints_the_case(tmp_path):
+    """`--quick` runs one test: it must hold a case with fewer micro-batches than stages, and the
+    failure line names the case (p, rank, m) and both orders."""
+    buggy = tmp_path / "uncapped_1f1b.py"
+    buggy.write_text(UNCAPPED_1F1B)
+    rc, verdicts, out = check("--quick", "--exercise", "1f1b", str(buggy))
+    assert verdicts == {"1f1b": "FAIL"} and rc == 1, out
+    assert re.search(
+        r"^FAIL tests/test_pp.py::test_op_orders_literal .*1f1b p=4 rank=0 m=2: got \S+, want F0F1B0B1",
+        out,
+        re.M,
+    ), out
