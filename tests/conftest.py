@@ -172,3 +172,25 @@ def pytest_sessionstart(session):
         reporter.write_line(
             "versions: " + ", ".join(f"{name} {_version(name)}" for name in VERSIONS)
         )
+
+
+# Where the suite's time goes, by file: with --durations (CI sets --durations=40), the files whose
+# tests took longest, setup and teardown included (a module's spawned world is its first test's
+# setup), printed after pytest's per-test list
+_FILE_SECONDS = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, config):
+    if config.option.durations is None or not _FILE_SECONDS:
+        return
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.write_sep("=", f"slowest files ({total:.0f} s in all)")
+    ranked = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])
+    for path, seconds in ranked[:25]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {100 * seconds / total:5.1f}%  {path}")

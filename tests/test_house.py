@@ -6,6 +6,7 @@ holds at most MAX_CODE_LINES lines of code; only dist.py calls torch.distributed
 each."""
 
 import ast
+import functools
 import io
 import re
 import shutil
@@ -42,6 +43,7 @@ NOT_COLLECTIVES = {
 }
 
 
+@functools.cache  # the tree is read once per session: graph() asks for it once per module
 def modules():
     return {
         ".".join(p.relative_to(PKG.parent).with_suffix("").parts): p
@@ -72,8 +74,9 @@ def imports_of(name, path):
     }
 
 
+@functools.cache  # three tests walk the one import graph
 def graph():
-    return {name: imports_of(name, path) for name, path in modules().items()}
+    return {name: frozenset(imports_of(name, path)) for name, path in modules().items()}
 
 
 def cycles(g):

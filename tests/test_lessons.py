@@ -2,6 +2,7 @@
 lesson shows."""
 
 import ast
+import functools
 import os
 import re
 import subprocess
@@ -17,7 +18,8 @@ COMMAND = re.compile(r"^\$ (python [^\n]+)$", re.M)
 TEXT_BLOCK = re.compile(r"```text\n(.*?)```", re.S)
 
 
-def definitions(path: Path) -> set:
+@functools.cache  # a file is parsed once for the whole suite, not once per reference to it
+def definitions(path: Path) -> frozenset:
     """Every `Name` and `Class.method` defined at module or class level in a Python file."""
     names = set()
     tree = ast.parse(path.read_text())
@@ -33,7 +35,7 @@ def definitions(path: Path) -> set:
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names |= {t.id for t in targets if isinstance(t, ast.Name)}
-    return names
+    return frozenset(names)
 
 
 def test_lessons_exist_in_order():

@@ -221,10 +221,9 @@ def test_global_batch_sets_grad_accum_from_the_world(monkeypatch, tmp_path):
 
 
 def _lost_rank_world():
-    """Rank 1 stays away from a collective (sleeps past its timeout); rank 0 must name it in one
-    line."""
+    """Rank 1 stays away from a collective until rank 0 has given its verdict (past rank 0's
+    timeout and check-in wait, however slow the machine); rank 0 must name it in one line."""
     import datetime
-    import time
 
     import torch
     import torch.distributed as td
@@ -237,8 +236,10 @@ def _lost_rank_world():
     solo_group = solo.dp.group
     short = td.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
     if td.get_rank() == 1:
-        # gone past rank 0's 2 s timeout and its 2 s check-in wait, as a cut-off host would be
-        time.sleep(8)
+        # gone past rank 0's 2 s timeout and its 2 s check-in wait, as a cut-off host would be: it
+        # waits for lifecycle.lost_ranks' verdict key without checking in (a fixed sleep of 8 s
+        # was 4 s too long on an idle machine and could be too short on a loaded one)
+        dist.store().wait(["nanomega/verdict"], datetime.timedelta(seconds=50))
         return sub_timeout, solo_group, None
     try:
         td.all_reduce(torch.ones(1), group=short)

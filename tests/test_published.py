@@ -96,9 +96,13 @@ def test_tp_overlap_hides_behind_the_matmuls_only():
     assert CT.layer_seconds(model, gpu, replace(run, tp_overlap=True), 8) == compute + hidden
 
 
-def _zero3_micro_batches(m):
-    """One rank's dp bytes in one ZeRO-3 step of m micro-batches (train.py's loop)."""
-    grid = dist.Grid(2, 1, 1)
+def _zero3_micro_batches(ms):
+    """{m: one rank's dp bytes in one ZeRO-3 step of m micro-batches (train.py's loop)}, each m
+    on its own grid of one world (one world's start, not one per m)."""
+    return {m: _zero3_step_bytes(dist.Grid(2, 1, 1), m) for m in ms}
+
+
+def _zero3_step_bytes(grid, m):
     cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64)
     torch.manual_seed(0)
     model = cast_model(GPT(cfg), torch.bfloat16)
@@ -120,8 +124,8 @@ def test_zero3_gathers_every_micro_batch_in_the_engine_and_the_planner():
     reduce-scatters every micro-batch: formulas.dp_comm_bytes(..., m), which overlap.dp_seconds
     prices, counts the same bytes (not one gather per step, as FSDP with reshard_after_forward off
     could)."""
-    for m in (1, 3):
-        psi, sent = worlds.launch(_zero3_micro_batches, 2, m, timeout=300)[0]
+    measured = worlds.launch(_zero3_micro_batches, 2, (1, 3), timeout=300)[0]
+    for m, (psi, sent) in measured.items():
         on_wire = sum(RING[op](2) * b for op, b in sent.items())
         norm = (8 + 4) * RING["all_reduce"](2)  # the global norm's fp64 sum and the finite count
         assert on_wire == F.dp_comm_bytes(psi, 3, 2, 2, 2, m) + norm
