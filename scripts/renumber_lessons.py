@@ -56,6 +56,7 @@ ORDER = [
 ]
 LESSON = re.compile(r"^(\d\d)-([\w-]+)\.md$")
 TEXT = {".md", ".py", ".toml", ".txt", ".sh", ".sbatch", ".cfg", ".yml", ".yaml", ".json", ""}
+TEXT |= {".cpp", ".cu", ".cuh", ".h", ".c"}  # csrc/'s "Lesson:" comments
 HERE = "> **You are here:**"
 SKIP = {
     "scripts/renumber_lessons.py",
