@@ -184,9 +184,73 @@ def _simulate(order):
     return {k: p.detach().clone() for k, p in params.items()}
 
 
+class NoFeedback(onebit.OneBitAdam):
+    """A planted error: the compression errors dropped after every step (no error feedback)."""
+
+    def step(self, closure=None):
+        super().step()
+        if self.mean is not None:
+            self.mean.worker_error.zero_()
+            self.mean.server_error.zero_()
+
+
+RUN, RUN_WARMUP, EVAL = 120, 15, 10  # steps, 1-bit Adam's warm-up, held-out loss every EVAL
+
+
+def _teacher_batch(step, rank, rows=32):
+    """A fixed random teacher tanh(x A) B plus noise; step -1: the held-out set (2048 rows)."""
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(16, 32, generator=g) / 4, torch.randn(32, 4, generator=g) / 5
+    g = torch.Generator().manual_seed(1000 * step + rank if step >= 0 else 10**6)
+    x = torch.randn(rows, 16, generator=g)
+    return x, torch.tanh(x @ a) @ b + 0.01 * torch.randn(rows, 4, generator=g)
+
+
+def _convergence(grid):
+    """RUN steps at dp2 of AdamW, 1-bit Adam and the planted NoFeedback: held-out losses."""
+    held, curves = _teacher_batch(-1, 0, 2048), {}
+    for name, cls in (("adamw", torch.optim.AdamW), ("onebit", onebit.OneBitAdam)) + (
+        ("planted", NoFeedback),
+    ):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+        options = dict(weight_decay=0.0, lr=1e-2, betas=(0.9, 0.95))
+        options.update({} if cls is torch.optim.AdamW else dict(warmup=RUN_WARMUP))
+        engine = ZeroEngine(model, cls, weight_decay_groups(**options), grid, 0)
+        curves[name] = []
+        for step in range(RUN):
+            x, y = _teacher_batch(step, grid.dp.rank)
+            (model(x) - y).square().mean().backward()
+            engine.step()
+            if step % EVAL == EVAL - 1 or step == RUN_WARMUP - 1:  # [0]: the warm-up's end
+                with torch.no_grad():
+                    curves[name].append((model(held[0]) - held[1]).square().mean().item())
+    return curves
+
+
+def _world2(world):
+    return dict(_dp2(world), curves=_convergence(dist.Grid(world, 1, 1)))
+
+
 @pytest.fixture(scope="module")
 def world2():
-    return worlds.launch(_dp2, 2, 2)
+    return worlds.launch(_world2, 2, 2)
+
+
+def test_one_bit_adam_converges_as_adamw_and_without_feedback_it_does_not(world2):
+    """Tang et al. 2021 claim 1-bit Adam converges as Adam does, sample for sample. The bound,
+    stated: after RUN steps (the mean of the last 3 held-out losses), 1-bit Adam's loss is above
+    AdamW's by at most 20% of what AdamW gained after the warm-up (where the three runs are still
+    one; seen on AMD AVX2: 11.8%). The planted NoFeedback (the same compressor, errors dropped)
+    must fail it (seen: 27.3%)."""
+    curves = world2[0]["curves"]
+    final = {k: sum(c[-3:]) / 3 for k, c in curves.items()}
+    assert curves["onebit"][0] == curves["planted"][0] == curves["adamw"][0]  # the warm-up: AdamW
+    gained = curves["adamw"][0] - final["adamw"]
+    gap = {k: (final[k] - final["adamw"]) / gained for k in ("onebit", "planted")}
+    assert gained > 0.3 * curves["adamw"][0], curves["adamw"]  # it learned after the warm-up
+    assert gap["onebit"] <= 0.2, (gap, curves)
+    assert gap["planted"] > 0.2, (gap, curves)
 
 
 def test_dp2_equals_the_one_process_simulation_bitwise(world2):
