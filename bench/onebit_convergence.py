@@ -21,7 +21,8 @@ from nanomega.tools import plot  # noqa: E402
 # name -> (ranks, flags): the same global batch in every row, so the same samples per step
 SCHEMES = {
     "uncompressed": (2, []),
-    "onebit": (2, ["--optimizer", "onebit", "--onebit-warmup", "40"]),
+    "onebit": (2, ["--optimizer", "onebit", "--onebit-warmup", "40"]),  # 20% of 200 steps
+    "onebit-w100": (2, ["--optimizer", "onebit", "--onebit-warmup", "100"]),
     "hybrid-2x2": (4, ["--zero", "1", "--dp-shard", "2"]),
 }
 EVERY = 25

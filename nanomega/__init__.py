@@ -60,6 +60,8 @@ its formulas and its lesson:
         fp8_linear.py the FP8 linear: the op table's linear entry with its three GEMMs in FP8
         fp8_gather.py ZeRO-3's weights gathered in FP8: each rank quantizes its shard with
                       the whole weight's scale (an amax MAX), the ranks gather the codes
+    22  onebit.py     1-bit Adam: after a warm-up the momentum averaged as signs and a scale per
+                      chunk, with error feedback (--optimizer onebit)
 
 Beside the concepts, two folders a student may skip:
     job/    running a job: flags (declared: config.py; parsed: flags.py) and their checks, failure
