@@ -65,6 +65,8 @@ its formulas and its lesson:
     21  zeropp.py     ZeRO++: ZeRO-3's weight gathers as int8/int4 blocks (qwZ), the backward
                       gather from a copy inside the host (hpZ), the gradients reduced by two
                       quantized all-to-alls, inside then across (qgZ)
+    22  onebit.py     1-bit Adam: after a warm-up the momentum averaged as signs and a scale per
+                      chunk, with error feedback (--optimizer onebit)
 
 Beside the concepts, two folders a student may skip:
     job/    running a job: flags (declared: config.py; parsed: flags.py) and their checks, failure

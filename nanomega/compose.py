@@ -117,6 +117,8 @@ def build(config, grid):
     ]
     # --optimizer: AdamW, or Muon on the hidden matrices (muon.py) and AdamW on the rest
     optimizer_cls, groups = muon.choose(config.optimizer)
+    if config.optimizer == "onebit":  # its warm-up of uncompressed steps (onebit.py)
+        options = dict(betas=(0.9, 0.95), warmup=config.onebit_warmup)  # (no fused kernel)
     engine = zero.ZeroEngine(
         model,
         optimizer_cls,

@@ -103,6 +103,9 @@ class GradBuckets:
         self.progress = [Progress() for _ in groups]
         # _backward: the autograd graph task whose end is queued (None: none in progress)
         self._no_sync, self._backward, self._pending = False, None, deque()
+        # local() true: no reduction at all, the gradients stay this rank's (an optimizer that
+        # averages over dp itself after a warm-up: onebit.py, through zero_rules.communicates)
+        self.local = lambda: False
         # the hooks hold self weakly: Python's gc does not see a parameter's post-accumulate-grad
         # hooks, so parameter -> hook -> self -> groups -> parameter would never be freed (nor the
         # gradient buffers)
@@ -118,7 +121,7 @@ class GradBuckets:
         g.grad = torch.zeros(g.padded, dtype=self.grad_dtype, device=g.device)
 
     def _syncing(self):
-        return not self._no_sync
+        return not self._no_sync and not self.local()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -235,7 +238,7 @@ class GradBuckets:
         """Reduce the groups no synced backward reduced (every micro-batch ran under no_sync), wait
         for all."""
         for j, state in enumerate(self.progress):
-            if not state.reduced:
+            if not state.reduced and not self.local():
                 self._reduce(j)
         while self._pending:
             self._finish_one()

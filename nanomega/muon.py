@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from . import zero_rules
+from . import onebit, zero_rules  # onebit: --optimizer's third value (this file holds the table)
 
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the speedrun's quintic, tuned for speed, not a fixpoint
 STEPS = 5
@@ -152,10 +152,12 @@ def choose(name):
     """--optimizer: (the optimizer class, its param_groups_fn(weight_decay, **options))."""
     if name == "muon":
         return Muon, param_groups
+    if name == "onebit":  # 1-bit Adam: AdamW's groups, the momentum compressed after a warm-up
+        return onebit.OneBitAdam, zero_rules.weight_decay_groups
     return torch.optim.AdamW, zero_rules.weight_decay_groups
 
 
 def check(name):
     """One line for an --optimizer that is not one of ours."""
-    if name not in ("adamw", "muon"):
-        raise ValueError(f"--optimizer {name!r}: choose adamw or muon")
+    if name not in ("adamw", "muon", "onebit"):
+        raise ValueError(f"--optimizer {name!r}: choose adamw, muon or onebit")

@@ -29,7 +29,7 @@ from .flat import Piece, storage_bytes
 from .zero3 import ShardedParameters
 from .zero_buckets import Buckets, ScatterBuckets, ShardBuckets
 from .owners import Owners
-from .zero_rules import STAGE, Replicas, check_config, owners, whole_matrices
+from .zero_rules import STAGE, Replicas, check_config, communicates, owners, whole_matrices
 
 
 class ZeroEngine:
@@ -194,6 +194,12 @@ class ZeroEngine:
                 grid.tp if grid is not None else None,
             )
             self.optimizer.place(self.owners)
+        if communicates(optimizer_cls):  # the seam: it averages over the dense axis itself
+            if len(held) > 1:
+                raise ValueError(f"{optimizer_cls.__name__}: one replica group only (dense)")
+            self.optimizer.communicate(self.axis)
+            for part in self.buckets.parts:
+                part.local = self.optimizer.local
 
         # this rank's share of the norm, per replica group: fixed by the layout (and by a group's
         # copies another rank counts)

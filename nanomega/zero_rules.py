@@ -89,6 +89,11 @@ def check_config(stage, optimizer_cls, pp=1, offload=0.0, offload_params=False):
             f"optimizer {name} cannot run under ZeroEngine (LBFGS needs a closure, SparseAdam "
             f"sparse gradients); use AdamW, Adam or SGD"
         )
+    if (stage or offload) and communicates(optimizer_cls):
+        raise ValueError(
+            f"--zero {stage} / --offload with {name}: it averages each rank's whole momentum "
+            f"over dp itself; use --zero 0 without --offload"
+        )
     if offload and whole_matrices(optimizer_cls):
         raise ValueError(f"--offload: the CPU step computes Adam/AdamW, not {name}'s matrices")
     if (
@@ -132,6 +137,13 @@ def whole_matrices(optimizer_cls):
     and has place(owners) and whole(param group); ZeroEngine then hands it an owners.Owners that
     gives each sharded matrix of a group whose whole(...) is true one rank computing its update."""
     return getattr(optimizer_cls, "elementwise", None) is False and hasattr(optimizer_cls, "place")
+
+
+def communicates(optimizer_cls):
+    """The seam for an optimizer that averages over dp itself (onebit.OneBitAdam): it has
+    communicate(axis) and local(); ZeroEngine hands it the dense axis and, while local() is true,
+    leaves the gradients unreduced (stage 0 only: the optimizer holds the whole momentum)."""
+    return hasattr(optimizer_cls, "communicate") and hasattr(optimizer_cls, "local")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

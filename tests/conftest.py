@@ -76,6 +76,7 @@ QUICK = {
     "the planner": "tests/test_plan.py::test_cli_plans_llama3_405b",
     "the planner on published rows": "tests/test_published.py::test_calibration_rows",
     "Muon": "tests/test_muon.py::test_one_process_step_equals_a_plain_reimplementation",
+    "1-bit Adam's compressor": "tests/test_onebit.py::test_compressor_equals_an_independent_reference",
     "HF import, checked": "tests/test_hf_inputs.py::test_transformers_load_report_is_refused_by_name",
     "Qwen2/Qwen3, RoPE rules": "tests/test_hf_qwen.py::test_qwen_logits_both_ways[qwen3]",
     "DCP, torchtitan's names": "tests/test_dcp.py::test_interleaved_rows_are_metas_rotary",

@@ -154,6 +154,9 @@ NOT_DRAWN = {
         "targets per rank, dp2 ZeRO-3 + full recompute, pp2 1F1B / ZB-H1, tp2, tp2 + SP, against "
         "one process); drawing it here (with Muon, fused kernels, other schedules) is open",
     ),
+    "onebit_warmup": "1-bit Adam (--optimizer onebit, not drawn either): tests/test_onebit.py holds "
+    "dp2 against a one-process simulation of the algorithm; its compressed steps differ from the "
+    "dense run by design (a biased compressor): no layout tolerance applies",
     "norm_eps": "as rope_theta",
     "moe_aux_loss": "drawn through moe_z_loss's path (the same router loss reduction)",
     "min_lr": "the schedule's value: no layout computes it otherwise",

@@ -10,7 +10,7 @@ Lesson: lessons/09-3d-parallelism.md
 import dataclasses
 import os
 
-from nanomega import cp, data, dist, ep, fp8_linear, moe, muon, pp, precision, recompute, tp
+from nanomega import cp, data, dist, ep, fp8_linear, moe, muon, onebit, pp, precision, recompute, tp
 from nanomega import mtp, zero_rules, zeropp
 from nanomega.job import faults, flags, guard, meter, presets, ranges
 from nanomega.job.flags import model_config
@@ -63,6 +63,8 @@ def check(config):
 
     # the engine's rules
     muon.check(c.optimizer)
+    if c.optimizer == "onebit" and onebit.check(c.zero, c.offload, c.ep, c.pp, c.dtype):
+        raise ValueError(onebit.check(c.zero, c.offload, c.ep, c.pp, c.dtype))
     zero_rules.check_config(c.zero, muon.choose(c.optimizer)[0], c.pp, c.offload, c.offload_params)
     if zero_rules.hybrid_error(c.dp_shard, dp, c.zero, c.cp, c.ep, c.pp):
         raise ValueError(zero_rules.hybrid_error(c.dp_shard, dp, c.zero, c.cp, c.ep, c.pp))

@@ -257,8 +257,13 @@ class Config:
     weight_decay: float = OPTIMIZER(0.1, "AdamW weight decay (not on biases, norms)", at_least(0))
     optimizer: str = OPTIMIZER(
         "adamw",
-        "adamw, or muon: the blocks' matrices by Muon (nanomega/muon.py), the rest by AdamW",
-        choices=["adamw", "muon"],
+        "adamw, muon: the blocks' matrices by Muon (nanomega/muon.py), the rest by AdamW, or "
+        "onebit: 1-bit Adam, the momentum all-reduced as signs after --onebit-warmup steps "
+        "(nanomega/onebit.py; --zero 0)",
+        choices=["adamw", "muon", "onebit"],
+    )
+    onebit_warmup: int = OPTIMIZER(
+        100, "--optimizer onebit: uncompressed AdamW steps before the variance freezes", at_least(1)
     )
     grad_clip: float = OPTIMIZER(1.0, "clip the global gradient norm (0: off)", at_least(0))
     seed: int = OPTIMIZER(
