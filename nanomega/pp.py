@@ -30,6 +30,7 @@ from . import schedules, wgrad
 from .schedules import (
     SCHEDULES,
     SPLIT,
+    TIMED,
     Comm,
     Op,
     peer,
@@ -241,6 +242,7 @@ def train_step(
         loss_scale,
         trace,
         deallocate,
+        schedule in TIMED,
     )
     return losses.mean().item()
 
@@ -278,6 +280,7 @@ def _run(
     loss_scale=1.0,
     trace=None,
     deallocate=True,
+    timed=False,
 ):
     p, rank, m = grid.pp.size, grid.pp_rank, len(micro_batches)
     n_layer, last_vs = model.cfg.n_layer, p * virtual - 1
@@ -292,7 +295,7 @@ def _run(
     x0 = micro_batches[0][0]
     shape = act_shape or (x0.shape[0], x0.shape[1], model.cfg.n_embd)
     dtype = next(model.blocks.parameters()).dtype
-    steps = rank_plan(make, p, rank, m, virtual, place)  # ops and the p2p calls between them
+    steps = rank_plan(make, p, rank, m, virtual, place, timed)  # ops, the p2p calls between them
     ops = [step for step in steps if isinstance(step, Op)]
     split = any(op.kind == "W" for op in ops)
     # the op that reduces each chunk's gradients: its last W (split backward), else its last B

@@ -279,8 +279,8 @@ class Config:
     )
     schedule: str = PARALLEL(
         "1f1b",
-        "gpipe, 1f1b, interleaved, zb-h1 or zb-v (zero bubble: the backward split, wgrad.py; "
-        "zb-v: two chunks per rank in a V)",
+        "gpipe, 1f1b, interleaved, zb-h1, zb-h2 or zb-v (zero bubble: the backward split, "
+        "wgrad.py; zb-h2: 2p - 1 micro-batches in flight; zb-v: two chunks per rank in a V)",
     )
     virtual_stages: int = PARALLEL(1, "model chunks per rank (interleaved, zb-v)")  # pp.check_args
     zero: int = PARALLEL(0, "ZeRO stage 0-3 (0: plain data parallelism)")  # zero.check_config
