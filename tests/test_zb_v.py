@@ -65,19 +65,6 @@ def test_zb_v_bubble_and_memory_equal_the_formulas():
             assert all(len(t.events) == 6 * m for t in traces), (p, m)
 
 
-def _moved(rank_moved, move):
-    """ZB-V with rank_moved's op at position i moved to position j."""
-
-    def make(p, rank, m, v):
-        ops = ops_in_order(schedules.zb_v(p, rank, m, v))
-        if rank == rank_moved:
-            i, j = move
-            ops.insert(j, ops.pop(i))
-        return [[op] for op in ops]
-
-    return make
-
-
 @pytest.mark.parametrize(
     "rank, move, error",
     [
@@ -95,7 +82,7 @@ def test_simulator_rejects_a_misordered_zb_v(rank, move, error):
     assert ops_in_order(schedules.zb_v(4, 3, 8))[:2] == [Op("F", 0, 0), Op("F", 0, 1)]
     simulate(4, 8, "zb-v", v=2, t_b=1, t_w=1)  # the schedule itself passes
     with pytest.raises(RuntimeError, match=error):
-        simulate(4, 8, _moved(rank, move), v=2, t_b=1, t_w=1, place="v")
+        simulate(4, 8, zb_dense.moved(schedules.zb_v, rank, move), v=2, t_b=1, t_w=1, place="v")
 
 
 def test_refusals():

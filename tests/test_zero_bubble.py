@@ -108,15 +108,6 @@ def test_zb_h1_bubble_and_memory_equal_the_formulas(times):
             assert span_1f1b - m * (t_f + t_b + t_w) == (p - 1) * (t_f + t_b + t_w)
 
 
-def _moved(p, rank, m, v=1, move=None):
-    """ZB-H1 with rank 1's op at position i moved to position j."""
-    ops = ops_in_order(schedules.zb_h1(p, rank, m, v))
-    if rank == 1:
-        i, j = move
-        ops.insert(j, ops.pop(i))
-    return [[op] for op in ops]
-
-
 @pytest.mark.parametrize(
     "move, error",
     [
@@ -132,7 +123,7 @@ def test_simulator_rejects_a_misordered_zb_h1(move, error):
     assert ops[:7] == [Op(k, mb) for k, mb in zip("FFFBFBW", (0, 1, 2, 0, 3, 1, 0))]
     simulate(4, 8, "zb-h1", t_b=1, t_w=1)  # the schedule itself passes
     with pytest.raises(RuntimeError, match=error):
-        simulate(4, 8, lambda p, r, m, v: _moved(p, r, m, v, move), t_b=1, t_w=1)
+        simulate(4, 8, zb_dense.moved(schedules.zb_h1, 1, move), t_b=1, t_w=1)
 
 
 def test_refusals():
@@ -189,18 +180,11 @@ def test_zb_h2_bubble_and_memory_equal_the_formulas(times):
     ],
 )
 def test_simulator_rejects_a_misordered_zb_h2(rank, move, error):
-    def make(p, r, m, v):
-        ops = ops_in_order(schedules.zb_h2(p, r, m, v))
-        if r == rank:
-            i, j = move
-            ops.insert(j, ops.pop(i))
-        return [[op] for op in ops]
-
     ops = ops_in_order(schedules.zb_h2(4, 0, 8))
     assert ops[:10] == [Op("F", i) for i in range(7)] + [Op("B", 0), Op("W", 0), Op("F", 7)]
     simulate(4, 8, "zb-h2", t_b=1, t_w=1)  # the schedule itself passes
     with pytest.raises(RuntimeError, match=error):
-        simulate(4, 8, make, t_b=1, t_w=1, timed=True)
+        simulate(4, 8, zb_dense.moved(schedules.zb_h2, rank, move), t_b=1, t_w=1, timed=True)
 
 
 # ---------------------------------------------------------------- against the dense model, on gloo

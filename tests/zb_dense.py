@@ -1,7 +1,8 @@
-"""The zero-bubble tests' comparisons, shared by tests/test_zero_bubble.py (ZB-H1, ZB-H2) and
-tests/test_zb_v.py (ZB-V): a split-backward schedule on this pipeline stage against the dense model
-over 3 SGD steps (pp.train_step, gloo), and train.py under a schedule against its 1F1B (the losses,
-the validation loss and the final weights from the checkpoints)."""
+"""The zero-bubble tests' helpers, shared by tests/test_zero_bubble.py (ZB-H1, ZB-H2) and
+tests/test_zb_v.py (ZB-V): a schedule with one op moved (a misordered variant); a split-backward
+schedule on this pipeline stage against the dense model over 3 SGD steps (pp.train_step, gloo);
+train.py under a schedule against its 1F1B (the losses, the validation loss and the final weights
+from the checkpoints)."""
 
 import contextlib
 import copy
@@ -17,6 +18,19 @@ from nanomega.schedules import Op, Trace
 from test_layouts import COMMON, flags
 
 VOCAB, SEQ, MB, STEPS = 96, 8, 2, 3
+
+
+def moved(make, rank_moved, move):
+    """Schedule `make` with rank_moved's op at position i moved to position j (move = (i, j))."""
+
+    def misordered(p, rank, m, v):
+        ops = schedules.ops_in_order(make(p, rank, m, v))
+        if rank == rank_moved:
+            i, j = move
+            ops.insert(j, ops.pop(i))
+        return [[op] for op in ops]
+
+    return misordered
 
 
 def dense_case(grid, n_layer, m, schedule):
