@@ -1,13 +1,17 @@
-"""Zero bubble: step time of 1F1B against ZB-H1 at pp 4 on CPU ranks, next to what the bubble
-formulas predict from the measured op times.
+"""Zero bubble: step time of 1F1B against ZB-H1, ZB-H2 and ZB-V at pp 4 on CPU ranks, next to
+what the bubble formulas and the simulator predict from the measured op times.
 
-Same dense GPT, the same 4-stage split and micro-batches; 4 gloo ranks, one thread each; the two
-schedules alternate step by step (the minimum over --steps is the least disturbed step). From each
-schedule's wall-clock trace: the mean op times t_f, t_b (1F1B: the whole backward; ZB-H1: B, the
-input gradient) and t_w, the bubble measured (schedules.bubble_fraction), and the predicted step
-time
-    1F1B   (m + p - 1)(t_f + t_bw)                        t_bw: 1F1B's whole backward
-    ZB-H1  m (t_f + t_b + t_w) + (p - 1)(t_f + t_b - t_w) (Qi et al. 2024, Table 1)
+Same dense GPT, the same 4-stage split (ZB-V: 8 chunks of one block in a V) and micro-batches; 4
+gloo ranks, one thread each; the schedules alternate step by step (the minimum over --steps is the
+least disturbed step). From each schedule's wall-clock trace: the mean op times t_f, t_b (1F1B: the
+whole backward; the split schedules: B, the input gradient) and t_w, the bubble measured
+(schedules.bubble_fraction), and the predicted step time
+    1F1B   (m + p - 1)(t_f + t_bw)                              t_bw: 1F1B's whole backward
+    ZB-H1  m (t_f + t_b + t_w) + (p - 1)(t_f + t_b - t_w)       (Qi et al. 2024, Table 1)
+    ZB-H2  m (t_f + t_b + t_w) + (p - 1) max(t_f, t_f + t_b - 2 t_w)   (the step synchronized;
+           lessons/05: the paper's (p - 1)(t_f + t_b - 2 t_w) is each rank's own span)
+    ZB-V   no closed form at unequal times: the simulator's step at the measured chunk op times
+and the simulator's step (schedules.simulate at the measured op times, in 0.1 ms) for each.
 On a machine with fewer cores than ranks the ranks share cores: one rank's idle time is another's
 compute time, and the measured gain is not the formulas' (they assume a core per stage).
 Usage: python bench/bench_zero_bubble.py [--microbatches 8] [--steps 5]
@@ -23,8 +27,9 @@ import torch
 from nanomega import dist, pp, wgrad, worlds
 from nanomega.gpt_config import GPTConfig
 from nanomega.model import GPT
-from nanomega.schedules import Trace, bubble_fraction
+from nanomega.schedules import Trace, bubble_fraction, simulate
 
+SPLIT = ("zb-h1", "zb-h2")  # on the loop, one chunk per rank
 CFG = dict(vocab_size=512, block_size=128, n_layer=8, n_head=4, n_embd=256)
 MB, SEQ = 4, 128
 
@@ -41,7 +46,8 @@ def _bench(m, steps):
     dense = GPT(GPTConfig(**CFG))
     stages = {
         "1f1b": pp.build_stage(copy.deepcopy(dense), grid),
-        "zb-h1": wgrad.split_backward(pp.build_stage(copy.deepcopy(dense), grid)),
+        **{s: wgrad.split_backward(pp.build_stage(copy.deepcopy(dense), grid)) for s in SPLIT},
+        "zb-v": wgrad.split_backward(pp.build_stage(copy.deepcopy(dense), grid, 2, "v")),
     }
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, CFG["vocab_size"], (m * MB, SEQ), generator=g) for _ in range(2))
@@ -51,7 +57,9 @@ def _bench(m, steps):
         for schedule, stage in stages.items():
             trace = Trace(grid.pp_rank)
             start = time.perf_counter()
-            losses[schedule] = pp.train_step(stage, grid, batches, schedule, trace=trace)
+            virtual = 2 if schedule == "zb-v" else 1
+            losses[schedule] = pp.train_step(stage, grid, batches, schedule, virtual=virtual,
+                                             trace=trace)  # fmt: skip
             times[schedule].append(time.perf_counter() - start)
             traces[schedule] = trace
             stage.zero_grad(set_to_none=True)
@@ -74,33 +82,38 @@ def main():
         for s in ranks[0]["times"]
     }
     traces = {s: [r["traces"][s] for r in ranks] for s in times}
-    assert ranks[-1]["losses"]["1f1b"] == ranks[-1]["losses"]["zb-h1"]
+    # the same loss every way (ZB-V's tied matrix sums in another order: within rounding)
+    losses = [ranks[0]["losses"][s] for s in times]
+    assert max(losses) - min(losses) <= 1e-5 * abs(losses[0]), losses
     t_f = statistics.mean(_mean(t, "F") for t in traces["1f1b"])
     t_bw = statistics.mean(_mean(t, "B") for t in traces["1f1b"])
-    t_b = statistics.mean(_mean(t, "B") for t in traces["zb-h1"])
-    t_w = statistics.mean(_mean(t, "W") for t in traces["zb-h1"])
+    op = {s: [statistics.mean(_mean(t, k) for t in traces[s]) for k in "FBW"] for s in times}
+    a, b, c = op["zb-h1"]
+    a2, b2, c2 = op["zb-h2"]
     predicted = {
         "1f1b": (m + p - 1) * (t_f + t_bw),
-        "zb-h1": m * (t_f + t_b + t_w) + (p - 1) * (t_f + t_b - t_w),
+        "zb-h1": m * (a + b + c) + (p - 1) * (a + b - c),
+        "zb-h2": m * (a2 + b2 + c2) + (p - 1) * max(a2, a2 + b2 - 2 * c2),
     }
-    formula = {
-        "1f1b": (p - 1) / (m + p - 1),
-        "zb-h1": (p - 1) * (t_f + t_b - t_w) / predicted["zb-h1"],
-    }
-    print(f"p={p} m={m} x ({MB} x {SEQ}) tokens, {CFG}; mean op times (ms): F {t_f * 1e3:.1f}, "
-          f"1F1B's backward {t_bw * 1e3:.1f}, ZB-H1's B {t_b * 1e3:.1f}, "
-          f"W {t_w * 1e3:.1f}")  # fmt: skip
-    print("| schedule | step time min (median) | predicted | bubble measured (formula) |")
-    print("| --- | --- | --- | --- |")
+    simulated = {}
+    for s, (f, bk, w) in op.items():
+        f, bk, w = (round(x * 1e4) for x in (f, bk if s != "1f1b" else t_bw, w))
+        v = 2 if s == "zb-v" else 1
+        sim = simulate(p, m, s, v=v, t_f=f, t_b=bk, t_w=w)
+        simulated[s] = max(e.end for t in sim for e in t.events) / 1e4
+    print(f"p={p} m={m} x ({MB} x {SEQ}) tokens, {CFG}; mean op times (ms), F B W: "
+          + "; ".join(f"{s} " + " ".join(f"{x * 1e3:.1f}" for x in op[s]) for s in op))  # fmt: skip
+    print("| schedule | step time min (median) | formula | simulator | bubble measured |")
+    print("| --- | --- | --- | --- | --- |")
     for s in times:
-        bubble = bubble_fraction(traces[s])
+        formula = f"{predicted[s] * 1e3:.0f} ms" if s in predicted else "-"
         print(
             f"| {s} | {min(times[s]) * 1e3:.0f} ({statistics.median(times[s]) * 1e3:.0f}) ms | "
-            f"{predicted[s] * 1e3:.0f} ms | {bubble:.3f} ({formula[s]:.3f}) |"
+            f"{formula} | {simulated[s] * 1e3:.0f} ms | {bubble_fraction(traces[s]):.3f} |"
         )
-    ratio = min(times["zb-h1"]) / min(times["1f1b"])
-    print(f"ZB-H1 / 1F1B step time: {ratio:.3f} measured, "
-          f"{predicted['zb-h1'] / predicted['1f1b']:.3f} predicted")  # fmt: skip
+    for s in list(times)[1:]:
+        print(f"{s} / 1F1B minimum step time: {min(times[s]) / min(times['1f1b']):.3f} measured, "
+              f"{simulated[s] / simulated['1f1b']:.3f} simulated")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -543,6 +543,16 @@ def draw_dualpipev(path):
     timeline.draw_timeline(schedules.simulate(4, 10, "dualpipev", v=2, t_f=1, t_b=1, t_w=1), path)
 
 
+def draw_zb_h2(path):
+    # the parallelogram: every rank busy from its first op to its last, the ranks t_f apart
+    timeline.draw_timeline(schedules.simulate(4, 8, "zb-h2", t_f=1, t_b=1, t_w=1), path)
+
+
+def draw_zb_v(path):
+    # two chunks per rank in a V, each op a chunk's (half a stage's) F, B or W
+    timeline.draw_timeline(schedules.simulate(4, 8, "zb-v", v=2, t_f=1, t_b=1, t_w=1), path)
+
+
 def draw_cp(path):
     plt = _plt()
     s, n = 16, 4
@@ -790,6 +800,8 @@ DIAGRAMS = {
     "diagram_1f1b.png": draw_1f1b,
     "05_timeline_zb-h1_unit_clock.png": draw_zb_h1,
     "05_timeline_dualpipev_unit_clock.png": draw_dualpipev,
+    "05_timeline_zb-h2_unit_clock.png": draw_zb_h2,
+    "05_timeline_zb-v_unit_clock.png": draw_zb_v,
     "diagram_sp.png": draw_sp,
     "diagram_cp.png": draw_cp,
     "diagram_reshard.png": draw_reshard,

@@ -34,8 +34,8 @@ its formulas and its lesson:
         tp_loss.py    the cross-entropy of vocabulary-split logits: no rank holds them all
     04  tp.py         sequence parallelism (the same file: all-gather / reduce-scatter for f/g)
     05  pp.py, schedules.py
-                      pipeline stages; GPipe / 1F1B / interleaved / ZB-H1 / ZB-V as plain data and a
-                      simulator
+                      pipeline stages; GPipe / 1F1B / interleaved / ZB-H1 / ZB-H2 / ZB-V as plain
+                      data and a simulator
         timeline.py   a step's timeline drawn, one row per rank (ASCII, and a PNG)
         wgrad.py      zero bubble: the backward split into B (input gradients) and W (weights, later)
         dualpipe.py   DualPipeV as data: overlapped forward-and-backward pairs on the V

@@ -238,12 +238,18 @@ def llama_activation_bytes_per_layer(
 def inflight_microbatches(p, m, schedule="1f1b", v=1):
     """Micro-batches whose activations stage 0 holds at its peak, in units of one stage's L/p
     layers: GPipe all m, 1F1B p (its warm-up), interleaved p + (p-1)/v, i.e. Korthikanti's L(1 +
-    (p-1)/(pv)) layers."""
+    (p-1)/(pv)) layers; ZB-H1 p, ZB-H2 2p - 1 (Qi et al. 2024, Table 1), ZB-V 2p half-size chunks,
+    i.e. p (its fullest rank: min(2p, 2m, m + p) chunks, tests/test_zb_v.py)."""
     if p == 1:
         return 1  # plain gradient accumulation: one micro-batch at a time
-    return {"gpipe": m, "1f1b": min(p, m), "interleaved": p + (p - 1) / v, "zb-h1": min(p, m)}[
-        schedule
-    ]
+    return {
+        "gpipe": m,
+        "1f1b": min(p, m),
+        "interleaved": p + (p - 1) / v,
+        "zb-h1": min(p, m),
+        "zb-h2": min(2 * p - 1, m),
+        "zb-v": min(2 * p, 2 * m, m + p) / 2,
+    }[schedule]
 
 
 def offload_seconds(n, grad_bytes, param_bytes, pcie_bw, host_bw, adam_bytes=28):
@@ -397,12 +403,17 @@ def collective_seconds(op, n, nbytes, alpha, beta, algo="ring"):
 def pipeline_bubble(p, m, v=1):
     """Idle fraction of the step: each stage waits p-1 slots out of v*m + p-1 (a slot = one
     micro-batch's forward + backward of one chunk; interleaving shrinks the slots by v).
-    Time = ideal * (1 + (p-1)/(v m)). ZB-H1 idles (p-1)(T_F + T_B - T_W) (Qi et al. 2024, Table 1),
-    a third of a slot per ramp step at T_F = T_B = T_W: v = ZB_H1_SLOTS gives its bubble."""
+    Time = ideal * (1 + (p-1)/(v m)). The zero-bubble schedules' ramps are a fraction of a slot at
+    T_F = T_B = T_W: v = RAMP_SLOTS[schedule] gives their bubble."""
     return (p - 1) / (v * m + p - 1)
 
 
 ZB_H1_SLOTS = 3  # ZB-H1's ramp: (T_F + T_B - T_W) / (T_F + T_B + T_W) = 1/3 slot at equal times
+# slots per ramp step of the split schedules at T_F = T_B = T_W, the step synchronized (nanomega's):
+# ZB-H1 (p-1)(T_F + T_B - T_W) (Qi et al. 2024, Table 1); ZB-H2 (p-1) max(T_F, T_F + T_B - 2 T_W)
+# (ours: its ranks start T_F apart, the paper's (p-1)(T_F + T_B - 2 T_W) is each rank's own span);
+# ZB-V (p-1) chunk ops of a sixth of a slot (ours, m >= 2p - 1: tests/test_zb_v.py)
+RAMP_SLOTS = {"zb-h1": ZB_H1_SLOTS, "zb-h2": 3, "zb-v": 6}
 
 
 def flops_per_token(n_params, n_layer, h, s, recompute="none", head_params=0):

@@ -30,6 +30,7 @@ from . import dualpipe, moe_overlap, schedules, wgrad
 from .schedules import (
     SCHEDULES,
     SPLIT,
+    TIMED,
     Comm,
     Op,
     peer,
@@ -243,6 +244,7 @@ def train_step(
         loss_scale,
         trace,
         deallocate,
+        schedule in TIMED,
     )
     return losses.mean().item()
 
@@ -280,6 +282,7 @@ def _run(
     loss_scale=1.0,
     trace=None,
     deallocate=True,
+    timed=False,
 ):
     p, rank, m = grid.pp.size, grid.pp_rank, len(micro_batches)
     n_layer, last_vs = model.cfg.n_layer, p * virtual - 1
@@ -294,7 +297,7 @@ def _run(
     x0 = micro_batches[0][0]
     shape = act_shape or (x0.shape[0], x0.shape[1], model.cfg.n_embd)
     dtype = next(model.blocks.parameters()).dtype
-    steps = rank_plan(make, p, rank, m, virtual, place)  # ops and the p2p calls between them
+    steps = rank_plan(make, p, rank, m, virtual, place, timed)  # ops, the p2p calls between them
     ops = [step for step in steps if isinstance(step, Op)]
     split = any(op.kind == "W" for op in ops)
     # the op that reduces each chunk's gradients: its last W (split backward), else its last B

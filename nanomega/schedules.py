@@ -13,6 +13,9 @@ Formulas (p stages, m micro-batches, v virtual stages per rank, forward t_f and 
     micro-batches alive on rank r: GPipe m, 1F1B min(m, p - r)  (activation memory ∝ m vs ∝ p)
     ZB-H1 (Qi et al. 2024, Table 1): idle per rank (p - 1)(t_f + t_b - t_w), vs 1F1B's
                         (p - 1)(t_f + t_b + t_w); alive min(m, p) on every rank (1F1B's peak)
+    ZB-H2 (Qi et al. 2024, Table 1): idle per rank (p - 1)(t_f + t_b - 2 t_w) from its first op
+                        to its last (m >= 2p - 1); alive 2p - 1 (the paper's (2p - 1) M_B); the
+                        ranks' spans are offset by t_f, so a synchronized step adds (p - 1) t_f
     ZB-V (Qi et al. 2024, sec. 6): two chunks per rank in a V (t_f = t_b = t_w = t per chunk),
                         idle per rank (p - 1) t for m >= 2p - 1 (the V's ramp; ours, from the
                         schedule: tests/test_zb_v.py), vs 1F1B's 6(p - 1) t; alive 2p chunks on
@@ -101,15 +104,31 @@ def zb_h1(p, rank, m, v=1):
     """ZB-H1 (Qi et al. 2024, sec. 3.1, Fig. 3): 1F1B's forwards and input-gradient backwards B;
     each rank runs its weight-gradient passes W `rank` B's late, so they fill what would be its
     wait for the cool-down's gradients (the last rank, which waits longest, delays most)."""
-    warmup = min(p - rank - 1, m)
+    return _split_1f1b(m, warmup=min(p - rank - 1, m), lag=rank, f_first=True)
+
+
+def zb_h2(p, rank, m, v=1):
+    """ZB-H2 (Qi et al. 2024, sec. 3.1, Fig. 3; our reading of it): 2(p - rank) - 1 warm-up
+    forwards fill the wait for the first gradient, then B W F; each rank runs its W's 2 rank B's
+    late, which leaves 2 rank + 1 W's for the tail: every rank is busy from its first op to its
+    last (a parallelogram). Zero bubble needs the next step's forwards to start while the last
+    rank finishes, i.e. the optimizer step's synchronization bypassed (the paper's sec. 4), which
+    nanomega does not do: its step still waits for every rank (lessons/05)."""
+    return _split_1f1b(m, warmup=min(2 * (p - rank) - 1, m), lag=2 * rank, f_first=False)
+
+
+def _split_1f1b(m, warmup, lag, f_first):
+    """One chunk, a split backward: `warmup` forwards; then per micro-batch b its B, the W `lag`
+    B's behind, and the next forward (before B when f_first); the W's left at the end."""
     ops, w = [Op("F", i) for i in range(warmup)], 0
     for b in range(m):
-        if warmup + b < m:
-            ops.append(Op("F", warmup + b))
+        f = [Op("F", warmup + b)] if warmup + b < m else []
+        ops += f if f_first else []
         ops.append(Op("B", b))
-        if b + 1 - w > rank:  # W of the oldest micro-batch, `rank` B's behind
+        if b + 1 - w > lag:  # W of the oldest micro-batch, `lag` B's behind
             ops.append(Op("W", w))
             w += 1
+        ops += [] if f_first else f
     return [[op] for op in ops + [Op("W", i) for i in range(w, m)]]
 
 
@@ -168,10 +187,18 @@ SCHEDULES = {
     "1f1b": one_f_one_b,
     "interleaved": interleaved_1f1b,
     "zb-h1": zb_h1,
+    "zb-h2": zb_h2,
     "zb-v": zb_v,
     "dualpipev": dualpipev,
 }
-SPLIT = {"zb-h1", "zb-v", "dualpipev"}  # schedules with W ops: the backward split (wgrad.py)
+SPLIT = {
+    "zb-h1",
+    "zb-h2",
+    "zb-v",
+    "dualpipev",
+}  # schedules with W ops: the backward split (wgrad.py)
+# p2p by timed_plan besides the V: a rank's warm-up runs ahead of what its neighbour takes
+TIMED = {"zb-h2"}
 
 
 def ops_in_order(rounds):
@@ -237,10 +264,10 @@ def comm_plan(rounds, p, rank, v=1, place="loop"):
     return steps
 
 
-def rank_plan(make, p, rank, m, v=1, place="loop"):
+def rank_plan(make, p, rank, m, v=1, place="loop", timed=False):
     """Rank `rank`'s steps: its schedule's (make's) ops and the p2p calls between them: comm_plan,
-    or on the V timed_plan."""
-    if place == "v":
+    or on the V and when timed (the TIMED schedules) timed_plan."""
+    if place == "v" or timed:
         return timed_plan(make, p, rank, m, v, place)
     return comm_plan(make(p, rank, m, v), p, rank, v, place)
 
@@ -254,7 +281,9 @@ def timed_plan(make, p, rank, m, v, place):
     made and sends after its last op), and at each tick t a rank posts one call: what it made at
     t, and what its peers made for it at t. Both ends of a message post it at the same tick, so
     every pair agrees on the order and the calls of tick t complete once every rank has run its ops
-    before t: no deadlock."""
+    before t: no deadlock. ZB-H2
+    (TIMED) too: there comm_plan's warm-up sends would wait for a neighbour that runs fewer
+    warm-up forwards to post their receives, and the sender would idle."""
     rounds = [make(p, r, m, v) for r in range(p)]
     ops = [ops_in_order(rs) for rs in rounds]
     made, start, clock, pos, n, progress = {}, {}, [0] * p, [0] * p, [0] * p, True
@@ -277,7 +306,7 @@ def timed_plan(make, p, rank, m, v, place):
     stuck = [r for r in range(p) if pos[r] < len(rounds[r])]
     if stuck:
         raise RuntimeError(
-            f"p={p} m={m} v={v} on the V deadlocks: ranks {stuck} wait at "
+            f"p={p} m={m} v={v} ({place}) deadlocks: ranks {stuck} wait at "
             f"{[rounds[r][pos[r]] for r in stuck]} for inputs no op makes before them"
         )
 
@@ -294,7 +323,7 @@ def timed_plan(make, p, rank, m, v, place):
     return steps + [Comm(*ticks.pop(t)) for t in sorted(ticks)]
 
 
-def simulate(p, m, schedule, v=1, t_f=1, t_b=2, t_w=0, place=None):
+def simulate(p, m, schedule, v=1, t_f=1, t_b=2, t_w=0, place=None, timed=None):
     """Run every rank's plan on a unit clock: F takes t_f, B t_b (a backward is ~2 forwards of
     FLOPs; with W ops, B is the input gradient alone and W the weight gradients), messages take no
     time. A batched call completes only when every peer has posted the matching call (the
@@ -303,11 +332,13 @@ def simulate(p, m, schedule, v=1, t_f=1, t_b=2, t_w=0, place=None):
     the same peer waits for it (calls between two ranks complete in order). pp.py waits where this
     does; a plan that finishes here cannot deadlock. A message that stays on its rank (the V's
     turn) is there when the op that made it has run. place: the placement (default: the named
-    schedule's; a schedule function runs on "loop" unless told). Returns one Trace per rank."""
+    schedule's; a schedule function runs on "loop" unless told); timed: p2p by timed_plan (default:
+    whether the named schedule is in TIMED). Returns one Trace per rank."""
     # a name, or a schedule function
     make = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     place = place or (placement(schedule) if isinstance(schedule, str) else "loop")
-    plans = [rank_plan(make, p, r, m, v, place) for r in range(p)]
+    timed = schedule in TIMED if timed is None else timed
+    plans = [rank_plan(make, p, r, m, v, place, timed) for r in range(p)]
     for r, plan in enumerate(plans):
         _check_op_order([s for s in plan if isinstance(s, Op)], r, m, v)
     _check_message_order(plans, p, place)

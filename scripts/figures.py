@@ -159,6 +159,8 @@ SCRIPTED = {
     "diagram_tp.png": "lessons/diagrams.py",
     "diagram_1f1b.png": "lessons/diagrams.py",
     "05_timeline_zb-h1_unit_clock.png": "lessons/diagrams.py",
+    "05_timeline_zb-h2_unit_clock.png": "lessons/diagrams.py",
+    "05_timeline_zb-v_unit_clock.png": "lessons/diagrams.py",
     "diagram_sp.png": "lessons/diagrams.py",
     "diagram_cp.png": "lessons/diagrams.py",
     "diagram_reshard.png": "lessons/diagrams.py",

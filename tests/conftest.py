@@ -60,6 +60,7 @@ QUICK = {
     "ZB-V on the V": "tests/test_zb_v.py::test_zb_v_bubble_and_memory_equal_the_formulas",
     "DualPipeV": "tests/test_dualpipe.py::test_dualpipev_bubble_and_memory_equal_the_formulas",
     "DualPipeV's MoE overlap order": "tests/test_dualpipe.py::test_pair_hands_the_turn_at_each_all_to_all",
+    "ZB-H2's parallelogram": "tests/test_zero_bubble.py::test_zb_h2_bubble_and_memory_equal_the_formulas[times0]",
     "mixed precision": "tests/test_precision.py::test_matmuls_in_half_softmax_and_loss_in_fp32",
     "recompute": "tests/test_recompute.py::test_every_mode_is_bitwise_no_recompute",
     "fused kernels": "tests/test_fused.py::test_gpt_with_fused_matches_gpt",

@@ -298,11 +298,16 @@ def layouts(draw, max_world=4, loose=False, min_world=1):
     if c["cp"] > 1:
         c["cp_method"] = pick(CHOICES["cp_method"])
     if c["pp"] > 1:
-        c["schedule"] = pick(CHOICES["schedule"])
-        c["virtual_stages"] = 2 if c["schedule"] == "interleaved" else 1
+        # zb-v: two chunks per rank in a V, so 2 pp layers at least (pp.check_args); drawn where
+        # the model has them (zb-h2, as zb-h1, takes any layout 1f1b does)
+        fits_v = loose or 2 * c["pp"] <= c["n_layer"]
+        c["schedule"] = pick(s for s in CHOICES["schedule"] if s != "zb-v" or fits_v)
+        c["virtual_stages"] = 2 if c["schedule"] in ("interleaved", "zb-v") else 1
 
     # the engine (experts: ZeRO-0..2 without offload, ep.check_engine), the arithmetic, the kernels
-    c["zero"] = pick((0, 1, 2) if experts else (0, 1, 2, 3))
+    # (beside pp only ZeRO-0/1: zero_rules.pipeline_error; the loose draw finds that refusal)
+    stages = (0, 1) if c["pp"] > 1 and not loose else (0, 1, 2) if experts else (0, 1, 2, 3)
+    c["zero"] = pick(stages)
     if c["zero"] and not experts:
         c["offload"] = pick((0.0, 0.5, 1.0))
         c["offload_params"] = c["zero"] == 3 and c["offload"] == 1.0 and draw(st.booleans())
@@ -312,7 +317,8 @@ def layouts(draw, max_world=4, loose=False, min_world=1):
     c.update(fused=draw(st.booleans()), attention=pick(CHOICES["attention"]))
     c.update(document_mask=draw(st.booleans()), optimizer=pick(("adamw", "muon")))
     c["grad_clip"] = pick((1.0, 0.0, 0.05))  # 0.05 clips every step
-    if draw(st.booleans()) and (loose or (c["ep"] == 1 and c.get("schedule") != "zb-h1")):
+    split = c.get("schedule") in schedules.SPLIT  # fp8_linear.check: not composed with W ops
+    if draw(st.booleans()) and (loose or (c["ep"] == 1 and not split)):
         c["fp8"] = pick(fp8_recipes(c) if not loose else FP8)  # the blocks' linears in FP8
         if c["fp8"] == "blockwise":
             c["fp8_block"] = pick((16, 32))

@@ -11,8 +11,8 @@ import torch
 
 from nanomega import checkpoint, dualpipe, moe_overlap, pp, reshard, schedules, train, worlds
 from nanomega.schedules import Op, ops_in_order, peak_inflight, simulate
+import zb_dense
 from test_layouts import COMMON, RTOL, flags
-from test_zb_v import _case, _moved
 
 
 # ---------------------------------------------------------------- DualPipeV as data
@@ -83,7 +83,9 @@ def test_simulator_rejects_a_misordered_dualpipev(rank, move, error):
     assert ops_in_order(schedules.dualpipev(4, 3, 8))[:2] == [Op("F", 0, 0), Op("F", 0, 1)]
     simulate(4, 8, "dualpipev", v=2, t_b=1, t_w=1)  # the schedule itself passes
     with pytest.raises(RuntimeError, match=error):
-        simulate(4, 8, _moved(rank, move, schedules.dualpipev), v=2, t_b=1, t_w=1, place="v")
+        simulate(
+            4, 8, zb_dense.moved(schedules.dualpipev, rank, move), v=2, t_b=1, t_w=1, place="v"
+        )
 
 
 def test_refusals():
@@ -105,30 +107,18 @@ def test_refusals():
 
 # ---------------------------------------------------------------- against the dense model, on gloo
 LAYOUTS = [
-    (1, 4, [(8, m) for m in (8, 11)]),
-    (2, 2, [(4, m) for m in (4, 5)]),
+    (1, 4, "dualpipev", [(8, m) for m in (8, 11)]),
+    (2, 2, "dualpipev", [(4, m) for m in (4, 5)]),
 ]
-
-
-def _world(layouts):
-    from nanomega import dist
-
-    return [
-        (
-            dist.Grid(dp, p, 1).pp_rank,
-            [_case(dist.Grid(dp, p, 1), n, m, "dualpipev") for n, m in cases],
-        )
-        for dp, p, cases in layouts
-    ]
 
 
 def test_dualpipev_equals_dense():
     """As ZB-V's test: the first step's gradients bitwise except the tied embedding's, losses
     and weights within 1e-6; the runtime ran the schedule's op list and held 2p + 1 chunk
     micro-batches; every B and W but each chunk's last W ran under no_sync."""
-    results = worlds.launch(_world, 4, LAYOUTS, timeout=300)
+    results = worlds.launch(zb_dense.dense_world, 4, LAYOUTS, timeout=300)
     for rank_results in results:
-        for (dp, p, cases), (rank, case_results) in zip(LAYOUTS, rank_results):
+        for (dp, p, _, cases), (rank, case_results) in zip(LAYOUTS, rank_results):
             for (_, m), r in zip(cases, case_results):
                 where, d = f"dp={dp} p={p} m={m} pp_rank={rank}", r["diff"]
                 assert d["grad_step1"] == 0.0 and d["loss"] <= 1e-6, (where, d)

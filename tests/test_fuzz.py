@@ -8,6 +8,7 @@ n_layer and MLA: fuzz.depth); step 1's gradients and weights: tolerance.gradient
 adam_first_step_bound (fuzz.first_step), not asserted for FP8 with tp or cp (fuzz.check_layout).
 """
 
+import hypothesis
 import pytest
 import torch
 
@@ -34,13 +35,26 @@ def test_every_flag_is_drawn_or_excused():
 
 def test_the_draw_reaches_every_axis(data):
     """Of 200 draws at <= 8 ranks (none trained: checks.check alone), the accepted layouts hold
-    each parallel axis and each newer technique: ep 2 (MoE), MLA, FP8, zb-h1, cp 2, ZeRO-3, an
-    8-rank world (the coverage gaps of the long run of round 2: ep 2 in 2 of 92 layouts)."""
+    each parallel axis and each newer technique: ep 2 (MoE), MLA, FP8, zb-h1, zb-h2, cp 2, ZeRO-3,
+    an 8-rank world (the coverage gaps of the long run of round 2: ep 2 in 2 of 92 layouts)."""
     found = fuzz.accepted(data.corpus, 50, 200)  # a fixed seed: the same draws every run
     seen = {(k, v) for values, world in found for k, v in {**values, "world": world}.items()}
     want = [("ep", 2), ("world", 8), ("cp", 2), ("zero", 3), ("kv_lora_rank", 8)]
-    want += [("schedule", "zb-h1"), ("fp8", "tensorwise")]
+    want += [("schedule", "zb-h1"), ("schedule", "zb-h2"), ("fp8", "tensorwise")]
     assert not [w for w in want if w not in seen], [w for w in want if w not in seen]
+
+
+def test_the_draw_reaches_zb_v(data):
+    """zb-v fits only where the model has 2 layers per pipeline rank (pp 2 of the fuzzer's 4
+    layers), too rare for the draws above: a search for one finds it, with its two virtual stages,
+    and checks.check accepts it."""
+    values, world = hypothesis.find(
+        fuzz.layouts(8),
+        lambda drawn: drawn[0].get("schedule") == "zb-v",
+        settings=hypothesis.settings(max_examples=2000, database=None),
+    )
+    assert values["virtual_stages"] == 2 and 2 * values["pp"] <= values["n_layer"], values
+    assert fuzz.refused(values, world, data.corpus) is None, values
 
 
 def adam_first_step(grads):

@@ -3,19 +3,14 @@ on rank 0. The placement table (pure), the schedule as data checked by the simul
 bubble and memory (pure), a misordered ZB-V rejected, the refusals; then ZB-V run against the
 dense model at pp 2, pp 4 and dp 2 x pp 2, and train.py's zb-v against its 1f1b."""
 
-import contextlib
-import copy
-import json
-from pathlib import Path
-
 import pytest
-import torch
 
-from nanomega import checkpoint, dist, pp, reshard, schedules, train, wgrad, worlds
-from nanomega.gpt_config import GPTConfig
-from nanomega.model import GPT
-from nanomega.schedules import Op, Trace, ops_in_order, peak_inflight, simulate
-from test_layouts import COMMON, RTOL, flags
+import zb_dense
+from nanomega import pp, schedules, worlds, zero_rules
+from nanomega.schedules import Op, ops_in_order, peak_inflight, simulate
+from test_layouts import RTOL
+
+SCHEDS = ("1f1b", "zb-v")
 
 
 # ---------------------------------------------------------------- the placement table
@@ -23,9 +18,8 @@ def test_placements():
     """The loop is Megatron's c p + r; the V holds r and 2p - 1 - r, so the first and the last
     virtual stage are on rank 0 and the turn p - 1 -> p stays on rank p - 1; each is the inverse
     of stage_rank."""
-    assert schedules.placement("zb-v") == schedules.placement("dualpipev") == "v"
-    others = set(schedules.SCHEDULES) - {"zb-v", "dualpipev"}
-    assert {schedules.placement(s) for s in others} == {"loop"}
+    assert schedules.placement("zb-v") == "v"
+    assert {schedules.placement(s) for s in schedules.SCHEDULES if s != "zb-v"} == {"loop"}
     for p in (2, 3, 4, 8):
         for place, v in (("loop", 1), ("loop", 3), ("v", 2)):
             held = {
@@ -71,20 +65,6 @@ def test_zb_v_bubble_and_memory_equal_the_formulas():
             assert all(len(t.events) == 6 * m for t in traces), (p, m)
 
 
-def _moved(rank_moved, move, schedule=schedules.zb_v):
-    """ZB-V (or another schedule) with rank_moved's op at position i moved to position j, one op a
-    round."""
-
-    def make(p, rank, m, v):
-        ops = ops_in_order(schedule(p, rank, m, v))
-        if rank == rank_moved:
-            i, j = move
-            ops.insert(j, ops.pop(i))
-        return [[op] for op in ops]
-
-    return make
-
-
 @pytest.mark.parametrize(
     "rank, move, error",
     [
@@ -102,7 +82,7 @@ def test_simulator_rejects_a_misordered_zb_v(rank, move, error):
     assert ops_in_order(schedules.zb_v(4, 3, 8))[:2] == [Op("F", 0, 0), Op("F", 0, 1)]
     simulate(4, 8, "zb-v", v=2, t_b=1, t_w=1)  # the schedule itself passes
     with pytest.raises(RuntimeError, match=error):
-        simulate(4, 8, _moved(rank, move), v=2, t_b=1, t_w=1, place="v")
+        simulate(4, 8, zb_dense.moved(schedules.zb_v, rank, move), v=2, t_b=1, t_w=1, place="v")
 
 
 def test_refusals():
@@ -120,129 +100,64 @@ def test_refusals():
 
 
 # ---------------------------------------------------------------- against the dense model, on gloo
-VOCAB, SEQ, MB, STEPS = 96, 8, 2, 3
-
-
-def _case(grid, n_layer, m, schedule="zb-v"):
-    """ZB-V (or another V schedule) on this stage and the dense model, 3 SGD steps: the largest differences (the first
-    step's gradients apart from the tied embedding's), the op order the runtime ran, its peak
-    in-flight chunk micro-batches, how many ops ran under no_sync."""
-    torch.manual_seed(0)
-    dense = GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=n_layer, n_head=2, n_embd=32))
-    stage = wgrad.split_backward(pp.build_stage(copy.deepcopy(dense), grid, 2, "v"))
-    opts = [torch.optim.SGD(mod.parameters(), lr=0.5, momentum=0.9) for mod in (stage, dense)]
-    diff, no_sync = {"loss": 0.0, "grad_step1": 0.0, "grad": 0.0, "weight": 0.0}, []
-    dense_params = dict(dense.named_parameters())
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(100 * step + m)
-        batches = [
-            tuple(torch.randint(0, VOCAB, (MB, SEQ), generator=g) for _ in "xy") for _ in range(m)
-        ]
-        trace = Trace(grid.pp_rank)
-        loss = pp.train_step(
-            stage,
-            grid,
-            batches,
-            schedule,
-            virtual=2,
-            trace=trace,
-            no_sync=lambda: no_sync.append(1) or contextlib.nullcontext(),
-        )
-        pp.sync_tied_grads(stage, grid)  # nothing to sum: rank 0 holds the one matrix
-        losses = [dense(x, y) for x, y in batches]
-        for lo in losses:
-            (lo / m).backward()
-        diff["loss"] = max(diff["loss"], abs(loss - torch.stack(losses).mean().item()))
-        for name, p in stage.named_parameters():
-            d = (p.grad - dense_params[name].grad).abs().max().item()
-            key = "grad_step1" if step == 0 and name != pp.TIED_EMBEDDING else "grad"
-            diff[key] = max(diff[key], d)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    for name, p in stage.named_parameters():
-        diff["weight"] = max(diff["weight"], (p - dense_params[name]).abs().max().item())
-    ran = [Op(e.op, e.mb, e.chunk) for e in trace.events]
-    names = {name for name, _ in stage.named_parameters()}
-    return dict(diff=diff, ran=ran, inflight=trace.peak_inflight, no_sync=len(no_sync), names=names)
-
-
-def _world(layouts):
-    return [
-        (dist.Grid(dp, p, 1).pp_rank, [_case(dist.Grid(dp, p, 1), n, m) for n, m in cases])
-        for dp, p, cases in layouts
-    ]
-
-
-LAYOUTS = [
-    (1, 4, [(8, m) for m in (1, 4, 7)]),
-    (2, 2, [(4, m) for m in (2, 3)]),
-]
+LAYOUTS = [(1, 4, "zb-v", [(8, m) for m in (1, 4, 7)]), (2, 2, "zb-v", [(4, m) for m in (2, 3)])]
 
 
 def test_zb_v_equals_dense():
-    """As ZB-H1's test: the first step's gradients bitwise except the tied embedding's (on rank 0
-    its lookup and head halves accumulate per micro-batch, not summed first as in the dense
-    backward), losses and weights within 1e-6. The runtime ran the schedule's op list and held
-    zb_v_peak chunk micro-batches; every B and W but each chunk's last W ran under no_sync. Rank 0
-    holds the embedding, the head and the last layers; no rank holds a copy of the tied matrix."""
-    results = worlds.launch(_world, 4, LAYOUTS, timeout=300)
-    for rank_results in results:
-        for (dp, p, cases), (rank, case_results) in zip(LAYOUTS, rank_results):
-            for (n_layer, m), r in zip(cases, case_results):
-                where, d = f"dp={dp} p={p} m={m} pp_rank={rank}", r["diff"]
-                assert d["grad_step1"] == 0.0 and d["loss"] <= 1e-6, (where, d)
-                assert d["grad"] <= 1e-6 and d["weight"] <= 1e-6, (where, d)
-                assert r["ran"] == ops_in_order(schedules.zb_v(p, rank, m)), where
-                assert r["inflight"] == zb_v_peak(p, m, rank), where
-                assert r["no_sync"] == STEPS * (4 * m - 2), where
-                ends = {pp.TIED_EMBEDDING, "head.ln_f.weight"} <= r["names"]
-                assert ends == (rank == 0), (where, r["names"])
-                last = f"blocks.{n_layer - 1}.mlp.c_fc.weight" in r["names"]
-                assert last == (rank == 0), where
+    """As ZB-H1's test (tests/zb_dense.py): the first step's gradients bitwise except the tied
+    embedding's (on rank 0 its lookup and head halves accumulate per micro-batch, not summed first
+    as in the dense backward), losses and weights within 1e-6. The runtime ran the schedule's op
+    list and held zb_v_peak chunk micro-batches; every B and W but each chunk's last W ran under
+    no_sync. Rank 0 holds the embedding, the head and the last layers; no rank holds a copy of the
+    tied matrix."""
+    results = worlds.launch(zb_dense.dense_world, 4, LAYOUTS, timeout=300)
+    ran = zb_dense.check_dense(results, LAYOUTS, {"zb-v": zb_v_peak}, lambda m: 4 * m - 2)
+    for (_, _, p, m, rank), r in ran.items():
+        n_layer = 2 * p
+        ends = {pp.TIED_EMBEDDING, "head.ln_f.weight"} <= r["names"]
+        assert ends == (rank == 0), (p, m, rank, r["names"])
+        last = f"blocks.{n_layer - 1}.mlp.c_fc.weight" in r["names"]
+        assert last == (rank == 0), (p, m, rank)
 
 
 # ---------------------------------------------------------------- train.py: zb-v against its 1f1b
+LLAMA = ["--arch", "llama", "--n-kv-head", "2", "--untie-embeddings"]
 TRAINED = [
     # untied (a Llama): every parameter's gradient is 1F1B's, bitwise
-    ("llama-pp4-untied", ["--arch", "llama", "--n-kv-head", "2", "--untie-embeddings", "--pp", "4",
-                          "--n-layer", "8", "--batch-size", "1", "--grad-accum", "8"], True),
+    ("llama-pp4-untied", [*LLAMA, "--pp", "4", "--n-layer", "8", "--batch-size", "1",
+                          "--grad-accum", "8"], True),
     # and tp 2 + SP with selective recompute: the V's turn hands over a sequence-sharded activation
-    ("llama-tp2-sp-pp2-untied", ["--arch", "llama", "--n-kv-head", "2", "--untie-embeddings", "--tp",
-                                 "2", "--sequence-parallel", "--pp", "2", "--recompute", "selective",
-                                 "--batch-size", "2", "--grad-accum", "4"], True),
+    ("llama-tp2-sp-pp2-untied", [*LLAMA, "--tp", "2", "--sequence-parallel", "--pp", "2",
+                                 "--recompute", "selective", "--batch-size", "2", "--grad-accum",
+                                 "4"], True),
+    # experts over ep 2 (the all-to-alls of both ranks of an ep group in the V's order), ZeRO-1
+    # over dp 2, bf16
+    ("llama-moe-ep2-pp2-zero1-bf16", [*LLAMA, "--n-experts", "4", "--top-k", "2", "--ep", "2",
+                                      "--pp", "2", "--zero", "1", "--dtype", "bf16",
+                                      "--batch-size", "1", "--grad-accum", "4"], True),
     # tied, ZeRO-1 over dp 2: the tied matrix's halves sum in another order (within RTOL)
     ("dp2-pp2-zero1", ["--pp", "2", "--zero", "1", "--batch-size", "1", "--grad-accum", "4"],
      False),
 ]  # fmt: skip
-
-
-def _train_both(corpus, root):
-    for name, extra, _ in TRAINED:
-        for schedule, virtual in (("1f1b", "1"), ("zb-v", "2")):
-            run = [*extra, "--schedule", schedule, "--virtual-stages", virtual]
-            train.main(flags(corpus, Path(root) / f"{name}-{schedule}", run))
-    return True
+RUNS = [
+    (f"{name}-{schedule}", [*extra, "--schedule", schedule, "--virtual-stages", virtual])
+    for name, extra, _ in TRAINED
+    for schedule, virtual in (("1f1b", "1"), ("zb-v", "2"))
+]
 
 
 def test_train_zb_v_equals_1f1b(corpus, tmp_path):
     """train.py end to end under --schedule zb-v (build_stage, tied_rule, the loss broadcast from
     rank 0, the global norm, evaluation on the V, the metrics, the checkpoints): untied (pp 4; tp 2
-    + SP x pp 2 with selective recompute), every loss, the validation loss and the final weights
-    bitwise 1F1B's; tied with ZeRO-1 over dp 2, within the layouts' RTOL (tests/test_layouts.py)."""
-    worlds.launch(_train_both, 4, corpus, tmp_path, timeout=600)
-    steps = int(COMMON[COMMON.index("--max-steps") + 1])
+    + SP x pp 2 with selective recompute; experts over ep 2 with ZeRO-1 in bf16), every loss, the
+    validation loss and the final weights bitwise 1F1B's; tied with ZeRO-1 over dp 2, within the
+    layouts' RTOL (tests/test_layouts.py). ZeRO-2 beside pp is refused for every schedule
+    (zero_rules.pipeline_error)."""
+    worlds.launch(zb_dense.train_runs, 4, corpus, tmp_path, RUNS, timeout=600)
     for name, _, bitwise in TRAINED:
-        curves, weights = [], []
-        for schedule in ("1f1b", "zb-v"):
-            recs = [
-                json.loads(line) for line in open(tmp_path / f"{name}-{schedule}" / "metrics.jsonl")
-            ]
-            curves.append([r["loss"] for r in recs if "loss" in r] + [recs[-1]["val_loss"]])
-            weights.append(reshard.full_weights(checkpoint.latest(tmp_path / f"{name}-{schedule}")))
-        assert len(curves[0]) == steps + 1 and weights[0].keys() == weights[1].keys(), name
         if bitwise:
-            assert curves[0] == curves[1], (name, curves)
-            assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]), name
-        else:
-            assert curves[1] == pytest.approx(curves[0], rel=RTOL), (name, curves)
+            zb_dense.bitwise_equal(tmp_path, f"{name}-1f1b", f"{name}-zb-v")
+            continue
+        (a, _), (b, _) = (zb_dense.curves_and_weights(tmp_path, f"{name}-{s}") for s in SCHEDS)
+        assert b == pytest.approx(a, rel=RTOL), (name, a, b)
+    assert "--pp" in zero_rules.pipeline_error(2, 2)

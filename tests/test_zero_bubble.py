@@ -1,22 +1,21 @@
-"""Zero-bubble pipelines: the backward split into B and W (wgrad.py), ZB-H1 as data checked by the
-simulator against its bubble and memory formulas (pure), then ZB-H1 run against the dense model at
-pp 4 and dp 2 x pp 2, and train.py's ZB-H1 against its 1F1B in the compositions (tp2 + SP, ZeRO-1
-over dp, recompute, experts over ep2): bitwise."""
+"""Zero-bubble pipelines: the backward split into B and W (wgrad.py), ZB-H1 and ZB-H2 as data
+checked by the simulator against their bubble and memory formulas (pure), then both run against the
+dense model at pp 4 and dp 2 x pp 2, and train.py's ZB-H1 and ZB-H2 against its 1F1B in the
+compositions (tp2 + SP, ZeRO-1 over dp, recompute, experts over ep2): bitwise."""
 
-import contextlib
 import copy
-import json
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from nanomega import checkpoint, dist, formulas, pp, reshard, schedules, train, wgrad, worlds
+import zb_dense
+from nanomega import formulas, pp, schedules, wgrad, worlds
 from nanomega.gpt_config import GPTConfig
 from nanomega.model import GPT
-from nanomega.schedules import Op, Trace, bubble_fraction, ops_in_order, peak_inflight, simulate
-from test_layouts import COMMON, flags
+from nanomega.schedules import Op, bubble_fraction, ops_in_order, peak_inflight, simulate
+
+SPLIT_LOOP = ["1f1b", "zb-h1", "zb-h2"]  # train.py's runs: 1F1B and the split schedules on the loop
 
 
 # ---------------------------------------------------------------- the split backward, one process
@@ -109,15 +108,6 @@ def test_zb_h1_bubble_and_memory_equal_the_formulas(times):
             assert span_1f1b - m * (t_f + t_b + t_w) == (p - 1) * (t_f + t_b + t_w)
 
 
-def _moved(p, rank, m, v=1, move=None):
-    """ZB-H1 with rank 1's op at position i moved to position j."""
-    ops = ops_in_order(schedules.zb_h1(p, rank, m, v))
-    if rank == 1:
-        i, j = move
-        ops.insert(j, ops.pop(i))
-    return [[op] for op in ops]
-
-
 @pytest.mark.parametrize(
     "move, error",
     [
@@ -133,7 +123,7 @@ def test_simulator_rejects_a_misordered_zb_h1(move, error):
     assert ops[:7] == [Op(k, mb) for k, mb in zip("FFFBFBW", (0, 1, 2, 0, 3, 1, 0))]
     simulate(4, 8, "zb-h1", t_b=1, t_w=1)  # the schedule itself passes
     with pytest.raises(RuntimeError, match=error):
-        simulate(4, 8, lambda p, r, m, v: _moved(p, r, m, v, move), t_b=1, t_w=1)
+        simulate(4, 8, zb_dense.moved(schedules.zb_h1, 1, move), t_b=1, t_w=1)
 
 
 def test_refusals():
@@ -142,84 +132,83 @@ def test_refusals():
     with pytest.raises(ValueError, match="drop --compile"):
         pp.check_args(8, 4, 8, "zb-h1", 1, compiled=True)
     pp.check_args(8, 4, 3, "zb-h1")  # any micro-batch count
+    with pytest.raises(ValueError, match="--virtual-stages 2 needs --schedule interleaved"):
+        pp.check_args(8, 4, 8, "zb-h2", 2)
+    with pytest.raises(ValueError, match="drop --compile"):
+        pp.check_args(8, 4, 8, "zb-h2", 1, compiled=True)
+    for m in (1, 3, 7, 9):
+        pp.check_args(8, 4, m, "zb-h2")  # any micro-batch count (the simulator, above)
+
+
+# ---------------------------------------------------------------- ZB-H2 as data
+def own_span_idle(trace):
+    """A rank's idle from its own first op to its own last: the bubble of a step whose optimizer
+    synchronization is bypassed (the next step's first forward follows the rank's last W)."""
+    start, end = min(e.start for e in trace.events), max(e.end for e in trace.events)
+    return end - start - sum(e.end - e.start for e in trace.events)
+
+
+@pytest.mark.parametrize("times", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (3, 2, 2), (2, 3, 1)])
+def test_zb_h2_bubble_and_memory_equal_the_formulas(times):
+    """Qi et al. 2024, Table 1, ZB-H2: the most any rank idles between its first and its last op is
+    (p-1)(T_F + T_B - 2 T_W) for m >= 2p - 1 (zero at equal times: the parallelogram), and every
+    rank holds min(m, 2p - 1) micro-batches (the paper's (2p - 1) M_B). The ranks start t_f apart,
+    so a step that waits for every rank (nanomega's) adds (p - 1) t_f to each rank's idle (at equal
+    times, checked here). Fewer micro-batches at equal times idle (2p - 1 - m) t (ours)."""
+    t_f, t_b, t_w = times
+    for p in (2, 3, 4, 8):
+        for m in sorted({1, p, 2 * p - 2, 2 * p - 1, 2 * p, 3 * p}):
+            traces = simulate(p, m, "zb-h2", t_f=t_f, t_b=t_b, t_w=t_w)
+            idle = max(map(own_span_idle, traces))
+            if m >= 2 * p - 1:
+                assert idle == (p - 1) * (t_f + t_b - 2 * t_w), (p, m, idle)
+            elif times == (1, 1, 1):
+                assert idle == 2 * p - 1 - m, (p, m, idle)
+            assert [peak_inflight(t) for t in traces] == [min(m, 2 * p - 1)] * p, (p, m)
+            if times == (1, 1, 1) and m >= 2 * p - 1:
+                span = max(e.end for t in traces for e in t.events)
+                assert {span - 3 * m} == {p - 1}, (p, m, span)  # the synchronized step
+
+
+@pytest.mark.parametrize(
+    "rank, move, error",
+    [
+        # rank 1 (F0..F4 B0 F5 ...): B0 moved before F2, which rank 2 needs before gradient 0
+        (1, (5, 2), "deadlocks"),
+        (0, (8, 7), "after"),  # W0 before its B0
+        (3, (1, 0), "after"),  # the last rank's B0 before its F0
+    ],
+)
+def test_simulator_rejects_a_misordered_zb_h2(rank, move, error):
+    ops = ops_in_order(schedules.zb_h2(4, 0, 8))
+    assert ops[:10] == [Op("F", i) for i in range(7)] + [Op("B", 0), Op("W", 0), Op("F", 7)]
+    simulate(4, 8, "zb-h2", t_b=1, t_w=1)  # the schedule itself passes
+    with pytest.raises(RuntimeError, match=error):
+        simulate(4, 8, zb_dense.moved(schedules.zb_h2, rank, move), t_b=1, t_w=1, timed=True)
 
 
 # ---------------------------------------------------------------- against the dense model, on gloo
-VOCAB, SEQ, MB, STEPS = 96, 8, 2, 3
+LAYOUTS = [
+    (1, 4, "zb-h1", [(6, m) for m in (1, 4, 6)]),
+    (2, 2, "zb-h1", [(5, m) for m in (2, 3)]),
+    (1, 4, "zb-h2", [(6, m) for m in (1, 4, 7, 9)]),
+    (2, 2, "zb-h2", [(5, m) for m in (2, 3)]),
+]
 
 
-def _case(grid, n_layer, m):
-    """ZB-H1 on this stage and the dense model, 3 SGD steps: the largest differences, the op order
-    the runtime ran, its peak in-flight micro-batches, how many ops ran under no_sync."""
-    torch.manual_seed(0)
-    dense = GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=n_layer, n_head=2, n_embd=32))
-    stage = wgrad.split_backward(pp.build_stage(copy.deepcopy(dense), grid))
-    opts = [torch.optim.SGD(mod.parameters(), lr=0.5, momentum=0.9) for mod in (stage, dense)]
-    diff, no_sync = {"loss": 0.0, "grad_step1": 0.0, "grad": 0.0, "weight": 0.0}, []
-    dense_params = dict(dense.named_parameters())
-    dense_name = {"head.lm_head.weight": "embed.wte.weight"}
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(100 * step + m)
-        batches = [
-            tuple(torch.randint(0, VOCAB, (MB, SEQ), generator=g) for _ in "xy") for _ in range(m)
-        ]
-        trace = Trace(grid.pp_rank)
-        loss = pp.train_step(
-            stage,
-            grid,
-            batches,
-            "zb-h1",
-            trace=trace,
-            no_sync=lambda: no_sync.append(1) or contextlib.nullcontext(),
-        )
-        pp.sync_tied_grads(stage, grid)
-        losses = [dense(x, y) for x, y in batches]
-        for lo in losses:
-            (lo / m * 1.0).backward()
-        diff["loss"] = max(diff["loss"], abs(loss - torch.stack(losses).mean().item()))
-        for name, p in stage.named_parameters():
-            d = (p.grad - dense_params[dense_name.get(name, name)].grad).abs().max().item()
-            key = "grad_step1" if step == 0 and pp.tied_embedding(stage, grid) is not p else "grad"
-            diff[key] = max(diff[key], d)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    for name, p in stage.named_parameters():
-        d = (p - dense_params[dense_name.get(name, name)]).abs().max().item()
-        diff["weight"] = max(diff["weight"], d)
-    ran = [Op(e.op, e.mb, e.chunk) for e in trace.events]
-    return dict(diff=diff, ran=ran, inflight=trace.peak_inflight, no_sync=len(no_sync))
-
-
-def _world(layouts):
-    return [
-        (dist.Grid(dp, p, 1).pp_rank, [_case(dist.Grid(dp, p, 1), n, m) for n, m in cases])
-        for dp, p, cases in layouts
-    ]
-
-
-LAYOUTS = [(1, 4, [(6, m) for m in (1, 4, 6)]), (2, 2, [(5, m) for m in (2, 3)])]
-
-
-def test_zb_h1_equals_dense():
+def test_zb_h1_and_zb_h2_equal_dense():
     """As tests/test_pp.py's 1F1B: the first step's gradients bitwise (every op the dense model's,
     in its order), losses and weights within 1e-6 (the tied embedding's two halves are summed in
-    another order, which reaches every weight from step 2). The runtime ran the schedule's op list;
-    it held min(m, p) micro-batches (the formula above); every B and all W but the last ran under
-    no_sync (the buckets reduce at the last W)."""
-    results = worlds.launch(_world, 4, LAYOUTS, timeout=300)
-    for rank_results in results:
-        for (dp, p, cases), (rank, case_results) in zip(LAYOUTS, rank_results):
-            for (_, m), r in zip(cases, case_results):
-                where, d = f"dp={dp} p={p} m={m} pp_rank={rank}", r["diff"]
-                assert d["grad_step1"] == 0.0 and d["loss"] <= 1e-6, (where, d)
-                assert d["grad"] <= 1e-6 and d["weight"] <= 1e-6, (where, d)
-                assert r["ran"] == ops_in_order(schedules.zb_h1(p, rank, m)), where
-                assert r["inflight"] == min(m, p), where
-                assert r["no_sync"] == STEPS * (2 * m - 1), where
+    another order, which reaches every weight from step 2). The runtime ran the schedule's op list
+    (ZB-H2's p2p by timed_plan); it held min(m, p) (ZB-H1) and min(m, 2p - 1) (ZB-H2) micro-batches
+    (the formulas above); every B and all W but the last ran under no_sync (the buckets reduce at
+    the last W)."""
+    results = worlds.launch(zb_dense.dense_world, 4, LAYOUTS, timeout=300)
+    peaks = {"zb-h1": lambda p, m, r: min(m, p), "zb-h2": lambda p, m, r: min(m, 2 * p - 1)}
+    zb_dense.check_dense(results, LAYOUTS, peaks, lambda m: 2 * m - 1)
 
 
-# ---------------------------------------------------------------- train.py: ZB-H1 == its 1F1B
+# ---------------------------------------------------------------- train.py: ZB-H1, ZB-H2 == 1F1B
 LLAMA_MOE = ["--arch", "llama", "--n-kv-head", "2", "--n-experts", "4", "--top-k", "2"]
 COMPOSED = [
     ("pp4", ["--pp", "4", "--batch-size", "1", "--grad-accum", "8"]),
@@ -230,45 +219,35 @@ COMPOSED = [
     ("moe-ep2-pp2-zero1", [*LLAMA_MOE, "--ep", "2", "--pp", "2", "--zero", "1", "--batch-size",
                            "1", "--grad-accum", "4"]),
 ]  # fmt: skip
+RUNS = [(f"{name}-{s}", [*extra, "--schedule", s]) for name, extra in COMPOSED for s in SPLIT_LOOP]
 
 
-def _train_both(corpus, root):
-    for name, extra in COMPOSED:
-        for schedule in ("1f1b", "zb-h1"):
-            train.main(flags(corpus, Path(root) / f"{name}-{schedule}", [*extra, "--schedule",
-                                                                          schedule]))  # fmt: skip
-    return True
-
-
-def test_train_zb_h1_equals_1f1b_bitwise(corpus, tmp_path):
-    """The same layout under --schedule zb-h1 and 1f1b (tp2 + SP with selective recompute, ZeRO-1
-    over dp 2 with full recompute, experts over ep 2): every loss, the validation loss and the final
-    weights bitwise
-    (B and W are F.linear's GEMMs, every gradient accumulates in the same micro-batch order);
-    1F1B itself equals the dense model (tests/test_layouts.py, test_pp.py)."""
-    worlds.launch(_train_both, 4, corpus, tmp_path, timeout=600)
+def test_train_zb_h1_zb_h2_equal_1f1b_bitwise(corpus, tmp_path):
+    """The same layout under --schedule zb-h1, zb-h2 and 1f1b (pp 4; tp2 + SP with selective
+    recompute; ZeRO-1 over dp 2 with full recompute; experts over ep 2 with ZeRO-1): every loss,
+    the validation loss and the final weights bitwise (B and W are F.linear's GEMMs, every gradient
+    accumulates in the same micro-batch order); 1F1B itself equals the dense model
+    (tests/test_layouts.py, test_pp.py). ZeRO-2 beside pp is refused for every schedule
+    (zero_rules.pipeline_error, tests/test_args.py)."""
+    worlds.launch(zb_dense.train_runs, 4, corpus, tmp_path, RUNS, timeout=600)
     for name, _ in COMPOSED:
-        curves = []
-        for schedule in ("1f1b", "zb-h1"):
-            metrics = tmp_path / f"{name}-{schedule}" / "metrics.jsonl"
-            recs = [json.loads(line) for line in open(metrics)]
-            curves.append(([r["loss"] for r in recs if "loss" in r], recs[-1]["val_loss"]))
-        steps = int(COMMON[COMMON.index("--max-steps") + 1])
-        assert curves[0] == curves[1] and len(curves[0][0]) == steps, (name, curves)
-        # and the final weights, from the checkpoints (every parameter, by its dense name)
-        a, b = (
-            reshard.full_weights(checkpoint.latest(tmp_path / f"{name}-{s}"))
-            for s in ("1f1b", "zb-h1")
-        )
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+        for schedule in SPLIT_LOOP[1:]:
+            zb_dense.bitwise_equal(tmp_path, f"{name}-1f1b", f"{name}-{schedule}")
 
 
-def test_planner_prices_zb_h1_with_the_simulated_bubble():
-    """The planner's ZB-H1 bubble (formulas.pipeline_bubble at ZB_H1_SLOTS, T_F = T_B = T_W) is the
-    simulator's idle share; its memory per stage is 1F1B's (p micro-batches at most)."""
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2", "zb-v"])
+def test_planner_prices_the_split_schedules_with_the_simulated_bubble(schedule):
+    """The planner's bubble (formulas.pipeline_bubble at RAMP_SLOTS[schedule], T_F = T_B = T_W, the
+    step synchronized) is the simulator's idle share; its activation memory per stage
+    (inflight_microbatches, in stage micro-batches: ZB-V's chunks are half a stage) is the
+    simulator's peak. A wrong slot count (the paper's zero for ZB-H2, which needs the optimizer
+    step's synchronization bypassed) fails here."""
+    v = 2 if schedule == "zb-v" else 1
     for p in (2, 4, 8):
-        for m in (p, 2 * p, 4 * p):
-            traces = simulate(p, m, "zb-h1", t_f=1, t_b=1, t_w=1)
-            bubble = formulas.pipeline_bubble(p, m, formulas.ZB_H1_SLOTS)
-            assert abs(bubble_fraction(traces) - bubble) <= 1e-12, (p, m)
-            assert formulas.inflight_microbatches(p, m, "zb-h1") == max(map(peak_inflight, traces))
+        for m in (1, 2, p, 2 * p - 1, 2 * p, 4 * p):
+            traces = simulate(p, m, schedule, v=v, t_f=1, t_b=1, t_w=1)
+            bubble = formulas.pipeline_bubble(p, m, formulas.RAMP_SLOTS[schedule])
+            if m >= 2 * p - 1:  # the formulas' range (fewer micro-batches: the ramp is longer)
+                assert abs(bubble_fraction(traces) - bubble) <= 1e-12, (p, m)
+            peak = max(map(peak_inflight, traces)) / v
+            assert formulas.inflight_microbatches(p, m, schedule) == peak, (p, m)

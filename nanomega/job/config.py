@@ -290,8 +290,9 @@ class Config:
     )
     schedule: str = PARALLEL(
         "1f1b",
-        "gpipe, 1f1b, interleaved, zb-h1, zb-v or dualpipev (zero bubble: the backward split, "
-        "wgrad.py; zb-v, dualpipev: two chunks per rank in a V; dualpipev: m >= 2 pp)",
+        "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v or dualpipev (zero bubble: the backward "
+        "split, wgrad.py; zb-h2: 2p - 1 micro-batches in flight; zb-v, dualpipev: two chunks per "
+        "rank in a V; dualpipev: m >= 2 pp)",
     )
     virtual_stages: int = PARALLEL(
         1, "model chunks per rank (interleaved, zb-v, dualpipev)"

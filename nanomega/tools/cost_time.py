@@ -24,7 +24,7 @@ from nanomega.formulas import (
     inflight_microbatches,
     mla_layer_delta,
     offload_seconds,
-    ZB_H1_SLOTS,
+    RAMP_SLOTS,
     pipeline_bubble,
     pp_comm_bytes,
     tp_comm_bytes_per_layer,
@@ -190,12 +190,16 @@ def step_time(model, gpu, gpus, tp, pp, zero, run, time=TIME, global_batch=None)
     stages[-1] += model.mtp_num_layers * (layer + (head + eh) / (gpu.peak_flops * time.matmul))
 
     pp_bw, dp_bw = links(gpu, gpus, tp, pp)
+    sent_v = 2 if run.schedule == "zb-v" else v
     sends = (
-        pp_comm_bytes(run.micro_batch, model.seq_len, model.n_embd, tp, eb, 1, v) if pp > 1 else 0
+        # (ZB-V: two chunks per rank, each sends; the turn's pair stays on its rank)
+        pp_comm_bytes(run.micro_batch, model.seq_len, model.n_embd, tp, eb, 1, sent_v)
+        if pp > 1
+        else 0
     )
     slot = max(stages) + sends / pp_bw
-    # the ramp: p - 1 slots of one chunk; ZB-H1's W fill two thirds of each (formulas.py)
-    ramp_v = ZB_H1_SLOTS if run.schedule == "zb-h1" else v
+    # the ramp: p - 1 slots of one chunk; the split schedules' W fill most of each (formulas.py)
+    ramp_v = RAMP_SLOTS.get(run.schedule, v)
     pipe = (m + (pp - 1) / ramp_v) * slot
 
     # dp's gradient (and ZeRO-3's parameter) bytes, what of them hides behind compute (overlap.py)
@@ -310,7 +314,7 @@ def evaluate(model, gpu, gpus, tp, pp, zero, run, time=TIME):
         * max(layers)
         * tp_comm_bytes_per_layer(b, s, h, tp, eb, run.sp, run.recompute, column_inputs(model))
     )
-    pp_b = pp_comm_bytes(b, s, h, tp, eb, m, v) if pp > 1 else 0
+    pp_b = pp_comm_bytes(b, s, h, tp, eb, m, 2 if run.schedule == "zb-v" else v) if pp > 1 else 0
     dp_b = dp_comm_bytes(max(stage_params(model, tp, pp, v, run.split)), zero, dp, gb, pb, m)
 
     # time, FLOP/s, MFU

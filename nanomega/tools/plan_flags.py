@@ -96,7 +96,9 @@ def parse(argv=None):
     ap.add_argument("--dp", type=int, help="pin the data-parallel size")
     ap.add_argument("--zero", default="all", choices=["all", "0", "1", "2", "3"])
     ap.add_argument(
-        "--schedule", default=Run.schedule, choices=["gpipe", "1f1b", "interleaved", "zb-h1"]
+        "--schedule",
+        default=Run.schedule,
+        choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"],
     )
     ap.add_argument(
         "--chunks", type=int, default=Run.chunks, help="model chunks per stage (interleaved)"
