@@ -234,6 +234,22 @@ def gqa_groups(n_head=8, n_kv=2):
     return kv.repeat_interleave(n_head // n_kv, dim=1).flatten().tolist()
 
 
+def fp8_scales(rows=8, cols=64, block=16, outlier=2.0**12, seed=0):
+    """{recipe: (rows, cols) log2 of the scale each element of an activation is multiplied by
+    before its E4M3/E5M2 cast}, by fp8_linear.FP8's forward operand (lesson 20): channel 0 made
+    `outlier` times larger; blockwise's tiles 1 x block (DeepSeek-V3's 1 x 128, made small to be
+    seen), MXFP8's 1 x 32. Which elements share the outlier's scale is the recipe's answer."""
+    from nanomega.fp8_linear import FP8
+
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    x[:, 0] *= outlier
+    out = {}
+    for name in ("tensorwise", "rowwise", "blockwise", "mxfp8"):
+        q = FP8(name, block=block).operand(x, "x", None)
+        out[name] = -torch.log2(q.expanded())  # scale = 1 / scale_inv
+    return x, out
+
+
 def grid_groups(dp=2, pp=2, tp=4):
     """{rank: (dp, pp, tp) coordinates} and the tp, pp and dp groups of a 3D layout, from
     dist.layout: tp fastest (neighbours inside a node), then pp, dp outermost."""
@@ -776,6 +792,24 @@ def draw_moe(path):
     fig.savefig(path, dpi=DPI)
 
 
+def draw_fp8(path):
+    plt = _plt()
+    x, scales = fp8_scales()
+    fig, axes = plt.subplots(len(scales), 1, figsize=(7.5, 5.6), sharex=True)
+    low = min(s.min().item() for s in scales.values())
+    high = max(s.max().item() for s in scales.values())
+    for ax, (name, s) in zip(axes, scales.items()):
+        image = ax.imshow(s, aspect="auto", cmap="viridis", vmin=low, vmax=high)
+        ax.set_ylabel(name, rotation=0, ha="right", va="center", fontsize=9)
+        ax.set_yticks([])
+    axes[-1].set_xlabel("channel (channel 0: the outlier, x 2^12); rows: tokens")
+    fig.colorbar(image, ax=axes, label="log2 of the scale before the cast")
+    fig.suptitle(
+        "FP8 scaling (lesson 20): which elements share a scale with an outlier channel", fontsize=10
+    )
+    fig.savefig(path, dpi=DPI)
+
+
 DIAGRAMS = {
     "diagram_compose.png": draw_compose,
     "diagram_grid.png": draw_grid,
@@ -794,6 +828,7 @@ DIAGRAMS = {
     "diagram_chinchilla.png": draw_chinchilla,
     "diagram_allocations.png": draw_allocations,
     "diagram_moe.png": draw_moe,
+    "diagram_fp8.png": draw_fp8,
 }
 
 

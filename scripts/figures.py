@@ -169,6 +169,7 @@ SCRIPTED = {
     "diagram_chinchilla.png": "lessons/diagrams.py",
     "diagram_allocations.png": "lessons/diagrams.py",
     "diagram_moe.png": "lessons/diagrams.py",
+    "diagram_fp8.png": "lessons/diagrams.py",
 }
 
 

@@ -130,6 +130,30 @@ def test_gqa_query_heads_read_their_group():
     assert diagrams.gqa_groups(6, 3) == [h // 2 for h in range(6)]
 
 
+def test_fp8_picture_shares_scales_by_each_recipes_tile():
+    """Lesson 20's rule, element by element: the scale is fmax / amax of the element's tile, the
+    whole tensor (tensorwise), its row rounded down to a power of two (rowwise), its 1 x 16 tile
+    (blockwise at the picture's block) and, for MXFP8, 2^-(floor(log2 amax) - 8) over 1 x 32."""
+    x, scales = diagrams.fp8_scales(block=16)
+    fmax = {"tensorwise": 448.0, "rowwise": 448.0, "blockwise": 448.0}  # E4M3 forward operands
+
+    def tiles_amax(width):  # each element's tile's amax, 1 x width tiles
+        r, k = x.shape
+        amax = x.abs().view(r, k // width, width).amax(-1)
+        return amax.repeat_interleave(width, 1)
+
+    want = {
+        "tensorwise": torch.log2(fmax["tensorwise"] / x.abs().amax()).expand_as(x),
+        "rowwise": torch.floor(torch.log2(fmax["rowwise"] / x.abs().amax(1, keepdim=True))),
+        "blockwise": torch.log2(fmax["blockwise"] / tiles_amax(16)),
+        "mxfp8": -(torch.floor(torch.log2(tiles_amax(32))) - 8),
+    }
+    for name, got in scales.items():
+        torch.testing.assert_close(got, want[name].expand_as(got), rtol=0, atol=1e-5, msg=name)
+    # the outlier's tile: the whole tensor, every row, only 16 (32) channels of each row
+    assert (scales["blockwise"][:, 16:] > scales["blockwise"][:, :1]).all()
+
+
 def test_every_diagram_draws(tmp_path):
     pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) draws the diagrams")
     for name, draw in diagrams.DIAGRAMS.items():
