@@ -234,6 +234,34 @@ def gqa_groups(n_head=8, n_kv=2):
     return kv.repeat_interleave(n_head // n_kv, dim=1).flatten().tolist()
 
 
+def recompute_trade(s=64, b=2, h=32, a=4, n_layer=2, vocab=128):
+    """{mode: (bytes autograd keeps in block 0, matmul FLOPs of one step)} for no, selective and
+    full recompute (lesson 07), measured on an fp32 GPT with dropout (as the lesson's: the rerun then
+    reaches the block's last matmul, whose output the dropout needs): recompute.saved_bytes_per_layer
+    and torch's FlopCounterMode, the lesson's two meters."""
+    import copy
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from nanomega.gpt_config import GPTConfig
+    from nanomega.model import GPT
+    from nanomega.recompute import apply_recompute, saved_bytes_per_layer
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(
+        vocab_size=vocab, block_size=s, n_layer=n_layer, n_head=a, n_embd=h, dropout=0.1
+    )
+    base, x = GPT(cfg), torch.randint(0, vocab, (b, s))
+    out = {}
+    for mode in ("none", "selective", "full"):
+        model = apply_recompute(copy.deepcopy(base), mode)
+        kept = saved_bytes_per_layer(model, lambda: model(x, x))["0"]
+        with FlopCounterMode(display=False) as counter:
+            model(x, x).backward()
+        out[mode] = (kept, counter.get_total_flops())
+    return out
+
+
 def fp8_scales(rows=8, cols=64, block=16, outlier=2.0**12, seed=0):
     """{recipe: (rows, cols) log2 of the scale each element of an activation is multiplied by
     before its E4M3/E5M2 cast}, by fp8_linear.FP8's forward operand (lesson 20): channel 0 made
@@ -810,6 +838,26 @@ def draw_fp8(path):
     fig.savefig(path, dpi=DPI)
 
 
+def draw_recompute(path):
+    plt = _plt()
+    trade = recompute_trade()
+    modes = list(trade)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(7.5, 2.8))
+    left.bar(modes, [trade[m][0] / 1024 for m in modes], color="tab:blue")
+    left.set_ylabel("KiB kept by one layer")
+    right.bar(modes, [trade[m][1] / 1e6 for m in modes], color="tab:orange")
+    right.set_ylabel("MFLOP of one step")
+    for ax, i in ((left, 0), (right, 1)):
+        for x, m in enumerate(modes):
+            scale = 1024 if i == 0 else 1e6
+            ax.text(x, trade[m][i] / scale, f"{trade[m][i] / scale:,.0f}", ha="center", va="bottom")
+    fig.suptitle(
+        "Activation recompute (lesson 07): memory kept for backward, traded for FLOPs", fontsize=10
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
 DIAGRAMS = {
     "diagram_compose.png": draw_compose,
     "diagram_grid.png": draw_grid,
@@ -829,6 +877,7 @@ DIAGRAMS = {
     "diagram_allocations.png": draw_allocations,
     "diagram_moe.png": draw_moe,
     "diagram_fp8.png": draw_fp8,
+    "diagram_recompute.png": draw_recompute,
 }
 
 

@@ -170,6 +170,7 @@ SCRIPTED = {
     "diagram_allocations.png": "lessons/diagrams.py",
     "diagram_moe.png": "lessons/diagrams.py",
     "diagram_fp8.png": "lessons/diagrams.py",
+    "diagram_recompute.png": "lessons/diagrams.py",
 }
 
 

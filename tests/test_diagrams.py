@@ -154,6 +154,19 @@ def test_fp8_picture_shares_scales_by_each_recipes_tile():
     assert (scales["blockwise"][:, 16:] > scales["blockwise"][:, :1]).all()
 
 
+def test_recompute_picture_keeps_the_input_and_pays_a_forward():
+    """Lesson 07's rule on the picture's fp32 model: full recompute keeps only the block's input
+    (4 b s h bytes) and adds one forward of every layer (24 b s h^2 + 4 b s^2 h matmul FLOPs);
+    selective keeps less than none and adds QK^T's rerun (2 b s^2 h; P V is not rerun: lesson 07)."""
+    s, b, h, n_layer = 64, 2, 32, 2
+    trade = diagrams.recompute_trade(s, b, h, 4, n_layer, 128)
+    forward = 24 * b * s * h * h + 4 * b * s * s * h
+    assert trade["full"][0] == 4 * b * s * h
+    assert trade["full"][1] - trade["none"][1] == n_layer * forward
+    assert trade["selective"][1] - trade["none"][1] == n_layer * 2 * b * s * s * h
+    assert trade["full"][0] < trade["selective"][0] < trade["none"][0]
+
+
 def test_every_diagram_draws(tmp_path):
     pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) draws the diagrams")
     for name, draw in diagrams.DIAGRAMS.items():
