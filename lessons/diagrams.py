@@ -234,6 +234,23 @@ def gqa_groups(n_head=8, n_kv=2):
     return kv.repeat_interleave(n_head // n_kv, dim=1).flatten().tolist()
 
 
+def format_spacing(exponents=range(-30, 18)):
+    """{format: [(x, spacing)]} for x = 2^k: the gap from x to the next number of bf16, fp16 and
+    fp32 (torch.nextafter in the format), None where x is not representable (fp16: below 2^-24 it
+    rounds to 0, above 65,504 to inf). Lesson 06's point: an update below half the spacing at a
+    weight's magnitude is rounded away."""
+    out = {}
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.tensor([2.0**k for k in exponents], dtype=torch.float64)
+        cast = x.to(dtype)
+        gap = torch.nextafter(cast, torch.full_like(cast, float("inf"))).double() - cast.double()
+        ok = (cast.double() == x) & torch.isfinite(cast)
+        out[str(dtype).split(".")[1]] = [
+            (v, g if good else None) for v, g, good in zip(x.tolist(), gap.tolist(), ok.tolist())
+        ]
+    return out
+
+
 def recompute_trade(s=64, b=2, h=32, a=4, n_layer=2, vocab=128):
     """{mode: (bytes autograd keeps in block 0, matmul FLOPs of one step)} for no, selective and
     full recompute (lesson 07), measured on an fp32 GPT with dropout (as the lesson's: the rerun then
@@ -858,6 +875,33 @@ def draw_recompute(path):
     fig.savefig(path, dpi=DPI)
 
 
+def draw_spacing(path, lr=1e-3):
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    for name, points in format_spacing().items():
+        kept = [(x, g) for x, g in points if g is not None]
+        ax.plot([x for x, _ in kept], [g for _, g in kept], marker=".", label=name)
+    ax.axhline(2 * lr, color="0.5", ls="--", lw=1)
+    ax.text(
+        2.0**-29,
+        2 * lr * 1.5,
+        f"2 x an update of {lr:g}: where a format's line is above, the update is lost",
+        fontsize=8,
+    )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("magnitude of the number (a weight)")
+    ax.set_ylabel("spacing to the next number")
+    ax.legend(fontsize=8)
+    ax.set_title(
+        "Number formats (lesson 06): bf16 has fp32's range and 2^16 x its spacing;\n"
+        "fp16 holds nothing below 2^-24 or above 65,504",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
 DIAGRAMS = {
     "diagram_compose.png": draw_compose,
     "diagram_grid.png": draw_grid,
@@ -878,6 +922,7 @@ DIAGRAMS = {
     "diagram_moe.png": draw_moe,
     "diagram_fp8.png": draw_fp8,
     "diagram_recompute.png": draw_recompute,
+    "diagram_spacing.png": draw_spacing,
 }
 
 

@@ -171,6 +171,7 @@ SCRIPTED = {
     "diagram_moe.png": "lessons/diagrams.py",
     "diagram_fp8.png": "lessons/diagrams.py",
     "diagram_recompute.png": "lessons/diagrams.py",
+    "diagram_spacing.png": "lessons/diagrams.py",
 }
 
 

@@ -2,6 +2,7 @@
 picture is held against the rule its lesson states, so a change in the code that breaks the rule
 fails here, and one that keeps it redraws the same picture."""
 
+import math
 import sys
 from pathlib import Path
 
@@ -165,6 +166,22 @@ def test_recompute_picture_keeps_the_input_and_pays_a_forward():
     assert trade["full"][1] - trade["none"][1] == n_layer * forward
     assert trade["selective"][1] - trade["none"][1] == n_layer * 2 * b * s * s * h
     assert trade["full"][0] < trade["selective"][0] < trade["none"][0]
+
+
+def test_spacing_picture_follows_the_formats_bits():
+    """Lesson 06's formats: the spacing at 2^k is 2^(k - m) (m stored mantissa bits: 7 bf16, 10
+    fp16, 23 fp32) where the number is normal; fp16's subnormals are 2^-24 apart from 2^-24 to
+    2^-14, and it holds no 2^k below 2^-24 or above 2^15."""
+    mantissa = {"bfloat16": 7, "float16": 10, "float32": 23}
+    for name, points in diagrams.format_spacing(range(-30, 18)).items():
+        for x, gap in points:
+            k = round(math.log2(x))
+            if name == "float16" and not -24 <= k <= 15:
+                assert gap is None, (name, k)
+            elif name == "float16" and k < -14:
+                assert gap == 2.0**-24, (name, k, gap)
+            else:
+                assert gap == 2.0 ** (k - mantissa[name]), (name, k, gap)
 
 
 def test_every_diagram_draws(tmp_path):
