@@ -234,6 +234,38 @@ def gqa_groups(n_head=8, n_kv=2):
     return kv.repeat_interleave(n_head // n_kv, dim=1).flatten().tolist()
 
 
+def flops_by_part(vocab=512, s=64, n_layer=2, h=64, a=4, b=2):
+    """{part of the GPT: forward matmul FLOPs per token} over all layers, by torch's FlopCounterMode
+    per module (lesson 01's count): q, k, v; the attention's two s x s products; the attention's
+    output projection; the MLP's two matmuls; the LM head."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from nanomega.gpt_config import GPTConfig
+    from nanomega.model import GPT
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(
+        vocab_size=vocab, block_size=s, n_layer=n_layer, n_head=a, n_embd=h, attention="eager"
+    )
+    model, x = GPT(cfg), torch.randint(0, vocab, (b, s))
+    with FlopCounterMode(display=False) as counter:
+        model(x, x)
+    counts = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
+    layers = [f"GPT.blocks.{i}" for i in range(n_layer)]
+    parts = {
+        "q, k, v": sum(counts[f"{k}.attn.c_attn"] for k in layers),
+        "QK^T, PV": sum(
+            counts[f"{k}.attn"] - counts[f"{k}.attn.c_attn"] - counts[f"{k}.attn.c_proj"]
+            for k in layers
+        ),
+        "attention out": sum(counts[f"{k}.attn.c_proj"] for k in layers),
+        "MLP up": sum(counts[f"{k}.mlp.c_fc"] for k in layers),
+        "MLP down": sum(counts[f"{k}.mlp.c_proj"] for k in layers),
+        "LM head": counts["GPT.head"],
+    }
+    return {k: v / (b * s) for k, v in parts.items()}
+
+
 def format_spacing(exponents=range(-30, 18)):
     """{format: [(x, spacing)]} for x = 2^k: the gap from x to the next number of bf16, fp16 and
     fp32 (torch.nextafter in the format), None where x is not representable (fp16: below 2^-24 it
@@ -902,6 +934,25 @@ def draw_spacing(path, lr=1e-3):
     fig.savefig(path, dpi=DPI)
 
 
+def draw_flops(path):
+    plt = _plt()
+    parts = flops_by_part()
+    fig, ax = plt.subplots(figsize=(7, 2.8))
+    names = list(parts)
+    ax.barh(names, list(parts.values()), color="tab:blue")
+    for y, name in enumerate(names):
+        ax.text(parts[name], y, f" {parts[name]:,.0f}", va="center", fontsize=8)
+    ax.invert_yaxis()  # the order a token meets them
+    ax.set_xlim(0, 1.2 * max(parts.values()))
+    ax.set_xlabel("forward FLOPs per token (FlopCounterMode), both layers")
+    ax.set_title(
+        "Where a GPT's FLOPs go (lesson 01): V = 512, s = 64, L = 2, h = 64; backward = 2 x",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
 DIAGRAMS = {
     "diagram_compose.png": draw_compose,
     "diagram_grid.png": draw_grid,
@@ -923,6 +974,7 @@ DIAGRAMS = {
     "diagram_fp8.png": draw_fp8,
     "diagram_recompute.png": draw_recompute,
     "diagram_spacing.png": draw_spacing,
+    "diagram_flops.png": draw_flops,
 }
 
 

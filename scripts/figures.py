@@ -172,6 +172,7 @@ SCRIPTED = {
     "diagram_fp8.png": "lessons/diagrams.py",
     "diagram_recompute.png": "lessons/diagrams.py",
     "diagram_spacing.png": "lessons/diagrams.py",
+    "diagram_flops.png": "lessons/diagrams.py",
 }
 
 

@@ -184,6 +184,22 @@ def test_spacing_picture_follows_the_formats_bits():
                 assert gap == 2.0 ** (k - mantissa[name]), (name, k, gap)
 
 
+def test_flops_picture_is_lesson_01s_count():
+    """Forward FLOPs per token, each part by lesson 01's formula: 2 x the weights a token multiplies
+    (6 h^2 q, k, v; 2 h^2 the output; 8 h^2 each MLP matmul; 2 V h the head) and 4 s h for the two
+    s x s products (every key counted: the causal half is not skipped by an eager matmul), x L."""
+    V, s, L, h = 256, 16, 2, 32
+    parts = diagrams.flops_by_part(V, s, L, h, 4, 4)
+    assert parts == {
+        "q, k, v": L * 6 * h * h,
+        "QK^T, PV": L * 4 * s * h,
+        "attention out": L * 2 * h * h,
+        "MLP up": L * 8 * h * h,
+        "MLP down": L * 8 * h * h,
+        "LM head": 2 * V * h,
+    }
+
+
 def test_every_diagram_draws(tmp_path):
     pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) draws the diagrams")
     for name, draw in diagrams.DIAGRAMS.items():
