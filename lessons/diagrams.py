@@ -234,6 +234,99 @@ def gqa_groups(n_head=8, n_kv=2):
     return kv.repeat_interleave(n_head // n_kv, dim=1).flatten().tolist()
 
 
+def flops_by_part(vocab=512, s=64, n_layer=2, h=64, a=4, b=2):
+    """{part of the GPT: forward matmul FLOPs per token} over all layers, by torch's FlopCounterMode
+    per module (lesson 01's count): q, k, v; the attention's two s x s products; the attention's
+    output projection; the MLP's two matmuls; the LM head."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from nanomega.gpt_config import GPTConfig
+    from nanomega.model import GPT
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(
+        vocab_size=vocab, block_size=s, n_layer=n_layer, n_head=a, n_embd=h, attention="eager"
+    )
+    model, x = GPT(cfg), torch.randint(0, vocab, (b, s))
+    with FlopCounterMode(display=False) as counter:
+        model(x, x)
+    counts = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
+    layers = [f"GPT.blocks.{i}" for i in range(n_layer)]
+    parts = {
+        "q, k, v": sum(counts[f"{k}.attn.c_attn"] for k in layers),
+        "QK^T, PV": sum(
+            counts[f"{k}.attn"] - counts[f"{k}.attn.c_attn"] - counts[f"{k}.attn.c_proj"]
+            for k in layers
+        ),
+        "attention out": sum(counts[f"{k}.attn.c_proj"] for k in layers),
+        "MLP up": sum(counts[f"{k}.mlp.c_fc"] for k in layers),
+        "MLP down": sum(counts[f"{k}.mlp.c_proj"] for k in layers),
+        "LM head": counts["GPT.head"],
+    }
+    return {k: v / (b * s) for k, v in parts.items()}
+
+
+def format_spacing(exponents=range(-30, 18)):
+    """{format: [(x, spacing)]} for x = 2^k: the gap from x to the next number of bf16, fp16 and
+    fp32 (torch.nextafter in the format), None where x is not representable (fp16: below 2^-24 it
+    rounds to 0, above 65,504 to inf). Lesson 06's point: an update below half the spacing at a
+    weight's magnitude is rounded away."""
+    out = {}
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.tensor([2.0**k for k in exponents], dtype=torch.float64)
+        cast = x.to(dtype)
+        gap = torch.nextafter(cast, torch.full_like(cast, float("inf"))).double() - cast.double()
+        ok = (cast.double() == x) & torch.isfinite(cast)
+        out[str(dtype).split(".")[1]] = [
+            (v, g if good else None) for v, g, good in zip(x.tolist(), gap.tolist(), ok.tolist())
+        ]
+    return out
+
+
+def recompute_trade(s=64, b=2, h=32, a=4, n_layer=2, vocab=128):
+    """{mode: (bytes autograd keeps in block 0, matmul FLOPs of one step)} for no, selective and
+    full recompute (lesson 07), measured on an fp32 GPT with dropout (as the lesson's: the rerun then
+    reaches the block's last matmul, whose output the dropout needs): recompute.saved_bytes_per_layer
+    and torch's FlopCounterMode, the lesson's two meters."""
+    import copy
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from nanomega.gpt_config import GPTConfig
+    from nanomega.model import GPT
+    from nanomega.recompute import apply_recompute, saved_bytes_per_layer
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(
+        vocab_size=vocab, block_size=s, n_layer=n_layer, n_head=a, n_embd=h, dropout=0.1
+    )
+    base, x = GPT(cfg), torch.randint(0, vocab, (b, s))
+    out = {}
+    for mode in ("none", "selective", "full"):
+        model = apply_recompute(copy.deepcopy(base), mode)
+        kept = saved_bytes_per_layer(model, lambda: model(x, x))["0"]
+        with FlopCounterMode(display=False) as counter:
+            model(x, x).backward()
+        out[mode] = (kept, counter.get_total_flops())
+    return out
+
+
+def fp8_scales(rows=8, cols=64, block=16, outlier=2.0**12, seed=0):
+    """{recipe: (rows, cols) log2 of the scale each element of an activation is multiplied by
+    before its E4M3/E5M2 cast}, by fp8_linear.FP8's forward operand (lesson 20): channel 0 made
+    `outlier` times larger; blockwise's tiles 1 x block (DeepSeek-V3's 1 x 128, made small to be
+    seen), MXFP8's 1 x 32. Which elements share the outlier's scale is the recipe's answer."""
+    from nanomega.fp8_linear import FP8
+
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    x[:, 0] *= outlier
+    out = {}
+    for name in ("tensorwise", "rowwise", "blockwise", "mxfp8"):
+        q = FP8(name, block=block).operand(x, "x", None)
+        out[name] = -torch.log2(q.expanded())  # scale = 1 / scale_inv
+    return x, out
+
+
 def grid_groups(dp=2, pp=2, tp=4):
     """{rank: (dp, pp, tp) coordinates} and the tp, pp and dp groups of a 3D layout, from
     dist.layout: tp fastest (neighbours inside a node), then pp, dp outermost."""
@@ -791,6 +884,90 @@ def draw_moe(path):
     fig.savefig(path, dpi=DPI)
 
 
+def draw_fp8(path):
+    plt = _plt()
+    x, scales = fp8_scales()
+    fig, axes = plt.subplots(len(scales), 1, figsize=(7.5, 5.6), sharex=True)
+    low = min(s.min().item() for s in scales.values())
+    high = max(s.max().item() for s in scales.values())
+    for ax, (name, s) in zip(axes, scales.items()):
+        image = ax.imshow(s, aspect="auto", cmap="viridis", vmin=low, vmax=high)
+        ax.set_ylabel(name, rotation=0, ha="right", va="center", fontsize=9)
+        ax.set_yticks([])
+    axes[-1].set_xlabel("channel (channel 0: the outlier, x 2^12); rows: tokens")
+    fig.colorbar(image, ax=axes, label="log2 of the scale before the cast")
+    fig.suptitle(
+        "FP8 scaling (lesson 20): which elements share a scale with an outlier channel", fontsize=10
+    )
+    fig.savefig(path, dpi=DPI)
+
+
+def draw_recompute(path):
+    plt = _plt()
+    trade = recompute_trade()
+    modes = list(trade)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(7.5, 2.8))
+    left.bar(modes, [trade[m][0] / 1024 for m in modes], color="tab:blue")
+    left.set_ylabel("KiB kept by one layer")
+    right.bar(modes, [trade[m][1] / 1e6 for m in modes], color="tab:orange")
+    right.set_ylabel("MFLOP of one step")
+    for ax, i in ((left, 0), (right, 1)):
+        for x, m in enumerate(modes):
+            scale = 1024 if i == 0 else 1e6
+            ax.text(x, trade[m][i] / scale, f"{trade[m][i] / scale:,.0f}", ha="center", va="bottom")
+    fig.suptitle(
+        "Activation recompute (lesson 07): memory kept for backward, traded for FLOPs", fontsize=10
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
+def draw_spacing(path, lr=1e-3):
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    for name, points in format_spacing().items():
+        kept = [(x, g) for x, g in points if g is not None]
+        ax.plot([x for x, _ in kept], [g for _, g in kept], marker=".", label=name)
+    ax.axhline(2 * lr, color="0.5", ls="--", lw=1)
+    ax.text(
+        2.0**-29,
+        2 * lr * 1.5,
+        f"2 x an update of {lr:g}: where a format's line is above, the update is lost",
+        fontsize=8,
+    )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("magnitude of the number (a weight)")
+    ax.set_ylabel("spacing to the next number")
+    ax.legend(fontsize=8)
+    ax.set_title(
+        "Number formats (lesson 06): bf16 has fp32's range and 2^16 x its spacing;\n"
+        "fp16 holds nothing below 2^-24 or above 65,504",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
+def draw_flops(path):
+    plt = _plt()
+    parts = flops_by_part()
+    fig, ax = plt.subplots(figsize=(7, 2.8))
+    names = list(parts)
+    ax.barh(names, list(parts.values()), color="tab:blue")
+    for y, name in enumerate(names):
+        ax.text(parts[name], y, f" {parts[name]:,.0f}", va="center", fontsize=8)
+    ax.invert_yaxis()  # the order a token meets them
+    ax.set_xlim(0, 1.2 * max(parts.values()))
+    ax.set_xlabel("forward FLOPs per token (FlopCounterMode), both layers")
+    ax.set_title(
+        "Where a GPT's FLOPs go (lesson 01): V = 512, s = 64, L = 2, h = 64; backward = 2 x",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
 DIAGRAMS = {
     "diagram_compose.png": draw_compose,
     "diagram_grid.png": draw_grid,
@@ -812,6 +989,10 @@ DIAGRAMS = {
     "diagram_chinchilla.png": draw_chinchilla,
     "diagram_allocations.png": draw_allocations,
     "diagram_moe.png": draw_moe,
+    "diagram_fp8.png": draw_fp8,
+    "diagram_recompute.png": draw_recompute,
+    "diagram_spacing.png": draw_spacing,
+    "diagram_flops.png": draw_flops,
 }
 
 

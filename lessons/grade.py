@@ -154,6 +154,32 @@ EXERCISES = {
         "tests/test_zero.py::test_two_ranks_equal_single_process_bitwise[gpt-1]",
         "ZeRO's flat buffers: lay parameters end to end, view them back, find this rank's pieces",
     ),
+    "flash-backward": Exercise(
+        "16",
+        ("16_flash:flash_backward",),
+        ("tests/test_online_softmax.py::test_tiled_backward_equals_softmax_attention_gradients",),
+        "tests/test_online_softmax.py::test_tiled_backward_equals_softmax_attention_gradients[32-8]",
+        "FlashAttention-2's backward: P recomputed tile by tile from the saved log-sum-exp",
+    ),
+    "balance": Exercise(
+        "14",
+        ("nanomega.moe:balance_loss",),
+        (
+            "tests/test_balance_loss.py",
+            "tests/test_hf_deepseek.py::test_balance_loss_is_deepseek_v3_sequence_wise_loss",
+            "tests/test_routers.py::test_balance_coefficient_is_converted_to_and_from_transformers",
+        ),
+        "tests/test_balance_loss.py::test_balance_loss_is_switchs_per_sequence"
+        "[three sequences routed differently]",
+        "the MoE balance loss: Switch/GShard's per sequence (DeepSeek-V3's sequence-wise loss)",
+    ),
+    "peak": Exercise(
+        "19",
+        ("19_profiling:holds_peak",),
+        ("tests/test_peak.py",),
+        "tests/test_peak.py::test_holds_peak_of_a_built_trace[a free inside another op]",
+        "find the op that holds the memory peak: a profiler trace's allocations and frees replayed",
+    ),
 }
 
 
@@ -331,8 +357,9 @@ def main(argv):
     parser.add_argument("--list", action="store_true", help="list the exercises")
     args = parser.parse_args(argv)
     if args.list or not (args.exercise or args.predict):
+        width = max(map(len, EXERCISES))
         for name, ex in EXERCISES.items():
-            print(f"{name:>9}  lesson {ex.lesson}  {ex.what}")
+            print(f"{name:>{width}}  lesson {ex.lesson}  {ex.what}")
         return 0
     ok = True
     try:

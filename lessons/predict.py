@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from nanomega import cp, dist, formulas, model, recompute, schedules, tp, worlds
+from nanomega import cp, dist, formulas, fp8, model, recompute, schedules, tp, worlds
 from nanomega.gpt_config import GPTConfig
 
 # the minimal track, in the ranks too
@@ -182,9 +182,23 @@ def profiler_bmm_forward_bytes():
     return next(e.self_cpu_memory_usage for e in prof.key_averages() if e.key == "aten::bmm")
 
 
+def e4m3_positive_finite_values():
+    # every one of the 256 bit patterns read as an E4M3 number
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8.E4M3).float()
+    return int(((every > 0) & torch.isfinite(every)).sum())
+
+
+def mx_scale_for_amax_3():
+    # fp8.quantize_mx of one 1 x 32 block whose amax is 3.0: x ~ q x scale_inv, so x is multiplied
+    # by 1 / scale_inv before the cast
+    x = torch.zeros(1, 32)
+    x[0, 5], x[0, 6] = 3.0, -1.0
+    return 1 / fp8.quantize_mx(x).scale_inv.item()
+
+
 def _world():
     """One world of 2: plain DP's and ZeRO-1's bytes per parameter, and a tp=2 layer's forward
-    bytes."""
+    bytes (and, under sequence parallelism, its forward + backward bytes)."""
     naive, zero = dp_naive.train(steps=1), zero1.train(steps=1)
     grid = dist.Grid(tp=2)
     torch.manual_seed(0)
@@ -194,6 +208,14 @@ def _world():
     grid.log.reset()
     block(torch.randn(2, 16, 32))
     tp_bytes = grid.log.wire_bytes("tp")
+
+    # the same layer under sequence parallelism: this rank's half of the sequence, both passes
+    torch.manual_seed(0)
+    cfg = GPTConfig(**CFG, make_vocab_size_divisible_by=256)
+    sp = tp.apply_tensor_parallel(GPT(cfg), grid.tp, sequence_parallel=True).blocks["0"]
+    grid.log.reset()
+    sp(torch.randn(2, 8, 32, requires_grad=True)).sum().backward()
+    sp_bytes = grid.log.wire_bytes("tp")
 
     # ring attention over cp = 2: this rank's 8 of 16 tokens, 4 heads of 8, fp32, forward only
     ring = dist.Grid(cp=2)
@@ -205,6 +227,7 @@ def _world():
         "dp-wire-bytes-per-param": (naive["bytes_per_step"] - 4) / naive["params"],
         "zero1-state-bytes-per-param": zero["state_bytes"] / zero["params"],
         "tp-forward-wire-bytes": tp_bytes,
+        "sp-layer-wire-bytes": sp_bytes,
         "cp-ring-forward-bytes": ring.log.wire_bytes("cp"),
     }
 
@@ -215,6 +238,7 @@ QUESTIONS = {  # name: (lesson, how it is measured)
     "dp-wire-bytes-per-param": ("02", "world"),
     "zero1-state-bytes-per-param": ("02", "world"),
     "tp-forward-wire-bytes": ("03", "world"),
+    "sp-layer-wire-bytes": ("04", "world"),
     "1f1b-bubble": ("05", bubble_1f1b),
     "1f1b-in-flight": ("05", in_flight("1f1b")),
     "gpipe-in-flight": ("05", in_flight("gpipe")),
@@ -233,6 +257,8 @@ QUESTIONS = {  # name: (lesson, how it is measured)
     "causal-tiles-computed": ("16", causal_tiles_computed),
     "chinchilla-params": ("18", chinchilla_params),
     "profiler-bmm-forward-bytes": ("19", profiler_bmm_forward_bytes),
+    "e4m3-positive-finite-values": ("20", e4m3_positive_finite_values),
+    "mx-scale-for-amax-3": ("20", mx_scale_for_amax_3),
 }
 
 

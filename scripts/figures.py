@@ -171,6 +171,10 @@ SCRIPTED = {
     "diagram_chinchilla.png": "lessons/diagrams.py",
     "diagram_allocations.png": "lessons/diagrams.py",
     "diagram_moe.png": "lessons/diagrams.py",
+    "diagram_fp8.png": "lessons/diagrams.py",
+    "diagram_recompute.png": "lessons/diagrams.py",
+    "diagram_spacing.png": "lessons/diagrams.py",
+    "diagram_flops.png": "lessons/diagrams.py",
 }
 
 

@@ -2,6 +2,7 @@
 picture is held against the rule its lesson states, so a change in the code that breaks the rule
 fails here, and one that keeps it redraws the same picture."""
 
+import math
 import sys
 from pathlib import Path
 
@@ -128,6 +129,75 @@ def test_causal_tiles_are_the_lower_triangle():
 def test_gqa_query_heads_read_their_group():
     assert diagrams.gqa_groups(8, 2) == [h // 4 for h in range(8)]
     assert diagrams.gqa_groups(6, 3) == [h // 2 for h in range(6)]
+
+
+def test_fp8_picture_shares_scales_by_each_recipes_tile():
+    """Lesson 20's rule, element by element: the scale is fmax / amax of the element's tile, the
+    whole tensor (tensorwise), its row rounded down to a power of two (rowwise), its 1 x 16 tile
+    (blockwise at the picture's block) and, for MXFP8, 2^-(floor(log2 amax) - 8) over 1 x 32."""
+    x, scales = diagrams.fp8_scales(block=16)
+    fmax = {"tensorwise": 448.0, "rowwise": 448.0, "blockwise": 448.0}  # E4M3 forward operands
+
+    def tiles_amax(width):  # each element's tile's amax, 1 x width tiles
+        r, k = x.shape
+        amax = x.abs().view(r, k // width, width).amax(-1)
+        return amax.repeat_interleave(width, 1)
+
+    want = {
+        "tensorwise": torch.log2(fmax["tensorwise"] / x.abs().amax()).expand_as(x),
+        "rowwise": torch.floor(torch.log2(fmax["rowwise"] / x.abs().amax(1, keepdim=True))),
+        "blockwise": torch.log2(fmax["blockwise"] / tiles_amax(16)),
+        "mxfp8": -(torch.floor(torch.log2(tiles_amax(32))) - 8),
+    }
+    for name, got in scales.items():
+        torch.testing.assert_close(got, want[name].expand_as(got), rtol=0, atol=1e-5, msg=name)
+    # the outlier's tile: the whole tensor, every row, only 16 (32) channels of each row
+    assert (scales["blockwise"][:, 16:] > scales["blockwise"][:, :1]).all()
+
+
+def test_recompute_picture_keeps_the_input_and_pays_a_forward():
+    """Lesson 07's rule on the picture's fp32 model: full recompute keeps only the block's input
+    (4 b s h bytes) and adds one forward of every layer (24 b s h^2 + 4 b s^2 h matmul FLOPs);
+    selective keeps less than none and adds QK^T's rerun (2 b s^2 h; P V is not rerun: lesson 07)."""
+    s, b, h, n_layer = 64, 2, 32, 2
+    trade = diagrams.recompute_trade(s, b, h, 4, n_layer, 128)
+    forward = 24 * b * s * h * h + 4 * b * s * s * h
+    assert trade["full"][0] == 4 * b * s * h
+    assert trade["full"][1] - trade["none"][1] == n_layer * forward
+    assert trade["selective"][1] - trade["none"][1] == n_layer * 2 * b * s * s * h
+    assert trade["full"][0] < trade["selective"][0] < trade["none"][0]
+
+
+def test_spacing_picture_follows_the_formats_bits():
+    """Lesson 06's formats: the spacing at 2^k is 2^(k - m) (m stored mantissa bits: 7 bf16, 10
+    fp16, 23 fp32) where the number is normal; fp16's subnormals are 2^-24 apart from 2^-24 to
+    2^-14, and it holds no 2^k below 2^-24 or above 2^15."""
+    mantissa = {"bfloat16": 7, "float16": 10, "float32": 23}
+    for name, points in diagrams.format_spacing(range(-30, 18)).items():
+        for x, gap in points:
+            k = round(math.log2(x))
+            if name == "float16" and not -24 <= k <= 15:
+                assert gap is None, (name, k)
+            elif name == "float16" and k < -14:
+                assert gap == 2.0**-24, (name, k, gap)
+            else:
+                assert gap == 2.0 ** (k - mantissa[name]), (name, k, gap)
+
+
+def test_flops_picture_is_lesson_01s_count():
+    """Forward FLOPs per token, each part by lesson 01's formula: 2 x the weights a token multiplies
+    (6 h^2 q, k, v; 2 h^2 the output; 8 h^2 each MLP matmul; 2 V h the head) and 4 s h for the two
+    s x s products (every key counted: the causal half is not skipped by an eager matmul), x L."""
+    V, s, L, h = 256, 16, 2, 32
+    parts = diagrams.flops_by_part(V, s, L, h, 4, 4)
+    assert parts == {
+        "q, k, v": L * 6 * h * h,
+        "QK^T, PV": L * 4 * s * h,
+        "attention out": L * 2 * h * h,
+        "MLP up": L * 8 * h * h,
+        "MLP down": L * 8 * h * h,
+        "LM head": 2 * V * h,
+    }
 
 
 def test_every_diagram_draws(tmp_path):

@@ -4,8 +4,9 @@ pass and fail.
 Runs of check.py, as a student runs it: every solution passes every test its exercise names (one
 run); every untouched starter fails with its own NotImplementedError (in spawned ranks too: tp-fg's
 and flat's are raised in the ranks, so the substitution reached them), and a planted bug in each of
-1f1b, cp-merge, ring, flash, router and zero3 fails, its line naming the failing case: two `--quick`
-runs, exercises whose tests share a spawned world (flat, zero3) in different runs.
+1f1b, cp-merge, ring, flash, router, zero3, flash-backward, balance and peak fails, its line naming
+the failing case: two `--quick` runs, exercises whose tests share a spawned world (flat, zero3) in
+different runs.
 The predictions (lessons/predict.py): right answers RIGHT, a wrong bubble WRONG, a missing one
 unanswered.
 """
@@ -28,6 +29,9 @@ SOLUTIONS = {
     "router": "router.py",
     "flash": "flash.py",
     "zero3": "zero3.py",
+    "flash-backward": "flash_backward.py",
+    "balance": "balance.py",
+    "peak": "peak.py",
 }
 BUGGY_1F1B = """from nanomega.schedules import Op
 
@@ -134,6 +138,43 @@ NO_PREFETCH_ZERO3 = (
     )
 )
 
+# a FlashAttention backward without D = rowsum(dO O): the softmax's Jacobian loses its row term
+NO_D_FLASH_BACKWARD = (
+    (EX / "solutions" / "flash_backward.py")
+    .read_text()
+    .replace("rows = (dout * out).sum(-1)", "rows = 0 * out[..., 0]  # the planted bug: D dropped")
+)
+
+# a balance loss whose shares f are counted over the whole batch, not per sequence
+BATCH_BALANCE = (
+    (EX / "solutions" / "balance.py")
+    .read_text()
+    .replace(
+        "f = F.one_hot(experts.flatten(1), n_experts).sum(1).float() / (s * k)",
+        "f = F.one_hot(experts.flatten(), n_experts).sum(0).float() / (b * s * k)  # planted",
+    )
+)
+
+# a peak finder that charges each free to the op running when it happens
+FREES_CHARGED_PEAK = """def holds_peak(trace):
+    events = trace["traceEvents"]
+    ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+
+    def running(e):
+        around = [o for o in ops if o["tid"] == e["tid"] and o["ts"] <= e["ts"] <= o["ts"] + o["dur"]]
+        return max(around, key=lambda o: o["ts"])["name"] if around else "(no op)"
+
+    held, now, peak, at_peak = {}, 0, 0, {}
+    for e in memory:  # the planted bug: an op's bytes = its allocations - the frees while it runs
+        held[running(e)] = held.get(running(e), 0) + e["args"]["Bytes"]
+        now += e["args"]["Bytes"]
+        if now > peak:
+            peak, at_peak = now, dict(held)
+    op = max(at_peak, key=at_peak.get)
+    return op, at_peak[op], peak
+"""
+
 
 def check(*args):
     env = dict(
@@ -178,6 +219,9 @@ def test_untouched_starters_and_a_planted_bug_fail(tmp_path):
         "flash": NO_RESCALE_FLASH,
         "router": UNNORMALIZED_ROUTER,
         "zero3": NO_PREFETCH_ZERO3,
+        "flash-backward": NO_D_FLASH_BACKWARD,
+        "balance": BATCH_BALANCE,
+        "peak": FREES_CHARGED_PEAK,
     }
     for name, text in planted.items():
         (tmp_path / f"planted_{name}.py").write_text(text)
@@ -202,15 +246,19 @@ def test_untouched_starters_and_a_planted_bug_fail(tmp_path):
         r"tests/test_online_softmax.py::.*s=32 block=8: output: \|got - want\| up to",
         r"tests/test_routers.py::.*\('softmax_topk_norm', '\w+', [0-9.e-]+\)",
         r"tests/test_zero.py::.*after block 0: \d+ bytes held, shards \+ root \+ block \d+",
+        r"tests/test_online_softmax.py::.*s=32 block=8: d[qk]: \|got - want\| up to",
+        r"tests/test_balance_loss.py::.*three sequences routed differently: got \[.*\], want \[",
+        r"tests/test_peak.py::.*a free inside another op: got .* want \('C', 120, 180\)",
     ):
         assert re.search("^FAIL " + line, out, re.M), (line, out)
 
 
 def test_the_other_starters_fail_by_their_own_error():
-    """The flat, ring, router and flash starters, untouched: one --quick run (their tests lie in four
-    modules), each failing test naming its exercise's NotImplementedError; flat's raised in a
-    spawned rank. (zero3's starter shares flat's world: checked by hand, not in the suite.)"""
-    names = ["flat", "ring", "router", "flash"]
+    """The flat, ring, router, flash, flash-backward, balance and peak starters, untouched: one
+    --quick run (their tests lie in six modules; flash and flash-backward name different tests of
+    one), each failing test naming its exercise's NotImplementedError; flat's raised in a spawned
+    rank. (zero3's starter shares flat's world: checked by hand, not in the suite.)"""
+    names = ["flat", "ring", "router", "flash", "flash-backward", "balance", "peak"]
     rc, verdicts, out = check("--quick", *pairs(EX, names))
     assert verdicts == dict.fromkeys(names, "FAIL") and rc == 1, out
     assert re.search(r"^FAIL .*\(rank \d failed: NotImplementedError: exercise flat:", out, re.M)
@@ -235,11 +283,11 @@ def test_a_file_without_the_names_is_one_line(tmp_path):
 
 def test_predictions_graded_right_and_wrong(tmp_path):
     """One run: the solution's answers with one made wrong (the 1F1B bubble as (p-1)/m, idle over the
-    ideal time: the common wrong convention) and one removed: the 21 others measured RIGHT, the wrong one
+    ideal time: the common wrong convention) and one removed: the 24 others measured RIGHT, the wrong one
     WRONG, the missing one unanswered."""
     solution = (EX / "solutions" / "predictions.py").read_text()
     # the untouched starter answers nothing
-    assert (EX / "predictions.py").read_text().count(": None,") == 23
+    assert (EX / "predictions.py").read_text().count(": None,") == 26
     wrong = tmp_path / "wrong.py"
     wrong.write_text(
         solution.replace("(p - 1) / (12 + p - 1),", "(p - 1) / 12,").replace(
@@ -250,8 +298,8 @@ def test_predictions_graded_right_and_wrong(tmp_path):
     assert (
         rc == 1 and "predict 1f1b-bubble (lesson 05): yours 0.25, measured 0.2 -> WRONG" in out
     ), out
-    assert out.count("-> RIGHT") == 21 and out.count("no prediction yet") == 1, out
-    assert "predictions: 21/23 right" in out, out
+    assert out.count("-> RIGHT") == 24 and out.count("no prediction yet") == 1, out
+    assert "predictions: 24/26 right" in out, out
 
 
 def test_quick_catches_an_uncapped_warmup_and_prints_the_case(tmp_path):

@@ -47,3 +47,41 @@ def test_tiled_forward_equals_softmax_attention(s, block):
     case = f"s={s} block={block}: output"
     assert_within(out, want_out, rel * v.abs().max().item(), case)
     assert_within(lse, want_lse, likely(D) * scores + 2 * tiles * u + likely(s), f"{case}'s lse")
+
+
+# (s, block): four tiles a row, three of 16
+@pytest.mark.parametrize("s, block", [(32, 8), (48, 16)], ids=lambda x: str(x))
+def test_tiled_backward_equals_softmax_attention_gradients(s, block):
+    """lessons/16_flash.py:flash_backward (P recomputed from the saved lse, D = rowsum(dO O)): dq,
+    dk, dv = float64 autograd of the causal softmax attention, within lesson 16's bound: each
+    gradient is a sum of <= s products whose factors carry the forward's relative error rel (on P
+    and on D): (2 rel + likely(s)) x the same sum taken in absolute values."""
+    torch.manual_seed(1)
+    q, k, v = (2 * torch.randn(B, A, s, D) for _ in range(3))
+    dout = torch.randn(B, A, s, D)
+    # the forward's out and lse from the float64 reference, rounded to fp32: only backward graded
+    out, lse = (t.float() for t in reference(q, k, v))
+    dq, dk, dv = lesson.flash_backward(q, k, v, out, lse, dout, block)
+
+    # float64 autograd of the reference, and the sums of |terms| each gradient adds up
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    want_out, _ = reference(*ref)
+    want_out.backward(dout.double())
+    causal = ~torch.ones(s, s, dtype=torch.bool).tril()
+    p = torch.softmax(
+        (ref[0] @ ref[1].transpose(-1, -2) / math.sqrt(D)).masked_fill(causal, float("-inf")), -1
+    ).detach()
+    ds_abs = p * (dout.abs().double() @ v.abs().double().transpose(-1, -2))
+    ds_abs = ds_abs + p * (dout.abs().double() * want_out.detach().abs()).sum(-1, keepdim=True)
+    sums = {
+        "dq": ds_abs @ k.abs().double() / math.sqrt(D),
+        "dk": ds_abs.transpose(-1, -2) @ q.abs().double() / math.sqrt(D),
+        "dv": p.transpose(-1, -2) @ dout.abs().double(),
+    }
+
+    u, tiles = unit_roundoff(torch.float32), s // block
+    scores = (q.abs() @ k.abs().transpose(-1, -2)).max().item() / math.sqrt(D)
+    rel = 2 * likely(D) * scores + (2 * tiles + 8) * u + 2 * likely(s)
+    for name, got, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref):
+        bound = (2 * rel + likely(s)) * sums[name]
+        assert_within(got, r.grad, bound, f"s={s} block={block}: {name}")

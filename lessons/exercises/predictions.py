@@ -25,6 +25,11 @@ PREDICTIONS = {
     # lesson 03: one transformer layer's FORWARD under tensor parallelism t = 2, input (b, s, h) =
     # (2, 16, 32) fp32: bytes one rank puts on the wire (ring)
     "tp-forward-wire-bytes": None,
+    # lesson 04: the same layer under sequence parallelism (t = 2; each rank holds (2, 8, 32), its
+    # half of the sequence), FORWARD AND BACKWARD: bytes one rank puts on the wire. Careful: the
+    # backward gathers the MLP's and attention's inputs again (they were not kept whole), and the
+    # replicated LayerNorm weights and row-parallel biases saw 1/t of the tokens each
+    "sp-layer-wire-bytes": None,
     # lesson 05: 1F1B with p = 4 stages and m = 12 micro-batches, a backward taking twice a forward:
     # the idle share of the whole step (the bubble), as a fraction. Careful: Narayanan et al.'s
     # "bubble time fraction" is idle time over the IDEAL time, not over the step
@@ -86,4 +91,12 @@ PREDICTIONS = {
     # attention on (4, 16): bytes aten::bmm allocates. Careful: per layer the scores are (b, a, s, s)
     # and P V is (b, a, s, hd); hd = h / a
     "profiler-bmm-forward-bytes": None,
+    # lesson 20: how many distinct positive finite numbers E4M3 (torch.float8_e4m3fn) holds, its
+    # subnormals included. Careful: E4M3fn gives up infinities; only S.1111.111 is NaN, so its top
+    # exponent holds normal numbers (IEEE's convention, the top exponent for inf and NaN, is E5M2's)
+    "e4m3-positive-finite-values": None,
+    # lesson 20: MXFP8 (E4M3, 1 x 32 blocks): the number a block is multiplied by before its cast,
+    # when the block's amax is 3.0. Careful: not fmax / amax (the current-scaling rule): MX's scale is
+    # a power of two, from floor(log2 amax) and E4M3's largest exponent
+    "mx-scale-for-amax-3": None,
 }

@@ -12,6 +12,10 @@ PREDICTIONS = {
     "zero1-state-bytes-per-param": 8 / 2,  # m and v: 8 bytes per parameter, split over N = 2
     # 2 all-reduces (attention, MLP) of (b, s, h)
     "tp-forward-wire-bytes": 2 * (2 * (t - 1) / t) * 2 * s * h * 4,
+    # forward: 2 all-gathers + 2 reduce-scatters of (b, s, h), (t - 1) / t each; backward: the
+    # same again plus 2 re-gathers; then the 6 h replicated gradients (4 h LayerNorm, 2 h biases)
+    # all-reduced: 10 (t - 1) / t B + 2 (t - 1) / t 24 h (lesson 04's formula)
+    "sp-layer-wire-bytes": 10 * (t - 1) / t * 2 * s * h * 4 + 2 * (t - 1) / t * 6 * h * 4,
     "1f1b-bubble": (p - 1) / (12 + p - 1),  # m = 12 here: idle / step
     "1f1b-in-flight": p,  # stage k: p - k
     "gpipe-in-flight": m,
@@ -34,4 +38,9 @@ PREDICTIONS = {
     "causal-tiles-computed": 12 * 13 // 2,  # T (T + 1) / 2, T = 384 / 32
     "chinchilla-params": math.sqrt(1e21 / 120),  # C = 6 N (20 N)
     "profiler-bmm-forward-bytes": L * 4 * 4 * 4 * (s * s + s * (h // 4)),  # L 4 b a (s^2 + s hd)
+    # 8 mantissa codes in each of 15 normal binades (exponent codes 1-15), less the NaN, + 7
+    # subnormals
+    "e4m3-positive-finite-values": 15 * 8 - 1 + 7,
+    # 2^-(floor(log2 3) - 8) = 2^7: amax lands in [256, 512)
+    "mx-scale-for-amax-3": 2 ** -(math.floor(math.log2(3.0)) - 8),
 }
