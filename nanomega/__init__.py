@@ -36,6 +36,7 @@ its formulas and its lesson:
     05  pp.py, schedules.py
                       pipeline stages; GPipe / 1F1B / interleaved / ZB-H1 / ZB-H2 / ZB-V as plain
                       data and a simulator
+        pp_calls.py   the p2p calls in flight between ops; sent outputs freed (deallocate)
         timeline.py   a step's timeline drawn, one row per rank (ASCII, and a PNG)
         wgrad.py      zero bubble: the backward split into B (input gradients) and W (weights, later)
         dualpipe.py   DualPipeV as data: overlapped forward-and-backward pairs on the V

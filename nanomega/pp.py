@@ -21,12 +21,11 @@ Lesson: lessons/05-pipeline-parallel.md
 """
 
 import contextlib
-import functools
 
 import torch
 import torch.nn as nn
 
-from . import dualpipe, moe_overlap, schedules, wgrad
+from . import dualpipe, moe_overlap, pp_calls, schedules, wgrad
 from .schedules import (
     SCHEDULES,
     SPLIT,
@@ -305,7 +304,7 @@ def _run(
     sync = torch.accelerator.synchronize if grid.device.type != "cpu" else (lambda: None)
     # live: (chunk, mb) -> (input, output) awaiting B; deferred: (chunk, mb) -> W's stash
     live, deferred, inbox, outbox, losses = {}, {}, {}, {}, []
-    calls = Calls(grid, p, rank, deallocate, eager=split, place=place)
+    calls = pp_calls.Calls(grid, p, rank, deallocate, eager=split, place=place)
     pairs = {f for f, _ in dualpipe.pairs(make(p, rank, m, virtual))} if place == "v" else set()
 
     def run(step):  # one op: F, B or W
@@ -336,7 +335,7 @@ def _run(
                 # split: the weight gradients wait in a stash for this micro-batch's W
                 defer = wgrad.deferring() if split else contextlib.nullcontext()
                 with no_sync() if not reduce else contextlib.nullcontext(), defer as stash:
-                    _backward(out, grad)
+                    pp_calls.backward(out, grad)
                 if split:
                     deferred[(step.chunk, step.mb)] = stash
             else:
@@ -380,60 +379,3 @@ def _run(
     losses = torch.stack(losses) if losses else torch.zeros(m, device=grid.device)
     # each micro-batch's loss, on every stage, from the rank holding the last virtual stage
     return grid.pp.broadcast(losses, src_index=stage_rank(last_vs, p, place))
-
-
-class Calls:
-    """This rank's batched p2p calls in flight (schedules.simulate's model): an op waits for the
-    call holding its input, a call for the earlier ones to the same peer; a sent output is freed
-    once its call completed (its autograd graph needs only the grad_fn: Megatron's deallocate).
-    Without W ops (eager False) every call is waited for as it is posted: the next op needs it."""
-
-    def __init__(self, grid, p, rank, deallocate, eager, place="loop"):
-        self.grid, self.deallocate, self.eager = grid, deallocate, eager
-        self.peer = functools.partial(peer, p=p, rank=rank, place=place)  # msg -> the other end
-        self.calls = []  # (works, peers, receives, [(message, tensor) sent])
-
-    def post(self, step, sent, inbox):
-        peers = {self.peer(msg) for msg in step.sends + step.recvs}
-        for call in [c for c in self.calls if c[1] & peers]:
-            self._wait(call)
-        works = self.grid.pp.p2p(
-            sends=[(t, self.peer(msg)) for msg, t in zip(step.sends, sent)],
-            recvs=[(inbox[msg], self.peer(msg)) for msg in step.recvs],
-            wait=False,
-        )
-        # every sent tensor stays referenced until its call completes; forward outputs freed then
-        self.calls.append((works, peers, set(step.recvs), list(zip(step.sends, sent))))
-        if not self.eager:
-            self.wait_all()
-
-    def wait_for(self, msg):
-        for call in [c for c in self.calls if msg in c[2]]:
-            self._wait(call)
-
-    def wait_all(self):
-        for call in list(self.calls):
-            self._wait(call)
-
-    def _wait(self, call):
-        self.calls = [c for c in self.calls if c is not call]  # by identity: calls hold tensors
-        for work in call[0] or []:
-            work.wait()
-        for msg, t in call[3] if self.deallocate else []:
-            if msg[0] == "F" and t._base is None:
-                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-
-
-def _backward(out, grad):
-    """Backward from out with gradient grad. Calls the autograd engine directly, as Megatron's
-    custom_backward: torch.autograd.backward would reject a grad whose shape differs from the
-    deallocated out.data."""
-    torch.autograd.Variable._execution_engine.run_backward(
-        tensors=(out,),
-        grad_tensors=(grad,),
-        keep_graph=False,
-        create_graph=False,
-        inputs=(),
-        allow_unreachable=True,
-        accumulate_grad=True,
-    )

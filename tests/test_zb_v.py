@@ -18,8 +18,9 @@ def test_placements():
     """The loop is Megatron's c p + r; the V holds r and 2p - 1 - r, so the first and the last
     virtual stage are on rank 0 and the turn p - 1 -> p stays on rank p - 1; each is the inverse
     of stage_rank."""
-    assert schedules.placement("zb-v") == "v"
-    assert {schedules.placement(s) for s in schedules.SCHEDULES if s != "zb-v"} == {"loop"}
+    assert schedules.placement("zb-v") == schedules.placement("dualpipev") == "v"
+    others = set(schedules.SCHEDULES) - {"zb-v", "dualpipev"}
+    assert {schedules.placement(s) for s in others} == {"loop"}
     for p in (2, 3, 4, 8):
         for place, v in (("loop", 1), ("loop", 3), ("v", 2)):
             held = {
