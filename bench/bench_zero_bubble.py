@@ -1,4 +1,4 @@
-"""Zero bubble: step time of 1F1B against ZB-H1, ZB-H2 and ZB-V at pp 4 on CPU ranks, next to
+"""Zero bubble: step time of 1F1B against ZB-H1, ZB-H2, ZB-V and DualPipeV at pp 4 on CPU ranks, next to
 what the bubble formulas and the simulator predict from the measured op times.
 
 Same dense GPT, the same 4-stage split (ZB-V: 8 chunks of one block in a V) and micro-batches; 4
@@ -11,6 +11,7 @@ whole backward; the split schedules: B, the input gradient) and t_w, the bubble 
     ZB-H2  m (t_f + t_b + t_w) + (p - 1) max(t_f, t_f + t_b - 2 t_w)   (the step synchronized;
            lessons/05: the paper's (p - 1)(t_f + t_b - 2 t_w) is each rank's own span)
     ZB-V   no closed form at unequal times: the simulator's step at the measured chunk op times
+    DualPipeV  the same (its pairs run F, B, W back to back on a CPU: nothing overlaps here)
 and the simulator's step (schedules.simulate at the measured op times, in 0.1 ms) for each.
 On a machine with fewer cores than ranks the ranks share cores: one rank's idle time is another's
 compute time, and the measured gain is not the formulas' (they assume a core per stage).
@@ -30,6 +31,7 @@ from nanomega.model import GPT
 from nanomega.schedules import Trace, bubble_fraction, simulate
 
 SPLIT = ("zb-h1", "zb-h2")  # on the loop, one chunk per rank
+V = ("zb-v", "dualpipev")  # on the V, two chunks per rank (DualPipeV: m >= 2p)
 CFG = dict(vocab_size=512, block_size=128, n_layer=8, n_head=4, n_embd=256)
 MB, SEQ = 4, 128
 
@@ -47,7 +49,7 @@ def _bench(m, steps):
     stages = {
         "1f1b": pp.build_stage(copy.deepcopy(dense), grid),
         **{s: wgrad.split_backward(pp.build_stage(copy.deepcopy(dense), grid)) for s in SPLIT},
-        "zb-v": wgrad.split_backward(pp.build_stage(copy.deepcopy(dense), grid, 2, "v")),
+        **{s: wgrad.split_backward(pp.build_stage(copy.deepcopy(dense), grid, 2, "v")) for s in V},
     }
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, CFG["vocab_size"], (m * MB, SEQ), generator=g) for _ in range(2))
@@ -57,7 +59,7 @@ def _bench(m, steps):
         for schedule, stage in stages.items():
             trace = Trace(grid.pp_rank)
             start = time.perf_counter()
-            virtual = 2 if schedule == "zb-v" else 1
+            virtual = 2 if schedule in V else 1
             losses[schedule] = pp.train_step(stage, grid, batches, schedule, virtual=virtual,
                                              trace=trace)  # fmt: skip
             times[schedule].append(time.perf_counter() - start)
@@ -98,7 +100,7 @@ def main():
     simulated = {}
     for s, (f, bk, w) in op.items():
         f, bk, w = (round(x * 1e4) for x in (f, bk if s != "1f1b" else t_bw, w))
-        v = 2 if s == "zb-v" else 1
+        v = 2 if s in V else 1
         sim = simulate(p, m, s, v=v, t_f=f, t_b=bk, t_w=w)
         simulated[s] = max(e.end for t in sim for e in t.events) / 1e4
     print(f"p={p} m={m} x ({MB} x {SEQ}) tokens, {CFG}; mean op times (ms), F B W: "

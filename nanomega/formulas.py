@@ -239,7 +239,8 @@ def inflight_microbatches(p, m, schedule="1f1b", v=1):
     """Micro-batches whose activations stage 0 holds at its peak, in units of one stage's L/p
     layers: GPipe all m, 1F1B p (its warm-up), interleaved p + (p-1)/v, i.e. Korthikanti's L(1 +
     (p-1)/(pv)) layers; ZB-H1 p, ZB-H2 2p - 1 (Qi et al. 2024, Table 1), ZB-V 2p half-size chunks,
-    i.e. p (its fullest rank: min(2p, 2m, m + p) chunks, tests/test_zb_v.py)."""
+    i.e. p (its fullest rank: min(2p, 2m, m + p) chunks, tests/test_zb_v.py); DualPipeV 2p + 1 chunks
+    (its m >= 2p; DeepSeek's DualPipe repository, PP + 1 with PP = 2p stages)."""
     if p == 1:
         return 1  # plain gradient accumulation: one micro-batch at a time
     return {
@@ -249,6 +250,7 @@ def inflight_microbatches(p, m, schedule="1f1b", v=1):
         "zb-h1": min(p, m),
         "zb-h2": min(2 * p - 1, m),
         "zb-v": min(2 * p, 2 * m, m + p) / 2,
+        "dualpipev": (2 * p + 1) / 2,
     }[schedule]
 
 
@@ -412,8 +414,10 @@ ZB_H1_SLOTS = 3  # ZB-H1's ramp: (T_F + T_B - T_W) / (T_F + T_B + T_W) = 1/3 slo
 # slots per ramp step of the split schedules at T_F = T_B = T_W, the step synchronized (nanomega's):
 # ZB-H1 (p-1)(T_F + T_B - T_W) (Qi et al. 2024, Table 1); ZB-H2 (p-1) max(T_F, T_F + T_B - 2 T_W)
 # (ours: its ranks start T_F apart, the paper's (p-1)(T_F + T_B - 2 T_W) is each rank's own span);
-# ZB-V (p-1) chunk ops of a sixth of a slot (ours, m >= 2p - 1: tests/test_zb_v.py)
-RAMP_SLOTS = {"zb-h1": ZB_H1_SLOTS, "zb-h2": 3, "zb-v": 6}
+# ZB-V (p-1) chunk ops of a sixth of a slot (ours, m >= 2p - 1: tests/test_zb_v.py); DualPipeV
+# (PP/2 - 1)(F&B + B - 3W), PP = 2p, B a chunk's full backward (the DualPipe repository's table):
+# with nothing overlapped (F&B = F + B + W, what the planner prices) 2(p-1) chunk ops, a third of a slot
+RAMP_SLOTS = {"zb-h1": ZB_H1_SLOTS, "zb-h2": 3, "zb-v": 6, "dualpipev": 3}
 
 
 def flops_per_token(n_params, n_layer, h, s, recompute="none", head_params=0):

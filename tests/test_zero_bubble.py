@@ -235,16 +235,18 @@ def test_train_zb_h1_zb_h2_equal_1f1b_bitwise(corpus, tmp_path):
             zb_dense.bitwise_equal(tmp_path, f"{name}-1f1b", f"{name}-{schedule}")
 
 
-@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2", "zb-v"])
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2", "zb-v", "dualpipev"])
 def test_planner_prices_the_split_schedules_with_the_simulated_bubble(schedule):
     """The planner's bubble (formulas.pipeline_bubble at RAMP_SLOTS[schedule], T_F = T_B = T_W, the
     step synchronized) is the simulator's idle share; its activation memory per stage
     (inflight_microbatches, in stage micro-batches: ZB-V's chunks are half a stage) is the
     simulator's peak. A wrong slot count (the paper's zero for ZB-H2, which needs the optimizer
     step's synchronization bypassed) fails here."""
-    v = 2 if schedule == "zb-v" else 1
+    v = 2 if schedules.placement(schedule) == "v" else 1
     for p in (2, 4, 8):
         for m in (1, 2, p, 2 * p - 1, 2 * p, 4 * p):
+            if schedule == "dualpipev" and m < 2 * p:
+                continue  # DualPipeV takes m >= 2p (dualpipe.check)
             traces = simulate(p, m, schedule, v=v, t_f=1, t_b=1, t_w=1)
             bubble = formulas.pipeline_bubble(p, m, formulas.RAMP_SLOTS[schedule])
             if m >= 2 * p - 1:  # the formulas' range (fewer micro-batches: the ramp is longer)

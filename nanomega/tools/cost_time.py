@@ -29,6 +29,7 @@ from nanomega.formulas import (
     pp_comm_bytes,
     tp_comm_bytes_per_layer,
 )
+from nanomega.schedules import placement
 from nanomega.tools import overlap
 from nanomega.tools.cost import (
     PRECISIONS,
@@ -190,9 +191,9 @@ def step_time(model, gpu, gpus, tp, pp, zero, run, time=TIME, global_batch=None)
     stages[-1] += model.mtp_num_layers * (layer + (head + eh) / (gpu.peak_flops * time.matmul))
 
     pp_bw, dp_bw = links(gpu, gpus, tp, pp)
-    sent_v = 2 if run.schedule == "zb-v" else v
+    sent_v = 2 if placement(run.schedule) == "v" else v
     sends = (
-        # (ZB-V: two chunks per rank, each sends; the turn's pair stays on its rank)
+        # (on the V, ZB-V and DualPipeV: two chunks per rank, each sends; the turn's pair stays on its rank)
         pp_comm_bytes(run.micro_batch, model.seq_len, model.n_embd, tp, eb, 1, sent_v)
         if pp > 1
         else 0
@@ -314,7 +315,11 @@ def evaluate(model, gpu, gpus, tp, pp, zero, run, time=TIME):
         * max(layers)
         * tp_comm_bytes_per_layer(b, s, h, tp, eb, run.sp, run.recompute, column_inputs(model))
     )
-    pp_b = pp_comm_bytes(b, s, h, tp, eb, m, 2 if run.schedule == "zb-v" else v) if pp > 1 else 0
+    pp_b = (
+        pp_comm_bytes(b, s, h, tp, eb, m, 2 if placement(run.schedule) == "v" else v)
+        if pp > 1
+        else 0
+    )
     dp_b = dp_comm_bytes(max(stage_params(model, tp, pp, v, run.split)), zero, dp, gb, pb, m)
 
     # time, FLOP/s, MFU

@@ -98,7 +98,7 @@ def parse(argv=None):
     ap.add_argument(
         "--schedule",
         default=Run.schedule,
-        choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"],
+        choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev"],
     )
     ap.add_argument(
         "--chunks", type=int, default=Run.chunks, help="model chunks per stage (interleaved)"
