@@ -1,5 +1,5 @@
 """FP8 training on this CPU: the loss after N steps and the step time, fp32 and bf16 against each
---fp8 recipe, with and without an injected outlier channel (the divergence lab of lesson 20).
+--fp8 recipe, with and without an injected outlier channel (the divergence lab of lesson 10).
 
     python bench/bench_fp8.py --steps 200            # one process; prints a markdown table
 
@@ -31,7 +31,7 @@ from nanomega import fp8_linear, train  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 # off: fp32; bf16: --dtype bf16 without FP8 (the precision FP8 is usually weighed against)
 RECIPES = ["off", "bf16", "tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"]
-OUTLIER = 2.0**16  # lesson 20: below ~2^12, E4M3's subnormals absorb an outlier channel
+OUTLIER = 2.0**16  # lesson 10: below ~2^12, E4M3's subnormals absorb an outlier channel
 SHAPE = "--n-layer 2 --n-head 4 --n-embd 64 --block-size 64 --batch-size 8 --dropout 0".split()
 
 

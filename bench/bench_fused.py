@@ -14,7 +14,7 @@ eager's own traffic, intermediates included, and fused's) over its time, next to
 the same thread count. Cheap ops get more repeats (as many as fit in ~2 s, at most 200): a short op
 needs more tries to meet a quiet moment.
 Targets (issue 7): fused >= 1.5x eager for bias-GeLU and softmax, and not slower than torch.compile.
-Lesson: lessons/08-fused-kernels.md
+Lesson: lessons/13-fused-kernels.md
 """
 
 import argparse

@@ -10,6 +10,7 @@ figure, the runs overlaid). A scheme added later (ZeRO++'s qwZ/hpZ/qgZ) is one m
 """
 
 import argparse
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,9 @@ def main():
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--only", nargs="*", default=list(SCHEMES), choices=list(SCHEMES))
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "convergence"))
+    p.add_argument(
+        "--figure", help="also copy the loss figure there (scripts/figures.py: lesson 18's)"
+    )
     a = p.parse_args()
     out = Path(a.out)
     for name in a.only:
@@ -69,6 +73,8 @@ def main():
     names = [n for n in SCHEMES if (out / n / "metrics.jsonl").is_file()]
     print(table(names, out))
     plot.main([*(str(out / n) for n in names), "--to", str(out)])
+    if a.figure:
+        shutil.copyfile(out / "loss.png", a.figure)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ DPI = 72
 
 
 class ThreadRing:
-    """The slice of dist.Axis that lesson 17's ring all-reduce uses (size, rank, p2p), for n threads
+    """The slice of dist.Axis that lesson 03's ring all-reduce uses (size, rank, p2p), for n threads
     standing in for n ranks: a send is put in the receiver's queue, a receive takes from its own."""
 
     def __init__(self, rank, boxes):
@@ -48,7 +48,7 @@ class ThreadRing:
 
 
 def lesson_script(name):
-    """A lesson's script as a module ("17_collectives.py" -> module 17_collectives: a name that
+    """A lesson's script as a module ("03_collectives.py" -> module 03_collectives: a name that
     starts with a digit cannot be written in an import statement, but importlib takes it); its
     experiment runs under __main__ only, so importing it runs nothing. Imported once per process,
     like any module, so the exercise grader's substitution of one of its functions is what every
@@ -79,11 +79,11 @@ def on_threads(n, rank_main):
 
 
 def ring_steps(n=4):
-    """Lesson 17's ring all-reduce run on n threads, each chunk tagged so that what travels can be
+    """Lesson 03's ring all-reduce run on n threads, each chunk tagged so that what travels can be
     read: element 0 of rank r's chunk c is 2^r (a sum of them names the ranks it holds), element 1
     is c (a sum of k of them is k c). Returns [(step, rank, chunk, ranks summed in it)] of every
     send, in the order the ranks sent them."""
-    lesson = lesson_script("17_collectives.py")
+    lesson = lesson_script("03_collectives.py")
     boxes, sent = [queue.Queue() for _ in range(n)], []
     lock = threading.Lock()
 
@@ -269,7 +269,7 @@ def flops_by_part(vocab=512, s=64, n_layer=2, h=64, a=4, b=2):
 def format_spacing(exponents=range(-30, 18)):
     """{format: [(x, spacing)]} for x = 2^k: the gap from x to the next number of bf16, fp16 and
     fp32 (torch.nextafter in the format), None where x is not representable (fp16: below 2^-24 it
-    rounds to 0, above 65,504 to inf). Lesson 06's point: an update below half the spacing at a
+    rounds to 0, above 65,504 to inf). Lesson 09's point: an update below half the spacing at a
     weight's magnitude is rounded away."""
     out = {}
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -285,7 +285,7 @@ def format_spacing(exponents=range(-30, 18)):
 
 def recompute_trade(s=64, b=2, h=32, a=4, n_layer=2, vocab=128):
     """{mode: (bytes autograd keeps in block 0, matmul FLOPs of one step)} for no, selective and
-    full recompute (lesson 07), measured on an fp32 GPT with dropout (as the lesson's: the rerun then
+    full recompute (lesson 11), measured on an fp32 GPT with dropout (as the lesson's: the rerun then
     reaches the block's last matmul, whose output the dropout needs): recompute.saved_bytes_per_layer
     and torch's FlopCounterMode, the lesson's two meters."""
     import copy
@@ -313,7 +313,7 @@ def recompute_trade(s=64, b=2, h=32, a=4, n_layer=2, vocab=128):
 
 def fp8_scales(rows=8, cols=64, block=16, outlier=2.0**12, seed=0):
     """{recipe: (rows, cols) log2 of the scale each element of an activation is multiplied by
-    before its E4M3/E5M2 cast}, by fp8_linear.FP8's forward operand (lesson 20): channel 0 made
+    before its E4M3/E5M2 cast}, by fp8_linear.FP8's forward operand (lesson 10): channel 0 made
     `outlier` times larger; blockwise's tiles 1 x block (DeepSeek-V3's 1 x 128, made small to be
     seen), MXFP8's 1 x 32. Which elements share the outlier's scale is the recipe's answer."""
     from nanomega.fp8_linear import FP8
@@ -343,13 +343,13 @@ def grid_groups(dp=2, pp=2, tp=4):
 
 
 def fused_bytes(rows=64, width=128):
-    """Lesson 08's bias + GeLU, forward and backward: [(aten kernel, bytes it read and wrote)], the
+    """Lesson 13's bias + GeLU, forward and backward: [(aten kernel, bytes it read and wrote)], the
     eager kernels counted one at a time by the lesson's ByteCounter, and the fused kernel's (forward,
     backward) bytes by the lesson's formula: it reads x and writes y (2n), reads dy and x and writes
     dx (3n), n = rows x width fp32 elements (the bias's few h bytes left out)."""
     from nanomega import model
 
-    lesson, kernels = lesson_script("08_fused.py"), []
+    lesson, kernels = lesson_script("13_fused.py"), []
 
     class PerKernel(lesson.ByteCounter):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -369,9 +369,9 @@ def fused_bytes(rows=64, width=128):
 
 
 def checkpoint_overhead(mtbf_h=112.0, saves_s=(120, 40), longest_h=8.0, points=3200):
-    """Lesson 12's trade-off, per hour of training: a checkpoint every T hours stalls C/T, a failure
+    """Lesson 20's trade-off, per hour of training: a checkpoint every T hours stalls C/T, a failure
     (one per M hours) loses T/2 on average: overhead(T) = C/T + T/(2M) (restarts left out). M = 112
-    h: BLOOM's reported rate (lesson 12); C = 2 min (the lesson's assumed synchronous save) and 40 s
+    h: BLOOM's reported rate (lesson 20); C = 2 min (the lesson's assumed synchronous save) and 40 s
     (BigScience's chronicles). {C in seconds: (T grid in hours, overhead, the grid's best T)}."""
     grid = torch.linspace(longest_h / points, longest_h, points, dtype=torch.float64)
     curves = {}
@@ -382,25 +382,25 @@ def checkpoint_overhead(mtbf_h=112.0, saves_s=(120, 40), longest_h=8.0, points=3
 
 
 def compute_optimal(budgets=tuple(10.0**e for e in range(19, 27))):
-    """Lesson 18's picture: the compute-optimal (C, N, D) of each budget (formulas.chinchilla_optimal,
-    k = 20), Chinchilla's Table 3 rows and the published runs, both as lesson 18's script lists
+    """Lesson 22's picture: the compute-optimal (C, N, D) of each budget (formulas.chinchilla_optimal,
+    k = 20), Chinchilla's Table 3 rows and the published runs, both as lesson 22's script lists
     them."""
     from nanomega import formulas
 
-    lesson = lesson_script("18_sizing.py")
+    lesson = lesson_script("22_sizing.py")
     frontier = [(c, *formulas.chinchilla_optimal(c)) for c in budgets]
     return frontier, lesson.TABLE3, lesson.RUNS
 
 
 def step_allocations():
-    """Lesson 19's memory view without the world: one forward + backward of the lesson's model
+    """Lesson 14's memory view without the world: one forward + backward of the lesson's model
     under torch.profiler(profile_memory=True), after a warm-up step. {aten op: bytes its calls
     allocated (self), summed}, the ops that allocated any, largest first."""
     from torch.profiler import ProfilerActivity, profile
 
     from nanomega.model import GPT
 
-    lesson = lesson_script("19_profiling.py")
+    lesson = lesson_script("14_profiling.py")
     torch.manual_seed(0)
     model = GPT(lesson.CFG)
     x = torch.randint(0, lesson.V, (lesson.B, lesson.S))
@@ -547,7 +547,7 @@ def draw_sp(path):
     ]
     x, region = 0.0, 0
     for op, *_ in trace:
-        if op == "all_reduce":  # the loss's few floats (lesson 03), not an activation
+        if op == "all_reduce":  # the loss's few floats (lesson 05), not an activation
             continue
         # the region before the collective: sequence-split after a reduce-scatter
         split = op == "all_gather"
@@ -836,7 +836,7 @@ def draw_allocations(path):
     ax.invert_yaxis()
     ax.set_xlabel("MiB allocated in one forward + backward (profile_memory=True)")
     ax.set_title(
-        "Lesson 19's model: which ops allocate the step's memory\n(red: bmm, the attention's s x s scores "
+        "Lesson 14's model: which ops allocate the step's memory\n(red: bmm, the attention's s x s scores "
         "and their gradients)",
         fontsize=9,
     )
@@ -897,7 +897,7 @@ def draw_fp8(path):
     axes[-1].set_xlabel("channel (channel 0: the outlier, x 2^12); rows: tokens")
     fig.colorbar(image, ax=axes, label="log2 of the scale before the cast")
     fig.suptitle(
-        "FP8 scaling (lesson 20): which elements share a scale with an outlier channel", fontsize=10
+        "FP8 scaling (lesson 10): which elements share a scale with an outlier channel", fontsize=10
     )
     fig.savefig(path, dpi=DPI)
 
@@ -916,7 +916,7 @@ def draw_recompute(path):
             scale = 1024 if i == 0 else 1e6
             ax.text(x, trade[m][i] / scale, f"{trade[m][i] / scale:,.0f}", ha="center", va="bottom")
     fig.suptitle(
-        "Activation recompute (lesson 07): memory kept for backward, traded for FLOPs", fontsize=10
+        "Activation recompute (lesson 11): memory kept for backward, traded for FLOPs", fontsize=10
     )
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
@@ -941,7 +941,7 @@ def draw_spacing(path, lr=1e-3):
     ax.set_ylabel("spacing to the next number")
     ax.legend(fontsize=8)
     ax.set_title(
-        "Number formats (lesson 06): bf16 has fp32's range and 2^16 x its spacing;\n"
+        "Number formats (lesson 09): bf16 has fp32's range and 2^16 x its spacing;\n"
         "fp16 holds nothing below 2^-24 or above 65,504",
         fontsize=9,
     )
@@ -975,10 +975,10 @@ DIAGRAMS = {
     "diagram_zero.png": draw_zero,
     "diagram_tp.png": draw_tp,
     "diagram_1f1b.png": draw_1f1b,
-    "05_timeline_zb-h1_unit_clock.png": draw_zb_h1,
-    "05_timeline_dualpipev_unit_clock.png": draw_dualpipev,
-    "05_timeline_zb-h2_unit_clock.png": draw_zb_h2,
-    "05_timeline_zb-v_unit_clock.png": draw_zb_v,
+    "08_timeline_zb-h1_unit_clock.png": draw_zb_h1,
+    "08_timeline_dualpipev_unit_clock.png": draw_dualpipev,
+    "08_timeline_zb-h2_unit_clock.png": draw_zb_h2,
+    "08_timeline_zb-v_unit_clock.png": draw_zb_v,
     "diagram_sp.png": draw_sp,
     "diagram_cp.png": draw_cp,
     "diagram_reshard.png": draw_reshard,

@@ -51,7 +51,7 @@ REPORT = "NANOMEGA_GRADE_REPORT"  # where the grader's pytest plugin writes its 
 class Exercise:
     lesson: str
     # "module:attribute" or "module:Class.method": what your file's same-named object replaces (a
-    # lesson script is the module of its file name, "17_collectives": lessons/ is on the path)
+    # lesson script is the module of its file name, "03_collectives": lessons/ is on the path)
     targets: tuple
     tests: tuple  # pytest node ids (a prefix selects every parametrization)
     # one node id of them: a first try (--quick), and test_exercises' check that a starter fails
@@ -61,7 +61,7 @@ class Exercise:
 
 EXERCISES = {
     "tp-fg": Exercise(
-        "03",
+        "05",
         ("nanomega.tp:CopyToTensorParallel", "nanomega.tp:ReduceFromTensorParallel"),
         (
             "tests/test_tp.py::test_layers_match_dense",
@@ -71,7 +71,7 @@ EXERCISES = {
         "Megatron's f and g: the autograd pair around a column- and a row-parallel linear",
     ),
     "vocab-ce": Exercise(
-        "03",
+        "05",
         ("nanomega.tp_loss:vocab_parallel_cross_entropy",),
         (
             "tests/test_tp.py::test_layers_match_dense",
@@ -81,7 +81,7 @@ EXERCISES = {
         "the cross-entropy of vocabulary-split logits, no rank holding all of them",
     ),
     "1f1b": Exercise(
-        "05",
+        "08",
         ("nanomega.schedules:one_f_one_b",),
         (
             "tests/test_pp.py::test_op_orders_literal",
@@ -92,15 +92,15 @@ EXERCISES = {
         "the 1F1B schedule: warm-up, steady state, cool-down",
     ),
     "cp-merge": Exercise(
-        "15",
+        "07",
         ("nanomega.cp:merge", "nanomega.cp:positions"),
         ("tests/test_cp_merge.py",),
         "tests/test_cp_merge.py::test_merge_equals_softmax_over_both_key_sets[(0, 6, 12)]",
         "context parallelism's online-softmax merge and its head/tail chunks",
     ),
     "ring": Exercise(
-        "17",
-        ("17_collectives:ring_all_reduce",),
+        "03",
+        ("03_collectives:ring_all_reduce",),
         (
             "tests/test_diagrams.py::test_ring_all_reduce_is_the_sum_on_every_rank",
             "tests/test_diagrams.py::test_ring_sends_2n_minus_2_chunks_and_reduces_one_per_rank",
@@ -109,7 +109,7 @@ EXERCISES = {
         "the ring all-reduce from point-to-point sends: reduce-scatter, then all-gather",
     ),
     "router": Exercise(
-        "14",
+        "16",
         ("nanomega.moe:route",),
         (
             "tests/test_routers.py::test_each_router_is_its_models_and_no_other",
@@ -120,14 +120,14 @@ EXERCISES = {
         "the MoE router: which k experts a token goes to, and with what weights",
     ),
     "flash": Exercise(
-        "16",
-        ("16_flash:flash_forward",),
+        "12",
+        ("12_flash:flash_forward",),
         ("tests/test_online_softmax.py",),
         "tests/test_online_softmax.py::test_tiled_forward_equals_softmax_attention[32-8]",
         "FlashAttention's forward: the online softmax over tiles of scores",
     ),
     "zero3": Exercise(
-        "02",
+        "04",
         ("nanomega.zero3:ShardedParameters.gather", "nanomega.zero3:ShardedParameters.release"),
         (
             "tests/test_zero.py::test_two_ranks_equal_single_process_bitwise[gpt-3]",
@@ -140,7 +140,7 @@ EXERCISES = {
         "ZeRO-3's gather and free: a unit's parameters exist only while it runs",
     ),
     "flat": Exercise(
-        "02",
+        "04",
         (
             "nanomega.flat:FlatGroup.flatten",
             "nanomega.flat:FlatGroup.views",
@@ -155,14 +155,14 @@ EXERCISES = {
         "ZeRO's flat buffers: lay parameters end to end, view them back, find this rank's pieces",
     ),
     "flash-backward": Exercise(
-        "16",
-        ("16_flash:flash_backward",),
+        "12",
+        ("12_flash:flash_backward",),
         ("tests/test_online_softmax.py::test_tiled_backward_equals_softmax_attention_gradients",),
         "tests/test_online_softmax.py::test_tiled_backward_equals_softmax_attention_gradients[32-8]",
         "FlashAttention-2's backward: P recomputed tile by tile from the saved log-sum-exp",
     ),
     "balance": Exercise(
-        "14",
+        "16",
         ("nanomega.moe:balance_loss",),
         (
             "tests/test_balance_loss.py",
@@ -174,8 +174,8 @@ EXERCISES = {
         "the MoE balance loss: Switch/GShard's per sequence (DeepSeek-V3's sequence-wise loss)",
     ),
     "peak": Exercise(
-        "19",
-        ("19_profiling:holds_peak",),
+        "14",
+        ("14_profiling:holds_peak",),
         ("tests/test_peak.py",),
         "tests/test_peak.py::test_holds_peak_of_a_built_trace[a free inside another op]",
         "find the op that holds the memory peak: a profiler trace's allocations and frees replayed",
@@ -264,7 +264,7 @@ def grade(pairs, quiet=False, first_failure=False, quick=False):
         mine = (exercise(name).quick,) if quick else exercise(name).tests
         tests += [t for t in mine if t not in tests]
     env = dict(os.environ, **{ENV: json.dumps(pairs)})
-    # lessons/ too: an exercise may replace a lesson script's function ("17_collectives:...")
+    # lessons/ too: an exercise may replace a lesson script's function ("03_collectives:...")
     env["PYTHONPATH"] = os.pathsep.join(
         [str(HOOK), str(ROOT), str(LESSONS)] + [p for p in [env.get("PYTHONPATH")] if p]
     )

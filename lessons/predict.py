@@ -88,7 +88,7 @@ def moe_active_params():
 
 
 def ring_bytes_per_rank():
-    # lesson 17's ring all-reduce run on 8 threads standing in for ranks, its sends' bytes counted
+    # lesson 03's ring all-reduce run on 8 threads standing in for ranks, its sends' bytes counted
     import diagrams  # lessons/diagrams.py: the ring on threads
 
     n, sent = 8, []
@@ -98,7 +98,7 @@ def ring_bytes_per_rank():
             sent.extend(t.numel() * t.element_size() for t, peer in sends if self.rank == 0)
             super().p2p(sends, recvs)
 
-    lesson = diagrams.lesson_script("17_collectives.py")
+    lesson = diagrams.lesson_script("03_collectives.py")
     boxes = [diagrams.queue.Queue() for _ in range(n)]
     diagrams.on_threads(n, lambda r: lesson.ring_all_reduce(Counting(r, boxes), torch.ones(1024)))
     return sum(sent)
@@ -127,11 +127,11 @@ def bf16_values_between_1_and_1024():
 
 
 def eager_gelu_forward_bytes():
-    # lesson 08's ByteCounter around the eager forward only: x (64, 128), bias (128,), fp32
+    # lesson 13's ByteCounter around the eager forward only: x (64, 128), bias (128,), fp32
     import diagrams
 
     x, bias = torch.randn(64, 128), torch.randn(128)
-    with diagrams.lesson_script("08_fused.py").ByteCounter() as counter:
+    with diagrams.lesson_script("13_fused.py").ByteCounter() as counter:
         model.bias_gelu(x, bias)
     return counter.bytes
 
@@ -142,29 +142,29 @@ def dp_peer_of_rank_5():
 
 
 def reshard_elements_of_rank_2():
-    # lesson 10's flat buffer of 80 elements (lessons/diagrams.py:RESHARD_PARAMS) over N = 3 ranks
+    # lesson 19's flat buffer of 80 elements (lessons/diagrams.py:RESHARD_PARAMS) over N = 3 ranks
     import diagrams
 
     return sum(b - a for _, a, b in diagrams.shard_pieces(3)[2])
 
 
 def zero3_bytes_per_gpu():
-    # the planner's cost model (lesson 11): a 7B model's training state per GPU, ZeRO-3 over dp = 64
+    # the planner's cost model (lesson 21): a 7B model's training state per GPU, ZeRO-3 over dp = 64
     return sum(formulas.zero_state_bytes(7e9, 3, 64))  # weights, gradients, optimizer
 
 
 def young_interval_hours():
-    # lesson 12's trade-off C/T + T/(2M) minimised on a grid of intervals: C = 30 s, M = 56 h
+    # lesson 20's trade-off C/T + T/(2M) minimised on a grid of intervals: C = 30 s, M = 56 h
     import diagrams
 
     return diagrams.checkpoint_overhead(56.0, (30,))[30][2]
 
 
 def causal_tiles_computed():
-    # lesson 16's tiles(s, block) at s = 384, block = 32
+    # lesson 12's tiles(s, block) at s = 384, block = 32
     import diagrams
 
-    return len(diagrams.lesson_script("16_flash.py").tiles(384, 32))
+    return len(diagrams.lesson_script("12_flash.py").tiles(384, 32))
 
 
 def chinchilla_params():
@@ -235,30 +235,30 @@ def _world():
 QUESTIONS = {  # name: (lesson, how it is measured)
     "loss-at-init": ("01", loss_at_init),
     "flops-per-token": ("01", flops_per_token),
-    "dp-wire-bytes-per-param": ("02", "world"),
-    "zero1-state-bytes-per-param": ("02", "world"),
-    "tp-forward-wire-bytes": ("03", "world"),
-    "sp-layer-wire-bytes": ("04", "world"),
-    "1f1b-bubble": ("05", bubble_1f1b),
-    "1f1b-in-flight": ("05", in_flight("1f1b")),
-    "gpipe-in-flight": ("05", in_flight("gpipe")),
-    "full-recompute-saved-bytes": ("07", full_recompute_saved_bytes),
-    "gqa-attention-params": ("13", gqa_attention_params),
-    "moe-active-params": ("14", moe_active_params),
-    "cp-ring-forward-bytes": ("15", "world"),
-    "ring-bytes-per-rank": ("17", ring_bytes_per_rank),
+    "dp-wire-bytes-per-param": ("04", "world"),
+    "zero1-state-bytes-per-param": ("04", "world"),
+    "tp-forward-wire-bytes": ("05", "world"),
+    "sp-layer-wire-bytes": ("06", "world"),
+    "1f1b-bubble": ("08", bubble_1f1b),
+    "1f1b-in-flight": ("08", in_flight("1f1b")),
+    "gpipe-in-flight": ("08", in_flight("gpipe")),
+    "full-recompute-saved-bytes": ("11", full_recompute_saved_bytes),
+    "gqa-attention-params": ("02", gqa_attention_params),
+    "moe-active-params": ("16", moe_active_params),
+    "cp-ring-forward-bytes": ("07", "world"),
+    "ring-bytes-per-rank": ("03", ring_bytes_per_rank),
     "training-state-bytes": ("00", training_state_bytes),
-    "bf16-values-in-1-1024": ("06", bf16_values_between_1_and_1024),
-    "eager-gelu-forward-bytes": ("08", eager_gelu_forward_bytes),
-    "dp-peer-of-rank-5": ("09", dp_peer_of_rank_5),
-    "reshard-elements-of-rank-2": ("10", reshard_elements_of_rank_2),
-    "zero3-bytes-per-gpu": ("11", zero3_bytes_per_gpu),
-    "young-interval-hours": ("12", young_interval_hours),
-    "causal-tiles-computed": ("16", causal_tiles_computed),
-    "chinchilla-params": ("18", chinchilla_params),
-    "profiler-bmm-forward-bytes": ("19", profiler_bmm_forward_bytes),
-    "e4m3-positive-finite-values": ("20", e4m3_positive_finite_values),
-    "mx-scale-for-amax-3": ("20", mx_scale_for_amax_3),
+    "bf16-values-in-1-1024": ("09", bf16_values_between_1_and_1024),
+    "eager-gelu-forward-bytes": ("13", eager_gelu_forward_bytes),
+    "dp-peer-of-rank-5": ("15", dp_peer_of_rank_5),
+    "reshard-elements-of-rank-2": ("19", reshard_elements_of_rank_2),
+    "zero3-bytes-per-gpu": ("21", zero3_bytes_per_gpu),
+    "young-interval-hours": ("20", young_interval_hours),
+    "causal-tiles-computed": ("12", causal_tiles_computed),
+    "chinchilla-params": ("22", chinchilla_params),
+    "profiler-bmm-forward-bytes": ("14", profiler_bmm_forward_bytes),
+    "e4m3-positive-finite-values": ("10", e4m3_positive_finite_values),
+    "mx-scale-for-amax-3": ("10", mx_scale_for_amax_3),
 }
 
 

@@ -12,7 +12,7 @@ its formulas and its lesson:
                       its values by parameter name: element i a function of (seed, name, i)
         seams.py      its op table: linear, attention core, norm, ... swapped by one call
         modern.py     the Llama block's pieces: rotary positions, RMSNorm, SwiGLU, grouped-query
-                      (lesson 13)
+                      (lesson 02)
         mla.py        multi-head latent attention: keys and values from a small latent (DeepSeek)
         mtp.py        multi-token prediction: D more modules, each predicting one token further
                       (DeepSeek-V3); their loss over the whole step's valid targets

@@ -4,7 +4,7 @@ Idea: at the step boundary the state is only copied into CPU buffers (kept, reus
 save); one writer thread writes the shard (checkpoint.write_shard) while the next steps run; the
 manifest comes once every rank's write has finished, so a crash mid-write leaves the previous
 checkpoint the newest complete one. Training stalls for one memory copy of its shard.
-Lesson: lessons/10-checkpoints-and-failures.md
+Lesson: lessons/19-checkpoints-and-failures.md
 """
 
 import os

@@ -8,7 +8,7 @@ the last K. The manifest is read here only (read_manifest_json, read_manifest, s
 resharding on load is reshard.py.
 
 Formula: a job of N ranks, each failing with probability p per hour, survives an hour with (1-p)^N.
-Lesson: lessons/10-checkpoints-and-failures.md
+Lesson: lessons/19-checkpoints-and-failures.md
 """
 
 import dataclasses

@@ -9,7 +9,7 @@ does not matter and every layout computes the dense model's norm (tests/test_lay
                    (ZeRO-1..3's shards); a copy its replica group marks uncounted never (the
                    last pipeline stage's tied embedding: zero_rules.Replicas, pp.tied_rule)
     ||g||^2        = all_reduce_dp(if sharded) o all_reduce_tp o all_reduce_pp ( sum ||piece||^2 )
-Lesson: lessons/02-data-parallel-and-zero.md
+Lesson: lessons/04-data-parallel-and-zero.md
 """
 
 import torch

@@ -8,7 +8,7 @@ ever holds the dense model). On a meta grid (--dry-run: meta.PaperGrid) nothing 
     GPT on meta -> TP -> EP -> CP -> PP stage -> recompute -> fused -> precision -> buffers
         -> torch.compile per block -> ZeRO/DP engine (draws the parameters)
 
-Lesson: lessons/09-3d-parallelism.md
+Lesson: lessons/15-3d-parallelism.md
 """
 
 import torch

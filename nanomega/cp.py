@@ -16,7 +16,7 @@ Formulas (one home: formulas.py); bytes one rank sends per layer, B_kv = b s/cp 
     ring       fwd (cp-1) 2 B_kv    bwd (cp-1) 2 B_kv (K/V again) + cp 2 B_kv (dK/dV in fp32)
     allgather  fwd (cp-1)/cp x cp 2 B_kv (wire)    bwd the same gather + a reduce-scatter of dK/dV
     ulysses    4 all-to-alls (q, k, v, out) of (cp-1)/cp of their bytes, forward and backward
-Lesson: lessons/15-long-context.md
+Lesson: lessons/07-long-context.md
 """
 
 import functools

@@ -29,7 +29,7 @@ math otherwise (lerp, addcmul, addcdiv) and agrees within a few roundings per st
 State: torch.optim.AdamW's keys and shapes (step: a 0-d fp32 tensor, exp_avg, exp_avg_sq like p), so
 an optimizer state dict loads into either. Parameters: contiguous fp32 CPU tensors (ZeroEngine's
 host masters).
-Lesson: the ZeRO-Offload lesson is issue 32's; the fused-kernel idea is lessons/08-fused-kernels.md.
+Lesson: the ZeRO-Offload lesson is issue 32's; the fused-kernel idea is lessons/13-fused-kernels.md.
 """
 
 import torch

@@ -6,7 +6,7 @@ order on every rank. Micro-batches before the last run under no_sync(). Replicas
 (start_equal: parameters and buffers verified by checksum, or broadcast from dp rank 0, as DDP).
     bytes one rank sends per step   2 (N-1)/N Psi   (ring all-reduce, dist.py; Psi = gradient bytes)
     memory per parameter            the weight + a grad_dtype gradient (+ the optimizer's state)
-Lesson: lessons/02-data-parallel-and-zero.md
+Lesson: lessons/04-data-parallel-and-zero.md
 """
 
 import contextlib

@@ -12,8 +12,8 @@ on CUDA, gloo on CPU.
 Bytes one rank sends for a collective over n ranks on a ring, for a tensor of B bytes:
     all_reduce 2(n-1)/n * B      reduce_scatter (n-1)/n * B_in      all_gather (n-1)/n * B_out
     all_to_all: the rows it addresses to the other ranks (B (n-1)/n for equal splits)
-Lessons: lessons/02-data-parallel-and-zero.md (the formulas),
-         lessons/09-3d-parallelism.md (the grid).
+Lessons: lessons/04-data-parallel-and-zero.md (the formulas),
+         lessons/15-3d-parallelism.md (the grid).
 """
 
 import datetime

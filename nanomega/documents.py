@@ -8,7 +8,7 @@ methods. Positions stay absolute; the loss is unchanged.
 
 Formula: docs[b, i]    = #{j < i : x[b, j] = eot}
          mask[b, i, j] = (j <= i) and docs[b, i] = docs[b, j]
-Lesson: lessons/15-long-context.md
+Lesson: lessons/07-long-context.md
 """
 
 from . import cp

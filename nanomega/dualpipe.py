@@ -17,7 +17,7 @@ its weight-gradient part, F&B an overlapped pair), DualPipe repository's table (
     bubble per rank      (PP/2 - 1)(F&B + B - 3W) = (p - 1)(F&B + B - 3W)
     activations          PP + 1 = 2p + 1 chunk micro-batches per rank (1F1B on 2p ranks: 2p)
     parameters           2x a 2p-rank pipeline's stage (two chunks)
-Lesson: lessons/05-pipeline-parallel.md
+Lesson: lessons/08-pipeline-parallel.md
 """
 
 NAME = "dualpipev"

@@ -21,7 +21,7 @@ Bytes one rank sends per MoE layer and micro-batch (h hidden, 2 or 4 bytes per e
 kept assignments to experts of other ranks, R = the rows it receives): forward (rows + R) h B
 (dispatch + combine), backward the same, + (ep - 1) E/ep 8 bytes of counts in forward
 (formulas.moe_all_to_all_bytes).
-Lesson: lessons/14-experts.md
+Lesson: lessons/16-experts.md
 """
 
 import torch

@@ -13,7 +13,7 @@ notice, and their callers take the PyTorch path.
                     [, CUDA version and GPU architectures], sources and headers)[:12]
     folder = build_dir() / nanomega_fused_{cpu|cuda}-{key}
 
-Lesson: lessons/08-fused-kernels.md (the appendix: the build)
+Lesson: lessons/13-fused-kernels.md (the appendix: the build)
 """
 
 import functools

@@ -9,7 +9,7 @@ decides.
 
 Formula: restore time ~ hash + read of one shard at memory bandwidth, instead of (discovery: every
 shard, then the own one again) at storage bandwidth.
-Lesson: lessons/10-checkpoints-and-failures.md
+Lesson: lessons/19-checkpoints-and-failures.md
 """
 
 import contextlib

@@ -9,7 +9,7 @@ only, which is why ZeRO-1/2/3 accept only those.
     shard size   S = ceil(n / N)                 padded size N S  (padding < N elements per group)
     owned by r   clamp(n - r S, 0, S) elements   the real, non-padding elements rank r updates
 
-Lesson: lessons/02-data-parallel-and-zero.md
+Lesson: lessons/04-data-parallel-and-zero.md
 """
 
 import dataclasses

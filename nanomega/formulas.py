@@ -18,7 +18,7 @@ Formulas (Psi = parameters one rank holds, d/t/p = dp/tp/pp sizes, m = micro-bat
     tp bytes   per layer and micro-batch, in units of (t-1)/t b*s*h elements: TP 8 (2 all-reduces
                forward, 2 backward); TP+SP 10 (2 all-gathers + 2 reduce-scatters forward, their
                conjugates backward, and the 2 all-gathers that re-gather the stored shards for the
-               weight gradients: lesson 04 measures it); full recompute adds the forward's 4 again.
+               weight gradients: lesson 06 measures it); full recompute adds the forward's 4 again.
                Llama's q_proj and kv_proj gather their input apart: 3 column-parallel inputs instead
                of 2, TP 10, TP+SP 13
     activation per layer and micro-batch (Korthikanti et al. 2022): sbh(34 + 5as/h);
@@ -41,7 +41,7 @@ Formulas (Psi = parameters one rank holds, d/t/p = dp/tp/pp sizes, m = micro-bat
     collective alpha-beta: ring all-reduce 2(n-1)(alpha + B beta / n);
                binary tree 2 log2(n)(alpha + B beta)
     sizing     compute-optimal N = sqrt(C / 6k), D = k N, k ~ 20 tokens per parameter (Chinchilla)
-Lesson: lessons/11-planning-a-run.md
+Lesson: lessons/21-planning-a-run.md
 """
 
 import math
@@ -337,7 +337,7 @@ def tp_comm_bytes_per_layer(
     forward, and each column-parallel layer's input gradient is all-reduced in backward: GPT-2
     (inputs = 2: qkv, fc) 8 (t-1)/t bsh. SP replaces each by a reduce-scatter plus an all-gather
     (the same bytes) and re-gathers each stored (b, s/t, h) input shard in backward for the weight
-    gradient: 10 (t-1)/t bsh, as lesson 04 measures (the replicated gradients it also all-reduces,
+    gradient: 10 (t-1)/t bsh, as lesson 06 measures (the replicated gradients it also all-reduces,
     6h floats, are left out). Llama (inputs = 3): q_proj and kv_proj each gather (or all-reduce the
     gradient of) the same input: 10, SP 13. Full recompute reruns the forward's collectives: 4
     (t-1)/t bsh more (SP: inputs + 2)."""
@@ -392,7 +392,7 @@ def collective_seconds(op, n, nbytes, alpha, beta, algo="ring"):
     steps of nbytes/n. tree (binary, not pipelined): all_reduce = reduce then broadcast, 2 log2(n)
     steps of the whole nbytes -- fewer steps, more bytes: the tree wins for small messages, the ring
     for large ones. NCCL pipelines its (double binary) trees, which brings their bandwidth term
-    close to the ring's; this is the textbook version (lesson 17)."""
+    close to the ring's; this is the textbook version (lesson 03)."""
     if n == 1:
         return 0.0
     if algo == "tree":
@@ -484,6 +484,6 @@ def model_flops_per_token(cfg, seq_len=None):
 def chinchilla_optimal(compute, tokens_per_param=20.0):
     """Compute-optimal parameters and tokens for a budget of `compute` FLOPs, from C = 6 N D and
     D = k N (Hoffmann et al. 2022: k ~ 20 tokens per parameter): N = sqrt(C / 6k), D = k N
-    (lesson 18)."""
+    (lesson 22)."""
     n = math.sqrt(compute / (6 * tokens_per_param))
     return n, tokens_per_param * n

@@ -23,7 +23,7 @@ s = 1 (and an amax so small that fmax/amax overflows gives fp32's max): inf then
 block stays NaN. MX: the OCP Microscaling spec v1.0 (sec. 6.3) sets the shared exponent to
 floor(log2(amax)) - emax_elem (emax_elem = 8 for E4M3), clamped to E8M0's [-127, 127], elements
 cast with saturation; a block whose amax is not finite gets the NaN scale (0xFF).
-Lesson: lessons/20-fp8-training.md
+Lesson: lessons/10-fp8-training.md
 """
 
 from dataclasses import dataclass

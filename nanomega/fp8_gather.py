@@ -24,7 +24,7 @@ scale from an amax history the forward rolls after the gather.
 The seam: zero3.ShardedParameters(wire=FP8Gather(...)) puts the marked weights (fp8_linear marks
 the blocks' linear weights it quantizes) in groups of their own and calls `start` / `arrive` /
 `release` around its all-gather; nothing else in the engine knows FP8.
-Lesson: lessons/20-fp8-training.md
+Lesson: lessons/10-fp8-training.md
 """
 
 import torch

@@ -26,7 +26,7 @@ every ep rank (the all-to-all brought them): its amax is its own; a dense weight
 this rank's tokens only, so their amax is MAX-reduced over ep too: every GEMM quantizes as one
 process running the union of the ep ranks' micro-batches. The histories are saved by parameter
 name (checkpoints).
-Lesson: lessons/20-fp8-training.md
+Lesson: lessons/10-fp8-training.md
 """
 
 from dataclasses import dataclass

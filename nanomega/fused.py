@@ -14,14 +14,14 @@ Formula (elements moved, forward + backward, x4 bytes in fp32; n = elements of t
                       (v = n (s+1) / 2s keys visible: the kernel never reads the masked ones)
     LayerNorm         eager 5n  (PyTorch's native_layer_norm is one kernel already)  fused 5n
     RMSNorm           eager 31n (pow 2n, mean n, *rstd 2n, *w 2n | dy*w 2n, dy*y 3n, sum n,  fused 5n
-                      *x 3n, sum n, *rstd 2n, mean' 2n, pow' 7n, add 3n; counted per aten kernel as lesson 08
+                      *x 3n, sum n, *rstd 2n, mean' 2n, pow' 7n, add 3n; counted per aten kernel as lesson 13
                       does: mean' reads a stride-0 (rows, 1) view, so 30n really)
     SwiGLU            eager 18n (silu 2n, mul 3n | mul 3n, mul 3n, silu_backward 3n, cat 4n)  fused 8n
                       (n = elements of the output, gate_up holds 2n: fused reads 2n, writes n | reads 3n, writes 2n)
 
 The C++ sources (nanomega/csrc) are built and cached by extension.py. If the build is impossible,
 a one-line notice and the PyTorch functions of model.py and modern.py are used.
-Lesson: lessons/08-fused-kernels.md
+Lesson: lessons/13-fused-kernels.md
 """
 
 import torch

@@ -12,7 +12,7 @@ Formulas:
                 other matrix, 0 for biases (zeros), None for norm scales (ones)
     w[i]        block(seed, name, i // 2^16)[i mod 2^16], each block 2^16 normals N(0, std) from a
                 generator seeded by sha256(f"{seed}/{name}/{block}")
-Lesson: lessons/09-3d-parallelism.md
+Lesson: lessons/15-3d-parallelism.md
 """
 
 import functools

@@ -17,7 +17,7 @@ Formulas:
     drawn, one at a time
     memory: the rank's share on its device; on the host one local parameter (or ZeRO-3 piece) at
     a time
-Lesson: lessons/09-3d-parallelism.md
+Lesson: lessons/15-3d-parallelism.md
 """
 
 import math

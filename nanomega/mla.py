@@ -20,7 +20,7 @@ Formulas (h hidden, a heads, d_n / d_r / d_v the no-rope, rotary and value head 
     KV cache   (d_c + d_r) elements per token and layer    (multi-head: 2 a d_h)
     tensor parallel: W_qb (or W_q), W_kvb by heads, W_o by rows; W_qa, W_kva and both norms whole
                on every rank, each rank's heads' share of their gradient summed over tp (tp.py)
-Lesson: lessons/13-the-modern-block.md
+Lesson: lessons/02-the-modern-block.md
 """
 
 import torch

@@ -9,7 +9,7 @@ act on them through the block's op table (seams.py).
 Formulas (h hidden, a heads, g = a / n_kv, f MLP hidden; one home: formulas.py):
     parameters per layer  2h^2 (q, o) + 2h^2/g (k, v) + 3hf (gate, up, down) + 2h (two RMSNorm scales)
     FLOPs per token       6N + 12 L h s, as GPT-2's (GQA changes N, not the attention matmuls)
-Lesson: lessons/13-the-modern-block.md
+Lesson: lessons/02-the-modern-block.md
 """
 
 import math

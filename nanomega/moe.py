@@ -17,7 +17,7 @@ Formulas (one home: formulas.py):
     parameters/layer  E 3hf + E h (router); active per token k 3hf + E h
     first_k_dense     blocks 0 .. k-1 a dense SwiGLU of width (k + shared) f unless given (DeepSeek-V3)
     FLOPs per token   6 N_active + 12 L h s
-Lesson: lessons/14-experts.md
+Lesson: lessons/16-experts.md
 """
 
 import math

@@ -10,7 +10,7 @@ every collective is the same on every rank (the hand-offs are), so nothing deadl
 nothing overlaps (gloo's all-to-all and the compute share the cores): what this module gives, and
 what tests/test_dualpipe.py checks in its LOG, is the order. The time saved needs a GPU.
     per MoE layer of a pair: issue(a2a of one side) -> compute(other side) -> wait(a2a)
-Lesson: lessons/05-pipeline-parallel.md
+Lesson: lessons/08-pipeline-parallel.md
 """
 
 import threading

@@ -18,7 +18,7 @@ Formulas (D modules, weight lambda, T_k: depth k's valid targets in the step ove
     L_MTP  = lambda / D  sum_k  1 / T_k  sum_(valid i) CE(p_(i+k+1), t_(i+k+1))
     valid  i + k < s, neither token ignored (-1), and (--document-mask) t_(i+k) in token i's document
     parameters  D (block + 2h^2 + 3h);  FLOPs/token  D (6 (block + 2h^2 + 3h + V h) + 12 h s)
-Lesson: lessons/13-the-modern-block.md
+Lesson: lessons/02-the-modern-block.md
 """
 
 import torch

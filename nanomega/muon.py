@@ -19,7 +19,7 @@ units emulates it, and fp32 keeps the SVD comparison's bound at fp32 rounding).
 The momentum is element-wise, so ZeRO shards it like Adam's state; only the orthogonalization needs
 a whole matrix: under ZeRO, owners.py gives each matrix one rank that orthogonalizes it (a
 tensor-parallel one gathered over tp first).
-Lesson: lessons/02-data-parallel-and-zero.md
+Lesson: lessons/04-data-parallel-and-zero.md
 """
 
 import math

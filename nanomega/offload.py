@@ -12,7 +12,7 @@ Formula (P parameters on this rank after ZeRO's 1/N, fully offloaded, bf16 model
     CPU step       30 P bytes through host memory: cpu_adam.py's one pass (28) also applies the
                    clip coefficient and writes the bf16 weights (2); as three passes
                    (grad *= c; AdamW; cast) it would be 42
-Lesson: lessons/02-data-parallel-and-zero.md (section "Beyond the device: ZeRO-Offload")
+Lesson: lessons/04-data-parallel-and-zero.md (section "Beyond the device: ZeRO-Offload")
 """
 
 import torch
@@ -74,7 +74,7 @@ class Offload:
         self.streams = {way: torch.cuda.Stream(device) for way in ("down", "up")} if cuda else None
         self.moved = dict(
             down=0, up=0
-        )  # bytes copied device -> host and host -> device (lessons/02_zero.py)
+        )  # bytes copied device -> host and host -> device (lessons/04_zero.py)
         self.by_group = None
 
     def offloaded(self, group):

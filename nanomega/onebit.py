@@ -19,7 +19,7 @@ DeepSpeed's OnebitAdam and its compressed all-reduce are the reference implement
                          vs fp32 all-reduce 2 (N-1)/N 4 n: 32x fewer
 The errors e_w, e_s live here, not in the optimizer state: a checkpoint holds AdamW's m, v, step
 (a resume starts the errors at zero, as DeepSpeed's does). Stage 0 only (the momentum is whole).
-Lesson: lessons/22-one-bit-adam.md
+Lesson: lessons/18-one-bit-adam.md
 """
 
 import math

@@ -13,7 +13,7 @@ each computes the whole update and keeps its slice (tp.py's split rule).
     all ranks together: 8 sum_M (|M| - |piece_owner(M)|), about 8 (N-1)/N Psi_M
     gather-all instead (every rank all-gathers every matrix, computes every update): 4 (N-1) Psi_M,
     and N times the orthogonalization work; owner-compute sends 2/N of that
-Lesson: lessons/02-data-parallel-and-zero.md
+Lesson: lessons/04-data-parallel-and-zero.md
 """
 
 import torch

@@ -17,7 +17,7 @@ Formulas (p stages, m micro-batches of activation memory A each, v chunks per ra
     activations held per stage: GPipe m A, 1F1B min(m, p - rank) A, ZB-H1 (to W) min(m, p) A,
         ZB-V (two chunks of A/2) min(2p, 2m, m + 1 + rank) A/2: p A once m >= 2p - 1
     a sent output (mb, s, h) is freed once sent (Megatron's deallocate trick): saves that much per in-flight mb
-Lesson: lessons/05-pipeline-parallel.md
+Lesson: lessons/08-pipeline-parallel.md
 """
 
 import contextlib

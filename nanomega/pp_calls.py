@@ -8,7 +8,7 @@ storage is freed once the call completed (Megatron's deallocate), and the backwa
 the autograd engine directly, which accepts a gradient whose shape differs from the freed output.
 
 Formula: a sent output (mb, s, h) freed once sent saves mb s h element bytes per micro-batch in flight.
-Lesson: lessons/05-pipeline-parallel.md
+Lesson: lessons/08-pipeline-parallel.md
 """
 
 import functools

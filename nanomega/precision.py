@@ -15,7 +15,7 @@ Bytes per parameter with Adam: 2 (bf16 weight) + 2 (bf16 grad) + 4 (fp32 master)
 = 16; accumulating gradients in fp32 (the bf16 grad is added into an fp32 buffer and dropped) gives
 2+4+4+4+4 = 18. fp16's dynamic loss scaling: multiply the loss by S, unscale the fp32 gradients by
 1/S, and on inf/nan skip the step and halve S; after `growth_interval` clean steps double S.
-Lesson: lessons/06-mixed-precision.md
+Lesson: lessons/09-mixed-precision.md
 """
 
 import torch

@@ -10,9 +10,9 @@ Formula: bytes saved per layer (2-byte activations, 1-byte dropout masks, Megatr
 home: formulas.activation_bytes_per_layer) and the compute price in matmul FLOPs of a step (forward
 24bsh^2 + 4bs^2h, backward twice that):
     none       sbh (34 + 5as/h)   = 11sbh + 5as^2b (attention) + 19sbh (MLP) + 4sbh (two LayerNorms)
-    selective  34 sbh             + s / (36h + 6s)   (reruns QK^T; AV is not rerun: lesson 07)
+    selective  34 sbh             + s / (36h + 6s)   (reruns QK^T; AV is not rerun: lesson 11)
     full       2 sbh              + 1/3
-Lesson: lessons/07-activation-recompute.md
+Lesson: lessons/11-activation-recompute.md
 """
 
 import itertools

@@ -6,7 +6,7 @@ owns, its fp32 master values and optimizer state); nothing is gathered to save. 
 each full tensor from the pieces (tp.unshard_param) and keeps the rank's new slices (tp.shard_param,
 import_by_name), reading only the shards whose pieces it needs, always to the CPU first. The files
 themselves -- shards, manifest, checksums, discovery -- are nanomega/checkpoint.py.
-Lesson: lessons/10-checkpoints-and-failures.md
+Lesson: lessons/19-checkpoints-and-failures.md
 """
 
 import copy as copy_module

@@ -6,7 +6,7 @@ DIFFERENT mask per rank. Two streams: torch's default generator, seeded alike on
 inside RNGTracker.fork a generator seeded from (a draw of the default stream, tp rank). The tp
 stream keeps no state of its own, so recompute and a resumed checkpoint replay the same masks.
 Formula (the seeds):  default stream  seed + 100 pp_rank      tp stream  u * MAX_TP + tp_rank
-Lessons: lessons/03-tensor-parallel.md, lessons/04-sequence-parallel.md
+Lessons: lessons/05-tensor-parallel.md, lessons/06-sequence-parallel.md
 """
 
 from contextlib import contextmanager

@@ -20,7 +20,7 @@ Formulas (p stages, m micro-batches, v virtual stages per rank, forward t_f and 
                         idle per rank (p - 1) t for m >= 2p - 1 (the V's ramp; ours, from the
                         schedule: tests/test_zb_v.py), vs 1F1B's 6(p - 1) t; alive 2p chunks on
                         every rank (the paper's p M_B, 1F1B's peak)
-Lesson: lessons/05-pipeline-parallel.md
+Lesson: lessons/08-pipeline-parallel.md
 """
 
 import contextlib

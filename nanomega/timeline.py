@@ -4,7 +4,7 @@ Idea: a schedules.Trace (simulated on a unit clock, or timed on the wall clock b
 ASCII text for a terminal or a lesson, and with a path a PNG (matplotlib, when importable): F blue,
 B orange, W green; chunk letters a, b, ... when a rank holds more than one model chunk. The bubble
 is what the dots show: schedules.bubble_fraction measures it.
-Lesson: lessons/05-pipeline-parallel.md
+Lesson: lessons/08-pipeline-parallel.md
 """
 
 

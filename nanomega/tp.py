@@ -14,7 +14,7 @@ Formulas, per layer and rank, B = b s h bytes, ring over t ranks (derived in the
     SP  forward 2 x (all-gather + reduce-scatter): the same bytes
         backward the same + 2 all-gathers (t-1)/t * B (re-gathering the stored shards)
     activations  TP s b h (10 + 24/t + 5as/(ht))     SP s b h (34/t + 5as/(ht))
-Lessons: lessons/03-tensor-parallel.md, lessons/04-sequence-parallel.md
+Lessons: lessons/05-tensor-parallel.md, lessons/06-sequence-parallel.md
 """
 
 import functools

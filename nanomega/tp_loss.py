@@ -8,7 +8,7 @@ sum of exp over all V, and the loss the target's logit, which lives on one rank:
 (seams.py).
 Formula: bytes on the wire per step, ring over t ranks: 2(t-1)/t * 3n * 4 -- against (t-1)/t * n V *
 B to gather the logits, so a 128k vocabulary's logits never cross the wire.
-Lesson: lessons/03-tensor-parallel.md
+Lesson: lessons/05-tensor-parallel.md
 """
 
 import torch

@@ -16,7 +16,7 @@ back), meter.MetricsLog (lines and metrics.jsonl).
            --grad-clip, AdamW on owned shards, skip if not finite)
     MFU  = flops_per_token x tokens/s / (world x peak FLOP/s per device)   (meter.py: the peak)
 
-Lessons: lessons/01-dense-model.md (the loop), lessons/09-3d-parallelism.md (compose.py)
+Lessons: lessons/01-dense-model.md (the loop), lessons/15-3d-parallelism.md (compose.py)
 """
 
 import contextlib

@@ -12,7 +12,7 @@ its dW through `defer` the same way.
 Formulas (a linear of n tokens, in -> out features):
     F = B = W = 2 n in out FLOPs         (t_f ~ t_b ~ t_w: the paper's T_F = T_B = T_W)
     held from B to W: X (n x in) and dY (n x out), the inputs of the dW GEMM
-Lesson: lessons/05-pipeline-parallel.md
+Lesson: lessons/08-pipeline-parallel.md
 """
 
 import contextlib

@@ -15,7 +15,7 @@ axis; the technique owning a rule builds its group (ep.py, pp.py), the composer 
 Hybrid sharding (a group's Replicas.replicate): N = S ranks shard it inside a host, R replicas
 across all-reduce the reduced slices (2(R-1)/R Psi/S per step, formulas.hybrid_comm_bytes).
 (bf16 weights, Adam; gradients in grad_dtype, fp32 by default: 2 + 4 + 12 = 18 bytes at stage 0.)
-Lesson: lessons/02-data-parallel-and-zero.md
+Lesson: lessons/04-data-parallel-and-zero.md
 """
 
 import math

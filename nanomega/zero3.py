@@ -17,7 +17,7 @@ unit is prefetched. A parameter used by several units (a tied embedding) belongs
                      ranks) kept from forward to backward, whose all-gather then stays inside
 Limits: a parameter is used only inside its unit's forward (or sits in the root); activation
 recompute must be non-reentrant (torch.utils.checkpoint(use_reentrant=False), as recompute.py does).
-Lesson: lessons/02-data-parallel-and-zero.md
+Lesson: lessons/04-data-parallel-and-zero.md
 """
 
 import contextlib

@@ -7,7 +7,7 @@ ranks (its owner divides, and steps only its slice). Groups not split are all-re
     ShardBuckets    ZeRO-2/3: only the slice is kept, so every micro-batch is reduce-scattered
                     into it (a transient full bucket per group, at most MAX_IN_FLIGHT alive)
     gradient bytes per parameter   ScatterBuckets: grad_dtype's; ShardBuckets: 1/N of them
-Lesson: lessons/02-data-parallel-and-zero.md
+Lesson: lessons/04-data-parallel-and-zero.md
 """
 
 import contextlib

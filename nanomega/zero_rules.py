@@ -13,7 +13,7 @@ inside a host) and replicated over `replicate` (R ranks, across hosts): its grad
 reduce-scattered inside, then all-reduced across (the slice only), its parameters gathered inside:
     bytes/param/rank  (2 + 4 + 12)/S at stage 3        per step across: 2(R-1)/R x Psi/S
 Nothing here allocates or communicates; ZeroEngine (zero.py) reads these rules.
-Lesson: lessons/02-data-parallel-and-zero.md
+Lesson: lessons/04-data-parallel-and-zero.md
 """
 
 import dataclasses

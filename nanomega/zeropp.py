@@ -24,7 +24,7 @@ each of the three:
             backward
 The seams: qwZ is zero3.ShardedParameters' `wire` (start / arrive / release, as fp8_gather.py);
 hpZ its `secondary` axis; qgZ zero_buckets.ShardBuckets' `scatter`. ZeroEngine(zeropp=Plan(...)).
-Lesson: lessons/21-communication-compression.md
+Lesson: lessons/17-communication-compression.md
 """
 
 import dataclasses

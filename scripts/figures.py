@@ -4,7 +4,7 @@ lessons/figures/*.png (the ones committed).
 
     python scripts/figures.py            # all runs, then all figures (~3.5 min on 2 shared cores)
     python scripts/figures.py --keep DIR # keep the runs' out-dirs in DIR (default: a temporary folder, removed)
-    python scripts/figures.py 07_memory_recompute.png   # only these figures (and only the runs they draw)
+    python scripts/figures.py 11_memory_recompute.png   # only these figures (and only the runs they draw)
 
 RUNS are train.py command lines; FIGURES say which runs each picture overlays and which of
 nanomega.tools.plot's files (loss.png, throughput.png, timeline_<run>.png) it keeps, under which
@@ -123,24 +123,24 @@ FIGURES = {
         ["dense", "pp2-1f1b"],
         "throughput.png",
     ),
-    "05_timeline_pp2-1f1b.png": (["readme-pp2-1f1b"], ["pp2-1f1b"], "timeline_pp2-1f1b.png"),
-    "05_timeline_pp2-gpipe.png": (["pp2-gpipe"], ["pp2-gpipe"], "timeline_pp2-gpipe.png"),
-    "06_loss_precision.png": (
+    "08_timeline_pp2-1f1b.png": (["readme-pp2-1f1b"], ["pp2-1f1b"], "timeline_pp2-1f1b.png"),
+    "08_timeline_pp2-gpipe.png": (["pp2-gpipe"], ["pp2-gpipe"], "timeline_pp2-gpipe.png"),
+    "09_loss_precision.png": (
         ["prec-fp32", "prec-bf16", "prec-fp16"],
         ["fp32", "bf16", "fp16"],
         "loss.png",
     ),
-    "06_throughput_precision.png": (
+    "09_throughput_precision.png": (
         ["prec-fp32", "prec-bf16", "prec-fp16"],
         ["fp32", "bf16", "fp16"],
         "throughput.png",
     ),
-    "07_memory_recompute.png": (
+    "11_memory_recompute.png": (
         ["recompute-none", "recompute-selective", "recompute-full"],
         ["none", "selective", "full"],
         "throughput.png",
     ),
-    "09_loss_layouts.png": (
+    "15_loss_layouts.png": (
         ["tiny-fp32", "tiny-dp2-zero1", "tiny-tp2-sp", "tiny-pp2-1f1b"],
         ["dense", "dp2-zero1", "tp2-sp", "pp2-1f1b"],
         "loss.png",
@@ -149,8 +149,10 @@ FIGURES = {
 
 # figures a lesson's own experiment draws (`python SCRIPT --figure PATH`), not from training runs
 SCRIPTED = {
-    "11_mfu_heatmap.png": "lessons/11_plan.py",
-    "14_expert_loads.png": "lessons/14_experts.py",
+    "21_mfu_heatmap.png": "lessons/21_plan.py",
+    "16_expert_loads.png": "lessons/16_experts.py",
+    # 1-bit Adam against AdamW: four dp runs of README's model, 200 steps each (~1 hour on 2 cores)
+    "18_loss_onebit.png": "bench/onebit_convergence.py",
     # the pictures of the ideas: drawn from the code that does them, no run needed
     "diagram_compose.png": "lessons/diagrams.py",
     "diagram_grid.png": "lessons/diagrams.py",
@@ -158,9 +160,10 @@ SCRIPTED = {
     "diagram_zero.png": "lessons/diagrams.py",
     "diagram_tp.png": "lessons/diagrams.py",
     "diagram_1f1b.png": "lessons/diagrams.py",
-    "05_timeline_zb-h1_unit_clock.png": "lessons/diagrams.py",
-    "05_timeline_zb-h2_unit_clock.png": "lessons/diagrams.py",
-    "05_timeline_zb-v_unit_clock.png": "lessons/diagrams.py",
+    "08_timeline_zb-h1_unit_clock.png": "lessons/diagrams.py",
+    "08_timeline_zb-h2_unit_clock.png": "lessons/diagrams.py",
+    "08_timeline_dualpipev_unit_clock.png": "lessons/diagrams.py",
+    "08_timeline_zb-v_unit_clock.png": "lessons/diagrams.py",
     "diagram_sp.png": "lessons/diagrams.py",
     "diagram_cp.png": "lessons/diagrams.py",
     "diagram_reshard.png": "lessons/diagrams.py",

@@ -2,7 +2,7 @@
 # A multi-node job on one machine: NODES hosts, each a network namespace with its own address, hostname and
 # torchrun agent, joined by veth cables to a switch (a bridge in one more namespace). torchrun's c10d
 # rendezvous runs on host 0 exactly as on a cluster: a non-loopback address, node ranks, LOCAL_RANK != RANK,
-# gloo over a real (virtual) NIC. Lesson: lessons/09-3d-parallelism.md ("Multi-node, run here").
+# gloo over a real (virtual) NIC. Lesson: lessons/15-3d-parallelism.md ("Multi-node, run here").
 #
 #   bash scripts/local_cluster.sh NODES NPROC_PER_NODE [options] -- <nanomega/train.py flags>
 #     --max-restarts N       torchrun restarts the workers up to N times after a failure (default 0)

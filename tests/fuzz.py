@@ -18,7 +18,7 @@ nothing. A failure shrinks to the smallest configuration; its `torchrun` command
 
     python -m tests.fuzz --minutes 60 [--seed S] [--max-world 8] [--min-world 2]   the long mode
     NANOMEGA_FUZZ_SEED=S python -m pytest tests/test_fuzz.py          the CI sample, another seed
-Lesson: lessons/09-3d-parallelism.md
+Lesson: lessons/15-3d-parallelism.md
 """
 
 import argparse

@@ -102,7 +102,7 @@ def test_cores_agree_forward_and_backward(alibi):
 
 def test_16_bit_eager_scales_q_before_the_product():
     """fp16: q.k over d = 64 of activations 40 is 102,400 > 65,504; scaled first it is 12,800
-    (lesson 06)."""
+    (lesson 09)."""
     attn = (
         GPT(GPTConfig(vocab_size=128, block_size=8, n_layer=1, n_head=2, n_embd=128))
         .blocks["0"]

@@ -1,5 +1,5 @@
 """MoE's balance loss (nanomega/moe.py:balance_loss): the Switch/GShard loss E sum_e f_e P_e taken
-per sequence, the unit no layout splits (lesson 14). One process, small shapes; with
+per sequence, the unit no layout splits (lesson 16). One process, small shapes; with
 tests/test_hf_deepseek.py's DeepSeek-V3 sequence-wise loss and tests/test_routers.py's transformers
 loss these are also the `balance` exercise's tests (lessons/grade.py).
 

@@ -543,7 +543,7 @@ def test_train_flags_refused_before_any_collective(argv, message, monkeypatch, t
             ["--arch", "llama", "--n-experts", "4", "--ep", "2", "--world", "4", "--rank", "3"],
             "dry run: rank 3 of tp 1 x pp 1 x dp 4 (ep 2) (tp 0, stage 0, dp 3, ep 1), ZeRO-1, fp32",
         ),
-        # no cp, no ep: the line as lessons 09 quotes it
+        # no cp, no ep: the line as lessons 15 quotes it
         (
             ["--tp", "2", "--pp", "2", "--world", "8", "--rank", "7"],
             "dry run: rank 7 of tp 2 x pp 2 x dp 2 (tp 1, stage 1, dp 1), ZeRO-1, fp32",

@@ -105,7 +105,7 @@ def test_grid_puts_tp_neighbours_inside_a_node_and_dp_outermost():
 
 
 def test_compose_order_is_the_lessons_order():
-    """Lesson 09's order: tensor parallel -> experts, context parallel -> pipeline stage ->
+    """Lesson 15's order: tensor parallel -> experts, context parallel -> pipeline stage ->
     recompute -> fused kernels -> precision -> the engine (a new technique may add a step between)."""
     order = diagrams.compose_order()
     lesson = [
@@ -132,7 +132,7 @@ def test_gqa_query_heads_read_their_group():
 
 
 def test_fp8_picture_shares_scales_by_each_recipes_tile():
-    """Lesson 20's rule, element by element: the scale is fmax / amax of the element's tile, the
+    """Lesson 10's rule, element by element: the scale is fmax / amax of the element's tile, the
     whole tensor (tensorwise), its row rounded down to a power of two (rowwise), its 1 x 16 tile
     (blockwise at the picture's block) and, for MXFP8, 2^-(floor(log2 amax) - 8) over 1 x 32."""
     x, scales = diagrams.fp8_scales(block=16)
@@ -156,9 +156,9 @@ def test_fp8_picture_shares_scales_by_each_recipes_tile():
 
 
 def test_recompute_picture_keeps_the_input_and_pays_a_forward():
-    """Lesson 07's rule on the picture's fp32 model: full recompute keeps only the block's input
+    """Lesson 11's rule on the picture's fp32 model: full recompute keeps only the block's input
     (4 b s h bytes) and adds one forward of every layer (24 b s h^2 + 4 b s^2 h matmul FLOPs);
-    selective keeps less than none and adds QK^T's rerun (2 b s^2 h; P V is not rerun: lesson 07)."""
+    selective keeps less than none and adds QK^T's rerun (2 b s^2 h; P V is not rerun: lesson 11)."""
     s, b, h, n_layer = 64, 2, 32, 2
     trade = diagrams.recompute_trade(s, b, h, 4, n_layer, 128)
     forward = 24 * b * s * h * h + 4 * b * s * s * h
@@ -169,7 +169,7 @@ def test_recompute_picture_keeps_the_input_and_pays_a_forward():
 
 
 def test_spacing_picture_follows_the_formats_bits():
-    """Lesson 06's formats: the spacing at 2^k is 2^(k - m) (m stored mantissa bits: 7 bf16, 10
+    """Lesson 09's formats: the spacing at 2^k is 2^(k - m) (m stored mantissa bits: 7 bf16, 10
     fp16, 23 fp32) where the number is normal; fp16's subnormals are 2^-24 apart from 2^-24 to
     2^-14, and it holds no 2^k below 2^-24 or above 2^15."""
     mantissa = {"bfloat16": 7, "float16": 10, "float32": 23}
@@ -208,7 +208,7 @@ def test_every_diagram_draws(tmp_path):
 
 
 def test_fused_picture_counts_eager_bias_gelu_kernel_by_kernel():
-    """Lesson 08's table: add 2n (+h), gelu 2n, gelu_backward 3n, the bias's sum n (+h), 8n + 2h in
+    """Lesson 13's table: add 2n (+h), gelu 2n, gelu_backward 3n, the bias's sum n (+h), 8n + 2h in
     all, against the fused kernel's 5n."""
     rows, width = 64, 128
     kernels, (fwd, bwd) = diagrams.fused_bytes(rows, width)
@@ -228,7 +228,7 @@ def test_young_curve_is_least_at_sqrt_2_c_m():
         step = grid[1] - grid[0]
         assert abs(best - (2 * c_s / 3600 * 112.0) ** 0.5) <= step, c_s
         assert min(cost) == pytest.approx((2 * c_s / 3600 / 112.0) ** 0.5, rel=1e-4)
-    assert round(curves[120][2], 2) == 2.73  # lesson 12's check line
+    assert round(curves[120][2], 2) == 2.73  # lesson 20's check line
 
 
 def test_chinchilla_frontier_spends_each_budget_at_20_tokens_per_parameter():
@@ -242,7 +242,7 @@ def test_chinchilla_frontier_spends_each_budget_at_20_tokens_per_parameter():
 
 
 def test_allocations_picture_shows_the_attention_bmm_bytes_of_lesson_19():
-    lesson = diagrams.lesson_script("19_profiling.py")
+    lesson = diagrams.lesson_script("14_profiling.py")
     L, b, a, s, hd = lesson.L, lesson.B, lesson.A, lesson.S, lesson.H // lesson.A
     allocated = diagrams.step_allocations()
     assert allocated["aten::bmm"] == L * 4 * b * a * (2 * s * s + 4 * s * hd)
@@ -260,9 +260,9 @@ def test_moe_dispatch_sends_each_expert_its_tokens_in_order_and_combines_by_weig
 
 @pytest.mark.parametrize("n", [3, 4])
 def test_ring_all_reduce_is_the_sum_on_every_rank(n):
-    """Lesson 17's ring (the `ring` exercise's function) on n threads: every rank ends with the sum
+    """Lesson 03's ring (the `ring` exercise's function) on n threads: every rank ends with the sum
     of all ranks' tensors. Integers in float64: every order of the additions gives the same bits."""
-    lesson = diagrams.lesson_script("17_collectives.py")
+    lesson = diagrams.lesson_script("03_collectives.py")
     g = torch.Generator().manual_seed(n)
     inputs = [torch.randint(-8, 8, (5 * n,), generator=g).double() for _ in range(n)]
     boxes, outs = [diagrams.queue.Queue() for _ in range(n)], {}

@@ -89,7 +89,7 @@ NO_RESCALE_FLASH = """import importlib
 
 import torch
 
-tile_scores = importlib.import_module("16_flash").tile_scores
+tile_scores = importlib.import_module("12_flash").tile_scores
 
 
 def flash_forward(q, k, v, block):
@@ -296,7 +296,7 @@ def test_predictions_graded_right_and_wrong(tmp_path):
     )
     rc, _, out = check("--predict", str(wrong))
     assert (
-        rc == 1 and "predict 1f1b-bubble (lesson 05): yours 0.25, measured 0.2 -> WRONG" in out
+        rc == 1 and "predict 1f1b-bubble (lesson 08): yours 0.25, measured 0.2 -> WRONG" in out
     ), out
     assert out.count("-> RIGHT") == 24 and out.count("no prediction yet") == 1, out
     assert "predictions: 24/26 right" in out, out

@@ -1,6 +1,6 @@
 """Faults: a raising rank, NaN steps, a crash mid-checkpoint.
 
-The SIGKILL-a-rank-under-torchrun-and-resume trial is lessons/10_faults.py's experiment, which
+The SIGKILL-a-rank-under-torchrun-and-resume trial is lessons/19_faults.py's experiment, which
 tests/test_lessons.py runs and asserts (bitwise-equal final weights); bench/kill_resume.py runs it
 20 times."""
 

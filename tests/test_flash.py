@@ -34,7 +34,7 @@ from nanomega import checkpoint, flash, reshard, train, worlds
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-import kill_resume  # noqa: E402  (the torchrun harness of tests/test_faults.py and lesson 10)
+import kill_resume  # noqa: E402  (the torchrun harness of tests/test_faults.py and lesson 19)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -69,7 +69,7 @@ def experiments():
 def test_experiment_output_matches_lesson(lesson, cmd):
     """Run the command the lesson shows; every `check ... -> OK` line the lesson quotes must be
     printed."""
-    # NANOMEGA_QUICK_TIMING: an experiment's timed loops run once (lesson 08); timings are never
+    # NANOMEGA_QUICK_TIMING: an experiment's timed loops run once (lesson 13); timings are never
     # what is compared
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", NANOMEGA_QUICK_TIMING="1")
     out = subprocess.run(

@@ -128,7 +128,7 @@ def test_every_rank_draws_the_slice_of_the_dense_model(name, extra, world, monke
     buffers) holds, bitwise, the dense model's slice: tensor-parallel slices of its stage's
     parameters, or at ZeRO-3 the flat shard of them. A wrong run, rank or seed changes whole rows:
     torch.equal fails. Each rank is built alone, so the engine's replica check (one all-gather over
-    dp; lesson 09 counts it) is left out here."""
+    dp; lesson 15 counts it) is left out here."""
     monkeypatch.setattr(zero, "start_equal", lambda *args: None)
     for rank in range(world):
         config = config_of(extra, world, rank)
@@ -227,7 +227,7 @@ def test_gpt3_175b_rank_builds_on_meta_in_seconds():
         assert res["engine"]["params"] == pytest.approx(2.9e9, rel=0.02)
 
 
-# published layouts the planner reproduces (lessons/11_plan.py): preset, tp, pp, GPUs, ZeRO stage,
+# published layouts the planner reproduces (lessons/21_plan.py): preset, tp, pp, GPUs, ZeRO stage,
 # dtype
 PUBLISHED = [
     ("gpt3-175b", 8, 16, 1024, 1, "bf16"),

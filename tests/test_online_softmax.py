@@ -1,8 +1,8 @@
-"""Lesson 16's tiled attention (lessons/16_flash.py:flash_forward): the online softmax, one tile of
+"""Lesson 12's tiled attention (lessons/12_flash.py:flash_forward): the online softmax, one tile of
 scores at a time, equals float64 softmax attention over all keys, and so does its log-sum-exp. One
 process, small shapes; these are also the `flash` exercise's tests (lessons/grade.py).
 
-The bound (tests/tolerance.py's terms, lesson 16's derivation): a score is a d-term dot product, off
+The bound (tests/tolerance.py's terms, lesson 12's derivation): a score is a d-term dot product, off
 by likely(d) relative to sum |q_t k_t| / sqrt(d); a score error e moves a softmax weight by a
 relative ~2e (numerator and row sum), so the output by 2e max|v|; each of the T key tiles rescales
 l and acc once (2T roundings); the row sums of P and of P v are s-term sums (likely(s) each); exp
@@ -19,7 +19,7 @@ import torch
 from tolerance import assert_within, likely, unit_roundoff
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "lessons"))
-lesson = importlib.import_module("16_flash")  # the exercise's substitution, when graded
+lesson = importlib.import_module("12_flash")  # the exercise's substitution, when graded
 
 B, A, D = 2, 2, 8
 
@@ -52,8 +52,8 @@ def test_tiled_forward_equals_softmax_attention(s, block):
 # (s, block): four tiles a row, three of 16
 @pytest.mark.parametrize("s, block", [(32, 8), (48, 16)], ids=lambda x: str(x))
 def test_tiled_backward_equals_softmax_attention_gradients(s, block):
-    """lessons/16_flash.py:flash_backward (P recomputed from the saved lse, D = rowsum(dO O)): dq,
-    dk, dv = float64 autograd of the causal softmax attention, within lesson 16's bound: each
+    """lessons/12_flash.py:flash_backward (P recomputed from the saved lse, D = rowsum(dO O)): dq,
+    dk, dv = float64 autograd of the causal softmax attention, within lesson 12's bound: each
     gradient is a sum of <= s products whose factors carry the forward's relative error rel (on P
     and on D): (2 rel + likely(s)) x the same sum taken in absolute values."""
     torch.manual_seed(1)

@@ -1,4 +1,4 @@
-"""Lesson 19's "find the op that holds the peak" (lessons/19_profiling.py:holds_peak): the live bytes
+"""Lesson 14's "find the op that holds the peak" (lessons/14_profiling.py:holds_peak): the live bytes
 of a profiler trace replayed from its allocations and frees, and the op whose allocations hold most
 of them at the peak. One process; these are also the `peak` exercise's tests (lessons/grade.py).
 
@@ -8,7 +8,7 @@ Claims:
                    whatever op runs then), an address reused after its free, a free of a block
                    allocated before the trace, nested ops (the innermost allocates), events stored
                    out of time order
-    a real step    one forward + backward of an eager-attention model at s = 128 (lesson 19's PEAK):
+    a real step    one forward + backward of an eager-attention model at s = 128 (lesson 14's PEAK):
                    the peak equals the CPU allocator's own running count (`Total Allocated`), and the
                    op holding most of it is aten::_softmax with L x 4 b a s^2 bytes, each layer's
                    probabilities P, saved for backward until that layer's backward (the peak falls in
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "lessons"))
-lesson = importlib.import_module("19_profiling")  # the exercise's substitution, when graded
+lesson = importlib.import_module("14_profiling")  # the exercise's substitution, when graded
 
 
 def op(name, ts, dur, tid=1):

@@ -64,7 +64,7 @@ def test_tp_and_pp_comm_bytes():
     ar = 2 * (t - 1) / t * b * s * h * 2  # one ring all-reduce of (b, s, h) in 2-byte elements
     assert F.tp_comm_bytes_per_layer(b, s, h, t, 2) == 4 * ar
     # SP: RS + AG carry an all-reduce's bytes, + 2 backward re-gathers of the stored shards: 10
-    # (t-1)/t bsh B, what lesson 04 measures (tp=2 and 4) against TP's 8 (t-1)/t
+    # (t-1)/t bsh B, what lesson 06 measures (tp=2 and 4) against TP's 8 (t-1)/t
     ring = (t - 1) / t * b * s * h * 2
     assert F.tp_comm_bytes_per_layer(b, s, h, t, 2, sequence_parallel=True) == 10 * ring
     assert F.tp_comm_bytes_per_layer(b, s, h, t, 2, recompute="full") == 6 * ar

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "lessons"))
 import importlib  # noqa: E402
 
 # its run_stages measures one rank's memory and traffic
-zero_lesson = importlib.import_module("02_zero")
+zero_lesson = importlib.import_module("04_zero")
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The planner against every published row of tools/published.py, in two groups: the calibration
 rows its constants were fitted on, and the out-of-sample rows it never saw (within +-10%, or listed
 in MISSES with the reason); the overlap model's bookkeeping; the command line reaching the
-published layouts; the tables in lesson 11 and bench/RESULTS.md equal to the planner's."""
+published layouts; the tables in lesson 21 and bench/RESULTS.md equal to the planner's."""
 
 import contextlib
 import json
@@ -49,7 +49,7 @@ def test_every_row_has_a_source_a_role_and_a_unique_name():
 
 @pytest.mark.parametrize("row", [r for r in ROWS if r.role == "calibration"], ids=lambda r: r.name)
 def test_calibration_rows(row):
-    """The rows TimeModel was fitted on stay where the fit put them (lesson 11: within 6.3%)."""
+    """The rows TimeModel was fitted on stay where the fit put them (lesson 21: within 6.3%)."""
     assert abs(error(row)) < 0.065
 
 
@@ -133,7 +133,7 @@ def test_zero3_gathers_every_micro_batch_in_the_engine_and_the_planner():
 
 def test_tables_in_the_lesson_and_results_are_the_planners():
     table = PUB.table()
-    for doc in ("lessons/11-planning-a-run.md", "bench/RESULTS.md"):
+    for doc in ("lessons/21-planning-a-run.md", "bench/RESULTS.md"):
         assert table in (ROOT / doc).read_text(), f"{doc}: paste python -m nanomega.tools.published"
 
 
@@ -183,7 +183,7 @@ def test_gpu_presets_are_the_datasheets():
 
 
 def test_heatmap_numbers_are_the_planners(tmp_path):
-    """Each cell of lesson 11's figure is the best MFU among the layouts that fit, computed here
+    """Each cell of lesson 21's figure is the best MFU among the layouts that fit, computed here
     the long way (every ZeRO stage through layout_error and cost_time.evaluate); the figure's texts
     are those numbers."""
     g = heatmap.lesson_grid()

@@ -1,9 +1,9 @@
-"""Exercise balance (lesson 14): the MoE balance loss that keeps a router from sending every token
+"""Exercise balance (lesson 16): the MoE balance loss that keeps a router from sending every token
 to a few experts.
 
 balance_loss(probs, experts, n_experts): probs (b, s, E), each token's router probabilities over
 all E experts (what moe.route returns as its third value); experts (b, s, k), the k experts each
-token was sent to. Return a (b,) tensor: the Switch/GShard loss of lesson 14's Formula (DeepSeek-V3's
+token was sent to. Return a (b,) tensor: the Switch/GShard loss of lesson 16's Formula (DeepSeek-V3's
 sequence-wise loss is the same expression on its normalized sigmoid scores), one value per
 sequence. The invariants to build it from:
     - it is 1 when the probabilities and the assignments are spread evenly over the E experts, and

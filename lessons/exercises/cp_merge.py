@@ -1,4 +1,4 @@
-"""Exercise cp-merge (lesson 15): context parallelism's online-softmax merge, and the head/tail
+"""Exercise cp-merge (lesson 07): context parallelism's online-softmax merge, and the head/tail
 chunks that balance its causal work.
 
 merge(acc, new): a query row's attention over two disjoint key sets, each already computed alone as
@@ -11,7 +11,7 @@ the two key sets. acc is None for the first key set: return new. The invariants 
 positions(s, cp, rank, balanced=True): the (s/cp,) token positions this rank holds, in order. The
 sequence is cut into 2 cp equal chunks; a causal query attends to every key before it, so the
 chunks late in the sequence cost more: with balanced=True a rank holds one chunk from the start and
-its mirror from the end, so that every rank does the same work (lesson 15's picture). With
+its mirror from the end, so that every rank does the same work (lesson 07's picture). With
 balanced=False rank r holds the r-th of cp contiguous pieces. A sequence that does not split evenly
 is refused with ValueError("--cp {cp} needs --block-size {s} divisible by {n} (2 x cp chunks, head
 and tail)") where n is the number of chunks.

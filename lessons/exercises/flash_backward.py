@@ -1,10 +1,10 @@
-"""Exercise flash-backward (lesson 16): FlashAttention-2's backward, one tile of scores at a time.
+"""Exercise flash-backward (lesson 12): FlashAttention-2's backward, one tile of scores at a time.
 
 flash_backward(q, k, v, out, lse, dout, block): q, k, v, out, dout (b, a, s, d), lse (b, a, s)
-(what lessons/16_flash.py:flash_forward returns and FlashAttention saves), s divisible by block.
+(what lessons/12_flash.py:flash_forward returns and FlashAttention saves), s divisible by block.
 Return (dq, dk, dv), the gradients of the causal softmax(q k^T / sqrt(d)) v for the output's
 gradient dout. The probabilities P were never stored; build them back, one (block x block) tile at
-a time, over the tiles a causal kernel computes (lessons/16_flash.py:tiles(s, block)), with
+a time, over the tiles a causal kernel computes (lessons/12_flash.py:tiles(s, block)), with
 tile_scores(q, k, i, j, block) (scaled, masked on the diagonal). The invariants to build it from:
     - lse is each row's log of the sum of exp(score) over the keys it sees: from one tile of scores
       and its rows' lse, that tile's probabilities follow with no max and no row sum (masked
@@ -15,7 +15,7 @@ tile_scores(q, k, i, j, block) (scaled, masked on the diagonal). The invariants 
     - a score is q k / sqrt(d): the 1 / sqrt(d) reaches both q's and k's gradients;
     - each (i, j) tile adds to the rows of dq of query block i, and to dk, dv of key block j.
 
-Replaces lessons/16_flash.py:flash_backward in the tests (tests/test_online_softmax.py: dq, dk, dv
+Replaces lessons/12_flash.py:flash_backward in the tests (tests/test_online_softmax.py: dq, dk, dv
 equal to float64 autograd within a bound from the arithmetic; 4 and 3 tiles a row).
 Grade:  python lessons/check.py --exercise flash-backward lessons/exercises/flash_backward.py
 """
@@ -25,9 +25,9 @@ import math  # noqa: F401  (you will need it)
 
 import torch  # noqa: F401  (you will need it)
 
-# lessons/16_flash.py's tiles and tile of scores (the grader puts lessons/ on the path; a module
+# lessons/12_flash.py's tiles and tile of scores (the grader puts lessons/ on the path; a module
 # whose name starts with a digit is imported by importlib)
-lesson = importlib.import_module("16_flash")
+lesson = importlib.import_module("12_flash")
 tiles, tile_scores = lesson.tiles, lesson.tile_scores
 
 

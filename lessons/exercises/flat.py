@@ -1,4 +1,4 @@
-"""Exercise flat (lesson 02): ZeRO's flat buffers -- lay parameters end to end, view them back, find
+"""Exercise flat (lesson 04): ZeRO's flat buffers -- lay parameters end to end, view them back, find
 your pieces.
 
 nanomega/flat.py:FlatGroup holds parameters of one dtype laid end to end in one 1-D buffer,

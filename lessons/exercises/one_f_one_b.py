@@ -1,4 +1,4 @@
-"""Exercise 1f1b (lesson 05): the 1F1B schedule of one pipeline rank, as rounds of ops.
+"""Exercise 1f1b (lesson 08): the 1F1B schedule of one pipeline rank, as rounds of ops.
 
 p stages, this is stage `rank` (0 = first), m micro-batches. A schedule is a list of rounds; a round
 is a list of Op("F", mb) / Op("B", mb) that run back to back (the pipeline's p2p happens between

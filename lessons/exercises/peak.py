@@ -1,4 +1,4 @@
-"""Exercise peak (lesson 19): find the op that holds the memory peak of a step, from its profiler
+"""Exercise peak (lesson 14): find the op that holds the memory peak of a step, from its profiler
 trace.
 
 holds_peak(trace): trace, a chrome trace as torch.profiler's export_chrome_trace writes it, parsed
@@ -18,9 +18,9 @@ The invariants to build it from:
     - a free of a block allocated before the trace began is not in the trace's memory;
     - the file's order is not the time order.
 
-Replaces lessons/19_profiling.py:holds_peak in the tests (tests/test_peak.py: hand-built traces
+Replaces lessons/14_profiling.py:holds_peak in the tests (tests/test_peak.py: hand-built traces
 whose answers are known, each with one of the traps above; one real step, graded against the CPU
-allocator's own count and the bytes of lesson 19's formula).
+allocator's own count and the bytes of lesson 14's formula).
 Grade:  python lessons/check.py --exercise peak lessons/exercises/peak.py
 """
 

@@ -1,4 +1,4 @@
-"""Exercise ring (lesson 17): the ring all-reduce, built from point-to-point sends.
+"""Exercise ring (lesson 03): the ring all-reduce, built from point-to-point sends.
 
 n ranks stand in a ring; rank r sends only to its right neighbour (r + 1) % n and receives only from
 its left (r - 1) % n. ring_all_reduce(ax, x) leaves on every rank the sum over all ranks of x (fp32
@@ -17,7 +17,7 @@ The invariants to build it from:
       formula), so no rank sends a whole copy of x.
 Send a copy of a chunk (tensor.clone()): the chunk itself may change while the send is in flight.
 
-Replaces lessons/17_collectives.py:ring_all_reduce in the tests (lessons/diagrams.py runs it on
+Replaces lessons/03_collectives.py:ring_all_reduce in the tests (lessons/diagrams.py runs it on
 threads: the sum on every rank, and which chunk each rank sends at each step).
 Grade:  python lessons/check.py --exercise ring lessons/exercises/ring.py
 """

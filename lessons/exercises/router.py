@@ -1,4 +1,4 @@
-"""Exercise router (lesson 14): the MoE router, the rule that sends each token to k of E experts.
+"""Exercise router (lesson 16): the MoE router, the rule that sends each token to k of E experts.
 
 route(logits, k, router="mixtral", bias=None, groups=(1, 1), scale=1.0): logits (T, E) fp32, one
 row of expert scores per token. Return (weights (T, k), experts (T, k), probs (T, E)): the k

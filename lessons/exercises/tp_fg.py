@@ -1,4 +1,4 @@
-"""Exercise tp-fg (lesson 03): Megatron's conjugate operators f and g, as two autograd Functions.
+"""Exercise tp-fg (lesson 05): Megatron's conjugate operators f and g, as two autograd Functions.
 
 A column-parallel linear Y_i = X A_i starts with f; a row-parallel linear Z = sum_i Y_i B_i ends
 with g:

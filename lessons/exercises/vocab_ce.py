@@ -1,4 +1,4 @@
-"""Exercise vocab-ce (lesson 03): the cross-entropy of vocabulary-split logits, no rank holding all
+"""Exercise vocab-ce (lesson 05): the cross-entropy of vocabulary-split logits, no rank holding all
 of them.
 
 Each tp rank holds logits (n, V/t): the columns [r V/t, (r+1) V/t) of the full (n, V). With m_j =

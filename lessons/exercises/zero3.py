@@ -1,4 +1,4 @@
-"""Exercise zero3 (lesson 02): ZeRO-3's gather and free, the two moves that keep 1/N of the
+"""Exercise zero3 (lesson 04): ZeRO-3's gather and free, the two moves that keep 1/N of the
 parameters on a rank between uses.
 
 nanomega/zero3.py:ShardedParameters cuts the model into units (the root, then each block) and hooks

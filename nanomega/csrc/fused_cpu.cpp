@@ -6,7 +6,7 @@
 // writes every intermediate to memory. Rows are split across threads (at::parallel_for); inside a row
 // the columns go Vectorized<opmath_t>-wide (16 floats with AVX-512), the last partial chunk through a
 // masked load/store, and all arithmetic is in at::opmath_type (fp32 for bf16 and fp16 inputs).
-// Lesson: lessons/08-fused-kernels.md
+// Lesson: lessons/13-fused-kernels.md
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>

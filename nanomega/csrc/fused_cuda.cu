@@ -2,7 +2,7 @@
 // grid-stride loops for the element-wise ones (bias + GeLU by column tiles, SwiGLU), and a two-stage column sum
 // for the parameter gradients.
 // Same math as fused_cpu.cpp, accumulated in at::opmath_type. NOT RUN on the project's machines (no GPU):
-// tests/test_fused.py only compiles this file with nvcc. Lesson: lessons/08-fused-kernels.md
+// tests/test_fused.py only compiles this file with nvcc. Lesson: lessons/13-fused-kernels.md
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 

@@ -1,6 +1,6 @@
 // Kernel launchers of fused_cuda.cu on raw pointers, so that nvcc compiles the kernels against a few
 // light headers and fused_cuda_bind.cpp does the Tensor work with the host compiler.
-// Instantiated for float, double, c10::BFloat16 and c10::Half. Lesson: lessons/08-fused-kernels.md
+// Instantiated for float, double, c10::BFloat16 and c10::Half. Lesson: lessons/13-fused-kernels.md
 #pragma once
 #include <ATen/OpMathType.h>
 #include <cuda_runtime_api.h>

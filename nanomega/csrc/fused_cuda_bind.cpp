@@ -1,6 +1,6 @@
 // The CUDA half of the ops in fused_ops.h: pick the dtype, make x's device current, launch on its
 // current stream (fused_cuda.cu), check the launch. Built only when CUDA is available; on the
-// project's CPU machines tests/test_fused.py compiles it, nothing runs it. Lesson: lessons/08-fused-kernels.md
+// project's CPU machines tests/test_fused.py compiles it, nothing runs it. Lesson: lessons/13-fused-kernels.md
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>

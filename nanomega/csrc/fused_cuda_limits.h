@@ -1,6 +1,6 @@
 // The fused CUDA kernels' block size and the fused LayerNorm forward's shared-memory budget
 // (fused_cuda.cu), in plain C++ so that tests/test_fused.py evaluates the budget for every preset's
-// width with the host compiler. Lesson: lessons/08-fused-kernels.md
+// width with the host compiler. Lesson: lessons/13-fused-kernels.md
 #pragma once
 #include <cstdint>
 

@@ -1,6 +1,6 @@
 // The device half of each fused op: inputs already checked and made contiguous, outputs allocated.
 // fused_cpu.cpp implements namespace cpu and routes CUDA tensors to namespace cuda
-// (fused_cuda_bind.cpp, built only when CUDA is available). Lesson: lessons/08-fused-kernels.md
+// (fused_cuda_bind.cpp, built only when CUDA is available). Lesson: lessons/13-fused-kernels.md
 #pragma once
 #include <ATen/core/Tensor.h>
 

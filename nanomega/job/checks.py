@@ -4,7 +4,7 @@ Idea: `check` runs on every rank and reads only the Config, the environment, the
 data's index. It raises one clear line, or returns the Config with its derived values filled in
 (dataclasses.replace). It writes no file and takes no lock: the out-dir is claimed afterwards, a
 step of train.py's recipe (nanomega/job/faults.py:claim_out_dir). The flags: job/config.py.
-Lesson: lessons/09-3d-parallelism.md
+Lesson: lessons/15-3d-parallelism.md
 """
 
 import dataclasses

@@ -7,7 +7,7 @@ takes it. A Section is a group of flags; calling it declares one (a dataclass fi
 holds the rest). The fields after the flags are the values checks.check derives (dp, the
 vocabulary, ...). What reads the declarations (the parser, the range table, `model_config`) is
 job/flags.py; a new flag is one field here.
-Lesson: lessons/09-3d-parallelism.md
+Lesson: lessons/15-3d-parallelism.md
 """
 
 import argparse
@@ -426,7 +426,7 @@ class Config:
         "compute otherwise; job/faults.py ARITHMETIC)",
     )
 
-    # what the run does when a step or a rank goes wrong (lesson 12)
+    # what the run does when a step or a rank goes wrong (lesson 20)
     on_nan: str = FAILURES(
         "skip", "skip (drop the step) or stop, when the loss or grad norm is not finite"
     )

@@ -8,7 +8,7 @@ life (workers die with their agent, preemption agreed at a step boundary, one-li
 job/lifecycle.py; the step's half (hangs, NaN, divergence, spikes, --inject-fault): job/guard.py.
 
 Formula: a job of N ranks, each failing with probability p per hour, survives an hour with (1-p)^N.
-Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
+Lessons: lessons/19-checkpoints-and-failures.md, lessons/20-when-training-breaks.md
 """
 
 import os

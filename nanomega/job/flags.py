@@ -8,7 +8,7 @@ model=True as the GPT's shape. `parse` reads the command line once (frozen: no m
 flag later), and --model fills the shape flags not given from a preset (job/presets.py);
 job/checks.py then refuses a bad Config before any collective and fills in the derived values
 (dp = world / (tp x pp x cp), the vocabulary, ...).
-Lesson: lessons/09-3d-parallelism.md
+Lesson: lessons/15-3d-parallelism.md
 """
 
 import argparse

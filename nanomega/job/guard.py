@@ -6,7 +6,7 @@ Every rank must take the same decision at the same step, or the next collective 
 decision is made from a value all ranks share (the loss agreed over dp, a reduced grad norm) or by a
 vote: hangs (Watchdog), NaN/inf and divergence (Skips), loss spikes (Spikes), and the faults tests
 inject (--inject-fault, inject_fault, poisoned). The job's half: nanomega/job/faults.py.
-Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
+Lessons: lessons/19-checkpoints-and-failures.md, lessons/20-when-training-breaks.md
 """
 
 import contextlib

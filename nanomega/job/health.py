@@ -10,7 +10,7 @@ on the last rank, and a non-zero exit naming the bad rank or host.
     torchrun ... nanomega/train.py --health-check ...        # before training
 
 Formula: bus bandwidth = 2(n-1)/n x bytes / seconds (the ring's traffic).
-Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
+Lessons: lessons/19-checkpoints-and-failures.md, lessons/20-when-training-breaks.md
 """
 
 import argparse

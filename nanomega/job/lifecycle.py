@@ -7,7 +7,7 @@ Idea: at scale a rank is preempted, orphaned or cut off routinely; each ends the
     job         around train.main: watchdogs stopped, handlers restored, the out-dir lock released
     errors      one line per expected failure (entrypoint); lost hosts named via the store
 Where a job starts from (the out-dir, the checkpoint to resume) is job/faults.py.
-Lesson: lessons/10-checkpoints-and-failures.md
+Lesson: lessons/19-checkpoints-and-failures.md
 """
 
 import contextlib

@@ -5,7 +5,7 @@ when its last descriptor closes (no stale lock after a crash), which under `torc
 leaves a gap while the workers restart; so under torchrun a tiny holder process shares the
 descriptor while the agent lives, and the restarted rank 0 of the same job (the same run id) adopts
 the lock.
-Lesson: lessons/10-checkpoints-and-failures.md
+Lesson: lessons/19-checkpoints-and-failures.md
 """
 
 import fcntl

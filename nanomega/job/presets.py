@@ -5,7 +5,7 @@ is the model. The trainer takes the shape and keeps its tokenizer's vocabulary (
 it); the planner takes the vocabulary too; explicit shape flags override a preset in both. A module
 of its own, importing only gpt_config.py: the planner must not pull in train.py's flags, nor the
 flags the planner. The sources are beside the rows.
-Lessons: lessons/01-dense-model.md (the model), lessons/11-planning-a-run.md (the planner).
+Lessons: lessons/01-dense-model.md (the model), lessons/21-planning-a-run.md (the planner).
 """
 
 from nanomega.gpt_config import SHAPE_KEYS

@@ -5,7 +5,7 @@ declares its rule beside its help (job/config.py); `check` walks that table firs
 checks.check. A float must be finite before it is compared at all (NaN fails every comparison), a
 flag whose default is None (off, or automatic) may be None, and a bad value is one line naming the
 flag, the value and its default as the fix.
-Lesson: lessons/12-when-training-breaks.md
+Lesson: lessons/20-when-training-breaks.md
 """
 
 import math

@@ -5,7 +5,7 @@ A checkpoint is only worth its cost if every rank writes the same step and a res
 exactly: the decision to save is taken alike on every rank (a vote where clocks or signals differ),
 never right after a skipped step, and the state holds everything a step depends on (this rank's
 pieces by name, the data position, the loss scale, the RNG streams, the spike policy's lr scale).
-Lessons: lessons/10-checkpoints-and-failures.md, lessons/12-when-training-breaks.md
+Lessons: lessons/19-checkpoints-and-failures.md, lessons/20-when-training-breaks.md
 """
 
 import time

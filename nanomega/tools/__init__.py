@@ -3,5 +3,5 @@ transformers interchange (hf.py), pictures of runs (plot.py), sampling (sample.p
 preparation (corpus.py) and tokenizer training (tokenizer.py). Each command is a console script
 (pyproject [project.scripts]) and `python -m nanomega.tools.NAME`. preflight.py is train.py's: the
 memory check at start-up and --dry-run.
-Lesson: lessons/11-planning-a-run.md (the planner); the others are shown in lesson 01.
+Lesson: lessons/21-planning-a-run.md (the planner); the others are shown in lesson 01.
 """

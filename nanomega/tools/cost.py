@@ -5,7 +5,7 @@ layout (the trainer's: pp.stage_layers, dist.Grid's rank order). It is a model, 
 Memory is the heaviest stage's (fits if <= usable (0.9) x GPU memory). The step time, FLOP/s and
 days: tools/cost_time.py; the search over layouts: tools/layouts.py; the command line:
 tools/plan.py. Blocks: GPT-2, Llama, Llama + experts (cost_moe.py).
-Lesson: lessons/11-planning-a-run.md
+Lesson: lessons/21-planning-a-run.md
 """
 
 from dataclasses import dataclass

@@ -16,7 +16,7 @@ Formulas:
     all-to-all  per MoE layer and micro-batch formulas.moe_all_to_all_bytes of uniform routing
                 (rows out = rows in = formulas.moe_balanced_rows), the share to other nodes at the
                 NIC's bandwidth, the rest over NVLink; (m + (p-1)/v) pipeline slots, no overlap
-Lesson: lessons/14-experts.md
+Lesson: lessons/16-experts.md
 """
 
 from dataclasses import replace

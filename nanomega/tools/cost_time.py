@@ -13,7 +13,7 @@ GPU's datasheet FP8 peak, the same fraction MATMUL of it (assumed: no FP8 row ca
 AV and the head at the bf16 peak (train.py --fp8 keeps them in --dtype). Run.attention "sdpa"
 (FlashAttention): no SCORE term, but its backward recomputes QK^T (2bs^2h/t more matmul FLOPs).
 TFLOP/s per GPU is reported counting recompute (Megatron's eq. 3 accounting, as papers report it).
-Lesson: lessons/11-planning-a-run.md
+Lesson: lessons/21-planning-a-run.md
 """
 
 from dataclasses import dataclass

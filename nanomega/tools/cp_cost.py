@@ -13,7 +13,7 @@ and pp's bytes -- except:
     dp time    tools/overlap.py's exposed seconds over dp x cp (Run.overlap "none": all of them)
 The result is a tools/cost_time.Estimate (its dp is the data-parallel size, its tp_comm the tp bytes
 at s/cp).
-Lesson: lessons/15-long-context.md
+Lesson: lessons/07-long-context.md
 """
 
 from dataclasses import replace

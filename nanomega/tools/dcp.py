@@ -14,7 +14,7 @@ train.py --resume fine-tunes under any layout. DCP holds no model arguments: the
 base and the vocabulary come from the command line and the tensors' shapes.
 Formulas (per head of hd rows, pairs p < hd/2):
     Meta row 2p, 2p+1  <->  rotate-half row p, p + hd/2     (w.view(heads, hd/2, 2, h) <-> (heads, 2, hd/2, h))
-Lesson: lessons/10-checkpoints-and-failures.md
+Lesson: lessons/19-checkpoints-and-failures.md
 """
 
 import argparse

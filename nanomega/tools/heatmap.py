@@ -8,7 +8,7 @@ the best MFU the planner finds for that (tp, pp) on that many nodes over the ZeR
     cell(tp, pp, nodes) = max over zero of mfu(layout), layouts that fit only
     python -m nanomega.tools.heatmap --model llama3-70b --gpu h100-sxm --out mfu.png
 Needs the `plot` extra (matplotlib) to draw; grid() alone does not.
-Lesson: lessons/11-planning-a-run.md
+Lesson: lessons/21-planning-a-run.md
 """
 
 import argparse

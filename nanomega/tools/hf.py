@@ -21,7 +21,7 @@ Formulas:
     Qwen2    kv_proj.bias = [k_proj.bias; v_proj.bias]
     vocab    export keeps the first V rows of the embedding (and of an untied head), import appends
              zero rows: logits[..., :V] are equal
-Lesson: lessons/13-the-modern-block.md
+Lesson: lessons/02-the-modern-block.md
 """
 
 import argparse

@@ -20,7 +20,7 @@ Formulas (the tensors a config implies, per block; hd = h / heads, f the MLP wid
     olmoe    mixtral's stacked experts; q_norm (h), k_norm (kv hd)
     deepseek_v3  what hf_deepseek writes for our model's shapes (+ the MTP modules it skips)
     gpt2     c_attn (h, 3h)  c_fc (h, 4h)  c_proj (h, h), (4h, h): Conv1D's (in, out), biases
-Lesson: lessons/13-the-modern-block.md
+Lesson: lessons/02-the-modern-block.md
 """
 
 import contextlib

@@ -38,7 +38,7 @@ Per block i (model.layers.i.; the MoE's names as tools/hf_moe.py's, its router m
     blocks.i.mlp.gate_up / c_proj  (i < k)       mlp.gate_proj, up_proj / down_proj
     blocks.i.mlp.shared.gate_up / c_proj         mlp.shared_experts.gate_proj, up_proj / down_proj
     blocks.i.mlp.expert_bias (E,)                mlp.gate.e_score_correction_bias
-Lesson: lessons/14-experts.md
+Lesson: lessons/16-experts.md
 """
 
 import dataclasses

@@ -4,7 +4,7 @@
 Idea: a field is required or optional (absent or null: transformers' default), and has a rule -- an
 integer >= 1, a finite number > 0 or >= 0, a flag, a table. FIELD_OF_FLAG names the field that set
 a flag, so a training check's refusal of an imported shape names the file's field, not our flag.
-Lesson: lessons/13-the-modern-block.md
+Lesson: lessons/02-the-modern-block.md
 """
 
 import math

@@ -8,7 +8,7 @@ v_proj.bias]); Qwen3 has none, and RMS-normalizes each head of q and k before Ro
 scaling: llama3, linear, dynamic and yarn as transformers computes them (modern.rope_frequencies).
 What nanomega cannot compute is named in one line. tools/hf.py (in and out) and tools/hf_moe.py
 (Mixtral: a Llama whose MLP is experts) read a Llama through this module.
-Lesson: lessons/13-the-modern-block.md
+Lesson: lessons/02-the-modern-block.md
 """
 
 from nanomega.gpt_config import ROPE_TYPES, GPTConfig

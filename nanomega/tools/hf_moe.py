@@ -26,7 +26,7 @@ Per block i (transformers 5 stacks the experts; gate_up is [gate; up] on both si
     blocks.i.mlp.shared.gate_up.weight   (2nf, h)   mlp.shared_expert.gate_proj, up_proj (Qwen2-MoE)
     blocks.i.mlp.shared.c_proj.weight     (h, nf)   mlp.shared_expert.down_proj
     blocks.i.mlp.shared_gate.weight        (1, h)   mlp.shared_expert_gate.weight
-Lesson: lessons/14-experts.md
+Lesson: lessons/16-experts.md
 """
 
 import dataclasses

@@ -12,7 +12,7 @@ Formulas:
              tensor larger than the limit has a shard of its own)
     memory   ~ the open shard + its bytes while written + one parameter (+ its k/v or gate/up
              parts); the checkpoint's and the shards' pages are the kernel's page cache
-Lesson: lessons/13-the-modern-block.md
+Lesson: lessons/02-the-modern-block.md
 """
 
 import json

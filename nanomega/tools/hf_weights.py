@@ -6,7 +6,7 @@ Idea: nanomega's dense GPT is GPT-2 and, with arch="llama", Llama, up to names a
     vocab  nanomega pads V; export keeps the first V rows, import appends zero rows
 Mixtral (a Llama whose MLP is experts) is tools/hf_moe.py, DeepSeek-V3 (latent attention)
 tools/hf_deepseek.py; folders and the CLI are tools/hf.py.
-Lesson: lessons/13-the-modern-block.md
+Lesson: lessons/02-the-modern-block.md
 """
 
 import functools

@@ -4,7 +4,7 @@ Idea: a layout runs when its sizes divide what they split (a node's GPUs, the he
 the global batch); layout_error names the first rule one breaks. plan costs each layout that runs
 (tools/cost_moe.py, dense or experts) and ranks them: those that fit in memory first, then by step
 time. When none fits, smallest_cluster doubles the GPUs until one does, then scans every size below.
-Lesson: lessons/11-planning-a-run.md
+Lesson: lessons/21-planning-a-run.md
 """
 
 from nanomega.tools import cost_moe, cp_cost

@@ -18,7 +18,7 @@ seconds of the bytes on the dp link (tools/cost_time.links):
 Left exposed: pp's sends (a slot waits for its input), the experts' all-to-all (cost_moe.py); cp's
 ring overlaps in tools/cp_cost.py.
 Run.overlap "none" keeps Megatron-LM 2021's sum (the calibration rows were fitted so).
-Lesson: lessons/11-planning-a-run.md
+Lesson: lessons/21-planning-a-run.md
 """
 
 from dataclasses import dataclass

@@ -10,7 +10,7 @@ cluster that would. Experts (--ep) are costed by cost_moe.py.
   python -m nanomega.tools.plan --model mixtral-8x7b --gpus 64 --gpu h100-80gb --ep 8
   --tp --pp --dp --zero --micro-batch pin a layout; --json prints machine-readable estimates;
   --top 10 shows the ten best.
-Lesson: lessons/11-planning-a-run.md
+Lesson: lessons/21-planning-a-run.md
 """
 
 import json

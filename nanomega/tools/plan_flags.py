@@ -2,8 +2,8 @@
 
 Each flag reaches one field of tools/cost.py's Model, GPU or Run; bad input is refused in one line
 naming the flag (plan: ...), before anything is costed. Every published layout of
-tools/published.py can be written with these flags (lesson 11 plans Llama 3 405B's from here).
-Lesson: lessons/11-planning-a-run.md
+tools/published.py can be written with these flags (lesson 21 plans Llama 3 405B's from here).
+Lesson: lessons/21-planning-a-run.md
 """
 
 import argparse

@@ -8,7 +8,7 @@ prints its engine's bytes beside the planner's (tools/cost.py, tools/cost_moe.py
     have  = a GPU's memory, or the host's / LOCAL_WORLD_SIZE                  need > have: refused
     engine - planner = flat buffers padded to a multiple of dp + Adam's 4-byte step per piece
 
-Lesson: lessons/09-3d-parallelism.md (the dry run), lessons/11-planning-a-run.md (the planner)
+Lesson: lessons/15-3d-parallelism.md (the dry run), lessons/21-planning-a-run.md (the planner)
 """
 
 import os

@@ -9,8 +9,8 @@ overlap (tools/overlap.py), and its error
     error = prediction / published - 1
 MISSES lists, with the reason, every out-of-sample row outside +-BAND; tests/test_published.py
 checks that exactly those are outside.
-    python -m nanomega.tools.published        the table (markdown, as lesson 11 and bench/RESULTS.md)
-Lesson: lessons/11-planning-a-run.md
+    python -m nanomega.tools.published        the table (markdown, as lesson 21 and bench/RESULTS.md)
+Lesson: lessons/21-planning-a-run.md
 """
 
 from dataclasses import dataclass, replace

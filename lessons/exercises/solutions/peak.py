@@ -1,4 +1,4 @@
-"""Solution of the peak exercise: lessons/19_profiling.py:holds_peak."""
+"""Solution of the peak exercise: lessons/14_profiling.py:holds_peak."""
 
 
 def holds_peak(trace):

@@ -14,7 +14,7 @@ PREDICTIONS = {
     "tp-forward-wire-bytes": 2 * (2 * (t - 1) / t) * 2 * s * h * 4,
     # forward: 2 all-gathers + 2 reduce-scatters of (b, s, h), (t - 1) / t each; backward: the
     # same again plus 2 re-gathers; then the 6 h replicated gradients (4 h LayerNorm, 2 h biases)
-    # all-reduced: 10 (t - 1) / t B + 2 (t - 1) / t 24 h (lesson 04's formula)
+    # all-reduced: 10 (t - 1) / t B + 2 (t - 1) / t 24 h (lesson 06's formula)
     "sp-layer-wire-bytes": 10 * (t - 1) / t * 2 * s * h * 4 + 2 * (t - 1) / t * 6 * h * 4,
     "1f1b-bubble": (p - 1) / (12 + p - 1),  # m = 12 here: idle / step
     "1f1b-in-flight": p,  # stage k: p - k

@@ -1,4 +1,4 @@
-"""Solution of the ring exercise: lessons/17_collectives.py:ring_all_reduce."""
+"""Solution of the ring exercise: lessons/03_collectives.py:ring_all_reduce."""
 
 import torch
 
