@@ -222,7 +222,7 @@ def train_step(
     losses over the pp axis.
     Activations between stages have act_shape (default (mb, seq, n_embd); (mb, seq/tp, h) with
     sequence parallelism) in the blocks' dtype, the batch dimension each micro-batch's own (a last
-    one may be ragged). no_sync wraps every backward but the last one of each model chunk. trace (a
+    one may be ragged). no_sync wraps every backward but the rank's last one. trace (a
     schedules.Trace) records wall-clock spans and the memory high-water marks.
     """
     check_args(model.cfg.n_layer, grid.pp.size, len(micro_batches), schedule, virtual)
@@ -299,8 +299,10 @@ def _run(
     steps = rank_plan(make, p, rank, m, virtual, place, timed)  # ops, the p2p calls between them
     ops = [step for step in steps if isinstance(step, Op)]
     split = any(op.kind == "W" for op in ops)
-    # the op that reduces each chunk's gradients: its last W (split backward), else its last B
-    last_grad_op = {op.chunk: op for op in ops if op.kind == ("W" if split else "B")}
+    # the one synced op: the rank's last W (split backward), else its last B. Not one per chunk: the
+    # engine's buckets span the chunks, and a synced backward ends reducing every bucket (ddp.py's
+    # _end_backward), an earlier chunk's partial sums too: twice the traffic, 1F1B's sums reordered
+    last_grad_op = next((op for op in reversed(ops) if op.kind == ("W" if split else "B")), None)
     sync = torch.accelerator.synchronize if grid.device.type != "cpu" else (lambda: None)
     # live: (chunk, mb) -> (input, output) awaiting B; deferred: (chunk, mb) -> W's stash
     live, deferred, inbox, outbox, losses = {}, {}, {}, {}, []
@@ -315,7 +317,7 @@ def _run(
     def run(step):  # one op: F, B or W
         vs = virtual_stage(p, rank, step.chunk, place)
         calls.wait_for(recv_msg(step, p, rank, virtual, place))
-        reduce = step == last_grad_op.get(step.chunk)
+        reduce = step == last_grad_op
         with trace.span(step, sync) if trace else contextlib.nullcontext():
             if step.kind == "F":
                 x, y, *docs = micro_batches[step.mb]

@@ -115,13 +115,13 @@ class LinearWithSequenceGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, tp, linear):  # x (b, s/t, h) -> (b, s, out/t)
-        ctx.save_for_backward(x, weight)
+        wgrad.save(ctx, x, weight)  # W's gradient to the parameter, under recompute too
         ctx.tp, ctx.has_bias, ctx.linear = tp, bias is not None, linear
         return linear(_gather_seq(x, tp), weight, bias)
 
     @staticmethod
     def backward(ctx, grad):  # grad (b, s, out/t)
-        x, weight = ctx.saved_tensors
+        x, weight = wgrad.saved(ctx)
         linear = ctx.linear
         grad_x = (
             _reduce_scatter_seq(seams.dgrad(linear, grad, weight), ctx.tp)

@@ -43,6 +43,21 @@ def defer(weight, compute):
     return compute()
 
 
+def save(ctx, x, weight):
+    """ctx.save_for_backward(x, weight), and a leaf weight (a parameter) kept as itself: under full
+    recompute (torch.utils.checkpoint) backward unpacks the rerun's tensors, and a saved leaf comes
+    back as a new tensor that reaches the parameter only through a weak reference to its gradient
+    accumulator; W runs after B freed the graph that held it, so W's gradient went to the copy."""
+    ctx.save_for_backward(x, weight)
+    ctx.weight = weight if weight.is_leaf else None  # a non-leaf one reaches it through its graph
+
+
+def saved(ctx):
+    """(x, weight) as `save` kept them: the parameter itself, for `defer`."""
+    x, weight = ctx.saved_tensors
+    return x, weight if ctx.weight is None else ctx.weight
+
+
 def flush(stash):
     """W: compute every stashed weight gradient, then accumulate them as autograd does (one
     backward from the weights, so p.grad and the gradient hooks see what B would have done)."""
@@ -59,13 +74,13 @@ class SplitLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
+        save(ctx, x, weight)
         ctx.has_bias = bias is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):  # grad (..., out)
-        x, weight = ctx.saved_tensors
+        x, weight = saved(ctx)
         g = grad.reshape(-1, grad.shape[-1])  # (n, out)
         grad_x = grad_w = grad_b = None
         # the GEMMs of F.linear's autograd (addmm's backward): dX = dY W, dW = dY^T X

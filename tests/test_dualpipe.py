@@ -115,7 +115,7 @@ LAYOUTS = [
 def test_dualpipev_equals_dense():
     """As ZB-V's test: the first step's gradients bitwise except the tied embedding's, losses
     and weights within 1e-6; the runtime ran the schedule's op list and held 2p + 1 chunk
-    micro-batches; every B and W but each chunk's last W ran under no_sync."""
+    micro-batches; every B and W but the rank's last W ran under no_sync."""
     results = worlds.launch(zb_dense.dense_world, 4, LAYOUTS, timeout=300)
     for rank_results in results:
         for (dp, p, _, cases), (rank, case_results) in zip(LAYOUTS, rank_results):

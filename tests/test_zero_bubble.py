@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import zb_dense
-from nanomega import formulas, pp, schedules, wgrad, worlds
+from nanomega import formulas, pp, recompute, schedules, wgrad, worlds
 from nanomega.gpt_config import GPTConfig
 from nanomega.model import GPT
 from nanomega.schedules import Op, bubble_fraction, ops_in_order, peak_inflight, simulate
@@ -24,14 +24,17 @@ def _gpt(arch):
     return GPT(GPTConfig(**kw, **(dict(arch="llama", n_kv_head=1) if arch == "llama" else {})))
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama"])
-def test_split_linear_is_f_linear_bitwise_and_defers_to_w(arch):
+@pytest.mark.parametrize("arch, mode", [("gpt", "none"), ("llama", "none"), ("llama", "full")])
+def test_split_linear_is_f_linear_bitwise_and_defers_to_w(arch, mode):
     """The split entry computes F.linear's gradients bitwise (same GEMMs); deferred, no weight
     gradient exists after B, and after W every gradient is the same (the tied embedding, here on
-    one stage, sums its two halves in another order: within one rounding of its largest sum)."""
+    one stage, sums its two halves in another order: within one rounding of its largest sum).
+    Under full recompute too: W hands its gradient to the parameter itself, not to the rerun's
+    copy of it that backward unpacks (that gradient was lost once B had freed the graph)."""
     torch.manual_seed(0)
     dense = _gpt(arch)
     now, later = (wgrad.split_backward(copy.deepcopy(dense)) for _ in range(2))
+    recompute.apply_recompute(later, mode)
     hooked = []  # (name, whether a gradient had arrived) per post-accumulate-grad hook
     for name, p in later.named_parameters():
         p.register_post_accumulate_grad_hook(

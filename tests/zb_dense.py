@@ -96,7 +96,7 @@ def check_dense(results, layouts, peaks, no_sync):
     """The dense_world results: the first step's gradients bitwise (every op the dense model's, in
     its order), losses, gradients and weights within 1e-6; the runtime ran the schedule's op list
     and held peaks[schedule](p, m, rank) micro-batches; no_sync(m) ops per step ran under no_sync (all but the
-    last W of each chunk: the buckets reduce there). Returns the results by layout and rank."""
+    rank's last W: the buckets reduce there). Returns the results by layout and rank."""
     out = {}
     for rank_results in results:
         for (dp, p, schedule, cases), (rank, case_results) in zip(layouts, rank_results):
