@@ -309,11 +309,6 @@ def _run(
     calls = pp_calls.Calls(grid, p, rank, deallocate, eager=split, place=place)
     pairs = {f for f, _ in dualpipe.pairs(make(p, rank, m, virtual))} if place == "v" else set()
 
-    # the last op's tensors (x, out, grad) stay referenced until the next op has run, as in the loop
-    # this function came from: a split run under full recompute changed its numbers when they were
-    # freed at once (tests/test_zero_bubble.py, dp2-pp2-zero1-full; the cause is not found yet)
-    last = []
-
     def run(step):  # one op: F, B or W
         vs = virtual_stage(p, rank, step.chunk, place)
         calls.wait_for(recv_msg(step, p, rank, virtual, place))
@@ -356,7 +351,6 @@ def _run(
             inbox[msg] = out.detach() if step.kind == "F" else x.grad
         elif msg:
             outbox[msg] = out if step.kind == "F" else x.grad
-        last[:] = [locals()]
 
     todo = iter(steps)
     for step in todo:
