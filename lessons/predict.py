@@ -17,7 +17,19 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from nanomega import cp, dist, formulas, fp8, model, recompute, schedules, tp, worlds
+from nanomega import (
+    cp,
+    dist,
+    formulas,
+    fp8,
+    model,
+    onebit,
+    recompute,
+    schedules,
+    tp,
+    worlds,
+    zeropp,
+)
 from nanomega.gpt_config import GPTConfig
 
 # the minimal track, in the ranks too
@@ -196,6 +208,12 @@ def mx_scale_for_amax_3():
     return 1 / fp8.quantize_mx(x).scale_inv.item()
 
 
+def qwz_int4_row_bytes():
+    # zeropp.quantize of one (1, 5000) fp32 row at int4: what the all-gather would move
+    codes, scales = zeropp.quantize(torch.randn(1, 5000), bits=4)
+    return codes.numel() * codes.element_size() + scales.numel() * scales.element_size()
+
+
 def _world():
     """One world of 2: plain DP's and ZeRO-1's bytes per parameter, and a tp=2 layer's forward
     bytes (and, under sequence parallelism, its forward + backward bytes)."""
@@ -222,6 +240,12 @@ def _world():
     q, k, v = (torch.randn(1, 4, 8, 8) for _ in range(3))
     ring.log.reset()
     cp.attention(q, k, v, ring.cp, "ring")
+
+    # 1-bit Adam's compressed mean over dp = 2 of a 1,000-element momentum
+    data = dist.Grid(dp=2)
+    mean = onebit.CompressedMean(data.dp, 1000)
+    data.log.reset()
+    mean(torch.randn(1000))
     # less the loss's 4
     return {
         "dp-wire-bytes-per-param": (naive["bytes_per_step"] - 4) / naive["params"],
@@ -229,6 +253,7 @@ def _world():
         "tp-forward-wire-bytes": tp_bytes,
         "sp-layer-wire-bytes": sp_bytes,
         "cp-ring-forward-bytes": ring.log.wire_bytes("cp"),
+        "onebit-wire-bytes": data.log.wire_bytes("dp"),
     }
 
 
@@ -259,6 +284,8 @@ QUESTIONS = {  # name: (lesson, how it is measured)
     "profiler-bmm-forward-bytes": ("14", profiler_bmm_forward_bytes),
     "e4m3-positive-finite-values": ("10", e4m3_positive_finite_values),
     "mx-scale-for-amax-3": ("10", mx_scale_for_amax_3),
+    "qwz-int4-row-bytes": ("17", qwz_int4_row_bytes),
+    "onebit-wire-bytes": ("18", "world"),
 }
 
 

@@ -283,11 +283,11 @@ def test_a_file_without_the_names_is_one_line(tmp_path):
 
 def test_predictions_graded_right_and_wrong(tmp_path):
     """One run: the solution's answers with one made wrong (the 1F1B bubble as (p-1)/m, idle over the
-    ideal time: the common wrong convention) and one removed: the 24 others measured RIGHT, the wrong one
+    ideal time: the common wrong convention) and one removed: the 26 others measured RIGHT, the wrong one
     WRONG, the missing one unanswered."""
     solution = (EX / "solutions" / "predictions.py").read_text()
     # the untouched starter answers nothing
-    assert (EX / "predictions.py").read_text().count(": None,") == 26
+    assert (EX / "predictions.py").read_text().count(": None,") == 28
     wrong = tmp_path / "wrong.py"
     wrong.write_text(
         solution.replace("(p - 1) / (12 + p - 1),", "(p - 1) / 12,").replace(
@@ -298,8 +298,8 @@ def test_predictions_graded_right_and_wrong(tmp_path):
     assert (
         rc == 1 and "predict 1f1b-bubble (lesson 08): yours 0.25, measured 0.2 -> WRONG" in out
     ), out
-    assert out.count("-> RIGHT") == 24 and out.count("no prediction yet") == 1, out
-    assert "predictions: 24/26 right" in out, out
+    assert out.count("-> RIGHT") == 26 and out.count("no prediction yet") == 1, out
+    assert "predictions: 26/28 right" in out, out
 
 
 def test_quick_catches_an_uncapped_warmup_and_prints_the_case(tmp_path):

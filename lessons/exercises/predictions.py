@@ -99,4 +99,13 @@ PREDICTIONS = {
     # when the block's amax is 3.0. Careful: not fmax / amax (the current-scaling rule): MX's scale is
     # a power of two, from floor(log2 amax) and E4M3's largest exponent
     "mx-scale-for-amax-3": None,
+    # lesson 17: qwZ at int4 (zeropp.quantize, blocks of 2,048 elements): bytes of one row of 5,000
+    # fp32 weights once quantized, codes and scales. Careful: the last block is quantized whole
+    # (padded), two codes share a byte, and every block carries its own fp32 scale
+    "qwz-int4-row-bytes": None,
+    # lesson 18: 1-bit Adam after its warm-up, N = 2 ranks: bytes one rank sends for the compressed
+    # mean of a 1,000-element momentum (Axis counts a ring: (N - 1)/N of each buffer). Careful: the
+    # signs are padded to a multiple of 8 N, both the all-to-all and the all-gather move them, and
+    # every scale is 4 bytes
+    "onebit-wire-bytes": None,
 }

@@ -43,4 +43,9 @@ PREDICTIONS = {
     "e4m3-positive-finite-values": 15 * 8 - 1 + 7,
     # 2^-(floor(log2 3) - 8) = 2^7: amax lands in [256, 512)
     "mx-scale-for-amax-3": 2 ** -(math.floor(math.log2(3.0)) - 8),
+    # ceil(5000 / 2048) = 3 blocks of 2,048 codes at half a byte, and 3 fp32 scales
+    "qwz-int4-row-bytes": 3 * 2048 // 2 + 3 * 4,
+    # n padded to 1,008 (a multiple of 16): the signs' 126 bytes, half of them sent by the all-to-all
+    # and half by the all-gather; two scales of 4 bytes, one sent each time
+    "onebit-wire-bytes": 2 * (2 - 1) / 2 * 1008 / 8 + 2 * 4 * (2 - 1),
 }
