@@ -716,6 +716,54 @@ def draw_gqa(path):
     fig.savefig(path, dpi=DPI)
 
 
+PLAN = ("--model", "gpt3-175b", "--gpus", "1024", "--gpu", "a100-80gb", "--global-batch", "1536")
+
+
+def plan_points(argv=PLAN):
+    """Lesson 21's first command: every layout the planner costs (tools/layouts.plan), as
+    (estimate, usable bytes per GPU); the planner's pick is the first estimate (it fits and its step
+    is the shortest of those that fit)."""
+    from nanomega.tools import layouts, plan_flags
+
+    args, model, gpu, run, _ = plan_flags.configure(list(argv))
+    return layouts.plan(model, gpu, args.gpus, run), run.usable * gpu.memory
+
+
+def draw_plan(path):
+    plt = _plt()
+    ests, usable = plan_points()
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    for fits, colour, label in ((True, "tab:blue", "fits"), (False, "0.6", "does not fit")):
+        group = [e for e in ests if e.fits == fits]
+        ax.scatter(
+            [e.memory / 1e9 for e in group], [e.step_s for e in group], s=12, c=colour, label=label
+        )
+    best = ests[0]
+    ax.scatter([best.memory / 1e9], [best.step_s], s=80, facecolors="none", edgecolors="tab:red")
+    ax.annotate(
+        f"the pick: tp {best.tp} pp {best.pp} dp {best.dp} ZeRO-{best.zero}",
+        (best.memory / 1e9, best.step_s),
+        xytext=(30, 60),
+        textcoords="offset points",
+        fontsize=8,
+        color="tab:red",
+        arrowprops={"arrowstyle": "->", "color": "tab:red"},
+    )
+    ax.axvline(usable / 1e9, color="k", ls=":", lw=1)
+    ax.text(usable / 1e9, ax.get_ylim()[1], " usable memory", fontsize=8, va="top")
+    ax.set_xscale("log")
+    ax.set_xlabel("memory per GPU (GB): state + activations, the heaviest stage")
+    ax.set_ylabel("step time (s), the planner's model")
+    ax.set_title(
+        f"GPT-3 175B on 1,024 A100-80GB: {len(ests)} layouts costed; drop what does not fit,\n"
+        "then take the shortest step (tools/layouts.plan)",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
 def draw_grid(path):
     plt = _plt()
     coords, groups = grid_groups()
@@ -993,6 +1041,7 @@ DIAGRAMS = {
     "diagram_recompute.png": draw_recompute,
     "diagram_spacing.png": draw_spacing,
     "diagram_flops.png": draw_flops,
+    "diagram_plan.png": draw_plan,
 }
 
 

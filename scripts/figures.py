@@ -156,6 +156,7 @@ SCRIPTED = {
     # the pictures of the ideas: drawn from the code that does them, no run needed
     "diagram_compose.png": "lessons/diagrams.py",
     "diagram_grid.png": "lessons/diagrams.py",
+    "diagram_plan.png": "lessons/diagrams.py",
     "diagram_ring.png": "lessons/diagrams.py",
     "diagram_zero.png": "lessons/diagrams.py",
     "diagram_tp.png": "lessons/diagrams.py",

@@ -200,6 +200,17 @@ def test_flops_picture_is_lesson_01s_count():
     }
 
 
+def test_plan_picture_picks_the_fastest_layout_that_fits():
+    """Lesson 21's picture: the pick fits in the usable memory and no layout that fits is faster;
+    layouts beyond the memory line are drawn as not fitting."""
+    ests, usable = diagrams.plan_points()
+    fitting = [e for e in ests if e.fits]
+    assert fitting and ests[0] in fitting
+    assert ests[0].step_s == min(e.step_s for e in fitting)
+    assert all(e.memory <= usable for e in fitting)
+    assert any(not e.fits for e in ests) and all(e.memory > usable for e in ests if not e.fits)
+
+
 def test_every_diagram_draws(tmp_path):
     pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) draws the diagrams")
     for name, draw in diagrams.DIAGRAMS.items():
