@@ -126,3 +126,16 @@ def test_each_lesson_core_is_about_a_page():
         if words > limit:
             over[lesson.name] = f"{words} words before its appendix (limit {limit})"
     assert not over, f"move narrative to the appendix: {over}"
+
+
+def test_reading_map_names_every_module_beside_its_lesson_in_order():
+    """nanomega/__init__.py's map: one heading per lesson, in the lessons' order, and every concept
+    module named under one of them."""
+    import nanomega
+
+    doc = nanomega.__doc__
+    headings = re.findall(r"^    (\d\d)  \S", doc, re.M)
+    assert headings == [p.name[:2] for p in LESSONS], "the map's lessons are not the reading order"
+    named = set(re.findall(r"[\w/]+\.py", doc))
+    modules = {p.name for p in (ROOT / "nanomega").glob("*.py")} - {"__init__.py"}
+    assert not modules - named, f"modules missing from the reading map: {sorted(modules - named)}"
