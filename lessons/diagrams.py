@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "lessons"))
 
-from nanomega import cp, dist, flat, schedules, timeline, tp, zero_rules  # noqa: E402
+from nanomega import cp, dist, flat, formulas, onebit, schedules, timeline, tp, zero_rules  # noqa: E402
 
 FOLDER = ROOT / "lessons" / "figures"
 DPI = 72
@@ -445,6 +445,67 @@ def moe_dispatch(tokens=8, k=2, n_experts=4, seed=0):
 
 # ---------------------------------------------------------------------------------------------------
 # drawing
+
+
+COLLECTIVES = ("forward gather", "backward gather", "gradient reduction")
+
+
+def zeropp_routes(shard=8, replicate=4, param_bytes=2, bits=8, unit=2**20):
+    """Lesson 17's picture: {scheme: {collective: (inside, across) bytes per parameter}} that one
+    rank sends in one micro-batch, ZeRO-3 over N = S R ranks (S per host, R hosts), a unit of P =
+    unit N padded elements, bf16 weights, fp32 gradients, the ZeRO++ codes `bits` wide. Each
+    collective's link is the rule of lesson 17's table; its bytes are formulas.quantized_bytes and
+    the ring factors, and tests/test_diagrams.py holds every scheme's sum to
+    formulas.zeropp_comm_bytes (hybrid sharding: formulas.hybrid_comm_bytes)."""
+    S, R = shard, replicate
+    N = S * R
+    P, c = unit * N, unit
+    gather = (N - 1) / N * P * param_bytes  # a ring all-gather of the unit's weights over N
+    quantized = (N - 1) * formulas.quantized_bytes(c, bits)  # qwZ: codes + scales, over N
+    inside_gather = (S - 1) / S * P * param_bytes  # hpZ's (and hybrid's) gather over the host
+    scatter = (N - 1) / N * P * 4  # fp32 gradients reduce-scattered over N
+    qgz = (
+        (S - 1) * formulas.quantized_bytes(R * c, bits),
+        (R - 1) * formulas.quantized_bytes(c, bits),
+    )
+    routes = {
+        "plain ZeRO-3": ((0, gather), (0, gather), (0, scatter)),
+        "hybrid, shard S": (
+            (inside_gather, 0),
+            (inside_gather, 0),
+            ((S - 1) / S * P * 4, 2 * (R - 1) / R * P / S * 4),  # scatter inside, all-reduce across
+        ),
+        f"qwZ int{bits}": ((0, quantized), (0, quantized), (0, scatter)),
+        "hpZ": ((0, gather), (inside_gather, 0), (0, scatter)),
+        f"qgZ int{bits}": ((0, gather), (0, gather), qgz),
+        "all three": ((0, quantized), (inside_gather, 0), qgz),
+    }
+    return {
+        scheme: {k: (i / P, a / P) for k, (i, a) in zip(COLLECTIVES, links)}
+        for scheme, links in routes.items()
+    }
+
+
+def onebit_feedback(n=8, steps=40, seed=0):
+    """Lesson 18's picture: one worker's error-compensated 1-bit compression (onebit.compress, one
+    chunk) of a momentum-shaped x_t, step by step: [(x_t, e_t, sent_t, e_t+1)], e_t+1 = x_t + e_t -
+    C(x_t + e_t), in fp64 around onebit's fp32 scale; and the gap |sum sent - sum x| after each step
+    with the error carried and with it dropped (the same compressor)."""
+    g = torch.Generator().manual_seed(seed)
+    drift = torch.linspace(-1, 1, n, dtype=torch.float64)
+    error = torch.zeros(n, dtype=torch.float64)
+    records, sums = [], torch.zeros(3, n, dtype=torch.float64)  # true, with, without feedback
+    gaps = []
+    for _ in range(steps):
+        x = drift + 0.5 * torch.randn(n, generator=g, dtype=torch.float64)
+        send = x + error
+        sent = onebit.decompress(*onebit.compress(send.float(), 1)).double()
+        records.append((x, error, sent, send - sent))
+        error = send - sent
+        dropped = onebit.decompress(*onebit.compress(x.float(), 1)).double()
+        sums += torch.stack([x, sent, dropped])
+        gaps.append(((sums[1] - sums[0]).norm().item(), (sums[2] - sums[0]).norm().item()))
+    return records, gaps
 
 
 def _plt():
@@ -1016,6 +1077,64 @@ def draw_flops(path):
     fig.savefig(path, dpi=DPI)
 
 
+def draw_zeropp(path):
+    plt = _plt()
+    routes = zeropp_routes()
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.6), sharey=True)
+    colours = plt.get_cmap("tab10")
+    names = list(routes)
+    for side, ax in enumerate(axes):
+        left = [0.0] * len(names)
+        for k, collective in enumerate(COLLECTIVES):
+            widths = [routes[s][collective][side] for s in names]
+            ax.barh(names, widths, left=left, color=colours(k), label=collective)
+            left = [a + b for a, b in zip(left, widths)]
+        for y, total in enumerate(left):
+            ax.text(total + 0.1, y, f"{total:.2f}", va="center", fontsize=8)
+        ax.set_xlim(0, 9.5)
+        ax.set_title(("inside a host (NVLink)", "across hosts (the slow link)")[side], fontsize=9)
+        ax.set_xlabel("one rank, one micro-batch", fontsize=8)
+    axes[0].invert_yaxis()
+    axes[1].legend(fontsize=7, loc="lower right")
+    fig.suptitle(
+        "ZeRO-3 over R = 4 hosts x S = 8 ranks, bf16 weights, fp32 gradients, int8 codes:\n"
+        "what crosses which link, bytes per parameter (formulas.zeropp_comm_bytes)",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
+def draw_onebit(path):
+    plt = _plt()
+    records, gaps = onebit_feedback()
+    fig, axes = plt.subplots(1, 4, figsize=(9, 3.2), gridspec_kw={"width_ratios": [1, 1, 1, 1.6]})
+    i = torch.arange(records[0][0].numel())
+    for step, ax in enumerate(axes[:3]):
+        x, error, sent, carried = records[step]
+        ax.bar(i - 0.3, x + error, 0.3, color="0.6", label="x_t + e_t (to send)")
+        ax.bar(i, sent, 0.3, color="tab:blue", label="C(.): sign x mean |.|")
+        ax.bar(i + 0.3, carried, 0.3, color="tab:red", label="e_t+1: carried on")
+        ax.axhline(0, color="k", lw=0.5)
+        ax.set_title(f"step {step + 1}" + (" (e = 0)" if step == 0 else ""), fontsize=9)
+        ax.set_xticks([])
+        ax.set_ylim(-2.6, 2.6)
+    axes[0].legend(fontsize=6, loc="lower right")
+    steps = range(1, len(gaps) + 1)
+    axes[3].plot(steps, [a for a, _ in gaps], label="error carried (feedback)")
+    axes[3].plot(steps, [b for _, b in gaps], label="error dropped")
+    axes[3].set_xlabel("step")
+    axes[3].set_title("|sum sent - sum x_t|", fontsize=9)
+    axes[3].legend(fontsize=7)
+    fig.suptitle(
+        "1-bit compression with error feedback (onebit.compress): what is not sent this step is "
+        "added to the next",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
 DIAGRAMS = {
     "diagram_compose.png": draw_compose,
     "diagram_grid.png": draw_grid,
@@ -1042,6 +1161,8 @@ DIAGRAMS = {
     "diagram_spacing.png": draw_spacing,
     "diagram_flops.png": draw_flops,
     "diagram_plan.png": draw_plan,
+    "diagram_zeropp.png": draw_zeropp,
+    "diagram_onebit.png": draw_onebit,
 }
 
 

@@ -179,6 +179,8 @@ SCRIPTED = {
     "diagram_recompute.png": "lessons/diagrams.py",
     "diagram_spacing.png": "lessons/diagrams.py",
     "diagram_flops.png": "lessons/diagrams.py",
+    "diagram_zeropp.png": "lessons/diagrams.py",
+    "diagram_onebit.png": "lessons/diagrams.py",
 }
 
 

@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT / "lessons"))
 
 import diagrams  # noqa: E402
 
-from nanomega import schedules  # noqa: E402
+from nanomega import formulas, schedules  # noqa: E402
 
 
 @pytest.mark.parametrize("n", [2, 4, 5])
@@ -287,3 +287,55 @@ def test_ring_all_reduce_is_the_sum_on_every_rank(n):
         assert torch.equal(outs[r], want), (
             f"ring n={n} rank={r}: got {outs[r].tolist()}, want {want.tolist()}"
         )
+
+
+def test_zeropp_routes_sum_to_the_formulas_and_follow_lesson_17s_table():
+    S, R, b, bits, unit = 8, 4, 2, 8, 2**20
+    N, routes = S * R, diagrams.zeropp_routes(S, R, b, bits, unit)
+    P = N * unit
+    totals = {
+        s: [P * sum(c[side] for c in v.values()) for side in (0, 1)] for s, v in routes.items()
+    }
+    flags = {
+        "plain ZeRO-3": {},
+        f"qwZ int{bits}": dict(qwz=bits),
+        "hpZ": dict(hpz=True),
+        f"qgZ int{bits}": dict(qgz=bits),
+        "all three": dict(qwz=bits, hpz=True, qgz=bits),
+    }
+    for scheme, kw in flags.items():  # each scheme's links, collective by collective, = the formula
+        want = formulas.zeropp_comm_bytes([P], S, R, b, **kw)
+        assert totals[scheme] == pytest.approx(list(want), rel=1e-12), scheme
+    want = formulas.hybrid_comm_bytes(P, 3, S, R, 4, param_bytes=b)
+    assert totals["hybrid, shard S"] == pytest.approx(list(want), rel=1e-12)
+    # the table's rules: plain crosses with everything; hpZ moves exactly the backward gather inside;
+    # hybrid sends no gather across; qwZ's gather is bits/8 bytes + a 4-byte scale per block
+    plain, hpz, hybrid = routes["plain ZeRO-3"], routes["hpZ"], routes["hybrid, shard S"]
+    assert all(inside == 0 for inside, _ in plain.values())
+    assert (
+        hpz["backward gather"] == ((S - 1) / S * b, 0)
+        and hpz["forward gather"] == plain["forward gather"]
+    )
+    assert hybrid["forward gather"][1] == hybrid["backward gather"][1] == 0
+    block = formulas.quant_block(unit)
+    qwz = routes[f"qwZ int{bits}"]["forward gather"][1]
+    assert qwz == pytest.approx((N - 1) / N * (bits / 8 + 4 / block), rel=1e-12)
+
+
+def test_onebit_picture_carries_the_error_and_its_sum_telescopes():
+    records, gaps = diagrams.onebit_feedback(n=8, steps=40)
+    true = sent_sum = 0
+    for x, error, sent, carried in records:
+        send = x + error
+        # C: every element +-s, s = mean |x + e| (fp32, rounded once), with x + e's sign
+        s = send.abs().mean()
+        assert torch.allclose(sent.abs(), s.expand(8), rtol=2**-23, atol=0)
+        assert torch.equal(sent > 0, send >= 0)
+        # the contraction of lesson 18's formula: |e'|^2 = |x + e|^2 - |x + e|_1^2 / n
+        want = send.norm() ** 2 - send.abs().sum() ** 2 / 8
+        assert carried.norm() ** 2 == pytest.approx(want.item(), rel=1e-5, abs=1e-6)
+        true, sent_sum = true + x, sent_sum + sent
+    # error feedback: sum of what was sent = sum of x_t - the error still carried (fp64 sums)
+    assert torch.allclose(sent_sum, true - records[-1][3], rtol=0, atol=1e-12)
+    # the picture's claim, for its seed: the carried error stays small, the dropped one grows
+    assert gaps[-1][0] < 0.2 * gaps[-1][1]
