@@ -104,7 +104,8 @@ beside its lesson, and its docstring gives its idea, its formulas and its lesson
         no module of its own: lessons/23_capstone.py plans, trains and checks one run
 
 Beside the concepts, two folders a student may skip:
-    job/    running a job: flags (declared: config.py; parsed: flags.py) and their checks, failure
+    job/    running a job: flags (declared: config_model.py, config_train.py, config_run.py, joined in
+            config.py; parsed: flags.py) and their checks, failure
             handling, health check, meter (MFU, memory)
     tools/  commands around training: planner, HF interchange, plots, sampling, corpus and tokenizer
             preparation
