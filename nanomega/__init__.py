@@ -105,8 +105,8 @@ beside its lesson, and its docstring gives its idea, its formulas and its lesson
 
 Beside the concepts, two folders a student may skip:
     job/    running a job: flags (declared: config_model.py, config_train.py, config_run.py, joined in
-            config.py; parsed: flags.py) and their checks, failure
-            handling, health check, meter (MFU, memory)
+            config.py; parsed: flags.py) and their checks, failure handling, health check, meter
+            (MFU, memory)
     tools/  commands around training: planner, HF interchange, plots, sampling, corpus and tokenizer
             preparation
 Imports point down: tools -> job -> concepts; model.py imports only modern.py, mla.py, moe.py and
