@@ -148,6 +148,7 @@ class Run:
     sp: bool = True  # sequence parallelism with TP
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 | zb-h2 | zb-v | dualpipev
     chunks: int = 2  # model chunks per stage for the interleaved schedule
+    post_validate: bool = False  # zb-h2: the step without the barrier (--post-validate)
     zero: tuple = (0, 1, 2, 3)  # ZeRO stages to consider
     # fraction of GPU memory we plan to fill (CUDA context, NCCL buffers, fragmentation)
     usable: float = 0.9
