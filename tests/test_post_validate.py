@@ -58,9 +58,11 @@ def test_refusals():
 
 
 LAYOUT = ["--pp", "2", "--zero", "1", "--schedule", "zb-h2", "--batch-size", "1"]
+# never clips; clips every step; never clips, but step 3's update is dropped (an injected spike)
+CASES = {"1000": [], "0.01": [], "skip": ["--on-spike", "skip", "--inject-fault", "spike:0:3"]}
 RUNS = [
-    (f"{clip}-{mode}", [*LAYOUT, "--grad-accum", "4", "--grad-clip", clip, *extra])
-    for clip in ("1000", "0.01")  # never clips; clips every step
+    (f"{case}-{mode}", [*LAYOUT, "--grad-accum", "4", "--grad-clip", clip, *CASES[case], *extra])
+    for case, clip in (("1000", "1000"), ("0.01", "0.01"), ("skip", "1000"))
     for mode, extra in (("sync", []), ("post", ["--post-validate"]))
 ]
 
@@ -72,15 +74,17 @@ def _runs(corpus, root):
 
 def test_post_validated_step_equals_the_synchronized_step_bitwise(corpus, tmp_path):
     """dp 2 x pp 2, ZeRO-1, ZB-H2: --post-validate's losses, validation loss and final weights
-    bitwise the synchronized step's, when no clip is needed (no rollback) and when every step
-    clips (every step rolled back and redone with the global norm). A rollback that does not
-    restore the kept masters and state fails here."""
+    bitwise the synchronized step's, when no clip is needed (no rollback), when every step clips
+    (every step rolled back and redone with the global norm) and when a spike drops a step's
+    update (rolled back, not redone). A rollback that does not restore the kept masters and state
+    fails here."""
     counts = worlds.launch(_runs, 4, corpus, tmp_path, timeout=600)
     steps = int(COMMON[COMMON.index("--max-steps") + 1])
-    for clip in ("1000", "0.01"):
-        zb_dense.bitwise_equal(tmp_path, f"{clip}-sync", f"{clip}-post")
-    # per rank: both post-validated runs' steps; the clipped run's rolled back, the other's not
-    assert all(c == {"steps": 2 * steps, "rolled_back": steps} for c in counts), counts
+    for case in CASES:
+        zb_dense.bitwise_equal(tmp_path, f"{case}-sync", f"{case}-post")
+    # per rank: the three post-validated runs' steps; the clipped run's rolled back, the spike's
+    # step, nothing else
+    assert all(c == {"steps": 3 * steps, "rolled_back": steps + 1} for c in counts), counts
 
 
 if __name__ == "__main__":
