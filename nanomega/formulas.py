@@ -424,7 +424,7 @@ def pipeline_bubble(p, m, v=1):
 
 
 ZB_H1_SLOTS = 3  # ZB-H1's ramp: (T_F + T_B - T_W) / (T_F + T_B + T_W) = 1/3 slot at equal times
-# slots per ramp step of the split schedules at T_F = T_B = T_W, the step synchronized (nanomega's):
+# slots per ramp step of the split schedules at T_F = T_B = T_W, the step synchronized (default):
 # ZB-H1 (p-1)(T_F + T_B - T_W) (Qi et al. 2024, Table 1); ZB-H2 (p-1) max(T_F, T_F + T_B - 2 T_W)
 # (ours: its ranks start T_F apart, the paper's (p-1)(T_F + T_B - 2 T_W) is each rank's own span);
 # ZB-V (p-1) chunk ops of a sixth of a slot (ours, m >= 2p - 1: tests/test_zb_v.py); DualPipeV
