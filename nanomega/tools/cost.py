@@ -148,7 +148,6 @@ class Run:
     sp: bool = True  # sequence parallelism with TP
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 | zb-h2 | zb-v | dualpipev
     chunks: int = 2  # model chunks per stage for the interleaved schedule
-    post_validate: bool = False  # zb-h2: the step without the barrier (--post-validate)
     zero: tuple = (0, 1, 2, 3)  # ZeRO stages to consider
     # fraction of GPU memory we plan to fill (CUDA context, NCCL buffers, fragmentation)
     usable: float = 0.9
@@ -166,6 +165,7 @@ class Run:
     tp_overlap: bool = False  # tp's collectives chunked beside the matmuls (overlap.tp_exposed)
     # train.py --fp8: the blocks' GEMMs at the GPU's FP8 peak (attention's and the head's in dtype)
     fp8: bool = False
+    post_validate: bool = False  # zb-h2: the step without the barrier (--post-validate)
 
 
 # ---- model shapes --------------------------------------------------------------------------------
