@@ -54,6 +54,8 @@ beside its lesson, and its docstring gives its idea, its formulas and its lesson
         dualpipe.py   DualPipeV as data: overlapped forward-and-backward pairs on the V
         moe_overlap.py
                       a pair's MoE all-to-all issued before the other micro-batch computes
+        post_validate.py
+                      ZB-H2's optimizer step without the barrier: step, validate, roll back
     09  mixed precision
         precision.py  bf16 / fp16, fp32 masters, loss scaling
     10  FP8

@@ -48,12 +48,12 @@ def global_norm(shares, grid, over_dp, device):
     return global_norm_squared(shares, grid, over_dp, device).sqrt().item()
 
 
-def global_norm_squared(shares, grid, over_dp, device):
+def global_norm_squared(shares, grid, over_dp, device, pp=True):
     """The same sum of squares, left on the device (fp64, one element): a trainer reads it together
     with the loss, in the step's one host sync before the update (train.train_step).
     shares: per replica group (zero_rules.Replicas), (grads, axis, across): this rank's counted shares;
     the group's replicas, summed over when over_dp; None, or the ranks holding its other parameters
-    (ep's experts), summed over too."""
+    (ep's experts), summed over too. pp=False: this stage's sum (post_validate.py adds the stages')."""
     sq = None
     for grads, axis, across in shares:
         part = square_sum(grads, device)
@@ -63,7 +63,8 @@ def global_norm_squared(shares, grid, over_dp, device):
             part = across.all_reduce(part)
         sq = part if sq is None else sq.add_(part)
     grid.tp.all_reduce(sq)
-    grid.pp.all_reduce(sq)
+    if pp:
+        grid.pp.all_reduce(sq)
     return sq
 
 

@@ -128,10 +128,12 @@ class Axis:
         collective = ALL_GATHER_SINGLE if op == "all_gather" else REDUCE_SCATTER_SINGLE
         return collective(out, t, group=self.group, async_op=True)
 
-    def broadcast(self, t, src_index=0):
+    def broadcast(self, t, src_index=0, wait=True):
+        """t from the rank at src_index; wait=False: (t, a Work to .wait() on, or None)."""
+        work = None
         if self._count("broadcast", t):
-            dist.broadcast(t, src=self.ranks[src_index], group=self.group)
-        return t
+            work = dist.broadcast(t, src=self.ranks[src_index], group=self.group, async_op=not wait)
+        return t if wait else (t, work)
 
     def barrier(self):
         if self.size > 1:

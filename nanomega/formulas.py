@@ -254,6 +254,19 @@ def inflight_microbatches(p, m, schedule="1f1b", v=1):
     }[schedule]
 
 
+def rank_inflight(p, rank, m, schedule="1f1b", v=1):
+    """Micro-batches whose activations pipeline rank `rank` holds at its peak (units of one stage's
+    layers): the planner's per-stage rows. The loop schedules' warm-up shrinks down the pipeline
+    (1F1B min(p - rank, m)); ZB-H1 and ZB-H2 hold their peak on every rank (the W's lag makes up
+    the shorter warm-up); on the V a rank holds both ends of the pipeline: ZB-V min(2p, 2m,
+    m + 1 + rank) chunks, DualPipeV 2p + 1 (tests/test_zero_bubble.py: the simulator's peaks)."""
+    if p == 1 or schedule in ("zb-h1", "zb-h2", "dualpipev"):
+        return inflight_microbatches(p, m, schedule, v)
+    if schedule == "zb-v":
+        return min(2 * p, 2 * m, m + 1 + rank) / 2
+    return inflight_microbatches(p - rank, m, schedule, v)
+
+
 def offload_seconds(n, grad_bytes, param_bytes, pcie_bw, host_bw, adam_bytes=28):
     """ZeRO-Offload's step on one GPU with n optimizer elements in host memory (offload.py):
     gradients down and weights up over PCIe, n (g + p) bytes, and the CPU Adam's one pass through
@@ -411,13 +424,22 @@ def pipeline_bubble(p, m, v=1):
 
 
 ZB_H1_SLOTS = 3  # ZB-H1's ramp: (T_F + T_B - T_W) / (T_F + T_B + T_W) = 1/3 slot at equal times
-# slots per ramp step of the split schedules at T_F = T_B = T_W, the step synchronized (nanomega's):
+# slots per ramp step of the split schedules at T_F = T_B = T_W, the step synchronized (default):
 # ZB-H1 (p-1)(T_F + T_B - T_W) (Qi et al. 2024, Table 1); ZB-H2 (p-1) max(T_F, T_F + T_B - 2 T_W)
 # (ours: its ranks start T_F apart, the paper's (p-1)(T_F + T_B - 2 T_W) is each rank's own span);
 # ZB-V (p-1) chunk ops of a sixth of a slot (ours, m >= 2p - 1: tests/test_zb_v.py); DualPipeV
 # (PP/2 - 1)(F&B + B - 3W), PP = 2p, B a chunk's full backward (the DualPipe repository's table):
 # with nothing overlapped (F&B = F + B + W, what the planner prices) 2(p-1) chunk ops, a third of a slot
 RAMP_SLOTS = {"zb-h1": ZB_H1_SLOTS, "zb-h2": 3, "zb-v": 6, "dualpipev": 3}
+
+
+def ramp_slots(schedule, v=1, post_validated=False):
+    """pipeline_bubble's v for a schedule: RAMP_SLOTS's, or v. ZB-H2 with the step post-validated
+    (--post-validate, post_validate.py): the paper's (p-1)(T_F + T_B - 2 T_W), zero at equal times
+    (tests/test_post_validate.py: the simulator's chained steps)."""
+    if schedule == "zb-h2" and post_validated:
+        return float("inf")
+    return RAMP_SLOTS.get(schedule, v)
 
 
 def flops_per_token(n_params, n_layer, h, s, recompute="none", head_params=0):

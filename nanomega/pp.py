@@ -213,13 +213,15 @@ def train_step(
     act_shape=None,
     trace=None,
     deallocate=True,
+    deferred=False,
 ):
     """Forward and backward of all micro-batches [(x, y) or (x, y, docs), ...] on this stage, in the
     schedule's order.
 
     The loss is the mean over micro-batches (each backward starts from loss_i / m * loss_scale).
     Returns that mean loss (unscaled) on every rank: the last stage broadcasts the micro-batches'
-    losses over the pp axis.
+    losses over the pp axis. deferred: (the losses, the broadcast's Work in flight) instead
+    (post_validate.py).
     Activations between stages have act_shape (default (mb, seq, n_embd); (mb, seq/tp, h) with
     sequence parallelism) in the blocks' dtype, the batch dimension each micro-batch's own (a last
     one may be ragged). no_sync wraps every backward but the rank's last one. trace (a
@@ -244,8 +246,9 @@ def train_step(
         trace,
         deallocate,
         schedule in TIMED,
+        not deferred,
     )
-    return losses.mean().item()
+    return losses if deferred else losses.mean().item()
 
 
 @torch.no_grad()
@@ -282,6 +285,7 @@ def _run(
     trace=None,
     deallocate=True,
     timed=False,
+    wait=True,
 ):
     p, rank, m = grid.pp.size, grid.pp_rank, len(micro_batches)
     n_layer, last_vs = model.cfg.n_layer, p * virtual - 1
@@ -380,4 +384,4 @@ def _run(
     calls.wait_all()
     losses = torch.stack(losses) if losses else torch.zeros(m, device=grid.device)
     # each micro-batch's loss, on every stage, from the rank holding the last virtual stage
-    return grid.pp.broadcast(losses, src_index=stage_rank(last_vs, p, place))
+    return grid.pp.broadcast(losses, src_index=stage_rank(last_vs, p, place), wait=wait)

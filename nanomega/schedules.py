@@ -112,8 +112,8 @@ def zb_h2(p, rank, m, v=1):
     forwards fill the wait for the first gradient, then B W F; each rank runs its W's 2 rank B's
     late, which leaves 2 rank + 1 W's for the tail: every rank is busy from its first op to its
     last (a parallelogram). Zero bubble needs the next step's forwards to start while the last
-    rank finishes, i.e. the optimizer step's synchronization bypassed (the paper's sec. 4), which
-    nanomega does not do: its step still waits for every rank (lessons/05)."""
+    rank finishes, i.e. the optimizer step's synchronization bypassed (the paper's sec. 4):
+    --post-validate (post_validate.py); without it the step waits for every rank (lessons/08)."""
     return _split_1f1b(m, warmup=min(2 * (p - rank) - 1, m), lag=2 * rank, f_first=False)
 
 

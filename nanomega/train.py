@@ -33,7 +33,7 @@ if __package__ in (None, ""):  # `python nanomega/train.py`: make the package im
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanomega import compose, data, dist, documents, flash, moe, pp, precision, schedules, windows
-from nanomega import mtp
+from nanomega import mtp, post_validate
 from nanomega.job import checks, faults, flags, health, lifecycle, meter, saves
 from nanomega.job.guard import Guard, Spikes
 from nanomega.tools import corpus, preflight
@@ -195,24 +195,27 @@ def train_step(step, *, config, model, engine, grid, sampler, train_set, scaler,
     if trace and grid.dp_rank == 0 and grid.tp_rank == 0:
         save_trace(trace, config.out_dir)
 
-    # the loss over dp_cp (cp: the token mean of the whole sequence) and the gradient norm's
-    # square (on the device), read in one host sync, before the update
-    loss = torch.as_tensor(loss, dtype=torch.float32, device=grid.device).reshape(1)
-    loss = grid.dp_cp.all_reduce(guard.reported(loss))
-    square = engine.reduce(scaler)
-    total, norm = torch.cat([loss.double(), square.sqrt()]).tolist()
-    loss = total / grid.dp_cp.size
+    if config.post_validate:  # step at once, validate after (ZB-H2's: post_validate.py)
+        loss, spike, info = post_validate.step(loss, engine, grid, guard, scaler, config.grad_clip)
+    else:
+        # the loss over dp_cp (cp: the token mean of the whole sequence) and the gradient norm's
+        # square (on the device), read in one host sync, before the update
+        loss = torch.as_tensor(loss, dtype=torch.float32, device=grid.device).reshape(1)
+        loss = grid.dp_cp.all_reduce(guard.reported(loss))
+        square = engine.reduce(scaler)
+        total, norm = torch.cat([loss.double(), square.sqrt()]).tolist()
+        loss = total / grid.dp_cp.size
 
-    # the update, or its skip: the same decision on every rank. The weights' finite check rides
-    # the step-boundary vote (saves.Saves): a count left on the device
-    spike = guard.spike(loss)
-    info = engine.step(
-        clip_norm=config.grad_clip or None,
-        scaler=scaler,
-        skip=guard.drops(spike),
-        norm=norm,
-        check_finite=False,
-    )
+        # the update, or its skip: the same decision on every rank. The weights' finite check
+        # rides the step-boundary vote (saves.Saves): a count left on the device
+        spike = guard.spike(loss)
+        info = engine.step(
+            clip_norm=config.grad_clip or None,
+            scaler=scaler,
+            skip=guard.drops(spike),
+            norm=norm,
+            check_finite=False,
+        )
     info["nonfinite"] = engine.nonfinite_masters() if info["stepped"] else None
     sampler.advance()
     guard.finished(step + 1, loss, info)  # --on-nan stop
@@ -252,6 +255,7 @@ def forward_backward(model, engine, grid, batches, config, *, loss_scale=1.0, tr
             virtual=config.virtual_stages,
             act_shape=activation_shape(config, grid),
             trace=trace,
+            deferred=config.post_validate,
         )
 
     # a plain loop: gradients kept local until the last micro-batch; the loss summed on the

@@ -287,11 +287,11 @@ class ZeroEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def reduce(self, scaler=None):
+    def reduce(self, scaler=None, pp=True):
         """Finish the reductions, average, unscale (fp16), add the extra sums (the tied embedding's
         two copies), and return the global gradient norm's square on the device (fp64, one element)
         without waiting for it: a trainer reads it together with the loss in one host sync, then
-        calls step(norm=...)."""
+        calls step(norm=...). pp=False: the norm summed over this pipeline stage only."""
         self.buckets.finish()  # all micro-batches under no_sync (or none ran): reduce now; wait
 
         # hybrid sharding: each slice's sum over the replicate axis too (across hosts; Psi/S each)
@@ -329,7 +329,8 @@ class ZeroEngine:
         for r, mine in self.norm_pieces:
             grads = [self._grad(p).float() if host(p.group) else p.master.grad for p in mine]
             shares.append((grads, r.axis, r.across))
-        return clip.global_norm_squared(shares, self.grid, self.norm_over_dp, self.groups[0].device)
+        device = self.groups[0].device
+        return clip.global_norm_squared(shares, self.grid, self.norm_over_dp, device, pp)
 
     def step(self, clip_norm=None, scaler=None, skip=False, norm=None, check_finite=True):
         """reduce() (unless the caller did, and passes its norm read on the host), global norm,

@@ -160,6 +160,8 @@ NOT_DRAWN = {
     "norm_eps": "as rope_theta",
     "moe_aux_loss": "drawn through moe_z_loss's path (the same router loss reduction)",
     "min_lr": "the schedule's value: no layout computes it otherwise",
+    "post_validate": "bitwise the synchronized step wherever it runs (tests/test_post_validate.py: "
+    "clipped and not)",
     "weight_decay": "as min_lr",
     "eval_iters": "evaluation is off (eval_every 0): tests/test_pipeline_eval.py's",
     "seed": "one data order and init per run: the property holds per seed",
@@ -298,11 +300,15 @@ def layouts(draw, max_world=4, loose=False, min_world=1):
     if c["cp"] > 1:
         c["cp_method"] = pick(CHOICES["cp_method"])
     if c["pp"] > 1:
-        # zb-v: two chunks per rank in a V, so 2 pp layers at least (pp.check_args); drawn where
-        # the model has them (zb-h2, as zb-h1, takes any layout 1f1b does)
-        fits_v = loose or 2 * c["pp"] <= c["n_layer"]
-        c["schedule"] = pick(s for s in CHOICES["schedule"] if s != "zb-v" or fits_v)
-        c["virtual_stages"] = 2 if c["schedule"] in ("interleaved", "zb-v") else 1
+        # zb-v, dualpipev: two chunks per rank in a V, so 2 pp layers at least (pp.check_args);
+        # dualpipev 2 pp micro-batches at least (dualpipe.check); drawn where the model and the
+        # batch have them (zb-h2, as zb-h1, takes any layout 1f1b does)
+        fits = {
+            "zb-v": loose or 2 * c["pp"] <= c["n_layer"],
+            "dualpipev": loose or 2 * c["pp"] <= min(c["n_layer"], c["grad_accum"]),
+        }
+        c["schedule"] = pick(s for s in CHOICES["schedule"] if fits.get(s, True))
+        c["virtual_stages"] = 2 if c["schedule"] in ("interleaved", "zb-v", "dualpipev") else 1
 
     # the engine (experts: ZeRO-0..2 without offload, ep.check_engine), the arithmetic, the kernels
     # (beside pp only ZeRO-0/1: zero_rules.pipeline_error; the loose draw finds that refusal)

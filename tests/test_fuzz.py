@@ -44,16 +44,19 @@ def test_the_draw_reaches_every_axis(data):
     assert not [w for w in want if w not in seen], [w for w in want if w not in seen]
 
 
-def test_the_draw_reaches_zb_v(data):
-    """zb-v fits only where the model has 2 layers per pipeline rank (pp 2 of the fuzzer's 4
-    layers), too rare for the draws above: a search for one finds it, with its two virtual stages,
-    and checks.check accepts it."""
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipev"])
+def test_the_draw_reaches_the_v(data, schedule):
+    """zb-v and dualpipev fit only where the model has 2 layers per pipeline rank (pp 2 of the
+    fuzzer's 4 layers; dualpipev also 2 pp micro-batches), too rare for the draws above: a search
+    for one finds it, with its two virtual stages, and checks.check accepts it."""
     values, world = hypothesis.find(
         fuzz.layouts(8),
-        lambda drawn: drawn[0].get("schedule") == "zb-v",
+        lambda drawn: drawn[0].get("schedule") == schedule,
         settings=hypothesis.settings(max_examples=2000, database=None),
     )
     assert values["virtual_stages"] == 2 and 2 * values["pp"] <= values["n_layer"], values
+    if schedule == "dualpipev":
+        assert values["grad_accum"] >= 2 * values["pp"], values
     assert fuzz.refused(values, world, data.corpus) is None, values
 
 

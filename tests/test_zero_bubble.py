@@ -243,8 +243,10 @@ def test_planner_prices_the_split_schedules_with_the_simulated_bubble(schedule):
     """The planner's bubble (formulas.pipeline_bubble at RAMP_SLOTS[schedule], T_F = T_B = T_W, the
     step synchronized) is the simulator's idle share; its activation memory per stage
     (inflight_microbatches, in stage micro-batches: ZB-V's chunks are half a stage) is the
-    simulator's peak. A wrong slot count (the paper's zero for ZB-H2, which needs the optimizer
-    step's synchronization bypassed) fails here."""
+    simulator's peak, and its per-stage rows (formulas.rank_inflight, what tools/cost_time.py and
+    cp_cost.py hold per stage) each rank's peak: on the V every rank holds both ends. A wrong slot
+    count (the paper's zero for ZB-H2, which needs the step post-validated: test_post_validate.py)
+    fails here."""
     v = 2 if schedules.placement(schedule) == "v" else 1
     for p in (2, 4, 8):
         for m in (1, 2, p, 2 * p - 1, 2 * p, 4 * p):
@@ -256,3 +258,5 @@ def test_planner_prices_the_split_schedules_with_the_simulated_bubble(schedule):
                 assert abs(bubble_fraction(traces) - bubble) <= 1e-12, (p, m)
             peak = max(map(peak_inflight, traces)) / v
             assert formulas.inflight_microbatches(p, m, schedule) == peak, (p, m)
+            rows = [formulas.rank_inflight(p, r, m, schedule) for r in range(p)]
+            assert rows == [peak_inflight(t) / v for t in traces], (p, m)

@@ -11,7 +11,7 @@ import dataclasses
 import os
 
 from nanomega import cp, data, dist, ep, fp8_linear, moe, muon, onebit, pp, precision, recompute, tp
-from nanomega import mtp, zero_rules, zeropp
+from nanomega import mtp, post_validate, zero_rules, zeropp
 from nanomega.job import faults, flags, guard, meter, presets, ranges
 from nanomega.job.flags import model_config
 
@@ -68,6 +68,9 @@ def check(config):
     zero_rules.check_config(c.zero, muon.choose(c.optimizer)[0], c.pp, c.offload, c.offload_params)
     if zero_rules.hybrid_error(c.dp_shard, dp, c.zero, c.cp, c.ep, c.pp):
         raise ValueError(zero_rules.hybrid_error(c.dp_shard, dp, c.zero, c.cp, c.ep, c.pp))
+    zpp_on = c.zeropp_qwz or c.zeropp_hpz or c.zeropp_qgz
+    if c.post_validate and post_validate.error(c.pp, c.optimizer, c.offload, zpp_on):
+        raise ValueError(post_validate.error(c.pp, c.optimizer, c.offload, zpp_on))
     zpp = (c.zeropp_qwz, c.zeropp_hpz, c.zeropp_qgz, c.zero, dp, c.dp_shard, c.fp8, c.cp, c.ep)
     if error := zeropp.error(*zpp, c.pp, c.offload or c.offload_params):
         raise ValueError(error)

@@ -69,6 +69,11 @@ class TrainFlags:
         100, "--optimizer onebit: uncompressed AdamW steps before the variance freezes", at_least(1)
     )
     grad_clip: float = OPTIMIZER(1.0, "clip the global gradient norm (0: off)", at_least(0))
+    post_validate: bool = OPTIMIZER(
+        False,
+        "pipeline: step at once, validate the global norm and loss after, roll back and redo when "
+        "a clip or skip was needed (ZB-H2's post-validation: nanomega/post_validate.py)",
+    )
     seed: int = OPTIMIZER(
         1337,
         "the model's init and the data order",

@@ -165,6 +165,7 @@ class Run:
     tp_overlap: bool = False  # tp's collectives chunked beside the matmuls (overlap.tp_exposed)
     # train.py --fp8: the blocks' GEMMs at the GPU's FP8 peak (attention's and the head's in dtype)
     fp8: bool = False
+    post_validate: bool = False  # zb-h2: the step without the barrier (--post-validate)
 
 
 # ---- model shapes --------------------------------------------------------------------------------

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from nanomega.formulas import (
     dp_comm_bytes,
     flops_per_token,
-    inflight_microbatches,
     mla_layer_delta,
     offload_seconds,
-    RAMP_SLOTS,
     pipeline_bubble,
+    ramp_slots,
+    rank_inflight,
     pp_comm_bytes,
     tp_comm_bytes_per_layer,
 )
@@ -200,7 +200,7 @@ def step_time(model, gpu, gpus, tp, pp, zero, run, time=TIME, global_batch=None)
     )
     slot = max(stages) + sends / pp_bw
     # the ramp: p - 1 slots of one chunk; the split schedules' W fill most of each (formulas.py)
-    ramp_v = RAMP_SLOTS.get(run.schedule, v)
+    ramp_v = ramp_slots(run.schedule, v, run.post_validate)
     pipe = (m + (pp - 1) / ramp_v) * slot
 
     # dp's gradient (and ZeRO-3's parameter) bytes, what of them hides behind compute (overlap.py)
@@ -305,7 +305,7 @@ def evaluate(model, gpu, gpus, tp, pp, zero, run, time=TIME):
         rank_state_bytes(model, tp, pp, dp, zero, run.dtype, v, run.split)
     ):
         state = (p_, g_, o_ * (1 - run.offload))  # the offloaded share lives in host memory
-        held = acts[k] * inflight_microbatches(pp - k, m, run.schedule, v) + work
+        held = acts[k] * rank_inflight(pp, k, m, run.schedule, v) + work
         stages.append((sum(state) + held, state, held))
     _, (params, grads, optim), acts = max(stages, key=lambda x: x[0])
 

@@ -22,7 +22,7 @@ from nanomega.formulas import (
     cp_comm_bytes_per_layer,
     dp_comm_bytes,
     flops_per_token,
-    inflight_microbatches,
+    rank_inflight,
     pipeline_bubble,
     pp_comm_bytes,
     tp_comm_bytes_per_layer,
@@ -80,7 +80,7 @@ def evaluate(model, gpu, gpus, tp, pp, cp, zero, run, method="allgather", time=c
     for k, state in enumerate(
         cost.rank_state_bytes(model, tp, pp, dp * cp, zero, run.dtype, v, run.split)
     ):
-        held = act * layers[k] * inflight_microbatches(pp - k, m, run.schedule, v)
+        held = act * layers[k] * rank_inflight(pp, k, m, run.schedule, v)
         stages.append((sum(state) + held, state, held))
     _, (params, grads, optim), acts = max(stages, key=lambda x: x[0])
 
