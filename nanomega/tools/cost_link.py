@@ -23,7 +23,7 @@ Lesson: lessons/17-communication-compression.md
 """
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from nanomega import compose, formulas, meta, onebit
 from nanomega.job import checks, flags
@@ -150,7 +150,6 @@ class Price:
     step_s: float  # compute + comm
     memory: float  # bytes per rank: state + extra
     extra: float  # hpZ's secondary copy, 1-bit's error buffers
-    parts: dict = field(default_factory=dict)
 
 
 def seconds(inside, across, steps, net):
