@@ -98,6 +98,7 @@ QUICK = {
     "dense blocks before MoE ones": "tests/test_moe_dense.py::test_dense_blocks_before_moe_ones",
     "hybrid sharding's links (dry run)": "tests/test_hybrid.py::test_dry_run_prices_the_links_refuses_bad_shards",
     "ZeRO++ quantizer": "tests/test_zeropp.py::test_quantizer_equals_the_reference",
+    "the planner on two links (dry run)": "tests/test_cost_link.py::test_prediction_bytes_are_the_dry_runs",
 }
 
 

@@ -120,6 +120,7 @@ LAYOUT = {
     "attention",
     "batch_size",
     "grad_accum",
+    *("dp_shard", "zeropp_qwz", "zeropp_hpz", "zeropp_qgz"),
 }
 # every other flag, and why it is not drawn: a new flag fails tests/test_fuzz.py until it is
 # drawn (layouts below) or named here
@@ -139,24 +140,12 @@ NOT_DRAWN = {
         "as rope_theta (dynamic NTK, whose table follows the length, is refused with --cp)",
     ),
     "tensorboard": "logging only: tests/test_tensorboard.py",
-    "dp_shard": "hybrid sharding: tests/test_hybrid.py holds its layouts (2 x 2 at ZeRO-1/2/3 against "
-    "one process and plain ZeRO, tp 2 x (1 x 2), checkpoints both ways); drawing it beside offload, "
-    "Muon and the other flags here is open (issue 46)",
-    **dict.fromkeys(
-        ("zeropp_qwz", "zeropp_hpz", "zeropp_qgz"),
-        "ZeRO++ (zeropp.py): tests/test_zeropp.py holds 2 hosts x 2 at ZeRO-3 (hpZ bitwise, qwZ's "
-        "first loss and qgZ's reduction within derived bounds, bytes = formula); quantized runs "
-        "equal no other layout bitwise, so drawing them needs their own bound (issue 46)",
-    ),
     **dict.fromkeys(
         ("mtp_num_layers", "mtp_loss_scaling_factor"),
         "multi-token prediction: tests/test_mtp.py holds its layouts (dp2 with uneven valid "
         "targets per rank, dp2 ZeRO-3 + full recompute, pp2 1F1B / ZB-H1, tp2, tp2 + SP, against "
         "one process); drawing it here (with Muon, fused kernels, other schedules) is open",
     ),
-    "onebit_warmup": "1-bit Adam (--optimizer onebit, not drawn either): tests/test_onebit.py holds "
-    "dp2 against a one-process simulation of the algorithm; its compressed steps differ from the "
-    "dense run by design (a biased compressor): no layout tolerance applies",
     "norm_eps": "as rope_theta",
     "moe_aux_loss": "drawn through moe_z_loss's path (the same router loss reduction)",
     "min_lr": "the schedule's value: no layout computes it otherwise",
@@ -214,7 +203,7 @@ DRAWN = {
     *("moe_bias_balance", "document_mask", "optimizer", "grad_clip"),
     *("qkv_bias", "qk_norm", "shared_expert_gate", "n_group", "topk_group", "routed_scaling"),
     *("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
-    *("fp8", "fp8_block", "fp8_history", "fp8_min_dim"),
+    *("fp8", "fp8_block", "fp8_history", "fp8_min_dim", "onebit_warmup"),
     *LAYOUT,
 }
 VERBOSE = False  # the long mode prints each layout and its margins
@@ -331,7 +320,31 @@ def layouts(draw, max_world=4, loose=False, min_world=1):
         if c["fp8"] == "delayed":
             c["fp8_history"] = pick((1, 16))
         c["fp8_min_dim"] = 0 if c["tp"] > 1 and not loose else pick((0, 16))  # 16: narrow ones
+    less_traffic(c, draw, pick, world, loose)  # drawn last: the draws above keep their order
     return declared(c), world
+
+
+def less_traffic(c, draw, pick, world, loose):
+    """Issue 46's flags where each keeps the parity property: hybrid sharding (--dp-shard S, a
+    divisor of dp, ZeRO-1/2/3 over tp x dp), hpZ (ZeRO-3 over hosts of S: plain ZeRO-3's values,
+    gathered inside) and 1-bit Adam inside its warm-up (AdamW's steps: its compressed steps differ
+    from the dense run by design, tests/test_onebit.py). qwZ and qgZ round the weights / gradients
+    blockwise (no layout tolerance covers them: tests/test_zeropp.py's bounds): drawn loose only,
+    with the sizes and the other switches, for the one-line refusals of what does not compose."""
+    if loose:
+        c.update(dp_shard=pick((0, 2, 3)), zeropp_hpz=draw(st.booleans()))
+        c.update(zeropp_qwz=pick((0, 4, 8)), zeropp_qgz=pick((0, 4, 8)))
+    else:
+        dp = world // (c["tp"] * c["pp"] * c["cp"])
+        hybrid = c["zero"] and dp > 1 and c["pp"] == c["cp"] == c["ep"] == 1
+        c["dp_shard"] = pick(divisors(dp)[:-1]) if hybrid and draw(st.booleans()) else 0
+        fits = c["zero"] == 3 and c["dp_shard"] and not c.get("offload")
+        c["zeropp_hpz"] = bool(fits) and draw(st.booleans())
+    # 1-bit Adam where it runs (onebit.check: ZeRO-0, no pp, no ep), in place of AdamW
+    onebit = loose or (c["zero"] == 0 and c["pp"] == c["ep"] == 1)
+    if onebit and c["optimizer"] == "adamw" and draw(st.booleans()):
+        c["optimizer"] = "onebit"
+        c["onebit_warmup"] = pick((STEPS, 100)) if not loose else pick((1, STEPS))
 
 
 def fp8_recipes(c):

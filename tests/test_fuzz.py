@@ -9,6 +9,7 @@ adam_first_step_bound (fuzz.first_step), not asserted for FP8 with tp or cp (fuz
 """
 
 import hypothesis
+from hypothesis import strategies as st
 import pytest
 import torch
 
@@ -143,3 +144,36 @@ def test_regression_fp8_rowwise_with_shared_expert_gate_trains(data):
     values = dict(arch="llama", n_layer=2, ffn_hidden=64, n_experts=2, top_k=1)
     values.update(shared_experts=1, shared_expert_gate=True, fp8="rowwise")
     fuzz.check_layout(data, {**values, "batch_size": 8, "grad_accum": 1, "tp": 1, "cp": 1}, 1)
+
+
+@st.composite
+def _less_traffic(draw, base, world):
+    """fuzz.less_traffic's draw on a fixed layout."""
+    c = dict(base)
+    fuzz.less_traffic(c, draw, lambda xs: draw(st.sampled_from(list(xs))), world, False)
+    return c
+
+
+def test_the_draw_reaches_hybrid_hpz_and_1bit_adam(data):
+    """Issue 46's flags where the parity property holds are rare in the draws above: a search
+    finds hybrid sharding (--dp-shard dividing dp) and 1-bit Adam (ZeRO-0, inside its warm-up),
+    each accepted by checks.check; hpZ needs ZeRO-3 on such a layout too (rarer still), so
+    less_traffic's own draw on the hybrid layout at ZeRO-3 finds it, and checks.check accepts it."""
+    settings = hypothesis.settings(max_examples=1000, database=None)
+    found = {}
+    for kind, want in (
+        ("hybrid", lambda v: v["dp_shard"] > 0),
+        ("onebit", lambda v: v["optimizer"] == "onebit"),
+    ):
+        found[kind] = hypothesis.find(
+            fuzz.layouts(8),
+            lambda drawn: want(drawn[0]) and fuzz.refused(*drawn, data.corpus) is None,
+            settings=settings,
+        )
+    values, world = found["hybrid"]
+    dp = world // (values["tp"] * values["pp"] * values["cp"])
+    assert 0 < values["dp_shard"] < dp and dp % values["dp_shard"] == 0
+    assert found["onebit"][0]["zero"] == 0 and found["onebit"][0]["onebit_warmup"] >= fuzz.STEPS
+    base = dict(values, zero=3, offload=0.0, offload_params=False, optimizer="adamw")
+    hpz = hypothesis.find(_less_traffic(base, world), lambda c: c["zeropp_hpz"], settings=settings)
+    assert fuzz.refused(hpz, world, data.corpus) is None, hpz

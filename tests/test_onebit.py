@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 
 from nanomega import dist, onebit, worlds
+from nanomega.tools import cost_link
+from nanomega.tools.cost_link import Scheme
 from nanomega.zero import ZeroEngine
 from nanomega import zero_rules
 from nanomega.zero_rules import weight_decay_groups
@@ -93,6 +95,9 @@ def _model():
     return nn.Sequential(nn.Linear(7, 11), nn.Tanh(), nn.Linear(11, 5))
 
 
+ONEBIT = Scheme(0, onebit=True)
+
+
 def _batch(step, rank):
     g = torch.Generator().manual_seed(100 * step + rank)
     return torch.randn(6, 7, generator=g), torch.randn(6, 5, generator=g)
@@ -120,6 +125,7 @@ def _dp2(world):
         weights={k: v.detach().numpy().copy() for k, v in model.named_parameters()},
         wire=wire,
         order=order,
+        sizes=[g.padded for g in engine.groups],
     )
 
 
@@ -270,6 +276,18 @@ def test_bytes_after_the_warmup_are_the_formula(world2):
         assert wire[:WARMUP] == [2 * (2 - 1) / 2 * 4 * n] * WARMUP
         assert wire[WARMUP:] == [onebit.wire_bytes(n, 2)] * (STEPS - WARMUP)
     assert onebit.wire_bytes(n, 2) == 1 / 2 * onebit.padded(n, 2) / 8 * 2 + 8
+
+
+def test_the_planner_prices_both_phases_as_counted(world2):
+    """tools/cost_link.link_bytes, 2 hosts x 1 rank: AdamW's all-reduce over the engine's buffers
+    (the warm-up) and 1-bit Adam's compressed mean (after it) = the Axis counts of the run; a planner
+    that omits the optimizer (prices 1-bit as AdamW) is 32x off and fails."""
+    n = sum(p.numel() for p in _model().parameters())
+    for rank in (0, 1):
+        wire, sizes = world2[rank]["wire"], world2[rank]["sizes"]
+        price = [cost_link.link_bytes(s, sizes, n, 2, 1, 4) for s in (Scheme(0), ONEBIT)]
+        assert price == [(0.0, wire[0]), (0.0, wire[-1])]
+        assert cost_link.link_bytes(Scheme(0), sizes, n, 2, 1, 4) != (0.0, wire[-1])  # planted
 
 
 def test_what_it_cannot_take_is_refused_in_one_line():

@@ -27,6 +27,8 @@ import torch
 
 from nanomega import dist, formulas, train, worlds, zeropp
 from nanomega.job import checks
+from nanomega.tools import cost_link
+from nanomega.tools.cost_link import Scheme
 from nanomega.job import flags as job_flags
 from nanomega.dist import RING
 from nanomega.zero_rules import Replicas
@@ -193,6 +195,7 @@ def _run(grid, scheme):
         first=first,
         links=(inside, across),
         formula=formula,
+        sizes=sizes,
         weights=_weights(engine),
     )
 
@@ -240,6 +243,26 @@ def test_qwz_first_loss_within_the_first_order_bound(world4, scheme):
 def test_bytes_per_link_are_the_formula(world4, scheme):
     for rank in world4:
         assert rank[scheme]["links"] == pytest.approx(rank[scheme]["formula"], rel=1e-12)
+
+
+@pytest.mark.parametrize("scheme", [s for s in SCHEMES])
+def test_the_planner_prices_each_link_as_counted(world4, scheme):
+    """tools/cost_link's (inside, across) for 2 hosts x 2 = the Axis counts of the run; with any
+    switch of the scheme left out (a planted omission) the planner is off and fails."""
+    on = SCHEMES[scheme]
+    for rank in world4:
+        sizes, links = rank[scheme]["sizes"], rank[scheme]["links"]
+        price = cost_link.link_bytes(Scheme(3, 2 if on else 0, **on), *sizes_etc(sizes))
+        assert price == pytest.approx(links, rel=1e-12)
+        for switch in on:  # the planted omission: one switch dropped
+            less = Scheme(3, 2, **{**on, switch: type(on[switch])()})
+            assert cost_link.link_bytes(less, *sizes_etc(sizes)) != pytest.approx(links, rel=1e-12)
+
+
+def sizes_etc(sizes):
+    """link_bytes' arguments after the scheme: the padded groups, elements, dp 4, hosts of 2,
+    fp32 weights, ACCUM micro-batches."""
+    return sizes, sum(sizes), 4, 2, 4, ACCUM
 
 
 def test_the_slow_link_carries_less(world4):
