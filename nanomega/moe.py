@@ -6,8 +6,8 @@ of ROUTERS, each named for the models that use it. Balance comes from the Switch
 DeepSeek-V3's choice-only bias (update_bias, kept in fp32 whatever the model's dtype) or a capacity
 per expert and sequence; the z-loss keeps the logits small. Shared experts run on every token,
 ungated (DeepSeek) or times sigmoid(x . w_gate) (Qwen2-MoE's shared_expert_gate). Every statistic is taken per sequence,
-the unit no layout splits, so no layout changes the loss; the aux losses join the backward at their
-block (AuxLossToGrad).
+so no layout changes the loss: cp, the one layout that splits a sequence, sums the balance loss's
+counts over its ranks (balance_loss); the aux losses join the backward at their block (AuxLossToGrad).
 Formulas (one home: formulas.py):
     aux loss          E sum_e f_e P_e  (f_e: share of the assignments, P_e: mean router probability)
                       (transformers' load_balancing_loss_func: k x this; tools/hf_moe.py converts)
