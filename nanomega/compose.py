@@ -20,6 +20,7 @@ from nanomega import (
     fp8_linear,
     fused,
     meta,
+    moe,
     muon,
     pp,
     precision,
@@ -56,6 +57,7 @@ def build(config, grid):
 
     # context parallel: attention over the cp axis; positions per chunk
     cp.apply_context_parallel(model, grid.cp, config.cp_method)
+    moe.apply_context_parallel(model, grid.cp)  # the balance loss's counts: whole sequences'
 
     # pipeline parallel: this rank's stage; a zero-bubble schedule's linears split their backward
     if grid.pp.size > 1:

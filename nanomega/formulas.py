@@ -38,6 +38,8 @@ Formulas (Psi = parameters one rank holds, d/t/p = dp/tp/pp sizes, m = micro-bat
                combine, forward and backward; R_out rows to other ranks' experts, R_in rows it
                computed for others) + (ep-1) E/ep 8 bytes of counts;
                balanced routing: R_out = R_in = T k (ep-1)/ep
+    MoE x cp   per MoE layer and micro-batch forward one all-reduce over cp of the (b, E) fp32
+               assignment counts (moe.balance_loss): 4 b E tensor bytes, 2(cp-1)/cp of it on the wire
     collective alpha-beta: ring all-reduce 2(n-1)(alpha + B beta / n);
                binary tree 2 log2(n)(alpha + B beta)
     sizing     compute-optimal N = sqrt(C / 6k), D = k N, k ~ 20 tokens per parameter (Chinchilla)
@@ -126,6 +128,12 @@ def moe_all_to_all_bytes(rows_out, rows_in, h, elem_bytes, ep, experts_per_rank)
     if ep == 1:
         return 0
     return 2 * (rows_out + rows_in) * h * elem_bytes + (ep - 1) * experts_per_rank * 8
+
+
+def moe_cp_balance_bytes(b, n_experts, moe_layers, forwards, cp):
+    """Tensor bytes one rank all-reduces over cp for the balance loss's assignment counts: one fp32
+    (b, E) tensor per MoE layer and forward (micro-batches, x 2 under full recompute)."""
+    return 0 if cp == 1 else forwards * moe_layers * b * n_experts * 4
 
 
 def moe_balanced_rows(tokens, top_k, ep):

@@ -6,8 +6,8 @@ of ROUTERS, each named for the models that use it. Balance comes from the Switch
 DeepSeek-V3's choice-only bias (update_bias, kept in fp32 whatever the model's dtype) or a capacity
 per expert and sequence; the z-loss keeps the logits small. Shared experts run on every token,
 ungated (DeepSeek) or times sigmoid(x . w_gate) (Qwen2-MoE's shared_expert_gate). Every statistic is taken per sequence,
-the unit no layout splits, so no layout changes the loss; the aux losses join the backward at their
-block (AuxLossToGrad).
+so no layout changes the loss: cp, the one layout that splits a sequence, sums the balance loss's
+counts over its ranks (balance_loss); the aux losses join the backward at their block (AuxLossToGrad).
 Formulas (one home: formulas.py):
     aux loss          E sum_e f_e P_e  (f_e: share of the assignments, P_e: mean router probability)
                       (transformers' load_balancing_loss_func: k x this; tools/hf_moe.py converts)
@@ -175,12 +175,17 @@ def within_capacity(experts, n_experts, cap):
     return (position < cap).view_as(experts)
 
 
-def balance_loss(probs, experts, n_experts):
+def balance_loss(probs, experts, n_experts, cp=None):
     """Switch/GShard's E * sum_e f_e P_e per sequence: probs (b, s, E), experts (b, s, k) ->
-    (b,)."""
+    (b,). cp: the context-parallel Axis when this rank holds s of the sequence's cp s tokens: the
+    assignment counts are summed over it (f is the whole sequence's, the same on every cp rank) and
+    P_e stays this rank's mean, so the cp ranks' mean of the loss (the LM loss's rule: gradients
+    averaged over dp_cp) is the whole sequence's loss, and so is each token's gradient."""
     b, s, k = experts.shape
-    # (b, E): share of the assignments
-    f = F.one_hot(experts.flatten(1), n_experts).sum(1).float() / (s * k)
+    counts = F.one_hot(experts.flatten(1), n_experts).sum(1).float()  # (b, E) assignments
+    if cp is not None and cp.size > 1:
+        cp.all_reduce(counts)  # integers: exact in fp32, the same sum on every rank
+    f = counts / (s * k * (1 if cp is None else cp.size))  # (b, E): share of the assignments
     return n_experts * (f * probs.mean(1)).sum(-1)
 
 
@@ -259,6 +264,7 @@ class MoE(nn.Module):
         self.fp32_buffers = ("expert_bias",)  # precision.cast_model leaves it fp32: 1e-3 steps
         # round away in bf16 once |b| > 0.25
         self.ep, self.grad_scale, self.last, self.booked = None, 1.0, {}, None
+        self.cp = None  # the context-parallel Axis (apply_context_parallel): None, whole sequences
 
     def forward(self, x):  # (b, s, h) -> (b, s, h)
         b, s, h = x.shape
@@ -294,7 +300,8 @@ class MoE(nn.Module):
             y = y + gate * self.shared(x)
 
         # the step's statistics, and the aux losses' way into backward
-        aux, z = balance_loss(probs.view(b, s, -1), experts, self.n_experts), z_loss(logits)  # (b,)
+        aux = balance_loss(probs.view(b, s, -1), experts, self.n_experts, self.cp)  # (b,)
+        z = z_loss(logits)  # (b,): this rank's token mean (cp: the ranks' mean is the sequence's)
         # (E,) assignments computed: a sum of ones, as bincount, without its host sync
         kept = torch.ones_like(experts, dtype=torch.float64) if keep is None else keep.double()
         load = kept.new_zeros(self.n_experts).index_add_(0, experts.flatten(), kept.flatten())
@@ -330,6 +337,14 @@ def layers(model):
     return {int(i): b.mlp for i, b in model.blocks.items() if isinstance(b.mlp, MoE)}
 
 
+def apply_context_parallel(model, axis):
+    """In place: every MoE layer takes the cp Axis, over which its balance loss sums each
+    sequence's assignment counts (routing itself is per token: nothing else changes)."""
+    for moe in layers(model).values():
+        moe.cp = axis if axis.size > 1 else None
+    return model
+
+
 def set_grad_scale(model, scale):
     """The factor the LM loss's backward starts from (loss_scale / micro-batches): the aux losses
     get the same."""
@@ -340,8 +355,8 @@ def set_grad_scale(model, scale):
 @torch.no_grad()
 def step_stats(model, grid):
     """The step's routing statistics, the same on every rank: (n_layer, 3 + E) rows of booked sums
-    (aux, z, sequences, loads per expert), summed over dp (every rank of a replica group saw other
-    sequences; tp ranks saw the same ones: not summed) and over pp (each stage books its own
+    (aux, z, sequences, loads per expert), summed over dp x cp (every dp rank saw other sequences,
+    every cp rank other tokens of them; tp ranks saw the same ones: not summed) and over pp (each stage books its own
     layers). Resets the booking. -> dict(aux, z: means over sequences and MoE layers; load:
     (n_layer, E) assignments; per_layer_aux)."""
     moes = layers(model)  # none on a stage of dense blocks only (first_k_dense): it still joins
@@ -355,8 +370,9 @@ def step_stats(model, grid):
             rows[i] = moe.booked.to(rows.device)
         moe.booked = None
 
-    # summed over dp and pp: the same on every rank
-    grid.dp.all_reduce(rows)
+    # summed over dp x cp and pp: the same on every rank (cp ranks book the same sequences, each its
+    # part of every mean: the sums over cp are cp x the sequences and the whole sequences' means)
+    grid.dp_cp.all_reduce(rows)
     grid.pp.all_reduce(rows)
 
     used = rows[:, 2] > 0

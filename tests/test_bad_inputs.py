@@ -229,6 +229,7 @@ CHECKS = [
     ([*MOE, "--zero", "3"], 2, "--zero 3 with --n-experts"),
     ([*MOE, "--zero", "1", "--offload", "1"], 1, "--offload with --n-experts is not built"),
     ([*MOE, "--tp", "2", "--sequence-parallel"], 2, "--sequence-parallel with --n-experts"),
+    ([*MOE, "--cp", "2", "--capacity-factor", "1"], 2, "--cp 2 with --capacity-factor"),
     (["--arch", "llama", "--moe-bias-balance", "0.01"], 1, "--moe-bias-balance needs --n-experts"),
     (["--arch", "llama", "--shared-experts", "1"], 1, "--shared-experts needs --n-experts"),
     ([*MOE, "--top-k", "5"], 1, "--top-k 5 in [1, n_experts]"),

@@ -152,11 +152,16 @@ def check_experts(c, cfg, dp):
     moe.check(cfg)
     ep.check(cfg.n_experts, c.ep, dp)
     ep.check_engine(cfg.n_experts, c.zero, c.offload)
-    if cfg.n_experts and (c.sequence_parallel or c.cp > 1):
-        flag = "--sequence-parallel" if c.sequence_parallel else f"--cp {c.cp}"
+    if cfg.n_experts and c.sequence_parallel:
         raise ValueError(
-            f"{flag} with --n-experts: the router and its per-sequence balance loss would see part of "
-            f"each sequence; leave out {flag}"
+            "--sequence-parallel with --n-experts: the router and its per-sequence balance loss "
+            "would see part of each sequence; leave out --sequence-parallel"
+        )
+    # cp: the balance loss sums its counts over cp (moe.balance_loss); a capacity queue does not
+    if cfg.n_experts and c.cp > 1 and cfg.capacity_factor:
+        raise ValueError(
+            f"--cp {c.cp} with --capacity-factor: an expert's queue runs in the sequence's token "
+            "order, across the cp ranks' chunks, which is not built; use --capacity-factor 0"
         )
     if c.moe_bias_balance and not cfg.n_experts:
         raise ValueError("--moe-bias-balance needs --n-experts")
