@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+import forkrun
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [
     "--n-layer",
@@ -88,27 +90,31 @@ def snapshot(folder):
     }
 
 
+def rank_env(rank):
+    """Rank `rank` of a 2-rank job under torchrun's environment, its rendezvous on a closed port (a
+    rank that got as far as it would hang until the timeout)."""
+    return dict(
+        os.environ,
+        WORLD_SIZE="2",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+        OMP_NUM_THREADS="1",
+    )
+
+
 def two_ranks(argv, timeout=60, ranks=(0, 1)):
-    """Both ranks of a 2-rank job, started together under torchrun's environment (a rendezvous on a
-    closed port: a rank that got as far as it would hang until the timeout). -> [(returncode,
-    stderr, stdout, seconds)]."""
+    """Both ranks of a 2-rank job as the real command, `python nanomega/train.py`, started together.
+    -> [(returncode, stderr, stdout, seconds)]."""
     procs, t0 = [], time.perf_counter()
     for rank in ranks:
-        env = dict(
-            os.environ,
-            WORLD_SIZE="2",
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT="1",
-            OMP_NUM_THREADS="1",
-        )
         procs.append(
             subprocess.Popen(
                 [sys.executable, "nanomega/train.py", *argv],
                 cwd=ROOT,
-                env=env,
+                env=rank_env(rank),
                 text=True,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -121,6 +127,16 @@ def two_ranks(argv, timeout=60, ranks=(0, 1)):
     return results
 
 
+@pytest.fixture(scope="module")
+def forked():
+    """Both ranks as forks of one process that imported torch and nanomega once (tests/forkrun.py:
+    each rank its own process, environment, exit status and output; ~3 s of imports saved per
+    rank). The first TRAIN row runs as the real command, so both are shown to refuse alike."""
+    server = forkrun.Server()
+    yield lambda argv: server.run([(argv, rank_env(0)), (argv, rank_env(1))])
+    server.close()
+
+
 def check_refused(results, want):
     (rc0, err0, out0, t0), (rc1, err1, out1, t1) = results
     lines = err0.strip().splitlines()
@@ -131,16 +147,14 @@ def check_refused(results, want):
 
 
 @pytest.mark.parametrize("i", range(len(TRAIN)), ids=[" ".join(e) for e, _ in TRAIN])
-def test_bad_train_input_is_one_line_and_changes_nothing(inputs, i):
+def test_bad_train_input_is_one_line_and_changes_nothing(inputs, forked, i):
     subst = lambda s: s.replace("{file}", str(inputs / "a_file"))
     extra, want = [subst(a) for a in TRAIN[i][0]], subst(TRAIN[i][1])
     # an existing out-dir, or one that does not exist yet
     out = inputs / ("out" if i % 2 else f"new_out_{i}")
     before = snapshot(out)
-    check_refused(
-        two_ranks([*TINY, "--corpus", str(inputs / "small.txt"), "--out-dir", str(out), *extra]),
-        want,
-    )
+    argv = [*TINY, "--corpus", str(inputs / "small.txt"), "--out-dir", str(out), *extra]
+    check_refused(two_ranks(argv) if i == 0 else forked(argv), want)
     assert snapshot(out) == before, f"{out} changed"
 
 
