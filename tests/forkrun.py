@@ -4,7 +4,8 @@ A refusal test runs train.py for well under a second of its own work, after ~3 s
 torch and nanomega. Here one server process imports them once (one OpenMP thread: no thread pool
 exists to fork) and forks a child per run: the child takes the run's environment, points its fd 1
 and 2 at files of its own, and runs nanomega/train.py as `__main__` (runpy: the script's own
-body, `lifecycle.entrypoint(main)`, exactly what the command runs after its imports). Each run is
+body, `lifecycle.entrypoint(main)`, exactly what the command runs after its imports) and exits as
+an interpreter does (its atexit handlers run, then its status is the exit code). Each run is
 still its own process, with its own exit status, output and environment (RANK, WORLD_SIZE, ...);
 what it no longer repeats is the import, which reads no flag and no environment variable.
 
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # The server: imports, says "ready", then per JSON line (a batch) forks each run at once, waits
 # for all (a run past the timeout is killed: rc -9) and answers one JSON line of return codes
 SERVER = r"""
-import json, os, runpy, signal, sys, time
+import atexit, json, os, runpy, signal, sys, time
 import nanomega.train  # noqa: F401  (torch and every nanomega module, imported once)
 import torch.distributed.elastic.multiprocessing.errors  # noqa: F401  (lifecycle.entrypoint's)
 
@@ -49,6 +50,7 @@ for line in sys.stdin:
                 code = e.code if isinstance(e.code, int) else (e.code is not None)
             except BaseException:
                 import traceback; traceback.print_exc(); code = 1
+            atexit._run_exitfuncs()  # what an interpreter's exit runs (a lock's release, ...)
             sys.stdout.flush(); sys.stderr.flush()
             os._exit(code)
         pids.append(pid)
