@@ -10,6 +10,7 @@ still its own process, with its own exit status, output and environment (RANK, W
 what it no longer repeats is the import, which reads no flag and no environment variable.
 
     server = Server(); server.run([(argv, env), (argv, env)]) -> [(rc, stderr, stdout, seconds)]
+    server.run([(argv, env)], module="nanomega.tools.plan")      # python -m nanomega.tools.plan
 """
 
 import json
@@ -45,9 +46,14 @@ for line in sys.stdin:
             sys.argv = [script, *run["argv"]]
             code = 0
             try:
-                runpy.run_path(script, run_name="__main__")
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (e.code is not None)
+                if run["module"]:  # `python -m MODULE`: argv[0] becomes the module's file
+                    runpy.run_module(run["module"], run_name="__main__", alter_sys=True)
+                else:
+                    runpy.run_path(script, run_name="__main__")
+            except SystemExit as e:  # as the interpreter: sys.exit("text") prints it, status 1
+                code = 0 if e.code is None else e.code
+                if not isinstance(code, int):
+                    print(code, file=sys.stderr); code = 1
             except BaseException:
                 import traceback; traceback.print_exc(); code = 1
             atexit._run_exitfuncs()  # what an interpreter's exit runs (a lock's release, ...)
@@ -85,9 +91,11 @@ class Server:
         self.tmp = Path(tempfile.mkdtemp(prefix="forkrun-"))
         self.n, self.ready = 0, False
 
-    def run(self, runs, timeout=60):
+    def run(self, runs, timeout=60, module=None):
         """runs: [(argv, env)] -> [(returncode, stderr, stdout, seconds)], seconds from the fork
-        to the last run's end (the server's imports done before: not a run's time)."""
+        to the last run's end (the server's imports done before: not a run's time). module: run
+        `python -m module ARGV` instead of train.py (a module the server has not imported, or
+        runpy warns on stderr)."""
         if not self.ready:
             assert self.proc.stdout.readline() == "ready\n", "tests/forkrun.py's server failed"
             self.ready = True
@@ -95,7 +103,7 @@ class Server:
         for argv, env in runs:
             self.n += 1
             out, err = self.tmp / f"{self.n}.out", self.tmp / f"{self.n}.err"
-            batch.append(dict(argv=argv, env=env, out=str(out), err=str(err)))
+            batch.append(dict(argv=argv, env=env, out=str(out), err=str(err), module=module))
         t0 = time.perf_counter()
         self.proc.stdin.write(json.dumps(dict(runs=batch, timeout=timeout)) + "\n")
         self.proc.stdin.flush()

@@ -128,13 +128,18 @@ def two_ranks(argv, timeout=60, ranks=(0, 1)):
 
 
 @pytest.fixture(scope="module")
-def forked():
-    """Both ranks as forks of one process that imported torch and nanomega once (tests/forkrun.py:
-    each rank its own process, environment, exit status and output; ~3 s of imports saved per
-    rank). The first TRAIN row runs as the real command, so both are shown to refuse alike."""
+def server():
+    """Runs forked from one process that imported torch and nanomega once (tests/forkrun.py: each
+    run its own process, environment, exit status and output; ~3 s of imports saved per run)."""
     server = forkrun.Server()
-    yield lambda argv: server.run([(argv, rank_env(0)), (argv, rank_env(1))])
+    yield server
     server.close()
+
+
+def forked(server, argv):
+    """Both ranks as forks of the server. The first TRAIN row runs as the real command (two_ranks),
+    so both are shown to refuse alike."""
+    return server.run([(argv, rank_env(0)), (argv, rank_env(1))])
 
 
 def check_refused(results, want):
@@ -147,14 +152,14 @@ def check_refused(results, want):
 
 
 @pytest.mark.parametrize("i", range(len(TRAIN)), ids=[" ".join(e) for e, _ in TRAIN])
-def test_bad_train_input_is_one_line_and_changes_nothing(inputs, forked, i):
+def test_bad_train_input_is_one_line_and_changes_nothing(inputs, server, i):
     subst = lambda s: s.replace("{file}", str(inputs / "a_file"))
     extra, want = [subst(a) for a in TRAIN[i][0]], subst(TRAIN[i][1])
     # an existing out-dir, or one that does not exist yet
     out = inputs / ("out" if i % 2 else f"new_out_{i}")
     before = snapshot(out)
     argv = [*TINY, "--corpus", str(inputs / "small.txt"), "--out-dir", str(out), *extra]
-    check_refused(two_ranks(argv) if i == 0 else forked(argv), want)
+    check_refused(two_ranks(argv) if i == 0 else forked(server, argv), want)
     assert snapshot(out) == before, f"{out} changed"
 
 
@@ -214,16 +219,14 @@ def test_read_only_out_dir_is_one_line(inputs, tmp_path):
     ],
     ids=["plan usable nan", "plan usable 2", "sample no checkpoint", "hf import no model"],
 )
-def test_bad_tool_input_is_one_line(tmp_path, argv, want):
+def test_bad_tool_input_is_one_line(server, tmp_path, argv, want):
+    """`python -m TOOL ARGS`, forked from the module's server (the tool's module imported in the
+    child, its dependencies before)."""
     argv = [a.replace("{empty}", str(tmp_path)) for a in argv]
-    t0 = time.perf_counter()
-    p = subprocess.run(
-        [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
-    assert p.returncode != 0 and len(p.stderr.strip().splitlines()) == 1 and want in p.stderr, (
-        p.stderr[-2000:]
-    )
-    assert time.perf_counter() - t0 < 20 and sorted(tmp_path.iterdir()) == []
+    assert argv[0] == "-m"
+    ((rc, err, _, seconds),) = server.run([(argv[2:], dict(os.environ))], module=argv[1])
+    assert rc != 0 and len(err.strip().splitlines()) == 1 and want in err, err[-2000:]
+    assert seconds < 20 and sorted(tmp_path.iterdir()) == []
 
 
 # The pure checks (job/checks.py), in-process: each refusal is one ValueError line naming the flag,
