@@ -1,6 +1,8 @@
 """Issue 28, item 7: bad inputs as a new user types them, each run as a real command -- both ranks
 of a 2-rank job (torchrun's environment, no torchrun: every one of them must be refused before the
-rendezvous) or a tool.
+rendezvous) or a tool. Each run is its own process; most are forked after the imports
+(tests/forkrun.py: the same script or module as `__main__`), the first TRAIN row, the read-only
+out-dir and the data rows are the command itself.
 
 Each must: exit non-zero within seconds; print exactly one line, from rank 0 only (the other rank
 stays silent: the same line from every rank is noise); and leave the out-dir as it was (an existing
