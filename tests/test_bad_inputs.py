@@ -1,6 +1,8 @@
 """Issue 28, item 7: bad inputs as a new user types them, each run as a real command -- both ranks
 of a 2-rank job (torchrun's environment, no torchrun: every one of them must be refused before the
-rendezvous) or a tool.
+rendezvous) or a tool. Each run is its own process; most are forked after the imports
+(tests/forkrun.py: the same script or module as `__main__`), the first TRAIN row, the read-only
+out-dir and the data rows are the command itself.
 
 Each must: exit non-zero within seconds; print exactly one line, from rank 0 only (the other rank
 stays silent: the same line from every rank is noise); and leave the out-dir as it was (an existing
@@ -17,6 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+import forkrun
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [
@@ -88,27 +92,31 @@ def snapshot(folder):
     }
 
 
+def rank_env(rank):
+    """Rank `rank` of a 2-rank job under torchrun's environment, its rendezvous on a closed port (a
+    rank that got as far as it would hang until the timeout)."""
+    return dict(
+        os.environ,
+        WORLD_SIZE="2",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+        OMP_NUM_THREADS="1",
+    )
+
+
 def two_ranks(argv, timeout=60, ranks=(0, 1)):
-    """Both ranks of a 2-rank job, started together under torchrun's environment (a rendezvous on a
-    closed port: a rank that got as far as it would hang until the timeout). -> [(returncode,
-    stderr, stdout, seconds)]."""
+    """Both ranks of a 2-rank job as the real command, `python nanomega/train.py`, started together.
+    -> [(returncode, stderr, stdout, seconds)]."""
     procs, t0 = [], time.perf_counter()
     for rank in ranks:
-        env = dict(
-            os.environ,
-            WORLD_SIZE="2",
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT="1",
-            OMP_NUM_THREADS="1",
-        )
         procs.append(
             subprocess.Popen(
                 [sys.executable, "nanomega/train.py", *argv],
                 cwd=ROOT,
-                env=env,
+                env=rank_env(rank),
                 text=True,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -121,6 +129,21 @@ def two_ranks(argv, timeout=60, ranks=(0, 1)):
     return results
 
 
+@pytest.fixture(scope="module")
+def server():
+    """Runs forked from one process that imported torch and nanomega once (tests/forkrun.py: each
+    run its own process, environment, exit status and output; ~3 s of imports saved per run)."""
+    server = forkrun.Server()
+    yield server
+    server.close()
+
+
+def forked(server, argv):
+    """Both ranks as forks of the server. The first TRAIN row runs as the real command (two_ranks),
+    so both are shown to refuse alike."""
+    return server.run([(argv, rank_env(0)), (argv, rank_env(1))])
+
+
 def check_refused(results, want):
     (rc0, err0, out0, t0), (rc1, err1, out1, t1) = results
     lines = err0.strip().splitlines()
@@ -131,16 +154,14 @@ def check_refused(results, want):
 
 
 @pytest.mark.parametrize("i", range(len(TRAIN)), ids=[" ".join(e) for e, _ in TRAIN])
-def test_bad_train_input_is_one_line_and_changes_nothing(inputs, i):
+def test_bad_train_input_is_one_line_and_changes_nothing(inputs, server, i):
     subst = lambda s: s.replace("{file}", str(inputs / "a_file"))
     extra, want = [subst(a) for a in TRAIN[i][0]], subst(TRAIN[i][1])
     # an existing out-dir, or one that does not exist yet
     out = inputs / ("out" if i % 2 else f"new_out_{i}")
     before = snapshot(out)
-    check_refused(
-        two_ranks([*TINY, "--corpus", str(inputs / "small.txt"), "--out-dir", str(out), *extra]),
-        want,
-    )
+    argv = [*TINY, "--corpus", str(inputs / "small.txt"), "--out-dir", str(out), *extra]
+    check_refused(two_ranks(argv) if i == 0 else forked(server, argv), want)
     assert snapshot(out) == before, f"{out} changed"
 
 
@@ -200,16 +221,14 @@ def test_read_only_out_dir_is_one_line(inputs, tmp_path):
     ],
     ids=["plan usable nan", "plan usable 2", "sample no checkpoint", "hf import no model"],
 )
-def test_bad_tool_input_is_one_line(tmp_path, argv, want):
+def test_bad_tool_input_is_one_line(server, tmp_path, argv, want):
+    """`python -m TOOL ARGS`, forked from the module's server (the tool's module imported in the
+    child, its dependencies before)."""
     argv = [a.replace("{empty}", str(tmp_path)) for a in argv]
-    t0 = time.perf_counter()
-    p = subprocess.run(
-        [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
-    assert p.returncode != 0 and len(p.stderr.strip().splitlines()) == 1 and want in p.stderr, (
-        p.stderr[-2000:]
-    )
-    assert time.perf_counter() - t0 < 20 and sorted(tmp_path.iterdir()) == []
+    assert argv[0] == "-m"
+    ((rc, err, _, seconds),) = server.run([(argv[2:], dict(os.environ))], module=argv[1])
+    assert rc != 0 and len(err.strip().splitlines()) == 1 and want in err, err[-2000:]
+    assert seconds < 20 and sorted(tmp_path.iterdir()) == []
 
 
 # The pure checks (job/checks.py), in-process: each refusal is one ValueError line naming the flag,

@@ -6,7 +6,8 @@ run); every untouched starter fails with its own NotImplementedError (in spawned
 and flat's are raised in the ranks, so the substitution reached them), and a planted bug in each of
 1f1b, cp-merge, ring, flash, router, zero3, flash-backward, balance and peak fails, its line naming
 the failing case: two `--quick` runs, exercises whose tests share a spawned world (flat, zero3) in
-different runs.
+different runs; the second also grades a 1F1B with an uncapped warm-up, which its one --quick test
+must catch.
 The predictions (lessons/predict.py): right answers RIGHT, a wrong bubble WRONG, a missing one
 unanswered.
 """
@@ -253,17 +254,28 @@ def test_untouched_starters_and_a_planted_bug_fail(tmp_path):
         assert re.search("^FAIL " + line, out, re.M), (line, out)
 
 
-def test_the_other_starters_fail_by_their_own_error():
+def test_the_other_starters_fail_by_their_own_error(tmp_path):
     """The flat, ring, router, flash, flash-backward, balance and peak starters, untouched: one
     --quick run (their tests lie in six modules; flash and flash-backward name different tests of
     one), each failing test naming its exercise's NotImplementedError; flat's raised in a spawned
-    rank. (zero3's starter shares flat's world: checked by hand, not in the suite.)"""
+    rank. (zero3's starter shares flat's world: checked by hand, not in the suite.)
+    The same run grades a 1F1B with an uncapped warm-up (its test lies in test_pp.py, a module none
+    of the others' tests is in: the verdicts stay apart, one grader start fewer): `--quick` runs one
+    test, which must hold a case with fewer micro-batches than stages, and the failure line names
+    the case (p, rank, m) and both orders."""
     names = ["flat", "ring", "router", "flash", "flash-backward", "balance", "peak"]
-    rc, verdicts, out = check("--quick", *pairs(EX, names))
-    assert verdicts == dict.fromkeys(names, "FAIL") and rc == 1, out
+    buggy = tmp_path / "uncapped_1f1b.py"
+    buggy.write_text(UNCAPPED_1F1B)
+    rc, verdicts, out = check("--quick", *pairs(EX, names), "--exercise", "1f1b", str(buggy))
+    assert verdicts == dict.fromkeys([*names, "1f1b"], "FAIL") and rc == 1, out
     assert re.search(r"^FAIL .*\(rank \d failed: NotImplementedError: exercise flat:", out, re.M)
     for name in names:
         assert re.search(rf"^FAIL .*NotImplementedError: exercise {name}:", out, re.M), out
+    assert re.search(
+        r"^FAIL tests/test_pp.py::test_op_orders_literal .*1f1b p=4 rank=0 m=2: got \S+, want F0F1B0B1",
+        out,
+        re.M,
+    ), out
 
 
 def test_a_file_without_the_names_is_one_line(tmp_path):
@@ -300,17 +312,3 @@ def test_predictions_graded_right_and_wrong(tmp_path):
     ), out
     assert out.count("-> RIGHT") == 26 and out.count("no prediction yet") == 1, out
     assert "predictions: 26/28 right" in out, out
-
-
-def test_quick_catches_an_uncapped_warmup_and_prints_the_case(tmp_path):
-    """`--quick` runs one test: it must hold a case with fewer micro-batches than stages, and the
-    failure line names the case (p, rank, m) and both orders."""
-    buggy = tmp_path / "uncapped_1f1b.py"
-    buggy.write_text(UNCAPPED_1F1B)
-    rc, verdicts, out = check("--quick", "--exercise", "1f1b", str(buggy))
-    assert verdicts == {"1f1b": "FAIL"} and rc == 1, out
-    assert re.search(
-        r"^FAIL tests/test_pp.py::test_op_orders_literal .*1f1b p=4 rank=0 m=2: got \S+, want F0F1B0B1",
-        out,
-        re.M,
-    ), out

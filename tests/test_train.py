@@ -1,13 +1,14 @@
 """The trainer end to end: exact resume, metrics, and one clear line for each kind of bad input."""
 
 import json
+import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+import forkrun
 
 from nanomega import checkpoint, reshard, train
 
@@ -104,24 +105,29 @@ def bad_inputs(tmp):
 
 
 def test_bad_input_one_clear_line(tmp_path):
-    """Each bad input is its own `python nanomega/train.py` (exit 2, one line on stderr), all
-    started at once: a refusal is mostly an interpreter's start (torch imported), which the cores
-    overlap (one at a time it was ~26 s of the suite on CI). Each run has its own out-dir and cache."""
+    """Each bad input is its own `nanomega/train.py` process (exit 2, one line on stderr), all
+    started at once as forks of one process that imported torch and nanomega (tests/forkrun.py: a
+    refusal was mostly an interpreter's start, ~26 s of the suite on CI one at a time). Each run
+    has its own out-dir and cache."""
     cases = bad_inputs(tmp_path)
-    jobs = [
-        subprocess.Popen(
-            [sys.executable, "nanomega/train.py", *args, "--out-dir", str(tmp_path / f"o{i}")]
-            + ["--data-cache", str(tmp_path / f"c{i}")],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
+    server = forkrun.Server()
+    try:
+        results = server.run(
+            [
+                (
+                    [*args, "--out-dir", str(tmp_path / f"o{i}"), "--data-cache"]
+                    + [str(tmp_path / f"c{i}")],
+                    dict(os.environ),
+                )
+                for i, (args, _) in enumerate(cases)
+            ],
+            timeout=240,
         )
-        for i, (args, _) in enumerate(cases)
-    ]
-    for job, (args, message) in zip(jobs, cases):
-        err = job.communicate(timeout=240)[1].strip().splitlines()
-        assert job.returncode == 2, (args, err)
+    finally:
+        server.close()
+    for (rc, err, _, _), (args, message) in zip(results, cases):
+        err = err.strip().splitlines()
+        assert rc == 2, (args, err)
         assert len(err) == 1 and message in err[0], (args, err)
 
 
