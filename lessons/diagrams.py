@@ -342,6 +342,25 @@ def grid_groups(dp=2, pp=2, tp=4):
     return {r: (c["dp"], c["pp"], c["tp"]) for r, c in sorted(coords.items())}, groups
 
 
+def capstone_groups(dp=2, cp_size=2, ep=2, experts=4, s=32):
+    """Lesson 23's layout at N = 4 (dp 2 x cp 2, ep 2), from dist.layout and cp.positions: {rank:
+    (dp index, cp index, its token positions of each sequence, the experts it holds)} and the groups
+    of cp (trade K/V), ep (trade tokens), edp (an expert's replicas) and dp_cp (a dense weight's)."""
+    groups = {
+        axis: [g.tolist() for g in dist.layout(dp=dp, cp=cp_size, ep=ep)[axis]]
+        for axis in ("cp", "ep", "edp", "dp_cp")
+    }
+    per_rank, held = experts // ep, {}
+    for group in groups["ep"]:
+        for e, rank in enumerate(group):
+            held[rank] = tuple(range(e * per_rank, (e + 1) * per_rank))
+    ranks = {}
+    for r in sorted(held):
+        d, c = divmod(r, cp_size)
+        ranks[r] = (d, c, cp.positions(s, cp_size, c).tolist(), held[r])
+    return ranks, groups
+
+
 def fused_bytes(rows=64, width=128):
     """Lesson 13's bias + GeLU, forward and backward: [(aten kernel, bytes it read and wrote)], the
     eager kernels counted one at a time by the lesson's ByteCounter, and the fused kernel's (forward,
@@ -825,6 +844,53 @@ def draw_plan(path):
     fig.savefig(path, dpi=DPI)
 
 
+def draw_capstone(path):
+    plt = _plt()
+    ranks, groups = capstone_groups()
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    w, h, dx, dy = 1.8, 1.0, 2.6, 1.6  # a rank's box, and the step between boxes
+
+    def spans(tokens):  # [0, 1, .., 7, 24, ..] -> "0-7, 24-31"
+        runs, start = [], tokens[0]
+        for a, b in zip(tokens, tokens[1:] + [None]):
+            if b != a + 1:
+                runs.append(f"{start}-{a}")
+                start = b
+        return ", ".join(runs)
+
+    for rank, (d, c, tokens, experts) in ranks.items():
+        x, y = dx * c, dy * (1 - d)
+        ax.add_patch(plt.Rectangle((x, y), w, h, color=f"C{d}", alpha=0.25))
+        ax.text(
+            x + w / 2,
+            y + h / 2,
+            f"rank {rank}: dp {d}, cp {c}\ntokens {spans(tokens)}\nof each sequence"
+            f"\nexperts {', '.join(map(str, experts))} of 4",
+            ha="center",
+            va="center",
+            fontsize=8,
+        )
+    for a, _ in groups["cp"]:  # K and V around the ring: left box to right box
+        y = dy * (1 - ranks[a][0]) + h / 2
+        ax.annotate("", (dx, y), (w, y), arrowprops={"arrowstyle": "<->", "lw": 1.5})
+        ax.text((w + dx) / 2, y + 0.08, "K, V\n(cp)", ha="center", fontsize=8)
+    for a, _ in groups["ep"]:  # tokens to the experts: upper box to lower box
+        x = dx * ranks[a][1] + w / 2
+        arrow = {"arrowstyle": "<->", "lw": 1.5, "color": "tab:red", "ls": "--"}
+        ax.annotate("", (x, dy), (x, h), arrowprops=arrow)
+        ax.text(x + 0.08, (h + dy) / 2, "tokens (ep all-to-all)", color="tab:red", fontsize=8)
+    ax.set_xlim(-0.1, dx + w + 0.1)
+    ax.set_ylim(-0.1, dy + h + 0.1)
+    ax.axis("off")
+    ax.set_title(
+        "Lesson 23 at N = 4: dp 2 x cp 2, ep 2 (dist.layout). Dense gradients: all-reduce over all 4"
+        "\n(dp x cp); an expert's over the ranks that hold it (edp); the balance counts over cp",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
 def draw_grid(path):
     plt = _plt()
     coords, groups = grid_groups()
@@ -1161,6 +1227,7 @@ DIAGRAMS = {
     "diagram_spacing.png": draw_spacing,
     "diagram_flops.png": draw_flops,
     "diagram_plan.png": draw_plan,
+    "diagram_capstone.png": draw_capstone,
     "diagram_zeropp.png": draw_zeropp,
     "diagram_onebit.png": draw_onebit,
 }

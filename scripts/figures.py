@@ -157,6 +157,7 @@ SCRIPTED = {
     "diagram_compose.png": "lessons/diagrams.py",
     "diagram_grid.png": "lessons/diagrams.py",
     "diagram_plan.png": "lessons/diagrams.py",
+    "diagram_capstone.png": "lessons/diagrams.py",
     "diagram_ring.png": "lessons/diagrams.py",
     "diagram_zero.png": "lessons/diagrams.py",
     "diagram_tp.png": "lessons/diagrams.py",

@@ -211,6 +211,26 @@ def test_plan_picture_picks_the_fastest_layout_that_fits():
     assert any(not e.fits for e in ests) and all(e.memory > usable for e in ests if not e.fits)
 
 
+def test_capstone_picture_places_experts_and_replicas_as_the_layout_does():
+    """Lesson 23's picture: cp pairs share a dp index, ep pairs a cp index; an expert's replicas (edp)
+    are the ranks that hold it, dp/ep x cp = 2 of them; dense weights replicate over all 4."""
+    ranks, groups = diagrams.capstone_groups()
+    assert all(len({ranks[r][0] for r in g}) == 1 for g in groups["cp"])
+    assert all(len({ranks[r][1] for r in g}) == 1 for g in groups["ep"])
+    assert all(len({ranks[r][2] for r in g}) == 1 and len(g) == 2 for g in groups["edp"])
+    assert sorted(e for g in groups["ep"] for r in g for e in ranks[r][2]) == [
+        0,
+        0,
+        1,
+        1,
+        2,
+        2,
+        3,
+        3,
+    ]
+    assert groups["dp_cp"] == [[0, 1, 2, 3]]
+
+
 def test_every_diagram_draws(tmp_path):
     pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) draws the diagrams")
     for name, draw in diagrams.DIAGRAMS.items():
