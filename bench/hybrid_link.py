@@ -15,7 +15,10 @@ host's cable carries. gloo runs an axis's all-gather and reduce-scatter as a rin
 axis of two ranks on two hosts (hybrid's replicas, qgZ's second all-to-all) and an all-to-all's
 chunks for the other host leave from both ranks:
     plain ZeRO-3, hpZ, qwZ   cable = one rank's "across" (every across collective is a dp 4 ring)
-    qgZ                      cable = the rings' share + 2 x each rank's all-to-all across
+                             + (N-1)/N P 4 per micro-batch: gloo's reduce-scatter moves what an
+                             all-reduce moves, twice the ring's (measured: the 8.1 MB per step
+                             these three rows had above the ring's formula, and no other row)
+    qgZ                      cable = the gathers' ring share + 2 x each rank's all-to-all across
     hybrid                   cable = 2 x each rank's "across" (the replicas' all-reduce)
     1-bit Adam (after its warm-up, one buffer of n_pad elements, N = 4 ranks, k = n_pad / 8N + 4):
                              cable = 2 ranks x 2 chunks k (all-to-all) + (N - 1) k (ring all-gather)
@@ -25,7 +28,9 @@ little above 1, never below; the fixed part (measured - formula per step) is pri
 """
 
 import argparse
+import contextlib
 import gzip
+import io
 import json
 import re
 import subprocess
@@ -92,7 +97,8 @@ def dry_run(extra, rank):
     formulas.zeropp_comm_bytes = spy
     try:
         argv = [*MODEL, *RUN, *extra, "--dry-run", "--world", "4", "--rank", str(rank)]
-        return train.main(argv)["links"], sizes
+        with contextlib.redirect_stdout(io.StringIO()):  # its report: the numbers are returned
+            return train.main(argv)["links"], sizes
     finally:
         formulas.zeropp_comm_bytes = price
 
@@ -110,14 +116,15 @@ def cable(name):
     if name == "1-bit Adam":
         k = onebit.padded(n_params(), 4) / 8 / 4 + 4
         return 2 * 2 * k + 3 * k
-    if name == "plain ZeRO-3, dp 4":  # hpZ's dry run prices it over the same padded groups
-        return dry_run(LAYOUTS["hpZ"], 3)[0][1]
-    ((_, across), _), sizes = dry_run(extra, 3)
+    plain = name == "plain ZeRO-3, dp 4"  # hpZ's dry run prices it over the same padded groups
+    ((_, across), everything), sizes = dry_run(LAYOUTS["hpZ"] if plain else extra, 3)
     if name == "hybrid 2 x 2":
         return 2 * across
+    across = everything if plain else across
     qgz = int(extra[extra.index("--zeropp-qgz") + 1]) if "--zeropp-qgz" in extra else 0
     a2a = sum(M * formulas.quantized_bytes(p // 4, qgz) for p in sizes) if qgz else 0.0
-    return across + a2a  # the rings' share once, the all-to-all from both ranks
+    gloo = 0.0 if qgz else M * 3 / 4 * sum(sizes) * 4  # its reduce-scatter: an all-reduce's bytes
+    return across + a2a + gloo  # the rings' share once, the all-to-all from both ranks
 
 
 def main():
@@ -142,15 +149,18 @@ def main():
     load = open("/proc/loadavg").read().split()[:3]
     if a.rate:
         print(f"host 1's cable at {a.rate} (tc tbf), steps {FROM + 1}-{TIMED}, load {load}:")
-        print("| scheme | formula MB across / step | s at the rate | measured s/step (min) |")
-        print("|---|---|---|---|")
+        head = (
+            "| scheme | MB across / step | bytes / rate (s) | measured s/step (min) | measured - "
+        )
+        print(head + "bytes / rate (s) | planner (s) |\n|---|---|---|---|---|---|")
         bits = (
             float(re.match(r"[\d.]+", a.rate).group())
             * {"k": 1e3, "m": 1e6, "g": 1e9}[a.rate.rstrip("bit")[-1]]
         )
         for name, (t, _) in rows.items():
             b = cable(name)
-            print(f"| {name} | {b / 1e6:.3f} | {8 * b / bits:.3f} | {t:.3f} |")
+            s = 8 * b / bits
+            print(f"| {name} | {b / 1e6:.3f} | {s:.3f} | {t:.3f} | {t - s:.2f} | (i46e) |")
         return
     print(f"bytes host 1's cable sends per step ({SHORT} -> {LONG} steps), load {load}:")
     print("| scheme | formula (B) | kernel tx_bytes (B) | measured / formula | fixed part (B) |")
@@ -158,6 +168,9 @@ def main():
     for name, measured in rows.items():
         b = cable(name)
         print(f"| {name} | {b:,.0f} | {measured:,.0f} | {measured / b:.3f} | {measured - b:,.0f} |")
+        assert 1.0 <= measured / b < 1.15, (
+            f"{name}: the cable carried {measured / b:.3f} x the formula"
+        )
 
 
 if __name__ == "__main__":
