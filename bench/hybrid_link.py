@@ -4,14 +4,14 @@ joined by veth cables): for each scheme (hybrid sharding, ZeRO++'s hpZ, qwZ 8, q
 kernel (its eth0's tx_bytes), beside the formula; with --rate, the step time with that cable
 capped by tc's token bucket (--slow-link 1:RATE).
 
-    python bench/hybrid_link.py [--only NAME ...]        # bytes; root + iproute2; ~6 min, 2 cores
-    python bench/hybrid_link.py --rate 100mbit           # step times with host 1's cable capped
+    python bench/hybrid_link.py [--only NAME ...]   # bytes; root + iproute2; 14 runs, ~36 min loaded
+    python bench/hybrid_link.py --rate 50mbit       # step times, host 1's cable capped; ~25 min
 
 Per step = (bytes sent after LONG steps - after SHORT steps) / (LONG - SHORT): start-up, the
 rendezvous and the final save cancel. The formula is the engine's own (train.py --dry-run:
 formulas.zeropp_comm_bytes / hybrid_comm_bytes per rank, onebit.wire_bytes), turned into what one
-host's cable carries. gloo runs an axis's all-gather and reduce-scatter as a ring in rank order
-(0 -> 1 -> 2 -> 3 -> 0): of host 1's two ranks only rank 3 sends across, one rank's ring share. An
+host's cable carries. gloo runs an axis's all-gather as a ring in rank order (0 -> 1 -> 2 -> 3 ->
+0): of host 1's two ranks only rank 3 sends across, one rank's ring share. An
 axis of two ranks on two hosts (hybrid's replicas, qgZ's second all-to-all) and an all-to-all's
 chunks for the other host leave from both ranks:
     plain ZeRO-3, hpZ, qwZ   cable = one rank's "across" (every across collective is a dp 4 ring)
