@@ -5,9 +5,11 @@ The bound, stated (no trajectory bound is derived: qwZ's is derived for the firs
 test_zeropp): after RUN steps (the mean of the last 3 held-out losses) a scheme's loss is above
 plain ZeRO-3's by at most 20% of what plain ZeRO-3 gained from its first held-out loss; the tolerance
 test_onebit's convergence test states for 1-bit Adam (Tang et al. 2021's sample-wise claim), here
-for ZeRO++, whose authors (Wang et al. 2023, arXiv 2306.10209) report loss curves that follow the
-baseline's. hpZ moves no value: bitwise plain (asserted). The planted fault, qwZ without its scales
-(the int8 codes taken as the weights), must fail the bound.
+for ZeRO++, whose authors (Wang et al. 2023, arXiv 2306.10209) claim convergence as the baseline's
+(their curves are not checked here). Seen on AMD AVX2: qwZ 8 -1.4e-4, qgZ 8 -2.9e-5, all three
+-1.1e-4 of the gain: the bound catches gross faults only. hpZ moves no value: bitwise plain
+(asserted). The planted fault, qwZ without its scales (the int8 codes taken as the weights), must
+fail the bound (seen: 1.6e5).
 """
 
 import pytest
