@@ -6,7 +6,7 @@ scheme a row of SCHEMES (its world size and flags); the loss curves side by side
 
 Writes bench/out/convergence/<scheme>/metrics.jsonl, a markdown table of train/val loss every
 EVERY steps (bench/RESULTS.md takes it) and bench/out/convergence/loss.png (tools/plot.py's
-figure, the runs overlaid). A scheme added later (ZeRO++'s qwZ/hpZ/qgZ) is one more row.
+figure, the runs overlaid). ZeRO++'s rows (4 ranks) run apart: bench/zeropp_convergence.py.
 """
 
 import argparse
@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from nanomega.tools import plot  # noqa: E402
 
+ZPP = ["--zero", "3", "--dp-shard", "2", "--batch-size", "8"]
 # name -> (ranks, flags): the same global batch in every row, so the same samples per step
 SCHEMES = {
     "uncompressed": (2, []),
@@ -27,6 +28,12 @@ SCHEMES = {
     # 4 ranks: --batch-size 8 keeps the global batch at 32 (RESULTS.md's run of 2026-11-28 left it
     # at 16 per rank, 64 per step: its row is not like for like)
     "hybrid-2x2": (4, ["--zero", "1", "--dp-shard", "2", "--batch-size", "8"]),
+    # ZeRO++ (2 hosts of 2 ranks: --dp-shard names the host size) against plain ZeRO-3 at dp 4
+    "zero3-dp4": (4, ["--zero", "3", "--batch-size", "8"]),
+    "qwz8": (4, [*ZPP, "--zeropp-qwz", "8"]),
+    "qgz8": (4, [*ZPP, "--zeropp-qgz", "8"]),
+    "hpz": (4, [*ZPP, "--zeropp-hpz"]),
+    "zeropp-all": (4, [*ZPP, "--zeropp-hpz", "--zeropp-qwz", "8", "--zeropp-qgz", "8"]),
 }
 EVERY = 25
 
@@ -57,15 +64,17 @@ def table(names, out):
     return "\n".join(rows)
 
 
-def main():
+ONEBIT = ["uncompressed", "onebit", "onebit-w100", "hybrid-2x2"]
+
+
+def main(argv=None, rows=ONEBIT, steps=200, out=ROOT / "bench" / "out" / "convergence"):
+    """rows, steps, out: the defaults (bench/zeropp_convergence.py passes ZeRO++'s)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--only", nargs="*", default=list(SCHEMES), choices=list(SCHEMES))
-    p.add_argument("--out", default=str(ROOT / "bench" / "out" / "convergence"))
-    p.add_argument(
-        "--figure", help="also copy the loss figure there (scripts/figures.py: lesson 18's)"
-    )
-    a = p.parse_args()
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--only", nargs="*", default=rows, choices=list(SCHEMES))
+    p.add_argument("--out", default=str(out))
+    p.add_argument("--figure", help="also copy the loss figure there (scripts/figures.py's)")
+    a = p.parse_args(argv)
     out = Path(a.out)
     for name in a.only:
         if not (out / name / "metrics.jsonl").is_file():

@@ -153,6 +153,8 @@ SCRIPTED = {
     "16_expert_loads.png": "lessons/16_experts.py",
     # 1-bit Adam against AdamW: four dp runs of README's model, 200 steps each (~1 hour on 2 cores)
     "18_loss_onebit.png": "bench/onebit_convergence.py",
+    # ZeRO++ against plain ZeRO-3: five 4-rank runs of README's model, 100 steps (~40 min on 2 cores)
+    "17_loss_zeropp.png": "bench/zeropp_convergence.py",
     # the pictures of the ideas: drawn from the code that does them, no run needed
     "diagram_compose.png": "lessons/diagrams.py",
     "diagram_grid.png": "lessons/diagrams.py",
