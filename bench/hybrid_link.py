@@ -43,7 +43,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from nanomega import formulas, onebit, train  # noqa: E402
-from nanomega.job import flags  # noqa: E402
+from nanomega.job import checks, flags  # noqa: E402
+from nanomega.tools import cost_link  # noqa: E402
 from nanomega.model import GPT  # noqa: E402
 
 VOCAB = 4096  # the repository's tokenizer (README)
@@ -127,11 +128,25 @@ def cable(name):
     return across + a2a + gloo  # the rings' share once, the all-to-all from both ranks
 
 
+def planner(name, mbit):
+    """tools/cost_link's seconds of communication for this row on a cable of `mbit` Mbit/s (the
+    step's compute left out: --compute-s 0), its other links at their defaults."""
+    argv = ["--world", "4", *MODEL, *RUN]
+    config = checks.check(flags.parse([*argv, *LAYOUTS[name], "--dry-run"]))
+    scheme = cost_link.Scheme.of(config)
+    return cost_link.predict(argv, scheme, cost_link.Network.capped(2, mbit)).comm_s
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
     p.add_argument("--rate", help="cap host 1's cable (tc tbf, e.g. 100mbit): step times")
+    p.add_argument("--planner", type=float, help="only the planner's column at this Mbit/s")
     a = p.parse_args()
+    if a.planner:
+        for name in a.only:
+            print(f"| {name} | planner {planner(name, a.planner):.3f} s |")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "small.txt"
         corpus.write_text(gzip.open(ROOT / "data" / "shakespeare.txt.gz", "rt").read(200_000))
@@ -160,7 +175,8 @@ def main():
         for name, (t, _) in rows.items():
             b = cable(name)
             s = 8 * b / bits
-            print(f"| {name} | {b / 1e6:.3f} | {s:.3f} | {t:.3f} | {t - s:.2f} | (i46e) |")
+            p_s = planner(name, bits / 1e6)
+            print(f"| {name} | {b / 1e6:.3f} | {s:.3f} | {t:.3f} | {t - s:.2f} | {p_s:.3f} |")
         return
     print(f"bytes host 1's cable sends per step ({SHORT} -> {LONG} steps), load {load}:")
     print("| scheme | formula (B) | kernel tx_bytes (B) | measured / formula | fixed part (B) |")

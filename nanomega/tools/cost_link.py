@@ -62,6 +62,13 @@ class Scheme:
     qgz: int = 0
     onebit: bool = False
 
+    @classmethod
+    def of(cls, config):
+        """The scheme a checked train.py Config runs."""
+        shard = config.dp_shard if config.dp_shard != config.dp else 0
+        qwz, hpz, qgz = config.zeropp_qwz, config.zeropp_hpz, config.zeropp_qgz
+        return cls(config.zero, shard, qwz, hpz, qgz, config.optimizer == "onebit")
+
     @property
     def zeropp(self):
         return bool(self.qwz or self.hpz or self.qgz)
@@ -259,15 +266,7 @@ def main(argv=None):
         f"{'memory MB':>10} {'extra MB':>9}"
     )
     if not a.search:
-        s = Scheme(
-            config.zero,
-            config.dp_shard if config.dp_shard != config.dp else 0,
-            config.zeropp_qwz,
-            config.zeropp_hpz,
-            config.zeropp_qgz,
-            config.optimizer == "onebit",
-        )
-        print(row(predict(a.train, s, net, a.compute_s)))
+        print(row(predict(a.train, Scheme.of(config), net, a.compute_s)))
         return
     ranked, best = search(a.train, config.zero, net, a.compute_s)
     for q in ranked:
