@@ -213,21 +213,16 @@ def test_plan_picture_picks_the_fastest_layout_that_fits():
 
 def test_capstone_picture_places_experts_and_replicas_as_the_layout_does():
     """Lesson 23's picture: cp pairs share a dp index, ep pairs a cp index; an expert's replicas (edp)
-    are the ranks that hold it, dp/ep x cp = 2 of them; dense weights replicate over all 4."""
+    are the ranks that hold it, dp/ep x cp = 2 of them; each cp pair holds every token of a sequence
+    once, head and mirrored tail (lesson 07); dense weights replicate over all 4."""
     ranks, groups = diagrams.capstone_groups()
     assert all(len({ranks[r][0] for r in g}) == 1 for g in groups["cp"])
     assert all(len({ranks[r][1] for r in g}) == 1 for g in groups["ep"])
-    assert all(len({ranks[r][2] for r in g}) == 1 and len(g) == 2 for g in groups["edp"])
-    assert sorted(e for g in groups["ep"] for r in g for e in ranks[r][2]) == [
-        0,
-        0,
-        1,
-        1,
-        2,
-        2,
-        3,
-        3,
-    ]
+    assert all(len({ranks[r][3] for r in g}) == 1 and len(g) == 2 for g in groups["edp"])
+    held = sorted(e for g in groups["ep"] for r in g for e in ranks[r][3])
+    assert held == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert all(sorted(ranks[a][2] + ranks[b][2]) == list(range(32)) for a, b in groups["cp"])
+    assert ranks[0][2] == [*range(8), *range(24, 32)]
     assert groups["dp_cp"] == [[0, 1, 2, 3]]
 
 

@@ -151,10 +151,11 @@ BATCH_BALANCE = (
     (EX / "solutions" / "balance.py")
     .read_text()
     .replace(
-        "f = F.one_hot(experts.flatten(1), n_experts).sum(1).float() / (s * k)",
-        "f = F.one_hot(experts.flatten(), n_experts).sum(0).float() / (b * s * k)  # planted",
+        "counts = F.one_hot(experts.flatten(1), n_experts).sum(1).float()",
+        "counts = F.one_hot(experts.flatten(), n_experts).sum(0).float() / b  # planted",
     )
 )
+assert "# planted" in BATCH_BALANCE, "the balance solution changed: plant the bug again"
 
 # a peak finder that charges each free to the op running when it happens
 FREES_CHARGED_PEAK = """def holds_peak(trace):
